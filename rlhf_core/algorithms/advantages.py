@@ -1,0 +1,60 @@
+"""Advantage estimators: pure functions on reward tensors.
+
+Rewards arrive grouped: `rewards` has shape [..., G], the last dim holding the G completions of one
+prompt. Every estimator returns a tensor of the same shape.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def compute_grpo_advantages(rewards: torch.Tensor, eps: float = 1e-8, scale: str = "group") -> torch.Tensor:
+    """Group-relative advantages (GRPO, arXiv 2402.03300).
+
+    rewards: FloatTensor [..., G]. Returns FloatTensor [..., G].
+    scale "group": (R - mu_g) / (sigma_g + eps), sigma_g the population std (1/G) of the group;
+          "batch": (R - mu_g) / (sigma_all + eps), sigma_all the population std of all rewards;
+          "none":  R - mu_g (Dr.GRPO, arXiv 2503.20783).
+    A group whose rewards are all equal gets advantages of exactly 0 (never NaN).
+    """
+    rewards = rewards.float()
+    centered = rewards - rewards.mean(dim=-1, keepdim=True)
+    if scale == "none":
+        return centered
+    if scale == "group":
+        std = rewards.std(dim=-1, unbiased=False, keepdim=True) if rewards.shape[-1] > 1 else torch.zeros_like(centered)
+    elif scale == "batch":
+        std = rewards.std(unbiased=False) if rewards.numel() > 1 else rewards.new_zeros(())
+    else:
+        raise ValueError(f"unknown advantage scale {scale!r}; expected 'group', 'batch' or 'none'")
+    # `centered` is exactly 0 in a constant group, so the quotient is exactly 0 whatever eps is.
+    return centered / (std + eps)
+
+
+def compute_rloo_advantages(rewards: torch.Tensor) -> torch.Tensor:
+    """REINFORCE leave-one-out: R_i minus the mean of the other G-1 rewards of its group; 0 when G = 1.
+
+    rewards: FloatTensor [..., G]. Returns FloatTensor [..., G].
+    """
+    rewards = rewards.float()
+    G = rewards.shape[-1]
+    if G == 1:
+        return torch.zeros_like(rewards)
+    total = rewards.sum(dim=-1, keepdim=True)
+    return rewards - (total - rewards) / (G - 1)
+
+
+ADVANTAGE_ESTIMATORS = {
+    "grpo": compute_grpo_advantages,
+    "rloo": lambda rewards, eps=1e-8, scale="group": compute_rloo_advantages(rewards),
+}
+
+
+def compute_advantages(name: str, rewards: torch.Tensor, eps: float = 1e-8, scale: str = "group") -> torch.Tensor:
+    """Advantages by estimator name (config `algorithm.advantage`)."""
+    try:
+        fn = ADVANTAGE_ESTIMATORS[name]
+    except KeyError:
+        raise ValueError(f"unknown advantage estimator {name!r}; known: {sorted(ADVANTAGE_ESTIMATORS)}") from None
+    return fn(rewards, eps=eps, scale=scale)

@@ -1,0 +1,321 @@
+"""One configuration object for a whole run.
+
+`TrainConfig` is loaded once (`load_config(path, overrides)`) and handed down. Every field carries a
+one-line description; the defaults run the embedded tiny demo on a laptop CPU. Prefect renders the model
+as the flow's parameter form and MLflow logs it flattened as params (`flatten_config`).
+
+Bad input fails with `ConfigError`, whose message names the dotted field path and the offending value.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Iterable, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown, of the wrong type or out of range."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class AlgorithmConfig(_Section):
+    """Policy loss and advantage estimator."""
+
+    loss: Literal["grpo", "ppo", "m2po"] = Field("grpo", description="Policy loss, by name from rlhf_core.algorithms.POLICY_LOSSES.")
+    advantage: Literal["grpo", "rloo"] = Field("grpo", description="Advantage estimator, by name from rlhf_core.algorithms.ADVANTAGE_ESTIMATORS.")
+    adv_scale: Literal["group", "batch", "none"] = Field("group", description="GRPO advantage normalisation: group std, batch std, or none (Dr.GRPO).")
+    adv_eps: float = Field(1e-6, gt=0, description="Added to the std when normalising advantages.")
+    clip_eps: Optional[float] = Field(0.2, gt=0, lt=1, description="PPO clip range (lower, and upper unless clip_eps_high is set); M2PO clips only when set.")
+    clip_eps_high: Optional[float] = Field(None, gt=0, description="Upper clip range (DAPO clip-higher); None uses clip_eps.")
+    dual_clip: Optional[float] = Field(None, gt=1, description="Dual-clip constant c > 1 bounding the loss of negative-advantage tokens; None disables.")
+    m2_threshold: float = Field(0.04, gt=0, description="M2PO bound on the mean squared log-ratio over candidate tokens.")
+    masking: Literal["trust_region", "ratio_sq"] = Field("trust_region", description="M2PO masking: Algorithm 1 of arXiv 2510.01161, or the seed's r^2 < threshold rule.")
+    ratio_sq_threshold: float = Field(4.0, gt=0, description="M2PO 'ratio_sq' masking: keep tokens with r^2 below this.")
+    agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = Field(
+        "token-mean", description="How per-token losses are aggregated into a scalar.")
+    importance_level: Literal["token", "sequence"] = Field("token", description="Per-token ratios (PPO) or one geometric-mean ratio per sequence (GSPO).")
+    tis_cap: Optional[float] = Field(None, gt=0, description="Truncated importance sampling cap for rollout-vs-trainer logprob mismatch; None disables.")
+    kl_coef: float = Field(0.0, ge=0, description="Weight of the KL penalty to the frozen reference policy; 0 loads no reference model.")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator used for the penalty.")
+
+
+class RewardConfig(_Section):
+    """Tensor-native reward: a weighted sum of named components, scored in token space."""
+
+    components: dict[str, float] = Field(default_factory=lambda: {"exact_match": 1.0},
+                                         description="Reward components by name (rlhf_core.reward.REWARD_COMPONENTS) and their weights.")
+    marker: str = Field("####", description="Text whose LAST occurrence precedes the answer, for the 'answer_after_marker' component.")
+    continuation_chars: str = Field("0123456789.,", description="Characters that may not directly follow the answer in 'answer_after_marker' ('42' must not match '421').")
+    format_sequences: list[str] = Field(default_factory=list, description="Texts that must appear in order in the response, for the 'format' component.")
+    length_target: int = Field(0, ge=0, description="Responses longer than this many tokens are penalised by the 'length_penalty' component (0 = max_new_tokens).")
+
+    @model_validator(mode="after")
+    def _known_components(self) -> "RewardConfig":
+        from rlhf_core.reward import REWARD_COMPONENTS  # late import: reward imports nothing from config
+
+        unknown = sorted(set(self.components) - set(REWARD_COMPONENTS))
+        if unknown:
+            raise ValueError(f"unknown reward component(s) {unknown}; known: {sorted(REWARD_COMPONENTS)}")
+        if not self.components:
+            raise ValueError("at least one reward component is required")
+        return self
+
+
+class BufferConfig(_Section):
+    """Replay buffer between rollout and trainer."""
+
+    max_size: int = Field(4096, ge=1, description="Capacity in samples; the oldest ready data is dropped (and counted) on overflow.")
+
+
+class ModelConfig(_Section):
+    """Policy model. `path` empty builds the tiny default model for the synthetic task."""
+
+    path: str = Field("", description="Local Hugging Face model directory; empty builds the tiny default policy under run.output_dir.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("float32", description="Parameter dtype; 'auto' takes the checkpoint's.")
+    device: str = Field("auto", description="'auto' (CUDA when available, else CPU), 'cpu', 'cuda' or 'cuda:N'.")
+    trust_remote_code: bool = Field(False, description="Allow model code shipped inside the model directory to run.")
+    gradient_checkpointing: bool = Field(False, description="Trade compute for memory in the trainer's forward pass.")
+    tiny_layers: int = Field(2, ge=1, description="Tiny default policy: number of transformer layers.")
+    tiny_hidden: int = Field(128, ge=16, description="Tiny default policy: hidden width.")
+    tiny_heads: int = Field(4, ge=1, description="Tiny default policy: attention heads.")
+
+
+class DataConfig(_Section):
+    """Prompt source."""
+
+    task: Literal["max3", "sum2", "jsonl"] = Field("max3", description="Synthetic task ('max3': maximum of three digits; 'sum2': a+b) or a JSONL dataset.")
+    train_path: str = Field("", description="JSONL training prompts (task 'jsonl'): one object per line with 'prompt' or 'messages', and 'answer'.")
+    eval_path: str = Field("", description="JSONL held-out prompts (task 'jsonl'); empty holds out eval_size rows of train_path.")
+    eval_size: int = Field(200, ge=1, description="Held-out prompts used for eval/accuracy.")
+    heldout_frac: float = Field(0.2, gt=0, lt=1, description="Synthetic tasks: fraction of all problems held out from training.")
+    max_prompt_tokens: int = Field(256, ge=1, description="Prompts longer than this are left-truncated.")
+    system_prompt: str = Field("", description="System message for chat-template models (task 'jsonl').")
+    seed: int = Field(0, description="Shuffling seed of the prompt source.")
+
+
+class RolloutConfig(_Section):
+    """Generation."""
+
+    engine: Literal["hf", "vllm", "random"] = Field("hf", description="Rollout engine; 'random' emits uniform random tokens (load tests only).")
+    num_workers: int = Field(1, ge=1, description="Rollout workers (Ray actors in the distributed runtime).")
+    prompts_per_batch: int = Field(16, ge=1, description="Prompts per generation batch on one worker.")
+    samples_per_prompt: int = Field(8, ge=1, description="Completions per prompt (the GRPO group size G).")
+    max_new_tokens: int = Field(4, ge=1, description="Maximum generated tokens per completion.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    top_k: int = Field(0, ge=0, description="Top-k sampling (0 disables).")
+    random_tokens_per_s: float = Field(0.0, ge=0, description="RandomEngine only: simulated generation rate (0 = as fast as possible).")
+    vllm_gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vLLM engine: fraction of GPU memory it may take.")
+
+
+class TrainerConfig(_Section):
+    """Optimisation."""
+
+    total_steps: int = Field(60, ge=1, description="Trainer steps (policy versions) in the run.")
+    prompts_per_step: int = Field(16, ge=1, description="Prompt groups consumed per trainer step (batch = prompts_per_step x samples_per_prompt).")
+    micro_batch_size: int = Field(64, ge=1, description="Sequences per forward/backward; gradients accumulate over micro-batches.")
+    lr: float = Field(2e-3, gt=0, description="AdamW peak learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.99), description="AdamW betas.")
+    grad_clip: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
+    lr_schedule: Literal["constant", "cosine"] = Field("constant", description="Learning-rate schedule after warmup.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup steps.")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Cosine schedule floor as a fraction of lr.")
+    warm_start_steps: int = Field(0, ge=0, description="Supervised warm-start steps on training prompts before RL (reported openly; 0 = none).")
+    seed: int = Field(0, description="Seed for torch, sampling and initialisation.")
+
+
+class RuntimeConfig(_Section):
+    """How rollout and training are interleaved."""
+
+    mode: Literal["sync", "async"] = Field("async", description="'sync': generate -> train -> sync in lockstep; 'async': both loops run continuously.")
+    max_staleness: int = Field(2, ge=0, description="tau_max: every consumed sample has trainer_version - sample_version <= this.")
+    sync_every: int = Field(1, ge=1, description="Publish weights to rollout workers every this many trainer versions.")
+    wait_timeout_s: float = Field(120.0, gt=0, description="Longest any blocking wait may last before failing with a message naming what it waited for.")
+
+
+class ClusterConfig(_Section):
+    """Ray placement. Only rlhf_core.distributed reads it."""
+
+    address: str = Field("", description="'' starts a local Ray instance; 'auto' or 'ray://host:port' joins a cluster. Defaults from RAY_ADDRESS.")
+    num_cpus: Optional[int] = Field(None, ge=1, description="CPUs of a local Ray instance (None = all).")
+    num_gpus: Optional[int] = Field(None, ge=0, description="GPUs of a local Ray instance (None = detected).")
+    rollout_cpus: float = Field(1.0, ge=0, description="CPUs per rollout worker.")
+    rollout_gpus: float = Field(0.0, ge=0, description="GPUs per rollout worker (fractions allowed).")
+    trainer_cpus: float = Field(1.0, ge=0, description="CPUs of the trainer.")
+    trainer_gpus: float = Field(0.0, ge=0, description="GPUs of the trainer (fractions allowed).")
+    torch_threads: int = Field(1, ge=1, description="torch intra-op threads per worker.")
+    max_restarts: int = Field(3, ge=0, description="Times Ray restarts a rollout worker that died.")
+
+
+class TrackingConfig(_Section):
+    """MLflow tracking, checkpoints and evaluation."""
+
+    experiment: str = Field("asynctensorrlhf", description="MLflow experiment name.")
+    tracking_uri: str = Field("", description="MLflow tracking URI; empty uses MLFLOW_TRACKING_URI or sqlite:///mlflow.db in the working directory.")
+    run_name: str = Field("", description="MLflow run name; empty lets MLflow choose.")
+    checkpoint_every: int = Field(20, ge=0, description="Checkpoint every this many trainer steps (0 = only at the end).")
+    eval_every: int = Field(20, ge=0, description="Evaluate on held-out prompts every this many steps (0 = only at start and end).")
+    log_system_metrics: bool = Field(True, description="Let MLflow sample CPU/GPU/memory during the run.")
+    log_model: bool = Field(True, description="Log the final policy as an MLflow artifact that loads back.")
+
+
+class SupervisionConfig(_Section):
+    """The Prefect flow's health checks and their limits."""
+
+    supervise_interval_s: float = Field(2.0, gt=0, description="Seconds between polls of the actors' stats.")
+    staleness_warn: float = Field(0.8, gt=0, le=1, description="Warn and sync sooner when mean staleness exceeds this fraction of max_staleness.")
+    nonfinite_limit: int = Field(5, ge=1, description="Fail after this many consecutive non-finite (skipped) trainer steps.")
+    stall_timeout_s: float = Field(180.0, gt=0, description="Fail when no trainer step completes for this long, naming the stuck role.")
+    restart_limit: int = Field(5, ge=0, description="Fail after this many rollout-worker restarts in one run.")
+
+
+class RunConfig(_Section):
+    """Where outputs go."""
+
+    output_dir: str = Field("runs/tiny", description="Directory for the built tiny model, checkpoints and the exported policy.")
+    log_every: int = Field(5, ge=1, description="Print a progress line every this many trainer steps.")
+
+
+class TrainConfig(_Section):
+    """Everything a run needs. Load with `load_config`."""
+
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="Policy loss and advantages.")
+    reward: RewardConfig = Field(default_factory=RewardConfig, description="Tensor-native reward.")
+    buffer: BufferConfig = Field(default_factory=BufferConfig, description="Replay buffer.")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="Policy model.")
+    data: DataConfig = Field(default_factory=DataConfig, description="Prompt source.")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Generation.")
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="Optimisation.")
+    runtime: RuntimeConfig = Field(default_factory=RuntimeConfig, description="Sync or async interleaving and staleness.")
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig, description="Ray placement.")
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="MLflow, checkpoints, evaluation.")
+    supervision: SupervisionConfig = Field(default_factory=SupervisionConfig, description="Flow health checks.")
+    run: RunConfig = Field(default_factory=RunConfig, description="Outputs.")
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> "TrainConfig":
+        if self.data.task == "jsonl" and not self.data.train_path:
+            raise ValueError("data.train_path is required when data.task is 'jsonl'")
+        if self.data.task == "jsonl" and not self.model.path:
+            raise ValueError("model.path is required when data.task is 'jsonl' (the tiny model only speaks the synthetic tasks)")
+        return self
+
+    @property
+    def batch_size(self) -> int:
+        """Samples per trainer step."""
+        return self.trainer.prompts_per_step * self.rollout.samples_per_prompt
+
+
+def _format_validation_error(err: ValidationError, source: str) -> str:
+    lines = []
+    for e in err.errors():
+        path = ".".join(str(p) for p in e["loc"] if p not in ("function-after",)) or "<root>"
+        value = e.get("input")
+        shown = repr(value)
+        if len(shown) > 80:
+            shown = shown[:77] + "..."
+        if e["type"] == "extra_forbidden":
+            lines.append(f"{path}: unknown field (value {shown})")
+        elif e["type"] == "missing":
+            lines.append(f"{path}: required field is missing")
+        else:
+            lines.append(f"{path}: {e['msg']} (got {shown})")
+    return f"invalid configuration{source}:\n  " + "\n  ".join(lines)
+
+
+def _parse_override(item: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} is not of the form dotted.key=value")
+    key, raw = item.split("=", 1)
+    key = key.strip()
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {item!r} has an empty key segment")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.split("."), value
+
+
+def apply_overrides(data: dict, overrides: Iterable[str]) -> dict:
+    """Apply `a.b.c=value` overrides (values parsed as YAML scalars/lists) to a nested dict, in place."""
+    for item in overrides:
+        parts, value = _parse_override(item)
+        node = data
+        for i, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {item!r}: {'.'.join(parts[:i + 1])} is not a section")
+            node = child
+        node[parts[-1]] = value
+    return data
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: Iterable[str] = ()) -> TrainConfig:
+    """Read a YAML config (or the defaults when `path` is None), apply dotted overrides, validate.
+
+    >>> cfg = load_config(None, ["algorithm.clip_eps=0.1"])
+    >>> cfg.algorithm.clip_eps
+    0.1
+    """
+    data: dict = {}
+    source = ""
+    if path is not None:
+        p = Path(path)
+        source = f" in {p}"
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist")
+        try:
+            loaded = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {p} is not valid YAML: {exc}") from exc
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {p} must hold a mapping at the top level, got {type(loaded).__name__}")
+        data = loaded
+    overrides = list(overrides)
+    apply_overrides(data, overrides)
+    if overrides:
+        source += f" (with overrides {overrides})"
+    return validate_config(data, source)
+
+
+def validate_config(data: dict | TrainConfig, source: str = "") -> TrainConfig:
+    """Validate a nested dict (or re-validate a TrainConfig) into a TrainConfig, raising ConfigError."""
+    if isinstance(data, TrainConfig):
+        data = data.model_dump(mode="python")
+    try:
+        cfg = TrainConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err, source)) from None
+    if not cfg.cluster.address and os.environ.get("RAY_ADDRESS"):
+        cfg.cluster.address = os.environ["RAY_ADDRESS"]
+    if not cfg.tracking.tracking_uri and os.environ.get("MLFLOW_TRACKING_URI"):
+        cfg.tracking.tracking_uri = os.environ["MLFLOW_TRACKING_URI"]
+    return cfg
+
+
+def flatten_config(cfg: TrainConfig) -> dict[str, Any]:
+    """Dotted-key view of the config, as logged to MLflow params."""
+    out: dict[str, Any] = {}
+
+    def walk(prefix: str, node: Any) -> None:
+        if isinstance(node, dict) and node and all(isinstance(k, str) for k in node):
+            for k, v in node.items():
+                walk(f"{prefix}.{k}" if prefix else k, v)
+        else:
+            out[prefix] = node
+
+    walk("", cfg.model_dump(mode="json"))
+    return out
