@@ -20,6 +20,9 @@ def compute_grpo_advantages(rewards: torch.Tensor, eps: float = 1e-8, scale: str
     """
     rewards = rewards.float()
     centered = rewards - rewards.mean(dim=-1, keepdim=True)
+    # The float mean of equal values need not equal them exactly; force constant groups to exactly 0.
+    constant = (rewards == rewards[..., :1]).all(dim=-1, keepdim=True)
+    centered = centered.masked_fill(constant, 0.0)
     if scale == "none":
         return centered
     if scale == "group":
@@ -28,7 +31,6 @@ def compute_grpo_advantages(rewards: torch.Tensor, eps: float = 1e-8, scale: str
         std = rewards.std(unbiased=False) if rewards.numel() > 1 else rewards.new_zeros(())
     else:
         raise ValueError(f"unknown advantage scale {scale!r}; expected 'group', 'batch' or 'none'")
-    # `centered` is exactly 0 in a constant group, so the quotient is exactly 0 whatever eps is.
     return centered / (std + eps)
 
 
