@@ -118,10 +118,10 @@ class RolloutConfig(_Section):
 class TrainerConfig(_Section):
     """Optimisation."""
 
-    total_steps: int = Field(60, ge=1, description="Trainer steps (policy versions) in the run.")
+    total_steps: int = Field(400, ge=1, description="Trainer steps (policy versions) in the run.")
     prompts_per_step: int = Field(16, ge=1, description="Prompt groups consumed per trainer step (batch = prompts_per_step x samples_per_prompt).")
     micro_batch_size: int = Field(64, ge=1, description="Sequences per forward/backward; gradients accumulate over micro-batches.")
-    lr: float = Field(2e-3, gt=0, description="AdamW peak learning rate.")
+    lr: float = Field(3e-4, gt=0, description="AdamW peak learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.99), description="AdamW betas.")
     grad_clip: float = Field(1.0, gt=0, description="Global gradient-norm clip.")

@@ -1,0 +1,202 @@
+"""Reward scoring throughput: tensor-native token matching vs. the seed's per-row loop vs. decode + regex.
+
+For each batch shape (B rows x L response tokens) it times, single-threaded on the CPU:
+  tensor  rlhf_core.reward.tensor_native_reward on pre-packed patterns (PackedPatterns) — our hot path;
+  loop    the seed's section 5.1 loop: per row, slice to the first EOS, unfold, compare;
+  regex   what verl / TRL reward functions do: move ids to the host, tokenizer.batch_decode the rows up
+          to EOS with a real Hugging Face fast tokenizer, then a regex search for the answer text per row.
+Data: uniform random tokens over a ~500-word vocabulary, answer patterns of 3-5 tokens planted at a
+random position in half the rows, EOS at a random position (some rows have none), padding after EOS.
+All three must agree on every row (checked, reported).
+
+    python benchmarks/reward.py            # table
+    python benchmarks/reward.py --json     # one JSON object on stdout, nothing else
+    python benchmarks/reward.py --quick    # fewer shapes and repeats
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+from datetime import date
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from rlhf_core.reward import pack_patterns, tensor_native_reward, valid_lengths  # noqa: E402
+
+TARGETS = {"shape": {"B": 256, "L": 1024}, "speedup_vs_regex": 20.0, "speedup_vs_loop": 2.0}
+PAD, EOS, UNK = 0, 1, 2
+
+
+def build_tokenizer():
+    """A real fast tokenizer, built locally: WordLevel over 100 numbers and 400 words, whitespace split."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["[PAD]", "[EOS]", "[UNK]"] + [str(i) for i in range(100)] + [f"w{i}" for i in range(400)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", eos_token="[EOS]", unk_token="[UNK]")
+
+
+def make_batch(B: int, L: int, vocab: int, seed: int):
+    """Random responses with planted answers. Returns (ids [B, L], list of B answer patterns)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (B, L), generator=g)
+    patterns = []
+    for b in range(B):  # data generation, not timed
+        q = int(torch.randint(3, 6, (1,), generator=g))
+        pattern = torch.randint(3, vocab, (q,), generator=g)
+        if b % 2 == 0 and L >= q:
+            start = int(torch.randint(0, L - q + 1, (1,), generator=g))
+            ids[b, start:start + q] = pattern
+        eos_at = int(torch.randint(L // 8, L + L // 8, (1,), generator=g))  # >= L: no EOS in this row
+        if eos_at < L:
+            ids[b, eos_at] = EOS
+            ids[b, eos_at + 1:] = PAD
+        patterns.append(pattern)
+    return ids, patterns
+
+
+def seed_loop_reward(generated_ids, answer_patterns, eos_token_id):
+    """The seed's tensor_native_reward (section 5.1), reimplemented as written: a Python loop over rows."""
+    B, L = generated_ids.shape
+    device_obj = generated_ids.device
+    rewards = torch.zeros(B, device=device_obj)
+    eos_mask = generated_ids == eos_token_id
+    first_eos = torch.where(eos_mask.any(dim=1), eos_mask.int().argmax(dim=1),
+                            torch.full((B,), L, device=device_obj, dtype=torch.long))
+    for i in range(B):
+        seq = generated_ids[i, : first_eos[i]]
+        pattern = answer_patterns[i]
+        pat_len = pattern.shape[0]
+        if pat_len == 0 or pat_len > seq.shape[0]:
+            continue
+        windows = seq.unfold(0, pat_len, 1)
+        match = (windows == pattern).all(dim=1).any()
+        rewards[i] = 1.0 if match else 0.0
+    return rewards
+
+
+def decode_regex_reward(generated_ids, answer_regexes, tokenizer, eos_token_id):
+    """verl / TRL style: ids to host, decode each row up to its first EOS, regex-search the answer text."""
+    rows = generated_ids.tolist()
+    trimmed = [row[:row.index(eos_token_id)] if eos_token_id in row else row for row in rows]
+    texts = tokenizer.batch_decode(trimmed, skip_special_tokens=True)
+    return torch.tensor([1.0 if rx.search(text) else 0.0 for text, rx in zip(texts, answer_regexes)])
+
+
+def median_ms(fn, repeats: int, budget_s: float) -> float:
+    fn()  # warm up
+    times = []
+    start = time.perf_counter()
+    while len(times) < repeats and (len(times) < 3 or time.perf_counter() - start < budget_s):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def cpu_model() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name:"):
+                return line.split(":", 1)[1].strip()
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    return platform.processor() or "unknown"
+
+
+def run(quick: bool) -> dict:
+    torch.set_num_threads(1)
+    tokenizer = build_tokenizer()
+    vocab = len(tokenizer.get_vocab())
+    shapes = [(64, 256), (256, 1024)] if quick else [(B, L) for L in (256, 1024) for B in (64, 256, 1024)]
+    repeats, budget = (5, 0.5) if quick else (21, 2.0)
+    results = []
+    for B, L in shapes:
+        ids, patterns = make_batch(B, L, vocab, seed=B * 10_000 + L)
+        packed = pack_patterns(patterns)  # once per prompt batch, outside the scoring call
+        answers = tokenizer.batch_decode([p.tolist() for p in patterns])
+        regexes = [re.compile(r"(?<!\S)" + re.escape(a) + r"(?!\S)") for a in answers]
+
+        ours = tensor_native_reward(ids, packed, EOS)
+        loop = seed_loop_reward(ids, patterns, EOS)
+        regex = decode_regex_reward(ids, regexes, tokenizer, EOS)
+        row = {
+            "B": B, "L": L,
+            "tokens_scored": int(valid_lengths(ids, EOS).sum()),
+            "match_rate": float(ours.mean()),
+            "agree_loop": float((ours == loop).float().mean()),
+            "agree_regex": float((ours == regex).float().mean()),
+            "tensor_ms": median_ms(lambda: tensor_native_reward(ids, packed, EOS), repeats, budget),
+            "loop_ms": median_ms(lambda: seed_loop_reward(ids, patterns, EOS), repeats, budget),
+            "regex_ms": median_ms(lambda: decode_regex_reward(ids, regexes, tokenizer, EOS), repeats, budget),
+        }
+        for name in ("tensor", "loop", "regex"):
+            row[f"{name}_ns_per_token"] = row[f"{name}_ms"] * 1e6 / (B * L)
+        row["speedup_vs_loop"] = row["loop_ms"] / row["tensor_ms"]
+        row["speedup_vs_regex"] = row["regex_ms"] / row["tensor_ms"]
+        results.append(row)
+
+    target_row = next((r for r in results if (r["B"], r["L"]) == (256, 1024)), None)
+    targets = dict(TARGETS)
+    if target_row is not None:
+        targets["met_vs_regex"] = target_row["speedup_vs_regex"] >= TARGETS["speedup_vs_regex"]
+        targets["met_vs_loop"] = target_row["speedup_vs_loop"] >= TARGETS["speedup_vs_loop"]
+    return {
+        "benchmark": "reward",
+        "date": date.today().isoformat(),
+        "machine": {"cpu": cpu_model(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+                    "python": platform.python_version()},
+        "quick": quick,
+        "vocab_size": vocab,
+        "results": results,
+        "targets": targets,
+    }
+
+
+def print_table(report: dict) -> None:
+    m = report["machine"]
+    print(f"reward scoring, {m['cpu']}, {m['threads']} thread, torch {m['torch']}, vocab {report['vocab_size']}"
+          f"{' (quick)' if report['quick'] else ''}")
+    head = (f"{'B':>5} {'L':>5} | {'tensor ms':>10} {'loop ms':>10} {'regex ms':>10} | "
+            f"{'tensor ns/tok':>13} {'loop ns/tok':>11} {'regex ns/tok':>12} | {'x loop':>7} {'x regex':>8} | agree")
+    print(head)
+    print("-" * len(head))
+    for r in report["results"]:
+        print(f"{r['B']:>5} {r['L']:>5} | {r['tensor_ms']:>10.3f} {r['loop_ms']:>10.2f} {r['regex_ms']:>10.2f} | "
+              f"{r['tensor_ns_per_token']:>13.2f} {r['loop_ns_per_token']:>11.1f} {r['regex_ns_per_token']:>12.1f} | "
+              f"{r['speedup_vs_loop']:>7.1f} {r['speedup_vs_regex']:>8.1f} | "
+              f"{r['agree_loop']:.0%}/{r['agree_regex']:.0%}")
+    t = report["targets"]
+    if "met_vs_regex" in t:
+        print(f"targets at B=256, L=1024: >= {t['speedup_vs_regex']:.0f}x vs decode+regex: "
+              f"{'met' if t['met_vs_regex'] else 'NOT met'}; >= {t['speedup_vs_loop']:.0f}x vs per-row loop: "
+              f"{'met' if t['met_vs_loop'] else 'NOT met'}")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object of all figures, nothing else")
+    parser.add_argument("--quick", action="store_true", help="two shapes, few repeats")
+    args = parser.parse_args(argv)
+    report = run(args.quick)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print_table(report)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,210 @@
+"""FIFO replay buffers of single items: BoundedReplayBuffer and VersionedReplayBuffer.
+
+Items are arbitrary objects (an `Experience`, a dict, ...); one pushed object counts as one item.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any, Iterable
+
+from rlhf_core.buffer._base import LockedBuffer, read_version
+
+
+class BoundedReplayBuffer(LockedBuffer):
+    """Thread-safe FIFO of at most `max_size` items; a push into a full buffer drops the oldest item
+    (counted in dropped_overflow). `push` never blocks; `sample` may wait, never past its timeout."""
+
+    def __init__(self, max_size: int) -> None:
+        if max_size < 1:
+            raise ValueError(f"max_size must be >= 1, got {max_size}")
+        super().__init__()
+        self._max_size = int(max_size)
+        self._queue: deque = deque(maxlen=self._max_size)
+
+    @property
+    def max_size(self) -> int:
+        return self._max_size
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def push(self, item: Any) -> bool:
+        """Append `item`. False only when the buffer is closed."""
+        with self._lock:
+            if self._closed:
+                self._rejected_closed += 1
+                return False
+            queue = self._queue
+            if len(queue) == self._max_size:
+                self._dropped_overflow += 1  # deque(maxlen) discards the oldest on append
+            queue.append(item)
+            self._pushed += 1
+            if self._waiters:
+                self._not_empty.notify_all()
+        return True
+
+    def push_many(self, items: Iterable[Any]) -> int:
+        """Append `items` in order under one lock acquisition; returns how many were accepted (all of
+        them, or 0 when closed). More than max_size items at once keeps only the last max_size."""
+        items = items if isinstance(items, (list, tuple)) else list(items)
+        with self._lock:
+            if self._closed:
+                self._rejected_closed += len(items)
+                return 0
+            self._extend(items)
+        return len(items)
+
+    def _extend(self, items: list | tuple) -> None:
+        """With the lock held: append already-accepted items, counting the overflow."""
+        if not items:
+            return
+        queue = self._queue
+        overflow = len(queue) + len(items) - self._max_size
+        if overflow > 0:
+            self._dropped_overflow += overflow
+        queue.extend(items)
+        self._pushed += len(items)
+        if self._waiters:
+            self._not_empty.notify_all()
+
+    def sample(self, batch_size: int, timeout: float | None = None, min_items: int = 1) -> list:
+        """Remove and return up to `batch_size` items, oldest first.
+
+        timeout None or 0: return at once with what is there (possibly []).
+        timeout > 0: first wait until at least min(min_items, batch_size, max_size) items are there,
+                     the buffer is closed, or `timeout` seconds pass; then return what is there.
+        timeout math.inf: wait without a deadline (close() still wakes it).
+        """
+        if batch_size < 0:
+            raise ValueError(f"batch_size must be >= 0, got {batch_size}")
+        with self._lock:
+            queue = self._queue
+            if timeout and len(queue) < min_items:
+                need = max(1, min(min_items, batch_size, self._max_size))
+                self._wait_until(lambda: len(self._queue), need, timeout)
+            n = min(batch_size, len(queue))
+            if n == len(queue):
+                out = list(queue)
+                queue.clear()
+            else:
+                popleft = queue.popleft
+                out = [popleft() for _ in range(n)]
+            self._sampled += n
+        return out
+
+    def clear(self) -> None:
+        """Empty the buffer and start its counters afresh (a new accounting period); the closed flag
+        and any version setting stay."""
+        with self._lock:
+            self._queue.clear()
+            self._reset_counters()
+
+    def stats(self) -> dict:
+        with self._lock:
+            return self._stats()
+
+    def _stats(self) -> dict:
+        out = self._counters()
+        out.update(size=len(self._queue), pending=0, max_size=self._max_size)
+        return out
+
+
+class VersionedReplayBuffer(BoundedReplayBuffer):
+    """A BoundedReplayBuffer whose items carry `policy_version` and go stale.
+
+    With consumer version V (set by `set_version`), an item of version v is fresh while
+    v >= V - max_staleness. A stale push is refused (returns False, counted in pushed and in
+    evicted_stale); items that turn stale when the version moves are evicted by `set_version` itself,
+    so `sample` can never hand out a stale item. max_staleness None disables the check.
+    """
+
+    def __init__(self, max_size: int, max_staleness: int | None, version: int = 0) -> None:
+        if max_staleness is not None and max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0 or None, got {max_staleness}")
+        super().__init__(max_size)
+        self._max_staleness = max_staleness
+        self._version = int(version)
+        self._min_fresh = self._fresh_bound()
+        self._min_version = float("inf")  # lower bound of the queued versions; spares needless scans
+
+    def _fresh_bound(self) -> float:
+        return float("-inf") if self._max_staleness is None else self._version - self._max_staleness
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def max_staleness(self) -> int | None:
+        return self._max_staleness
+
+    def push(self, item: Any) -> bool:
+        """Append `item` if fresh. False when stale (counted) or closed."""
+        version = read_version(item)
+        with self._lock:
+            if self._closed:
+                self._rejected_closed += 1
+                return False
+            self._pushed += 1
+            if version < self._min_fresh:
+                self._evicted_stale += 1
+                return False
+            queue = self._queue
+            if len(queue) == self._max_size:
+                self._dropped_overflow += 1
+            queue.append(item)
+            if version < self._min_version:
+                self._min_version = version
+            if self._waiters:
+                self._not_empty.notify_all()
+        return True
+
+    def push_many(self, items: Iterable[Any]) -> int:
+        """Append the fresh ones of `items` under one lock acquisition; returns how many were accepted."""
+        items = items if isinstance(items, (list, tuple)) else list(items)
+        versions = [read_version(item) for item in items]
+        with self._lock:
+            if self._closed:
+                self._rejected_closed += len(items)
+                return 0
+            bound = self._min_fresh
+            fresh = [item for item, v in zip(items, versions) if v >= bound]
+            stale = len(items) - len(fresh)
+            self._pushed += stale
+            self._evicted_stale += stale
+            self._extend(fresh)
+            if fresh:
+                self._min_version = min(self._min_version, min(v for v in versions if v >= bound))
+        return len(fresh)
+
+    def set_version(self, version: int) -> int:
+        """Set the consumer's policy version and evict the items it makes stale; returns how many."""
+        with self._lock:
+            self._version = int(version)
+            self._min_fresh = bound = self._fresh_bound()
+            queue = self._queue
+            if not queue:
+                self._min_version = float("inf")
+                return 0
+            if self._min_version >= bound:
+                return 0
+            versions = [read_version(item) for item in queue]
+            keep = [item for item, v in zip(queue, versions) if v >= bound]
+            evicted = len(queue) - len(keep)
+            queue.clear()
+            queue.extend(keep)  # same deque object: waiters hold no reference to a stale one
+            self._evicted_stale += evicted
+            self._min_version = min((v for v in versions if v >= bound), default=float("inf"))
+        return evicted
+
+    def clear(self) -> None:
+        with self._lock:
+            self._queue.clear()
+            self._min_version = float("inf")
+            self._reset_counters()
+
+    def _stats(self) -> dict:
+        out = super()._stats()
+        out.update(version=self._version, max_staleness=self._max_staleness)
+        return out

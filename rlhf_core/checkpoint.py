@@ -1,0 +1,144 @@
+"""Checkpoints: one directory holds everything needed to resume.
+
+    <dir>/policy.safetensors   policy weights (safetensors; shared/tied tensors handled)
+    <dir>/state.pt             optimizer, scheduler, versions, step, RNG states, data position (torch.save,
+                               read back with weights_only=True)
+    <dir>/meta.json            format version, step, version, parameter names and shapes (checked on load)
+
+A checkpoint is written to a temporary sibling directory and renamed into place, so a crash mid-write
+never leaves a half checkpoint under the final name. Loading validates every file and the parameter
+names/shapes against the model BEFORE anything is overwritten.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+FORMAT_VERSION = 1
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, corrupt, or does not match the model or run it is loaded into."""
+
+
+def capture_rng(extra_generators: Optional[dict[str, torch.Generator]] = None) -> dict:
+    """RNG states of python, numpy, torch (CPU and CUDA) and named generators, as weights_only-safe types."""
+    py_state = random.getstate()
+    np_state = np.random.get_state()
+    state = {
+        "python": [py_state[0], list(py_state[1]), py_state[2]],
+        "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+        "torch": torch.get_rng_state(),
+        "generators": {k: g.get_state() for k, g in (extra_generators or {}).items()},
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: dict, extra_generators: Optional[dict[str, torch.Generator]] = None) -> None:
+    v, internal, gauss = state["python"]
+    random.setstate((v, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    for k, g in (extra_generators or {}).items():
+        if k in state.get("generators", {}):
+            g.set_state(state["generators"][k])
+
+
+def _param_shapes(model) -> dict[str, list[int]]:
+    return {k: list(v.shape) for k, v in model.state_dict().items()}
+
+
+def save_checkpoint(path: str | Path, model, state: dict[str, Any]) -> Path:
+    """Write weights + `state` (trainer/data/rng/anything weights_only-safe) atomically to directory `path`."""
+    from safetensors.torch import save_model
+
+    final = Path(path)
+    tmp = final.with_name(final.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    save_model(model, str(tmp / "policy.safetensors"))
+    torch.save(state, tmp / "state.pt")
+    meta = {"format_version": FORMAT_VERSION, "step": state.get("trainer", {}).get("step"),
+            "version": state.get("trainer", {}).get("version"), "params": _param_shapes(model)}
+    (tmp / "meta.json").write_text(json.dumps(meta))
+    if final.exists():
+        old = final.with_name(final.name + ".old")
+        if old.exists():
+            shutil.rmtree(old)
+        final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old)
+    else:
+        tmp.rename(final)
+    return final
+
+
+def read_checkpoint(path: str | Path, model=None) -> tuple[dict, Optional[dict]]:
+    """Validate and read a checkpoint without touching any live object.
+
+    Returns (state, weights): the state dict, and the weights as a state dict when `model` is given (its
+    names and shapes checked against the model). Raises CheckpointError naming the file and the problem.
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    p = Path(path)
+    if not p.is_dir():
+        raise CheckpointError(f"checkpoint {p} does not exist or is not a directory")
+    for name in ("policy.safetensors", "state.pt", "meta.json"):
+        if not (p / name).is_file():
+            raise CheckpointError(f"checkpoint {p} is missing {name}")
+    try:
+        meta = json.loads((p / "meta.json").read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{p / 'meta.json'} is corrupt: {exc}") from exc
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{p / 'meta.json'}: format_version {meta.get('format_version')!r}, expected {FORMAT_VERSION}")
+    try:
+        state = torch.load(p / "state.pt", map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise CheckpointError(f"{p / 'state.pt'} is corrupt or not a checkpoint state: {exc}") from exc
+    weights = None
+    if model is not None:
+        expected = _param_shapes(model)
+        if meta.get("params") != expected:
+            saved = meta.get("params") or {}
+            missing = sorted(set(expected) - set(saved))[:3]
+            extra = sorted(set(saved) - set(expected))[:3]
+            shape = [k for k in expected if k in saved and saved[k] != expected[k]][:3]
+            raise CheckpointError(f"checkpoint {p} does not match the model: missing {missing}, unexpected {extra}, "
+                                  f"different shapes {shape}")
+        try:
+            weights = load_file(str(p / "policy.safetensors"), device="cpu")
+        except (SafetensorError, OSError, Exception) as exc:
+            raise CheckpointError(f"{p / 'policy.safetensors'} is corrupt: {exc}") from exc
+    return state, weights
+
+
+def load_weights_into(model, weights: dict[str, torch.Tensor]) -> None:
+    """Copy validated weights into the model in place (tied parameters share storage and get one copy)."""
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    tied = set(getattr(model, "_tied_weights_keys", None) or [])
+    real_missing = [k for k in missing if k not in tied and not _is_tied(model, k, weights)]
+    if real_missing or unexpected:
+        raise CheckpointError(f"weights do not fit the model: missing {real_missing[:3]}, unexpected {list(unexpected)[:3]}")
+
+
+def _is_tied(model, key: str, weights: dict) -> bool:
+    """A missing key is fine when its tensor shares storage with one that was loaded (tied embeddings)."""
+    sd = model.state_dict()
+    ptr = sd[key].data_ptr()
+    return any(sd[k].data_ptr() == ptr for k in weights if k in sd)

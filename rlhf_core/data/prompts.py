@@ -1,0 +1,133 @@
+"""Prompts and the seeded, resumable source that yields them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Optional, Sequence
+
+import numpy as np
+import torch
+
+from rlhf_core.types import PackedPatterns
+
+
+@dataclass
+class Prompt:
+    """One prompt: its token ids, the token patterns that count as a correct answer, and metadata.
+
+    uid:        stable integer id (index into its split).
+    prompt_ids: token ids of the prompt, special tokens / chat template already applied.
+    answers:    alternative token-id sequences of the answer (any of them scores).
+    """
+
+    uid: int
+    prompt_ids: list[int]
+    answers: list[list[int]]
+    text: str = ""
+    answer_text: str = ""
+    meta: dict = field(default_factory=dict)
+
+
+@dataclass
+class PromptBatch:
+    """Prompts collated as tensors.
+
+    prompt_ids:  LongTensor [n, P] LEFT-padded.
+    prompt_mask: BoolTensor [n, P].
+    patterns:    PackedPatterns [n, K, Q].
+    uids:        LongTensor [n].
+    """
+
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    patterns: PackedPatterns
+    uids: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.prompt_ids.shape[0]
+
+
+def collate_prompts(prompts: Sequence[Prompt], pad_token_id: int, max_prompt_tokens: Optional[int] = None) -> PromptBatch:
+    """Left-pad prompts into tensors and pack their answer patterns (not a hot path: runs once per batch)."""
+    if not prompts:
+        raise ValueError("collate_prompts needs at least one prompt")
+    rows = [p.prompt_ids[-max_prompt_tokens:] if max_prompt_tokens else p.prompt_ids for p in prompts]
+    P = max(len(r) for r in rows)
+    ids = torch.full((len(rows), P), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), P), dtype=torch.bool)
+    for i, r in enumerate(rows):
+        if r:
+            ids[i, P - len(r):] = torch.tensor(r, dtype=torch.long)
+            mask[i, P - len(r):] = True
+    K = max(1, max(len(p.answers) for p in prompts))
+    Q = max(1, max((len(a) for p in prompts for a in p.answers), default=1))
+    tokens = torch.zeros((len(rows), K, Q), dtype=torch.long)
+    lengths = torch.zeros((len(rows), K), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        for k, a in enumerate(p.answers):
+            if a:
+                tokens[i, k, :len(a)] = torch.tensor(a, dtype=torch.long)
+                lengths[i, k] = len(a)
+    uids = torch.tensor([p.uid for p in prompts], dtype=torch.long)
+    return PromptBatch(ids, mask, PackedPatterns(tokens, lengths), uids)
+
+
+class PromptSource:
+    """Yields prompts in a seeded shuffled order, epoch after epoch (endlessly, or for `epochs`).
+
+    The position is (epoch, index); `state_dict()` / `load_state_dict()` save and restore it so that a
+    resumed run sees exactly the prompts an uninterrupted run would have seen.
+    """
+
+    def __init__(self, prompts: Sequence[Prompt], seed: int = 0, epochs: Optional[int] = None, shuffle: bool = True):
+        if not prompts:
+            raise ValueError("a prompt source needs at least one prompt")
+        self.prompts = list(prompts)
+        self.seed = seed
+        self.epochs = epochs
+        self.shuffle = shuffle
+        self.epoch = 0
+        self.index = 0
+        self._order = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(len(self.prompts))
+        return np.random.default_rng([self.seed, epoch]).permutation(len(self.prompts))
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    @property
+    def exhausted(self) -> bool:
+        return self.epochs is not None and self.epoch >= self.epochs
+
+    def next(self, n: int) -> list[Prompt]:
+        """The next `n` prompts (fewer only when a finite source runs out)."""
+        out: list[Prompt] = []
+        while len(out) < n and not self.exhausted:
+            take = min(n - len(out), len(self.prompts) - self.index)
+            out.extend(self.prompts[i] for i in self._order[self.index:self.index + take])
+            self.index += take
+            if self.index >= len(self.prompts):
+                self.epoch += 1
+                self.index = 0
+                self._order = self._permutation(self.epoch)
+        return out
+
+    def __iter__(self) -> Iterable[Prompt]:
+        while not self.exhausted:
+            yield from self.next(1)
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "index": self.index, "seed": self.seed, "size": len(self.prompts)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("size") != len(self.prompts):
+            raise ValueError(f"data position was saved for a source of {state.get('size')} prompts, "
+                             f"but this source has {len(self.prompts)}: the dataset changed")
+        self.seed = int(state["seed"])
+        self.epoch = int(state["epoch"])
+        self.index = int(state["index"])
+        self._order = self._permutation(self.epoch)
+

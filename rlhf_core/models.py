@@ -1,0 +1,155 @@
+"""Load a policy from a local Hugging Face directory, or build the tiny default policy.
+
+The tiny policy is a real `LlamaForCausalLM` with a `PreTrainedTokenizerFast` built by `tokenizers`,
+saved with `save_pretrained` and loaded back through `load_policy`: the same path a real model takes.
+Nothing is fetched from any hub.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+TINY_SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
+TINY_WORDS = [str(d) for d in range(10)] + ["max", "sum", "+", "=", ","]
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelLoadError(ValueError):
+    """A model directory is missing, incomplete or unreadable."""
+
+
+def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
+    """'auto' picks CUDA when available, else CPU; anything else is passed to torch.device."""
+    if device is None or str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"model.device is {str(device)!r} but CUDA is not available on this machine")
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype | None) -> Optional[torch.dtype]:
+    if dtype is None or dtype == "auto":
+        return None
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return _DTYPES[dtype]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(_DTYPES)} or 'auto'") from None
+
+
+def check_model_dir(path: str | Path) -> Path:
+    """Fail with a message naming the path and what is missing, before transformers gives a vaguer one."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise ModelLoadError(f"model path {p} does not exist")
+    if not p.is_dir():
+        raise ModelLoadError(f"model path {p} is not a directory")
+    cfg = p / "config.json"
+    if not cfg.is_file():
+        raise ModelLoadError(f"model directory {p} has no config.json")
+    try:
+        json.loads(cfg.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"{cfg} is not valid JSON: {exc}") from exc
+    if not any((p / name).is_file() for name in ("model.safetensors", "pytorch_model.bin",
+                                                  "model.safetensors.index.json", "pytorch_model.bin.index.json")):
+        raise ModelLoadError(f"model directory {p} has no weights (model.safetensors, pytorch_model.bin or a sharded index)")
+    if not any((p / name).is_file() for name in _TOKENIZER_FILES):
+        raise ModelLoadError(f"model directory {p} has no tokenizer files (expected one of {list(_TOKENIZER_FILES)})")
+    return p
+
+
+def load_policy(path: str | Path, dtype: str | torch.dtype | None = None, device: str | torch.device | None = None,
+                trust_remote_code: bool = False):
+    """Load `(model, tokenizer)` from a local directory through AutoModelForCausalLM / AutoTokenizer.
+
+    The tokenizer pads on the left (generation) and gets a pad token (its EOS) when it has none.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    p = check_model_dir(path)
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(p), trust_remote_code=trust_remote_code, local_files_only=True)
+    except Exception as exc:  # transformers raises many types; name the path and the cause
+        raise ModelLoadError(f"could not load the tokenizer from {p}: {exc}") from exc
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(p), dtype=torch_dtype or "auto",
+                                                     trust_remote_code=trust_remote_code, local_files_only=True)
+    except Exception as exc:
+        raise ModelLoadError(f"could not load the model from {p}: {exc}") from exc
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    if tokenizer.eos_token_id is None:
+        raise ModelLoadError(f"the tokenizer in {p} has no EOS token; generation could never stop")
+    model.to(dev)
+    model.eval()
+    return model, tokenizer
+
+
+def build_tiny_tokenizer():
+    """A word-level tokenizer for the synthetic tasks: special tokens, digits and a few operator words."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(TINY_SPECIAL_TOKENS + TINY_WORDS)}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Digits(individual_digits=True)])
+    core.decoder = decoders.Sequence([])
+    core.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", vocab["<bos>"])])
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+                                  unk_token="<unk>", padding_side="left")
+    return tok
+
+
+def build_tiny_policy(task: str, out_dir: str | Path, layers: int = 2, hidden: int = 128, heads: int = 4,
+                      seed: int = 0) -> Path:
+    """Build a small Llama policy and its tokenizer for a synthetic task and `save_pretrained` both.
+
+    Returns `out_dir`. The task name is recorded in the config (`task_name`); the vocabulary covers
+    every synthetic task, so one tiny model serves all of them.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tiny_tokenizer()
+    if hidden % heads:
+        raise ValueError(f"model.tiny_hidden ({hidden}) must be divisible by model.tiny_heads ({heads})")
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=128,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=True, rms_norm_eps=1e-6,
+    )
+    config.task_name = task
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def ensure_policy(model_cfg, task: str, output_dir: str | Path, seed: int = 0) -> Path:
+    """The policy directory a run uses: `model.path`, or the tiny default built once under output_dir."""
+    if model_cfg.path:
+        return check_model_dir(model_cfg.path)
+    tiny = Path(output_dir) / "tiny_policy"
+    if not (tiny / "config.json").is_file():
+        build_tiny_policy(task, tiny, layers=model_cfg.tiny_layers, hidden=model_cfg.tiny_hidden,
+                          heads=model_cfg.tiny_heads, seed=seed)
+    return tiny

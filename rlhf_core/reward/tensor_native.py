@@ -1,0 +1,244 @@
+"""Token-space matching primitives: answer patterns against generated responses, on their device.
+
+Shapes: B = rows (completions), L = response length, K = answer alternatives per row,
+Q = padded pattern length, M = marker / format alternatives.
+
+Every function here is batched tensor code that runs on the device of `generated_ids`: no Python loop
+over rows or positions (only over the pattern length Q or the number of alternatives, both static
+shapes), no data-dependent shapes and no host round trip (`.item()`, `.tolist()`, `bool(tensor)`,
+`nonzero()`, boolean indexing). Only `pack_patterns`, which turns Python lists into a `PackedPatterns`,
+loops in Python; it runs once per prompt batch, not per scoring call.
+
+Semantics shared by every reward: a row is read up to (excluding) its FIRST `eos_token_id`; tokens after
+it are ignored; a row without EOS is read whole. A pattern "occurs" when all of its tokens lie before
+that first EOS. An empty pattern (length 0) never matches.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence, Union
+
+import torch
+
+from rlhf_core.types import PackedPatterns
+
+PatternsLike = Union[
+    PackedPatterns,
+    tuple,  # (tokens [B, Q], lengths [B]) or (tokens [B, K, Q], lengths [B, K])
+    Sequence[torch.Tensor],  # one 1-D pattern per row
+    Sequence[Sequence[torch.Tensor]],  # alternatives per row
+]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Packing (not the hot path)
+# ----------------------------------------------------------------------------------------------------
+
+def _as_alternatives(item) -> list[list[int]]:
+    """One row's patterns as a list of alternatives, each a list of ints.
+
+    A row is a 1-D tensor / a list of ints (one pattern), or a list of those (alternatives).
+    """
+    if isinstance(item, torch.Tensor):
+        if item.dim() != 1:
+            raise ValueError(f"a row's answer pattern must be a 1-D tensor, got shape {tuple(item.shape)}")
+        return [item.tolist()]
+    items = list(item)
+    if not items or all(isinstance(x, int) for x in items):
+        return [[int(x) for x in items]]
+    alts = []
+    for alt in items:
+        if isinstance(alt, torch.Tensor):
+            if alt.dim() != 1:
+                raise ValueError(f"an answer alternative must be a 1-D tensor, got shape {tuple(alt.shape)}")
+            alts.append(alt.tolist())
+        else:
+            alts.append([int(x) for x in alt])
+    return alts
+
+
+def _first_tensor_device(answer_patterns) -> torch.device:
+    for item in answer_patterns:
+        for t in ([item] if isinstance(item, torch.Tensor) else item):
+            if isinstance(t, torch.Tensor):
+                return t.device
+    return torch.device("cpu")
+
+
+def pack_patterns(answer_patterns: PatternsLike, device: torch.device | str | None = None) -> PackedPatterns:
+    """Pack per-row answer patterns into a `PackedPatterns` (tokens [B, K, Q], lengths [B, K]).
+
+    answer_patterns: a `PackedPatterns` (returned as is, moved to `device` if given); a tuple
+        (tokens [B, Q], lengths [B]) or (tokens [B, K, Q], lengths [B, K]); a list of B 1-D LongTensors
+        (one pattern per row); or a list of B lists of 1-D LongTensors (alternatives; any may match).
+        Lists of ints are accepted wherever a 1-D tensor is.
+    device: where the packed tensors live; None keeps packed inputs where they are and puts lists on
+        the device of their first tensor (CPU when there is none).
+
+    K = max alternatives per row (at least 1), Q = max pattern length (at least 1); missing alternatives
+    get length 0 and padding tokens are 0. This is the one function that loops in Python: call it once
+    per prompt batch (e.g. in the data layer), not per scoring call.
+    """
+    if isinstance(answer_patterns, PackedPatterns):
+        return answer_patterns if device is None else answer_patterns.to(device)
+    if isinstance(answer_patterns, tuple) and len(answer_patterns) == 2 and all(
+            isinstance(t, torch.Tensor) for t in answer_patterns):
+        tokens, lengths = answer_patterns
+        if tokens.dim() == 2 and lengths.dim() == 1:
+            tokens, lengths = tokens.unsqueeze(1), lengths.unsqueeze(1)
+        if tokens.dim() != 3 or lengths.dim() != 2 or tokens.shape[:2] != lengths.shape:
+            raise ValueError("packed answer patterns must be (tokens [B, Q], lengths [B]) or "
+                             f"(tokens [B, K, Q], lengths [B, K]); got {tuple(tokens.shape)} and {tuple(lengths.shape)}")
+        packed = PackedPatterns(tokens.long(), lengths.long())
+        return packed if device is None else packed.to(device)
+    rows = [_as_alternatives(item) for item in answer_patterns]
+    if device is None:
+        device = _first_tensor_device(answer_patterns)
+    B = len(rows)
+    K = max([len(alts) for alts in rows] + [1])
+    Q = max([len(p) for alts in rows for p in alts] + [1])
+    tokens = torch.zeros(B, K, Q, dtype=torch.long)
+    lengths = torch.zeros(B, K, dtype=torch.long)
+    for b, alts in enumerate(rows):
+        for k, p in enumerate(alts):
+            if p:
+                tokens[b, k, :len(p)] = torch.tensor(p, dtype=torch.long)
+            lengths[b, k] = len(p)
+    return PackedPatterns(tokens.to(device), lengths.to(device))
+
+
+def _packed_on(answer_patterns: PatternsLike, device: torch.device) -> PackedPatterns:
+    """Packed patterns on `device`. Already packed input is only moved (a no-op on the same device)."""
+    packed = pack_patterns(answer_patterns)
+    return packed.to(device) if packed.tokens.device != device else packed
+
+
+# ----------------------------------------------------------------------------------------------------
+# Hot-path primitives
+# ----------------------------------------------------------------------------------------------------
+
+# Why int32 and XOR: on CPU, comparisons that produce bool tensors run several times slower than
+# same-dtype integer ops (xor, and, or, shifts, amin/amax), and int32 halves the memory traffic of int64.
+# So windows are compared by OR-accumulating `window ^ pattern` (zero iff equal) and tested with amin.
+# Token ids are read as non-negative int32 (sign bit cleared): real vocabularies are far below 2**31,
+# and a negative padding id such as -100 then equals no real token. The formulation is device-agnostic.
+_INT32_MAGNITUDE = 0x7FFFFFFF
+
+
+def _as_token_int32(ids: torch.Tensor) -> torch.Tensor:
+    """Token ids as non-negative int32 (same shape)."""
+    return ids.to(torch.int32) & _INT32_MAGNITUDE  # out of place: never alias the caller's tensor
+
+
+def _is_zero_mask(x: torch.Tensor) -> torch.Tensor:
+    """-1 (all bits set) where x == 0, else 0, for a non-negative int32 tensor: (x - 1) >> 31."""
+    return (x - 1).bitwise_right_shift_(31)
+
+
+def _first_eos_int32(ids32: torch.Tensor, eos_token_id: int) -> torch.Tensor:
+    """Index of the first EOS of each row (L when none). ids32: IntTensor [B, L] from _as_token_int32."""
+    L = ids32.shape[-1]
+    from_end = torch.arange(L, 0, -1, dtype=torch.int32, device=ids32.device)  # L - position
+    eos = eos_token_id & _INT32_MAGNITUDE
+    # At EOS positions keep L - position, elsewhere 0; the max is L - (first EOS), 0 without EOS.
+    keyed = _is_zero_mask(ids32 ^ eos).bitwise_and_(from_end)
+    return L - keyed.amax(dim=-1).long()
+
+
+def valid_lengths(generated_ids: torch.Tensor, eos_token_id: int) -> torch.Tensor:
+    """Tokens before the first EOS of each row (L when a row has none).
+
+    generated_ids: LongTensor [B, L]. Returns LongTensor [B] in [0, L].
+    """
+    B, L = generated_ids.shape
+    if L == 0:
+        return torch.zeros(B, dtype=torch.long, device=generated_ids.device)
+    return _first_eos_int32(_as_token_int32(generated_ids), eos_token_id)
+
+
+def _window_mismatch(ids32: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor,
+                     n_valid: torch.Tensor) -> torch.Tensor:
+    """Non-negative IntTensor [B, K, L] that is 0 exactly where `window_matches` is True.
+
+    ids32: IntTensor [B, L] from _as_token_int32; tokens: [B, K, Q]; lengths: [B, K]; n_valid: [B].
+    Loops over Q only: at pattern offset q, the row shifted by q is XOR-ed with token q of every
+    pattern (offsets past a pattern's length masked out) and OR-ed into the accumulator.
+    """
+    B, L = ids32.shape
+    K, Q = tokens.shape[1], tokens.shape[2]
+    device = ids32.device
+    # A window may start at s only if it ends before the first EOS: s <= last_start; empty never does.
+    last_start = torch.where(lengths > 0, n_valid.unsqueeze(1) - lengths, -1).to(torch.int32)  # [B, K]
+    # (last_start - s) >> 31 is -1 exactly where s > last_start; & 1 makes those entries 1 (a mismatch).
+    positions = torch.arange(L, dtype=torch.int32, device=device)
+    acc = (last_start.unsqueeze(-1) - positions).bitwise_right_shift_(31).bitwise_and_(1)  # [B, K, L]
+    if Q == 0:  # no pattern has a token
+        return acc.fill_(1)
+    # Pad the row by Q so that every shifted slice has length L; the padded tail lies outside every
+    # window allowed by last_start, so its value does not matter.
+    padded = torch.nn.functional.pad(ids32, (0, Q)).unsqueeze(1)  # [B, 1, L + Q]
+    tokens32 = _as_token_int32(tokens)
+    # -1 keeps offset q of a pattern, 0 drops it (q >= its length).
+    keep = -(torch.arange(Q, device=device) < lengths.unsqueeze(-1)).to(torch.int32)  # [B, K, Q]
+    for q in range(Q):
+        diff = padded[:, :, q:q + L] ^ tokens32[:, :, q:q + 1]  # [B, K, L]
+        if q > 0:  # offset 0 lies in every non-empty pattern; empty ones are excluded by last_start
+            diff &= keep[:, :, q:q + 1]
+        acc |= diff
+    return acc
+
+
+def window_matches(generated_ids: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor,
+                   n_valid: torch.Tensor) -> torch.Tensor:
+    """Where each row's patterns occur: start positions of complete matches before `n_valid`.
+
+    generated_ids: LongTensor [B, L]; tokens: LongTensor [B, K, Q]; lengths: LongTensor [B, K];
+    n_valid: LongTensor [B] (tokens before the first EOS, from `valid_lengths`).
+    Returns BoolTensor [B, K, L]: True at s when generated_ids[b, s : s + lengths[b, k]] equals
+    tokens[b, k, :lengths[b, k]], s + lengths[b, k] <= n_valid[b] and lengths[b, k] > 0.
+    Nothing of size [B, K, L, Q] is materialised.
+    """
+    return _window_mismatch(_as_token_int32(generated_ids), tokens, lengths, n_valid) == 0
+
+
+def tensor_native_reward(generated_ids: torch.Tensor, answer_patterns: PatternsLike,
+                         eos_token_id: int) -> torch.Tensor:
+    """1.0 where one of the row's answer patterns occurs contiguously before the row's first EOS.
+
+    generated_ids: LongTensor [B, L] response tokens.
+    answer_patterns: per-row patterns in any form `pack_patterns` accepts; a `PackedPatterns` or a
+        (tokens, lengths) tuple is used directly (moved to the device of `generated_ids` if elsewhere).
+    eos_token_id: int.
+    Returns FloatTensor [B] of 0.0 / 1.0. Tokens after the first EOS are ignored, a row without EOS
+    counts whole, an empty pattern or one longer than the trimmed row scores 0. B = 0 and L = 0 work.
+    """
+    packed = _packed_on(answer_patterns, generated_ids.device)
+    _check_rows(generated_ids, packed)
+    B, L = generated_ids.shape
+    if L == 0:
+        return torch.zeros(B, device=generated_ids.device)
+    ids32 = _as_token_int32(generated_ids)
+    n_valid = _first_eos_int32(ids32, eos_token_id)
+    mismatch = _window_mismatch(ids32, packed.tokens, packed.lengths, n_valid)  # [B, K, L], >= 0
+    return (mismatch.amin(dim=-1) == 0).any(dim=-1).float()
+
+
+def gpu_reward_simple(generated_ids: torch.Tensor, gt_token_ids: torch.Tensor, eos_token_id: int) -> torch.Tensor:
+    """1.0 where the row's single ground-truth token appears before the row's first EOS.
+
+    generated_ids: LongTensor [B, L]; gt_token_ids: LongTensor [B]; eos_token_id: int.
+    Returns FloatTensor [B]. A ground truth equal to EOS never scores (nothing precedes the first EOS
+    that equals it).
+    """
+    B, L = generated_ids.shape
+    gt = gt_token_ids.to(generated_ids.device).reshape(B, 1)
+    n_valid = valid_lengths(generated_ids, eos_token_id)
+    before_eos = torch.arange(L, device=generated_ids.device) < n_valid.unsqueeze(1)
+    return ((generated_ids == gt) & before_eos).any(dim=-1).float()
+
+
+def _check_rows(generated_ids: torch.Tensor, packed: PackedPatterns) -> None:
+    if generated_ids.dim() != 2:
+        raise ValueError(f"generated_ids must be [B, L], got shape {tuple(generated_ids.shape)}")
+    if packed.tokens.shape[0] != generated_ids.shape[0]:
+        raise ValueError(f"{packed.tokens.shape[0]} answer-pattern rows for {generated_ids.shape[0]} responses")

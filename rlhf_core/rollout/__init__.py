@@ -1,0 +1,43 @@
+"""Rollout engines and the rollout worker."""
+
+from __future__ import annotations
+
+import warnings
+
+from rlhf_core.rollout.base import RolloutEngine, SamplingParams, sampling_logprobs
+from rlhf_core.rollout.hf import HFEngine, response_mask_from_eos
+from rlhf_core.rollout.random_engine import RandomEngine
+from rlhf_core.rollout.worker import RolloutWorker, split_groups
+
+__all__ = ["HFEngine", "RandomEngine", "RolloutEngine", "RolloutWorker", "SamplingParams", "build_engine",
+           "response_mask_from_eos", "sampling_logprobs", "split_groups", "vllm_available"]
+
+_warned_vllm = False
+
+
+def vllm_available() -> bool:
+    try:
+        import vllm  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def build_engine(cfg, model, tokenizer, model_path: str | None = None, seed: int = 0):
+    """The engine `cfg.rollout.engine` names; 'vllm' falls back to HFEngine (one warning) where vLLM is missing."""
+    global _warned_vllm
+    kind = cfg.rollout.engine
+    if kind == "vllm":
+        if vllm_available():
+            from rlhf_core.rollout.vllm import VLLMEngine
+
+            return VLLMEngine(model_path, cfg, tokenizer, seed=seed)
+        if not _warned_vllm:
+            warnings.warn("rollout.engine is 'vllm' but vllm is not importable here; falling back to HFEngine "
+                          "(pip install 'asynctensorrlhf[vllm]' on a CUDA machine to use it)", RuntimeWarning, stacklevel=2)
+            _warned_vllm = True
+        kind = "hf"
+    if kind == "random":
+        return RandomEngine(len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id,
+                            tokens_per_s=cfg.rollout.random_tokens_per_s, seed=seed)
+    return HFEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id, seed=seed)

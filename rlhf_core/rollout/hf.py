@@ -1,0 +1,107 @@
+"""HFEngine: batched, left-padded generation with a KV cache on any transformers causal LM.
+
+Behaviour logprobs come from the generation's own logits (no second forward pass), under the
+distribution actually sampled from (temperature, top-k, top-p applied).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from rlhf_core.data.prompts import PromptBatch
+from rlhf_core.rollout.base import SamplingParams, sampling_logprobs
+from rlhf_core.types import RolloutBatch
+
+
+class HFEngine:
+    """Generate with a Hugging Face model held in this process."""
+
+    def __init__(self, model, eos_token_id: int, pad_token_id: int, seed: int = 0, version: int = 0):
+        self.model = model
+        self.eos_token_id = int(eos_token_id)
+        self.pad_token_id = int(pad_token_id)
+        self.device = next(model.parameters()).device
+        self.version = version
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed)
+        # transformers 5 renamed the KV-cache argument from `past_key_values` to `cache`
+        self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Copy new weights into the model in place (no reallocation) and adopt their version."""
+        if state_dict is not None:
+            params = dict(self.model.named_parameters())
+            params.update(dict(self.model.named_buffers()))
+            missing = [k for k in state_dict if k not in params]
+            if missing:
+                raise KeyError(f"weights for unknown parameters {missing[:5]} (and {max(0, len(missing) - 5)} more)")
+            with torch.no_grad():
+                for name, tensor in state_dict.items():
+                    params[name].copy_(tensor, non_blocking=True)
+        self.version = int(version)
+
+    @torch.no_grad()
+    def generate(self, prompts: PromptBatch, samples_per_prompt: int, sampling: SamplingParams) -> RolloutBatch:
+        G = samples_per_prompt
+        dev = self.device
+        prompt_ids = prompts.prompt_ids.to(dev).repeat_interleave(G, 0)
+        prompt_mask = prompts.prompt_mask.to(dev).repeat_interleave(G, 0)
+        N, P = prompt_ids.shape
+        T = sampling.max_new_tokens
+        was_training = self.model.training
+        self.model.eval()
+
+        attn = prompt_mask.long()
+        positions = (attn.cumsum(-1) - 1).clamp_(min=0)
+        out = self.model(input_ids=prompt_ids, attention_mask=attn, position_ids=positions, use_cache=True)
+        past = out.past_key_values
+        next_logits = out.logits[:, -1, :]
+        next_pos = positions[:, -1:] + 1
+
+        tokens = torch.full((N, T), self.pad_token_id, dtype=torch.long, device=dev)
+        logps = torch.zeros((N, T), dtype=torch.float32, device=dev)
+        finished = torch.zeros(N, dtype=torch.bool, device=dev)
+        steps = 0
+        for t in range(T):
+            logp = sampling_logprobs(next_logits, sampling)
+            if sampling.greedy:
+                tok = logp.argmax(-1)
+            else:
+                tok = torch.multinomial(logp.exp(), 1, generator=self.generator).squeeze(-1)
+            tok_logp = logp.gather(-1, tok[:, None]).squeeze(-1)
+            tokens[:, t] = torch.where(finished, self.pad_token_id, tok)
+            logps[:, t] = torch.where(finished, 0.0, tok_logp)
+            finished = finished | (tok == self.eos_token_id)
+            steps = t + 1
+            if t == T - 1 or bool(finished.all()):
+                break
+            attn = torch.cat([attn, torch.ones((N, 1), dtype=attn.dtype, device=dev)], dim=1)
+            out = self.model(input_ids=tokens[:, t:t + 1], attention_mask=attn, position_ids=next_pos,
+                             use_cache=True, **{self._cache_kw: past})
+            past = out.past_key_values
+            next_logits = out.logits[:, -1, :]
+            next_pos = next_pos + 1
+        if was_training:
+            self.model.train()
+
+        tokens, logps = tokens[:, :steps], logps[:, :steps]
+        response_mask = response_mask_from_eos(tokens, self.eos_token_id)
+        # rows that finished early have pad after EOS already; make the mask authoritative
+        tokens = tokens.masked_fill(~response_mask, self.pad_token_id)
+        logps = logps.masked_fill(~response_mask, 0.0)
+        return RolloutBatch(
+            prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=tokens, response_mask=response_mask,
+            behavior_logprobs=logps, response_lengths=response_mask.sum(-1),
+            group_ids=torch.arange(len(prompts), device=dev).repeat_interleave(G),
+            policy_version=torch.full((N,), self.version, dtype=torch.long, device=dev),
+            prompt_uids=prompts.uids.to(dev).repeat_interleave(G),
+        )
+
+
+
+def response_mask_from_eos(tokens: torch.Tensor, eos_token_id: int) -> torch.Tensor:
+    """True up to and including the first EOS of each row (all True where there is none). [N, L] -> [N, L]."""
+    is_eos = (tokens == eos_token_id).long()
+    return (is_eos.cumsum(-1) - is_eos) == 0  # no EOS strictly before this position

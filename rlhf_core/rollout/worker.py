@@ -1,0 +1,87 @@
+"""RolloutWorker: prompts in, scored experience groups out, stamped with the policy version."""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import torch
+
+from rlhf_core.data.prompts import Prompt, collate_prompts
+from rlhf_core.rollout.base import SamplingParams
+from rlhf_core.types import Experience, RolloutBatch
+
+
+class RolloutWorker:
+    """Generates with an engine, scores with a tensor-native reward on the engine's device, splits by prompt.
+
+    Keeps busy and idle seconds, samples and tokens generated (`stats()`).
+    """
+
+    def __init__(self, engine, reward_fn, sampling: SamplingParams, samples_per_prompt: int, pad_token_id: int,
+                 max_prompt_tokens: int | None = None):
+        self.engine = engine
+        self.reward_fn = reward_fn
+        self.sampling = sampling
+        self.samples_per_prompt = samples_per_prompt
+        self.pad_token_id = pad_token_id
+        self.max_prompt_tokens = max_prompt_tokens
+        self.busy_s = 0.0
+        self.idle_s = 0.0
+        self.samples = 0
+        self.tokens = 0
+        self.batches = 0
+        self.reward_sum = 0.0
+
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    def load_weights(self, state_dict, version: int) -> float:
+        """Load weights between generation batches; returns the seconds it took."""
+        start = time.perf_counter()
+        self.engine.load_weights(state_dict, version)
+        return time.perf_counter() - start
+
+    def rollout(self, prompts: Sequence[Prompt]) -> tuple[RolloutBatch, dict[str, torch.Tensor]]:
+        """Generate `samples_per_prompt` completions per prompt and score them; returns (batch, reward components)."""
+        start = time.perf_counter()
+        pb = collate_prompts(prompts, self.pad_token_id, self.max_prompt_tokens)
+        batch = self.engine.generate(pb, self.samples_per_prompt, self.sampling)
+        patterns = pb.patterns.to(batch.response_ids.device).repeat_interleave(self.samples_per_prompt)
+        rewards, components = self.reward_fn(batch.response_ids, patterns)
+        batch.rewards = rewards
+        self.busy_s += time.perf_counter() - start
+        self.samples += len(batch)
+        self.tokens += batch.num_tokens
+        self.batches += 1
+        self.reward_sum += float(rewards.sum())
+        return batch, components
+
+    def generate_groups(self, prompts: Sequence[Prompt]) -> list[Experience]:
+        """`rollout`, then one Experience per prompt (its G completions), on CPU for transport."""
+        batch, _ = self.rollout(prompts)
+        return split_groups(batch.to("cpu"), self.samples_per_prompt)
+
+    def add_idle(self, seconds: float) -> None:
+        self.idle_s += seconds
+
+    def stats(self) -> dict:
+        total = self.busy_s + self.idle_s
+        return {"busy_s": self.busy_s, "idle_s": self.idle_s, "busy_frac": self.busy_s / total if total else 0.0,
+                "samples": self.samples, "tokens": self.tokens, "batches": self.batches, "version": self.version,
+                "reward_mean": self.reward_sum / self.samples if self.samples else 0.0}
+
+
+def split_groups(batch: RolloutBatch, group_size: int) -> list[Experience]:
+    """Split a batch whose completions of each prompt are contiguous into per-prompt Experiences (views)."""
+    n = len(batch) // group_size
+    index = torch.arange(len(batch)).view(n, group_size)
+    versions = batch.policy_version.view(n, group_size)[:, 0].tolist()
+    uids = batch.prompt_uids.view(n, group_size)[:, 0].tolist() if batch.prompt_uids is not None else list(range(n))
+    groups = []
+    for g in range(n):
+        sub = batch.select(index[g])
+        sub.group_ids = torch.zeros(group_size, dtype=torch.long)
+        groups.append(Experience(batch=sub, prompt_id=int(uids[g]), policy_version=int(versions[g])))
+    return groups

@@ -1,0 +1,197 @@
+"""Trainer: logprobs, advantages, loss, AdamW step, version bump, weight snapshot.
+
+One `train_step` consumes one batch of complete prompt groups (a RolloutBatch whose rows of one prompt
+are contiguous, G per prompt). Old logprobs are the behaviour logprobs recorded at generation time, so
+the importance ratio measures exactly the drift that staleness introduced (decoupled PPO / M2PO).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from typing import Optional
+
+import torch
+
+from rlhf_core.algorithms import compute_advantages, compute_policy_loss
+from rlhf_core.types import RolloutBatch
+
+
+def build_lr_lambda(schedule: str, warmup_steps: int, total_steps: int, min_lr_ratio: float):
+    """Multiplier of the peak lr at a step: linear warmup, then constant or cosine down to min_lr_ratio."""
+
+    def fn(step: int) -> float:
+        if warmup_steps and step < warmup_steps:
+            return (step + 1) / warmup_steps
+        if schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return fn
+
+
+def sequence_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mask, temperature: float = 1.0,
+                      with_entropy: bool = False):
+    """Per-token logprobs (and entropies) of `response_ids` given left-padded prompts, in one forward pass.
+
+    prompt_ids/mask: [N, P]; response_ids/mask: [N, L]. Returns (logprobs [N, L], entropy [N, L] or None).
+    Logits are divided by the sampling temperature so that ratios compare the same distribution the
+    rollout sampled from.
+    """
+    P = prompt_ids.shape[1]
+    L = response_ids.shape[1]
+    input_ids = torch.cat([prompt_ids, response_ids], dim=1)
+    attn = torch.cat([prompt_mask, response_mask], dim=1).long()
+    positions = (attn.cumsum(-1) - 1).clamp_(min=0)
+    logits = model(input_ids=input_ids, attention_mask=attn, position_ids=positions, use_cache=False).logits
+    logits = logits[:, P - 1:P - 1 + L, :].float()
+    if temperature not in (0, 1.0):
+        logits = logits / temperature
+    logp_all = torch.log_softmax(logits, dim=-1)
+    logprobs = logp_all.gather(-1, response_ids.unsqueeze(-1)).squeeze(-1)
+    entropy = None
+    if with_entropy:
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logprobs, entropy
+
+
+class Trainer:
+    """Owns the policy being optimised, its optimizer and scheduler, and the policy version counter."""
+
+    def __init__(self, model, cfg, pad_token_id: int, ref_model=None):
+        self.model = model
+        self.cfg = cfg
+        self.algo = cfg.algorithm
+        self.tcfg = cfg.trainer
+        self.pad_token_id = pad_token_id
+        self.device = next(model.parameters()).device
+        self.temperature = cfg.rollout.temperature
+        self.version = 0
+        self.step = 0
+        self.skipped_steps = 0
+        self.consecutive_skips = 0
+        self.busy_s = 0.0
+        self.samples = 0
+        self.tokens = 0
+        if cfg.model.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
+            model.gradient_checkpointing_enable()
+        self.ref_model = ref_model
+        if self.algo.kl_coef > 0 and self.ref_model is None:
+            self.ref_model = copy.deepcopy(model).eval()
+            for p in self.ref_model.parameters():
+                p.requires_grad_(False)
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=self.tcfg.lr, betas=tuple(self.tcfg.betas),
+                                           weight_decay=self.tcfg.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, build_lr_lambda(self.tcfg.lr_schedule, self.tcfg.warmup_steps, self.tcfg.total_steps,
+                                            self.tcfg.min_lr_ratio))
+
+    # ------------------------------------------------------------------ advantages
+    def advantages(self, batch: RolloutBatch) -> torch.Tensor:
+        """Group advantages [N] from the batch's rewards, groups of G contiguous rows."""
+        G = self.cfg.rollout.samples_per_prompt
+        rewards = batch.rewards.to(self.device).float()
+        if rewards.numel() % G:
+            raise ValueError(f"batch of {rewards.numel()} rows is not made of whole groups of {G}")
+        adv = compute_advantages(self.algo.advantage, rewards.view(-1, G), eps=self.algo.adv_eps, scale=self.algo.adv_scale)
+        return adv.reshape(-1)
+
+    # ------------------------------------------------------------------ step
+    def train_step(self, batch: RolloutBatch, advantages: Optional[torch.Tensor] = None) -> dict:
+        """One optimizer step on a batch of complete groups. Returns metrics (floats) under contract names."""
+        start = time.perf_counter()
+        consumer_version = self.version
+        self.model.train()
+        batch = batch.to(self.device)
+        if advantages is None:
+            advantages = self.advantages(batch)
+        N = len(batch)
+        mb = self.tcfg.micro_batch_size
+        total_tokens = batch.response_mask.sum().clamp(min=1)
+        # weight of each micro-batch so that accumulated gradients equal the full-batch aggregate
+        per_token = self.algo.agg == "token-mean"
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, torch.Tensor] = {}
+        entropy_sum = torch.zeros((), device=self.device)
+        loss_sum = torch.zeros((), device=self.device)
+        for s in range(0, N, mb):
+            idx = slice(s, min(N, s + mb))
+            mask = batch.response_mask[idx]
+            logprobs, entropy = sequence_logprobs(self.model, batch.prompt_ids[idx], batch.prompt_mask[idx],
+                                                  batch.response_ids[idx], mask, self.temperature, with_entropy=True)
+            ref_logprobs = None
+            if self.ref_model is not None:
+                with torch.no_grad():
+                    ref_logprobs, _ = sequence_logprobs(self.ref_model, batch.prompt_ids[idx], batch.prompt_mask[idx],
+                                                        batch.response_ids[idx], mask, self.temperature)
+            loss, stats = compute_policy_loss(self.algo, logprobs, batch.behavior_logprobs[idx], advantages[idx],
+                                              mask=mask, ref_logprobs=ref_logprobs)
+            weight = (mask.sum() / total_tokens) if per_token else torch.tensor((idx.stop - idx.start) / N, device=self.device)
+            (loss * weight).backward()
+            loss_sum = loss_sum + loss.detach() * weight
+            entropy_sum = entropy_sum + (entropy.detach() * mask).sum()
+            for k, v in stats.items():
+                sums[k] = sums.get(k, 0.0) + torch.as_tensor(v, device=self.device).detach().float() * weight
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.tcfg.grad_clip)
+        finite = bool(torch.isfinite(loss_sum)) and bool(torch.isfinite(grad_norm))
+        if finite:
+            self.optimizer.step()
+            self.scheduler.step()
+            self.version += 1
+            self.consecutive_skips = 0
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+            self.skipped_steps += 1
+            self.consecutive_skips += 1
+        self.step += 1
+        self.model.eval()
+        self.busy_s += time.perf_counter() - start
+        self.samples += N
+        n_tokens = int(total_tokens)
+        self.tokens += n_tokens
+
+        metrics = {k: float(v) for k, v in sums.items()}
+        metrics.update({
+            "loss/policy": float(loss_sum),
+            "policy/entropy": float(entropy_sum / total_tokens),
+            "policy/grad_norm": float(grad_norm),
+            "policy/lr": self.scheduler.get_last_lr()[0],
+            "trainer/skipped_steps": self.skipped_steps,
+            "trainer/step_finite": float(finite),
+            "reward/mean": float(batch.rewards.mean()),
+            "reward/std": float(batch.rewards.std(unbiased=False)),
+            "response/length_mean": float(batch.response_lengths.float().mean()),
+            "version": self.version,
+        })
+        staleness = consumer_version - batch.policy_version  # tau = trainer version - data version
+        metrics["async/staleness_mean"] = float(staleness.float().mean())
+        metrics["async/staleness_max"] = int(staleness.max())
+        return metrics
+
+    # ------------------------------------------------------------------ weights and state
+    def state_dict_for_sync(self) -> dict[str, torch.Tensor]:
+        """Contiguous CPU copies of every parameter and buffer, ready to ship to rollout engines."""
+        out = {}
+        with torch.no_grad():
+            for name, t in list(self.model.named_parameters()) + list(self.model.named_buffers()):
+                out[name] = t.detach().to("cpu", copy=True).contiguous()
+        return out
+
+    def state_dict(self) -> dict:
+        """Everything but the weights: optimizer, scheduler, counters (weights go to safetensors)."""
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "version": self.version, "step": self.step, "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.version = int(state["version"])
+        self.step = int(state["step"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+
+    def stats(self) -> dict:
+        return {"busy_s": self.busy_s, "samples": self.samples, "tokens": self.tokens, "version": self.version,
+                "step": self.step, "skipped_steps": self.skipped_steps}
