@@ -7,7 +7,8 @@ For each batch shape (B rows x L response tokens) it times, single-threaded on t
           to EOS with a real Hugging Face fast tokenizer, then a regex search for the answer text per row.
 Data: uniform random tokens over a ~500-word vocabulary, answer patterns of 3-5 tokens planted at a
 random position in half the rows, EOS at a random position (some rows have none), padding after EOS.
-All three must agree on every row (checked, reported).
+All three must agree on every row (checked, reported). `exact_match_ms` times exact_match_reward (the
+synthetic task's default reward) on the same batch, for reference.
 
     python benchmarks/reward.py            # table
     python benchmarks/reward.py --json     # one JSON object on stdout, nothing else
@@ -31,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rlhf_core.reward import pack_patterns, tensor_native_reward, valid_lengths  # noqa: E402
+from rlhf_core.reward import exact_match_reward, pack_patterns, tensor_native_reward, valid_lengths  # noqa: E402
 
 TARGETS = {"shape": {"B": 256, "L": 1024}, "speedup_vs_regex": 20.0, "speedup_vs_loop": 2.0}
 PAD, EOS, UNK = 0, 1, 2
@@ -142,6 +143,8 @@ def run(quick: bool) -> dict:
             "tensor_ms": median_ms(lambda: tensor_native_reward(ids, packed, EOS), repeats, budget),
             "loop_ms": median_ms(lambda: seed_loop_reward(ids, patterns, EOS), repeats, budget),
             "regex_ms": median_ms(lambda: decode_regex_reward(ids, regexes, tokenizer, EOS), repeats, budget),
+            # for reference: the default reward of the synthetic task (whole response == answer)
+            "exact_match_ms": median_ms(lambda: exact_match_reward(ids, packed, EOS), repeats, budget),
         }
         for name in ("tensor", "loop", "regex"):
             row[f"{name}_ns_per_token"] = row[f"{name}_ms"] * 1e6 / (B * L)
@@ -171,14 +174,15 @@ def print_table(report: dict) -> None:
     print(f"reward scoring, {m['cpu']}, {m['threads']} thread, torch {m['torch']}, vocab {report['vocab_size']}"
           f"{' (quick)' if report['quick'] else ''}")
     head = (f"{'B':>5} {'L':>5} | {'tensor ms':>10} {'loop ms':>10} {'regex ms':>10} | "
-            f"{'tensor ns/tok':>13} {'loop ns/tok':>11} {'regex ns/tok':>12} | {'x loop':>7} {'x regex':>8} | agree")
+            f"{'tensor ns/tok':>13} {'loop ns/tok':>11} {'regex ns/tok':>12} | {'x loop':>7} {'x regex':>8} | "
+            f"{'agree':>9} | {'exact ms':>8}")
     print(head)
     print("-" * len(head))
     for r in report["results"]:
         print(f"{r['B']:>5} {r['L']:>5} | {r['tensor_ms']:>10.3f} {r['loop_ms']:>10.2f} {r['regex_ms']:>10.2f} | "
               f"{r['tensor_ns_per_token']:>13.2f} {r['loop_ns_per_token']:>11.1f} {r['regex_ns_per_token']:>12.1f} | "
               f"{r['speedup_vs_loop']:>7.1f} {r['speedup_vs_regex']:>8.1f} | "
-              f"{r['agree_loop']:.0%}/{r['agree_regex']:.0%}")
+              f"{r['agree_loop']:>4.0%}/{r['agree_regex']:<4.0%} | {r['exact_match_ms']:>8.3f}")
     t = report["targets"]
     if "met_vs_regex" in t:
         print(f"targets at B=256, L=1024: >= {t['speedup_vs_regex']:.0f}x vs decode+regex: "

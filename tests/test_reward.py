@@ -16,7 +16,7 @@ from rlhf_core.config import ConfigError, RewardConfig, load_config
 from rlhf_core.reward import (REWARD_COMPONENTS, answer_after_marker_reward, answer_variants, build_reward_fn,
                               continuation_token_ids, exact_match_reward, format_reward, gpu_reward_simple,
                               length_penalty, number_forms, pack_patterns, patterns_from_texts,
-                              tensor_native_reward, whitespace_token_ids)
+                              tensor_native_reward, valid_lengths, whitespace_token_ids)
 from rlhf_core.types import PackedPatterns
 
 EOS = 0
@@ -254,6 +254,7 @@ def test_marker_alternatives_latest_ending_wins_and_whitespace():
     assert out.tolist() == [1.0, 1.0, 1.0]
     out = answer_after_marker_reward(batch, pats([5], [4], [4]), EOS, markers, T([C1]))
     assert out.tolist() == [1.0, 1.0, 0.0]  # without whitespace ids the space must be in the pattern
+    assert answer_after_marker_reward(batch, pats([5], [4], [4]), EOS, [], T([C1])).tolist() == [0.0] * 3
     # a pattern that itself starts with the whitespace token still matches right after the marker
     out = answer_after_marker_reward(batch[2:], pats([SP, SP, 4]), EOS, markers, T([C1]), whitespace_ids=T([SP]))
     assert out.tolist() == [1.0]
@@ -383,8 +384,18 @@ def test_large_batch_matches_reference():
     rows = as_rows(batch)
     assert tensor_native_reward(batch, packed, EOS).tolist() == [ref_contains(r, a, EOS) for r, a in zip(rows, alts)]
     assert exact_match_reward(batch, packed, EOS).tolist() == [ref_exact(r, a, EOS) for r, a in zip(rows, alts)]
-    out = answer_after_marker_reward(batch, packed, EOS, T([4]), T([1, 2]))
-    assert out.tolist() == [ref_marker(r, a, EOS, [[4]], [1, 2]) for r, a in zip(rows, alts)]
+    big_continuation_set = torch.cat([T([2, 1]), torch.arange(100, 1100)])  # large sets: no torch.isin unique path
+    out = answer_after_marker_reward(batch, packed, EOS, T([4]), big_continuation_set, whitespace_ids=T([3]))
+    assert out.tolist() == [ref_marker(r, a, EOS, [[4]], [1, 2], [3]) for r, a in zip(rows, alts)]
+
+
+def test_int32_and_negative_ids():
+    batch = T([[5, 7, 8, EOS, -100], [-100, 7, 8, -100, -100], [7, -100, 8, EOS, EOS]], dtype=torch.int32)
+    before = batch.clone()
+    assert tensor_native_reward(batch, pats([7, 8], [7, 8], [7, 8]), EOS).tolist() == [1.0, 1.0, 0.0]
+    assert exact_match_reward(batch, pats([5, 7, 8], [7], [7, -100, 8]), EOS).tolist() == [1.0, 0.0, 1.0]
+    assert valid_lengths(batch, EOS).tolist() == [3, 5, 3]
+    assert torch.equal(batch, before)  # the int32 fast path never writes into the caller's tensor
 
 
 # ---------------------------------------------------------------------------------------------------

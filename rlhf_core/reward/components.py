@@ -46,6 +46,18 @@ def _matches_at(response_ids: torch.Tensor, packed: PackedPatterns, start: torch
     return ((window == tokens.to(window.dtype)) | beyond).all(dim=-1) & ends_ok
 
 
+def _is_member(values: torch.Tensor, members: torch.Tensor) -> torch.Tensor:
+    """Elementwise membership of `values` (any shape) in the 1-D set `members`, as a BoolTensor.
+
+    A binary search in the sorted set (torch.isin may fall back to a data-dependent unique for large sets).
+    """
+    if members.numel() == 0:
+        return torch.zeros_like(values, dtype=torch.bool)
+    members = members.to(device=values.device, dtype=values.dtype).sort().values
+    found = torch.searchsorted(members, values.contiguous()).clamp_(max=members.numel() - 1)
+    return members[found] == values
+
+
 def exact_match_reward(response_ids: torch.Tensor, patterns: PatternsLike, eos_token_id: int) -> torch.Tensor:
     """1.0 where the response up to its first EOS is exactly one of the row's answer alternatives.
 
@@ -119,26 +131,27 @@ def answer_after_marker_reward(response_ids: torch.Tensor, patterns: PatternsLik
     positions = torch.arange(L, device=device)
 
     marker_tokens, marker_lengths = pack_shared(marker_ids, device)
+    if marker_tokens.shape[0] == 0:  # no marker tokenisation at all: nothing can follow one
+        return torch.zeros(N, device=device)
     marker_hits = _shared_hits(response_ids, marker_tokens, marker_lengths, n_valid)  # [N, M, L]
     marker_ends = positions + marker_lengths.unsqueeze(-1)  # [M, L]
     last_end = torch.where(marker_hits, marker_ends, -1).flatten(1).amax(dim=-1)  # [N], -1 = no marker
     has_marker = last_end >= 0
     starts = [last_end.clamp(min=0)]
     if whitespace_ids is not None and whitespace_ids.numel() > 0:
-        is_space = torch.isin(response_ids, whitespace_ids.to(device)) & (positions < n_valid.unsqueeze(1))
+        is_space = _is_member(response_ids, whitespace_ids) & (positions < n_valid.unsqueeze(1))
         # next_non_space[t] = first t' >= t that is not a whitespace token (L if none): reverse cummin.
         candidate = torch.where(is_space, L, positions)
         next_non_space = candidate.flip(-1).cummin(dim=-1).values.flip(-1)
         next_non_space = torch.cat([next_non_space, next_non_space.new_full((N, 1), L)], dim=1)  # [N, L + 1]
         starts.append(next_non_space.gather(1, starts[0].unsqueeze(1)).squeeze(1))
 
-    continuation_ids = continuation_ids.to(device)
     hit = torch.zeros(N, dtype=torch.bool, device=device)
     for start in starts:  # at most two candidate start positions per row
         at = _matches_at(response_ids, packed, start, n_valid)  # [N, K]
         follower_pos = start.unsqueeze(1) + packed.lengths  # [N, K]
         follower = response_ids.gather(1, follower_pos.clamp(max=L - 1))
-        not_continued = (follower_pos >= n_valid.unsqueeze(1)) | ~torch.isin(follower, continuation_ids)
+        not_continued = (follower_pos >= n_valid.unsqueeze(1)) | ~_is_member(follower, continuation_ids)
         hit |= (at & not_continued).any(dim=-1)
     return (hit & has_marker).float()
 

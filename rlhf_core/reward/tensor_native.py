@@ -117,31 +117,32 @@ def _packed_on(answer_patterns: PatternsLike, device: torch.device) -> PackedPat
 # Hot-path primitives
 # ----------------------------------------------------------------------------------------------------
 
-# Why int32 and XOR: on CPU, comparisons that produce bool tensors run several times slower than
-# same-dtype integer ops (xor, and, or, shifts, amin/amax), and int32 halves the memory traffic of int64.
-# So windows are compared by OR-accumulating `window ^ pattern` (zero iff equal) and tested with amin.
+# Why int32, XOR and in-place ops: on CPU, comparisons that produce bool tensors run several times
+# slower than same-dtype integer ops (xor, and, or, shifts, amin/amax), int32 halves the memory traffic
+# of int64, and every fresh multi-MB CPU buffer costs page faults. So windows are compared by
+# OR-accumulating `window ^ pattern` (zero iff equal) into one buffer, tested with amin at the end.
 # Token ids are read as non-negative int32 (sign bit cleared): real vocabularies are far below 2**31,
 # and a negative padding id such as -100 then equals no real token. The formulation is device-agnostic.
 _INT32_MAGNITUDE = 0x7FFFFFFF
 
 
 def _as_token_int32(ids: torch.Tensor) -> torch.Tensor:
-    """Token ids as non-negative int32 (same shape)."""
-    return ids.to(torch.int32) & _INT32_MAGNITUDE  # out of place: never alias the caller's tensor
+    """Token ids as non-negative int32 (same shape, always a new tensor: never aliases the caller's)."""
+    return ids.to(torch.int32, copy=True).bitwise_and_(_INT32_MAGNITUDE)
 
 
-def _is_zero_mask(x: torch.Tensor) -> torch.Tensor:
-    """-1 (all bits set) where x == 0, else 0, for a non-negative int32 tensor: (x - 1) >> 31."""
-    return (x - 1).bitwise_right_shift_(31)
+def _first_eos_int32(ids32: torch.Tensor, eos_token_id: int, scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """Index of the first EOS of each row (L when none), LongTensor [B].
 
-
-def _first_eos_int32(ids32: torch.Tensor, eos_token_id: int) -> torch.Tensor:
-    """Index of the first EOS of each row (L when none). ids32: IntTensor [B, L] from _as_token_int32."""
+    ids32: IntTensor [B, L] from _as_token_int32; scratch: optional IntTensor [B, L] to compute in.
+    """
     L = ids32.shape[-1]
-    from_end = torch.arange(L, 0, -1, dtype=torch.int32, device=ids32.device)  # L - position
     eos = eos_token_id & _INT32_MAGNITUDE
-    # At EOS positions keep L - position, elsewhere 0; the max is L - (first EOS), 0 without EOS.
-    keyed = _is_zero_mask(ids32 ^ eos).bitwise_and_(from_end)
+    keyed = torch.bitwise_xor(ids32, eos, out=scratch) if scratch is not None else ids32 ^ eos
+    # (x - 1) >> 31 is -1 exactly where x == 0 (x >= 0): keep L - position at EOS positions, 0 elsewhere;
+    # the row max is then L - (first EOS), or 0 without EOS.
+    keyed.sub_(1).bitwise_right_shift_(31)
+    keyed &= torch.arange(L, 0, -1, dtype=torch.int32, device=ids32.device)
     return L - keyed.amax(dim=-1).long()
 
 
@@ -153,16 +154,19 @@ def valid_lengths(generated_ids: torch.Tensor, eos_token_id: int) -> torch.Tenso
     B, L = generated_ids.shape
     if L == 0:
         return torch.zeros(B, dtype=torch.long, device=generated_ids.device)
-    return _first_eos_int32(_as_token_int32(generated_ids), eos_token_id)
+    ids32 = _as_token_int32(generated_ids)
+    return _first_eos_int32(ids32, eos_token_id, scratch=ids32)
 
 
 def _window_mismatch(ids32: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor,
-                     n_valid: torch.Tensor) -> torch.Tensor:
+                     n_valid: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
     """Non-negative IntTensor [B, K, L] that is 0 exactly where `window_matches` is True.
 
-    ids32: IntTensor [B, L] from _as_token_int32; tokens: [B, K, Q]; lengths: [B, K]; n_valid: [B].
-    Loops over Q only: at pattern offset q, the row shifted by q is XOR-ed with token q of every
-    pattern (offsets past a pattern's length masked out) and OR-ed into the accumulator.
+    ids32: IntTensor [B, L] from _as_token_int32; tokens: [B, K, Q]; lengths: [B, K]; n_valid: [B];
+    scratch: optional IntTensor [B, K, L] to compute in (its contents are overwritten).
+    Loops over Q only: at pattern offset q, the row shifted left by q is XOR-ed with token q of every
+    pattern (offsets past a pattern's length masked out) and OR-ed into the accumulator. Windows that
+    would run past the row are never compared: they are already excluded by `last_start`.
     """
     B, L = ids32.shape
     K, Q = tokens.shape[1], tokens.shape[2]
@@ -170,21 +174,21 @@ def _window_mismatch(ids32: torch.Tensor, tokens: torch.Tensor, lengths: torch.T
     # A window may start at s only if it ends before the first EOS: s <= last_start; empty never does.
     last_start = torch.where(lengths > 0, n_valid.unsqueeze(1) - lengths, -1).to(torch.int32)  # [B, K]
     # (last_start - s) >> 31 is -1 exactly where s > last_start; & 1 makes those entries 1 (a mismatch).
-    positions = torch.arange(L, dtype=torch.int32, device=device)
-    acc = (last_start.unsqueeze(-1) - positions).bitwise_right_shift_(31).bitwise_and_(1)  # [B, K, L]
+    acc = last_start.unsqueeze(-1) - torch.arange(L, dtype=torch.int32, device=device)  # [B, K, L]
+    acc.bitwise_right_shift_(31).bitwise_and_(1)
     if Q == 0:  # no pattern has a token
         return acc.fill_(1)
-    # Pad the row by Q so that every shifted slice has length L; the padded tail lies outside every
-    # window allowed by last_start, so its value does not matter.
-    padded = torch.nn.functional.pad(ids32, (0, Q)).unsqueeze(1)  # [B, 1, L + Q]
     tokens32 = _as_token_int32(tokens)
     # -1 keeps offset q of a pattern, 0 drops it (q >= its length).
     keep = -(torch.arange(Q, device=device) < lengths.unsqueeze(-1)).to(torch.int32)  # [B, K, Q]
-    for q in range(Q):
-        diff = padded[:, :, q:q + L] ^ tokens32[:, :, q:q + 1]  # [B, K, L]
+    rows = ids32.unsqueeze(1)  # [B, 1, L]
+    diff = torch.empty_like(acc) if scratch is None else scratch
+    for q in range(min(Q, L)):
+        n = L - q  # window starts s < n have their offset-q token inside the row
+        d = torch.bitwise_xor(rows[:, :, q:], tokens32[:, :, q:q + 1], out=diff[:, :, :n])
         if q > 0:  # offset 0 lies in every non-empty pattern; empty ones are excluded by last_start
-            diff &= keep[:, :, q:q + 1]
-        acc |= diff
+            d &= keep[:, :, q:q + 1]
+        acc[:, :, :n] |= d
     return acc
 
 
@@ -217,9 +221,15 @@ def tensor_native_reward(generated_ids: torch.Tensor, answer_patterns: PatternsL
     B, L = generated_ids.shape
     if L == 0:
         return torch.zeros(B, device=generated_ids.device)
+    K = packed.tokens.shape[1]
+    if K == 0:
+        return torch.zeros(B, device=generated_ids.device)
+    # Three [B, L]-sized buffers in all (fresh CPU buffers cost page faults): the int32 row, the
+    # accumulator, and one scratch shared by the EOS search and the window comparisons.
     ids32 = _as_token_int32(generated_ids)
-    n_valid = _first_eos_int32(ids32, eos_token_id)
-    mismatch = _window_mismatch(ids32, packed.tokens, packed.lengths, n_valid)  # [B, K, L], >= 0
+    scratch = torch.empty(B, K, L, dtype=torch.int32, device=generated_ids.device)
+    n_valid = _first_eos_int32(ids32, eos_token_id, scratch=scratch[:, 0])
+    mismatch = _window_mismatch(ids32, packed.tokens, packed.lengths, n_valid, scratch)  # [B, K, L], >= 0
     return (mismatch.amin(dim=-1) == 0).any(dim=-1).float()
 
 

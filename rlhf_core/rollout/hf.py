@@ -32,8 +32,9 @@ class HFEngine:
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Copy new weights into the model in place (no reallocation) and adopt their version."""
         if state_dict is not None:
-            params = dict(self.model.named_parameters())
-            params.update(dict(self.model.named_buffers()))
+            # remove_duplicate=False: a full state_dict names tied weights twice (lm_head + embeddings)
+            params = dict(self.model.named_parameters(remove_duplicate=False))
+            params.update(dict(self.model.named_buffers(remove_duplicate=False)))
             missing = [k for k in state_dict if k not in params]
             if missing:
                 raise KeyError(f"weights for unknown parameters {missing[:5]} (and {max(0, len(missing) - 5)} more)")

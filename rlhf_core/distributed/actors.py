@@ -1,0 +1,433 @@
+"""Ray actors around the core workers: prompt queue, experience buffer, weight store, rollout, trainer.
+
+The rollout and trainer loops are long-running actor methods; the actors are threaded
+(`max_concurrency`), so control calls (stats, stop, load weights, publish, evaluate, checkpoint) stay
+answerable while a loop runs. Every blocking wait has a timeout and a message naming what it waited for.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import Optional
+
+import ray
+import torch
+
+from rlhf_core.buffer import VersionedReplayBuffer
+from rlhf_core.data import Prompt, PromptSource
+from rlhf_core.types import Experience, cat_rollouts
+
+
+class WaitTimeout(TimeoutError):
+    """A blocking wait ran past runtime.wait_timeout_s."""
+
+
+def get_or_fail(ref, timeout_s: float, what: str):
+    """ray.get with a timeout whose error names what was waited for."""
+    try:
+        return ray.get(ref, timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise WaitTimeout(f"timed out after {timeout_s:g} s waiting for {what} (runtime.wait_timeout_s)") from None
+
+
+def pack_state_dict(state_dict: dict[str, torch.Tensor]) -> dict:
+    """CPU tensors as numpy views, which Ray's object store serialises and reads back zero-copy.
+
+    bfloat16 has no numpy dtype: it travels as int16 bits and is viewed back on arrival.
+    """
+    out = {}
+    for k, t in state_dict.items():
+        if t.dtype == torch.bfloat16:
+            out[k] = ("bfloat16", t.view(torch.int16).numpy())
+        else:
+            out[k] = ("", t.numpy())
+    return out
+
+
+def unpack_state_dict(packed: dict) -> dict[str, torch.Tensor]:
+    """Inverse of pack_state_dict. Tensors share the (read-only) object-store memory: copy, don't write."""
+    import warnings
+
+    out = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # non-writable numpy arrays: we only read them
+        for k, (kind, arr) in packed.items():
+            t = torch.from_numpy(arr)
+            out[k] = t.view(torch.bfloat16) if kind == "bfloat16" else t
+    return out
+
+
+# --------------------------------------------------------------------------------------------- queue
+class PromptQueue:
+    """Prompts waiting for a rollout worker. The flow schedules (`top_up`); when it does not, `get`
+    refills from the seeded source itself, so the loop never waits on the flow."""
+
+    def __init__(self, prompts: list[Prompt], seed: int):
+        self.source = PromptSource(prompts, seed=seed)
+        self.by_uid = {p.uid: p for p in prompts}
+        self.queue: deque[Prompt] = deque()
+        self.lock = threading.Lock()
+        self.scheduled = 0
+        self.served = 0
+
+    def top_up(self, n: int) -> int:
+        with self.lock:
+            new = self.source.next(n)
+            self.queue.extend(new)
+            self.scheduled += len(new)
+            return len(new)
+
+    def get(self, n: int) -> list[Prompt]:
+        with self.lock:
+            if len(self.queue) < n:
+                new = self.source.next(n - len(self.queue))
+                self.queue.extend(new)
+                self.scheduled += len(new)
+            out = [self.queue.popleft() for _ in range(min(n, len(self.queue)))]
+            self.served += len(out)
+            return out
+
+    def size(self) -> int:
+        return len(self.queue)
+
+    def stats(self) -> dict:
+        return {"queued": len(self.queue), "scheduled": self.scheduled, "served": self.served,
+                "epoch": self.source.epoch}
+
+    def state_dict(self) -> dict:
+        with self.lock:
+            return {"source": self.source.state_dict(), "queued": [p.uid for p in self.queue]}
+
+    def load_state_dict(self, state: dict) -> None:
+        with self.lock:
+            self.source.load_state_dict(state["source"])
+            self.queue = deque(self.by_uid[u] for u in state["queued"])
+
+
+# --------------------------------------------------------------------------------------------- buffer
+class ExperienceBuffer:
+    """A VersionedReplayBuffer of prompt groups, plus admission control.
+
+    Admission (the capacity rule AReaL uses): a rollout worker may start a batch of n groups only while
+    admitted + n <= (max_staleness + version + 1) x prompts_per_step + wasted, so at steady state nothing
+    is generated that could not be consumed within max_staleness (wasted = evicted + dropped groups, which
+    are re-admitted so that eviction can never starve the trainer).
+    """
+
+    def __init__(self, max_size: int, max_staleness: int, prompts_per_step: int, admission: bool = True):
+        self.buf = VersionedReplayBuffer(max_size, max_staleness)
+        self.max_staleness = max_staleness
+        self.prompts_per_step = prompts_per_step
+        self.admission = admission
+        self.admitted = 0
+        self.paused = False
+        self.lock = threading.Lock()
+        self.version = 0
+        self.weights_version = 0
+        self.samples_pushed = 0
+
+    def capacity(self) -> int:
+        # Counted against the newest PUBLISHED weights (what new samples will be generated with), not the
+        # trainer's version: with sync_every > 1 the two differ and the trainer's would admit stale work.
+        s = self.buf.stats()
+        wasted = s["evicted_stale"] + s["dropped_overflow"]
+        return (self.max_staleness + self.weights_version + 1) * self.prompts_per_step + wasted
+
+    def set_weights_version(self, version: int) -> None:
+        self.weights_version = max(self.weights_version, int(version))
+
+    def try_admit(self, n_groups: int) -> bool:
+        with self.lock:
+            if self.paused:
+                return False
+            if self.admission and self.admitted + n_groups > self.capacity():  # would be consumed too stale
+                return False
+            self.admitted += n_groups
+            return True
+
+    def set_paused(self, paused: bool) -> None:
+        self.paused = bool(paused)
+
+    def push(self, groups: list[Experience]) -> int:
+        accepted = 0
+        for g in groups:
+            accepted += bool(self.buf.push(g))
+            self.samples_pushed += len(g)
+        return accepted
+
+    def take(self, n: int, timeout_s: float) -> list[Experience]:
+        """Exactly n groups, oldest first, or [] if they did not arrive within timeout_s."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if len(self.buf) >= n:  # one consumer (the trainer): nothing can take items between check and sample
+                return self.buf.sample(n)
+            if time.monotonic() >= deadline:
+                return []
+            time.sleep(0.002)
+
+    def set_version(self, version: int) -> int:
+        self.version = int(version)
+        return self.buf.set_version(version)
+
+    def stats(self) -> dict:
+        s = self.buf.stats()
+        s.update({"admitted": self.admitted, "capacity": self.capacity(), "paused": self.paused,
+                  "samples_pushed": self.samples_pushed})
+        return s
+
+
+# --------------------------------------------------------------------------------------------- weights
+class WeightStore:
+    """The latest published weights: an object reference (one ray.put of a CPU state dict) and its version."""
+
+    def __init__(self):
+        self.version = -1
+        self.ref = None
+        self.published = 0
+        self.publish_s_total = 0.0
+
+    def publish(self, version: int, ref_box: list, publish_s: float) -> None:
+        # the ref arrives inside a list so that Ray passes the reference instead of resolving it
+        if version > self.version:
+            self.version, self.ref = int(version), ref_box[0]
+        self.published += 1
+        self.publish_s_total += publish_s
+
+    def get_if_newer(self, version: int):
+        if self.ref is None or self.version <= version:
+            return None
+        return self.version, [self.ref]
+
+    def stats(self) -> dict:
+        return {"version": self.version, "published": self.published,
+                "publish_s_mean": self.publish_s_total / self.published if self.published else 0.0}
+
+
+# --------------------------------------------------------------------------------------------- rollout
+class RolloutActor:
+    """A RolloutWorker in its own process: loads the newest weights between batches, asks admission,
+    takes prompts, generates, scores, pushes groups. Restarted by Ray if it dies."""
+
+    def __init__(self, cfg, policy_dir: str, index: int, buffer, queue, store):
+        from rlhf_core.models import load_policy
+        from rlhf_core.reward import build_reward_fn
+        from rlhf_core.rollout import RolloutWorker, SamplingParams, build_engine
+
+        torch.set_num_threads(cfg.cluster.torch_threads)
+        self.cfg, self.index = cfg, index
+        self.buffer, self.queue, self.store = buffer, queue, store
+        seed = cfg.trainer.seed + 1000 * (index + 1)
+        torch.manual_seed(seed)
+        model, tok = load_policy(policy_dir, dtype=cfg.model.dtype, device=cfg.model.device,
+                                 trust_remote_code=cfg.model.trust_remote_code)
+        reward_fn = build_reward_fn(cfg.reward, tok, tok.eos_token_id, cfg.rollout.max_new_tokens)
+        engine = build_engine(cfg, model, tok, model_path=policy_dir, seed=seed)
+        self.worker = RolloutWorker(engine, reward_fn, SamplingParams.from_config(cfg.rollout),
+                                    cfg.rollout.samples_per_prompt, tok.pad_token_id, cfg.data.max_prompt_tokens)
+        self.stop_event = threading.Event()
+        self.timeout = cfg.runtime.wait_timeout_s
+        self.syncs: list[dict] = []
+        self.groups_pushed = 0
+        self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        self.loop_running = False
+
+    def ping(self) -> dict:
+        return {"index": self.index, "restarted": self.restarted, "version": self.worker.version}
+
+    def maybe_load_weights(self) -> bool:
+        """Between batches only: adopt the newest published weights if they are newer than ours."""
+        found = get_or_fail(self.store.get_if_newer.remote(self.worker.version), self.timeout, "the weight store")
+        if found is None:
+            return False
+        version, (ref,) = found
+        start = time.perf_counter()
+        state_dict = unpack_state_dict(get_or_fail(ref, self.timeout, f"weights of version {version}"))
+        fetched = time.perf_counter()
+        self.worker.load_weights(state_dict, version)
+        done = time.perf_counter()
+        self.syncs.append({"version": version, "fetch_s": fetched - start, "load_s": done - fetched, "stall_s": done - start})
+        return True
+
+    def generate_once(self, n_prompts: int) -> int:
+        """Take n prompts, generate, push. Returns groups pushed (sync mode calls this directly)."""
+        prompts = get_or_fail(self.queue.get.remote(n_prompts), self.timeout, "prompts from the prompt queue")
+        if not prompts:
+            return 0
+        groups = self.worker.generate_groups(prompts)
+        get_or_fail(self.buffer.push.remote(groups), self.timeout, "the replay buffer to accept a push")
+        self.groups_pushed += len(groups)
+        return len(groups)
+
+    def run_loop(self) -> dict:
+        """Generate continuously until stop(); idle time (admission denied, weights loading) is counted."""
+        self.stop_event.clear()
+        self.loop_running = True
+        n = self.cfg.rollout.prompts_per_batch
+        try:
+            while not self.stop_event.is_set():
+                t0 = time.perf_counter()
+                if not get_or_fail(self.buffer.try_admit.remote(n), self.timeout, "admission from the replay buffer"):
+                    self.stop_event.wait(0.005)
+                    self.worker.add_idle(time.perf_counter() - t0)
+                    continue
+                self.worker.add_idle(time.perf_counter() - t0)
+                self.maybe_load_weights()  # admitted against version v: weights >= v are published, load them
+                self.generate_once(n)
+        finally:
+            self.loop_running = False
+        return self.stats()
+
+    def stop(self) -> None:
+        self.stop_event.set()
+
+    def stats(self) -> dict:
+        s = self.worker.stats()
+        stalls = [x["stall_s"] for x in self.syncs]
+        s.update({"index": self.index, "restarted": self.restarted, "groups_pushed": self.groups_pushed,
+                  "syncs": len(self.syncs), "sync_stall_s_mean": sum(stalls) / len(stalls) if stalls else 0.0,
+                  "sync_stall_s_max": max(stalls) if stalls else 0.0,
+                  "batch_s_mean": s["busy_s"] / s["batches"] if s["batches"] else 0.0,
+                  "loop_running": self.loop_running})
+        return s
+
+    def rng_state(self) -> torch.Tensor:
+        return self.worker.engine.generator.get_state()
+
+    def set_rng_state(self, state: torch.Tensor) -> None:
+        self.worker.engine.generator.set_state(state)
+
+    def crash(self) -> None:
+        """Test hook: die the way a segfault or OOM kill would."""
+        import os
+
+        os._exit(1)
+
+
+# --------------------------------------------------------------------------------------------- trainer
+class TrainerActor:
+    """The Trainer in its own process: takes whole batches of groups, steps, publishes weights."""
+
+    def __init__(self, cfg, policy_dir: str, heldout: list[Prompt], buffer, store):
+        from rlhf_core.models import load_policy
+        from rlhf_core.reward import build_reward_fn
+        from rlhf_core.rollout import HFEngine
+        from rlhf_core.trainer import Trainer
+
+        torch.set_num_threads(cfg.cluster.torch_threads)
+        torch.manual_seed(cfg.trainer.seed)
+        self.cfg, self.buffer, self.store, self.heldout = cfg, buffer, store, heldout
+        self.policy_dir = policy_dir
+        self.model, self.tokenizer = load_policy(policy_dir, dtype=cfg.model.dtype, device=cfg.model.device,
+                                                 trust_remote_code=cfg.model.trust_remote_code)
+        self.trainer = Trainer(self.model, cfg, self.tokenizer.pad_token_id)
+        self.reward_fn = build_reward_fn(cfg.reward, self.tokenizer, self.tokenizer.eos_token_id, cfg.rollout.max_new_tokens)
+        self.eval_engine = HFEngine(self.model, self.tokenizer.eos_token_id, self.tokenizer.pad_token_id, seed=cfg.trainer.seed)
+        self.lock = threading.Lock()  # one of: train step, evaluation, checkpoint, export
+        self.stop_event = threading.Event()
+        self.metrics: list[dict] = []
+        self.idle_s = 0.0
+        self.timeout = cfg.runtime.wait_timeout_s
+        self.error: Optional[str] = None
+        self.staleness_hist: dict[int, int] = {}
+
+    def publish(self) -> float:
+        """One ray.put of a contiguous CPU state dict, registered in the weight store. Returns seconds."""
+        start = time.perf_counter()
+        ref = ray.put(pack_state_dict(self.trainer.state_dict_for_sync()))
+        version = self.trainer.version
+        get_or_fail(self.store.publish.remote(version, [ref], time.perf_counter() - start),
+                    self.timeout, "the weight store to register a publish")
+        get_or_fail(self.buffer.set_weights_version.remote(version), self.timeout, "the replay buffer admission update")
+        return time.perf_counter() - start
+
+    def train_once(self, wait_s: Optional[float] = None) -> Optional[dict]:
+        """Take prompts_per_step groups (waiting up to wait_s), train one step, publish by sync_every."""
+        n = self.cfg.trainer.prompts_per_step
+        t0 = time.perf_counter()
+        groups = get_or_fail(self.buffer.take.remote(n, wait_s if wait_s is not None else self.timeout),
+                             self.timeout + 5, "a batch from the replay buffer")
+        t1 = time.perf_counter()
+        self.idle_s += t1 - t0
+        if not groups:
+            return None
+        with self.lock:
+            batch = cat_rollouts([g.batch for g in groups], self.tokenizer.pad_token_id)
+            consumer_version = self.trainer.version
+            staleness = consumer_version - batch.policy_version
+            if int(staleness.max()) > self.cfg.runtime.max_staleness:  # the buffer guarantees this; never train on it
+                raise RuntimeError(f"staleness bound violated: tau={int(staleness.max())} > max_staleness")
+            for tau, count in zip(*torch.unique(staleness, return_counts=True)):
+                self.staleness_hist[int(tau)] = self.staleness_hist.get(int(tau), 0) + int(count)
+            m = self.trainer.train_step(batch)
+            if self.trainer.version % self.cfg.runtime.sync_every == 0:
+                m["sync/latency_s"] = self.publish()
+            get_or_fail(self.buffer.set_version.remote(self.trainer.version), self.timeout, "the replay buffer version update")
+        t2 = time.perf_counter()
+        m.update({"time/train_s": t2 - t1, "time/wait_s": t1 - t0, "step": self.trainer.step,
+                  "throughput/samples_per_s": len(batch) / max(1e-9, t2 - t0),
+                  "throughput/tokens_per_s": batch.num_tokens / max(1e-9, t2 - t0)})
+        self.metrics.append(m)
+        return m
+
+    def run_loop(self, total_steps: int) -> dict:
+        self.stop_event.clear()
+        try:
+            while self.trainer.step < total_steps and not self.stop_event.is_set():
+                self.train_once(wait_s=0.5)
+        except Exception as exc:
+            self.error = f"{type(exc).__name__}: {exc}"
+            raise
+        return self.stats()
+
+    def stop(self) -> None:
+        self.stop_event.set()
+
+    def drain_metrics(self) -> list[dict]:
+        out, self.metrics = self.metrics, []
+        return out
+
+    def evaluate(self) -> dict:
+        from rlhf_core.loop import evaluate
+
+        with self.lock:
+            return evaluate(self.eval_engine, self.heldout, self.reward_fn, self.tokenizer.pad_token_id,
+                            self.cfg.rollout.max_new_tokens, max_prompt_tokens=self.cfg.data.max_prompt_tokens)
+
+    def checkpoint(self, path: str, extra: dict) -> str:
+        from rlhf_core.checkpoint import capture_rng, save_checkpoint
+
+        with self.lock:
+            state = {"trainer": self.trainer.state_dict(), "rng": capture_rng(), **extra}
+            return str(save_checkpoint(path, self.model, state))
+
+    def restore(self, path: str) -> dict:
+        """Validate, then restore weights/optimizer/versions/RNG; returns the checkpoint state for the others."""
+        from rlhf_core.checkpoint import load_weights_into, read_checkpoint, restore_rng
+
+        with self.lock:
+            state, weights = read_checkpoint(path, self.model)
+            load_weights_into(self.model, weights)
+            self.trainer.load_state_dict(state["trainer"])
+            restore_rng(state["rng"])
+        return {k: v for k, v in state.items() if k not in ("trainer", "rng")}
+
+    def export(self, path: str) -> str:
+        with self.lock:
+            out = Path(path)
+            out.mkdir(parents=True, exist_ok=True)
+            self.model.save_pretrained(out)
+            self.tokenizer.save_pretrained(out)
+            return str(out)
+
+    def stats(self) -> dict:
+        s = self.trainer.stats()
+        total = s["busy_s"] + self.idle_s
+        s.update({"idle_s": self.idle_s, "busy_frac": s["busy_s"] / total if total else 0.0, "error": self.error,
+                  "staleness_hist": dict(self.staleness_hist), "consecutive_skips": self.trainer.consecutive_skips})
+        return s
+
+    def version(self) -> int:
+        return self.trainer.version

@@ -1,0 +1,129 @@
+"""Ray bring-up and teardown: a local instance by default, an existing cluster when asked.
+
+`cluster.address` empty starts a local Ray instance sized from the config (dashboard off, usage stats
+off); "auto" or "ray://host:port" joins an existing cluster. Only what this run created is torn down,
+and Ray is shut down only if this run started it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import ray
+
+log = logging.getLogger("rlhf_core.distributed")
+
+
+class ClusterError(RuntimeError):
+    """Ray could not be reached, or it cannot host the roles the config asks for."""
+
+
+@dataclass
+class ClusterHandle:
+    address: str
+    started_ray: bool
+    placement_group: Optional[object] = None
+    actors: list = field(default_factory=list)
+
+
+def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """Fail fast with a clear message instead of letting a client connect hang on a bad host:port."""
+    target = address[len("ray://"):] if address.startswith("ray://") else address
+    if ":" not in target:
+        raise ClusterError(f"cluster.address {address!r} is not '', 'auto', 'host:port' or 'ray://host:port'")
+    host, _, port = target.rpartition(":")
+    try:
+        port_num = int(port)
+    except ValueError:
+        raise ClusterError(f"cluster.address {address!r}: port {port!r} is not a number") from None
+    try:
+        with socket.create_connection((host, port_num), timeout=timeout_s):
+            pass
+    except OSError as exc:
+        raise ClusterError(f"cannot reach a Ray cluster at cluster.address={address!r}: {exc}") from None
+
+
+def connect(cluster_cfg) -> ClusterHandle:
+    """Join or start Ray as the config says. Returns a handle that records whether we started it."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if ray.is_initialized():
+        return ClusterHandle(address="(already connected)", started_ray=False)
+    address = cluster_cfg.address.strip()
+    if not address:
+        start = time.perf_counter()
+        ray.init(num_cpus=cluster_cfg.num_cpus, num_gpus=cluster_cfg.num_gpus, include_dashboard=False,
+                 log_to_driver=True, configure_logging=False)
+        log.info("started a local Ray instance in %.1f s", time.perf_counter() - start)
+        return ClusterHandle(address="local", started_ray=True)
+    if address != "auto":
+        _check_reachable(address)
+    try:
+        ray.init(address=address, log_to_driver=True, configure_logging=False)
+    except Exception as exc:  # ConnectionError, RuntimeError... name the address
+        raise ClusterError(f"could not join the Ray cluster at cluster.address={address!r}: {exc}") from exc
+    return ClusterHandle(address=address, started_ray=False)
+
+
+def required_resources(cfg) -> dict[str, float]:
+    c = cfg.cluster
+    n = cfg.rollout.num_workers
+    return {"CPU": n * c.rollout_cpus + c.trainer_cpus, "GPU": n * c.rollout_gpus + c.trainer_gpus}
+
+
+def check_resources(cfg) -> None:
+    """Refuse, with the numbers, a config whose roles can never be scheduled (instead of pending forever)."""
+    need = required_resources(cfg)
+    have = ray.cluster_resources()
+    short = {k: (v, have.get(k, 0.0)) for k, v in need.items() if v > have.get(k, 0.0) + 1e-9}
+    if short:
+        c = cfg.cluster
+        detail = ", ".join(f"{k}: need {v:g}, cluster has {h:g}" for k, (v, h) in short.items())
+        raise ClusterError(
+            f"not enough resources for the requested roles ({detail}); roles: {cfg.rollout.num_workers} rollout "
+            f"worker(s) x (cpus={c.rollout_cpus:g}, gpus={c.rollout_gpus:g}) + trainer (cpus={c.trainer_cpus:g}, "
+            f"gpus={c.trainer_gpus:g}). Lower rollout.num_workers / cluster.*_cpus / cluster.*_gpus or add nodes.")
+
+
+def gpu_placement_group(cfg, timeout_s: float):
+    """A placement group (one bundle per role) when any role asks for GPUs; None otherwise."""
+    c = cfg.cluster
+    if c.rollout_gpus == 0 and c.trainer_gpus == 0:
+        return None
+    from ray.util.placement_group import placement_group
+
+    bundles = [{"CPU": c.trainer_cpus, "GPU": c.trainer_gpus}] + \
+              [{"CPU": c.rollout_cpus, "GPU": c.rollout_gpus} for _ in range(cfg.rollout.num_workers)]
+    bundles = [{k: v for k, v in b.items() if v > 0} or {"CPU": 0.01} for b in bundles]
+    pg = placement_group(bundles, strategy="PACK")
+    try:
+        ray.get(pg.ready(), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        ray.util.remove_placement_group(pg)
+        raise ClusterError(f"the GPU placement group {bundles} was not ready within {timeout_s:g} s "
+                           "(runtime.wait_timeout_s); the cluster lacks free GPUs for these roles") from None
+    return pg
+
+
+def teardown(handle: ClusterHandle) -> None:
+    """Kill exactly the actors and placement group this run created; shut Ray down only if we started it."""
+    if not ray.is_initialized():
+        return
+    for actor in handle.actors:
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception:  # already dead
+            pass
+    handle.actors.clear()
+    if handle.placement_group is not None:
+        try:
+            ray.util.remove_placement_group(handle.placement_group)
+        except Exception:
+            pass
+        handle.placement_group = None
+    if handle.started_ray:
+        ray.shutdown()

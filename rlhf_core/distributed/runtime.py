@@ -1,0 +1,321 @@
+"""DistributedRun: the Ray runtime of one training run (mechanisms, not policies).
+
+It launches the actors, runs the loops (async) or drives lockstep steps (sync), and answers the control
+plane: poll stats, schedule prompts, sync weights, throttle, evaluate, checkpoint, export, teardown.
+The Prefect flow (flows/train.py) decides WHEN to do these things; `run_distributed` is the same
+supervision without Prefect, for tests, benchmarks and debugging.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import ray
+
+from rlhf_core.config import TrainConfig
+from rlhf_core.distributed import actors as A
+from rlhf_core.distributed.cluster import ClusterHandle, check_resources, connect, gpu_placement_group, teardown
+
+log = logging.getLogger("rlhf_core.distributed")
+
+
+class RunFailed(RuntimeError):
+    """The run cannot go on (trainer failure, worker restart limit, stall); the message names the cause."""
+
+
+def _remote(cls, **options):
+    return ray.remote(cls).options(**options)
+
+
+class DistributedRun:
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+        self.handle: Optional[ClusterHandle] = None
+        self.buffer = self.queue = self.store = self.trainer = None
+        self.workers: list = []
+        self.worker_loops: dict[int, object] = {}
+        self.trainer_loop = None
+        self.restarts = [0] * cfg.rollout.num_workers
+        self.events: list[dict] = []
+        self._new_events: list[dict] = []
+        self.last_step = 0
+        self.last_version = 0
+        self.started = False
+        self.failed: Optional[str] = None
+        self.timeout = cfg.runtime.wait_timeout_s
+        self.policy_dir: Optional[str] = None
+        self.eval_start: Optional[float] = None
+
+    # ------------------------------------------------------------------ bring-up
+    def _event(self, kind: str, detail: str) -> None:
+        ev = {"time": time.time(), "kind": kind, "detail": detail}
+        self.events.append(ev)
+        self._new_events.append(ev)
+        log.warning("%s: %s", kind, detail)
+
+    def launch(self, resume_from: Optional[str] = None) -> dict:
+        """Join or start Ray, check resources, create the actors, restore a checkpoint if given."""
+        from rlhf_core.data import build_prompt_splits
+        from rlhf_core.models import ensure_policy
+
+        cfg = self.cfg
+        policy_dir = ensure_policy(cfg.model, cfg.data.task, cfg.run.output_dir, seed=cfg.trainer.seed)
+        self.policy_dir = str(Path(policy_dir).resolve())
+        # prompts are tokenized once here and shipped to the actors that need them
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(self.policy_dir, trust_remote_code=cfg.model.trust_remote_code, local_files_only=True)
+        train_prompts, heldout = build_prompt_splits(cfg.data, tok)
+        if resume_from:  # validate before starting anything (clear error, nothing half-started)
+            from rlhf_core.checkpoint import read_checkpoint
+
+            read_checkpoint(resume_from)
+
+        self.handle = connect(cfg.cluster)
+        try:
+            check_resources(cfg)
+            pg = gpu_placement_group(cfg, self.timeout)
+            self.handle.placement_group = pg
+            c = cfg.cluster
+
+            def placed(bundle: int) -> dict:
+                if pg is None:
+                    return {}
+                from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+                return {"scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle)}
+
+            sync = cfg.runtime.mode == "sync"
+            self.queue = _remote(A.PromptQueue, num_cpus=0, max_concurrency=8).remote(train_prompts, cfg.data.seed)
+            self.buffer = _remote(A.ExperienceBuffer, num_cpus=0, max_concurrency=16).remote(
+                cfg.buffer.max_size, cfg.runtime.max_staleness, cfg.trainer.prompts_per_step, admission=not sync)
+            self.store = _remote(A.WeightStore, num_cpus=0, max_concurrency=8).remote()
+            self.trainer = _remote(A.TrainerActor, num_cpus=c.trainer_cpus, num_gpus=c.trainer_gpus, max_concurrency=4,
+                                   **placed(0)).remote(cfg, self.policy_dir, heldout, self.buffer, self.store)
+            self.workers = [
+                _remote(A.RolloutActor, num_cpus=c.rollout_cpus, num_gpus=c.rollout_gpus, max_concurrency=4,
+                        max_restarts=c.max_restarts, max_task_retries=0, **placed(i + 1)).remote(
+                    cfg, self.policy_dir, i, self.buffer, self.queue, self.store)
+                for i in range(cfg.rollout.num_workers)]
+            self.handle.actors = [self.queue, self.buffer, self.store, self.trainer, *self.workers]
+            A.get_or_fail([w.ping.remote() for w in self.workers] + [self.trainer.version.remote()],
+                          max(self.timeout, 300), "the rollout workers and the trainer to start")
+            if resume_from:
+                extra = A.get_or_fail(self.trainer.restore.remote(str(resume_from)), self.timeout, "the checkpoint restore")
+                if "queue" in extra:
+                    ray.get(self.queue.load_state_dict.remote(extra["queue"]))
+                for w, state in zip(self.workers, extra.get("rollout_rng", [])):
+                    ray.get(w.set_rng_state.remote(state))
+                self.eval_start = extra.get("eval_start")
+            version = ray.get(self.trainer.version.remote())
+            ray.get(self.buffer.set_version.remote(version))
+            self.request_sync()
+            ray.get([w.maybe_load_weights.remote() for w in self.workers])
+            stats = ray.get(self.trainer.stats.remote())
+            self.last_step, self.last_version = stats["step"], stats["version"]
+        except BaseException:
+            self.teardown()
+            raise
+        return {"ray_address": self.handle.address, "started_ray": self.handle.started_ray,
+                "policy_dir": self.policy_dir, "version": self.last_version, "step": self.last_step}
+
+    # ------------------------------------------------------------------ loops
+    def start(self) -> None:
+        """Async mode: start the rollout and trainer loops (non-blocking). Sync mode: nothing to start."""
+        if self.cfg.runtime.mode != "async" or self.started:
+            return
+        self.trainer_loop = self.trainer.run_loop.remote(self.cfg.trainer.total_steps)
+        self.worker_loops = {i: w.run_loop.remote() for i, w in enumerate(self.workers)}
+        self.started = True
+
+    def advance(self) -> None:
+        """Sync mode: one lockstep step — every worker generates its share, the trainer steps, workers load."""
+        if self.cfg.runtime.mode != "sync" or self.done:
+            return
+        n = self.cfg.trainer.prompts_per_step
+        shares = [n // len(self.workers) + (1 if i < n % len(self.workers) else 0) for i in range(len(self.workers))]
+        A.get_or_fail([w.generate_once.remote(s) for w, s in zip(self.workers, shares) if s],
+                      self.timeout, "the rollout workers to generate a batch")
+        m = A.get_or_fail(self.trainer.train_once.remote(self.timeout), self.timeout + 10, "the trainer step")
+        if m is None:
+            raise RunFailed("the trainer found no complete batch after the rollout workers generated one")
+        A.get_or_fail([w.maybe_load_weights.remote() for w in self.workers], self.timeout, "the rollout workers to load weights")
+
+    @property
+    def done(self) -> bool:
+        return self.last_step >= self.cfg.trainer.total_steps
+
+    # ------------------------------------------------------------------ supervision hooks
+    def _check_worker_loops(self) -> None:
+        """Restart the loop of a worker that Ray restarted; count and report the event."""
+        for i, ref in list(self.worker_loops.items()):
+            ready, _ = ray.wait([ref], timeout=0)
+            if not ready:
+                continue
+            try:
+                ray.get(ref)
+                continue  # the loop ended normally (stop)
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
+                self.restarts[i] += 1
+                self._event("rollout_worker_died", f"rollout worker {i} died ({type(exc).__name__}); restart "
+                            f"{self.restarts[i]} of at most {self.cfg.cluster.max_restarts}")
+            if self.restarts[i] > self.cfg.cluster.max_restarts:
+                raise RunFailed(f"rollout worker {i} died more than cluster.max_restarts={self.cfg.cluster.max_restarts} times")
+            try:
+                info = A.get_or_fail(self.workers[i].ping.remote(), self.timeout, f"rollout worker {i} to restart")
+            except (ray.exceptions.RayActorError, A.WaitTimeout) as exc:
+                raise RunFailed(f"rollout worker {i} did not come back: {exc}") from exc
+            self._event("rollout_worker_restarted", f"rollout worker {i} restarted (reconstructed={info['restarted']}) "
+                        "and reloads the newest weights")
+            self.worker_loops[i] = self.workers[i].run_loop.remote()
+
+    def poll(self) -> dict:
+        """Stats of every actor plus the trainer metrics produced since the last poll."""
+        if self.trainer_loop is not None:
+            ready, _ = ray.wait([self.trainer_loop], timeout=0)
+            if ready:
+                try:
+                    ray.get(self.trainer_loop)
+                except Exception as exc:
+                    self.failed = f"trainer failed: {exc}"
+                    raise RunFailed(self.failed) from exc
+        if self.started:
+            self._check_worker_loops()
+        metrics = A.get_or_fail(self.trainer.drain_metrics.remote(), self.timeout, "trainer metrics")
+        tstats = A.get_or_fail(self.trainer.stats.remote(), self.timeout, "trainer stats")
+        bstats = A.get_or_fail(self.buffer.stats.remote(), self.timeout, "buffer stats")
+        qstats = A.get_or_fail(self.queue.stats.remote(), self.timeout, "prompt queue stats")
+        wstats = []
+        for i, w in enumerate(self.workers):
+            try:
+                s = ray.get(w.stats.remote(), timeout=min(self.timeout, 10))
+                s["alive"] = True
+            except Exception as exc:
+                s = {"index": i, "alive": False, "error": type(exc).__name__}
+            s["restarts"] = self.restarts[i]
+            wstats.append(s)
+        alive = [s for s in wstats if s["alive"]]
+        rollout_busy = sum(s.get("busy_frac", 0.0) for s in alive) / max(1, len(alive))
+        shared = {"buffer/size": bstats["size"], "buffer/evicted_stale": bstats["evicted_stale"],
+                  "buffer/dropped_overflow": bstats["dropped_overflow"], "util/rollout_busy": rollout_busy,
+                  "util/trainer_busy": tstats["busy_frac"]}
+        for m in metrics:
+            m.update(shared)
+        self.last_step, self.last_version = tstats["step"], tstats["version"]
+        events, self._new_events = self._new_events, []
+        return {"step": self.last_step, "version": self.last_version, "done": self.done, "metrics": metrics,
+                "buffer": bstats, "queue": qstats, "rollout": wstats, "trainer": tstats, "events": events,
+                "failed": self.failed}
+
+    def top_up_prompts(self, n: Optional[int] = None, target: Optional[int] = None) -> int:
+        """Schedule prompts with backpressure: fill the queue up to `target` (default two trainer steps)."""
+        target = target or 2 * self.cfg.trainer.prompts_per_step
+        queued = ray.get(self.queue.size.remote())
+        want = max(0, target - queued) if n is None else min(n, max(0, target - queued))
+        return ray.get(self.queue.top_up.remote(want)) if want else 0
+
+    def request_sync(self) -> float:
+        """Publish the trainer's weights now (workers pick them up between batches)."""
+        return A.get_or_fail(self.trainer.publish.remote(), self.timeout, "the trainer to publish weights")
+
+    def throttle(self, paused: bool) -> None:
+        ray.get(self.buffer.set_paused.remote(paused))
+
+    def evaluate(self) -> dict:
+        return A.get_or_fail(self.trainer.evaluate.remote(), max(self.timeout, 600), "held-out evaluation")
+
+    def checkpoint(self, path: str | Path, extra: Optional[dict] = None) -> str:
+        """A full resumable checkpoint: trainer state + data position + rollout RNG."""
+        state = {"queue": ray.get(self.queue.state_dict.remote()),
+                 "rollout_rng": ray.get([w.rng_state.remote() for w in self.workers]),
+                 "eval_start": self.eval_start, **(extra or {})}
+        return A.get_or_fail(self.trainer.checkpoint.remote(str(path), state), max(self.timeout, 600), "the checkpoint write")
+
+    def export(self, path: str | Path) -> str:
+        return A.get_or_fail(self.trainer.export.remote(str(path)), max(self.timeout, 600), "the model export")
+
+    def stop(self) -> None:
+        """Stop the loops and wait (bounded) for them to return."""
+        if self.trainer is None:
+            return
+        refs = []
+        for actor in [self.trainer, *self.workers]:
+            try:
+                refs.append(actor.stop.remote())
+            except Exception:
+                pass
+        loops = [r for r in [self.trainer_loop, *self.worker_loops.values()] if r is not None]
+        try:
+            ray.wait(refs + loops, num_returns=len(refs + loops), timeout=min(self.timeout, 30))
+        except Exception:
+            pass
+        self.started = False
+
+    def teardown(self) -> None:
+        """Idempotent: stop loops, kill exactly our actors and placement group, shut Ray down if we started it."""
+        if self.handle is None:
+            return
+        try:
+            if ray.is_initialized():
+                self.stop()
+        finally:
+            teardown(self.handle)
+            self.handle = None
+
+    def __enter__(self) -> "DistributedRun":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.teardown()
+
+    # ------------------------------------------------------------------ reconciliation
+    def reconcile(self, poll: dict) -> dict:
+        """generated = consumed + evicted + dropped + buffered (+ in flight), in groups."""
+        b = poll["buffer"]
+        generated = sum(s.get("groups_pushed", 0) for s in poll["rollout"] if s.get("alive"))
+        accounted = b["sampled"] + b["evicted_stale"] + b["dropped_overflow"] + b["size"]
+        return {"generated": generated, "pushed": b["pushed"], "consumed": b["sampled"], "evicted": b["evicted_stale"],
+                "dropped": b["dropped_overflow"], "buffered": b["size"], "in_flight": b["pushed"] - accounted}
+
+
+def run_distributed(cfg: TrainConfig, resume_from: Optional[str] = None,
+                    on_poll: Optional[Callable[[dict], None]] = None, poll_interval_s: Optional[float] = None) -> dict:
+    """Run to cfg.trainer.total_steps on Ray without Prefect; returns final metrics and run facts."""
+    interval = poll_interval_s if poll_interval_s is not None else cfg.supervision.supervise_interval_s
+    result: dict = {"metrics": [], "events": []}
+    with DistributedRun(cfg) as run:
+        info = run.launch(resume_from)
+        result.update(info)
+        result["eval/accuracy_start"] = run.eval_start if resume_from else run.evaluate()["eval/accuracy"]
+        run.eval_start = result["eval/accuracy_start"]
+        start = time.perf_counter()
+        last_progress, last_step = time.monotonic(), run.last_step
+        run.start()
+        while True:
+            run.advance()
+            poll = run.poll()
+            result["metrics"].extend(poll["metrics"])
+            result["events"].extend(poll["events"])
+            if on_poll:
+                on_poll(poll)
+            if poll["done"]:
+                break
+            if poll["step"] != last_step:
+                last_progress, last_step = time.monotonic(), poll["step"]
+            elif time.monotonic() - last_progress > cfg.supervision.stall_timeout_s:
+                raise RunFailed(f"no trainer step for {cfg.supervision.stall_timeout_s:g} s (trainer stats: {poll['trainer']})")
+            if cfg.runtime.mode == "async":
+                time.sleep(interval)
+        result["wall_s"] = time.perf_counter() - start
+        run.stop()
+        final = run.poll()
+        result["metrics"].extend(final["metrics"])
+        result["final_poll"] = final
+        result["reconcile"] = run.reconcile(final)
+        result.update(run.evaluate())
+        result["steps"] = final["step"]
+        result["restarts"] = list(run.restarts)
+    return result

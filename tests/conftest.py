@@ -1,0 +1,55 @@
+"""Shared fixtures: offline environment, a tiny policy built once per session, its tokenizer and prompts."""
+
+from __future__ import annotations
+
+import os
+
+# Set before transformers / ray / prefect are imported anywhere in the test session.
+for _key, _value in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+                     "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "RAY_USAGE_STATS_ENABLED": "0"}.items():
+    os.environ.setdefault(_key, _value)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_policy_dir(tmp_path_factory):
+    """A 1-layer, hidden-32 tiny Llama policy and its tokenizer, saved once for the session (read-only use)."""
+    from rlhf_core.models import build_tiny_policy
+
+    return build_tiny_policy("max3", tmp_path_factory.mktemp("tiny_policy"), layers=1, hidden=32, heads=2, seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_policy_dir):
+    from rlhf_core.models import load_policy
+
+    _, tok = load_policy(tiny_policy_dir, dtype="float32", device="cpu")
+    return tok
+
+
+@pytest.fixture
+def tiny_model(tiny_policy_dir):
+    """A fresh copy of the tiny policy (tests may train or overwrite it)."""
+    from rlhf_core.models import load_policy
+
+    model, _ = load_policy(tiny_policy_dir, dtype="float32", device="cpu")
+    return model
+
+
+@pytest.fixture(scope="session")
+def max3_prompts(tiny_tokenizer):
+    """(train, heldout) prompts of the max3 task, heldout capped at 50."""
+    from rlhf_core.data import build_synthetic_task
+
+    return build_synthetic_task("max3", tiny_tokenizer, heldout_frac=0.2, seed=0, eval_size=50)
+
+
+@pytest.fixture(autouse=True)
+def _seeded():
+    """Every test starts from the same global torch RNG state (and leaves threads as it found them)."""
+    threads = torch.get_num_threads()
+    torch.manual_seed(0)
+    yield
+    torch.set_num_threads(threads)

@@ -1,0 +1,159 @@
+"""Config loading: defaults, YAML + dotted overrides, and errors that name the field, value and file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rlhf_core.config import ConfigError, TrainConfig, apply_overrides, flatten_config, load_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_defaults_are_valid():
+    cfg = load_config(None)
+    assert isinstance(cfg, TrainConfig)
+    assert cfg.algorithm.loss == "grpo"
+    assert cfg.model.path == ""
+    assert cfg.data.task == "max3"
+    assert cfg.batch_size == cfg.trainer.prompts_per_step * cfg.rollout.samples_per_prompt
+
+
+def test_yaml_file_and_dotted_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("algorithm:\n  loss: ppo\n  clip_eps: 0.3\ntrainer:\n  lr: 0.001\n")
+    cfg = load_config(path, ["algorithm.clip_eps=0.1", "trainer.betas=[0.8, 0.95]", "reward.format_sequences=['=', '+']",
+                             "rollout.top_k=5", "run.output_dir=/tmp/x"])
+    assert cfg.algorithm.loss == "ppo"          # from the file
+    assert cfg.algorithm.clip_eps == 0.1        # override beats the file
+    assert cfg.trainer.lr == 0.001
+    assert cfg.trainer.betas == (0.8, 0.95)     # YAML list -> tuple field
+    assert cfg.reward.format_sequences == ["=", "+"]
+    assert cfg.rollout.top_k == 5
+    assert cfg.run.output_dir == "/tmp/x"
+    # overrides parse YAML scalars: an int-looking value stays int, null is None
+    assert load_config(None, ["algorithm.clip_eps_high=null"]).algorithm.clip_eps_high is None
+    assert load_config(None, ["algorithm.clip_eps_high=0.28"]).algorithm.clip_eps_high == 0.28
+
+
+def test_apply_overrides_creates_sections_and_rejects_scalar_parent():
+    data = apply_overrides({}, ["a.b.c=1", "a.d=x"])
+    assert data == {"a": {"b": {"c": 1}, "d": "x"}}
+    with pytest.raises(ConfigError, match="a.d"):
+        apply_overrides(data, ["a.d.e=1"])
+    with pytest.raises(ConfigError, match="dotted.key=value"):
+        load_config(None, ["trainer.lr"])
+    with pytest.raises(ConfigError, match="empty key segment"):
+        load_config(None, ["trainer..lr=1"])
+
+
+@pytest.mark.parametrize("override, path, value", [
+    ("algorithm.clip_epz=0.1", "algorithm.clip_epz", "0.1"),
+    ("bogus_section=1", "bogus_section", "1"),
+    ("trainer.nested.deeper=3", "trainer.nested", "3"),
+])
+def test_unknown_key_names_dotted_path_and_value(override, path, value):
+    with pytest.raises(ConfigError) as exc:
+        load_config(None, [override])
+    msg = str(exc.value)
+    assert f"{path}: unknown field" in msg
+    assert value in msg
+
+
+def test_unknown_key_in_yaml_file_names_file_and_path(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("rollout:\n  temprature: 0.5\n")
+    with pytest.raises(ConfigError) as exc:
+        load_config(path)
+    msg = str(exc.value)
+    assert "rollout.temprature" in msg and "0.5" in msg and str(path) in msg
+
+
+@pytest.mark.parametrize("override, path, value", [
+    ("trainer.lr=-1", "trainer.lr", "-1"),
+    ("rollout.top_p=2", "rollout.top_p", "2"),
+    ("rollout.temperature=0", "rollout.temperature", "0"),
+    ("trainer.total_steps=abc", "trainer.total_steps", "'abc'"),
+    ("algorithm.loss=sgd", "algorithm.loss", "'sgd'"),
+    ("algorithm.clip_eps=1.5", "algorithm.clip_eps", "1.5"),
+    ("trainer.betas=[0.9]", "trainer.betas", "0.9"),
+])
+def test_wrong_type_or_range_names_field_and_value(override, path, value):
+    with pytest.raises(ConfigError) as exc:
+        load_config(None, [override])
+    msg = str(exc.value)
+    assert path in msg
+    assert f"(got {value}" in msg or value in msg.split(path, 1)[1]
+
+
+def test_bad_yaml_names_file(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("trainer: {lr: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML") as exc:
+        load_config(path)
+    assert str(path) in str(exc.value)
+
+
+def test_non_mapping_file_names_file(tmp_path):
+    path = tmp_path / "list.yaml"
+    path.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="mapping") as exc:
+        load_config(path)
+    assert str(path) in str(exc.value) and "list" in str(exc.value)
+
+
+def test_missing_file_and_empty_file(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    assert load_config(empty) == load_config(None)
+
+
+def test_unknown_reward_component_is_named():
+    with pytest.raises(ConfigError) as exc:
+        load_config(None, ["reward.components={exact_match: 1.0, exactmatch: 0.5}"])
+    msg = str(exc.value)
+    assert "exactmatch" in msg and "reward" in msg
+    with pytest.raises(ConfigError, match="at least one reward component"):
+        load_config(None, ["reward.components={}"])
+
+
+def test_jsonl_task_needs_train_path_and_model_path():
+    with pytest.raises(ConfigError, match="data.train_path"):
+        load_config(None, ["data.task=jsonl"])
+    with pytest.raises(ConfigError, match="model.path"):
+        load_config(None, ["data.task=jsonl", "data.train_path=train.jsonl"])
+    cfg = load_config(None, ["data.task=jsonl", "data.train_path=train.jsonl", "model.path=/models/x"])
+    assert cfg.data.train_path == "train.jsonl"
+
+
+def test_flatten_config_gives_dotted_keys():
+    cfg = load_config(None, ["algorithm.clip_eps=0.1"])
+    flat = flatten_config(cfg)
+    assert flat["algorithm.clip_eps"] == 0.1
+    assert flat["trainer.lr"] == cfg.trainer.lr
+    assert flat["reward.components.exact_match"] == 1.0
+    assert flat["trainer.betas"] == list(cfg.trainer.betas)
+    assert all(not isinstance(v, dict) for v in flat.values())
+    sections = {k.split(".")[0] for k in flat}
+    assert sections == set(TrainConfig.model_fields)
+
+
+def test_env_defaults_for_addresses(monkeypatch):
+    monkeypatch.setenv("RAY_ADDRESS", "ray://head:10001")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow:5000")
+    cfg = load_config(None)
+    assert cfg.cluster.address == "ray://head:10001"
+    assert cfg.tracking.tracking_uri == "http://mlflow:5000"
+    assert load_config(None, ["cluster.address=auto"]).cluster.address == "auto"  # explicit beats env
+
+
+def test_tiny_yaml_loads():
+    cfg = load_config(REPO / "configs" / "tiny.yaml")
+    assert cfg.data.task == "max3"
+    assert cfg.model.path == ""
+    assert cfg.reward.components == {"exact_match": 1.0}
+    assert cfg.rollout.samples_per_prompt == 8
+    assert cfg.trainer.lr == pytest.approx(3e-4)

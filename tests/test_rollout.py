@@ -1,0 +1,361 @@
+"""Rollout engines and the rollout worker, on the real tiny policy (no mocks)."""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+
+import pytest
+import torch
+
+from rlhf_core.config import RewardConfig
+from rlhf_core.data import Prompt, collate_prompts
+from rlhf_core.models import load_policy
+from rlhf_core.reward import build_reward_fn
+from rlhf_core.rollout import (HFEngine, RandomEngine, RolloutWorker, SamplingParams, response_mask_from_eos,
+                               sampling_logprobs, split_groups)
+from rlhf_core.trainer import sequence_logprobs
+from rlhf_core.types import Experience
+
+EOS, PAD = 2, 0
+
+
+@pytest.fixture
+def engine(tiny_model, tiny_tokenizer):
+    return HFEngine(tiny_model, tiny_tokenizer.eos_token_id, tiny_tokenizer.pad_token_id, seed=0)
+
+
+@pytest.fixture
+def prompt_batch(max3_prompts, tiny_tokenizer):
+    train, _ = max3_prompts
+    return collate_prompts(train[:6], tiny_tokenizer.pad_token_id)
+
+
+@pytest.fixture
+def mixed_length_batch(tiny_tokenizer):
+    """Prompts of different lengths, so that left padding is exercised."""
+    tok = tiny_tokenizer
+    texts = ["max 1 2 3 =", "sum 4 5 =", "max 9 =", "sum 1 2 3 4 5 6 7 8 9 ="]
+    return collate_prompts([Prompt(uid=i, prompt_ids=tok(t)["input_ids"], answers=[[4]]) for i, t in enumerate(texts)],
+                           tok.pad_token_id)
+
+
+def _check_batch_invariants(batch, n_rows: int, max_new_tokens: int, eos: int = EOS, pad: int = PAD):
+    N, L = batch.response_ids.shape
+    assert N == n_rows and 1 <= L <= max_new_tokens
+    for t in (batch.response_mask, batch.behavior_logprobs, batch.response_ids):
+        assert t.shape == (N, L)
+    assert batch.response_mask.dtype == torch.bool
+    assert torch.equal(batch.response_mask, response_mask_from_eos(batch.response_ids, eos))
+    assert torch.equal(batch.response_lengths, batch.response_mask.sum(-1))
+    assert bool((batch.response_ids[~batch.response_mask] == pad).all())
+    assert bool((batch.behavior_logprobs[~batch.response_mask] == 0).all())
+    assert bool((batch.behavior_logprobs[batch.response_mask] <= 0).all())
+    assert bool(torch.isfinite(batch.behavior_logprobs).all())
+
+
+# ---------------------------------------------------------------------------------------------------
+# HFEngine: behaviour logprobs
+# ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_behavior_logprobs_match_full_forward(engine, tiny_model, mixed_length_batch, temperature):
+    sampling = SamplingParams(max_new_tokens=8, temperature=temperature, top_p=1.0, top_k=0)
+    batch = engine.generate(mixed_length_batch, 4, sampling)
+    _check_batch_invariants(batch, 16, 8)
+    with torch.no_grad():
+        logprobs, _ = sequence_logprobs(tiny_model, batch.prompt_ids, batch.prompt_mask, batch.response_ids,
+                                        batch.response_mask, temperature=temperature)
+    m = batch.response_mask
+    assert m.sum() > 16
+    torch.testing.assert_close(logprobs[m], batch.behavior_logprobs[m], atol=1e-4, rtol=0)
+
+
+def test_left_padding_does_not_change_logprobs(engine, tiny_model, tiny_tokenizer):
+    tok = tiny_tokenizer
+    short = Prompt(uid=0, prompt_ids=tok("max 3 1 4 =")["input_ids"], answers=[[4]])
+    long = Prompt(uid=1, prompt_ids=tok("sum 1 2 3 4 5 6 7 8 9 1 2 3 =")["input_ids"], answers=[[4]])
+    greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
+    alone = engine.generate(collate_prompts([short], PAD), 1, greedy)
+    padded = engine.generate(collate_prompts([short, long], PAD), 1, greedy)
+    assert padded.prompt_mask[0].sum() < padded.prompt_mask.shape[1]  # the short prompt really is padded
+    L = alone.response_ids.shape[1]
+    assert torch.equal(padded.response_ids[0, :L], alone.response_ids[0])
+    torch.testing.assert_close(padded.behavior_logprobs[0, :L], alone.behavior_logprobs[0], atol=1e-5, rtol=0)
+
+    # sampled responses, scored again without any padding, give the behaviour logprobs back
+    sampled = engine.generate(collate_prompts([short, long], PAD), 3, SamplingParams(max_new_tokens=6))
+    rows = slice(0, 3)  # the short prompt's group
+    P = len(short.prompt_ids)
+    with torch.no_grad():
+        unpadded, _ = sequence_logprobs(tiny_model, sampled.prompt_ids[rows, -P:], sampled.prompt_mask[rows, -P:],
+                                        sampled.response_ids[rows], sampled.response_mask[rows])
+    m = sampled.response_mask[rows]
+    torch.testing.assert_close(unpadded[m], sampled.behavior_logprobs[rows][m], atol=1e-4, rtol=0)
+
+
+def test_uniform_model_gives_exact_uniform_logprobs(tiny_model, mixed_length_batch):
+    """With the final norm zeroed every logit is 0: the behaviour logprob of every token is -log V."""
+    with torch.no_grad():
+        tiny_model.model.norm.weight.zero_()
+    engine = HFEngine(tiny_model, EOS, PAD, seed=0)
+    batch = engine.generate(mixed_length_batch, 8, SamplingParams(max_new_tokens=6))
+    V = tiny_model.config.vocab_size
+    m = batch.response_mask
+    torch.testing.assert_close(batch.behavior_logprobs[m], torch.full_like(batch.behavior_logprobs[m], -math.log(V)))
+    top_k = engine.generate(mixed_length_batch, 8, SamplingParams(max_new_tokens=6, top_k=0, top_p=1.0, temperature=0.5))
+    torch.testing.assert_close(top_k.behavior_logprobs[top_k.response_mask],
+                               torch.full_like(top_k.behavior_logprobs[top_k.response_mask], -math.log(V)))
+
+
+# ---------------------------------------------------------------------------------------------------
+# HFEngine: EOS, lengths, determinism
+# ---------------------------------------------------------------------------------------------------
+
+def test_eos_mask_and_padding(engine, prompt_batch):
+    batch = engine.generate(prompt_batch, 16, SamplingParams(max_new_tokens=12))
+    _check_batch_invariants(batch, 96, 12)
+    ids, mask = batch.response_ids, batch.response_mask
+    ended = (ids == EOS).any(-1)
+    assert ended.any() and (~ended).any()  # both kinds of rows are present
+    for row in range(len(batch)):
+        r = ids[row].tolist()
+        if EOS in r:
+            first = r.index(EOS)
+            assert mask[row].tolist() == [True] * (first + 1) + [False] * (len(r) - first - 1)
+            assert all(t == PAD for t in r[first + 1:])
+            assert batch.response_lengths[row] == first + 1
+        else:
+            assert bool(mask[row].all()) and batch.response_lengths[row] == len(r)
+    assert batch.group_ids.tolist() == [g for g in range(6) for _ in range(16)]
+    assert torch.equal(batch.prompt_uids, prompt_batch.uids.repeat_interleave(16))
+    assert torch.equal(batch.prompt_ids, prompt_batch.prompt_ids.repeat_interleave(16, 0))
+    assert bool((batch.policy_version == 0).all())
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 3, 7])
+def test_max_new_tokens_respected(engine, prompt_batch, max_new_tokens):
+    batch = engine.generate(prompt_batch, 2, SamplingParams(max_new_tokens=max_new_tokens))
+    assert batch.response_ids.shape[1] <= max_new_tokens
+    assert int(batch.response_lengths.max()) <= max_new_tokens
+    # with EOS made unreachable every row runs to exactly max_new_tokens
+    never = HFEngine(engine.model, eos_token_id=10_000, pad_token_id=PAD, seed=0)
+    full = never.generate(prompt_batch, 2, SamplingParams(max_new_tokens=max_new_tokens))
+    assert full.response_ids.shape == (12, max_new_tokens)
+    assert bool((full.response_lengths == max_new_tokens).all())
+
+
+def test_generation_stops_when_every_row_has_ended(engine, prompt_batch):
+    greedy = SamplingParams(max_new_tokens=8, temperature=0.0)
+    first = engine.generate(prompt_batch, 1, greedy).response_ids[:, 0]
+    # treat the first greedy token of prompt 0 as EOS: the greedy rows that emit it stop at once
+    prompt0 = collate_prompts([Prompt(uid=0, prompt_ids=prompt_batch.prompt_ids[0].tolist(), answers=[[4]])], PAD)
+    stop = HFEngine(engine.model, eos_token_id=int(first[0]), pad_token_id=PAD, seed=0)
+    out = stop.generate(prompt0, 3, greedy)
+    assert out.response_ids.shape == (3, 1)
+    assert bool(out.response_mask.all()) and out.response_lengths.tolist() == [1, 1, 1]
+
+
+def test_greedy_is_deterministic(engine, prompt_batch):
+    greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
+    a = engine.generate(prompt_batch, 2, greedy)
+    engine.generate(prompt_batch, 2, SamplingParams(max_new_tokens=6))  # advances the generator
+    b = engine.generate(prompt_batch, 2, greedy)
+    assert torch.equal(a.response_ids, b.response_ids)
+    assert torch.equal(a.behavior_logprobs, b.behavior_logprobs)
+    assert torch.equal(a.response_ids[0::2], a.response_ids[1::2])  # both samples of a prompt agree
+
+
+def test_same_seed_same_samples(tiny_model, prompt_batch):
+    sampling = SamplingParams(max_new_tokens=6)
+    a = HFEngine(tiny_model, EOS, PAD, seed=7).generate(prompt_batch, 4, sampling)
+    b = HFEngine(tiny_model, EOS, PAD, seed=7).generate(prompt_batch, 4, sampling)
+    c = HFEngine(tiny_model, EOS, PAD, seed=8).generate(prompt_batch, 4, sampling)
+    assert torch.equal(a.response_ids, b.response_ids)
+    assert torch.equal(a.behavior_logprobs, b.behavior_logprobs)
+    assert not torch.equal(a.response_ids, c.response_ids) if a.response_ids.shape == c.response_ids.shape else True
+    # the global torch RNG plays no part
+    torch.manual_seed(123)
+    d = HFEngine(tiny_model, EOS, PAD, seed=7).generate(prompt_batch, 4, sampling)
+    assert torch.equal(a.response_ids, d.response_ids)
+
+
+# ---------------------------------------------------------------------------------------------------
+# HFEngine: top-k / top-p
+# ---------------------------------------------------------------------------------------------------
+
+def _reference_filtered_logprobs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """Independent per-row reference: temperature, keep the top-k, then the smallest prefix of the sorted
+    (renormalised) distribution whose mass reaches top_p; renormalise. logits [V] -> logprobs [V]."""
+    z = logits.double() / temperature
+    order = torch.argsort(z, descending=True).tolist()
+    keep = order[:top_k] if top_k else order
+    probs = torch.softmax(z[keep], 0).tolist()
+    kept, mass = [], 0.0
+    for tok, p in zip(keep, probs):
+        if mass >= top_p:
+            break
+        kept.append(tok)
+        mass += p
+    out = torch.full_like(z, float("-inf"))
+    out[kept] = torch.log_softmax(z[kept], 0)
+    return out
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 3, 1.0), (1.0, 0, 0.6), (0.7, 5, 0.8), (1.3, 0, 0.3)])
+def test_top_k_top_p_sampling_and_logprobs(tiny_model, prompt_batch, temperature, top_k, top_p):
+    with torch.no_grad():  # sharpen the random model so that the filters bite
+        tiny_model.model.embed_tokens.weight.mul_(4)
+    engine = HFEngine(tiny_model, EOS, PAD, seed=1)
+    sampling = SamplingParams(max_new_tokens=5, temperature=temperature, top_k=top_k, top_p=top_p)
+    batch = engine.generate(prompt_batch, 8, sampling)
+    _check_batch_invariants(batch, 48, 5)
+    P = batch.prompt_ids.shape[1]
+    with torch.no_grad():
+        ids = torch.cat([batch.prompt_ids, batch.response_ids], 1)
+        attn = torch.cat([batch.prompt_mask, batch.response_mask], 1).long()
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)
+        logits = tiny_model(input_ids=ids, attention_mask=attn, position_ids=pos).logits[:, P - 1:-1]
+    allowed_sizes = []
+    for n in range(len(batch)):
+        for t in range(int(batch.response_lengths[n])):
+            ref = _reference_filtered_logprobs(logits[n, t], temperature, top_k, top_p)
+            tok = int(batch.response_ids[n, t])
+            assert math.isfinite(ref[tok]), f"row {n} step {t}: sampled token {tok} is outside the allowed set"
+            assert abs(float(ref[tok]) - float(batch.behavior_logprobs[n, t])) < 1e-4
+            allowed_sizes.append(int(torch.isfinite(ref).sum()))
+    V = tiny_model.config.vocab_size
+    assert max(allowed_sizes) < V  # the filter removed tokens at every step
+    if top_k:
+        assert max(allowed_sizes) <= top_k
+    # the engine's filter agrees with the reference on whole distributions, too
+    engine_lp = sampling_logprobs(logits[0, :3], sampling)
+    for t in range(3):
+        ref = _reference_filtered_logprobs(logits[0, t], temperature, top_k, top_p)
+        assert torch.equal(torch.isfinite(engine_lp[t]), torch.isfinite(ref))
+        torch.testing.assert_close(engine_lp[t][torch.isfinite(ref)].double(), ref[torch.isfinite(ref)], atol=1e-5, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# HFEngine: weight loading
+# ---------------------------------------------------------------------------------------------------
+
+def test_load_weights_changes_outputs_and_version(tiny_model, prompt_batch):
+    engine = HFEngine(copy.deepcopy(tiny_model), EOS, PAD, seed=0)
+    greedy = SamplingParams(max_new_tokens=4, temperature=0.0)
+    before = engine.generate(prompt_batch, 1, greedy)
+    assert engine.version == 0
+
+    new = copy.deepcopy(tiny_model)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    state = {k: v.clone() for k, v in new.state_dict().items()}
+    ptrs = {k: v.data_ptr() for k, v in engine.model.state_dict().items()}
+    engine.load_weights(state, version=3)
+    assert engine.version == 3
+    assert {k: v.data_ptr() for k, v in engine.model.state_dict().items()} == ptrs  # copied in place
+    after = engine.generate(prompt_batch, 1, greedy)
+    assert bool((after.policy_version == 3).all())
+    assert not torch.allclose(before.behavior_logprobs, after.behavior_logprobs) or \
+        not torch.equal(before.response_ids, after.response_ids)
+    for k, v in engine.model.state_dict().items():
+        assert torch.equal(v, new.state_dict()[k])
+
+    engine.load_weights(None, version=4)  # version-only update (weights shared elsewhere)
+    assert engine.version == 4
+    with pytest.raises(KeyError, match="unknown parameters"):
+        engine.load_weights({"no.such.weight": torch.zeros(1)}, version=5)
+    assert engine.version == 4
+
+
+def test_generate_restores_training_mode(engine, prompt_batch):
+    engine.model.train()
+    engine.generate(prompt_batch, 1, SamplingParams(max_new_tokens=2))
+    assert engine.model.training
+    engine.model.eval()
+    engine.generate(prompt_batch, 1, SamplingParams(max_new_tokens=2))
+    assert not engine.model.training
+
+
+# ---------------------------------------------------------------------------------------------------
+# RandomEngine
+# ---------------------------------------------------------------------------------------------------
+
+def test_random_engine_shapes_mask_and_logprobs(prompt_batch):
+    V = 19
+    engine = RandomEngine(V, EOS, PAD, seed=0)
+    batch = engine.generate(prompt_batch, 8, SamplingParams(max_new_tokens=10))
+    assert batch.response_ids.shape == (48, 10)
+    _check_batch_invariants(batch, 48, 10)
+    assert bool((batch.response_ids < V).all())
+    torch.testing.assert_close(batch.behavior_logprobs[batch.response_mask],
+                               torch.full((int(batch.response_mask.sum()),), -math.log(V)))
+    assert batch.group_ids.tolist() == [g for g in range(6) for _ in range(8)]
+    engine.load_weights(None, 2)
+    assert engine.version == 2 and engine.weights_loaded == 1
+    assert bool((engine.generate(prompt_batch, 1, SamplingParams(max_new_tokens=2)).policy_version == 2).all())
+    same = RandomEngine(V, EOS, PAD, seed=0).generate(prompt_batch, 8, SamplingParams(max_new_tokens=10))
+    assert torch.equal(same.response_ids, batch.response_ids)
+
+
+def test_random_engine_rate(prompt_batch):
+    engine = RandomEngine(19, 10_000, PAD, tokens_per_s=2000.0, seed=0)  # no EOS: every row is full length
+    start = time.perf_counter()
+    batch = engine.generate(prompt_batch, 8, SamplingParams(max_new_tokens=50))
+    elapsed = time.perf_counter() - start
+    assert batch.num_tokens == 48 * 50
+    assert elapsed >= batch.num_tokens / 2000.0 * 0.98
+    assert elapsed < batch.num_tokens / 2000.0 + 1.0
+
+
+# ---------------------------------------------------------------------------------------------------
+# RolloutWorker
+# ---------------------------------------------------------------------------------------------------
+
+def test_rollout_worker_scores_and_splits_groups(tiny_model, tiny_tokenizer, max3_prompts):
+    train, _ = max3_prompts
+    tok = tiny_tokenizer
+    G, T = 4, 3
+    reward_fn = build_reward_fn(RewardConfig(), tok, tok.eos_token_id, T)
+    engine = HFEngine(tiny_model, tok.eos_token_id, tok.pad_token_id, seed=0, version=5)
+    # make the right answer + EOS likely for some rows: rewards must then be a mix of 0 and 1
+    worker = RolloutWorker(engine, reward_fn, SamplingParams(max_new_tokens=T), G, tok.pad_token_id)
+    prompts = train[:32]
+    batch, components = worker.rollout(prompts)
+    assert batch.rewards.shape == (32 * G,) and components["exact_match"].shape == (32 * G,)
+    for n in range(len(batch)):  # reward == exact match of the response up to EOS, checked by hand
+        resp = batch.response_ids[n].tolist()
+        body = resp[:resp.index(tok.eos_token_id)] if tok.eos_token_id in resp else resp
+        expected = float(body == prompts[n // G].answers[0])
+        assert float(batch.rewards[n]) == expected
+    # hand-made responses: correct + EOS scores 1, a wrong one 0
+    right = torch.tensor([prompts[0].answers[0] + [tok.eos_token_id]])
+    wrong = torch.tensor([[prompts[0].answers[0][0], prompts[0].answers[0][0], tok.eos_token_id]])
+    pats = collate_prompts([prompts[0]], tok.pad_token_id).patterns
+    assert float(reward_fn(right, pats)[0][0]) == 1.0 and float(reward_fn(wrong, pats)[0][0]) == 0.0
+
+    groups = worker.generate_groups(prompts[:5])
+    assert len(groups) == 5
+    for g, exp in enumerate(groups):
+        assert isinstance(exp, Experience) and len(exp) == G
+        assert exp.prompt_id == prompts[g].uid and exp.policy_version == 5
+        assert exp.batch.group_ids.tolist() == [0] * G
+        assert exp.batch.rewards.shape == (G,) and exp.batch.response_ids.device.type == "cpu"
+        assert exp.reward == pytest.approx(float(exp.batch.rewards.mean()))
+    stats = worker.stats()
+    assert stats["samples"] == 37 * G and stats["batches"] == 2 and stats["version"] == 5
+    assert stats["tokens"] > 0 and stats["busy_s"] > 0
+    assert worker.load_weights(None, 6) >= 0 and worker.version == 6
+
+
+def test_split_groups_views_rows(prompt_batch):
+    batch = RandomEngine(19, EOS, PAD, seed=0).generate(prompt_batch, 3, SamplingParams(max_new_tokens=4))
+    batch.rewards = torch.arange(len(batch), dtype=torch.float32)
+    groups = split_groups(batch, 3)
+    assert [len(g) for g in groups] == [3] * 6
+    assert [g.prompt_id for g in groups] == prompt_batch.uids.tolist()
+    for i, g in enumerate(groups):
+        assert g.batch.rewards.tolist() == [3.0 * i, 3.0 * i + 1, 3.0 * i + 2]
+        assert torch.equal(g.batch.response_ids, batch.response_ids[3 * i:3 * i + 3])
