@@ -125,6 +125,13 @@ def read_checkpoint(path: str | Path, model=None) -> tuple[dict, Optional[dict]]
             weights = load_file(str(p / "policy.safetensors"), device="cpu")
         except (SafetensorError, OSError, Exception) as exc:
             raise CheckpointError(f"{p / 'policy.safetensors'} is corrupt: {exc}") from exc
+        # meta.json can agree with the model while the weights file does not (swapped or edited file):
+        # check the tensors themselves, so that nothing is half-copied later.
+        bad = [k for k, v in weights.items() if list(v.shape) != expected.get(k)]
+        missing = [k for k in expected if k not in weights and not _is_tied(model, k, weights)]
+        if bad or missing:
+            raise CheckpointError(f"{p / 'policy.safetensors'} does not match the model: unexpected or differently "
+                                  f"shaped tensors {bad[:3]}, missing {missing[:3]}")
     return state, weights
 
 

@@ -205,6 +205,7 @@ def run_sync(cfg: TrainConfig, resume_from: Optional[str] = None, on_step: Optio
             result.update(warm_start(parts, cfg.trainer.warm_start_steps))
     start = time.perf_counter()
     trainer = parts.trainer
+    saved_step = trainer.step
     while trainer.step < cfg.trainer.total_steps:
         t0 = time.perf_counter()
         batch, reward_stats = generate_step_batch(parts)
@@ -224,9 +225,12 @@ def run_sync(cfg: TrainConfig, resume_from: Optional[str] = None, on_step: Optio
             on_step(metrics)
         if cfg.tracking.checkpoint_every and trainer.step % cfg.tracking.checkpoint_every == 0:
             save_run_checkpoint(parts, ckpt_dir / f"step_{trainer.step:06d}", {"result": result})
+            saved_step = trainer.step
         if trainer.consecutive_skips >= cfg.supervision.nonfinite_limit:
             raise RuntimeError(f"{trainer.consecutive_skips} consecutive non-finite trainer steps (limit "
                                f"supervision.nonfinite_limit={cfg.supervision.nonfinite_limit}); stopping")
+    if trainer.step != saved_step:  # tracking.checkpoint_every=0 means "only at the end"
+        save_run_checkpoint(parts, ckpt_dir / f"step_{trainer.step:06d}", {"result": result})
     result.update(parts.history[-1] if parts.history else {})
     result.update(evaluate_parts(parts))
     result["time/train_wall_s"] = time.perf_counter() - start

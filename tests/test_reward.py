@@ -21,7 +21,7 @@ from rlhf_core.types import PackedPatterns
 
 EOS = 0
 T = torch.tensor
-HYP = settings(max_examples=150, deadline=None)
+HYP = settings(max_examples=120, deadline=None)
 
 
 def ids(*rows):
@@ -448,11 +448,11 @@ def test_hot_path_makes_no_host_round_trip():
             T([1, 2]).sum().item()
 
 
-def test_composed_reward_makes_no_host_round_trip(tiny_tokenizer):
+def test_composed_reward_makes_no_host_round_trip(quirk_tokenizer):
     cfg = RewardConfig(components={name: 1.0 for name in REWARD_COMPONENTS}, format_sequences=["the answer is"])
-    reward = build_reward_fn(cfg, tiny_tokenizer, tiny_tokenizer.eos_token_id, 16)
-    batch = torch.randint(0, len(tiny_tokenizer.get_vocab()), (8, 16))
-    patterns = patterns_from_texts(tiny_tokenizer, ["42"] * 8)
+    reward = build_reward_fn(cfg, quirk_tokenizer, quirk_tokenizer.eos_token_id, 16)
+    batch = torch.randint(0, len(quirk_tokenizer.get_vocab()), (8, 16))
+    patterns = patterns_from_texts(quirk_tokenizer, ["42"] * 8)
     reward(batch, patterns)  # first call caches the build-time constants on the device
     with ForbidHostSync():
         reward(batch, patterns)
@@ -482,7 +482,7 @@ WORDS = ["####", "42", "421", "1", "000", "1000", "7", ",", ".", "0", "the", "an
 
 
 @pytest.fixture(scope="module")
-def tiny_tokenizer():
+def quirk_tokenizer():
     """Byte-level pre-tokenizer + WordLevel: '42' and 'Ġ42' (' 42') are different tokens, as in GPT-2."""
     vocab = {"[PAD]": 0, "[EOS]": 1, "[UNK]": 2, "\u0120": 3, "\u010a": 4}
     for w in WORDS:
@@ -502,40 +502,40 @@ def encode_batch(tokenizer, texts, L):
     return T(rows, dtype=torch.long)
 
 
-def test_answer_variants_leading_space_quirk(tiny_tokenizer):
-    v = tiny_tokenizer.get_vocab()
-    variants = answer_variants(tiny_tokenizer, "42")
+def test_answer_variants_leading_space_quirk(quirk_tokenizer):
+    v = quirk_tokenizer.get_vocab()
+    variants = answer_variants(quirk_tokenizer, "42")
     assert variants == [[v["42"]], [v["\u012042"]]]
     # the model wrote "so 42": the answer token is 'Ġ42', found only thanks to the variant
-    batch = encode_batch(tiny_tokenizer, ["so 42", "so 421", "42"], 6)
+    batch = encode_batch(quirk_tokenizer, ["so 42", "so 421", "42"], 6)
     assert batch[0, 1] == v["\u012042"]
-    assert tensor_native_reward(batch, [T(variants[0])] * 3, tiny_tokenizer.eos_token_id).tolist() == [0.0, 0.0, 1.0]
-    packed = patterns_from_texts(tiny_tokenizer, ["42", " 421 ", "421"])
-    assert tensor_native_reward(batch, packed, tiny_tokenizer.eos_token_id).tolist() == [1.0, 1.0, 0.0]
+    assert tensor_native_reward(batch, [T(variants[0])] * 3, quirk_tokenizer.eos_token_id).tolist() == [0.0, 0.0, 1.0]
+    packed = patterns_from_texts(quirk_tokenizer, ["42", " 421 ", "421"])
+    assert tensor_native_reward(batch, packed, quirk_tokenizer.eos_token_id).tolist() == [1.0, 1.0, 0.0]
 
 
-def test_answer_variants_number_forms(tiny_tokenizer):
+def test_answer_variants_number_forms(quirk_tokenizer):
     assert number_forms("1,000") == ["1000", "1,000"]
     assert number_forms(" 42.0 ") == ["42"]
     assert number_forms("-0.50") == ["-0.5"]
     assert number_forms("+007") == ["7"]
     assert number_forms("-0") == ["0"]
     assert number_forms("x42") == [] and number_forms("1,00") == []
-    v = tiny_tokenizer.get_vocab()
-    variants = answer_variants(tiny_tokenizer, "1,000")
+    v = quirk_tokenizer.get_vocab()
+    variants = answer_variants(quirk_tokenizer, "1,000")
     assert [v["1000"]] in variants and [v["\u01201000"]] in variants
     assert [v["1"], v[","], v["000"]] in variants
-    assert [v["7"]] in answer_variants(tiny_tokenizer, "7.0")
+    assert [v["7"]] in answer_variants(quirk_tokenizer, "7.0")
     assert all(variants) and len(set(map(tuple, variants))) == len(variants)
-    assert answer_variants(tiny_tokenizer, "") == []
+    assert answer_variants(quirk_tokenizer, "") == []
 
 
-def test_vocab_token_sets(tiny_tokenizer):
-    v = tiny_tokenizer.get_vocab()
-    cont = set(continuation_token_ids(tiny_tokenizer, "0123456789.,").tolist())
+def test_vocab_token_sets(quirk_tokenizer):
+    v = quirk_tokenizer.get_vocab()
+    cont = set(continuation_token_ids(quirk_tokenizer, "0123456789.,").tolist())
     assert {v["1"], v["\u01201"], v["421"], v[","], v["."], v["\u0120000"]} <= cont
     assert not cont & {v["####"], v["the"], v["\u0120"], v["[EOS]"]}
-    assert set(whitespace_token_ids(tiny_tokenizer).tolist()) == {v["\u0120"], v["\u010a"]}
+    assert set(whitespace_token_ids(quirk_tokenizer).tolist()) == {v["\u0120"], v["\u010a"]}
 
 
 def test_registry_and_config_validation():
@@ -545,16 +545,16 @@ def test_registry_and_config_validation():
         load_config(None, ["reward.components={nope: 1.0}"])
 
 
-def test_composed_reward_weights(tiny_tokenizer):
+def test_composed_reward_weights(quirk_tokenizer):
     cfg = RewardConfig(components={"exact_match": 1.0, "contains": 0.5, "answer_after_marker": 2.0,
                                    "format": 0.25, "length_penalty": 0.1},
                        format_sequences=["the answer is"], length_target=4)
-    eos = tiny_tokenizer.eos_token_id
-    reward = build_reward_fn(cfg, tiny_tokenizer, eos, max_new_tokens=12)
+    eos = quirk_tokenizer.eos_token_id
+    reward = build_reward_fn(cfg, quirk_tokenizer, eos, max_new_tokens=12)
     texts = ["42", "the answer is #### 42", "the answer is ####  421", "#### 42 #### 7", "so 42 x x x x x x x x",
              "####  42"]
-    batch = encode_batch(tiny_tokenizer, texts, 12)
-    patterns = patterns_from_texts(tiny_tokenizer, ["42"] * 4 + ["7", "42"])
+    batch = encode_batch(quirk_tokenizer, texts, 12)
+    patterns = patterns_from_texts(quirk_tokenizer, ["42"] * 4 + ["7", "42"])
     total, parts = reward(batch, patterns)
     assert set(parts) == set(cfg.components)
     assert parts["exact_match"].tolist() == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
@@ -571,13 +571,31 @@ def test_composed_reward_weights(tiny_tokenizer):
     assert torch.equal(total, total2)
 
 
-def test_composed_default_is_exact_match(tiny_tokenizer):
-    reward = build_reward_fn(RewardConfig(), tiny_tokenizer, tiny_tokenizer.eos_token_id, max_new_tokens=4)
-    batch = encode_batch(tiny_tokenizer, ["7", "7 7", "42"], 4)
-    total, parts = reward(batch, patterns_from_texts(tiny_tokenizer, ["7", "7", "7"]))
+def test_composed_default_is_exact_match(quirk_tokenizer):
+    reward = build_reward_fn(RewardConfig(), quirk_tokenizer, quirk_tokenizer.eos_token_id, max_new_tokens=4)
+    batch = encode_batch(quirk_tokenizer, ["7", "7 7", "42"], 4)
+    total, parts = reward(batch, patterns_from_texts(quirk_tokenizer, ["7", "7", "7"]))
     assert total.tolist() == [1.0, 0.0, 0.0] and list(parts) == ["exact_match"]
 
 
-def test_build_rejects_untokenizable_format(tiny_tokenizer):
+def test_build_rejects_untokenizable_format(quirk_tokenizer):
     with pytest.raises(ValueError, match="tokenizes to no tokens"):
-        build_reward_fn(RewardConfig(components={"format": 1.0}, format_sequences=[""]), tiny_tokenizer, 1, 4)
+        build_reward_fn(RewardConfig(components={"format": 1.0}, format_sequences=[""]), quirk_tokenizer, 1, 4)
+
+
+def test_answer_variants_sentencepiece_style_dedupes():
+    """Metaspace (SentencePiece-style) BPE: '42' and ' 42' both encode to '▁42', one variant only."""
+    from tokenizers import trainers
+
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always")
+    tok.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always")
+    corpus = ["the answer is 42", "so it is 7", "42 is the answer", "#### 42", "it is 421"] * 10
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=60, special_tokens=["[PAD]", "[EOS]", "[UNK]"],
+                                                        show_progress=False))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="[EOS]", pad_token="[PAD]", unk_token="[UNK]")
+    variants = answer_variants(tokenizer, "42")
+    assert variants == [tokenizer.encode(" 42", add_special_tokens=False)]
+    batch = encode_batch(tokenizer, ["the answer is 42", "it is 421"], 8)
+    assert tensor_native_reward(batch, patterns_from_texts(tokenizer, ["42", "42"]),
+                                tokenizer.eos_token_id).tolist() == [1.0, 0.0]

@@ -51,17 +51,17 @@ def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
 def connect(cluster_cfg) -> ClusterHandle:
     """Join or start Ray as the config says. Returns a handle that records whether we started it."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    if ray.is_initialized():
-        return ClusterHandle(address="(already connected)", started_ray=False)
     address = cluster_cfg.address.strip()
+    if address and address != "auto":
+        _check_reachable(address)
+    if ray.is_initialized():  # a driver that already joined Ray (a notebook, a test session): reuse it
+        return ClusterHandle(address="(already connected)", started_ray=False)
     if not address:
         start = time.perf_counter()
         ray.init(num_cpus=cluster_cfg.num_cpus, num_gpus=cluster_cfg.num_gpus, include_dashboard=False,
                  log_to_driver=True, configure_logging=False)
         log.info("started a local Ray instance in %.1f s", time.perf_counter() - start)
         return ClusterHandle(address="local", started_ray=True)
-    if address != "auto":
-        _check_reachable(address)
     try:
         ray.init(address=address, log_to_driver=True, configure_logging=False)
     except Exception as exc:  # ConnectionError, RuntimeError... name the address

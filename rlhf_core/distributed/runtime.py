@@ -164,13 +164,24 @@ class DistributedRun:
                             f"{self.restarts[i]} of at most {self.cfg.cluster.max_restarts}")
             if self.restarts[i] > self.cfg.cluster.max_restarts:
                 raise RunFailed(f"rollout worker {i} died more than cluster.max_restarts={self.cfg.cluster.max_restarts} times")
-            try:
-                info = A.get_or_fail(self.workers[i].ping.remote(), self.timeout, f"rollout worker {i} to restart")
-            except (ray.exceptions.RayActorError, A.WaitTimeout) as exc:
-                raise RunFailed(f"rollout worker {i} did not come back: {exc}") from exc
+            info = self._wait_restarted(i)
             self._event("rollout_worker_restarted", f"rollout worker {i} restarted (reconstructed={info['restarted']}) "
                         "and reloads the newest weights")
             self.worker_loops[i] = self.workers[i].run_loop.remote()
+
+    def _wait_restarted(self, i: int) -> dict:
+        """Wait (bounded by runtime.wait_timeout_s) for Ray to bring worker i back; it is 'unavailable' meanwhile."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                return ray.get(self.workers[i].ping.remote(), timeout=max(1.0, deadline - time.monotonic()))
+            except ray.exceptions.ActorUnavailableError:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.5)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
+                raise RunFailed(f"rollout worker {i} did not come back: {exc}") from exc
+        raise RunFailed(f"rollout worker {i} did not come back within {self.timeout:g} s (runtime.wait_timeout_s)")
 
     def poll(self) -> dict:
         """Stats of every actor plus the trainer metrics produced since the last poll."""
@@ -282,13 +293,18 @@ class DistributedRun:
 
 
 def run_distributed(cfg: TrainConfig, resume_from: Optional[str] = None,
-                    on_poll: Optional[Callable[[dict], None]] = None, poll_interval_s: Optional[float] = None) -> dict:
-    """Run to cfg.trainer.total_steps on Ray without Prefect; returns final metrics and run facts."""
+                    on_poll: Optional[Callable[[dict], None]] = None, poll_interval_s: Optional[float] = None,
+                    on_launch: Optional[Callable[[DistributedRun], None]] = None) -> dict:
+    """Run to cfg.trainer.total_steps on Ray without Prefect; returns final metrics and run facts.
+
+    `on_launch(run)` is called once the actors are up (benchmarks and fault tests use it)."""
     interval = poll_interval_s if poll_interval_s is not None else cfg.supervision.supervise_interval_s
     result: dict = {"metrics": [], "events": []}
     with DistributedRun(cfg) as run:
         info = run.launch(resume_from)
         result.update(info)
+        if on_launch:
+            on_launch(run)
         result["eval/accuracy_start"] = run.eval_start if resume_from else run.evaluate()["eval/accuracy"]
         run.eval_start = result["eval/accuracy_start"]
         start = time.perf_counter()

@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
-from rlhf_core.reward.answers import continuation_token_ids, text_variants, whitespace_token_ids
-from rlhf_core.reward.tensor_native import (PatternsLike, _check_rows, _packed_on, tensor_native_reward,
-                                            valid_lengths, window_matches)
+from rlhf_core.reward.answers import answer_variants, continuation_token_ids, whitespace_token_ids
+from rlhf_core.reward.tensor_native import (PatternsLike, _check_rows, _packed_on, pack_patterns,
+                                            tensor_native_reward, valid_lengths, window_matches)
 from rlhf_core.types import PackedPatterns
 
 if TYPE_CHECKING:  # config imports this package lazily; no runtime import the other way
@@ -77,24 +77,16 @@ def exact_match_reward(response_ids: torch.Tensor, patterns: PatternsLike, eos_t
 def pack_shared(alternatives, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Token sequences shared by all rows (e.g. marker tokenisations) as (tokens [M, Q], lengths [M]).
 
-    alternatives: a 1-D LongTensor, a list of them, or an already packed (tokens, lengths) tuple.
-    Lengths are read from static shapes; packed input is only moved. `ComposedReward` packs its
-    constants once per device, so the scoring call does no host-to-device copy.
+    alternatives: a 1-D LongTensor, a list of them, or an already packed (tokens, lengths) tuple (only
+    moved). `ComposedReward` packs its constants once per device, so its scoring call packs nothing.
     """
     if isinstance(alternatives, tuple) and len(alternatives) == 2 and alternatives[0].dim() == 2:
         tokens, lengths = alternatives
         return (tokens, lengths) if device is None else (tokens.to(device), lengths.to(device))
     if isinstance(alternatives, torch.Tensor):
         alternatives = [alternatives]
-    alternatives = list(alternatives)
-    if device is None:
-        device = alternatives[0].device if alternatives else torch.device("cpu")
-    Q = max([a.numel() for a in alternatives] + [1])
-    tokens = torch.zeros(len(alternatives), Q, dtype=torch.long, device=device)
-    for m, a in enumerate(alternatives):  # loop over alternatives, not rows
-        tokens[m, :a.numel()] = a.to(device)
-    lengths = torch.tensor([a.numel() for a in alternatives], dtype=torch.long).to(device)
-    return tokens, lengths
+    packed = pack_patterns([list(alternatives)], device=device)  # one "row" of M alternatives
+    return packed.tokens[0], packed.lengths[0]
 
 
 def _shared_hits(response_ids: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor,
@@ -266,28 +258,23 @@ class ComposedReward:
         return total, parts
 
 
-def _encode(tokenizer, text: str) -> list[int]:
-    return list(tokenizer.encode(text, add_special_tokens=False))
-
-
 def build_reward_fn(cfg: "RewardConfig", tokenizer, eos_token_id: int, max_new_tokens: int) -> ComposedReward:
     """The configured reward: tokenizes marker, continuation chars and format texts once, here.
 
     cfg: RewardConfig (components name -> weight, marker, continuation_chars, format_sequences,
         length_target; 0 = max_new_tokens); tokenizer: a Hugging Face tokenizer (encode + get_vocab);
     eos_token_id: int; max_new_tokens: response length budget (scale of the length penalty).
-    The marker is matched in its tokenisations as is, stripped and with a leading space.
+    The marker is matched in every tokenisation `answer_variants` gives (as is, stripped, leading space).
     """
     unknown = sorted(set(cfg.components) - set(REWARD_COMPONENTS))
     if unknown:
         raise ValueError(f"unknown reward component(s) {unknown}; known: {sorted(REWARD_COMPONENTS)}")
-    marker_ids = [torch.tensor(ids, dtype=torch.long) for ids in
-                  dict.fromkeys(tuple(_encode(tokenizer, t)) for t in text_variants(cfg.marker)) if ids]
+    marker_ids = [torch.tensor(ids, dtype=torch.long) for ids in answer_variants(tokenizer, cfg.marker)]
     if "answer_after_marker" in cfg.components and not marker_ids:
         raise ValueError(f"reward.marker {cfg.marker!r} tokenizes to no tokens")
     format_sequences = []
     for text in cfg.format_sequences:
-        ids = _encode(tokenizer, text)
+        ids = tokenizer.encode(text, add_special_tokens=False)
         if not ids:
             raise ValueError(f"reward.format_sequences entry {text!r} tokenizes to no tokens")
         format_sequences.append(torch.tensor(ids, dtype=torch.long))

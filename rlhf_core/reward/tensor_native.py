@@ -34,35 +34,22 @@ PatternsLike = Union[
 # Packing (not the hot path)
 # ----------------------------------------------------------------------------------------------------
 
-def _as_alternatives(item) -> list[list[int]]:
-    """One row's patterns as a list of alternatives, each a list of ints.
+def _as_pattern(p) -> torch.Tensor:
+    """One pattern (a 1-D tensor or a sequence of ints) as a 1-D LongTensor, on its own device."""
+    t = p if isinstance(p, torch.Tensor) else torch.tensor([int(x) for x in p], dtype=torch.long)
+    if t.dim() != 1:
+        raise ValueError(f"an answer pattern must be 1-D, got shape {tuple(t.shape)}")
+    return t
 
-    A row is a 1-D tensor / a list of ints (one pattern), or a list of those (alternatives).
-    """
+
+def _as_alternatives(item) -> list[torch.Tensor]:
+    """One row's patterns as a list of 1-D tensors: a row is one pattern or a list of alternatives."""
     if isinstance(item, torch.Tensor):
-        if item.dim() != 1:
-            raise ValueError(f"a row's answer pattern must be a 1-D tensor, got shape {tuple(item.shape)}")
-        return [item.tolist()]
+        return [_as_pattern(item)]
     items = list(item)
     if not items or all(isinstance(x, int) for x in items):
-        return [[int(x) for x in items]]
-    alts = []
-    for alt in items:
-        if isinstance(alt, torch.Tensor):
-            if alt.dim() != 1:
-                raise ValueError(f"an answer alternative must be a 1-D tensor, got shape {tuple(alt.shape)}")
-            alts.append(alt.tolist())
-        else:
-            alts.append([int(x) for x in alt])
-    return alts
-
-
-def _first_tensor_device(answer_patterns) -> torch.device:
-    for item in answer_patterns:
-        for t in ([item] if isinstance(item, torch.Tensor) else item):
-            if isinstance(t, torch.Tensor):
-                return t.device
-    return torch.device("cpu")
+        return [_as_pattern(items)]
+    return [_as_pattern(alt) for alt in items]
 
 
 def pack_patterns(answer_patterns: PatternsLike, device: torch.device | str | None = None) -> PackedPatterns:
@@ -76,8 +63,8 @@ def pack_patterns(answer_patterns: PatternsLike, device: torch.device | str | No
         the device of their first tensor (CPU when there is none).
 
     K = max alternatives per row (at least 1), Q = max pattern length (at least 1); missing alternatives
-    get length 0 and padding tokens are 0. This is the one function that loops in Python: call it once
-    per prompt batch (e.g. in the data layer), not per scoring call.
+    get length 0 and padding tokens are 0. This is the one function that loops in Python (over rows and
+    alternatives): call it once per prompt batch (e.g. in the data layer), not per scoring call.
     """
     if isinstance(answer_patterns, PackedPatterns):
         return answer_patterns if device is None else answer_patterns.to(device)
@@ -93,18 +80,19 @@ def pack_patterns(answer_patterns: PatternsLike, device: torch.device | str | No
         return packed if device is None else packed.to(device)
     rows = [_as_alternatives(item) for item in answer_patterns]
     if device is None:
-        device = _first_tensor_device(answer_patterns)
+        device = next((p.device for alts in rows for p in alts), torch.device("cpu"))
     B = len(rows)
     K = max([len(alts) for alts in rows] + [1])
-    Q = max([len(p) for alts in rows for p in alts] + [1])
-    tokens = torch.zeros(B, K, Q, dtype=torch.long)
-    lengths = torch.zeros(B, K, dtype=torch.long)
+    Q = max([p.numel() for alts in rows for p in alts] + [1])
+    # Lengths come from static shapes and tokens are copied tensor to tensor: packing never reads
+    # token values back to the host, even for patterns already on an accelerator.
+    tokens = torch.zeros(B, K, Q, dtype=torch.long, device=device)
+    lengths = [[0] * K for _ in range(B)]
     for b, alts in enumerate(rows):
         for k, p in enumerate(alts):
-            if p:
-                tokens[b, k, :len(p)] = torch.tensor(p, dtype=torch.long)
-            lengths[b, k] = len(p)
-    return PackedPatterns(tokens.to(device), lengths.to(device))
+            tokens[b, k, :p.numel()] = p.to(device)
+            lengths[b][k] = p.numel()
+    return PackedPatterns(tokens, torch.tensor(lengths, dtype=torch.long).reshape(B, K).to(device))
 
 
 def _packed_on(answer_patterns: PatternsLike, device: torch.device) -> PackedPatterns:

@@ -1,0 +1,86 @@
+"""Prefect tasks for checkpoints, the exported policy, and resolving `resume_from`.
+
+`resume_from` is either a checkpoint directory or an MLflow run id. For a run id, the newest checkpoint
+artifact (checkpoints/step_NNNNNN) is downloaded and the flow keeps logging into that MLflow run; a
+checkpoint directory written by a tracked run names its MLflow run too, and that run is reopened when the
+tracking store still has it. Either way the checkpoint is validated before anything starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+
+from rlhf_core.checkpoint import CheckpointError, read_checkpoint
+from rlhf_core.config import TrainConfig
+from tasks import tracking
+
+
+@dataclass
+class ResumeTarget:
+    checkpoint: Optional[str] = None      # local checkpoint directory to restore, or None for a fresh run
+    mlflow_run_id: Optional[str] = None   # MLflow run to keep logging into, or None for a new run
+    eval_start: Optional[float] = None    # held-out accuracy recorded at the start of the original run
+
+
+def checkpoint_dir(cfg: TrainConfig, step: int) -> Path:
+    return Path(cfg.run.output_dir) / "checkpoints" / f"step_{step:06d}"
+
+
+def export_dir(cfg: TrainConfig) -> Path:
+    return Path(cfg.run.output_dir) / "policy"
+
+
+@task(name="resolve-resume", cache_policy=NO_CACHE, persist_result=False)
+def resolve_resume(cfg: TrainConfig, resume_from: Optional[str]) -> ResumeTarget:
+    """Turn `resume_from` (checkpoint directory or MLflow run id) into a validated local checkpoint."""
+    if not resume_from:
+        return ResumeTarget()
+    logger = get_run_logger()
+    uri = tracking.resolve_tracking_uri(cfg)
+    path = Path(resume_from).expanduser()
+    run_id: Optional[str] = None
+    if path.exists():
+        ckpt = path
+    elif tracking.looks_like_run_id(resume_from):
+        if not tracking.run_exists(resume_from, uri):
+            raise CheckpointError(f"resume_from={resume_from!r}: no MLflow run with that id in {uri}")
+        run_id = resume_from
+        artifact = tracking.latest_checkpoint_artifact(run_id, uri)
+        if artifact is None:
+            raise CheckpointError(f"resume_from={resume_from!r}: MLflow run {run_id} has no checkpoint artifacts "
+                                  f"under {tracking.CHECKPOINT_ARTIFACT_PATH}/")
+        dst = Path(cfg.run.output_dir) / "resume" / run_id
+        ckpt = tracking.download_artifact(run_id, artifact, uri, dst)
+        logger.info("downloaded checkpoint %s of MLflow run %s to %s", artifact, run_id, ckpt)
+    else:
+        raise CheckpointError(f"resume_from={resume_from!r} is neither an existing checkpoint directory nor an "
+                              "MLflow run id (32 hex characters)")
+    state, _ = read_checkpoint(ckpt)  # structure and files; the runtime checks shapes against the model
+    if run_id is None and state.get("mlflow_run_id") and tracking.run_exists(state["mlflow_run_id"], uri):
+        run_id = state["mlflow_run_id"]
+    trainer_state = state.get("trainer") or {}
+    logger.info("resuming from %s (step %s, version %s)%s", ckpt, trainer_state.get("step"), trainer_state.get("version"),
+                f", logging into MLflow run {run_id}" if run_id else "")
+    return ResumeTarget(checkpoint=str(ckpt), mlflow_run_id=run_id, eval_start=state.get("eval_start"))
+
+
+@task(name="checkpoint", cache_policy=NO_CACHE, persist_result=False)
+def save_checkpoint(runtime, cfg: TrainConfig, step: int, tracker=None, extra: Optional[dict] = None) -> str:
+    """A full resumable checkpoint under run.output_dir/checkpoints/, logged to MLflow as artifacts."""
+    path = runtime.checkpoint(str(checkpoint_dir(cfg, step)), extra=extra)
+    artifact = tracker.log_checkpoint(path) if tracker is not None else None
+    get_run_logger().info("checkpoint at step %d: %s%s", step, path, f" (MLflow artifact {artifact})" if artifact else "")
+    return str(path)
+
+
+@task(name="export-policy", cache_policy=NO_CACHE, persist_result=False)
+def export_policy(runtime, cfg: TrainConfig) -> str:
+    """The trained policy as a Hugging Face model directory (loadable by rlhf_core.models.load_policy)."""
+    path = runtime.export(str(export_dir(cfg)))
+    get_run_logger().info("exported the policy to %s", path)
+    return str(path)

@@ -1,0 +1,282 @@
+"""Health checks of a running training run, and the actions the flow takes on them.
+
+`HealthMonitor.check(poll)` reads one `DistributedRun.poll()` result and returns a `Decision`: whether to
+publish weights now, pause or resume rollout admission, how many prompts to schedule, or to fail with a
+message naming the cause. The flow applies the decision; every finding is a `HealthEvent` (logged in the
+flow run and shown as a table artifact at the end). Thresholds come from `cfg.supervision`.
+
+Policies (the runtime enforces the hard bound max_staleness on its own; these keep the run healthy):
+
+- staleness: mean staleness above staleness_warn x max_staleness -> publish weights now (once per
+  trainer version); still high for 3 polls while the buffer holds two steps of data -> pause admission
+  until staleness falls back or the buffer drops below one step.
+- buffer: trainer starving (buffer below one step and no step since the last poll) -> resume admission,
+  schedule more prompts; overflow (buffer/dropped_overflow grew) -> pause admission until the buffer is
+  back under half its capacity.
+- workers: a restart is reported and waited for; more than restart_limit restarts in the run, or a worker
+  down for stall_timeout_s, fails the run.
+- non-finite losses: trainer/step_finite == 0 counted; nonfinite_limit in a row fails the run.
+- stall: no trainer step for stall_timeout_s fails the run, naming the role that is stuck.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+from rlhf_core.config import TrainConfig
+
+STALENESS_POLLS_BEFORE_THROTTLE = 3
+
+
+@dataclass
+class HealthEvent:
+    step: int
+    kind: str
+    severity: str          # info | warning | error
+    action: str
+    detail: str
+    time: float = field(default_factory=time.time)
+
+    def row(self) -> dict:
+        d = asdict(self)
+        d["time"] = time.strftime("%H:%M:%S", time.localtime(self.time))
+        return d
+
+
+@dataclass
+class Decision:
+    request_sync: bool = False
+    throttle: Optional[bool] = None       # True: pause admission, False: resume, None: leave as is
+    top_up: Optional[int] = None          # prompts to schedule; None: the runtime's backpressure default
+    fail: Optional[str] = None
+    events: list[HealthEvent] = field(default_factory=list)
+
+
+class SupervisionError(RuntimeError):
+    """The flow stopped the run: a health limit from cfg.supervision was exceeded (the message says which)."""
+
+
+class HealthMonitor:
+    """Stateful checks over successive polls. Pure Python; the flow decides nothing else on its own."""
+
+    def __init__(self, cfg: TrainConfig, start_step: int = 0, now: Optional[float] = None):
+        self.cfg = cfg
+        self.sup = cfg.supervision
+        now = time.monotonic() if now is None else now
+        self.last_step = start_step
+        self.last_progress = now
+        self.nonfinite_run = 0
+        self.restarts_seen = 0
+        self.down_since: dict[int, float] = {}
+        self.stale_polls = 0
+        self.staleness_high = False
+        self.last_sync_version = -1
+        self.throttled = False
+        self.throttle_reason: Optional[str] = None
+        self.starving = False
+        self.dropped_seen = 0
+        self.events: list[HealthEvent] = []
+
+    # ------------------------------------------------------------------ helpers
+    def _event(self, d: Decision, step: int, kind: str, severity: str, action: str, detail: str) -> None:
+        ev = HealthEvent(step, kind, severity, action, detail)
+        d.events.append(ev)
+        self.events.append(ev)
+
+    def _set_throttle(self, d: Decision, step: int, paused: bool, reason: str) -> None:
+        if paused == self.throttled:
+            return
+        self.throttled, self.throttle_reason = paused, (reason if paused else None)
+        d.throttle = paused
+        self._event(d, step, "throttle" if paused else "unthrottle", "info",
+                    "paused rollout admission" if paused else "resumed rollout admission", reason)
+
+    # ------------------------------------------------------------------ the check
+    def check(self, poll: dict, now: Optional[float] = None) -> Decision:
+        now = time.monotonic() if now is None else now
+        d = Decision()
+        step = int(poll.get("step", self.last_step))
+        per_step = self.cfg.trainer.prompts_per_step
+        async_mode = self.cfg.runtime.mode == "async"
+
+        for ev in poll.get("events") or []:  # the runtime's own findings (worker died / restarted, ...)
+            self._event(d, step, str(ev.get("kind", "runtime")), "warning", "observed", str(ev.get("detail", "")))
+
+        if poll.get("failed"):
+            d.fail = f"the runtime reported a failure: {poll['failed']}"
+            self._event(d, step, "runtime_failed", "error", "fail", d.fail)
+            return d
+
+        # non-finite losses, in trainer-step order
+        was = self.nonfinite_run
+        for m in poll.get("metrics") or []:
+            if float(m.get("trainer/step_finite", 1.0)) == 0.0:
+                self.nonfinite_run += 1
+            else:
+                self.nonfinite_run = 0
+        self.nonfinite_run = max(self.nonfinite_run, int((poll.get("trainer") or {}).get("consecutive_skips", 0) or 0))
+        if self.nonfinite_run > was:
+            self._event(d, step, "nonfinite_loss", "warning", "step skipped, counted",
+                        f"{self.nonfinite_run} consecutive non-finite trainer step(s) "
+                        f"(limit supervision.nonfinite_limit={self.sup.nonfinite_limit})")
+        if self.nonfinite_run >= self.sup.nonfinite_limit:
+            d.fail = (f"{self.nonfinite_run} consecutive non-finite trainer steps reached "
+                      f"supervision.nonfinite_limit={self.sup.nonfinite_limit}")
+            self._event(d, step, "nonfinite_limit", "error", "fail", d.fail)
+            return d
+
+        # rollout workers: restarts and outages
+        workers = poll.get("rollout") or []
+        restarts = sum(int(w.get("restarts", 0)) for w in workers)
+        if restarts > self.restarts_seen:
+            self._event(d, step, "worker_restart", "warning", "waiting for Ray to restart it",
+                        f"rollout worker restarts: {restarts} in this run (limit supervision.restart_limit="
+                        f"{self.sup.restart_limit})")
+            self.restarts_seen = restarts
+        if restarts > self.sup.restart_limit:
+            d.fail = f"rollout workers restarted {restarts} times, above supervision.restart_limit={self.sup.restart_limit}"
+            self._event(d, step, "restart_limit", "error", "fail", d.fail)
+            return d
+        for w in workers:
+            i = int(w.get("index", workers.index(w)))
+            if w.get("alive", True):
+                if i in self.down_since:
+                    self._event(d, step, "worker_back", "info", "none", f"rollout worker {i} answers again")
+                    self.down_since.pop(i)
+                continue
+            if i not in self.down_since:
+                self.down_since[i] = now
+                self._event(d, step, "worker_down", "warning", "waiting for Ray to restart it",
+                            f"rollout worker {i} does not answer ({w.get('error', 'unknown')})")
+            elif now - self.down_since[i] > self.sup.stall_timeout_s:
+                d.fail = (f"rollout worker {i} has been down for {now - self.down_since[i]:.0f} s "
+                          f"(supervision.stall_timeout_s={self.sup.stall_timeout_s:g})")
+                self._event(d, step, "worker_lost", "error", "fail", d.fail)
+                return d
+
+        buffer_size = int((poll.get("buffer") or {}).get("size", 0))
+        progressed = step > self.last_step
+
+        if async_mode:
+            # staleness
+            metrics = poll.get("metrics") or []
+            max_tau = self.cfg.runtime.max_staleness
+            limit = self.sup.staleness_warn * max_tau
+            if metrics and max_tau > 0:
+                stale = float(metrics[-1].get("async/staleness_mean", 0.0))
+                if stale > limit:
+                    self.stale_polls += 1
+                    if not self.staleness_high:
+                        self._event(d, step, "staleness_high", "warning", "publish weights now",
+                                    f"mean staleness {stale:.2f} > supervision.staleness_warn x runtime.max_staleness "
+                                    f"= {limit:.2f}")
+                    self.staleness_high = True
+                    version = int(poll.get("version", step))
+                    if version > self.last_sync_version:
+                        d.request_sync = True
+                        self.last_sync_version = version
+                    if self.stale_polls >= STALENESS_POLLS_BEFORE_THROTTLE and buffer_size >= 2 * per_step:
+                        self._set_throttle(d, step, True, f"mean staleness {stale:.2f} above {limit:.2f} for "
+                                                          f"{self.stale_polls} polls")
+                else:
+                    if self.staleness_high:
+                        self._event(d, step, "staleness_ok", "info", "none",
+                                    f"mean staleness {stale:.2f} back under {limit:.2f}")
+                    self.staleness_high, self.stale_polls = False, 0
+                    if self.throttle_reason and "staleness" in self.throttle_reason:
+                        self._set_throttle(d, step, False, "staleness back under the warning level")
+
+            # overflow
+            dropped = int((poll.get("buffer") or {}).get("dropped_overflow", 0))
+            if dropped > self.dropped_seen:
+                self._event(d, step, "buffer_overflow", "warning", "pause admission",
+                            f"{dropped - self.dropped_seen} group(s) dropped on overflow (buffer.max_size="
+                            f"{self.cfg.buffer.max_size})")
+                self.dropped_seen = dropped
+                self._set_throttle(d, step, True, "buffer overflow")
+            elif self.throttle_reason == "buffer overflow" and buffer_size <= self.cfg.buffer.max_size // 2:
+                self._set_throttle(d, step, False, "buffer back under half its capacity")
+
+            # starvation
+            # a trainer without a step's worth of data, for longer than a few polls (not just warming up)
+            starving = (buffer_size < per_step and not progressed
+                        and now - self.last_progress > 3 * self.sup.supervise_interval_s)
+            if starving and not self.starving:
+                self._event(d, step, "buffer_starving", "warning", "resume admission, schedule more prompts",
+                            f"buffer holds {buffer_size} group(s), the trainer needs {per_step} per step")
+            self.starving = starving
+            if starving:
+                self._set_throttle(d, step, False, "the trainer is starving")
+                d.top_up = 2 * per_step
+            elif self.throttled and buffer_size < per_step:
+                self._set_throttle(d, step, False, "the buffer fell below one trainer step")
+
+        # stall
+        if progressed:
+            self.last_step, self.last_progress = step, now
+        elif now - self.last_progress > self.sup.stall_timeout_s and not poll.get("done"):
+            role = self.stuck_role(poll)
+            d.fail = (f"no trainer step for {now - self.last_progress:.0f} s (supervision.stall_timeout_s="
+                      f"{self.sup.stall_timeout_s:g}); stuck: {role}")
+            self._event(d, step, "stall", "error", "fail", d.fail)
+        return d
+
+    def stuck_role(self, poll: dict) -> str:
+        workers = poll.get("rollout") or []
+        buffer_size = int((poll.get("buffer") or {}).get("size", 0))
+        if workers and not any(w.get("alive", True) for w in workers):
+            return "rollout (every rollout worker is down)"
+        if buffer_size >= self.cfg.trainer.prompts_per_step:
+            return (f"trainer (the buffer holds {buffer_size} group(s), enough for a step, but the trainer does not "
+                    f"step; trainer stats: {poll.get('trainer')})")
+        if self.throttled:
+            return f"rollout (admission paused by the flow: {self.throttle_reason})"
+        return (f"rollout (only {buffer_size} group(s) reached the buffer; queue: {poll.get('queue')}; "
+                f"workers busy: {[round(float(w.get('busy_frac', 0.0)), 2) for w in workers]})")
+
+
+def event_rows(events: list[HealthEvent]) -> list[dict]:
+    return [e.row() for e in events]
+
+
+def progress_line(step: int, total: int, metrics: dict, last_eval: Optional[dict], poll: dict) -> str:
+    """One compact terminal line: step/total, reward, held-out accuracy, staleness, throughput, buffer."""
+    parts = [f"step {step}/{total}"]
+    if "reward/mean" in metrics:
+        parts.append(f"reward {metrics['reward/mean']:.3f}")
+    if last_eval:
+        parts.append(f"acc {last_eval['eval/accuracy']:.3f}@{last_eval['step']}")
+    if "async/staleness_mean" in metrics:
+        parts.append(f"staleness {metrics['async/staleness_mean']:.2f}/{int(metrics.get('async/staleness_max', 0))}")
+    if "throughput/samples_per_s" in metrics:
+        parts.append(f"{metrics['throughput/samples_per_s']:.0f} samples/s")
+    if "loss/policy" in metrics:
+        parts.append(f"loss {metrics['loss/policy']:+.4f}")
+    if "buffer/size" in metrics or poll.get("buffer"):
+        parts.append(f"buffer {int(metrics.get('buffer/size', (poll.get('buffer') or {}).get('size', 0)))}")
+    return " | ".join(parts)
+
+
+class CancelWatch:
+    """Asks the Prefect API whether this flow run was asked to cancel (from the UI, the CLI or a client).
+
+    A worker or `serve` process also cancels by SIGTERM (Prefect raises TerminationSignal in the flow);
+    this covers flows run in-process (`atrlhf train`, tests), where no process supervises the run.
+    """
+
+    def __init__(self, flow_run_id: Optional[str]):
+        self.flow_run_id = flow_run_id
+
+    def requested(self) -> bool:
+        if not self.flow_run_id:
+            return False
+        from prefect.client.orchestration import get_client
+
+        try:
+            with get_client(sync_client=True) as client:
+                state = client.read_flow_run(self.flow_run_id).state
+        except Exception:  # the API being briefly unreachable is no reason to stop training
+            return False
+        return bool(state is not None and (state.is_cancelling() or state.is_cancelled()))

@@ -1,0 +1,114 @@
+"""The Ray runtime on a real local Ray instance (num_cpus=2): staleness bound, restarts, both modes learn,
+clear errors for bad clusters. One Ray instance serves the module; each run creates and kills its actors."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+ray = pytest.importorskip("ray")
+
+from rlhf_core.config import load_config  # noqa: E402
+from rlhf_core.distributed import ClusterError, DistributedRun, run_distributed  # noqa: E402
+from rlhf_core.distributed.actors import pack_state_dict, unpack_state_dict  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    yield
+    if started:
+        ray.shutdown()
+
+
+def tiny_cfg(tmp_path, *overrides):
+    return load_config("configs/tiny.yaml", [
+        f"run.output_dir={tmp_path}", "cluster.num_cpus=2", "data.eval_size=100", "supervision.supervise_interval_s=0.2",
+        "runtime.wait_timeout_s=60", *overrides])
+
+
+def assert_all_dead(actors) -> None:
+    """Every actor handle answers with RayActorError: killed, not merely idle."""
+    assert actors
+    for actor in actors:
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(actor.__ray_ready__.remote(), timeout=30)
+
+
+def test_async_run_bounds_staleness_and_reconciles(ray_local, tmp_path):
+    cfg = tiny_cfg(tmp_path, "trainer.total_steps=25", "runtime.max_staleness=1", "rollout.prompts_per_batch=8")
+    launched = []
+    result = run_distributed(cfg, poll_interval_s=0.2, on_launch=lambda run: launched.extend(run.handle.actors))
+    assert result["steps"] == 25
+    hist = result["final_poll"]["trainer"]["staleness_hist"]
+    assert hist and max(hist) <= 1, hist                     # every consumed sample: tau <= tau_max
+    assert sum(hist.values()) == 25 * cfg.batch_size          # ... and every consumed sample is counted
+    per_step = [m["async/staleness_max"] for m in result["metrics"]]
+    assert len(per_step) == 25 and max(per_step) <= 1
+    rec = result["reconcile"]
+    assert rec["consumed"] == 25 * cfg.trainer.prompts_per_step
+    assert rec["generated"] == rec["consumed"] + rec["evicted"] + rec["dropped"] + rec["buffered"] + rec["in_flight"]
+    assert_all_dead(launched)                                 # teardown killed exactly our actors
+    assert ray.is_initialized()                               # ... and left the Ray it did not start running
+
+
+def test_killed_rollout_worker_is_restarted_and_run_completes(ray_local, tmp_path):
+    cfg = tiny_cfg(tmp_path, "trainer.total_steps=30", "cluster.max_restarts=2")
+    events = []
+    with DistributedRun(cfg) as run:
+        run.launch()
+        run.start()
+        killed = False
+        deadline = time.monotonic() + 240
+        while not run.done and time.monotonic() < deadline:
+            poll = run.poll()
+            events.extend(poll["events"])
+            if not killed and poll["step"] >= 5:
+                run.workers[0].crash.remote()
+                killed = True
+            time.sleep(0.2)
+        assert run.done, "run did not complete after a worker was killed"
+        assert run.restarts == [1]
+    kinds = [e["kind"] for e in events]
+    assert "rollout_worker_died" in kinds and "rollout_worker_restarted" in kinds
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_both_modes_learn(ray_local, tmp_path, mode):
+    cfg = tiny_cfg(tmp_path, "trainer.total_steps=70", f"runtime.mode={mode}", "trainer.lr=0.0005")
+    result = run_distributed(cfg, poll_interval_s=0.2)
+    assert result["eval/accuracy_start"] <= 0.3
+    assert result["eval/accuracy"] >= result["eval/accuracy_start"] + 0.3, result["eval/accuracy"]
+    if mode == "sync":
+        assert set(result["final_poll"]["trainer"]["staleness_hist"]) == {0}
+
+
+def test_bad_cluster_address_fails_fast(tmp_path):
+    cfg = tiny_cfg(tmp_path, "cluster.address=ray://127.0.0.1:1")
+    start = time.monotonic()
+    with pytest.raises(ClusterError, match="127.0.0.1:1"):
+        DistributedRun(cfg).launch()
+    assert time.monotonic() - start < 30
+
+
+def test_too_few_resources_is_a_clear_error(ray_local, tmp_path):
+    cfg = tiny_cfg(tmp_path, "rollout.num_workers=3")
+    run = DistributedRun(cfg)
+    with pytest.raises(ClusterError, match="not enough resources.*CPU: need 4"):
+        run.launch()
+    assert run.handle is None and run.workers == []          # nothing was created
+
+
+def test_state_dict_packing_round_trips_bfloat16():
+    import torch
+
+    sd = {"a": torch.randn(3, 4), "b": torch.randn(5).to(torch.bfloat16), "c": torch.arange(4)}
+    back = unpack_state_dict(pack_state_dict(sd))
+    for k in sd:
+        assert back[k].dtype == sd[k].dtype and torch.equal(back[k], sd[k])

@@ -1,0 +1,85 @@
+"""Deterministic stale-k mode: every consumed batch is exactly τ versions old; τ = 0 is the on-policy loop."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlhf_core.config import load_config
+from rlhf_core.loop import build_run, run_sync
+from rlhf_core.staleness import WeightHistory, run_stale
+
+
+def tiny_cfg(tmp_path, steps: int = 8, *extra: str):
+    return load_config(None, [
+        "model.tiny_layers=1", "model.tiny_hidden=32", "model.tiny_heads=2", "data.eval_size=16",
+        "rollout.prompts_per_batch=4", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=3",
+        "trainer.prompts_per_step=4", f"trainer.total_steps={steps}", "trainer.lr=0.01",
+        "tracking.eval_every=0", "tracking.checkpoint_every=0", f"run.output_dir={tmp_path}", *extra,
+    ])
+
+
+def test_weight_history_keeps_tau_plus_one_versions():
+    h = WeightHistory(3)
+    for v in range(10):
+        h.record(v, {"w": torch.full((1,), float(v))})
+        assert h.versions == list(range(max(0, v - 3), v + 1))
+    assert h.source_version(9) == 6 and h.source_version(2) == 0
+    v, sd = h.weights_for(9)
+    assert v == 6 and float(sd["w"]) == 6.0
+    with pytest.raises(KeyError):
+        h.weights_for(20)
+    with pytest.raises(ValueError):
+        WeightHistory(-1)
+
+
+def test_stale_k_consumes_data_exactly_tau_versions_old(tmp_path):
+    tau = 3
+    cfg = tiny_cfg(tmp_path, 10, "algorithm.loss=m2po")
+    parts = build_run(cfg, share_weights=False)
+    assert parts.engine.model is not parts.model
+    out = run_stale(cfg, tau, eval_every=5, parts=parts)
+    hist = out["history"]
+    assert len(hist) == 10 and parts.trainer.version == 10
+    for m in hist:
+        V = m["trainer_version"]
+        assert m["data_version"] == max(0, V - tau)
+        assert m["async/staleness_mean"] == m["async/staleness_max"] == min(V, tau)
+    # after warm-up, every consumed batch is exactly tau versions behind the trainer
+    assert all(m["async/staleness_mean"] == tau for m in hist if m["trainer_version"] >= tau)
+    # behaviour logprobs really come from a stale policy: ratios move away from 1
+    assert max(m["m2po/m2"] for m in hist if m["trainer_version"] >= tau) > 1e-6
+    assert [s for s, _ in out["evals"]] == [0, 5, 10]
+    assert 0.0 <= out["eval/accuracy"] <= 1.0
+
+
+def test_stale_k_engine_weights_are_the_old_snapshot(tmp_path):
+    tau = 2
+    cfg = tiny_cfg(tmp_path, 5)
+    parts = build_run(cfg, share_weights=False)
+    snapshots = {}
+    loaded = []
+
+    def on_step(m):  # record the trainer's weights at every version, and what the engine held
+        snapshots[parts.trainer.version] = {k: v.clone() for k, v in parts.model.state_dict().items()}
+        loaded.append((m["data_version"], {k: v.clone() for k, v in parts.engine.model.state_dict().items()}))
+
+    snapshots[0] = {k: v.clone() for k, v in parts.model.state_dict().items()}
+    run_stale(cfg, tau, parts=parts, on_step=on_step)
+    for data_version, engine_sd in loaded:
+        for k, v in engine_sd.items():
+            assert torch.equal(v, snapshots[data_version][k]), (data_version, k)
+
+
+def test_tau_zero_equals_the_on_policy_loop(tmp_path):
+    cfg = tiny_cfg(tmp_path, 6)
+    on_policy = build_run(cfg, share_weights=True)
+    run_sync(cfg, parts=on_policy)
+    stale0 = build_run(cfg, share_weights=False)
+    out = run_stale(cfg, 0, parts=stale0)
+    keys = ("loss/policy", "reward/mean", "policy/grad_norm", "policy/entropy", "async/staleness_mean", "version")
+    for a, b in zip(on_policy.history, out["history"], strict=True):
+        for k in keys:
+            assert a[k] == b[k], (k, a[k], b[k])
+    for (name, p), q in zip(on_policy.model.named_parameters(), stale0.model.parameters()):
+        assert torch.equal(p, q), name

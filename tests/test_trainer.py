@@ -1,0 +1,217 @@
+"""Trainer: learning on a fixed batch, versions, non-finite steps, micro-batching, schedules, weight sync, KL."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+from rlhf_core.config import load_config
+from rlhf_core.data import collate_prompts
+from rlhf_core.rollout import HFEngine, SamplingParams
+from rlhf_core.trainer import Trainer, build_lr_lambda, sequence_logprobs
+
+G = 4
+
+
+def make_cfg(*overrides):
+    return load_config(None, [f"rollout.samples_per_prompt={G}", "trainer.prompts_per_step=8",
+                              "rollout.max_new_tokens=4", *overrides])
+
+
+@pytest.fixture
+def batch(tiny_model, tiny_tokenizer, max3_prompts):
+    """32 sampled rows (8 prompts x G=4) with rewards 1, 0, 1, 0 in every group; version 0."""
+    tok = tiny_tokenizer
+    engine = HFEngine(tiny_model, 10_000, tok.pad_token_id, seed=0)  # no EOS: all rows 4 tokens
+    pb = collate_prompts(max3_prompts[0][:8], tok.pad_token_id)
+    b = engine.generate(pb, G, SamplingParams(max_new_tokens=4))
+    b.rewards = torch.tensor([1.0, 0.0, 1.0, 0.0] * 8)
+    return b
+
+
+@pytest.fixture
+def eos_batch(tiny_model, tiny_tokenizer, max3_prompts):
+    """Rows of different lengths (EOS is live), for aggregation and micro-batching."""
+    tok = tiny_tokenizer
+    engine = HFEngine(tiny_model, tok.eos_token_id, tok.pad_token_id, seed=3)
+    pb = collate_prompts(max3_prompts[0][8:20], tok.pad_token_id)
+    b = engine.generate(pb, G, SamplingParams(max_new_tokens=8))
+    assert b.response_lengths.min() < b.response_lengths.max()
+    b.rewards = (torch.arange(len(b)) % 3 == 0).float()
+    return b
+
+
+def params_of(model):
+    return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def seq_logprob(model, b):
+    with torch.no_grad():
+        lp, _ = sequence_logprobs(model, b.prompt_ids, b.prompt_mask, b.response_ids, b.response_mask)
+    return (lp * b.response_mask).sum(-1)
+
+
+def test_steps_on_a_fixed_batch_lower_the_loss(tiny_model, batch):
+    trainer = Trainer(tiny_model, make_cfg("trainer.lr=3e-3"), pad_token_id=0)
+    before = seq_logprob(tiny_model, batch)
+    losses = [trainer.train_step(batch)["loss/policy"] for _ in range(6)]
+    after = seq_logprob(tiny_model, batch)
+    assert losses[-1] < losses[0] - 0.05
+    assert losses[0] == pytest.approx(0.0, abs=1e-5)  # on-policy at the start: ratio 1, advantages sum to 0
+    positive = batch.rewards > 0
+    assert bool((after[positive] > before[positive]).all())
+    assert bool((after[~positive] < before[~positive]).all())
+    assert trainer.version == 6 and trainer.step == 6 and trainer.skipped_steps == 0
+
+
+def test_metrics_version_and_staleness(tiny_model, batch):
+    trainer = Trainer(tiny_model, make_cfg(), pad_token_id=0)
+    m1 = trainer.train_step(batch)
+    assert m1["version"] == 1 and trainer.version == 1
+    assert m1["async/staleness_mean"] == 0 and m1["async/staleness_max"] == 0
+    m2 = trainer.train_step(batch)  # data of version 0 consumed at trainer version 1
+    assert m2["version"] == 2 and m2["async/staleness_max"] == 1
+    for key in ("loss/policy", "policy/entropy", "policy/grad_norm", "policy/lr", "policy/clip_frac",
+                "reward/mean", "reward/std", "response/length_mean", "trainer/skipped_steps", "trainer/step_finite"):
+        assert key in m2 and math.isfinite(m2[key]), key
+    assert m2["reward/mean"] == pytest.approx(0.5) and m2["reward/std"] == pytest.approx(0.5)
+    assert m2["response/length_mean"] == 4.0
+    assert 0 < m2["policy/entropy"] <= math.log(19) + 1e-4
+    s = trainer.stats()
+    assert s["samples"] == 64 and s["tokens"] == 2 * 32 * 4 and s["version"] == 2
+
+
+def test_advantages_need_whole_groups(tiny_model, batch):
+    trainer = Trainer(tiny_model, make_cfg(), pad_token_id=0)
+    adv = trainer.advantages(batch)
+    assert adv.shape == (32,)
+    torch.testing.assert_close(adv.view(-1, G), torch.tensor([[1.0, -1.0, 1.0, -1.0]] * 8), atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="whole groups"):
+        trainer.advantages(batch.select(torch.arange(30)))
+
+
+@pytest.mark.parametrize("poison", ["behavior_logprobs", "parameter"])
+def test_non_finite_step_is_skipped(tiny_model, batch, poison):
+    trainer = Trainer(tiny_model, make_cfg(), pad_token_id=0)
+    trainer.train_step(batch)
+    before = params_of(tiny_model)
+    opt_state = copy.deepcopy(trainer.optimizer.state_dict())
+    lr_before = trainer.scheduler.get_last_lr()
+    bad = copy.copy(batch)
+    if poison == "behavior_logprobs":
+        bad.behavior_logprobs = batch.behavior_logprobs.clone()
+        bad.behavior_logprobs[3, 1] = float("nan")
+    else:  # a NaN weight that only the forward pass sees: every logit and gradient goes NaN
+        with torch.no_grad():
+            tiny_model.model.norm.weight[0] = float("nan")
+        before = params_of(tiny_model)
+    m = trainer.train_step(bad)
+    assert m["trainer/step_finite"] == 0.0 and m["trainer/skipped_steps"] == 1
+    assert trainer.skipped_steps == 1 and trainer.consecutive_skips == 1
+    assert trainer.version == 1 and m["version"] == 1
+    assert trainer.scheduler.get_last_lr() == lr_before
+    after = params_of(tiny_model)
+    for k in before:
+        torch.testing.assert_close(after[k], before[k], rtol=0, atol=0, equal_nan=True)
+    assert trainer.optimizer.state_dict()["state"][0]["step"] == opt_state["state"][0]["step"]
+    assert all(p.grad is None for p in tiny_model.parameters())
+    if poison == "behavior_logprobs":  # the next finite step goes through and resets the streak
+        m = trainer.train_step(batch)
+        assert m["trainer/step_finite"] == 1.0 and trainer.version == 2 and trainer.consecutive_skips == 0
+        assert trainer.skipped_steps == 1
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_micro_batching_matches_one_big_batch(tiny_model, eos_batch, agg):
+    base = ["trainer.lr=1e-4", "trainer.grad_clip=1e9", f"algorithm.agg={agg}", "trainer.prompts_per_step=12"]
+    big_model, small_model = copy.deepcopy(tiny_model), copy.deepcopy(tiny_model)
+    big = Trainer(big_model, make_cfg(*base, "trainer.micro_batch_size=64"), pad_token_id=0)
+    small = Trainer(small_model, make_cfg(*base, "trainer.micro_batch_size=7"), pad_token_id=0)
+    mb = big.train_step(eos_batch)
+    ms = small.train_step(eos_batch)
+    assert mb["loss/policy"] == pytest.approx(ms["loss/policy"], abs=1e-6)
+    assert mb["policy/entropy"] == pytest.approx(ms["policy/entropy"], abs=1e-5)
+    assert mb["policy/grad_norm"] == pytest.approx(ms["policy/grad_norm"], rel=1e-4)
+    for (name, p), q in zip(big_model.named_parameters(), small_model.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=0, msg=lambda m: f"{name}: {m}")
+    # and the step really moved the weights
+    assert any(not torch.equal(p, q) for p, q in zip(big_model.parameters(), tiny_model.parameters()))
+
+
+def test_lr_schedule_cosine_with_warmup():
+    fn = build_lr_lambda("cosine", warmup_steps=4, total_steps=20, min_lr_ratio=0.1)
+    assert [fn(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert fn(4) == pytest.approx(1.0)
+    assert fn(12) == pytest.approx(0.1 + 0.9 * 0.5)                       # half way through the decay
+    assert fn(8) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.25)))
+    assert fn(20) == pytest.approx(0.1) and fn(30) == pytest.approx(0.1)  # floor after the end
+    values = [fn(s) for s in range(4, 21)]
+    assert all(a >= b for a, b in zip(values, values[1:]))
+    const = build_lr_lambda("constant", warmup_steps=2, total_steps=10, min_lr_ratio=0.1)
+    assert [const(s) for s in range(5)] == [0.5, 1.0, 1.0, 1.0, 1.0]
+    assert build_lr_lambda("constant", 0, 10, 0.1)(0) == 1.0
+
+
+def test_trainer_follows_the_schedule(tiny_model, batch):
+    cfg = make_cfg("trainer.lr=0.01", "trainer.lr_schedule=cosine", "trainer.warmup_steps=2",
+                   "trainer.total_steps=6", "trainer.min_lr_ratio=0.2")
+    trainer = Trainer(tiny_model, cfg, pad_token_id=0)
+    fn = build_lr_lambda("cosine", 2, 6, 0.2)
+    assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(0.01 * fn(0))
+    for step in range(1, 4):
+        m = trainer.train_step(batch)
+        assert m["policy/lr"] == pytest.approx(0.01 * fn(step))
+        assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(0.01 * fn(step))
+
+
+def test_state_dict_for_sync(tiny_model, tiny_tokenizer, batch):
+    trainer = Trainer(tiny_model, make_cfg(), pad_token_id=0)
+    trainer.train_step(batch)
+    sync = trainer.state_dict_for_sync()
+    named = dict(tiny_model.named_parameters())
+    assert set(named) <= set(sync)
+    for name, t in sync.items():
+        assert t.device.type == "cpu" and t.is_contiguous()
+    for name, p in named.items():
+        assert torch.equal(sync[name], p.detach())
+        assert sync[name].data_ptr() != p.data_ptr()  # a copy: later steps do not change what was shipped
+    # an engine with an older copy of the model picks the new weights up exactly
+    engine = HFEngine(copy.deepcopy(tiny_model), tiny_tokenizer.eos_token_id, 0)
+    with torch.no_grad():
+        for p in engine.model.parameters():
+            p.zero_()
+    engine.load_weights(sync, trainer.version)
+    for (name, p), q in zip(engine.model.named_parameters(), tiny_model.parameters()):
+        assert torch.equal(p, q), name
+    assert engine.version == 1
+
+
+def test_kl_reference_path(tiny_model, batch):
+    trainer = Trainer(tiny_model, make_cfg("algorithm.kl_coef=0.1", "trainer.lr=3e-3"), pad_token_id=0)
+    assert trainer.ref_model is not None and trainer.ref_model is not tiny_model
+    assert all(not p.requires_grad for p in trainer.ref_model.parameters())
+    ref_before = params_of(trainer.ref_model)
+    m1 = trainer.train_step(batch)
+    assert "loss/kl" in m1 and m1["loss/kl"] == pytest.approx(0.0, abs=1e-6)  # policy == reference at first
+    for _ in range(3):
+        m = trainer.train_step(batch)
+    assert m["loss/kl"] > 1e-5 and math.isfinite(m["loss/policy"])
+    for k, v in params_of(trainer.ref_model).items():  # the reference stays frozen
+        assert torch.equal(v, ref_before[k])
+    assert "loss/kl" not in Trainer(copy.deepcopy(tiny_model), make_cfg(), 0).train_step(batch)
+
+
+def test_trainer_state_dict_round_trip(tiny_model, batch):
+    trainer = Trainer(tiny_model, make_cfg("trainer.lr_schedule=cosine", "trainer.total_steps=10"), pad_token_id=0)
+    trainer.train_step(batch)
+    trainer.train_step(batch)
+    state = trainer.state_dict()
+    other = Trainer(copy.deepcopy(tiny_model), make_cfg("trainer.lr_schedule=cosine", "trainer.total_steps=10"), 0)
+    other.load_state_dict(state)
+    assert (other.version, other.step, other.skipped_steps) == (2, 2, 0)
+    assert other.scheduler.get_last_lr() == trainer.scheduler.get_last_lr()
+    assert other.optimizer.state_dict()["state"][0]["step"] == 2
