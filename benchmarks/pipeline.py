@@ -255,7 +255,7 @@ class _WeightReceiver:
         return {"get_s": fetched - start, "copy_s": done - fetched, "ok": ok}
 
 
-def sync_bandwidth(n_params: int, repeats: int, warmup: int = 2, tensor_numel: int = 4_000_000) -> dict:
+def sync_bandwidth(n_params: int, repeats: int, warmup: int = 3, tensor_numel: int = 4_000_000) -> dict:
     """`warmup` untimed rounds, then `repeats` timed ones. The first rounds fault fresh object-store pages in
     (tmpfs first touch, slow in a VM); a run that publishes every step alternates between two warm regions
     (the published object and the one replacing it), so the headline is the warm median and the very
@@ -359,7 +359,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="trainer steps per mode (default 120; --quick 30)")
     parser.add_argument("--sync-params", type=int, default=None, help="parameters of the synthetic fp32 state dict "
                         "(default 500M = 2 GB; --quick 50M)")
-    parser.add_argument("--sync-repeats", type=int, default=None, help="timed weight-sync rounds after 2 warm-up rounds (default 3; --quick 2)")
+    parser.add_argument("--sync-repeats", type=int, default=None, help="timed weight-sync rounds after 3 warm-up rounds (default 3; --quick 3)")
     parser.add_argument("--prompts-per-step", type=int, default=16, help="prompts per trainer step and per rollout batch")
     parser.add_argument("--max-new-tokens", type=int, default=4, help="rollout.max_new_tokens")
     parser.add_argument("--max-staleness", type=int, default=2, help="runtime.max_staleness")
@@ -370,7 +370,7 @@ def main() -> None:
     args = parser.parse_args()
     args.steps = args.steps or (30 if args.quick else 120)
     args.sync_params = args.sync_params or (50_000_000 if args.quick else 500_000_000)
-    args.sync_repeats = args.sync_repeats or (2 if args.quick else 3)
+    args.sync_repeats = args.sync_repeats or 3
 
     # Everything but the final figures goes to stderr: Ray, transformers and worker logs included.
     real_stdout = os.fdopen(os.dup(1), "w")

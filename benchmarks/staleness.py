@@ -297,7 +297,10 @@ def main() -> None:
     parser.add_argument("--no-extend", action="store_true",
                         help=f"do not extend τ upward (doubling, up to {MAX_EXTEND_TAU}) when plain clipping "
                              "has not clearly degraded at the largest τ")
-    parser.add_argument("--save", default=None, help="also write the JSON object to this file")
+    parser.add_argument("--save", default=None,
+                        help="also write the JSON object to this file, and each finished run to PATH.runs.jsonl")
+    parser.add_argument("--resume", default=None,
+                        help="a PATH.runs.jsonl of an interrupted run: its (τ, loss, seed) runs are reused, not rerun")
     args = parser.parse_args()
 
     taus = args.taus or (QUICK_TAUS if args.quick else FULL_TAUS)
@@ -306,7 +309,18 @@ def main() -> None:
     steps = args.steps or (250 if args.quick else 400)
     extend = not (args.no_extend or args.quick or args.taus)
 
+    done: dict[tuple, dict] = {}
+    if args.resume:
+        for line in Path(args.resume).read_text().splitlines():
+            if line.strip():
+                r = json.loads(line)
+                done[(r["tau"], r["loss"], r["seed"])] = r
+    runs_log = Path(args.save + ".runs.jsonl") if args.save else None
+
     def log(res, i, n):
+        if runs_log is not None:
+            with runs_log.open("a") as fh:
+                fh.write(json.dumps(res) + "\n")
         print(f"[{i}/{n}] tau={res['tau']:<3} {res['loss']:<18} seed={res['seed']} acc={res['final_accuracy']:.3f} "
               f"steps→0.8={res['steps_to_target']} var|g|={fmt(res['grad_norm_var'], '.4f')} "
               f"({res['wall_s']:.0f} s)", file=sys.stderr, flush=True)
@@ -315,12 +329,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="staleness_") as policy_root:
         prebuild_policies(seeds, policy_root)
 
-        def jobs_for(ts):
-            return [{"tau": t, "loss": loss, "seed": s, "steps": steps, "lr": args.lr, "eval_every": args.eval_every,
+        def run_taus(ts):
+            """Run (or reuse from --resume) every (τ, loss, seed) of these τ, largest τ first."""
+            reused = [done[(t, loss, s)] for t in ts for loss in losses for s in seeds if (t, loss, s) in done]
+            jobs = [{"tau": t, "loss": loss, "seed": s, "steps": steps, "lr": args.lr, "eval_every": args.eval_every,
                      "eval_size": args.eval_size, "policy_root": policy_root}
-                    for t in sorted(ts, reverse=True) for loss in losses for s in seeds]
+                    for t in sorted(ts, reverse=True) for loss in losses for s in seeds if (t, loss, s) not in done]
+            return reused + run_jobs(jobs, args.workers, log)
 
-        runs = run_jobs(jobs_for(taus), args.workers, log)
+        runs = run_taus(taus)
         extended = []
         while extend and "ppo_clip0.2" in losses and not ppo_degraded(summarise(runs), max(taus)) \
                 and max(taus) * 2 <= MAX_EXTEND_TAU:
@@ -329,7 +346,7 @@ def main() -> None:
                   file=sys.stderr, flush=True)
             taus = taus + [nxt]
             extended.append(nxt)
-            runs += run_jobs(jobs_for([nxt]), args.workers, log)
+            runs += run_taus([nxt])
 
     cells = summarise(runs)
     import torch

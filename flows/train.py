@@ -89,7 +89,7 @@ def train(config: TrainConfig = TrainConfig(), resume_from: Optional[str] = None
         result["flow_run_id"] = flow_run_id
         status = "FINISHED"
         return result
-    except (KeyboardInterrupt, TerminationSignal):
+    except (KeyboardInterrupt, TerminationSignal, SystemExit):
         status = "KILLED"
         logger.warning("interrupted: tearing down the runtime and ending the MLflow run as KILLED")
         raise
@@ -102,10 +102,11 @@ def train(config: TrainConfig = TrainConfig(), resume_from: Optional[str] = None
                 pass
         raise
     finally:
-        if runtime is not None:
-            _shielded(runtime.teardown, logger, "teardown")  # idempotent; a no-op after the teardown task
+        # the MLflow status first (one quick write): a worker kills the process if teardown outlasts its grace period
         if tracker is not None:
             _shielded(lambda: tracker.end(status), logger, "ending the MLflow run")
+        if runtime is not None:
+            _shielded(runtime.teardown, logger, "teardown")  # idempotent; a no-op after the teardown task
         _LIVE.pop(flow_run_id, None)
 
 
@@ -116,7 +117,7 @@ def _shielded(fn, logger, what: str, attempts: int = 3) -> None:
         try:
             fn()
             return
-        except (KeyboardInterrupt, TerminationSignal):
+        except (KeyboardInterrupt, TerminationSignal, SystemExit):
             logger.warning("%s interrupted by a signal; finishing it", what)
         except Exception as exc:
             logger.error("%s failed: %s: %s", what, type(exc).__name__, exc)

@@ -6,12 +6,28 @@ step an observable task run in the flow. Nothing here does math.
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import threading
 from typing import Optional
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from rlhf_core.config import TrainConfig
+
+
+@contextlib.contextmanager
+def _keep_sigterm_handler():
+    """`ray.init` replaces the SIGTERM handler with `sys.exit`; put back the one the flow had (Prefect's,
+    which turns a worker's cancellation SIGTERM into TerminationSignal so the flow can clean up)."""
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if main else None
+    try:
+        yield
+    finally:
+        if main and previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def make_runtime(cfg: TrainConfig):
@@ -29,11 +45,12 @@ def launch_runtime(cfg: TrainConfig, resume_from: Optional[str] = None):
     """
     logger = get_run_logger()
     runtime = make_runtime(cfg)
-    try:
-        info = runtime.launch(resume_from=resume_from)
-    except BaseException:
-        runtime.teardown()
-        raise
+    with _keep_sigterm_handler():
+        try:
+            info = runtime.launch(resume_from=resume_from)
+        except BaseException:
+            runtime.teardown()
+            raise
     logger.info("Ray runtime up: address=%s (started here: %s), %d rollout worker(s), policy %s, step %d, version %d",
                 info["ray_address"], info["started_ray"], cfg.rollout.num_workers, info["policy_dir"], info["step"],
                 info["version"])

@@ -146,12 +146,21 @@ class MlflowTracker:
             return exp.experiment_id
 
     def _start_system_metrics(self, cfg: TrainConfig) -> None:
+        """CPU/memory/disk/network (and GPU with nvidia-ml-py) under system/*, sampled by MLflow's monitor."""
+        import logging
+
         from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
         interval = max(1.0, min(10.0, cfg.supervision.supervise_interval_s * 5))
-        self.system_monitor = SystemMetricsMonitor(self.run_id, sampling_interval=interval, samples_before_logging=1,
-                                                   resume_logging=self.resumed, tracking_uri=self.uri)
-        self.system_monitor.start()
+        try:
+            monitor = SystemMetricsMonitor(self.run_id, sampling_interval=interval, samples_before_logging=1,
+                                           resume_logging=self.resumed, tracking_uri=self.uri)
+            monitor.start()
+        except Exception as exc:  # psutil missing, say: the run goes on without system metrics
+            logging.getLogger("tasks.tracking").warning("system metrics are off: %s", exc)
+            self.set_tags({"system_metrics": f"off: {exc}"[:500]})
+            return
+        self.system_monitor = monitor
 
     def end(self, status: str) -> None:
         """End the run FINISHED / FAILED / KILLED (idempotent: the first status wins)."""

@@ -78,6 +78,27 @@ def test_killed_rollout_worker_is_restarted_and_run_completes(ray_local, tmp_pat
     assert "rollout_worker_died" in kinds and "rollout_worker_restarted" in kinds
 
 
+def test_trainer_failure_ends_run_with_clear_error_and_keeps_checkpoint(ray_local, tmp_path):
+    from rlhf_core.checkpoint import read_checkpoint
+    from rlhf_core.distributed import RunFailed
+
+    cfg = tiny_cfg(tmp_path, "trainer.total_steps=500")
+    with DistributedRun(cfg) as run:
+        run.launch()
+        run.start()
+        while run.poll()["step"] < 3:
+            time.sleep(0.1)
+        ckpt = run.checkpoint(tmp_path / "ckpt")
+        run.trainer.crash.remote()
+        with pytest.raises(RunFailed, match="trainer failed"):
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                run.poll()
+                time.sleep(0.2)
+    state, _ = read_checkpoint(ckpt)
+    assert state["trainer"]["step"] >= 3
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_both_modes_learn(ray_local, tmp_path, mode):

@@ -15,7 +15,9 @@ def tiny_cfg(tmp_path, steps: int = 8, *extra: str):
         "model.tiny_layers=1", "model.tiny_hidden=32", "model.tiny_heads=2", "data.eval_size=16",
         "rollout.prompts_per_batch=4", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=3",
         "trainer.prompts_per_step=4", f"trainer.total_steps={steps}", "trainer.lr=0.01",
-        "tracking.eval_every=0", "tracking.checkpoint_every=0", f"run.output_dir={tmp_path}", *extra,
+        "tracking.eval_every=0", "tracking.checkpoint_every=0", f"run.output_dir={tmp_path}",
+        # a reward that varies from the first step (length), so advantages are non-zero and weights move
+        "reward.components={length_penalty: 1.0, exact_match: 1.0}", "reward.length_target=1", *extra,
     ])
 
 
@@ -35,12 +37,12 @@ def test_weight_history_keeps_tau_plus_one_versions():
 
 def test_stale_k_consumes_data_exactly_tau_versions_old(tmp_path):
     tau = 3
-    cfg = tiny_cfg(tmp_path, 10, "algorithm.loss=m2po")
+    cfg = tiny_cfg(tmp_path, 8, "algorithm.loss=m2po")
     parts = build_run(cfg, share_weights=False)
     assert parts.engine.model is not parts.model
-    out = run_stale(cfg, tau, eval_every=5, parts=parts)
+    out = run_stale(cfg, tau, eval_every=4, parts=parts)
     hist = out["history"]
-    assert len(hist) == 10 and parts.trainer.version == 10
+    assert len(hist) == 8 and parts.trainer.version == 8
     for m in hist:
         V = m["trainer_version"]
         assert m["data_version"] == max(0, V - tau)
@@ -49,7 +51,7 @@ def test_stale_k_consumes_data_exactly_tau_versions_old(tmp_path):
     assert all(m["async/staleness_mean"] == tau for m in hist if m["trainer_version"] >= tau)
     # behaviour logprobs really come from a stale policy: ratios move away from 1
     assert max(m["m2po/m2"] for m in hist if m["trainer_version"] >= tau) > 1e-6
-    assert [s for s, _ in out["evals"]] == [0, 5, 10]
+    assert [s for s, _ in out["evals"]] == [0, 4, 8]
     assert 0.0 <= out["eval/accuracy"] <= 1.0
 
 
@@ -66,6 +68,8 @@ def test_stale_k_engine_weights_are_the_old_snapshot(tmp_path):
 
     snapshots[0] = {k: v.clone() for k, v in parts.model.state_dict().items()}
     run_stale(cfg, tau, parts=parts, on_step=on_step)
+    assert not all(torch.equal(v, snapshots[5][k]) for k, v in snapshots[0].items())  # the policy did change
+    assert [dv for dv, _ in loaded] == [0, 0, 0, 1, 2]
     for data_version, engine_sd in loaded:
         for k, v in engine_sd.items():
             assert torch.equal(v, snapshots[data_version][k]), (data_version, k)

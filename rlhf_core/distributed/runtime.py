@@ -50,6 +50,9 @@ class DistributedRun:
         self.eval_start: Optional[float] = None
 
     # ------------------------------------------------------------------ bring-up
+    def _get(self, ref, what: str):
+        return A.get_or_fail(ref, self.timeout, what)
+
     def _event(self, kind: str, detail: str) -> None:
         ev = {"time": time.time(), "kind": kind, "detail": detail}
         self.events.append(ev)
@@ -104,17 +107,17 @@ class DistributedRun:
             A.get_or_fail([w.ping.remote() for w in self.workers] + [self.trainer.version.remote()],
                           max(self.timeout, 300), "the rollout workers and the trainer to start")
             if resume_from:
-                extra = A.get_or_fail(self.trainer.restore.remote(str(resume_from)), self.timeout, "the checkpoint restore")
+                extra = self._get(self.trainer.restore.remote(str(resume_from)), "the checkpoint restore")
                 if "queue" in extra:
-                    ray.get(self.queue.load_state_dict.remote(extra["queue"]))
+                    self._get(self.queue.load_state_dict.remote(extra["queue"]), "the prompt queue to restore its position")
                 for w, state in zip(self.workers, extra.get("rollout_rng", [])):
-                    ray.get(w.set_rng_state.remote(state))
+                    self._get(w.set_rng_state.remote(state), "a rollout worker to restore its RNG")
                 self.eval_start = extra.get("eval_start")
-            version = ray.get(self.trainer.version.remote())
-            ray.get(self.buffer.set_version.remote(version))
+            version = self._get(self.trainer.version.remote(), "the trainer version")
+            self._get(self.buffer.set_version.remote(version), "the replay buffer version update")
             self.request_sync()
-            ray.get([w.maybe_load_weights.remote() for w in self.workers])
-            stats = ray.get(self.trainer.stats.remote())
+            self._get([w.maybe_load_weights.remote() for w in self.workers], "the rollout workers to load the initial weights")
+            stats = self._get(self.trainer.stats.remote(), "trainer stats")
             self.last_step, self.last_version = stats["step"], stats["version"]
         except BaseException:
             self.teardown()
@@ -142,7 +145,7 @@ class DistributedRun:
         m = A.get_or_fail(self.trainer.train_once.remote(self.timeout), self.timeout + 10, "the trainer step")
         if m is None:
             raise RunFailed("the trainer found no complete batch after the rollout workers generated one")
-        A.get_or_fail([w.maybe_load_weights.remote() for w in self.workers], self.timeout, "the rollout workers to load weights")
+        self._get([w.maybe_load_weights.remote() for w in self.workers], "the rollout workers to load weights")
 
     @property
     def done(self) -> bool:
@@ -195,10 +198,14 @@ class DistributedRun:
                     raise RunFailed(self.failed) from exc
         if self.started:
             self._check_worker_loops()
-        metrics = A.get_or_fail(self.trainer.drain_metrics.remote(), self.timeout, "trainer metrics")
-        tstats = A.get_or_fail(self.trainer.stats.remote(), self.timeout, "trainer stats")
-        bstats = A.get_or_fail(self.buffer.stats.remote(), self.timeout, "buffer stats")
-        qstats = A.get_or_fail(self.queue.stats.remote(), self.timeout, "prompt queue stats")
+        try:
+            metrics = self._get(self.trainer.drain_metrics.remote(), "trainer metrics")
+            tstats = self._get(self.trainer.stats.remote(), "trainer stats")
+        except ray.exceptions.RayActorError as exc:
+            self.failed = f"trainer failed: the trainer actor died ({type(exc).__name__})"
+            raise RunFailed(self.failed) from exc
+        bstats = self._get(self.buffer.stats.remote(), "buffer stats")
+        qstats = self._get(self.queue.stats.remote(), "prompt queue stats")
         wstats = []
         for i, w in enumerate(self.workers):
             try:
@@ -224,24 +231,24 @@ class DistributedRun:
     def top_up_prompts(self, n: Optional[int] = None, target: Optional[int] = None) -> int:
         """Schedule prompts with backpressure: fill the queue up to `target` (default two trainer steps)."""
         target = target or 2 * self.cfg.trainer.prompts_per_step
-        queued = ray.get(self.queue.size.remote())
+        queued = self._get(self.queue.size.remote(), "the prompt queue size")
         want = max(0, target - queued) if n is None else min(n, max(0, target - queued))
-        return ray.get(self.queue.top_up.remote(want)) if want else 0
+        return self._get(self.queue.top_up.remote(want), "the prompt queue to accept prompts") if want else 0
 
     def request_sync(self) -> float:
         """Publish the trainer's weights now (workers pick them up between batches)."""
-        return A.get_or_fail(self.trainer.publish.remote(), self.timeout, "the trainer to publish weights")
+        return self._get(self.trainer.publish.remote(), "the trainer to publish weights")
 
     def throttle(self, paused: bool) -> None:
-        ray.get(self.buffer.set_paused.remote(paused))
+        self._get(self.buffer.set_paused.remote(paused), "the replay buffer to change admission")
 
     def evaluate(self) -> dict:
         return A.get_or_fail(self.trainer.evaluate.remote(), max(self.timeout, 600), "held-out evaluation")
 
     def checkpoint(self, path: str | Path, extra: Optional[dict] = None) -> str:
         """A full resumable checkpoint: trainer state + data position + rollout RNG."""
-        state = {"queue": ray.get(self.queue.state_dict.remote()),
-                 "rollout_rng": ray.get([w.rng_state.remote() for w in self.workers]),
+        state = {"queue": self._get(self.queue.state_dict.remote(), "the prompt queue position"),
+                 "rollout_rng": self._get([w.rng_state.remote() for w in self.workers], "the rollout workers' RNG states"),
                  "eval_start": self.eval_start, **(extra or {})}
         return A.get_or_fail(self.trainer.checkpoint.remote(str(path), state), max(self.timeout, 600), "the checkpoint write")
 
@@ -323,8 +330,8 @@ def run_distributed(cfg: TrainConfig, resume_from: Optional[str] = None,
                 last_progress, last_step = time.monotonic(), poll["step"]
             elif time.monotonic() - last_progress > cfg.supervision.stall_timeout_s:
                 raise RunFailed(f"no trainer step for {cfg.supervision.stall_timeout_s:g} s (trainer stats: {poll['trainer']})")
-            if cfg.runtime.mode == "async":
-                time.sleep(interval)
+            if cfg.runtime.mode == "async":  # wake as soon as the trainer loop ends, not up to a whole interval later
+                ray.wait([run.trainer_loop], timeout=interval)
         result["wall_s"] = time.perf_counter() - start
         run.stop()
         final = run.poll()

@@ -27,7 +27,11 @@ class HFEngine:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
         # transformers 5 renamed the KV-cache argument from `past_key_values` to `cache`
-        self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        params = inspect.signature(model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        # the prompt pass needs logits at the last position only (saves N x P x V of work, as generate() does)
+        self._last_logits_only = ({"logits_to_keep": 1} if "logits_to_keep" in params else
+                                  {"num_logits_to_keep": 1} if "num_logits_to_keep" in params else {})
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Copy new weights into the model in place (no reallocation) and adopt their version."""
@@ -54,17 +58,24 @@ class HFEngine:
         was_training = self.model.training
         self.model.eval()
 
-        attn = prompt_mask.long()
-        positions = (attn.cumsum(-1) - 1).clamp_(min=0)
-        out = self.model(input_ids=prompt_ids, attention_mask=attn, position_ids=positions, use_cache=True)
-        past = out.past_key_values
+        # One attention mask for prompt + every response position, allocated once; step t sees a prefix
+        # view of it (no per-step torch.cat). Generated positions are all attended to: a finished row's
+        # padding after EOS is never read, as its tokens are discarded.
+        attn = torch.ones((N, P + T), dtype=torch.long, device=dev)
+        attn[:, :P] = prompt_mask
+        positions = (attn[:, :P].cumsum(-1) - 1).clamp_(min=0)
+        out = self.model(input_ids=prompt_ids, attention_mask=attn[:, :P], position_ids=positions, use_cache=True,
+                         **self._last_logits_only)
+        past = self._cache_of(out)
         next_logits = out.logits[:, -1, :]
         next_pos = positions[:, -1:] + 1
 
         tokens = torch.full((N, T), self.pad_token_id, dtype=torch.long, device=dev)
         logps = torch.zeros((N, T), dtype=torch.float32, device=dev)
         finished = torch.zeros(N, dtype=torch.bool, device=dev)
-        steps = 0
+        # Stopping early when every row has ended needs a device->host sync; on an accelerator it is only
+        # checked every few steps so that the host can queue kernels ahead.
+        check_every = 1 if dev.type == "cpu" else 8
         for t in range(T):
             logp = sampling_logprobs(next_logits, sampling)
             if sampling.greedy:
@@ -72,34 +83,39 @@ class HFEngine:
             else:
                 tok = torch.multinomial(logp.exp(), 1, generator=self.generator).squeeze(-1)
             tok_logp = logp.gather(-1, tok[:, None]).squeeze(-1)
-            tokens[:, t] = torch.where(finished, self.pad_token_id, tok)
-            logps[:, t] = torch.where(finished, 0.0, tok_logp)
-            finished = finished | (tok == self.eos_token_id)
-            steps = t + 1
-            if t == T - 1 or bool(finished.all()):
+            tokens[:, t] = tok.masked_fill(finished, self.pad_token_id)
+            logps[:, t] = tok_logp.masked_fill(finished, 0.0)
+            finished |= tok == self.eos_token_id
+            if t == T - 1 or ((t + 1) % check_every == 0 and bool(finished.all())):
                 break
-            attn = torch.cat([attn, torch.ones((N, 1), dtype=attn.dtype, device=dev)], dim=1)
-            out = self.model(input_ids=tokens[:, t:t + 1], attention_mask=attn, position_ids=next_pos,
+            out = self.model(input_ids=tokens[:, t:t + 1], attention_mask=attn[:, :P + t + 1], position_ids=next_pos,
                              use_cache=True, **{self._cache_kw: past})
-            past = out.past_key_values
+            past = self._cache_of(out)
             next_logits = out.logits[:, -1, :]
             next_pos = next_pos + 1
         if was_training:
             self.model.train()
 
-        tokens, logps = tokens[:, :steps], logps[:, :steps]
         response_mask = response_mask_from_eos(tokens, self.eos_token_id)
+        lengths = response_mask.sum(-1)
+        steps = max(1, int(lengths.max())) if N else 0  # columns past the longest response are all padding
+        tokens, logps, response_mask = tokens[:, :steps], logps[:, :steps], response_mask[:, :steps]
         # rows that finished early have pad after EOS already; make the mask authoritative
         tokens = tokens.masked_fill(~response_mask, self.pad_token_id)
         logps = logps.masked_fill(~response_mask, 0.0)
         return RolloutBatch(
             prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=tokens, response_mask=response_mask,
-            behavior_logprobs=logps, response_lengths=response_mask.sum(-1),
+            behavior_logprobs=logps, response_lengths=lengths,
             group_ids=torch.arange(len(prompts), device=dev).repeat_interleave(G),
             policy_version=torch.full((N,), self.version, dtype=torch.long, device=dev),
             prompt_uids=prompts.uids.to(dev).repeat_interleave(G),
         )
 
+    @staticmethod
+    def _cache_of(out):
+        # transformers 5 returns the KV cache as `cache` (`past_key_values` is a deprecated alias there)
+        cache = getattr(out, "cache", None) if "cache" in out else None
+        return cache if cache is not None else out.past_key_values
 
 
 def response_mask_from_eos(tokens: torch.Tensor, eos_token_id: int) -> torch.Tensor:

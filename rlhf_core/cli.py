@@ -1,0 +1,207 @@
+"""`atrlhf`: train with the supervised Prefect flow, or score a policy on held-out prompts.
+
+    atrlhf train [--config PATH] [--set key=value ...] [--resume-from RUN_ID_OR_CHECKPOINT]
+    atrlhf evaluate --checkpoint PATH_OR_RUN_ID [--config PATH] [--set key=value ...]
+
+The config is validated before anything else is imported or started: a bad field exits with status 2 and
+a message naming it. Prefect, Ray and MLflow are imported inside the commands only (rlhf_core never
+imports prefect or mlflow at module level).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+from rlhf_core.config import ConfigError, TrainConfig, load_config
+
+EXIT_CONFIG = 2
+EXIT_FAILED = 1
+EXIT_INTERRUPTED = 130
+
+# Quiet, offline defaults for the libraries the commands use; explicit settings in the environment win.
+_QUIET_ENV = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "RAY_USAGE_STATS_ENABLED": "0", "DO_NOT_TRACK": "1",
+              "MLFLOW_DISABLE_TELEMETRY": "true", "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
+              "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def _overrides(groups: Optional[list[list[str]]]) -> list[str]:
+    return [item for group in (groups or []) for item in group]
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="PATH", help="YAML config (default: the built-in tiny demo; see configs/)")
+    p.add_argument("--set", dest="overrides", metavar="KEY=VALUE", nargs="+", action="append",
+                   help="override a config field, e.g. --set trainer.total_steps=50 runtime.mode=sync")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="atrlhf", description="Asynchronous RL fine-tuning of language models "
+                                     "(PPO/GRPO/M2PO) on Ray, supervised by Prefect, tracked in MLflow.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,evaluate}")
+    t = sub.add_parser("train", help="run the training flow locally (Prefect, Ray, MLflow)",
+                       description="Run the supervised training flow in this process: a temporary Prefect API "
+                       "(or PREFECT_API_URL), local Ray (or cluster.address), MLflow in sqlite:///mlflow.db "
+                       "(or tracking.tracking_uri / MLFLOW_TRACKING_URI).")
+    _add_config_args(t)
+    t.add_argument("--resume-from", metavar="RUN_OR_PATH",
+                   help="an MLflow run id (continue that run from its newest checkpoint) or a checkpoint directory")
+    e = sub.add_parser("evaluate", help="score a policy on the held-out prompts",
+                       description="Greedy held-out accuracy of a checkpoint directory, an exported Hugging Face "
+                       "directory, or the model an MLflow run logged. The config names the task and the data.")
+    _add_config_args(e)
+    e.add_argument("--checkpoint", required=True, metavar="PATH_OR_RUN",
+                   help="checkpoint directory, exported model directory, or MLflow run id")
+    e.add_argument("--json", action="store_true", help="print one JSON object instead of a sentence")
+    return parser
+
+
+def _load(args) -> TrainConfig:
+    return load_config(args.config, _overrides(args.overrides))
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        cfg = _load(args)
+    except ConfigError as exc:
+        print(f"atrlhf: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    for key, value in _QUIET_ENV.items():
+        os.environ.setdefault(key, value)
+    if args.command == "train":
+        return cmd_train(cfg, args.resume_from)
+    return cmd_evaluate(cfg, args.checkpoint, as_json=args.json)
+
+
+# ------------------------------------------------------------------------------------------------ train
+def cmd_train(cfg: TrainConfig, resume_from: Optional[str]) -> int:
+    from flows.train import train  # imports prefect, mlflow (through tasks); ray is imported at launch
+
+    try:
+        state = train(config=cfg, resume_from=resume_from, return_state=True)
+    except KeyboardInterrupt:
+        print("\natrlhf: interrupted; the runtime was torn down and the MLflow run ended KILLED.", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    flow_run_id = str(state.state_details.flow_run_id) if state.state_details.flow_run_id else None
+    result = state.result(raise_on_failure=False)
+    ok = state.is_completed() and isinstance(result, dict)
+    print(_train_summary(cfg, state, result if ok else None, flow_run_id))
+    if ok:
+        return 0
+    if state.is_cancelled():
+        return EXIT_INTERRUPTED
+    if isinstance(result, BaseException):
+        print(f"atrlhf: the run failed: {type(result).__name__}: {result}", file=sys.stderr)
+    return EXIT_FAILED
+
+
+def _prefect_location(flow_run_id: Optional[str]) -> tuple[str, str]:
+    """(where the records are, how to see them)."""
+    from prefect.settings import get_current_settings
+
+    settings = get_current_settings()
+    api = settings.api.url
+    if api:
+        ui = (settings.ui_url or api.rsplit("/api", 1)[0]).rstrip("/")
+        return f"the Prefect API at {api}", f"{ui}/runs/flow-run/{flow_run_id}" if flow_run_id else ui
+    home = Path(str(settings.home)).expanduser()
+    return (f"the local Prefect database under {home}",
+            f"`prefect server start --host 127.0.0.1`, then http://127.0.0.1:4200/runs/flow-run/{flow_run_id}")
+
+
+def _train_summary(cfg: TrainConfig, state, result: Optional[dict], flow_run_id: Optional[str]) -> str:
+    from tasks.tracking import resolve_tracking_uri, ui_command
+
+    where, see = _prefect_location(flow_run_id)
+    uri = (result or {}).get("mlflow_tracking_uri") or resolve_tracking_uri(cfg)
+    lines = ["", "=" * 78, f"atrlhf train: {state.name}" + (f" — {state.message}" if state.message and not result else "")]
+    if result:
+        lines += [f"  held-out accuracy   {result['eval/accuracy_start']:.3f} at the start -> {result['eval/accuracy']:.3f} "
+                  f"after {result['steps']} steps",
+                  f"  final checkpoint    {result['checkpoint']}",
+                  f"  exported policy     {result['export']}  (rlhf_core.models.load_policy loads it)",
+                  f"  MLflow run          {result['mlflow_run_id']}  (experiment '{cfg.tracking.experiment}', {uri})"]
+    lines += [f"  Prefect flow run    {flow_run_id}  (in {where})",
+              f"  Prefect UI          {see}",
+              f"  MLflow UI           {ui_command(uri)}  -> http://127.0.0.1:5000",
+              "=" * 78]
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------- evaluate
+def resolve_policy(cfg: TrainConfig, target: str) -> tuple[Path, Optional[Path]]:
+    """(Hugging Face policy directory, checkpoint directory or None) for a path or an MLflow run id.
+
+    A checkpoint holds weights only: its architecture comes from model.path, or for the tiny default
+    from the `tiny_policy/` beside the run's `checkpoints/` (else the one the config builds).
+    """
+    from rlhf_core.models import ensure_policy
+
+    path = Path(target).expanduser()
+    if path.is_dir() and (path / "config.json").is_file():
+        return path, None
+    if path.is_dir() and (path / "policy.safetensors").is_file():
+        beside = path.parent.parent / "tiny_policy"
+        if not cfg.model.path and (beside / "config.json").is_file():
+            return beside, path
+        return ensure_policy(cfg.model, cfg.data.task, cfg.run.output_dir, seed=cfg.trainer.seed), path
+    if not path.exists():
+        from tasks.tracking import download_logged_policy, looks_like_run_id, resolve_tracking_uri
+
+        if looks_like_run_id(target):
+            return download_logged_policy(target, resolve_tracking_uri(cfg)), None
+    raise FileNotFoundError(f"--checkpoint {target!r} is not a checkpoint directory, a Hugging Face model directory "
+                            "or an MLflow run id")
+
+
+def evaluate_policy(cfg: TrainConfig, policy_dir: Path, checkpoint: Optional[Path] = None) -> dict:
+    """Greedy accuracy and mean reward on cfg's held-out prompts (the same scoring as eval/accuracy)."""
+    import torch
+
+    from rlhf_core.checkpoint import load_weights_into, read_checkpoint
+    from rlhf_core.data import build_prompt_splits
+    from rlhf_core.loop import evaluate
+    from rlhf_core.models import load_policy
+    from rlhf_core.reward import build_reward_fn
+    from rlhf_core.rollout import HFEngine
+
+    torch.set_num_threads(max(1, cfg.cluster.torch_threads))
+    model, tok = load_policy(policy_dir, dtype=cfg.model.dtype, device=cfg.model.device,
+                             trust_remote_code=cfg.model.trust_remote_code)
+    if checkpoint is not None:
+        _, weights = read_checkpoint(checkpoint, model)
+        load_weights_into(model, weights)
+    _, heldout = build_prompt_splits(cfg.data, tok)
+    reward_fn = build_reward_fn(cfg.reward, tok, tok.eos_token_id, cfg.rollout.max_new_tokens)
+    engine = HFEngine(model, tok.eos_token_id, tok.pad_token_id, seed=cfg.trainer.seed)
+    result = evaluate(engine, heldout, reward_fn, tok.pad_token_id, cfg.rollout.max_new_tokens,
+                      max_prompt_tokens=cfg.data.max_prompt_tokens)
+    result["eval/prompts"] = len(heldout)
+    return result
+
+
+def cmd_evaluate(cfg: TrainConfig, target: str, as_json: bool = False) -> int:
+    from rlhf_core.checkpoint import CheckpointError
+    from rlhf_core.models import ModelLoadError
+
+    try:
+        policy_dir, checkpoint = resolve_policy(cfg, target)
+        result = evaluate_policy(cfg, policy_dir, checkpoint)
+    except (FileNotFoundError, CheckpointError, ModelLoadError) as exc:
+        print(f"atrlhf: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    if as_json:
+        print(json.dumps({"policy": str(checkpoint or policy_dir), **result}))
+    else:
+        print(f"held-out accuracy {result['eval/accuracy']:.3f} (mean reward {result['eval/reward_mean']:.3f}) on "
+              f"{result['eval/prompts']} {cfg.data.task} prompts — {checkpoint or policy_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

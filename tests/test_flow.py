@@ -1,0 +1,260 @@
+"""The training flow end to end, in-process: real Prefect (test harness), real Ray, real MLflow on SQLite.
+
+One Prefect test server and one local Ray instance serve the whole module (the runtime joins a Ray that is
+already up and kills only its own actors); every run is the tiny demo for a few steps.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+for _key, _value in {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "RAY_USAGE_STATS_ENABLED": "0", "DO_NOT_TRACK": "1",
+                     "MLFLOW_DISABLE_TELEMETRY": "true", "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
+                     "PREFECT_LOGGING_TO_API_BATCH_INTERVAL": "0.5"}.items():
+    os.environ.setdefault(_key, _value)
+
+import ray  # noqa: E402
+from mlflow.tracking import MlflowClient  # noqa: E402
+from prefect.client.orchestration import get_client  # noqa: E402
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId  # noqa: E402
+from prefect.states import Cancelling, StateType  # noqa: E402
+from prefect.testing.utilities import prefect_test_harness  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+
+from flows.train import train  # noqa: E402
+from rlhf_core.config import flatten_config, load_config  # noqa: E402
+from rlhf_core.cli import main as cli_main  # noqa: E402
+from tasks.tracking import load_logged_policy  # noqa: E402
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[1]
+
+# Small enough to run in seconds on 2 cores; m2po + a KL term so that every contract metric is produced.
+TINY = ["trainer.total_steps=6", "data.eval_size=20", "tracking.eval_every=3", "tracking.checkpoint_every=3",
+        "model.tiny_hidden=32", "model.tiny_heads=2", "model.tiny_layers=1", "rollout.prompts_per_batch=4",
+        "trainer.prompts_per_step=4", "rollout.samples_per_prompt=4", "cluster.num_cpus=2",
+        "supervision.supervise_interval_s=0.2", "tracking.log_system_metrics=false", "algorithm.loss=m2po",
+        "algorithm.kl_coef=0.01", "runtime.mode=sync"]
+
+CONTRACT_PER_STEP = ["reward/mean", "reward/std", "loss/policy", "loss/kl", "policy/entropy", "policy/clip_frac",
+                     "m2po/m2", "m2po/masked_frac", "async/staleness_mean", "async/staleness_max", "buffer/size",
+                     "buffer/evicted_stale", "buffer/dropped_overflow", "throughput/samples_per_s",
+                     "throughput/tokens_per_s", "util/rollout_busy", "util/trainer_busy", "sync/latency_s", "version"]
+
+
+@pytest.fixture(scope="module")
+def prefect_api():
+    with prefect_test_harness(server_startup_timeout=180):
+        yield
+
+
+@pytest.fixture(scope="module")
+def ray_up():
+    """One local Ray for the module (the runtime joins it and kills only its own actors)."""
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    yield
+    if started:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    return tmp_path_factory.mktemp("flow")
+
+
+def overrides(work: Path, name: str, *extra: str) -> list[str]:
+    return [*TINY, f"run.output_dir={work / name}", f"tracking.tracking_uri=sqlite:///{work / 'mlflow.db'}",
+            f"tracking.run_name={name}", *extra]
+
+
+def config(work: Path, name: str, *extra: str):
+    return load_config(REPO / "configs" / "tiny.yaml", overrides(work, name, *extra))
+
+
+def alive_actors() -> list[str]:
+    from ray._private import state
+
+    return [a for a, info in state.actors().items() if info["State"] != "DEAD"]
+
+
+def mlflow_client(work: Path) -> MlflowClient:
+    return MlflowClient(f"sqlite:///{work / 'mlflow.db'}")
+
+
+def runs_named(work: Path, name: str) -> list:
+    client = mlflow_client(work)
+    exp = client.get_experiment_by_name("asynctensorrlhf")
+    if exp is None:
+        return []
+    return client.search_runs([exp.experiment_id], filter_string=f"tags.`mlflow.runName` = '{name}'")
+
+
+def read_flow_run_artifacts(flow_run_id) -> dict:
+    with get_client(sync_client=True) as client:
+        arts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
+    return {a.key: a for a in arts if a.key}
+
+
+@pytest.fixture(scope="module")
+def straight_run(prefect_api, ray_up, work):
+    """Six lockstep steps straight through (also the reference for the resume-equality test)."""
+    cfg = config(work, "straight")
+    start = time.perf_counter()
+    state = train(config=cfg, return_state=True)
+    return cfg, state, time.perf_counter() - start
+
+
+def test_flow_completes_and_records_everything(straight_run, work):
+    cfg, state, _ = straight_run
+    assert state.is_completed(), state.message
+    result = state.result()
+    assert result["steps"] == 6
+    assert 0.0 <= result["eval/accuracy_start"] <= 1.0 and 0.0 <= result["eval/accuracy"] <= 1.0
+    assert Path(result["checkpoint"], "policy.safetensors").is_file()
+    assert Path(result["export"], "config.json").is_file()
+    assert not alive_actors(), "the flow left Ray actors behind"
+
+    client = mlflow_client(work)
+    run = client.get_run(result["mlflow_run_id"])
+    assert run.info.status == "FINISHED"
+    flow_run_id = str(state.state_details.flow_run_id)
+    assert run.data.tags["prefect.flow_run_id"] == flow_run_id
+    # params: the flattened config, all of it
+    flat = flatten_config(cfg)
+    assert set(flat) <= set(run.data.params)
+    assert run.data.params["trainer.total_steps"] == "6" and run.data.params["algorithm.loss"] == "m2po"
+    # metrics: one point per trainer step under the contract names
+    for name in CONTRACT_PER_STEP:
+        steps = [m.step for m in client.get_metric_history(run.info.run_id, name)]
+        assert steps == [1, 2, 3, 4, 5, 6], (name, steps)
+    evals = client.get_metric_history(run.info.run_id, "eval/accuracy")
+    assert sorted(m.step for m in evals) == [0, 3, 6]
+    assert client.get_metric_history(run.info.run_id, "eval/accuracy_start")
+    # artifacts: checkpoints every 3 steps, the model, plots, health events
+    ckpts = sorted(a.path for a in client.list_artifacts(run.info.run_id, "checkpoints"))
+    assert ckpts == ["checkpoints/step_000003", "checkpoints/step_000006"]
+    model_files = {Path(a.path).name for a in client.list_artifacts(run.info.run_id, "model")}
+    assert {"config.json", "model.safetensors"} <= model_files
+    plots = {Path(a.path).name for a in client.list_artifacts(run.info.run_id, "plots")}
+    assert plots == {"reward_curve.png", "staleness_histogram.png"}
+
+    # the logged model loads back, with the exported weights
+    model, tokenizer = load_logged_policy(run.info.run_id, tracking_uri=cfg.tracking.tracking_uri)
+    exported = load_file(str(Path(result["export"]) / "model.safetensors"))
+    for key, value in model.state_dict().items():
+        if key in exported:
+            assert (value == exported[key]).all(), key
+    assert tokenizer.eos_token_id is not None
+
+    # the Prefect side: the MLflow run id on the flow run, summary / health / progress artifacts
+    with get_client(sync_client=True) as pc:
+        fr = pc.read_flow_run(state.state_details.flow_run_id)
+    assert f"mlflow-run:{run.info.run_id}" in fr.tags
+    arts = read_flow_run_artifacts(state.state_details.flow_run_id)
+    assert {"atrlhf-summary", "atrlhf-health-events", "atrlhf-progress", "atrlhf-mlflow-run"} <= set(arts)
+    assert run.info.run_id in arts["atrlhf-summary"].data
+    assert arts["atrlhf-health-events"].type == "table"
+    assert float(arts["atrlhf-progress"].data) == 100.0
+
+
+def test_resume_equals_straight_run(straight_run, work, capsys):
+    """Sync mode, fixed seeds: 3 steps + resume (from the MLflow run id, through the CLI) + 3 steps gives
+    the parameters of 6 steps straight; the resumed run keeps logging into the same MLflow run."""
+    _, straight, _ = straight_run
+    assert straight.is_completed()
+    base = ["train", "--config", str(REPO / "configs" / "tiny.yaml"), "--set", *overrides(work, "halves")]
+    assert cli_main([*base, "trainer.total_steps=3"]) == 0
+    out = capsys.readouterr().out
+    assert "MLflow UI" in out and "mlflow ui --backend-store-uri" in out and "Prefect UI" in out
+    (first,) = runs_named(work, "halves")
+    assert first.info.run_id in out
+    assert cli_main([*base, "trainer.total_steps=6", "--resume-from", first.info.run_id]) == 0
+
+    client = mlflow_client(work)
+    run = client.get_run(first.info.run_id)
+    assert run.info.status == "FINISHED"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "reward/mean")] == [1, 2, 3, 4, 5, 6]
+    assert "trainer.total_steps" in run.data.tags["resume.changed_params"]
+    assert len(runs_named(work, "halves")) == 1
+
+    a = load_file(str(Path(straight.result()["export"]) / "model.safetensors"))
+    b = load_file(str(work / "halves" / "policy" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for key in a:
+        assert (a[key] == b[key]).all(), f"{key} differs between the straight and the resumed run"
+    assert not alive_actors()
+
+
+def test_cancel_running_flow(prefect_api, ray_up, work):
+    """Cancelling from the API: the flow stops its loops, tears down, ends the MLflow run KILLED, and the
+    flow run ends Cancelled."""
+    cfg = config(work, "cancel-me", "runtime.mode=async", "trainer.total_steps=100000", "tracking.checkpoint_every=0",
+                 "tracking.eval_every=0")
+    box: dict = {}
+    thread = threading.Thread(target=lambda: box.update(state=train(config=cfg, return_state=True)), daemon=True)
+    thread.start()
+    client = mlflow_client(work)
+    deadline = time.monotonic() + 180
+    run = None
+    while time.monotonic() < deadline and thread.is_alive():
+        found = runs_named(work, "cancel-me")
+        if found and client.get_metric_history(found[0].info.run_id, "reward/mean"):
+            run = found[0]
+            break
+        time.sleep(0.5)
+    assert run is not None, f"the flow never reached training: {box}"
+    flow_run_id = run.data.tags["prefect.flow_run_id"]
+    with get_client(sync_client=True) as pc:
+        pc.set_flow_run_state(flow_run_id, Cancelling(message="test cancel"), force=True)
+    thread.join(timeout=120)
+    assert not thread.is_alive(), "the flow did not stop after cancellation"
+    assert box["state"].type == StateType.CANCELLED
+    with get_client(sync_client=True) as pc:
+        assert pc.read_flow_run(flow_run_id).state.type == StateType.CANCELLED
+    assert client.get_run(run.info.run_id).info.status == "KILLED"
+    assert not alive_actors(), "cancellation left Ray actors behind"
+
+
+def test_bad_config_fails_fast_naming_the_field(prefect_api, work):
+    before = len(runs_named(work, "bad"))
+    start = time.perf_counter()
+    state = train(config={"trainer": {"total_steps": 0}, "tracking": {"run_name": "bad"}}, return_state=True)
+    assert state.is_failed()
+    assert "trainer.total_steps" in state.message
+    assert time.perf_counter() - start < 30
+    assert len(runs_named(work, "bad")) == before  # nothing was started or recorded
+
+
+def test_corrupt_checkpoint_fails_before_anything_starts(prefect_api, ray_up, work):
+    bad = work / "corrupt_ckpt"
+    bad.mkdir()
+    for name in ("policy.safetensors", "state.pt"):
+        (bad / name).write_bytes(b"not a checkpoint")
+    (bad / "meta.json").write_text("{broken")
+    state = train(config=config(work, "corrupt"), resume_from=str(bad), return_state=True)
+    assert state.is_failed()
+    assert "meta.json" in state.message and "corrupt" in state.message
+    assert not runs_named(work, "corrupt")
+    assert not (work / "corrupt").exists()  # not even the tiny policy was built
+    assert not alive_actors()
+
+
+def test_mismatched_checkpoint_fails_cleanly(straight_run, work):
+    """A checkpoint of another architecture: the runtime refuses it after starting the actors; the flow fails
+    naming the mismatch, tears everything down and overwrites nothing."""
+    _, straight, _ = straight_run
+    ckpt = Path(straight.result()["checkpoint"])
+    before = {p.name: p.stat().st_mtime_ns for p in ckpt.iterdir()}
+    state = train(config=config(work, "mismatch", "model.tiny_hidden=64"), resume_from=str(ckpt), return_state=True)
+    assert state.is_failed()
+    assert "does not match the model" in state.message
+    assert {p.name: p.stat().st_mtime_ns for p in ckpt.iterdir()} == before
+    assert not runs_named(work, "mismatch")
+    assert not alive_actors()
