@@ -133,6 +133,8 @@ def summarise(runs: list[dict]) -> dict:
     for key, rs in sorted(cells.items(), key=lambda kv: (kv[1][0]["tau"], list(LOSSES).index(kv[1][0]["loss"]))):
         rs = sorted(rs, key=lambda r: r["seed"])
         acc_m, acc_s = _mean_std([r["final_accuracy"] for r in rs])
+        # mean of the last three evaluations: less sensitive to where the last step happens to land
+        last3_m, last3_s = _mean_std([statistics.fmean(a for _, a in r["curve"][-3:]) for r in rs])
         st_m, st_s = _mean_std([r["steps_to_target"] for r in rs])
         gv_m, gv_s = _mean_std([r["grad_norm_var"] for r in rs])
         steps_curve = [s for s, _ in rs[0]["curve"]]
@@ -142,6 +144,7 @@ def summarise(runs: list[dict]) -> dict:
             "tau": rs[0]["tau"], "loss": rs[0]["loss"], "seeds": [r["seed"] for r in rs],
             "final_accuracy_mean": acc_m, "final_accuracy_std": acc_s,
             "final_accuracy_per_seed": [r["final_accuracy"] for r in rs],
+            "last3_accuracy_mean": last3_m, "last3_accuracy_std": last3_s,
             "steps_to_target_mean": st_m, "steps_to_target_std": st_s,
             "steps_to_target_per_seed": [r["steps_to_target"] for r in rs],
             "reached_target": sum(r["steps_to_target"] is not None for r in rs),
@@ -236,22 +239,26 @@ def plot(cells: dict, path: str, meta: dict) -> None:
 
     taus = sorted({c["tau"] for c in cells.values()})
     xs = {t: i for i, t in enumerate(taus)}
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     for loss in LOSSES:
         cs = sorted((c for c in cells.values() if c["loss"] == loss), key=lambda c: c["tau"])
         if not cs:
             continue
         ax.errorbar([xs[c["tau"]] for c in cs], [c["final_accuracy_mean"] for c in cs],
                     yerr=[c["final_accuracy_std"] for c in cs], marker="o", capsize=3, label=loss)
-    ax.set_xticks(range(len(taus)), [str(t) for t in taus])
-    ax.set_xlabel("staleness τ (trainer consumes data from version V − τ)")
-    ax.set_ylabel("final held-out accuracy")
+        ax2.plot([xs[c["tau"]] for c in cs], [c["grad_norm_var_mean"] for c in cs], marker="o", label=loss)
+    for a in (ax, ax2):
+        a.set_xticks(range(len(taus)), [str(t) for t in taus])
+        a.set_xlabel("staleness τ (trainer consumes data from version V − τ)")
+        a.grid(alpha=0.3)
+    ax.set_ylabel("final held-out accuracy (mean ± std over seeds)")
     ax.set_ylim(-0.02, 1.02)
     ax.axhline(TARGET_ACCURACY, color="grey", lw=0.8, ls=":")
-    ax.set_title(f"max3 tiny Llama, {meta['steps']} steps, lr {meta['lr']}, {len(meta['seeds'])} seeds (mean ± std)",
-                 fontsize=9)
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
+    ax.set_title(f"max3, tiny Llama, {meta['steps']} steps, lr {meta['lr']}, seeds {meta['seeds']}", fontsize=9)
+    ax.legend(fontsize=8, loc="lower left")
+    ax2.set_yscale("log")
+    ax2.set_ylabel("variance over steps of policy/grad_norm (pre-clip)")
+    ax2.set_title("gradient-norm variance (mean over seeds)", fontsize=9)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
@@ -267,13 +274,13 @@ def print_table(out: dict) -> None:
     print(f"controlled staleness (stale-k), max3 tiny Llama: {meta['steps']} steps × {meta['batch']} samples, "
           f"lr {meta['lr']}, eval every {meta['eval_every']} on {meta['eval_size']} held-out prompts, "
           f"seeds {meta['seeds']}; wall {meta['wall_s'] / 60:.1f} min on {meta['workers']} workers ({meta['cpu']})")
-    print(f"{'tau':>4} {'loss':<18} {'final acc':>12} {'steps→0.8':>14} {'reached':>7} {'var|g|':>9} "
+    print(f"{'tau':>4} {'loss':<18} {'final acc':<12} {'last-3 acc':<11} {'steps→0.8':>14} {'reached':>7} {'var|g|':>9} "
           f"{'clip':>6} {'masked':>7} {'M2':>8}")
     for c in out["cells"].values():
         steps = f"{fmt(c['steps_to_target_mean'], '.0f')}±{fmt(c['steps_to_target_std'], '.0f')}" \
             if c["steps_to_target_mean"] is not None else "—"
-        print(f"{c['tau']:>4} {c['loss']:<18} {fmt(c['final_accuracy_mean'])}±{fmt(c['final_accuracy_std'])}".ljust(37)
-              + f" {steps:>14} {c['reached_target']:>3}/{len(c['seeds']):<3} {fmt(c['grad_norm_var_mean'], '.4f'):>9} "
+        print(f"{c['tau']:>4} {c['loss']:<18} {fmt(c['final_accuracy_mean'])}±{fmt(c['final_accuracy_std'])}".ljust(36)
+              + f" {fmt(c['last3_accuracy_mean'])}±{fmt(c['last3_accuracy_std'])}".ljust(12) + f" {steps:>14} {c['reached_target']:>3}/{len(c['seeds']):<3} {fmt(c['grad_norm_var_mean'], '.4f'):>9} "
               f"{fmt(c['clip_frac_mean'], '.3f'):>6} {fmt(c['masked_frac_mean'], '.3f'):>7} {fmt(c['m2_mean'], '.4f'):>8}")
     claim = out["claim"]
     print("seed claim (M2PO at τ=8 within 5% of τ=0, PPO clipping behind): "
@@ -330,11 +337,12 @@ def main() -> None:
         prebuild_policies(seeds, policy_root)
 
         def run_taus(ts):
-            """Run (or reuse from --resume) every (τ, loss, seed) of these τ, largest τ first."""
+            """Run (or reuse from --resume) every (τ, loss, seed) of these τ."""
             reused = [done[(t, loss, s)] for t in ts for loss in losses for s in seeds if (t, loss, s) in done]
             jobs = [{"tau": t, "loss": loss, "seed": s, "steps": steps, "lr": args.lr, "eval_every": args.eval_every,
                      "eval_size": args.eval_size, "policy_root": policy_root}
-                    for t in sorted(ts, reverse=True) for loss in losses for s in seeds if (t, loss, s) not in done]
+                    # seed-major order: an interrupted grid still holds whole τ × loss grids for its first seeds
+                    for s in seeds for t in sorted(ts, reverse=True) for loss in losses if (t, loss, s) not in done]
             return reused + run_jobs(jobs, args.workers, log)
 
         runs = run_taus(taus)

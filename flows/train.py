@@ -288,5 +288,5 @@ def _summary_markdown(cfg: TrainConfig, result: dict, tracker: MlflowTracker) ->
   — open the UI with `{ui_command(tracker.uri)}`
 - Final checkpoint: `{result['checkpoint']}`
 - Exported policy (Hugging Face directory): `{result['export']}`
-- Load the logged model: `from tasks.tracking import load_logged_policy; model, tok = load_logged_policy("{tracker.run_id}", "{tracker.uri}")`
-"""
+""" + (f"""- Load the logged model: `from tasks.tracking import load_logged_policy; model, tok = load_logged_policy("{tracker.run_id}", "{tracker.uri}")`
+""" if cfg.tracking.log_model else "")

@@ -150,11 +150,15 @@ def resolve_policy(cfg: TrainConfig, target: str) -> tuple[Path, Optional[Path]]
         if not cfg.model.path and (beside / "config.json").is_file():
             return beside, path
         return ensure_policy(cfg.model, cfg.data.task, cfg.run.output_dir, seed=cfg.trainer.seed), path
-    if not path.exists():
-        from tasks.tracking import download_logged_policy, looks_like_run_id, resolve_tracking_uri
+    if not path.exists() and len(target) == 32 and all(c in "0123456789abcdef" for c in target.lower()):
+        from tasks.tracking import download_logged_policy, resolve_tracking_uri
 
-        if looks_like_run_id(target):
-            return download_logged_policy(target, resolve_tracking_uri(cfg)), None
+        uri = resolve_tracking_uri(cfg)
+        try:
+            return download_logged_policy(target, uri), None
+        except Exception as exc:  # MlflowException and friends: name the run and the store
+            raise FileNotFoundError(f"--checkpoint {target!r}: no logged model for that MLflow run in {uri} "
+                                    f"({type(exc).__name__}: {str(exc)[:300]})") from None
     raise FileNotFoundError(f"--checkpoint {target!r} is not a checkpoint directory, a Hugging Face model directory "
                             "or an MLflow run id")
 

@@ -152,6 +152,9 @@ def test_flow_completes_and_records_everything(straight_run, work):
         if key in exported:
             assert (value == exported[key]).all(), key
     assert tokenizer.eos_token_id is not None
+    # ... and `atrlhf evaluate` scores it from the run id
+    assert cli_main(["evaluate", "--checkpoint", run.info.run_id, "--json", "--set", *TINY,
+                     f"tracking.tracking_uri={cfg.tracking.tracking_uri}"]) == 0
 
     # the Prefect side: the MLflow run id on the flow run, summary / health / progress artifacts
     with get_client(sync_client=True) as pc:
@@ -257,4 +260,18 @@ def test_mismatched_checkpoint_fails_cleanly(straight_run, work):
     assert "does not match the model" in state.message
     assert {p.name: p.stat().st_mtime_ns for p in ckpt.iterdir()} == before
     assert not runs_named(work, "mismatch")
+    assert not alive_actors()
+
+
+def test_failure_mid_run_tears_down_and_marks_mlflow_failed(prefect_api, ray_up, work):
+    """Non-finite losses (a learning rate that blows the weights up) reach supervision.nonfinite_limit: the flow
+    fails naming the limit, tears the actors down and ends the MLflow run FAILED."""
+    cfg = config(work, "blowup", "trainer.lr=1e30", "supervision.nonfinite_limit=2", "trainer.total_steps=20",
+                 "tracking.eval_every=0", "tracking.checkpoint_every=0")
+    state = train(config=cfg, return_state=True)
+    assert state.is_failed()
+    assert "supervision.nonfinite_limit=2" in state.message
+    (run,) = runs_named(work, "blowup")
+    assert run.info.status == "FAILED"
+    assert "nonfinite_limit" in run.data.tags["error"]
     assert not alive_actors()

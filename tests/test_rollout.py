@@ -362,3 +362,16 @@ def test_split_groups_views_rows(prompt_batch):
     for i, g in enumerate(groups):
         assert g.batch.rewards.tolist() == [3.0 * i, 3.0 * i + 1, 3.0 * i + 2]
         assert torch.equal(g.batch.response_ids, batch.response_ids[3 * i:3 * i + 3])
+
+
+def test_build_engine_by_config(tiny_model, tiny_tokenizer):
+    from rlhf_core.config import load_config
+    from rlhf_core.rollout import build_engine
+
+    rnd = build_engine(load_config(None, ["rollout.engine=random", "rollout.random_tokens_per_s=100"]),
+                       tiny_model, tiny_tokenizer, seed=3)
+    assert isinstance(rnd, RandomEngine)
+    assert rnd.vocab_size == len(tiny_tokenizer) and rnd.tokens_per_s == 100.0 and rnd.eos_token_id == EOS
+    hf = build_engine(load_config(None), tiny_model, tiny_tokenizer, seed=3)
+    assert isinstance(hf, HFEngine) and hf.model is tiny_model
+    assert (hf.eos_token_id, hf.pad_token_id, hf.version) == (EOS, PAD, 0)

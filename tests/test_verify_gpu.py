@@ -40,8 +40,8 @@ def test_verify_gpu_quick_on_cpu(tmp_path):
     assert report["targets"] == {}  # the GPU target is not judged on a CPU
 
 
-def test_verify_gpu_json_flag_prints_one_object(tmp_path):
-    """--json: the parser accepts it and main() returns the report's status (checked in-process, cheap parts)."""
+def test_verify_gpu_parts_in_process():
+    """The buffer checks pass and the CPU timer reports perf_counter figures (in-process, cheap)."""
     sys.path.insert(0, str(SCRIPT.parent))
     try:
         import verify_gpu

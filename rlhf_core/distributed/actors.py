@@ -270,6 +270,7 @@ class RolloutActor:
         self.timeout = cfg.runtime.wait_timeout_s
         self.syncs: list[dict] = []
         self.groups_pushed = 0
+        self.pending_push = None  # (ref, n_groups) of a push not yet confirmed (async loop only)
         self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
         self.loop_running = False
 
@@ -290,15 +291,29 @@ class RolloutActor:
         self.syncs.append({"version": version, "fetch_s": fetched - start, "load_s": done - fetched, "stall_s": done - start})
         return True
 
-    def generate_once(self, n_prompts: int) -> int:
-        """Take n prompts, generate, push. Returns groups pushed (sync mode calls this directly)."""
+    def generate_once(self, n_prompts: int, wait: bool = True) -> int:
+        """Take n prompts, generate, push. Returns groups generated (sync mode calls this directly).
+
+        wait=False (the async loop) does not wait for the buffer to accept this push, only for the previous
+        one: at most one push is in flight, pushes stay in order, and a failed push surfaces a batch later.
+        """
         prompts = get_or_fail(self.queue.get.remote(n_prompts), self.timeout, "prompts from the prompt queue")
         if not prompts:
             return 0
         groups = self.worker.generate_groups(prompts)
-        get_or_fail(self.buffer.push.remote(pack_groups(groups)), self.timeout, "the replay buffer to accept a push")
-        self.groups_pushed += len(groups)
+        self.confirm_push()
+        self.pending_push = (self.buffer.push.remote(pack_groups(groups)), len(groups))
+        if wait:
+            self.confirm_push()
         return len(groups)
+
+    def confirm_push(self) -> None:
+        """Wait for the push in flight, if any, and count its groups."""
+        if self.pending_push is not None:
+            ref, n_groups = self.pending_push
+            self.pending_push = None
+            get_or_fail(ref, self.timeout, "the replay buffer to accept a push")
+            self.groups_pushed += n_groups
 
     def run_loop(self) -> dict:
         """Generate continuously until stop(); idle time (admission denied, weights loading) is counted."""
@@ -314,7 +329,8 @@ class RolloutActor:
                     continue
                 self.worker.add_idle(time.perf_counter() - t0)
                 self.maybe_load_weights()  # admitted against version v: weights >= v are published, load them
-                self.generate_once(n)
+                self.generate_once(n, wait=False)
+            self.confirm_push()
         finally:
             self.loop_running = False
         return self.stats()

@@ -198,18 +198,21 @@ class DistributedRun:
                     raise RunFailed(self.failed) from exc
         if self.started:
             self._check_worker_loops()
+        # all requests in flight at once: one round trip instead of one per actor (sync mode polls every step)
+        bstats_ref, qstats_ref = self.buffer.stats.remote(), self.queue.stats.remote()
+        wstats_refs = [w.stats.remote() for w in self.workers]
         try:
             metrics = self._get(self.trainer.drain_metrics.remote(), "trainer metrics")
-            tstats = self._get(self.trainer.stats.remote(), "trainer stats")
+            tstats = self._get(self.trainer.stats.remote(), "trainer stats")  # after the drain: step >= drained steps
         except ray.exceptions.RayActorError as exc:
             self.failed = f"trainer failed: the trainer actor died ({type(exc).__name__})"
             raise RunFailed(self.failed) from exc
-        bstats = self._get(self.buffer.stats.remote(), "buffer stats")
-        qstats = self._get(self.queue.stats.remote(), "prompt queue stats")
+        bstats = self._get(bstats_ref, "buffer stats")
+        qstats = self._get(qstats_ref, "prompt queue stats")
         wstats = []
-        for i, w in enumerate(self.workers):
+        for i, ref in enumerate(wstats_refs):
             try:
-                s = ray.get(w.stats.remote(), timeout=min(self.timeout, 10))
+                s = ray.get(ref, timeout=min(self.timeout, 10))
                 s["alive"] = True
             except Exception as exc:
                 s = {"index": i, "alive": False, "error": type(exc).__name__}

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import warnings
 
-from rlhf_core.rollout.base import RolloutEngine, SamplingParams, sampling_logprobs
+from rlhf_core.rollout.base import RolloutEngine, SamplingParams, processed_logits, sampling_logprobs
 from rlhf_core.rollout.hf import HFEngine, response_mask_from_eos
 from rlhf_core.rollout.random_engine import RandomEngine
 from rlhf_core.rollout.worker import RolloutWorker, split_groups
 
 __all__ = ["HFEngine", "RandomEngine", "RolloutEngine", "RolloutWorker", "SamplingParams", "build_engine",
-           "response_mask_from_eos", "sampling_logprobs", "split_groups", "vllm_available"]
+           "processed_logits", "response_mask_from_eos", "sampling_logprobs", "split_groups", "vllm_available"]
 
 _warned_vllm = False
 

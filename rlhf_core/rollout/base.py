@@ -13,7 +13,8 @@ from rlhf_core.types import RolloutBatch
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to sample. temperature 0 means greedy decoding (behaviour logprobs are then of the argmax, 0)."""
+    """How to sample. temperature 0 means greedy decoding (behaviour logprobs are then the model's log-softmax at the
+    argmax, temperature 1)."""
 
     max_new_tokens: int = 16
     temperature: float = 1.0
@@ -42,14 +43,14 @@ class RolloutEngine(Protocol):
         ...
 
 
-def sampling_logprobs(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
-    """Log-probabilities of the distribution actually sampled from: temperature, then top-k, then top-p.
+def processed_logits(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+    """The logits actually sampled from: temperature, then top-k, then top-p (filtered tokens at -inf).
 
-    logits: FloatTensor [N, V]. Returns FloatTensor [N, V] (filtered tokens at -inf).
+    logits: FloatTensor [N, V]. Returns FloatTensor [N, V] (float32). Greedy decoding leaves them as they are.
     """
     logits = logits.float()
     if sampling.greedy:
-        return torch.log_softmax(logits, dim=-1)
+        return logits
     if sampling.temperature != 1.0:
         logits = logits / sampling.temperature
     if sampling.top_k and sampling.top_k < logits.shape[-1]:
@@ -62,4 +63,13 @@ def sampling_logprobs(logits: torch.Tensor, sampling: SamplingParams) -> torch.T
         drop_sorted = (probs.cumsum(-1) - probs) >= sampling.top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
-    return torch.log_softmax(logits, dim=-1)
+    return logits
+
+
+def sampling_logprobs(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+    """Log-probabilities of the distribution actually sampled from: temperature, then top-k, then top-p.
+
+    logits: FloatTensor [N, V]. Returns FloatTensor [N, V] (filtered tokens at -inf). For greedy decoding
+    these are the model's log-softmax (temperature 1, nothing filtered).
+    """
+    return torch.log_softmax(processed_logits(logits, sampling), dim=-1)

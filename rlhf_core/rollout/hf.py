@@ -11,7 +11,7 @@ import inspect
 import torch
 
 from rlhf_core.data.prompts import PromptBatch
-from rlhf_core.rollout.base import SamplingParams, sampling_logprobs
+from rlhf_core.rollout.base import SamplingParams, processed_logits
 from rlhf_core.types import RolloutBatch
 
 
@@ -77,12 +77,17 @@ class HFEngine:
         # checked every few steps so that the host can queue kernels ahead.
         check_every = 1 if dev.type == "cpu" else 8
         for t in range(T):
-            logp = sampling_logprobs(next_logits, sampling)
+            z = processed_logits(next_logits, sampling)
             if sampling.greedy:
-                tok = logp.argmax(-1)
+                tok = z.argmax(-1)
+                tok_logp = z.gather(-1, tok[:, None]).squeeze(-1) - torch.logsumexp(z, dim=-1)
             else:
-                tok = torch.multinomial(logp.exp(), 1, generator=self.generator).squeeze(-1)
-            tok_logp = logp.gather(-1, tok[:, None]).squeeze(-1)
+                # one softmax pass serves sampling and the logprob (log of the N sampled probabilities):
+                # the same per-step work as transformers' own sampler; filtered tokens have p = 0 exactly
+                probs = torch.softmax(z, dim=-1)
+                tok = torch.multinomial(probs, 1, generator=self.generator)
+                tok_logp = probs.gather(-1, tok).log_().squeeze(-1)
+                tok = tok.squeeze(-1)
             tokens[:, t] = tok.masked_fill(finished, self.pad_token_id)
             logps[:, t] = tok_logp.masked_fill(finished, 0.0)
             finished |= tok == self.eos_token_id

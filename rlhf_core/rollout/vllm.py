@@ -1,0 +1,184 @@
+"""VLLMEngine: generation with vLLM's offline `LLM`, behind the same interface as HFEngine.
+
+Written against vLLM's documented offline API (checked against the v0.10-v0.11 docs; not run in this
+repository's CI, which has no GPU — see tests/test_vllm.py, which runs it where vLLM imports):
+
+- `LLM(model=path, tokenizer=path, dtype, seed, gpu_memory_utilization, max_model_len,
+  logprobs_mode="processed_logprobs")`;
+- `LLM.generate([{"prompt_token_ids": ids}, ...], SamplingParams(n=G, temperature, top_p, top_k,
+  max_tokens, logprobs=0), use_tqdm=False)`: one RequestOutput per prompt, in order, each holding G
+  CompletionOutputs with `token_ids` and `logprobs` (a dict per position that always contains the
+  sampled token);
+- `LLM.apply_model(fn)` runs `fn(model)` on the model inside every worker (vLLM >= 0.9); the model's own
+  `load_weights(iterable of (hf_name, tensor))` maps Hugging Face parameter names onto vLLM's fused
+  layers. Older versions reach the model through
+  `llm.llm_engine.model_executor.driver_worker.model_runner.model` (the path OpenRLHF used).
+
+Behaviour logprobs. The trainer's ratios compare against the distribution the rollout sampled from
+(temperature, top-k, top-p applied and renormalised). vLLM's V1 engine returns, by default, logprobs of
+the RAW model distribution ("raw_logprobs": before temperature and filtering); the engine argument
+`logprobs_mode="processed_logprobs"` makes it return the processed ones, which is what this engine
+asks for. Where the installed vLLM does not know that argument, the returned logprobs are raw, which
+equal the processed ones only for temperature 1 without top-k/top-p; `generate` then refuses any other
+sampling setting with an error saying so rather than return wrong logprobs. (vLLM's old V0 engine,
+< 0.8, returned processed logprobs by default and is treated as such.)
+
+Differences from HFEngine worth knowing: vLLM also stops on every EOS id of the model's generation
+config (the response mask is built from each completion's real length, so it stays exact); its
+random stream differs, so the same seed gives different samples than HFEngine; prompts are sent
+without their left padding.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from rlhf_core.data.prompts import PromptBatch
+from rlhf_core.rollout.base import SamplingParams
+from rlhf_core.types import RolloutBatch
+
+# buffers that vLLM recomputes itself and whose names its load_weights does not know
+_SKIPPED_WEIGHTS = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+def pack_completions(completions: Sequence[Sequence[tuple[Sequence[int], Sequence[float]]]], prompts: PromptBatch,
+                     pad_token_id: int, version: int, device: torch.device | str = "cpu") -> RolloutBatch:
+    """Build a RolloutBatch from per-prompt lists of G (token_ids, sampled-token logprobs) completions.
+
+    completions[i][g] is the g-th completion of prompt i; every prompt has the same number G. The response
+    mask is True on each completion's own tokens (its EOS included when it stopped on one).
+    """
+    n_prompts = len(completions)
+    if n_prompts != len(prompts):
+        raise ValueError(f"got completions for {n_prompts} prompts, expected {len(prompts)}")
+    G = len(completions[0]) if n_prompts else 0
+    if any(len(c) != G for c in completions):
+        raise ValueError("every prompt needs the same number of completions")
+    rows = [c for per_prompt in completions for c in per_prompt]
+    N = len(rows)
+    L = max(1, max((len(ids) for ids, _ in rows), default=1))
+    tokens = torch.full((N, L), pad_token_id, dtype=torch.long)
+    logps = torch.zeros((N, L), dtype=torch.float32)
+    lengths = torch.zeros(N, dtype=torch.long)
+    for r, (ids, lps) in enumerate(rows):
+        if len(ids) != len(lps):
+            raise ValueError(f"completion {r}: {len(ids)} tokens but {len(lps)} logprobs")
+        if ids:
+            tokens[r, :len(ids)] = torch.tensor(list(ids), dtype=torch.long)
+            logps[r, :len(ids)] = torch.tensor(list(lps), dtype=torch.float32)
+        lengths[r] = len(ids)
+    mask = torch.arange(L).unsqueeze(0) < lengths.unsqueeze(1)
+    batch = RolloutBatch(
+        prompt_ids=prompts.prompt_ids.repeat_interleave(G, 0),
+        prompt_mask=prompts.prompt_mask.repeat_interleave(G, 0),
+        response_ids=tokens, response_mask=mask, behavior_logprobs=logps, response_lengths=lengths,
+        group_ids=torch.arange(n_prompts).repeat_interleave(G),
+        policy_version=torch.full((N,), int(version), dtype=torch.long),
+        prompt_uids=prompts.uids.repeat_interleave(G),
+    )
+    return batch.to(device)
+
+
+def _vllm_version() -> tuple[int, ...]:
+    import vllm
+
+    parts = []
+    for piece in str(getattr(vllm, "__version__", "0")).split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts)
+
+
+class VLLMEngine:
+    """Generate with vLLM on a CUDA device; weights are swapped in place by `load_weights`."""
+
+    def __init__(self, model_path: str | os.PathLike, cfg, tokenizer, seed: int = 0, version: int = 0):
+        # The engine core runs in this process, so that apply_model reaches the model without pickling
+        # the weights through a pipe. Set only when the user has not chosen otherwise.
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        from vllm import LLM
+
+        if model_path is None:
+            raise ValueError("VLLMEngine needs the policy's model directory (model_path)")
+        self.model_path = str(model_path)
+        self.eos_token_id = int(tokenizer.eos_token_id)
+        self.pad_token_id = int(tokenizer.pad_token_id)
+        self.version = int(version)
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        max_len = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+        try:  # vLLM refuses a max_model_len beyond the model's positions
+            positions = json.loads((Path(self.model_path) / "config.json").read_text()).get("max_position_embeddings")
+            if positions:
+                max_len = min(max_len, int(positions))
+        except (OSError, ValueError):
+            pass
+        kwargs = dict(model=self.model_path, tokenizer=self.model_path, seed=seed,
+                      dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code,
+                      gpu_memory_utilization=cfg.rollout.vllm_gpu_memory_utilization, max_model_len=max_len)
+        try:
+            self.llm = LLM(**kwargs, logprobs_mode="processed_logprobs")
+            self.processed_logprobs = True
+        except TypeError as exc:  # a vLLM without the logprobs_mode engine argument
+            if "logprobs_mode" not in str(exc):
+                raise
+            self.llm = LLM(**kwargs)
+            self.processed_logprobs = _vllm_version() < (0, 8)  # V0 returned processed logprobs
+
+    # ------------------------------------------------------------------ weights
+    def load_weights(self, state_dict: dict[str, torch.Tensor] | None, version: int) -> None:
+        """Load Hugging Face-named weights into the running engine and adopt their version."""
+        if state_dict is not None:
+            weights = [(k, v) for k, v in state_dict.items() if not k.endswith(_SKIPPED_WEIGHTS)]
+
+            def load(model):
+                model.load_weights(weights=weights)
+                return None
+
+            if hasattr(self.llm, "apply_model"):
+                self.llm.apply_model(load)
+            else:  # vLLM < 0.9
+                load(self.llm.llm_engine.model_executor.driver_worker.model_runner.model)
+            # cached prompt KV was computed with the old weights
+            if hasattr(self.llm, "reset_prefix_cache"):
+                self.llm.reset_prefix_cache()
+        self.version = int(version)
+
+    # ------------------------------------------------------------------ generation
+    def _sampling_params(self, G: int, sampling: SamplingParams):
+        from vllm import SamplingParams as VSamplingParams
+
+        plain = sampling.greedy or (sampling.temperature == 1.0 and sampling.top_p >= 1.0 and not sampling.top_k)
+        if not self.processed_logprobs and not plain:
+            raise RuntimeError(
+                "this vLLM returns logprobs of the raw model distribution (it has no logprobs_mode engine "
+                "argument), which are not the behaviour logprobs of temperature/top-k/top-p sampling; use "
+                "temperature 1 without top-k/top-p, upgrade vLLM, or use rollout.engine=hf")
+        kwargs = dict(n=G, temperature=0.0 if sampling.greedy else sampling.temperature, top_p=sampling.top_p,
+                      top_k=sampling.top_k if sampling.top_k > 0 else -1, max_tokens=sampling.max_new_tokens,
+                      logprobs=0, stop_token_ids=[self.eos_token_id])
+        try:
+            return VSamplingParams(**kwargs, detokenize=False)  # token ids are all we need
+        except TypeError:
+            return VSamplingParams(**kwargs)
+
+    def generate(self, prompts: PromptBatch, samples_per_prompt: int, sampling: SamplingParams) -> RolloutBatch:
+        G = samples_per_prompt
+        requests = [{"prompt_token_ids": row[mask].tolist()}
+                    for row, mask in zip(prompts.prompt_ids.cpu(), prompts.prompt_mask.cpu())]
+        outputs = self.llm.generate(requests, self._sampling_params(G, sampling), use_tqdm=False)
+        completions = []
+        for out in outputs:
+            per_prompt = []
+            for comp in sorted(out.outputs, key=lambda c: c.index):
+                ids = list(comp.token_ids)
+                if comp.logprobs is None:
+                    raise RuntimeError("vLLM returned no logprobs (SamplingParams.logprobs=0 was ignored)")
+                lps = [float(comp.logprobs[t][tok].logprob) for t, tok in enumerate(ids)]
+                per_prompt.append((ids, lps))
+            completions.append(per_prompt)
+        return pack_completions(completions, prompts, self.pad_token_id, self.version, self.device)

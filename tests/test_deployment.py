@@ -1,0 +1,288 @@
+"""Deployments end to end: a real Prefect server on 127.0.0.1, `prefect deploy --all` from prefect.yaml, a
+`process` worker running the flow from this checkout, MLflow on SQLite in a temp dir.
+
+Covers: the deployments and their parameters, a deployment run to Completed, cancelling a running
+deployment run (Cancelled, no Ray actor left, MLflow run KILLED), and bad configs at deploy time, at run
+creation and inside the run (each fails fast, naming the field, with nothing half-started).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+for _key, _value in {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "RAY_USAGE_STATS_ENABLED": "0", "DO_NOT_TRACK": "1",
+                     "MLFLOW_DISABLE_TELEMETRY": "true", "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"}.items():
+    os.environ.setdefault(_key, _value)
+
+from mlflow.tracking import MlflowClient  # noqa: E402
+from prefect.client.orchestration import get_client  # noqa: E402
+from prefect.deployments import run_deployment  # noqa: E402
+from prefect.settings import PREFECT_API_URL, temporary_settings  # noqa: E402
+from prefect.states import Cancelling, StateType  # noqa: E402
+
+from rlhf_core.config import apply_overrides  # noqa: E402
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[1]
+PREFECT = str(Path(sys.executable).with_name("prefect"))
+POOL = "atrlhf-local"
+SMALL = ["trainer.total_steps=4", "data.eval_size=20", "model.tiny_hidden=32", "model.tiny_heads=2",
+         "model.tiny_layers=1", "rollout.prompts_per_batch=4", "trainer.prompts_per_step=4",
+         "rollout.samples_per_prompt=4", "cluster.num_cpus=2", "supervision.supervise_interval_s=0.2",
+         "tracking.eval_every=2", "tracking.checkpoint_every=2", "tracking.log_system_metrics=true"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stop(proc: subprocess.Popen, grace_s: float = 15) -> None:
+    """Stop a process we started in its own session: SIGINT (graceful for prefect), then SIGKILL its group."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGINT)
+            proc.wait(timeout=grace_s)
+        except (subprocess.TimeoutExpired, ProcessLookupError):
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=30)
+
+
+def _prefect(args: list[str], env: dict, timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run([PREFECT, *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """A Prefect server on 127.0.0.1 (free port, temp PREFECT_HOME); the test process talks to it too."""
+    home = tmp_path_factory.mktemp("prefect_home")
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}/api"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update({"PREFECT_HOME": str(home), "PREFECT_API_URL": url, "PREFECT_UI_ENABLED": "false",
+                "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_WORKER_QUERY_SECONDS": "1",
+                "PREFECT_WORKER_PREFETCH_SECONDS": "1", "PREFECT_LOGGING_LEVEL": "INFO",
+                # flows join the Ray started by this module: a driver joining a local cluster needs token mode
+                # to present the cluster's token (~/.ray/auth_token)
+                "RAY_AUTH_MODE": "token"})
+    log = open(home / "server.log", "w")
+    proc = subprocess.Popen([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)], env=env,
+                            cwd=home, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert proc.poll() is None, (home / "server.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the Prefect server did not become healthy in 180 s"
+            time.sleep(0.5)
+        with temporary_settings({PREFECT_API_URL: url}):
+            yield {"url": url, "env": env, "home": home}
+    finally:
+        _stop(proc)
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def deployed(server, tmp_path_factory):
+    """`prefect work-pool create` + `prefect deploy --all` from prefect.yaml, and a process worker."""
+    env = server["env"]
+    created = _prefect(["work-pool", "create", POOL, "--type", "process"], env)
+    assert created.returncode == 0, created.stdout + created.stderr
+    deploy = _prefect(["--no-prompt", "deploy", "--all"], env)
+    assert deploy.returncode == 0, deploy.stdout[-3000:] + deploy.stderr[-3000:]
+    logdir = tmp_path_factory.mktemp("worker")
+    log = open(logdir / "worker.log", "w")
+    worker = subprocess.Popen([PREFECT, "worker", "start", "--pool", POOL, "--type", "process"], env=env, cwd=logdir,
+                              stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        yield {"worker_log": logdir / "worker.log"}
+    finally:
+        _stop(worker)
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    return tmp_path_factory.mktemp("deploy_runs")
+
+
+@pytest.fixture(scope="module")
+def ray_address():
+    """A local Ray that the deployment runs join (cluster.address), so that the test can see their actors."""
+    import ray
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    yield ray.get_runtime_context().gcs_address
+    if started:
+        ray.shutdown()
+
+
+def alive_actors() -> list[str]:
+    from ray._private import state
+
+    return [a for a, info in state.actors().items() if info["State"] != "DEAD"]
+
+
+def deployment_config(name: str, work: Path, run: str, *extra: str) -> dict:
+    """The config stored on a deployment, shrunk to a few steps and pointed at temp dirs."""
+    with get_client(sync_client=True) as client:
+        cfg = copy.deepcopy(client.read_deployment_by_name(f"atrlhf-train/{name}").parameters["config"])
+    return apply_overrides(cfg, [*SMALL, f"run.output_dir={work / run}", f"tracking.run_name={run}",
+                                 f"tracking.tracking_uri=sqlite:///{work / 'mlflow.db'}", *extra])
+
+
+def wait_final(flow_run_id, timeout_s: float, worker_log: Path):
+    deadline = time.monotonic() + timeout_s
+    with get_client(sync_client=True) as client:
+        while True:
+            state = client.read_flow_run(flow_run_id).state
+            if state is not None and state.is_final():
+                return state
+            assert time.monotonic() < deadline, f"flow run not final after {timeout_s} s ({state}); worker log:\n" + \
+                worker_log.read_text()[-4000:]
+            time.sleep(0.5)
+
+
+def mlflow_runs(work: Path, run_name: str) -> list:
+    if not (work / "mlflow.db").exists():
+        return []
+    client = MlflowClient(f"sqlite:///{work / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("asynctensorrlhf")
+    if exp is None:
+        return []
+    return client.search_runs([exp.experiment_id], filter_string=f"tags.`mlflow.runName` = '{run_name}'")
+
+
+def test_deployments_from_prefect_yaml(deployed):
+    with get_client(sync_client=True) as client:
+        tiny = client.read_deployment_by_name("atrlhf-train/tiny-async")
+        sync = client.read_deployment_by_name("atrlhf-train/sync-baseline")
+        real = client.read_deployment_by_name("atrlhf-train/qwen2.5-0.5b-gsm8k")
+    assert tiny.parameters["config"]["runtime"]["mode"] == "async"
+    assert tiny.parameters["config"]["run"]["output_dir"] == "runs/deployments/tiny-async"
+    assert [s.schedule.cron for s in tiny.schedules] == ["0 3 * * *"] and not tiny.schedules[0].active
+    assert sync.parameters["config"]["runtime"]["mode"] == "sync"
+    assert real.parameters["config"]["rollout"]["engine"] == "vllm"
+    assert real.parameters["config"]["cluster"]["address"] == "auto"
+    for d in (tiny, sync, real):
+        assert d.work_pool_name == POOL
+        assert d.pull_steps == [{"prefect.deployments.steps.set_working_directory": {"directory": str(REPO)}}]
+        assert d.entrypoint == "flows/train.py:train"
+
+
+def test_deployment_run_completes(deployed, work, ray_address):
+    """`prefect deployment run` equivalent: the worker pulls the checkout and runs the flow, which joins Ray."""
+    cfg = deployment_config("tiny-async", work, "deployed", f"cluster.address={ray_address}")
+    start = time.perf_counter()
+    flow_run = run_deployment("atrlhf-train/tiny-async", parameters={"config": cfg}, timeout=0)
+    state = wait_final(flow_run.id, 300, deployed["worker_log"])
+    assert state.type == StateType.COMPLETED, state.message
+    (run,) = mlflow_runs(work, "deployed")
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["prefect.flow_run_id"] == str(flow_run.id)
+    client = MlflowClient(f"sqlite:///{work / 'mlflow.db'}")
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "reward/mean")] == [1, 2, 3, 4]
+    assert any(k.startswith("system/") for k in run.data.metrics), "system metrics were on"
+    assert (work / "deployed" / "policy" / "config.json").is_file()
+    assert not alive_actors(), "the run left Ray actors behind"
+    print(f"deployment run: {time.perf_counter() - start:.1f} s")
+
+
+def test_cancel_deployment_run(deployed, work, ray_address):
+    """Cancel a running deployment run: the worker SIGTERMs the flow, which tears down (no actor of it left
+    on the Ray it joined) and ends its MLflow run KILLED; the flow run ends Cancelled."""
+    cfg = deployment_config("tiny-async", work, "cancelled", "trainer.total_steps=100000",
+                            "tracking.log_system_metrics=false", f"cluster.address={ray_address}")
+    flow_run = run_deployment("atrlhf-train/tiny-async", parameters={"config": cfg}, timeout=0)
+    client = MlflowClient(f"sqlite:///{work / 'mlflow.db'}")
+    deadline = time.monotonic() + 240
+    while True:
+        runs = mlflow_runs(work, "cancelled")
+        if runs and client.get_metric_history(runs[0].info.run_id, "reward/mean"):
+            break
+        assert time.monotonic() < deadline, deployed["worker_log"].read_text()[-4000:]
+        time.sleep(0.5)
+    assert alive_actors(), "the run's actors are up"
+    with get_client(sync_client=True) as pc:
+        pc.set_flow_run_state(flow_run.id, Cancelling(message="test cancel"))
+    state = wait_final(flow_run.id, 120, deployed["worker_log"])
+    assert state.type == StateType.CANCELLED
+    assert client.get_run(runs[0].info.run_id).info.status == "KILLED"
+    deadline = time.monotonic() + 30
+    while alive_actors():
+        assert time.monotonic() < deadline, "cancellation left Ray actors behind"
+        time.sleep(0.5)
+
+
+def test_bad_config_rejected_when_the_run_is_created(deployed, work):
+    cfg = deployment_config("tiny-async", work, "bad-type")
+    cfg["trainer"]["total_steps"] = 0
+    with pytest.raises(Exception) as err:
+        run_deployment("atrlhf-train/tiny-async", parameters={"config": cfg}, timeout=0)
+    assert "total_steps" in str(err.value)
+
+
+def test_bad_config_fails_the_run_fast(deployed, work):
+    """Schema-valid but inconsistent (jsonl without data): the flow fails before launching anything."""
+    cfg = deployment_config("tiny-async", work, "bad-cross", "data.task=jsonl")
+    flow_run = run_deployment("atrlhf-train/tiny-async", parameters={"config": cfg}, timeout=0)
+    state = wait_final(flow_run.id, 120, deployed["worker_log"])
+    assert state.type == StateType.FAILED
+    assert "data.train_path" in state.message
+    with get_client(sync_client=True) as client:
+        from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+        task_runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run.id])))
+    assert task_runs == [], "nothing may start on a bad config"
+    assert not mlflow_runs(work, "bad-cross")
+    assert not (work / "bad-cross").exists()
+
+
+def test_bad_config_fails_prefect_deploy(server, deployed, tmp_path):
+    params = tmp_path / "bad.yaml"
+    params.write_text("config_file: configs/tiny.yaml\noverrides: [rollout.temperature=-1]\n")
+    prefect_file = tmp_path / "prefect.yaml"
+    prefect_file.write_text(f"""
+name: bad
+pull:
+  - prefect.deployments.steps.set_working_directory:
+      directory: "{{{{ params.directory }}}}"
+deployments:
+  - name: bad
+    entrypoint: flows/train.py:train
+    work_pool: {{name: {POOL}}}
+    build:
+      - flows.deployment.load_parameters:
+          id: params
+          file: {params}
+    parameters:
+      config: "{{{{ params.config }}}}"
+""")
+    out = _prefect(["--no-prompt", "deploy", "--all", "--prefect-file", str(prefect_file)], server["env"])
+    assert out.returncode != 0
+    assert "rollout.temperature" in out.stdout + out.stderr
+    with get_client(sync_client=True) as client:
+        names = [d.name for d in client.read_deployments()]
+    assert "bad" not in names

@@ -1,0 +1,80 @@
+"""The flow's health checks (tasks/supervision.py) on synthetic polls: no Ray, no Prefect server."""
+
+from __future__ import annotations
+
+from rlhf_core.config import load_config
+from tasks.supervision import HealthMonitor, progress_line
+
+
+def cfg(*extra):
+    return load_config(None, ["trainer.prompts_per_step=4", "runtime.max_staleness=2", "supervision.staleness_warn=0.5",
+                              "supervision.nonfinite_limit=3", "supervision.restart_limit=1",
+                              "supervision.stall_timeout_s=10", "supervision.supervise_interval_s=1",
+                              "buffer.max_size=40", *extra])
+
+
+def poll(step, staleness=0.0, size=8, finite=(1.0,), dropped=0, workers=None, **kw):
+    metrics = [{"step": step, "async/staleness_mean": staleness, "trainer/step_finite": f} for f in finite]
+    return {"step": step, "version": step, "done": False, "metrics": metrics,
+            "buffer": {"size": size, "dropped_overflow": dropped},
+            "rollout": workers if workers is not None else [{"index": 0, "alive": True, "restarts": 0}],
+            "trainer": {}, "events": [], "failed": None, **kw}
+
+
+def test_high_staleness_syncs_then_throttles_then_resumes():
+    m = HealthMonitor(cfg(), now=0)
+    d = m.check(poll(1, staleness=1.5), now=1)
+    assert d.request_sync and d.throttle is None and [e.kind for e in d.events] == ["staleness_high"]
+    assert not m.check(poll(1, staleness=1.5), now=2).request_sync  # once per trainer version
+    d = m.check(poll(2, staleness=1.5), now=3)
+    assert d.request_sync and d.throttle is True
+    d = m.check(poll(3, staleness=0.5), now=4)
+    assert d.throttle is False and {e.kind for e in d.events} == {"staleness_ok", "unthrottle"}
+
+
+def test_overflow_throttles_until_half_empty_and_starvation_resumes():
+    m = HealthMonitor(cfg(), now=0)
+    d = m.check(poll(1, size=40, dropped=3), now=1)
+    assert d.throttle is True and "buffer_overflow" in [e.kind for e in d.events]
+    assert m.check(poll(2, size=30, dropped=3), now=2).throttle is None
+    assert m.check(poll(3, size=20, dropped=3), now=3).throttle is False
+    d = m.check(poll(3, size=0), now=8)  # no step for 5 s (> 3 polls) with an empty buffer
+    assert "buffer_starving" in [e.kind for e in d.events] and d.top_up == 8
+
+
+def test_nonfinite_steps_fail_after_the_limit():
+    m = HealthMonitor(cfg(), now=0)
+    assert m.check(poll(1, finite=(0.0, 0.0)), now=1).fail is None
+    d = m.check(poll(2, finite=(0.0,)), now=2)
+    assert d.fail and "supervision.nonfinite_limit=3" in d.fail
+    m = HealthMonitor(cfg(), now=0)
+    m.check(poll(1, finite=(0.0, 0.0)), now=1)
+    assert m.check(poll(2, finite=(1.0, 0.0)), now=2).fail is None  # a finite step resets the count
+
+
+def test_worker_restarts_are_waited_for_then_fail():
+    m = HealthMonitor(cfg(), now=0)
+    d = m.check(poll(1, workers=[{"index": 0, "alive": True, "restarts": 1}]), now=1)
+    assert d.fail is None and "worker_restart" in [e.kind for e in d.events]
+    d = m.check(poll(2, workers=[{"index": 0, "alive": True, "restarts": 2}]), now=2)
+    assert d.fail and "supervision.restart_limit=1" in d.fail
+
+
+def test_stall_fails_naming_the_stuck_role():
+    m = HealthMonitor(cfg("runtime.mode=sync"), now=0)
+    assert m.check(poll(1, size=0), now=1).fail is None
+    d = m.check(poll(1, size=0), now=20)
+    assert d.fail and "stuck: rollout" in d.fail
+    m = HealthMonitor(cfg("runtime.mode=sync"), now=0)
+    d = m.check(poll(0, size=8), now=20)
+    assert d.fail and "stuck: trainer" in d.fail
+    m = HealthMonitor(cfg("runtime.mode=sync"), now=0)
+    d = m.check(poll(0, size=0, workers=[{"index": 0, "alive": False, "restarts": 0}]), now=20)
+    assert "every rollout worker is down" in d.fail
+
+
+def test_progress_line_is_compact():
+    line = progress_line(3, 6, {"reward/mean": 0.5, "async/staleness_mean": 1.0, "async/staleness_max": 2,
+                                "throughput/samples_per_s": 120.0, "buffer/size": 8},
+                         {"eval/accuracy": 0.25, "step": 3}, {})
+    assert line == "step 3/6 | reward 0.500 | acc 0.250@3 | staleness 1.00/2 | 120 samples/s | buffer 8"

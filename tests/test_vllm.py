@@ -1,0 +1,116 @@
+"""VLLMEngine: the fallback where vLLM is missing, the output packing, and (where vLLM and CUDA exist) the
+engine itself against the same checks as HFEngine."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+import rlhf_core.rollout as rollout
+from rlhf_core.config import load_config
+from rlhf_core.data import collate_prompts
+from rlhf_core.rollout import HFEngine, SamplingParams, build_engine, response_mask_from_eos, vllm_available
+from rlhf_core.rollout.vllm import pack_completions
+from rlhf_core.trainer import sequence_logprobs
+
+
+@pytest.mark.skipif(vllm_available(), reason="vllm is importable here: no fallback happens")
+def test_build_engine_falls_back_to_hf_with_one_warning(tiny_model, tiny_tokenizer, monkeypatch):
+    monkeypatch.setattr(rollout, "_warned_vllm", False)
+    cfg = load_config(None, ["rollout.engine=vllm"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = build_engine(cfg, tiny_model, tiny_tokenizer, model_path="/unused", seed=0)
+        second = build_engine(cfg, tiny_model, tiny_tokenizer, model_path="/unused", seed=0)
+    assert isinstance(first, HFEngine) and isinstance(second, HFEngine)
+    relevant = [w for w in caught if "vllm" in str(w.message)]
+    assert len(relevant) == 1 and issubclass(relevant[0].category, RuntimeWarning)
+    assert "falling back to HFEngine" in str(relevant[0].message)
+    assert first.model is tiny_model and first.eos_token_id == tiny_tokenizer.eos_token_id
+
+
+def test_pack_completions(max3_prompts, tiny_tokenizer):
+    pb = collate_prompts(max3_prompts[0][:2], tiny_tokenizer.pad_token_id)
+    eos = tiny_tokenizer.eos_token_id
+    completions = [[([5, eos], [-0.5, -0.1]), ([6, 7, 8], [-1.0, -2.0, -3.0])],
+                   [([eos], [-0.2]), ([4, 4], [-0.3, -0.4])]]
+    batch = pack_completions(completions, pb, pad_token_id=0, version=7)
+    assert batch.response_ids.tolist() == [[5, eos, 0], [6, 7, 8], [eos, 0, 0], [4, 4, 0]]
+    assert batch.response_lengths.tolist() == [2, 3, 1, 2]
+    assert batch.response_mask.tolist() == [[True, True, False], [True] * 3, [True, False, False], [True, True, False]]
+    assert batch.behavior_logprobs[1].tolist() == [-1.0, -2.0, -3.0]
+    assert batch.behavior_logprobs[2].tolist() == pytest.approx([-0.2, 0.0, 0.0])
+    assert batch.group_ids.tolist() == [0, 0, 1, 1] and batch.policy_version.tolist() == [7] * 4
+    assert torch.equal(batch.prompt_ids, pb.prompt_ids.repeat_interleave(2, 0))
+    assert batch.prompt_uids.tolist() == pb.uids.repeat_interleave(2).tolist()
+    with pytest.raises(ValueError, match="same number"):
+        pack_completions([completions[0], completions[1][:1]], pb, 0, 0)
+    with pytest.raises(ValueError, match="logprobs"):
+        pack_completions([[([1, 2], [-1.0])], [([1], [-1.0])]], pb, 0, 0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The real engine: only where vLLM imports and a GPU is present
+# ---------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def vllm_engine(tiny_policy_dir, tiny_tokenizer):
+    pytest.importorskip("vllm")
+    if not torch.cuda.is_available():
+        pytest.skip("vLLM needs a CUDA device")
+    from rlhf_core.rollout.vllm import VLLMEngine
+
+    cfg = load_config(None, ["rollout.engine=vllm", "model.dtype=float32", "rollout.vllm_gpu_memory_utilization=0.2"])
+    return VLLMEngine(tiny_policy_dir, cfg, tiny_tokenizer, seed=0)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 5, 0.8)])
+def test_vllm_logprobs_match_full_forward(vllm_engine, tiny_policy_dir, max3_prompts, tiny_tokenizer,
+                                          temperature, top_k, top_p):
+    from rlhf_core.models import load_policy
+    from rlhf_core.rollout import sampling_logprobs
+
+    model, _ = load_policy(tiny_policy_dir, dtype="float32", device="cuda")
+    pb = collate_prompts(max3_prompts[0][:8], tiny_tokenizer.pad_token_id)
+    sampling = SamplingParams(max_new_tokens=6, temperature=temperature, top_k=top_k, top_p=top_p)
+    batch = vllm_engine.generate(pb, 4, sampling)
+    assert batch.response_ids.shape[0] == 32 and batch.response_ids.shape[1] <= 6
+    assert torch.equal(batch.response_mask, response_mask_from_eos(batch.response_ids, tiny_tokenizer.eos_token_id))
+    m = batch.response_mask
+    with torch.no_grad():
+        P = batch.prompt_ids.shape[1]
+        ids = torch.cat([batch.prompt_ids, batch.response_ids], 1)
+        attn = torch.cat([batch.prompt_mask, batch.response_mask], 1).long()
+        logits = model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0)).logits
+        ref = sampling_logprobs(logits[:, P - 1:-1].reshape(-1, logits.shape[-1]), sampling).view(32, -1, logits.shape[-1])
+        ref = ref.gather(-1, batch.response_ids.unsqueeze(-1)).squeeze(-1)
+    assert bool(torch.isfinite(ref[m]).all())  # every sampled token is inside the filtered set
+    torch.testing.assert_close(batch.behavior_logprobs[m], ref[m], atol=2e-3, rtol=0)
+    if top_k == 0 and top_p == 1.0:
+        plain, _ = sequence_logprobs(model, batch.prompt_ids, batch.prompt_mask, batch.response_ids, m, temperature)
+        torch.testing.assert_close(batch.behavior_logprobs[m], plain[m], atol=2e-3, rtol=0)
+
+
+@pytest.mark.cuda
+def test_vllm_load_weights_changes_outputs_and_version(vllm_engine, tiny_policy_dir, max3_prompts, tiny_tokenizer):
+    from rlhf_core.models import load_policy
+
+    model, _ = load_policy(tiny_policy_dir, dtype="float32", device="cpu")
+    pb = collate_prompts(max3_prompts[0][:8], tiny_tokenizer.pad_token_id)
+    greedy = SamplingParams(max_new_tokens=4, temperature=0.0)
+    before = vllm_engine.generate(pb, 1, greedy)
+    new = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    vllm_engine.load_weights({k: v for k, v in new.named_parameters()}, version=3)
+    after = vllm_engine.generate(pb, 1, greedy)
+    assert vllm_engine.version == 3 and bool((after.policy_version == 3).all())
+    assert not torch.equal(before.behavior_logprobs, after.behavior_logprobs)
+    hf = HFEngine(new.cuda(), tiny_tokenizer.eos_token_id, tiny_tokenizer.pad_token_id).generate(pb, 1, greedy)
+    assert torch.equal(hf.response_ids.cpu(), after.response_ids.cpu())  # greedy agrees with the new weights
+    vllm_engine.load_weights({k: v for k, v in model.named_parameters()}, version=4)  # restore for other tests
