@@ -8,8 +8,9 @@ flow run and shown as a table artifact at the end). Thresholds come from `cfg.su
 Policies (the runtime enforces the hard bound max_staleness on its own; these keep the run healthy):
 
 - staleness: mean staleness above staleness_warn x max_staleness -> publish weights now (once per
-  trainer version); still high for 3 polls while the buffer holds two steps of data -> pause admission
-  until staleness falls back or the buffer drops below one step.
+  trainer version, when runtime.sync_every > 1 leaves workers behind the trainer); still high for 3 polls
+  while the buffer holds two steps of data -> pause admission until staleness falls back or the buffer
+  drops below one step.
 - buffer: trainer starving (buffer below one step and no step since the last poll) -> resume admission,
   schedule more prompts; overflow (buffer/dropped_overflow grew) -> pause admission until the buffer is
   back under half its capacity.
@@ -168,13 +169,19 @@ class HealthMonitor:
                 stale = float(metrics[-1].get("async/staleness_mean", 0.0))
                 if stale > limit:
                     self.stale_polls += 1
+                    # publishing early only helps when the trainer publishes less often than every version and
+                    # some worker still generates with older weights than the trainer's
+                    version = int(poll.get("version", step))
+                    loaded = [int(w["version"]) for w in workers if w.get("alive", True) and "version" in w]
+                    behind = bool(loaded) and min(loaded) < version
+                    can_sync = self.cfg.runtime.sync_every > 1
                     if not self.staleness_high:
-                        self._event(d, step, "staleness_high", "warning", "publish weights now",
+                        self._event(d, step, "staleness_high", "warning",
+                                    "publish weights now" if can_sync else "watch (weights are published every version)",
                                     f"mean staleness {stale:.2f} > supervision.staleness_warn x runtime.max_staleness "
                                     f"= {limit:.2f}")
                     self.staleness_high = True
-                    version = int(poll.get("version", step))
-                    if version > self.last_sync_version:
+                    if can_sync and behind and version > self.last_sync_version:
                         d.request_sync = True
                         self.last_sync_version = version
                     if self.stale_polls >= STALENESS_POLLS_BEFORE_THROTTLE and buffer_size >= 2 * per_step:

@@ -22,14 +22,22 @@ def poll(step, staleness=0.0, size=8, finite=(1.0,), dropped=0, workers=None, **
 
 
 def test_high_staleness_syncs_then_throttles_then_resumes():
-    m = HealthMonitor(cfg(), now=0)
-    d = m.check(poll(1, staleness=1.5), now=1)
+    m = HealthMonitor(cfg("runtime.sync_every=4"), now=0)
+    behind = [{"index": 0, "alive": True, "restarts": 0, "version": 0}]
+    d = m.check(poll(1, staleness=1.5, workers=behind), now=1)
     assert d.request_sync and d.throttle is None and [e.kind for e in d.events] == ["staleness_high"]
-    assert not m.check(poll(1, staleness=1.5), now=2).request_sync  # once per trainer version
-    d = m.check(poll(2, staleness=1.5), now=3)
+    assert not m.check(poll(1, staleness=1.5, workers=behind), now=2).request_sync  # once per trainer version
+    d = m.check(poll(2, staleness=1.5, workers=behind), now=3)
     assert d.request_sync and d.throttle is True
-    d = m.check(poll(3, staleness=0.5), now=4)
+    d = m.check(poll(3, staleness=0.5, workers=behind), now=4)
     assert d.throttle is False and {e.kind for e in d.events} == {"staleness_ok", "unthrottle"}
+
+
+def test_no_extra_sync_when_weights_are_published_every_version_or_workers_are_current():
+    m = HealthMonitor(cfg("runtime.sync_every=1"), now=0)
+    assert not m.check(poll(1, staleness=1.5, workers=[{"index": 0, "alive": True, "version": 0}]), now=1).request_sync
+    m = HealthMonitor(cfg("runtime.sync_every=4"), now=0)
+    assert not m.check(poll(4, staleness=1.5, workers=[{"index": 0, "alive": True, "version": 4}]), now=1).request_sync
 
 
 def test_overflow_throttles_until_half_empty_and_starvation_resumes():

@@ -177,6 +177,13 @@ class ExperienceBuffer:
     def set_weights_version(self, version: int) -> None:
         self.weights_version = max(self.weights_version, int(version))
 
+    def advance(self, version: int, published_version: Optional[int] = None) -> int:
+        """After a trainer step, in one round trip: the consumer's version (evicting what became stale)
+        and, when the step published weights, their version for admission. Returns the number evicted."""
+        if published_version is not None:
+            self.set_weights_version(published_version)
+        return self.set_version(version)
+
     def try_admit(self, n_groups: int) -> bool:
         with self.lock:
             if self.paused:
@@ -271,6 +278,7 @@ class RolloutActor:
         self.syncs: list[dict] = []
         self.groups_pushed = 0
         self.pending_push = None  # (ref, n_groups) of a push not yet confirmed (async loop only)
+        self.work_started: Optional[float] = None  # wall clock of the first batch: busy_frac's denominator
         self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
         self.loop_running = False
 
@@ -297,6 +305,7 @@ class RolloutActor:
         wait=False (the async loop) does not wait for the buffer to accept this push, only for the previous
         one: at most one push is in flight, pushes stay in order, and a failed push surfaces a batch later.
         """
+        self.work_started = self.work_started or time.perf_counter()
         prompts = get_or_fail(self.queue.get.remote(n_prompts), self.timeout, "prompts from the prompt queue")
         if not prompts:
             return 0
@@ -345,7 +354,7 @@ class RolloutActor:
                   "syncs": len(self.syncs), "sync_stall_s_mean": sum(stalls) / len(stalls) if stalls else 0.0,
                   "sync_stall_s_max": max(stalls) if stalls else 0.0,
                   "batch_s_mean": s["busy_s"] / s["batches"] if s["batches"] else 0.0,
-                  "loop_running": self.loop_running})
+                  "loop_running": self.loop_running, "busy_frac": busy_fraction(s["busy_s"], self.work_started)})
         return s
 
     def rng_state(self) -> torch.Tensor:
@@ -382,24 +391,30 @@ class TrainerActor:
         self.stop_event = threading.Event()
         self.metrics: list[dict] = []
         self.idle_s = 0.0
+        self.work_started: Optional[float] = None  # wall clock of the first step: busy_frac's denominator
         self.timeout = cfg.runtime.wait_timeout_s
         self.error: Optional[str] = None
         self.staleness_hist: dict[int, int] = {}
 
-    def publish(self) -> float:
-        """One ray.put of a contiguous CPU state dict, registered in the weight store. Returns seconds."""
+    def publish(self, notify_buffer: bool = True) -> float:
+        """One ray.put of a contiguous CPU state dict, registered in the weight store. Returns seconds.
+
+        The buffer learns the published version (for admission) only after the store holds the weights,
+        so a worker admitted against version v always finds weights >= v."""
         start = time.perf_counter()
         ref = ray.put(pack_state_dict(self.trainer.state_dict_for_sync()))
         version = self.trainer.version
         get_or_fail(self.store.publish.remote(version, [ref], time.perf_counter() - start),
                     self.timeout, "the weight store to register a publish")
-        get_or_fail(self.buffer.set_weights_version.remote(version), self.timeout, "the replay buffer admission update")
+        if notify_buffer:
+            get_or_fail(self.buffer.set_weights_version.remote(version), self.timeout, "the replay buffer admission update")
         return time.perf_counter() - start
 
     def train_once(self, wait_s: Optional[float] = None) -> Optional[dict]:
         """Take prompts_per_step groups (waiting up to wait_s), train one step, publish by sync_every."""
         n = self.cfg.trainer.prompts_per_step
         t0 = time.perf_counter()
+        self.work_started = self.work_started or t0
         groups = unpack_groups(get_or_fail(self.buffer.take.remote(n, wait_s if wait_s is not None else self.timeout),
                                            self.timeout + 5, "a batch from the replay buffer"))
         t1 = time.perf_counter()
@@ -415,9 +430,12 @@ class TrainerActor:
             for tau, count in zip(*torch.unique(staleness, return_counts=True)):
                 self.staleness_hist[int(tau)] = self.staleness_hist.get(int(tau), 0) + int(count)
             m = self.trainer.train_step(batch)
-            if self.trainer.version % self.cfg.runtime.sync_every == 0:
-                m["sync/latency_s"] = self.publish()
-            get_or_fail(self.buffer.set_version.remote(self.trainer.version), self.timeout, "the replay buffer version update")
+            published = None
+            if m["trainer/step_finite"] and self.trainer.version % self.cfg.runtime.sync_every == 0:
+                m["sync/latency_s"] = self.publish(notify_buffer=False)
+                published = self.trainer.version
+            get_or_fail(self.buffer.advance.remote(self.trainer.version, published), self.timeout,
+                        "the replay buffer version update")
         t2 = time.perf_counter()
         m.update({"time/train_s": t2 - t1, "time/wait_s": t1 - t0, "step": self.trainer.step,
                   "throughput/samples_per_s": len(batch) / max(1e-9, t2 - t0),
@@ -477,8 +495,7 @@ class TrainerActor:
 
     def stats(self) -> dict:
         s = self.trainer.stats()
-        total = s["busy_s"] + self.idle_s
-        s.update({"idle_s": self.idle_s, "busy_frac": s["busy_s"] / total if total else 0.0, "error": self.error,
+        s.update({"idle_s": self.idle_s, "busy_frac": busy_fraction(s["busy_s"], self.work_started), "error": self.error,
                   "staleness_hist": dict(self.staleness_hist), "consecutive_skips": self.trainer.consecutive_skips})
         return s
 
@@ -488,6 +505,14 @@ class TrainerActor:
     def crash(self) -> None:
         """Fault-injection hook: die the way a segfault or an OOM kill would."""
         _die()
+
+
+def busy_fraction(busy_s: float, since: Optional[float]) -> float:
+    """Busy seconds over wall-clock seconds since the role's first piece of work: every wait, round trip,
+    weight load and transfer counts as not busy, so the figure cannot flatter the pipeline."""
+    if since is None:
+        return 0.0
+    return min(1.0, busy_s / max(1e-9, time.perf_counter() - since))
 
 
 def _die() -> None:
