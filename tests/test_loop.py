@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rlhf_core.config import load_config
-from rlhf_core.loop import accuracy_from_components, build_run, evaluate_parts, run_sync, warm_start
+from rlhf_core.loop import accuracy_from_components, build_run, run_sync, warm_start
 
 REPO = Path(__file__).resolve().parents[1]
 

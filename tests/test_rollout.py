@@ -11,7 +11,6 @@ import torch
 
 from rlhf_core.config import RewardConfig
 from rlhf_core.data import Prompt, collate_prompts
-from rlhf_core.models import load_policy
 from rlhf_core.reward import build_reward_fn
 from rlhf_core.rollout import (HFEngine, RandomEngine, RolloutWorker, SamplingParams, response_mask_from_eos,
                                sampling_logprobs, split_groups)

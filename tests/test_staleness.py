@@ -87,3 +87,38 @@ def test_tau_zero_equals_the_on_policy_loop(tmp_path):
             assert a[k] == b[k], (k, a[k], b[k])
     for (name, p), q in zip(on_policy.model.named_parameters(), stale0.model.parameters()):
         assert torch.equal(p, q), name
+
+
+def _load_benchmark():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "staleness.py"
+    spec = importlib.util.spec_from_file_location("staleness_benchmark", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_benchmark_summary_and_seed_claim():
+    bench = _load_benchmark()
+
+    def run(tau, loss, seed, acc, reached):
+        return {"tau": tau, "loss": loss, "seed": seed, "final_accuracy": acc, "steps_to_target": reached,
+                "curve": [(0, 0.0), (10, acc), (20, acc)], "grad_norm_var": 0.1 * (tau + 1), "grad_norm_mean": 0.3,
+                "clip_frac_mean": 0.0, "approx_kl_mean": 0.0, "masked_frac_mean": None, "m2_mean": None,
+                "staleness_settled": [float(tau)], "skipped_steps": 0, "wall_s": 1.0}
+
+    runs = []
+    for seed in (0, 1):
+        runs += [run(0, "ppo_clip0.2", seed, 0.9, 10), run(8, "ppo_clip0.2", seed, 0.6, None),
+                 run(0, "m2po_trust_region", seed, 0.9, 10), run(8, "m2po_trust_region", seed, 0.88 + 0.02 * seed, 20)]
+    cells = bench.summarise(runs)
+    c = cells["tau=8/loss=m2po_trust_region"]
+    assert c["final_accuracy_mean"] == pytest.approx(0.89) and c["final_accuracy_std"] == pytest.approx(0.01)
+    assert c["steps_to_target_mean"] == 20 and c["reached_target"] == 2
+    assert cells["tau=8/loss=ppo_clip0.2"]["reached_target"] == 0
+    claim = bench.check_claim(cells)
+    assert claim["m2po_within_5pct_at_tau8"] is True and claim["ppo_falls_behind_at_tau8"] is True
+    assert claim["claim_holds"] is True
+    assert bench.ppo_degraded(cells, 8)

@@ -107,10 +107,10 @@ def test_vllm_load_weights_changes_outputs_and_version(vllm_engine, tiny_policy_
     with torch.no_grad():
         for p in new.parameters():
             p.add_(torch.randn_like(p) * 0.5)
-    vllm_engine.load_weights({k: v for k, v in new.named_parameters()}, version=3)
+    vllm_engine.load_weights({k: v.detach() for k, v in new.named_parameters()}, version=3)
     after = vllm_engine.generate(pb, 1, greedy)
     assert vllm_engine.version == 3 and bool((after.policy_version == 3).all())
     assert not torch.equal(before.behavior_logprobs, after.behavior_logprobs)
     hf = HFEngine(new.cuda(), tiny_tokenizer.eos_token_id, tiny_tokenizer.pad_token_id).generate(pb, 1, greedy)
     assert torch.equal(hf.response_ids.cpu(), after.response_ids.cpu())  # greedy agrees with the new weights
-    vllm_engine.load_weights({k: v for k, v in model.named_parameters()}, version=4)  # restore for other tests
+    vllm_engine.load_weights({k: v.detach() for k, v in model.named_parameters()}, version=4)  # restore for other tests
