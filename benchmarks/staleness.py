@@ -240,11 +240,12 @@ def plot(cells: dict, path: str, meta: dict) -> None:
     taus = sorted({c["tau"] for c in cells.values()})
     xs = {t: i for i, t in enumerate(taus)}
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for loss in LOSSES:
+    for i, loss in enumerate(LOSSES):
         cs = sorted((c for c in cells.values() if c["loss"] == loss), key=lambda c: c["tau"])
         if not cs:
             continue
-        ax.errorbar([xs[c["tau"]] for c in cs], [c["final_accuracy_mean"] for c in cs],
+        jitter = (i - (len(LOSSES) - 1) / 2) * 0.06  # side by side, so that the error bars stay readable
+        ax.errorbar([xs[c["tau"]] + jitter for c in cs], [c["final_accuracy_mean"] for c in cs],
                     yerr=[c["final_accuracy_std"] for c in cs], marker="o", capsize=3, label=loss)
         ax2.plot([xs[c["tau"]] for c in cs], [c["grad_norm_var_mean"] for c in cs], marker="o", label=loss)
     for a in (ax, ax2):

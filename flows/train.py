@@ -176,6 +176,8 @@ def _supervise(cfg: TrainConfig, runtime, tracker: MlflowTracker, info: dict, re
             runtime.request_sync()
         if decision.throttle is not None:
             runtime.throttle(decision.throttle)
+        if decision.admission_window is not None:
+            runtime.set_admission_window(decision.admission_window)
         if not sync_mode and not monitor.throttled:
             runtime.top_up_prompts(decision.top_up)
 

@@ -343,7 +343,10 @@ def check_closed_loop(device: torch.device, rep: Report, steps: int, workdir: st
     rep.say(f"[5/5] Closed-loop rollout + training on {device.type.upper()} (tiny model, {steps} steps each)")
     overrides = [f"model.device={device}", f"trainer.total_steps={steps}", "data.eval_size=32",
                  "tracking.eval_every=0", "tracking.checkpoint_every=0", f"run.output_dir={workdir}",
-                 "trainer.lr=0.003"]
+                 "trainer.lr=0.003",
+                 # a length term makes rewards differ within groups from the first step (the untrained tiny
+                 # model scores 0 on exact_match alone), so advantages, gradients and updates are non-zero
+                 "reward.components={exact_match: 1.0, length_penalty: 0.5}", "reward.length_target=1"]
 
     def on_policy():
         cfg = load_config(ROOT / "configs" / "tiny.yaml", overrides + ["runtime.mode=sync"])
@@ -351,9 +354,11 @@ def check_closed_loop(device: torch.device, rep: Report, steps: int, workdir: st
         result = run_sync(cfg, on_step=lambda m: lines.append(m))
         for m in lines:
             rep.say(f"  -> step {m['step']}: version {m['version']}, loss {m['loss/policy']:.4f}, "
+                    f"grad norm {m['policy/grad_norm']:.3f}, "
                     f"reward {m['reward/mean']:.3f}, {m['throughput/samples_per_s']:.0f} samples/s")
         ok = (result["steps"] == steps and lines[-1]["version"] == steps
-              and all(math.isfinite(m["loss/policy"]) for m in lines))
+              and all(math.isfinite(m["loss/policy"]) for m in lines)
+              and all(m["policy/grad_norm"] > 0 for m in lines))
         return {"passed": ok, "steps": result["steps"], "eval_accuracy": result["eval/accuracy"],
                 "wall_s": result["time/train_wall_s"]}
 
@@ -362,8 +367,10 @@ def check_closed_loop(device: torch.device, rep: Report, steps: int, workdir: st
         out = run_stale(cfg, 1)
         hist = out["history"]
         stal = [m["async/staleness_mean"] for m in hist]
-        ok = stal == [0.0] + [1.0] * (steps - 1) and all(math.isfinite(m["loss/policy"]) for m in hist)
-        rep.say(f"  -> stale-k (τ=1, m2po): consumed staleness per step {stal}, final version {hist[-1]['version']}")
+        ok = (stal == [0.0] + [1.0] * (steps - 1) and all(math.isfinite(m["loss/policy"]) for m in hist)
+              and hist[-1]["m2po/m2"] > 0)  # behaviour log-probs from the stale policy: ratios differ from 1
+        rep.say(f"  -> stale-k (τ=1, m2po): consumed staleness per step {stal}, final version "
+                f"{hist[-1]['version']}, last step M2 {hist[-1]['m2po/m2']:.2e}, masked {hist[-1]['m2po/masked_frac']:.3f}")
         return {"passed": ok, "staleness": stal}
 
     rep.check("closed loop on-policy (run_sync)", on_policy)

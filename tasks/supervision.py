@@ -9,8 +9,10 @@ Policies (the runtime enforces the hard bound max_staleness on its own; these ke
 
 - staleness: mean staleness above staleness_warn x max_staleness -> publish weights now (once per
   trainer version, when runtime.sync_every > 1 leaves workers behind the trainer); still high for 3 polls
-  while the buffer holds two steps of data -> pause admission until staleness falls back or the buffer
-  drops below one step.
+  -> narrow the rollout admission window to floor(staleness_warn x max_staleness) versions for the rest
+  of the run. Rollout then runs ahead of the trainer by fewer versions, so staleness settles at the
+  warning level instead of oscillating (pausing admission would starve the trainer and change nothing
+  once resumed).
 - buffer: trainer starving (buffer below one step and no step since the last poll) -> resume admission,
   schedule more prompts; overflow (buffer/dropped_overflow grew) -> pause admission until the buffer is
   back under half its capacity.
@@ -50,6 +52,7 @@ class HealthEvent:
 class Decision:
     request_sync: bool = False
     throttle: Optional[bool] = None       # True: pause admission, False: resume, None: leave as is
+    admission_window: Optional[int] = None  # narrow rollout admission to this many versions ahead
     top_up: Optional[int] = None          # prompts to schedule; None: the runtime's backpressure default
     fail: Optional[str] = None
     events: list[HealthEvent] = field(default_factory=list)
@@ -75,6 +78,7 @@ class HealthMonitor:
         self.staleness_high = False
         self.last_sync_version = -1
         self.throttled = False
+        self.admission_window: Optional[int] = None
         self.throttle_reason: Optional[str] = None
         self.starving = False
         self.dropped_seen = 0
@@ -184,16 +188,18 @@ class HealthMonitor:
                     if can_sync and behind and version > self.last_sync_version:
                         d.request_sync = True
                         self.last_sync_version = version
-                    if self.stale_polls >= STALENESS_POLLS_BEFORE_THROTTLE and buffer_size >= 2 * per_step:
-                        self._set_throttle(d, step, True, f"mean staleness {stale:.2f} above {limit:.2f} for "
-                                                          f"{self.stale_polls} polls")
+                    window = int(limit)
+                    if self.stale_polls >= STALENESS_POLLS_BEFORE_THROTTLE and self.admission_window is None \
+                            and window < max_tau:
+                        self.admission_window = d.admission_window = window
+                        self._event(d, step, "narrow_admission", "info",
+                                    f"rollout may now run at most {window} version(s) ahead of the trainer",
+                                    f"mean staleness {stale:.2f} above {limit:.2f} for {self.stale_polls} polls")
                 else:
                     if self.staleness_high:
                         self._event(d, step, "staleness_ok", "info", "none",
                                     f"mean staleness {stale:.2f} back under {limit:.2f}")
                     self.staleness_high, self.stale_polls = False, 0
-                    if self.throttle_reason and "staleness" in self.throttle_reason:
-                        self._set_throttle(d, step, False, "staleness back under the warning level")
 
             # overflow
             dropped = int((poll.get("buffer") or {}).get("dropped_overflow", 0))

@@ -64,6 +64,13 @@ def test_async_run_bounds_staleness_and_reconciles(ray_local, tmp_path):
     assert ray.is_initialized()                               # ... and left the Ray it did not start running
 
 
+def test_narrowed_admission_window_bounds_staleness_tighter(ray_local, tmp_path):
+    cfg = tiny_cfg(tmp_path, "trainer.total_steps=12", "runtime.max_staleness=2", "rollout.prompts_per_batch=8")
+    result = run_distributed(cfg, poll_interval_s=0.2, on_launch=lambda run: run.set_admission_window(0))
+    assert result["final_poll"]["buffer"]["admission_window"] == 0
+    assert set(result["final_poll"]["trainer"]["staleness_hist"]) == {0}   # generated with the weights it trains
+
+
 def test_killed_rollout_worker_is_restarted_and_run_completes(ray_local, tmp_path):
     cfg = tiny_cfg(tmp_path, "trainer.total_steps=30", "cluster.max_restarts=2")
     events = []

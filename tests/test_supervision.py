@@ -21,16 +21,18 @@ def poll(step, staleness=0.0, size=8, finite=(1.0,), dropped=0, workers=None, **
             "trainer": {}, "events": [], "failed": None, **kw}
 
 
-def test_high_staleness_syncs_then_throttles_then_resumes():
+def test_high_staleness_syncs_then_narrows_the_admission_window_once():
     m = HealthMonitor(cfg("runtime.sync_every=4"), now=0)
     behind = [{"index": 0, "alive": True, "restarts": 0, "version": 0}]
     d = m.check(poll(1, staleness=1.5, workers=behind), now=1)
-    assert d.request_sync and d.throttle is None and [e.kind for e in d.events] == ["staleness_high"]
+    assert d.request_sync and d.admission_window is None and [e.kind for e in d.events] == ["staleness_high"]
     assert not m.check(poll(1, staleness=1.5, workers=behind), now=2).request_sync  # once per trainer version
     d = m.check(poll(2, staleness=1.5, workers=behind), now=3)
-    assert d.request_sync and d.throttle is True
-    d = m.check(poll(3, staleness=0.5, workers=behind), now=4)
-    assert d.throttle is False and {e.kind for e in d.events} == {"staleness_ok", "unthrottle"}
+    # staleness_warn 0.5 x max_staleness 2 = 1.0: rollout may run one version ahead from now on
+    assert d.request_sync and d.admission_window == 1 and "narrow_admission" in [e.kind for e in d.events]
+    assert m.check(poll(3, staleness=1.5, workers=behind), now=4).admission_window is None  # only once
+    d = m.check(poll(4, staleness=0.5, workers=behind), now=5)
+    assert d.throttle is None and [e.kind for e in d.events] == ["staleness_ok"]
 
 
 def test_no_extra_sync_when_weights_are_published_every_version_or_workers_are_current():

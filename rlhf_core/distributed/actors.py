@@ -158,6 +158,7 @@ class ExperienceBuffer:
     def __init__(self, max_size: int, max_staleness: int, prompts_per_step: int, admission: bool = True):
         self.buf = VersionedReplayBuffer(max_size, max_staleness)
         self.max_staleness = max_staleness
+        self.admission_window = max_staleness
         self.prompts_per_step = prompts_per_step
         self.admission = admission
         self.admitted = 0
@@ -172,7 +173,11 @@ class ExperienceBuffer:
         # trainer's version: with sync_every > 1 the two differ and the trainer's would admit stale work.
         s = self.buf.stats()
         wasted = s["evicted_stale"] + s["dropped_overflow"]
-        return (self.max_staleness + self.weights_version + 1) * self.prompts_per_step + wasted
+        return (self.admission_window + self.weights_version + 1) * self.prompts_per_step + wasted
+
+    def set_admission_window(self, versions: int) -> None:
+        """How many versions ahead of the published weights rollout may run (<= max_staleness, the hard bound)."""
+        self.admission_window = max(0, min(int(versions), self.max_staleness))
 
     def set_weights_version(self, version: int) -> None:
         self.weights_version = max(self.weights_version, int(version))
@@ -221,6 +226,7 @@ class ExperienceBuffer:
     def stats(self) -> dict:
         s = self.buf.stats()
         s.update({"admitted": self.admitted, "capacity": self.capacity(), "paused": self.paused,
+                  "admission_window": self.admission_window,
                   "samples_pushed": self.samples_pushed})
         return s
 

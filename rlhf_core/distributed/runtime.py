@@ -245,6 +245,10 @@ class DistributedRun:
     def throttle(self, paused: bool) -> None:
         self._get(self.buffer.set_paused.remote(paused), "the replay buffer to change admission")
 
+    def set_admission_window(self, versions: int) -> None:
+        """Let rollout run at most `versions` (<= max_staleness) versions ahead of the published weights."""
+        self._get(self.buffer.set_admission_window.remote(versions), "the replay buffer to change admission")
+
     def evaluate(self) -> dict:
         return A.get_or_fail(self.trainer.evaluate.remote(), max(self.timeout, 600), "held-out evaluation")
 
