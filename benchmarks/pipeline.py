@@ -13,9 +13,9 @@ the runs) so that one rollout batch takes about as long as one train step. The R
 instead of computing, so the two roles never compete for a core and the ideal overlap is known. The sync
 run's own phase times (rollout seconds and train seconds per step) give the ideal async speedup
 (T_rollout + T_train) / max(T_rollout, T_train), which the measured speedup (sync wall / async wall) is
-compared with. Busy fractions are reported two ways: the runtime's util/* accounting (busy / (busy +
-waiting on the other role)) and busy seconds / wall (transport and publish time counted as lost), next to
-what the async run's own phase times allow (the faster role must wait for the slower one).
+compared with. Busy fractions are reported two ways: the runtime's util/* accounting (busy seconds /
+wall clock since the role's first piece of work) and busy seconds / the wall time of the measured run,
+next to what the async run's own phase times allow (the faster role must wait for the slower one).
 
 Part 2 measures weight-sync bandwidth for a synthetic fp32 state dict (500M parameters = 2 GB by default)
 along the real path: one actor packs it (`pack_state_dict`) and `ray.put`s it, another actor `ray.get`s
@@ -129,7 +129,7 @@ def mode_figures(result: dict, batches_per_step: float) -> dict:
         "steps": steps,
         "samples_per_s": t["samples"] / wall,
         "tokens_per_s": t["tokens"] / wall,
-        # the runtime's accounting (util/*): busy / (busy + idle waiting on the other role)
+        # the runtime's accounting (util/*): busy seconds / wall clock since the role's first piece of work
         "busy_rollout": w["busy_frac"],
         "busy_trainer": t["busy_frac"],
         # stricter: busy seconds over the wall time of the run (anything not generating/training is lost)

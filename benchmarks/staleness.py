@@ -275,14 +275,17 @@ def print_table(out: dict) -> None:
     print(f"controlled staleness (stale-k), max3 tiny Llama: {meta['steps']} steps × {meta['batch']} samples, "
           f"lr {meta['lr']}, eval every {meta['eval_every']} on {meta['eval_size']} held-out prompts, "
           f"seeds {meta['seeds']}; wall {meta['wall_s'] / 60:.1f} min on {meta['workers']} workers ({meta['cpu']})")
-    print(f"{'tau':>4} {'loss':<18} {'final acc':<12} {'last-3 acc':<11} {'steps→0.8':>14} {'reached':>7} {'var|g|':>9} "
-          f"{'clip':>6} {'masked':>7} {'M2':>8}")
+    print(f"{'tau':>4} {'loss':<18} {'final acc':<12} {'last-3 acc':<11} {'steps→0.8':>14} {'reached':>7} "
+          f"{'var|g|':>9} {'clip':>6} {'masked':>7} {'M2':>8}")
     for c in out["cells"].values():
         steps = f"{fmt(c['steps_to_target_mean'], '.0f')}±{fmt(c['steps_to_target_std'], '.0f')}" \
             if c["steps_to_target_mean"] is not None else "—"
-        print(f"{c['tau']:>4} {c['loss']:<18} {fmt(c['final_accuracy_mean'])}±{fmt(c['final_accuracy_std'])}".ljust(36)
-              + f" {fmt(c['last3_accuracy_mean'])}±{fmt(c['last3_accuracy_std'])}".ljust(12) + f" {steps:>14} {c['reached_target']:>3}/{len(c['seeds']):<3} {fmt(c['grad_norm_var_mean'], '.4f'):>9} "
-              f"{fmt(c['clip_frac_mean'], '.3f'):>6} {fmt(c['masked_frac_mean'], '.3f'):>7} {fmt(c['m2_mean'], '.4f'):>8}")
+        final = f"{fmt(c['final_accuracy_mean'])}±{fmt(c['final_accuracy_std'])}"
+        last3 = f"{fmt(c['last3_accuracy_mean'])}±{fmt(c['last3_accuracy_std'])}"
+        reached = f"{c['reached_target']}/{len(c['seeds'])}"
+        print(f"{c['tau']:>4} {c['loss']:<18} {final:<12} {last3:<11} {steps:>14} {reached:>7} "
+              f"{fmt(c['grad_norm_var_mean'], '.4f'):>9} {fmt(c['clip_frac_mean'], '.3f'):>6} "
+              f"{fmt(c['masked_frac_mean'], '.3f'):>7} {fmt(c['m2_mean'], '.4f'):>8}")
     claim = out["claim"]
     print("seed claim (M2PO at τ=8 within 5% of τ=0, PPO clipping behind): "
           f"m2po within 5%: {claim.get('m2po_within_5pct_at_tau8')}, ppo behind: {claim.get('ppo_falls_behind_at_tau8')}"
@@ -308,7 +311,8 @@ def main() -> None:
     parser.add_argument("--save", default=None,
                         help="also write the JSON object to this file, and each finished run to PATH.runs.jsonl")
     parser.add_argument("--resume", default=None,
-                        help="a PATH.runs.jsonl of an interrupted run: its (τ, loss, seed) runs are reused, not rerun")
+                        help="a PATH.runs.jsonl of an interrupted run: its (τ, loss, seed) runs are reused as they "
+                             "are, not rerun (pass the same --steps, --lr and --eval-* as that run)")
     args = parser.parse_args()
 
     taus = args.taus or (QUICK_TAUS if args.quick else FULL_TAUS)
