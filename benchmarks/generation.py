@@ -38,7 +38,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 import warnings
@@ -60,6 +59,7 @@ from rlhf_core.data.prompts import PromptBatch  # noqa: E402
 from rlhf_core.rollout import HFEngine, SamplingParams  # noqa: E402
 from rlhf_core.trainer import Trainer, sequence_logprobs  # noqa: E402
 from rlhf_core.types import PackedPatterns, RolloutBatch  # noqa: E402
+from machine import cpu_model  # noqa: E402  (benchmarks/machine.py, beside this script)
 
 TARGET_OVERHEAD = 0.10
 PAD, BOS = 0, 1
@@ -178,17 +178,6 @@ def bench_trainer(model, spec: dict, n: int, T: int, rounds: int) -> dict:
             "tokens_per_s": tokens / min(times), "samples_per_s": n / min(times)}
 
 
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    except (OSError, subprocess.CalledProcessError):
-        pass
-    return platform.processor() or "unknown"
-
-
 def run(quick: bool, threads: str = "1,default") -> dict:
     default_threads = torch.get_num_threads()
     thread_counts = sorted({default_threads if t.strip() == "default" else int(t) for t in threads.split(",")})
@@ -271,7 +260,7 @@ def print_table(report: dict) -> None:
               f"{r['tokens_per_s']:>10,.0f} {r['samples_per_s']:>9.1f}")
     t = report["targets"]
     if t["met"] is None:
-        print(f"\ntarget: judged on threads=1 rows only; none were run (--threads)")
+        print("\ntarget: judged on threads=1 rows only; none were run (--threads)")
         return
     print(f"\ntarget: HFEngine within {t['hfengine_overhead_max']:.0%} of generate() ({t['judged_on']}); worst "
           f"{t['worst_overhead']:+.1%} (wall {t['worst_overhead_wall']:+.1%}): {'met' if t['met'] else 'NOT met'}")

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -26,6 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rlhf_core.algorithms import compute_grpo_loss, compute_m2po_loss, compute_ppo_loss  # noqa: E402
+from machine import cpu_model  # noqa: E402  (benchmarks/machine.py, beside this script)
 
 LOSSES = {
     "ppo": lambda lp, old, adv, mask, ref: compute_ppo_loss(lp, old, adv, mask),
@@ -59,16 +59,6 @@ def time_loss(fn, inputs, reps: int, warmup: int) -> float:
         if i >= warmup:
             times.append(dt)
     return statistics.median(times)
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def run(B: int, L: int, reps: int, warmup: int) -> dict:

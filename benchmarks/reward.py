@@ -22,7 +22,6 @@ import json
 import platform
 import re
 import statistics
-import subprocess
 import sys
 import time
 from datetime import date
@@ -33,6 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rlhf_core.reward import exact_match_reward, pack_patterns, tensor_native_reward, valid_lengths  # noqa: E402
+from machine import cpu_model  # noqa: E402  (benchmarks/machine.py, beside this script)
 
 TARGETS = {"shape": {"B": 256, "L": 1024}, "speedup_vs_regex": 20.0, "speedup_vs_loop": 2.0}
 PAD, EOS, UNK = 0, 1, 2
@@ -105,17 +105,6 @@ def median_ms(fn, repeats: int, budget_s: float) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times) * 1e3
-
-
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    except (OSError, subprocess.CalledProcessError):
-        pass
-    return platform.processor() or "unknown"
 
 
 def run(quick: bool) -> dict:

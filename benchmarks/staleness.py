@@ -38,12 +38,12 @@ import json
 import math
 import multiprocessing as mp
 import os
-import platform
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+from machine import cpu_model  # noqa: E402  (benchmarks/machine.py, beside this script)
 
 for _key, _value in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}.items():
     os.environ.setdefault(_key, _value)
@@ -194,16 +194,6 @@ def ppo_degraded(cells: dict, tau: int) -> bool:
         return True  # nothing to extend for
     return (cur["final_accuracy_mean"] <= base["final_accuracy_mean"] - DEGRADED_DROP
             or cur["reached_target"] * 2 < len(cur["seeds"]))
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def run_jobs(jobs: list[dict], workers: int, log) -> list[dict]:

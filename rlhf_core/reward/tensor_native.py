@@ -157,7 +157,7 @@ def _window_mismatch(ids32: torch.Tensor, tokens: torch.Tensor, lengths: torch.T
     would run past the row are never compared: they are already excluded by `last_start`.
     """
     B, L = ids32.shape
-    K, Q = tokens.shape[1], tokens.shape[2]
+    Q = tokens.shape[2]
     device = ids32.device
     # A window may start at s only if it ends before the first EOS: s <= last_start; empty never does.
     last_start = torch.where(lengths > 0, n_valid.unsqueeze(1) - lengths, -1).to(torch.int32)  # [B, K]
