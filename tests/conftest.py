@@ -53,3 +53,16 @@ def _seeded():
     torch.manual_seed(0)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    """One local Ray (2 CPUs) per test module; a runtime joins it and kills only its own actors."""
+    import ray
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    yield
+    if started:
+        ray.shutdown()

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_core.cli import main
+from flows.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
 ATRLHF = str(Path(sys.executable).with_name("atrlhf"))
@@ -28,7 +28,7 @@ def test_help_lists_the_commands():
 
 def test_bad_config_on_the_command_line_exits_fast_and_starts_nothing():
     """Exit 2 with every bad field named, before prefect, ray or mlflow is even imported."""
-    code = ("import sys; from rlhf_core.cli import main; rc = main(['train', '--set', 'trainer.total_steps=0', "
+    code = ("import sys; from flows.cli import main; rc = main(['train', '--set', 'trainer.total_steps=0', "
             "'rollout.engine=nope', 'foo.bar=1']); "
             "print(rc, [m for m in ('prefect', 'ray', 'mlflow', 'flows.train') if m in sys.modules])")
     start = time.perf_counter()
@@ -52,8 +52,8 @@ def test_bad_config_file_through_the_console_script(tmp_path):
 
 
 def test_cli_module_imports_no_orchestration_at_top_level():
-    code = ("import sys, rlhf_core.cli; "
-            "print([m for m in ('prefect', 'mlflow', 'ray', 'flows', 'tasks') if m in sys.modules])")
+    code = ("import sys, flows.cli; "
+            "print([m for m in ('prefect', 'mlflow', 'ray', 'flows.train', 'tasks') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
 

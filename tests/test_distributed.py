@@ -16,16 +16,6 @@ from rlhf_core.distributed import ClusterError, DistributedRun, run_distributed 
 from rlhf_core.distributed.actors import pack_state_dict, unpack_state_dict  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
-    yield
-    if started:
-        ray.shutdown()
-
-
 def tiny_cfg(tmp_path, *overrides):
     return load_config("configs/tiny.yaml", [
         f"run.output_dir={tmp_path}", "cluster.num_cpus=2", "data.eval_size=100", "supervision.supervise_interval_s=0.2",

@@ -28,7 +28,7 @@ from safetensors.torch import load_file  # noqa: E402
 
 from flows.train import train  # noqa: E402
 from rlhf_core.config import flatten_config, load_config  # noqa: E402
-from rlhf_core.cli import main as cli_main  # noqa: E402
+from flows.cli import main as cli_main  # noqa: E402
 from tasks.tracking import load_logged_policy  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -51,17 +51,6 @@ CONTRACT_PER_STEP = ["reward/mean", "reward/std", "loss/policy", "loss/kl", "pol
 def prefect_api():
     with prefect_test_harness(server_startup_timeout=180):
         yield
-
-
-@pytest.fixture(scope="module")
-def ray_up():
-    """One local Ray for the module (the runtime joins it and kills only its own actors)."""
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
-    yield
-    if started:
-        ray.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +92,7 @@ def read_flow_run_artifacts(flow_run_id) -> dict:
 
 
 @pytest.fixture(scope="module")
-def straight_run(prefect_api, ray_up, work):
+def straight_run(prefect_api, ray_local, work):
     """Six lockstep steps straight through (also the reference for the resume-equality test)."""
     cfg = config(work, "straight")
     start = time.perf_counter()
@@ -195,7 +184,7 @@ def test_resume_equals_straight_run(straight_run, work, capsys):
     assert not alive_actors()
 
 
-def test_cancel_running_flow(prefect_api, ray_up, work):
+def test_cancel_running_flow(prefect_api, ray_local, work):
     """Cancelling from the API: the flow stops its loops, tears down, ends the MLflow run KILLED, and the
     flow run ends Cancelled."""
     cfg = config(work, "cancel-me", "runtime.mode=async", "trainer.total_steps=100000", "tracking.checkpoint_every=0",
@@ -235,7 +224,7 @@ def test_bad_config_fails_fast_naming_the_field(prefect_api, work):
     assert len(runs_named(work, "bad")) == before  # nothing was started or recorded
 
 
-def test_corrupt_checkpoint_fails_before_anything_starts(prefect_api, ray_up, work):
+def test_corrupt_checkpoint_fails_before_anything_starts(prefect_api, ray_local, work):
     bad = work / "corrupt_ckpt"
     bad.mkdir()
     for name in ("policy.safetensors", "state.pt"):
@@ -263,7 +252,7 @@ def test_mismatched_checkpoint_fails_cleanly(straight_run, work):
     assert not alive_actors()
 
 
-def test_failure_mid_run_tears_down_and_marks_mlflow_failed(prefect_api, ray_up, work):
+def test_failure_mid_run_tears_down_and_marks_mlflow_failed(prefect_api, ray_local, work):
     """Non-finite losses (a learning rate that blows the weights up) reach supervision.nonfinite_limit: the flow
     fails naming the limit, tears the actors down and ends the MLflow run FAILED."""
     cfg = config(work, "blowup", "trainer.lr=1e30", "supervision.nonfinite_limit=2", "trainer.total_steps=20",

@@ -4,8 +4,8 @@
     atrlhf evaluate --checkpoint PATH_OR_RUN_ID [--config PATH] [--set key=value ...]
 
 The config is validated before anything else is imported or started: a bad field exits with status 2 and
-a message naming it. Prefect, Ray and MLflow are imported inside the commands only (rlhf_core never
-imports prefect or mlflow at module level).
+a message naming it. Prefect, Ray and MLflow are imported inside the commands only, so a bad command line
+fails fast without loading them.
 """
 
 from __future__ import annotations
