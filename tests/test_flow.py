@@ -18,7 +18,6 @@ for _key, _value in {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "RAY_USAGE_STA
                      "PREFECT_LOGGING_TO_API_BATCH_INTERVAL": "0.5"}.items():
     os.environ.setdefault(_key, _value)
 
-import ray  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 from prefect.client.orchestration import get_client  # noqa: E402
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId  # noqa: E402
