@@ -59,7 +59,8 @@ from rlhf_core.data.prompts import PromptBatch  # noqa: E402
 from rlhf_core.rollout import HFEngine, SamplingParams  # noqa: E402
 from rlhf_core.trainer import Trainer, sequence_logprobs  # noqa: E402
 from rlhf_core.types import PackedPatterns, RolloutBatch  # noqa: E402
-from machine import cpu_model  # noqa: E402  (benchmarks/machine.py, beside this script)
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/machine.py, also when imported
+from machine import cpu_model  # noqa: E402
 
 TARGET_OVERHEAD = 0.10
 PAD, BOS = 0, 1

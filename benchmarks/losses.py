@@ -25,7 +25,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rlhf_core.algorithms import compute_grpo_loss, compute_m2po_loss, compute_ppo_loss  # noqa: E402
-from machine import cpu_model  # noqa: E402  (benchmarks/machine.py, beside this script)
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/machine.py, also when imported
+from machine import cpu_model  # noqa: E402
 
 LOSSES = {
     "ppo": lambda lp, old, adv, mask, ref: compute_ppo_loss(lp, old, adv, mask),

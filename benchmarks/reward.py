@@ -32,7 +32,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rlhf_core.reward import exact_match_reward, pack_patterns, tensor_native_reward, valid_lengths  # noqa: E402
-from machine import cpu_model  # noqa: E402  (benchmarks/machine.py, beside this script)
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/machine.py, also when imported
+from machine import cpu_model  # noqa: E402
 
 TARGETS = {"shape": {"B": 256, "L": 1024}, "speedup_vs_regex": 20.0, "speedup_vs_loop": 2.0}
 PAD, EOS, UNK = 0, 1, 2

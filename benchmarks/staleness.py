@@ -43,7 +43,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from machine import cpu_model  # noqa: E402  (benchmarks/machine.py, beside this script)
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/machine.py, also when imported
+from machine import cpu_model  # noqa: E402
 
 for _key, _value in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}.items():
     os.environ.setdefault(_key, _value)

@@ -172,6 +172,10 @@ class MlflowTracker:
             monitor, self.system_monitor = self.system_monitor, None
             try:
                 monitor.finish()
+                # one closing sample: a run shorter than the sampling interval would otherwise log none
+                monitor.collect_metrics()
+                monitor.publish_metrics(monitor.aggregate_metrics())
+                monitor.mlflow_logger.flush()
             except Exception:
                 pass
         self.client.set_terminated(self.run_id, status=status)
