@@ -105,3 +105,25 @@ class LockedBuffer:
 
     def stats(self) -> dict:  # pragma: no cover - every subclass defines it
         raise NotImplementedError
+
+
+class VersionWindow:
+    """The consumer's policy version and the staleness bound, shared by the versioned and group buffers.
+
+    An item is fresh while its version >= version - max_staleness (`_fresh_bound`); max_staleness None
+    accepts everything.
+    """
+
+    _version: int
+    _max_staleness: int | None
+
+    def _fresh_bound(self) -> float:
+        return float("-inf") if self._max_staleness is None else self._version - self._max_staleness
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def max_staleness(self) -> int | None:
+        return self._max_staleness

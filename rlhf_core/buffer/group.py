@@ -21,7 +21,7 @@ from typing import Any, Iterable
 import torch
 
 from rlhf_core.algorithms.advantages import compute_grpo_advantages
-from rlhf_core.buffer._base import LockedBuffer, read_field, read_version
+from rlhf_core.buffer._base import LockedBuffer, VersionWindow, read_field, read_version
 
 
 class GroupEntry(Sequence):
@@ -83,7 +83,7 @@ def _write_advantage(item: Any, advantage: float) -> None:
         pass
 
 
-class GroupAwareReplayBuffer(LockedBuffer):
+class GroupAwareReplayBuffer(LockedBuffer, VersionWindow):
     """Thread-safe buffer of complete prompt groups.
 
     group_size:    G, completions per prompt; a group is ready when its G-th item arrives.
@@ -120,9 +120,6 @@ class GroupAwareReplayBuffer(LockedBuffer):
         self._size = 0           # items in ready groups
         self._pending_items = 0  # items in partial groups
 
-    def _fresh_bound(self) -> float:
-        return float("-inf") if self._max_staleness is None else self._version - self._max_staleness
-
     @property
     def group_size(self) -> int:
         return self._group_size
@@ -130,14 +127,6 @@ class GroupAwareReplayBuffer(LockedBuffer):
     @property
     def max_size(self) -> int:
         return self._max_size
-
-    @property
-    def version(self) -> int:
-        return self._version
-
-    @property
-    def max_staleness(self) -> int | None:
-        return self._max_staleness
 
     def __len__(self) -> int:
         """Items in ready groups."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Any, Iterable
 
-from rlhf_core.buffer._base import LockedBuffer, read_version
+from rlhf_core.buffer._base import LockedBuffer, VersionWindow, read_version
 
 
 class BoundedReplayBuffer(LockedBuffer):
@@ -110,7 +110,7 @@ class BoundedReplayBuffer(LockedBuffer):
         return out
 
 
-class VersionedReplayBuffer(BoundedReplayBuffer):
+class VersionedReplayBuffer(BoundedReplayBuffer, VersionWindow):
     """A BoundedReplayBuffer whose items carry `policy_version` and go stale.
 
     With consumer version V (set by `set_version`), an item of version v is fresh while
@@ -127,17 +127,6 @@ class VersionedReplayBuffer(BoundedReplayBuffer):
         self._version = int(version)
         self._min_fresh = self._fresh_bound()
         self._min_version = float("inf")  # lower bound of the queued versions; spares needless scans
-
-    def _fresh_bound(self) -> float:
-        return float("-inf") if self._max_staleness is None else self._version - self._max_staleness
-
-    @property
-    def version(self) -> int:
-        return self._version
-
-    @property
-    def max_staleness(self) -> int | None:
-        return self._max_staleness
 
     def push(self, item: Any) -> bool:
         """Append `item` if fresh. False when stale (counted) or closed."""
