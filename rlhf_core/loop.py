@@ -141,15 +141,11 @@ def warm_start(parts: RunParts, steps: int) -> dict:
     return {"eval/accuracy_warm_start": evaluate_parts(parts)["eval/accuracy"], "warm_start/steps": steps}
 
 
-def _collect_prompts(parts: RunParts) -> list[Prompt]:
-    return parts.source.next(parts.cfg.trainer.prompts_per_step)
-
-
 def generate_step_batch(parts: RunParts) -> tuple[RolloutBatch, dict]:
     """prompts_per_step prompts, generated in chunks of prompts_per_batch, scored; returns (batch, reward stats)."""
     from rlhf_core.types import cat_rollouts
 
-    prompts = _collect_prompts(parts)
+    prompts = parts.source.next(parts.cfg.trainer.prompts_per_step)
     chunk = parts.cfg.rollout.prompts_per_batch
     batches, comp_sums = [], {}
     for s in range(0, len(prompts), chunk):

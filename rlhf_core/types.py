@@ -6,7 +6,7 @@ L = padded response length, K = answer alternatives per row, Q = padded answer-p
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields, replace
 from typing import Optional
 
 import torch
@@ -25,9 +25,6 @@ class PackedPatterns:
 
     def to(self, device: torch.device | str) -> "PackedPatterns":
         return PackedPatterns(self.tokens.to(device), self.lengths.to(device))
-
-    def index_select(self, index: torch.Tensor) -> "PackedPatterns":
-        return PackedPatterns(self.tokens.index_select(0, index), self.lengths.index_select(0, index))
 
     def repeat_interleave(self, repeats: int) -> "PackedPatterns":
         return PackedPatterns(self.tokens.repeat_interleave(repeats, 0), self.lengths.repeat_interleave(repeats, 0))
@@ -87,15 +84,13 @@ class Experience:
     """One scored prompt group as stored in the replay buffer: G completions of one prompt.
 
     The unit the runtime moves is a group (the rows of a RolloutBatch that share a group id), so that
-    GRPO advantages are computed once per complete group and batches stay tensors end to end.
+    batches stay tensors end to end; the trainer computes group advantages for a whole batch at once.
     Buffers read `policy_version`, `prompt_id` and `reward` (the group's mean reward) from it.
     """
 
     batch: RolloutBatch
     prompt_id: int
     policy_version: int
-    advantages: Optional[torch.Tensor] = None  # FloatTensor [G], set by the buffer or the trainer
-    meta: dict = field(default_factory=dict)
 
     @property
     def reward(self) -> float:

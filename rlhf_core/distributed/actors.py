@@ -74,9 +74,8 @@ def pack_groups(groups: list[Experience]) -> list:
         if not all(t is None or (isinstance(t, torch.Tensor) and t.device.type == "cpu") for t in tensors.values()):
             out.append(g)  # not plain CPU tensors: let Ray pickle it as it is
             continue
-        adv = None if g.advantages is None else pack_state_dict({"a": g.advantages.detach().cpu()})
         out.append({"batch": pack_state_dict({k: t.detach() for k, t in tensors.items() if t is not None}),
-                    "advantages": adv, "prompt_id": g.prompt_id, "policy_version": g.policy_version, "meta": g.meta})
+                    "prompt_id": g.prompt_id, "policy_version": g.policy_version})
     return out
 
 
@@ -92,9 +91,8 @@ def unpack_groups(packed: list) -> list[Experience]:
         if isinstance(item, Experience):
             out.append(item)
             continue
-        adv = None if item["advantages"] is None else tensors(item["advantages"])["a"]
         out.append(Experience(batch=RolloutBatch(**tensors(item["batch"])), prompt_id=item["prompt_id"],
-                              policy_version=item["policy_version"], advantages=adv, meta=item["meta"]))
+                              policy_version=item["policy_version"]))
     return out
 
 
