@@ -597,3 +597,16 @@ class BufferMachine(RuleBasedStateMachine):
 BufferMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None,
                                            suppress_health_check=[HealthCheck.too_slow])
 test_buffer_accounting_random_sequences = BufferMachine.TestCase
+
+
+def test_wait_for_blocks_until_n_ready_and_takes_nothing():
+    import threading
+
+    buf = VersionedReplayBuffer(max_size=16, max_staleness=2)
+    assert buf.wait_for(3, timeout=0.05) is False and buf.stats()["sampled"] == 0
+    pusher = threading.Timer(0.05, lambda: [buf.push({"policy_version": 0, "i": i}) for i in range(3)])
+    pusher.start()
+    assert buf.wait_for(3, timeout=5.0) is True
+    pusher.join()
+    assert len(buf) == 3 and buf.stats()["sampled"] == 0      # waiting took nothing
+    assert [x["i"] for x in buf.sample(3)] == [0, 1, 2]

@@ -68,6 +68,14 @@ class BoundedReplayBuffer(LockedBuffer):
         if self._waiters:
             self._not_empty.notify_all()
 
+    def wait_for(self, n: int, timeout: float | None) -> bool:
+        """Block until at least `n` items are ready, the buffer is closed, or `timeout` seconds pass (the
+        same rules as `sample`); True when `n` are ready. Takes nothing, so a single consumer that needs
+        exactly n items can wait without polling and then `sample(n)`."""
+        with self._lock:
+            self._wait_until(lambda: len(self._queue), n, timeout)
+            return len(self._queue) >= n
+
     def sample(self, batch_size: int, timeout: float | None = None, min_items: int = 1) -> list:
         """Remove and return up to `batch_size` items, oldest first.
 

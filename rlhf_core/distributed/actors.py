@@ -209,13 +209,8 @@ class ExperienceBuffer:
 
     def take(self, n: int, timeout_s: float) -> list[Experience]:
         """Exactly n groups, oldest first (packed: unpack_groups), or [] if they did not arrive within timeout_s."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if len(self.buf) >= n:  # one consumer (the trainer): nothing can take items between check and sample
-                return pack_groups(self.buf.sample(n))
-            if time.monotonic() >= deadline:
-                return []
-            time.sleep(0.002)
+        # one consumer (the trainer): nothing can take items between the wait and the sample
+        return pack_groups(self.buf.sample(n)) if self.buf.wait_for(n, timeout_s) else []
 
     def set_version(self, version: int) -> int:
         self.version = int(version)
