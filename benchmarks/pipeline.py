@@ -70,6 +70,7 @@ def pipeline_config(args, mode: str, tokens_per_s: float, output_dir: str):
         "cluster.num_cpus=2", "cluster.rollout_cpus=1", "cluster.trainer_cpus=1", "cluster.torch_threads=1",
         "data.eval_size=32",
         f"run.output_dir={output_dir}",
+        f"runtime.prefetch={'false' if args.no_prefetch else 'true'}",
     ])
 
 
@@ -384,6 +385,8 @@ def main() -> None:
     parser.add_argument("--max-staleness", type=int, default=2, help="runtime.max_staleness")
     parser.add_argument("--tokens-per-s", type=float, default=0.0, help="RandomEngine rate (0 = calibrate so that a "
                         "rollout batch takes as long as a train step)")
+    parser.add_argument("--no-prefetch", action="store_true", help="runtime.prefetch=false: the trainer takes each "
+                        "batch only after the previous step (for before/after comparisons)")
     parser.add_argument("--poll-s", type=float, default=0.5, help="run_distributed poll interval in async mode")
     parser.add_argument("--skip-pipeline", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -407,7 +410,7 @@ def main() -> None:
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
              object_store_memory=int(max(2.5 * args.sync_params * 4, 3e8)))
     try:
-        fig: dict = {"machine_cpus": os.cpu_count(), "load_start": loadavg()}
+        fig: dict = {"machine_cpus": os.cpu_count(), "load_start": loadavg(), "prefetch": not args.no_prefetch}
         if not args.skip_pipeline:
             fig.update(pipeline(args, output_dir))
         fig.update(sync_bandwidth(args.sync_params, args.sync_repeats))

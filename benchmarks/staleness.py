@@ -22,7 +22,7 @@ reach it are counted, not averaged), the variance over steps of the pre-clip gra
 ("policy/grad_norm"), the mean clip fraction, and for M2PO the mean masked fraction and M2
 ("m2po/masked_frac", "m2po/m2").
 
-    python benchmarks/staleness.py                       # full grid, table (about 40-60 min on 2 cores)
+    python benchmarks/staleness.py                       # full grid, table (84 runs: 22 min on 2 idle cores)
     python benchmarks/staleness.py --quick               # τ ∈ {0, 8}, ppo and m2po_trust_region, 1 seed
     python benchmarks/staleness.py --json                # one JSON object on stdout, nothing else
     python benchmarks/staleness.py --plot docs/staleness_accuracy.png

@@ -139,6 +139,7 @@ class RuntimeConfig(_Section):
     max_staleness: int = Field(2, ge=0, description="tau_max: every consumed sample has trainer_version - sample_version <= this.")
     sync_every: int = Field(1, ge=1, description="Publish weights to rollout workers every this many trainer versions.")
     wait_timeout_s: float = Field(120.0, gt=0, description="Longest any blocking wait may last before failing with a message naming what it waited for.")
+    prefetch: bool = Field(True, description="Async mode: the trainer takes the next batch (for version V + 1) from the buffer while step V trains.")
 
 
 class ClusterConfig(_Section):

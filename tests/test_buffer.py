@@ -610,3 +610,38 @@ def test_wait_for_blocks_until_n_ready_and_takes_nothing():
     pusher.join()
     assert len(buf) == 3 and buf.stats()["sampled"] == 0      # waiting took nothing
     assert [x["i"] for x in buf.sample(3)] == [0, 1, 2]
+
+
+def test_requeue_puts_items_back_in_front_in_order_and_uncounts_them():
+    buf = BoundedReplayBuffer(8)
+    buf.push_many([Sample(i) for i in range(5)])
+    taken = buf.sample(3)
+    assert buf.requeue(taken) == 3
+    s = buf.stats()
+    assert (s["sampled"], s["size"]) == (0, 5) and balanced(s)
+    assert [x.id for x in buf.sample(5)] == [0, 1, 2, 3, 4]   # as if never sampled: order kept
+    with pytest.raises(ValueError, match="only 5 were ever sampled"):
+        buf.requeue([Sample(i) for i in range(6)])
+
+
+def test_requeue_into_a_full_buffer_drops_the_oldest_given_back_items():
+    buf = BoundedReplayBuffer(4)
+    buf.push_many([Sample(i) for i in range(4)])
+    taken = buf.sample(3)
+    buf.push_many([Sample(i) for i in range(4, 6)])          # 3 items now, room for 1
+    assert buf.requeue(taken) == 1
+    s = buf.stats()
+    assert (s["sampled"], s["dropped_overflow"], s["size"]) == (0, 2, 4) and balanced(s)
+    assert [x.id for x in buf.sample(4)] == [2, 3, 4, 5]      # the newest given-back item went in front
+
+
+def test_versioned_requeue_evicts_what_went_stale_meanwhile():
+    buf = VersionedReplayBuffer(8, max_staleness=1)
+    buf.push_many([Sample(i, policy_version=v) for i, v in enumerate([0, 1, 2])])
+    taken = buf.sample(3)
+    buf.set_version(2)                                         # version 0 is now 2 - 2: stale
+    assert buf.requeue(taken) == 2
+    s = buf.stats()
+    assert (s["sampled"], s["evicted_stale"], s["size"]) == (0, 1, 2) and balanced(s)
+    assert buf.set_version(3) == 1                             # requeued items still take part in eviction
+    assert [x.id for x in buf.sample(4)] == [2]

@@ -54,6 +54,27 @@ def test_async_run_bounds_staleness_and_reconciles(ray_local, tmp_path):
     assert ray.is_initialized()                               # ... and left the Ray it did not start running
 
 
+def test_stopping_mid_run_gives_the_prefetched_batch_back(ray_local, tmp_path):
+    """The trainer prefetches batch V + 1 while V trains; stopping must not count that batch as consumed."""
+    cfg = tiny_cfg(tmp_path, "trainer.total_steps=500", "runtime.max_staleness=2", "rollout.prompts_per_batch=8")
+    assert cfg.runtime.prefetch
+    with DistributedRun(cfg) as run:
+        run.launch()
+        run.start()
+        deadline = time.monotonic() + 120
+        while run.poll()["step"] < 5:
+            assert time.monotonic() < deadline, "the async run made no progress"
+            time.sleep(0.2)
+        run.stop()
+        final = run.poll()
+        rec = run.reconcile(final)
+    steps = final["step"]
+    assert 5 <= steps < 500
+    assert rec["consumed"] == steps * cfg.trainer.prompts_per_step    # trained on, not merely taken
+    assert rec["generated"] == rec["consumed"] + rec["evicted"] + rec["dropped"] + rec["buffered"] + rec["in_flight"]
+    assert rec["in_flight"] >= 0
+
+
 def test_narrowed_admission_window_bounds_staleness_tighter(ray_local, tmp_path):
     cfg = tiny_cfg(tmp_path, "trainer.total_steps=12", "runtime.max_staleness=2", "rollout.prompts_per_batch=8")
     result = run_distributed(cfg, poll_interval_s=0.2, on_launch=lambda run: run.set_admission_window(0))
@@ -137,3 +158,24 @@ def test_state_dict_packing_round_trips_bfloat16():
     back = unpack_state_dict(pack_state_dict(sd))
     for k in sd:
         assert back[k].dtype == sd[k].dtype and torch.equal(back[k], sd[k])
+
+
+def test_experience_buffer_prefetch_take_and_give_back_keep_the_bound_and_the_accounting():
+    """The trainer's prefetch: take for version V + 1 while V trains; give back an untrained batch."""
+    from rlhf_core.distributed.actors import ExperienceBuffer, pack_groups, unpack_groups
+    from tests.test_buffer import make_experience
+
+    buf = ExperienceBuffer(max_size=16, max_staleness=1, prompts_per_step=2, admission=False)
+    buf.set_version(3)
+    buf.push(pack_groups([make_experience(i, v, [1.0, 0.0]) for i, v in enumerate([2, 3, 3, 4])]))
+    got = unpack_groups(buf.take(2, timeout_s=0.1, for_version=4))   # for consumer version 4: version 2 is stale
+    assert [g.policy_version for g in got] == [3, 3]
+    assert all(4 - g.policy_version <= 1 for g in got)
+    assert buf.stats()["version"] == 4 and buf.stats()["evicted_stale"] == 1
+    buf.advance(3)                                                     # a later advance never moves it back
+    assert buf.stats()["version"] == 4
+    assert buf.give_back(pack_groups(got)) == 2
+    s = buf.stats()
+    assert (s["sampled"], s["size"]) == (0, 3)
+    assert s["pushed"] == s["sampled"] + s["evicted_stale"] + s["dropped_overflow"] + s["size"]
+    assert [g.prompt_id for g in unpack_groups(buf.take(3, timeout_s=0.1))] == [1, 2, 3]

@@ -55,6 +55,31 @@ class BoundedReplayBuffer(LockedBuffer):
             self._extend(items)
         return len(items)
 
+    def requeue(self, items: Iterable[Any]) -> int:
+        """Give back items that were sampled and will not be used (a prefetching consumer that stops):
+        they return to the front, in their order, as if never sampled (`sampled` goes down by their
+        number). Returns how many went back; the others are counted where they would have gone had
+        they stayed: dropped_overflow when there is no room (the oldest go first) and, in a versioned
+        buffer, evicted_stale when the version moved past them."""
+        items = items if isinstance(items, (list, tuple)) else list(items)
+        with self._lock:
+            if len(items) > self._sampled:
+                raise ValueError(f"requeue of {len(items)} items, but only {self._sampled} were ever sampled")
+            self._sampled -= len(items)
+            keep = self._requeue_filter(list(items))
+            room = self._max_size - len(self._queue)
+            if len(keep) > room:
+                self._dropped_overflow += len(keep) - room
+                keep = keep[len(keep) - room:] if room > 0 else []
+            self._queue.extendleft(reversed(keep))
+            if keep and self._waiters:
+                self._not_empty.notify_all()
+        return len(keep)
+
+    def _requeue_filter(self, items: list) -> list:
+        """With the lock held: the given-back items that may re-enter (all of them here)."""
+        return items
+
     def _extend(self, items: list | tuple) -> None:
         """With the lock held: append already-accepted items, counting the overflow."""
         if not items:
@@ -174,6 +199,15 @@ class VersionedReplayBuffer(BoundedReplayBuffer, VersionWindow):
             if fresh:
                 self._min_version = min(self._min_version, min(v for v in versions if v >= bound))
         return len(fresh)
+
+    def _requeue_filter(self, items: list) -> list:
+        versions = [read_version(item) for item in items]
+        bound = self._min_fresh
+        fresh = [item for item, v in zip(items, versions) if v >= bound]
+        self._evicted_stale += len(items) - len(fresh)
+        if fresh:
+            self._min_version = min(self._min_version, min(v for v in versions if v >= bound))
+        return fresh
 
     def set_version(self, version: int) -> int:
         """Set the consumer's policy version and evict the items it makes stale; returns how many."""

@@ -7,6 +7,7 @@ answerable while a loop runs. Every blocking wait has a timeout and a message na
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -20,6 +21,8 @@ import torch
 from rlhf_core.buffer import VersionedReplayBuffer
 from rlhf_core.data import Prompt, PromptSource
 from rlhf_core.types import Experience, RolloutBatch, cat_rollouts
+
+log = logging.getLogger("rlhf_core.distributed")
 
 
 class WaitTimeout(TimeoutError):
@@ -207,14 +210,27 @@ class ExperienceBuffer:
             self.samples_pushed += len(g)
         return accepted
 
-    def take(self, n: int, timeout_s: float) -> list[Experience]:
-        """Exactly n groups, oldest first (packed: unpack_groups), or [] if they did not arrive within timeout_s."""
+    def take(self, n: int, timeout_s: float, for_version: Optional[int] = None) -> list[Experience]:
+        """Exactly n groups, oldest first (packed: unpack_groups), or [] if they did not arrive within timeout_s.
+
+        for_version: the trainer version that will consume them, when the trainer prefetches the next
+        batch while it trains on the current one. The buffer moves to that version first (never back),
+        evicting what would be too stale for it, so every group taken satisfies the staleness bound at
+        the version that trains on it."""
+        if for_version is not None and int(for_version) > self.version:
+            self.set_version(for_version)
         # one consumer (the trainer): nothing can take items between the wait and the sample
         return pack_groups(self.buf.sample(n)) if self.buf.wait_for(n, timeout_s) else []
 
+    def give_back(self, groups: list) -> int:
+        """Groups a take handed out that will not be trained on (the trainer stopped with a batch
+        prefetched): back to the front of the buffer, uncounted from consumed. Returns how many went back."""
+        return self.buf.requeue(unpack_groups(groups))
+
     def set_version(self, version: int) -> int:
-        self.version = int(version)
-        return self.buf.set_version(version)
+        """The consumer's version (never moves back: a prefetching take may already have moved it on)."""
+        self.version = max(self.version, int(version))
+        return self.buf.set_version(self.version)
 
     def stats(self) -> dict:
         s = self.buf.stats()
@@ -394,32 +410,51 @@ class TrainerActor:
         self.timeout = cfg.runtime.wait_timeout_s
         self.error: Optional[str] = None
         self.staleness_hist: dict[int, int] = {}
+        self.last_publish_s: Optional[float] = None
 
-    def publish(self, notify_buffer: bool = True) -> float:
-        """One ray.put of a contiguous CPU state dict, registered in the weight store. Returns seconds.
-
-        The buffer learns the published version (for admission) only after the store holds the weights,
-        so a worker admitted against version v always finds weights >= v."""
+    def publish(self) -> float:
+        """Publish the current weights now (the flow's "sync sooner"); returns seconds. Waits for a
+        running step to finish, so the snapshot is never torn."""
         start = time.perf_counter()
-        ref = ray.put(pack_state_dict(self.trainer.state_dict_for_sync()))
-        version = self.trainer.version
-        get_or_fail(self.store.publish.remote(version, [ref], time.perf_counter() - start),
-                    self.timeout, "the weight store to register a publish")
-        if notify_buffer:
-            get_or_fail(self.buffer.set_weights_version.remote(version), self.timeout, "the replay buffer admission update")
+        with self.lock:
+            snapshot, version = self.trainer.state_dict_for_sync(), self.trainer.version
+        self._ship(version, snapshot, published=True)
         return time.perf_counter() - start
 
+    def _ship(self, version: int, snapshot: Optional[dict], published: bool) -> None:
+        """After a step (or a publish request): one ray.put of the CPU snapshot, registered in the weight
+        store, then the buffer's version update, in that order: the buffer learns the published version
+        (for admission) only after the store holds the weights, so a worker admitted against version v
+        always finds weights >= v. Records the publish seconds in self.last_publish_s."""
+        start = time.perf_counter()
+        if snapshot is not None:
+            ref = ray.put(pack_state_dict(snapshot))
+            get_or_fail(self.store.publish.remote(version, [ref], time.perf_counter() - start),
+                        self.timeout, "the weight store to register a publish")
+        get_or_fail(self.buffer.advance.remote(version, version if published else None), self.timeout,
+                    "the replay buffer version update")
+        if snapshot is not None:
+            self.last_publish_s = time.perf_counter() - start
+
+    def _take_batch(self, wait_s: float, for_version: Optional[int] = None) -> list[Experience]:
+        """prompts_per_step groups from the buffer, unpacked, or [] if they did not arrive within wait_s."""
+        return unpack_groups(get_or_fail(self.buffer.take.remote(self.cfg.trainer.prompts_per_step, wait_s, for_version),
+                                         wait_s + self.timeout, "a batch from the replay buffer"))
+
     def train_once(self, wait_s: Optional[float] = None) -> Optional[dict]:
-        """Take prompts_per_step groups (waiting up to wait_s), train one step, publish by sync_every."""
-        n = self.cfg.trainer.prompts_per_step
+        """Take prompts_per_step groups (waiting up to wait_s), train one step, publish by sync_every, in
+        lockstep: everything is done when it returns (sync mode)."""
         t0 = time.perf_counter()
         self.work_started = self.work_started or t0
-        groups = unpack_groups(get_or_fail(self.buffer.take.remote(n, wait_s if wait_s is not None else self.timeout),
-                                           self.timeout + 5, "a batch from the replay buffer"))
+        groups = self._take_batch(wait_s if wait_s is not None else self.timeout)
+        self.idle_s += time.perf_counter() - t0
+        return self._train_on(groups, t0) if groups else None
+
+    def _train_on(self, groups: list[Experience], t0: float, shipper=None) -> dict:
+        """One trainer step on these groups (t0: when waiting for them began). The weights snapshot (when
+        sync_every says so) is taken at once; shipping it and advancing the buffer happen here, or on the
+        `shipper` executor while the next step runs."""
         t1 = time.perf_counter()
-        self.idle_s += t1 - t0
-        if not groups:
-            return None
         with self.lock:
             batch = cat_rollouts([g.batch for g in groups], self.tokenizer.pad_token_id)
             consumer_version = self.trainer.version
@@ -429,12 +464,16 @@ class TrainerActor:
             for tau, count in zip(*torch.unique(staleness, return_counts=True)):
                 self.staleness_hist[int(tau)] = self.staleness_hist.get(int(tau), 0) + int(count)
             m = self.trainer.train_step(batch)
-            published = None
-            if m["trainer/step_finite"] and self.trainer.version % self.cfg.runtime.sync_every == 0:
-                m["sync/latency_s"] = self.publish(notify_buffer=False)
-                published = self.trainer.version
-            get_or_fail(self.buffer.advance.remote(self.trainer.version, published), self.timeout,
-                        "the replay buffer version update")
+            version = self.trainer.version
+            due = bool(m["trainer/step_finite"]) and version % self.cfg.runtime.sync_every == 0
+            # copied now, under the lock: the next optimizer step changes the weights in place
+            snapshot = self.trainer.state_dict_for_sync() if due else None
+        if shipper is None:
+            self._ship(version, snapshot, due)
+        else:
+            shipper(version, snapshot, due)
+        if due and self.last_publish_s is not None:
+            m["sync/latency_s"] = self.last_publish_s  # in async mode: the latest publish that has completed
         t2 = time.perf_counter()
         m.update({"time/train_s": t2 - t1, "time/wait_s": t1 - t0, "step": self.trainer.step,
                   "throughput/samples_per_s": len(batch) / max(1e-9, t2 - t0),
@@ -443,14 +482,68 @@ class TrainerActor:
         return m
 
     def run_loop(self, total_steps: int) -> dict:
+        """Train until total_steps or stop(), continuously (async mode).
+
+        Two helper threads keep the data plane off the trainer's critical path: with runtime.prefetch
+        one takes (and unpacks) the batch for version V + 1 while step V trains, and one ships each
+        published snapshot and advances the buffer, in order, while the next step trains. A batch still
+        prefetched when the loop ends goes back to the buffer; every pending publish completes first.
+        """
+        from concurrent.futures import ThreadPoolExecutor
+
         self.stop_event.clear()
+        wait_s = 0.5
+        nxt = None
+        shipping: deque = deque()
+
+        def ship(version, snapshot, published):
+            while shipping and shipping[0].done():
+                shipping.popleft().result()  # a failed publish or buffer update surfaces here
+            shipping.append(shipper_pool.submit(self._ship, version, snapshot, published))
+
         try:
-            while self.trainer.step < total_steps and not self.stop_event.is_set():
-                self.train_once(wait_s=0.5)
+            with ThreadPoolExecutor(1, thread_name_prefix="trainer-prefetch") as take_pool, \
+                    ThreadPoolExecutor(1, thread_name_prefix="trainer-publish") as shipper_pool:
+                try:
+                    while self.trainer.step < total_steps and not self.stop_event.is_set():
+                        t0 = time.perf_counter()
+                        self.work_started = self.work_started or t0
+                        fut = nxt or take_pool.submit(self._take_batch, wait_s, self.trainer.version)
+                        nxt = None
+                        groups = fut.result()
+                        self.idle_s += time.perf_counter() - t0
+                        if not groups:
+                            continue
+                        if self.cfg.runtime.prefetch and self.trainer.step + 1 < total_steps:
+                            nxt = take_pool.submit(self._take_batch, wait_s, self.trainer.version + 1)
+                        self._train_on(groups, t0, shipper=ship)
+                except BaseException:
+                    self._settle(shipping, nxt, quiet=True)  # the loop's own error is the one to report
+                    raise
+                self._settle(shipping, nxt, quiet=False)
         except Exception as exc:
             self.error = f"{type(exc).__name__}: {exc}"
             raise
         return self.stats()
+
+    def _settle(self, shipping: deque, prefetched, quiet: bool) -> None:
+        """When the loop ends: wait for every pending publish, then return a prefetched, untrained batch
+        to the buffer so that the accounting still adds up. quiet: log failures instead of raising them."""
+        def attempt(fn, what: str):
+            try:
+                return fn()
+            except Exception as exc:
+                if not quiet:
+                    raise
+                log.warning("%s failed while the trainer loop was ending: %s", what, exc)
+                return None
+
+        while shipping:
+            attempt(shipping.popleft().result, "a weights publish")
+        groups = attempt(prefetched.result, "the prefetched take") if prefetched is not None else None
+        if groups:
+            attempt(lambda: get_or_fail(self.buffer.give_back.remote(pack_groups(groups)), self.timeout,
+                                        "the replay buffer to take back a prefetched batch"), "the give-back")
 
     def stop(self) -> None:
         self.stop_event.set()
