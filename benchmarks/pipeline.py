@@ -142,6 +142,11 @@ def mode_figures(result: dict, batches_per_step: float) -> dict:
         "trainer_wait_s_per_step": mean_metric(result, "time/wait_s"),
         "sync_latency_s": mean_metric(result, "sync/latency_s"),
         "rollout_batch_s": w["batch_s_mean"],
+        # the rollout's cycle outside generation: denied admission, and everything else (weight checks,
+        # prompt and push round trips, packing), per batch, over the worker's time since its first batch
+        "rollout_denied_s_per_batch": w["idle_s"] / w["batches"] if w["batches"] else float("nan"),
+        "rollout_other_s_per_batch": ((w["busy_s"] / w["busy_frac"] if w["busy_frac"] else wall) - w["busy_s"] - w["idle_s"])
+        / w["batches"] if w["batches"] else float("nan"),
         "sync_stall_s": w["sync_stall_s_mean"],
         "stall_frac": w["sync_stall_s_mean"] / w["batch_s_mean"] if w["batch_s_mean"] else float("nan"),
         "syncs_loaded": w["syncs"],

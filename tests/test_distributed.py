@@ -73,6 +73,8 @@ def test_stopping_mid_run_gives_the_prefetched_batch_back(ray_local, tmp_path):
     assert rec["consumed"] == steps * cfg.trainer.prompts_per_step    # trained on, not merely taken
     assert rec["generated"] == rec["consumed"] + rec["evicted"] + rec["dropped"] + rec["buffered"] + rec["in_flight"]
     assert rec["in_flight"] >= 0
+    # the rollout loop asks admission for its next batch before generating this one; stopping returns it
+    assert final["buffer"]["admitted"] == rec["generated"]
 
 
 def test_narrowed_admission_window_bounds_staleness_tighter(ray_local, tmp_path):
@@ -179,3 +181,8 @@ def test_experience_buffer_prefetch_take_and_give_back_keep_the_bound_and_the_ac
     assert (s["sampled"], s["size"]) == (0, 3)
     assert s["pushed"] == s["sampled"] + s["evicted_stale"] + s["dropped_overflow"] + s["size"]
     assert [g.prompt_id for g in unpack_groups(buf.take(3, timeout_s=0.1))] == [1, 2, 3]
+
+    admission = ExperienceBuffer(max_size=16, max_staleness=0, prompts_per_step=2)
+    assert admission.try_admit(2) and not admission.try_admit(1)      # capacity (0 + 0 + 1) x 2 groups
+    admission.release(2)
+    assert admission.try_admit(2) and admission.stats()["admitted"] == 2

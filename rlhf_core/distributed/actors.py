@@ -199,6 +199,11 @@ class ExperienceBuffer:
             self.admitted += n_groups
             return True
 
+    def release(self, n_groups: int) -> None:
+        """Return an admission that will not be used (a worker loop stopping with one granted ahead)."""
+        with self.lock:
+            self.admitted = max(0, self.admitted - int(n_groups))
+
     def set_paused(self, paused: bool) -> None:
         self.paused = bool(paused)
 
@@ -314,14 +319,15 @@ class RolloutActor:
         self.syncs.append({"version": version, "fetch_s": fetched - start, "load_s": done - fetched, "stall_s": done - start})
         return True
 
-    def generate_once(self, n_prompts: int, wait: bool = True) -> int:
+    def generate_once(self, n_prompts: int, wait: bool = True, prompts_ref=None) -> int:
         """Take n prompts, generate, push. Returns groups generated (sync mode calls this directly).
 
         wait=False (the async loop) does not wait for the buffer to accept this push, only for the previous
         one: at most one push is in flight, pushes stay in order, and a failed push surfaces a batch later.
+        prompts_ref: a prompt-queue request already sent (the async loop sends it beside the weights check).
         """
         self.work_started = self.work_started or time.perf_counter()
-        prompts = get_or_fail(self.queue.get.remote(n_prompts), self.timeout, "prompts from the prompt queue")
+        prompts = get_or_fail(prompts_ref or self.queue.get.remote(n_prompts), self.timeout, "prompts from the prompt queue")
         if not prompts:
             return 0
         groups = self.worker.generate_groups(prompts)
@@ -340,21 +346,36 @@ class RolloutActor:
             self.groups_pushed += n_groups
 
     def run_loop(self) -> dict:
-        """Generate continuously until stop(); idle time (admission denied, weights loading) is counted."""
+        """Generate continuously until stop(); idle time (admission denied, weights loading) is counted.
+
+        Round trips overlap where the order allows: the prompt request goes out beside the weights check,
+        and the next batch's admission request goes out before this batch generates, so its answer is
+        waiting when generation ends. Admitting early is safe: capacity only grows as versions advance,
+        so a request granted now would be granted later, and the batch still loads the newest weights
+        when it starts."""
         self.stop_event.clear()
         self.loop_running = True
         n = self.cfg.rollout.prompts_per_batch
+        admit_ref = None
         try:
             while not self.stop_event.is_set():
                 t0 = time.perf_counter()
-                if not get_or_fail(self.buffer.try_admit.remote(n), self.timeout, "admission from the replay buffer"):
+                admitted = get_or_fail(admit_ref or self.buffer.try_admit.remote(n), self.timeout,
+                                       "admission from the replay buffer")
+                admit_ref = None
+                if not admitted:
                     self.stop_event.wait(0.005)
                     self.worker.add_idle(time.perf_counter() - t0)
                     continue
                 self.worker.add_idle(time.perf_counter() - t0)
+                prompts_ref = self.queue.get.remote(n)
                 self.maybe_load_weights()  # admitted against version v: weights >= v are published, load them
-                self.generate_once(n, wait=False)
+                admit_ref = self.buffer.try_admit.remote(n)
+                self.generate_once(n, wait=False, prompts_ref=prompts_ref)
             self.confirm_push()
+            if admit_ref is not None and get_or_fail(admit_ref, self.timeout, "admission from the replay buffer"):
+                # granted for a batch that will not be generated: return it, so the capacity stays exact
+                get_or_fail(self.buffer.release.remote(n), self.timeout, "the replay buffer to release an admission")
         finally:
             self.loop_running = False
         return self.stats()
