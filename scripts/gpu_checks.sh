@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Every GPU check of the project in one run, for a short lease on a CUDA machine (issue 6, section 3).
+#
+#   OUT=/path/to/results scripts/gpu_checks.sh        # from the repository root; OUT defaults to gpu_results/
+#
+# Writes under $OUT: nvidia-smi.txt, verify_gpu.txt + verify_gpu.json (scripts/verify_gpu.py: device report,
+# reward timings with CUDA events, the no-host-sync check, losses, buffers, closed loop, VRAM),
+# pytest_cuda.txt (the CUDA tests of rewards and losses), pytest_vllm.txt (skips unless vllm is importable)
+# and summary.txt. Exit status: non-zero if verify_gpu or the CUDA tests failed.
+#
+# The machine needs torch (CUDA), transformers, tokenizers, safetensors, pyyaml, numpy, pytest and
+# hypothesis, plus pydantic. A machine that cannot reach PyPI gets the missing ones as wheels in .whl/
+# (made where pip works, for that machine's Python), which this script installs into /tmp/site first:
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d .whl \
+#     pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
+set -uo pipefail
+OUT=${OUT:-gpu_results}
+PY=${PY:-python3}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false RAY_USAGE_STATS_ENABLED=0
+if compgen -G ".whl/*.whl" > /dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        || { echo "installing the carried wheels failed" >&2; exit 2; }
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+
+status=0
+{ nvidia-smi || echo "nvidia-smi not available"; } > "$OUT/nvidia-smi.txt" 2>&1
+
+"$PY" scripts/verify_gpu.py --json-out "$OUT/verify_gpu.json" > "$OUT/verify_gpu.txt" 2>&1
+verify_rc=$?
+[ $verify_rc -eq 0 ] || status=1
+
+# -k cuda selects the CUDA tests (they skip where CUDA is missing); -rs lists the skips with their reasons
+"$PY" -m pytest -q -rs -p no:cacheprovider tests/test_reward.py tests/test_algorithms.py -k cuda > "$OUT/pytest_cuda.txt" 2>&1
+cuda_rc=$?
+[ $cuda_rc -eq 0 ] || status=1
+
+"$PY" -m pytest -q -rs -p no:cacheprovider tests/test_vllm.py > "$OUT/pytest_vllm.txt" 2>&1
+vllm_rc=$?
+
+{
+    echo "verify_gpu.py exit status: $verify_rc"
+    echo "CUDA tests exit status:    $cuda_rc ($(tail -n 1 "$OUT/pytest_cuda.txt"))"
+    echo "vLLM tests exit status:    $vllm_rc ($(tail -n 1 "$OUT/pytest_vllm.txt"))"
+    echo "overall:                   $([ $status -eq 0 ] && echo PASSED || echo FAILED)"
+} | tee "$OUT/summary.txt"
+exit $status
