@@ -645,3 +645,31 @@ def test_versioned_requeue_evicts_what_went_stale_meanwhile():
     assert (s["sampled"], s["evicted_stale"], s["size"]) == (0, 1, 2) and balanced(s)
     assert buf.set_version(3) == 1                             # requeued items still take part in eviction
     assert [x.id for x in buf.sample(4)] == [2]
+
+
+def test_take_for_a_later_version_evicts_what_is_too_stale_for_it_but_keeps_the_buffers_version():
+    buf = VersionedReplayBuffer(8, max_staleness=1, version=3)
+    buf.push_many([Sample(i, policy_version=v) for i, v in enumerate([2, 3, 2, 4])])
+    got = buf.take_for(2, version=4, timeout=0.0)                    # version 2 is 4 - 2: too stale for 4
+    assert [x.id for x in got] == [1, 3]
+    s = buf.stats()
+    assert (s["version"], s["evicted_stale"], s["sampled"], s["size"]) == (3, 2, 2, 0) and balanced(s)
+    assert buf.push(Sample(4, policy_version=2))                     # still fresh for the buffer's own version 3
+    assert buf.take_for(2, version=3, timeout=0.0) == []             # exactly n, or nothing
+    assert len(buf) == 1
+
+
+def test_take_for_waits_for_enough_fresh_items_and_honours_close():
+    buf = VersionedReplayBuffer(8, max_staleness=0, version=0)
+    pusher = threading.Timer(0.05, lambda: buf.push_many([Sample(i, policy_version=1) for i in range(2)]))
+    pusher.start()
+    assert [x.id for x in buf.take_for(2, version=1, timeout=5.0)] == [0, 1]
+    pusher.join()
+    closer = threading.Timer(0.05, buf.close)
+    closer.start()
+    start = time.monotonic()
+    assert buf.take_for(1, version=1, timeout=30.0) == []            # woken by close, not by the deadline
+    assert time.monotonic() - start < 10
+    closer.join()
+    with pytest.raises(ValueError, match="n must be >= 1"):
+        buf.take_for(0, version=1, timeout=0.0)

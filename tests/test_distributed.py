@@ -55,8 +55,10 @@ def test_async_run_bounds_staleness_and_reconciles(ray_local, tmp_path):
 
 
 def test_stopping_mid_run_gives_the_prefetched_batch_back(ray_local, tmp_path):
-    """The trainer prefetches batch V + 1 while V trains; stopping must not count that batch as consumed."""
-    cfg = tiny_cfg(tmp_path, "trainer.total_steps=500", "runtime.max_staleness=2", "rollout.prompts_per_batch=8")
+    """The trainer prefetches batch V + 1 while V trains; stopping must not count that batch as consumed.
+    A rollout far faster than the trainer keeps the buffer stocked, so a batch is prefetched at the stop."""
+    cfg = tiny_cfg(tmp_path, "trainer.total_steps=500", "runtime.max_staleness=2", "rollout.prompts_per_batch=8",
+                   "rollout.engine=random", "rollout.random_tokens_per_s=1000000")
     assert cfg.runtime.prefetch
     with DistributedRun(cfg) as run:
         run.launch()
@@ -70,6 +72,7 @@ def test_stopping_mid_run_gives_the_prefetched_batch_back(ray_local, tmp_path):
         rec = run.reconcile(final)
     steps = final["step"]
     assert 5 <= steps < 500
+    assert final["buffer"]["given_back"] == cfg.trainer.prompts_per_step   # the prefetched batch went back
     assert rec["consumed"] == steps * cfg.trainer.prompts_per_step    # trained on, not merely taken
     assert rec["generated"] == rec["consumed"] + rec["evicted"] + rec["dropped"] + rec["buffered"] + rec["in_flight"]
     assert rec["in_flight"] >= 0
@@ -173,14 +176,23 @@ def test_experience_buffer_prefetch_take_and_give_back_keep_the_bound_and_the_ac
     got = unpack_groups(buf.take(2, timeout_s=0.1, for_version=4))   # for consumer version 4: version 2 is stale
     assert [g.policy_version for g in got] == [3, 3]
     assert all(4 - g.policy_version <= 1 for g in got)
-    assert buf.stats()["version"] == 4 and buf.stats()["evicted_stale"] == 1
-    buf.advance(3)                                                     # a later advance never moves it back
-    assert buf.stats()["version"] == 4
+    assert buf.stats()["version"] == 3 and buf.stats()["evicted_stale"] == 1   # asking ahead moves nothing
     assert buf.give_back(pack_groups(got)) == 2
     s = buf.stats()
-    assert (s["sampled"], s["size"]) == (0, 3)
+    assert (s["sampled"], s["size"], s["given_back"]) == (0, 3, 2)
     assert s["pushed"] == s["sampled"] + s["evicted_stale"] + s["dropped_overflow"] + s["size"]
     assert [g.prompt_id for g in unpack_groups(buf.take(3, timeout_s=0.1))] == [1, 2, 3]
+    buf.advance(5)
+    buf.advance(4)                                                     # reported out of order: never moves back
+    assert buf.stats()["version"] == 5
+
+    # tau = 0 and a step that does not count: the prefetch asked for V + 1, which never comes; the trainer
+    # takes for V again and finds V's data, because asking ahead did not make the buffer refuse it
+    strict = ExperienceBuffer(max_size=16, max_staleness=0, prompts_per_step=2, admission=False)
+    strict.set_version(3)
+    assert strict.take(2, timeout_s=0.05, for_version=4) == []
+    assert strict.push(pack_groups([make_experience(i, 3, [1.0, 0.0]) for i in range(2)])) == 2
+    assert [g.policy_version for g in unpack_groups(strict.take(2, timeout_s=0.1, for_version=3))] == [3, 3]
 
     admission = ExperienceBuffer(max_size=16, max_staleness=0, prompts_per_step=2)
     assert admission.try_admit(2) and not admission.try_admit(1)      # capacity (0 + 0 + 1) x 2 groups

@@ -5,6 +5,8 @@ Items are arbitrary objects (an `Experience`, a dict, ...); one pushed object co
 
 from __future__ import annotations
 
+import math
+import time
 from collections import deque
 from typing import Any, Iterable
 
@@ -213,20 +215,54 @@ class VersionedReplayBuffer(BoundedReplayBuffer, VersionWindow):
         """Set the consumer's policy version and evict the items it makes stale; returns how many."""
         with self._lock:
             self._version = int(version)
-            self._min_fresh = bound = self._fresh_bound()
+            self._min_fresh = self._fresh_bound()
+            return self._evict_below(self._min_fresh)
+
+    def take_for(self, n: int, version: int, timeout: float | None) -> list:
+        """Exactly `n` items fresh for consumer version `version` (v >= version - max_staleness), oldest
+        first, or [] if they are not there within `timeout` seconds (None or 0: do not wait; math.inf:
+        no deadline) or the buffer is closed.
+
+        Items too stale for `version` are evicted on the way (counted in evicted_stale), but the buffer's
+        own version is left as it is: a consumer that asks ahead, for the version its running step will
+        produce, changes nothing for pushes, and can still ask for its current version if that step
+        does not count (a skipped, non-finite step)."""
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        bound = float("-inf") if self._max_staleness is None else int(version) - self._max_staleness
+        deadline = None if timeout == math.inf else time.monotonic() + (timeout or 0.0)
+        with self._lock:
             queue = self._queue
-            if not queue:
-                self._min_version = float("inf")
-                return 0
-            if self._min_version >= bound:
-                return 0
-            versions = [read_version(item) for item in queue]
-            keep = [item for item, v in zip(queue, versions) if v >= bound]
-            evicted = len(queue) - len(keep)
-            queue.clear()
-            queue.extend(keep)  # same deque object: waiters hold no reference to a stale one
-            self._evicted_stale += evicted
-            self._min_version = min((v for v in versions if v >= bound), default=float("inf"))
+            while True:
+                self._evict_below(bound)
+                if len(queue) >= n:
+                    out = [queue.popleft() for _ in range(n)]
+                    self._sampled += n
+                    return out
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if self._closed or (remaining is not None and remaining <= 0):
+                    return []
+                self._waiters += 1
+                try:
+                    self._not_empty.wait(remaining)
+                finally:
+                    self._waiters -= 1
+
+    def _evict_below(self, bound: float) -> int:
+        """With the lock held: evict the queued items of version < bound; returns how many."""
+        queue = self._queue
+        if not queue:
+            self._min_version = float("inf")
+            return 0
+        if self._min_version >= bound:
+            return 0
+        versions = [read_version(item) for item in queue]
+        keep = [item for item, v in zip(queue, versions) if v >= bound]
+        evicted = len(queue) - len(keep)
+        queue.clear()
+        queue.extend(keep)  # same deque object: waiters hold no reference to a stale one
+        self._evicted_stale += evicted
+        self._min_version = min((v for v in versions if v >= bound), default=float("inf"))
         return evicted
 
     def clear(self) -> None:

@@ -168,6 +168,7 @@ class ExperienceBuffer:
         self.version = 0
         self.weights_version = 0
         self.samples_pushed = 0
+        self.given_back = 0
 
     def capacity(self) -> int:
         # Counted against the newest PUBLISHED weights (what new samples will be generated with), not the
@@ -218,30 +219,32 @@ class ExperienceBuffer:
     def take(self, n: int, timeout_s: float, for_version: Optional[int] = None) -> list[Experience]:
         """Exactly n groups, oldest first (packed: unpack_groups), or [] if they did not arrive within timeout_s.
 
-        for_version: the trainer version that will consume them, when the trainer prefetches the next
-        batch while it trains on the current one. The buffer moves to that version first (never back),
-        evicting what would be too stale for it, so every group taken satisfies the staleness bound at
-        the version that trains on it."""
-        if for_version is not None and int(for_version) > self.version:
-            self.set_version(for_version)
-        # one consumer (the trainer): nothing can take items between the wait and the sample
-        return pack_groups(self.buf.sample(n)) if self.buf.wait_for(n, timeout_s) else []
+        for_version: the trainer version that will consume them (default: the buffer's version). The
+        trainer prefetches the batch for V + 1 while step V trains; groups too stale for V + 1 are
+        evicted on the way, so every group taken satisfies the staleness bound at the version that
+        trains on it, while the buffer's own version stays V (pushes of V stay welcome, and a skipped
+        step can still take for V)."""
+        return pack_groups(self.buf.take_for(n, self.version if for_version is None else for_version, timeout_s))
 
     def give_back(self, groups: list) -> int:
         """Groups a take handed out that will not be trained on (the trainer stopped with a batch
         prefetched): back to the front of the buffer, uncounted from consumed. Returns how many went back."""
-        return self.buf.requeue(unpack_groups(groups))
+        back = self.buf.requeue(unpack_groups(groups))
+        self.given_back += len(groups)
+        return back
 
     def set_version(self, version: int) -> int:
-        """The consumer's version (never moves back: a prefetching take may already have moved it on)."""
-        self.version = max(self.version, int(version))
-        return self.buf.set_version(self.version)
+        """The consumer's version. Never moves back: the trainer's publish thread and a publish the flow
+        asked for may report versions out of order."""
+        with self.lock:
+            self.version = max(self.version, int(version))
+            return self.buf.set_version(self.version)
 
     def stats(self) -> dict:
         s = self.buf.stats()
         s.update({"admitted": self.admitted, "capacity": self.capacity(), "paused": self.paused,
                   "admission_window": self.admission_window,
-                  "samples_pushed": self.samples_pushed})
+                  "samples_pushed": self.samples_pushed, "given_back": self.given_back})
         return s
 
 
@@ -350,9 +353,10 @@ class RolloutActor:
 
         Round trips overlap where the order allows: the prompt request goes out beside the weights check,
         and the next batch's admission request goes out before this batch generates, so its answer is
-        waiting when generation ends. Admitting early is safe: capacity only grows as versions advance,
-        so a request granted now would be granted later, and the batch still loads the newest weights
-        when it starts."""
+        waiting when generation ends. The staleness bound does not rest on admission (the buffer evicts
+        and the trainer checks), and the batch still loads the newest weights when it starts; what an
+        early grant can cost is one batch generated after a pause or a narrowed admission window. A
+        grant the loop does not use is released when it ends."""
         self.stop_event.clear()
         self.loop_running = True
         n = self.cfg.rollout.prompts_per_batch
@@ -373,12 +377,20 @@ class RolloutActor:
                 admit_ref = self.buffer.try_admit.remote(n)
                 self.generate_once(n, wait=False, prompts_ref=prompts_ref)
             self.confirm_push()
-            if admit_ref is not None and get_or_fail(admit_ref, self.timeout, "admission from the replay buffer"):
-                # granted for a batch that will not be generated: return it, so the capacity stays exact
-                get_or_fail(self.buffer.release.remote(n), self.timeout, "the replay buffer to release an admission")
         finally:
             self.loop_running = False
+            if admit_ref is not None:
+                self._release_unused(admit_ref, n)
         return self.stats()
+
+    def _release_unused(self, admit_ref, n: int) -> None:
+        """Return a grant for a batch that will not be generated, so the capacity stays exact (best effort:
+        the loop may be ending because the buffer is unreachable)."""
+        try:
+            if get_or_fail(admit_ref, self.timeout, "admission from the replay buffer"):
+                get_or_fail(self.buffer.release.remote(n), self.timeout, "the replay buffer to release an admission")
+        except Exception as exc:
+            log.warning("rollout worker %d could not release an unused admission: %s", self.index, exc)
 
     def stop(self) -> None:
         self.stop_event.set()
@@ -507,8 +519,9 @@ class TrainerActor:
 
         Two helper threads keep the data plane off the trainer's critical path: with runtime.prefetch
         one takes (and unpacks) the batch for version V + 1 while step V trains, and one ships each
-        published snapshot and advances the buffer, in order, while the next step trains. A batch still
-        prefetched when the loop ends goes back to the buffer; every pending publish completes first.
+        published snapshot and advances the buffer, one at a time and in order, while the next step
+        trains. A batch still prefetched when the loop ends goes back to the buffer; the last publish
+        completes first.
         """
         from concurrent.futures import ThreadPoolExecutor
 
@@ -518,8 +531,10 @@ class TrainerActor:
         shipping: deque = deque()
 
         def ship(version, snapshot, published):
-            while shipping and shipping[0].done():
-                shipping.popleft().result()  # a failed publish or buffer update surfaces here
+            # one publish in flight: at most two snapshots exist (shipping, and this one), and a failed
+            # publish or buffer update surfaces here, a step later
+            while shipping:
+                shipping.popleft().result()
             shipping.append(shipper_pool.submit(self._ship, version, snapshot, published))
 
         try:
@@ -559,12 +574,14 @@ class TrainerActor:
                 log.warning("%s failed while the trainer loop was ending: %s", what, exc)
                 return None
 
-        while shipping:
-            attempt(shipping.popleft().result, "a weights publish")
-        groups = attempt(prefetched.result, "the prefetched take") if prefetched is not None else None
-        if groups:
-            attempt(lambda: get_or_fail(self.buffer.give_back.remote(pack_groups(groups)), self.timeout,
-                                        "the replay buffer to take back a prefetched batch"), "the give-back")
+        try:
+            while shipping:
+                attempt(shipping.popleft().result, "a weights publish")
+        finally:  # even when a publish failed: the accounting must still add up
+            groups = attempt(prefetched.result, "the prefetched take") if prefetched is not None else None
+            if groups:
+                attempt(lambda: get_or_fail(self.buffer.give_back.remote(pack_groups(groups)), self.timeout,
+                                            "the replay buffer to take back a prefetched batch"), "the give-back")
 
     def stop(self) -> None:
         self.stop_event.set()
