@@ -147,6 +147,9 @@ def mode_figures(result: dict, batches_per_step: float) -> dict:
         "rollout_denied_s_per_batch": w["idle_s"] / w["batches"] if w["batches"] else float("nan"),
         "rollout_other_s_per_batch": ((w["busy_s"] / w["busy_frac"] if w["busy_frac"] else wall) - w["busy_s"] - w["idle_s"])
         / w["batches"] if w["batches"] else float("nan"),
+        # ... and its parts the worker times itself: weight check + fetch + load, waiting for prompts,
+        # splitting into groups, packing + pushing (+ confirming the previous push)
+        "rollout_phase_s_per_batch": w.get("phase_s_per_batch", {}),
         "sync_stall_s": w["sync_stall_s_mean"],
         "stall_frac": w["sync_stall_s_mean"] / w["batch_s_mean"] if w["batch_s_mean"] else float("nan"),
         "syncs_loaded": w["syncs"],

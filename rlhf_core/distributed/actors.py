@@ -82,6 +82,13 @@ def pack_groups(groups: list[Experience]) -> list:
     return out
 
 
+def group_rows(group) -> int:
+    """Completions in a group, packed (pack_groups) or not."""
+    if isinstance(group, Experience):
+        return len(group)
+    return int(group["batch"]["response_ids"][1].shape[0])
+
+
 def unpack_groups(packed: list) -> list[Experience]:
     """Inverse of pack_groups. Tensors get their own writable memory (received arrays may be read-only)."""
 
@@ -209,11 +216,13 @@ class ExperienceBuffer:
         self.paused = bool(paused)
 
     def push(self, groups: list) -> int:
-        """Groups as pack_groups made them (or Experience objects)."""
+        """Groups as pack_groups made them (or Experience objects). They are stored as they come: the
+        buffer reads only policy_version, so a group crosses rollout -> buffer -> trainer without being
+        unpacked and packed again in between."""
         accepted = 0
-        for g in unpack_groups(groups):
+        for g in groups:
             accepted += bool(self.buf.push(g))
-            self.samples_pushed += len(g)
+            self.samples_pushed += group_rows(g)
         return accepted
 
     def take(self, n: int, timeout_s: float, for_version: Optional[int] = None) -> list[Experience]:
@@ -224,12 +233,12 @@ class ExperienceBuffer:
         evicted on the way, so every group taken satisfies the staleness bound at the version that
         trains on it, while the buffer's own version stays V (pushes of V stay welcome, and a skipped
         step can still take for V)."""
-        return pack_groups(self.buf.take_for(n, self.version if for_version is None else for_version, timeout_s))
+        return self.buf.take_for(n, self.version if for_version is None else for_version, timeout_s)
 
     def give_back(self, groups: list) -> int:
         """Groups a take handed out that will not be trained on (the trainer stopped with a batch
         prefetched): back to the front of the buffer, uncounted from consumed. Returns how many went back."""
-        back = self.buf.requeue(unpack_groups(groups))
+        back = self.buf.requeue(groups)
         self.given_back += len(groups)
         return back
 
@@ -300,7 +309,10 @@ class RolloutActor:
         self.timeout = cfg.runtime.wait_timeout_s
         self.syncs: list[dict] = []
         self.groups_pushed = 0
-        self.pending_push = None  # (ref, n_groups) of a push not yet confirmed (async loop only)
+        self.pending_push = None  # (future, n_groups) of a push not yet confirmed (async loop only)
+        self._push_pool = None  # the async loop's push thread, made on first use
+        # seconds outside generation, by phase (stats: per batch): where the rollout's cycle goes
+        self.phase_s = {"weights": 0.0, "prompts": 0.0, "split": 0.0, "push": 0.0}
         self.work_started: Optional[float] = None  # wall clock of the first batch: busy_frac's denominator
         self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
         self.loop_running = False
@@ -310,8 +322,10 @@ class RolloutActor:
 
     def maybe_load_weights(self) -> bool:
         """Between batches only: adopt the newest published weights if they are newer than ours."""
+        asked = time.perf_counter()
         found = get_or_fail(self.store.get_if_newer.remote(self.worker.version), self.timeout, "the weight store")
         if found is None:
+            self.phase_s["weights"] += time.perf_counter() - asked
             return False
         version, (ref,) = found
         start = time.perf_counter()
@@ -320,32 +334,50 @@ class RolloutActor:
         self.worker.load_weights(state_dict, version)
         done = time.perf_counter()
         self.syncs.append({"version": version, "fetch_s": fetched - start, "load_s": done - fetched, "stall_s": done - start})
+        self.phase_s["weights"] += done - asked
         return True
 
     def generate_once(self, n_prompts: int, wait: bool = True, prompts_ref=None) -> int:
         """Take n prompts, generate, push. Returns groups generated (sync mode calls this directly).
 
-        wait=False (the async loop) does not wait for the buffer to accept this push, only for the previous
-        one: at most one push is in flight, pushes stay in order, and a failed push surfaces a batch later.
+        wait=False (the async loop) packs and pushes on a helper thread and does not wait for the buffer to
+        accept this push, only for the previous one: at most one push is in flight, pushes stay in order,
+        and a failed push surfaces a batch later.
         prompts_ref: a prompt-queue request already sent (the async loop sends it beside the weights check).
         """
-        self.work_started = self.work_started or time.perf_counter()
+        t0 = time.perf_counter()
+        self.work_started = self.work_started or t0
         prompts = get_or_fail(prompts_ref or self.queue.get.remote(n_prompts), self.timeout, "prompts from the prompt queue")
+        t1 = time.perf_counter()
+        self.phase_s["prompts"] += t1 - t0
         if not prompts:
             return 0
+        busy_before = self.worker.busy_s
         groups = self.worker.generate_groups(prompts)
+        t2 = time.perf_counter()
+        self.phase_s["split"] += (t2 - t1) - (self.worker.busy_s - busy_before)  # what generate_groups adds to rollout()
         self.confirm_push()
-        self.pending_push = (self.buffer.push.remote(pack_groups(groups)), len(groups))
         if wait:
-            self.confirm_push()
+            self._push(groups)
+            self.groups_pushed += len(groups)
+        else:  # packing, serialising and the buffer's answer happen on the push thread, beside the next batch
+            if self._push_pool is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                self._push_pool = ThreadPoolExecutor(1, thread_name_prefix="rollout-push")
+            self.pending_push = (self._push_pool.submit(self._push, groups), len(groups))
+        self.phase_s["push"] += time.perf_counter() - t2
         return len(groups)
+
+    def _push(self, groups: list[Experience]) -> None:
+        get_or_fail(self.buffer.push.remote(pack_groups(groups)), self.timeout, "the replay buffer to accept a push")
 
     def confirm_push(self) -> None:
         """Wait for the push in flight, if any, and count its groups."""
         if self.pending_push is not None:
-            ref, n_groups = self.pending_push
+            future, n_groups = self.pending_push
             self.pending_push = None
-            get_or_fail(ref, self.timeout, "the replay buffer to accept a push")
+            future.result()  # a failed push surfaces here, a batch later
             self.groups_pushed += n_groups
 
     def run_loop(self) -> dict:
@@ -402,6 +434,7 @@ class RolloutActor:
                   "syncs": len(self.syncs), "sync_stall_s_mean": sum(stalls) / len(stalls) if stalls else 0.0,
                   "sync_stall_s_max": max(stalls) if stalls else 0.0,
                   "batch_s_mean": s["busy_s"] / s["batches"] if s["batches"] else 0.0,
+                  "phase_s_per_batch": {k: v / s["batches"] if s["batches"] else 0.0 for k, v in self.phase_s.items()},
                   "loop_running": self.loop_running, "busy_frac": busy_fraction(s["busy_s"], self.work_started)})
         return s
 
