@@ -117,8 +117,10 @@ class VersionWindow:
     _version: int
     _max_staleness: int | None
 
-    def _fresh_bound(self) -> float:
-        return float("-inf") if self._max_staleness is None else self._version - self._max_staleness
+    def _fresh_bound(self, version: int | None = None) -> float:
+        """The oldest fresh version for consumer `version` (default: the buffer's own)."""
+        version = self._version if version is None else version
+        return float("-inf") if self._max_staleness is None else version - self._max_staleness
 
     @property
     def version(self) -> int:

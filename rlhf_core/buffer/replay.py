@@ -5,8 +5,6 @@ Items are arbitrary objects (an `Experience`, a dict, ...); one pushed object co
 
 from __future__ import annotations
 
-import math
-import time
 from collections import deque
 from typing import Any, Iterable
 
@@ -229,24 +227,20 @@ class VersionedReplayBuffer(BoundedReplayBuffer, VersionWindow):
         does not count (a skipped, non-finite step)."""
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
-        bound = float("-inf") if self._max_staleness is None else int(version) - self._max_staleness
-        deadline = None if timeout == math.inf else time.monotonic() + (timeout or 0.0)
+        bound = self._fresh_bound(int(version))
+
+        def fresh() -> int:  # evicting as it counts, so stale arrivals never count towards n
+            self._evict_below(bound)
+            return len(self._queue)
+
         with self._lock:
+            self._wait_until(fresh, n, timeout)
+            if fresh() < n:
+                return []
             queue = self._queue
-            while True:
-                self._evict_below(bound)
-                if len(queue) >= n:
-                    out = [queue.popleft() for _ in range(n)]
-                    self._sampled += n
-                    return out
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if self._closed or (remaining is not None and remaining <= 0):
-                    return []
-                self._waiters += 1
-                try:
-                    self._not_empty.wait(remaining)
-                finally:
-                    self._waiters -= 1
+            out = [queue.popleft() for _ in range(n)]
+            self._sampled += n
+        return out
 
     def _evict_below(self, bound: float) -> int:
         """With the lock held: evict the queued items of version < bound; returns how many."""

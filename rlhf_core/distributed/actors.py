@@ -534,10 +534,7 @@ class TrainerActor:
             due = bool(m["trainer/step_finite"]) and version % self.cfg.runtime.sync_every == 0
             # copied now, under the lock: the next optimizer step changes the weights in place
             snapshot = self.trainer.state_dict_for_sync() if due else None
-        if shipper is None:
-            self._ship(version, snapshot, due)
-        else:
-            shipper(version, snapshot, due)
+        (shipper or self._ship)(version, snapshot, due)
         if due and self.last_publish_s is not None:
             m["sync/latency_s"] = self.last_publish_s  # in async mode: the latest publish that has completed
         t2 = time.perf_counter()
@@ -561,14 +558,15 @@ class TrainerActor:
         self.stop_event.clear()
         wait_s = 0.5
         nxt = None
-        shipping: deque = deque()
+        shipping = None  # the publish in flight, if any
 
         def ship(version, snapshot, published):
             # one publish in flight: at most two snapshots exist (shipping, and this one), and a failed
             # publish or buffer update surfaces here, a step later
-            while shipping:
-                shipping.popleft().result()
-            shipping.append(shipper_pool.submit(self._ship, version, snapshot, published))
+            nonlocal shipping
+            if shipping is not None:
+                shipping.result()
+            shipping = shipper_pool.submit(self._ship, version, snapshot, published)
 
         try:
             with ThreadPoolExecutor(1, thread_name_prefix="trainer-prefetch") as take_pool, \
@@ -595,8 +593,8 @@ class TrainerActor:
             raise
         return self.stats()
 
-    def _settle(self, shipping: deque, prefetched, quiet: bool) -> None:
-        """When the loop ends: wait for every pending publish, then return a prefetched, untrained batch
+    def _settle(self, shipping, prefetched, quiet: bool) -> None:
+        """When the loop ends: wait for the publish in flight, then return a prefetched, untrained batch
         to the buffer so that the accounting still adds up. quiet: log failures instead of raising them."""
         def attempt(fn, what: str):
             try:
@@ -608,8 +606,8 @@ class TrainerActor:
                 return None
 
         try:
-            while shipping:
-                attempt(shipping.popleft().result, "a weights publish")
+            if shipping is not None:
+                attempt(shipping.result, "a weights publish")
         finally:  # even when a publish failed: the accounting must still add up
             groups = attempt(prefetched.result, "the prefetched take") if prefetched is not None else None
             if groups:
