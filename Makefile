@@ -1,12 +1,15 @@
 # Entry points for a newcomer: `make test` and `make train`. Each creates .venv on first use and
 # installs what it needs. On a machine without an NVIDIA GPU, torch==2.13.0 (the CPU build) is installed
 # first so that pip does not pull a multi-GB CUDA build; with a GPU, pip resolves torch the normal way.
+# Every install is constrained by requirements.lock (the versions the tests passed with; `make lock`
+# rewrites it from .venv). Its lines apply to the Python it was made with; on another, pip resolves freely.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+LOCK := requirements.lock
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml $(LOCK) 2>/dev/null | cksum | cut -d' ' -f1)
 
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export RAY_USAGE_STATS_ENABLED := 0
@@ -16,23 +19,42 @@ export TOKENIZERS_PARALLELISM := false
 export MLFLOW_DISABLE_TELEMETRY := true
 export DO_NOT_TRACK := 1
 
-.PHONY: install test train bench clean
+.PHONY: install test test-fast lint lock train bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 
-$(STAMP): $(PY) pyproject.toml
+$(STAMP): $(PY) pyproject.toml $(LOCK)
 ifneq ($(HAS_GPU),1)
-	$(PIP) install --quiet torch==2.13.0
+	$(PIP) install --quiet -c $(LOCK) torch==2.13.0
 endif
-	$(PIP) install --quiet -e ".[test]"
+	$(PIP) install --quiet -c $(LOCK) -e ".[test]"
 	@rm -f $(VENV)/.installed-* && touch $(STAMP)
 
 install: $(STAMP)
 
 test: install
 	$(PY) -m pytest -q
+
+# The unit tests: everything not marked `slow` (no Ray cluster, Prefect server or long training runs).
+test-fast: install
+	$(PY) -m pytest -q -m "not slow"
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+# Freeze .venv as it is (run after `make test` passed) into requirements.lock. The torch pin drops its local
+# version (+cpu) so that a GPU machine gets the CUDA build of the same release; every line is marked with
+# this Python's version. To upgrade: `$(PIP) install -U <pkg>` in .venv, `make test`, then `make lock`.
+lock: $(PY)
+	@pyver=$$($(PY) -c 'import sys; print("%d.%d" % sys.version_info[:2])'); \
+	{ echo "# Constraints for \`make install\`: \`make lock\` wrote this from $(VENV) (Python $$pyver, $$(uname -sm))."; \
+	  echo "# Lines apply only on Python $$pyver; elsewhere pip resolves pyproject.toml's ranges freely."; \
+	  $(PIP) freeze --exclude-editable | sed -E -e 's/^(torch==[^+ ]+)\+[^ ]*/\1/' \
+	    -e "s/\$$/ ; python_version == \"$$pyver\"/"; } > $(LOCK).tmp && mv $(LOCK).tmp $(LOCK)
+	@echo "wrote $(LOCK) ($$(grep -vc '^#' $(LOCK)) packages)"
 
 train: install
 	$(VENV)/bin/atrlhf train --config configs/tiny.yaml $(ARGS)

@@ -62,16 +62,18 @@ def single_threaded(n: int, repeats: int) -> dict[str, float]:
             for item in items:
                 push(item)
                 sample(1)
+
         return n / best_of(repeats, run)
 
     def batched(buffer_factory, k=256):
-        chunks = [items[i:i + k] for i in range(0, n, k)]
+        chunks = [items[i : i + k] for i in range(0, n, k)]
 
         def run():
             buf = buffer_factory()
             for chunk in chunks:
                 buf.push_many(chunk)
                 buf.sample(k)
+
         return n / best_of(repeats, run)
 
     def grouped(groups_per_sample):
@@ -81,10 +83,11 @@ def single_threaded(n: int, repeats: int) -> dict[str, float]:
             buf = GroupAwareReplayBuffer(GROUP_SIZE, max_size=n + block)
             push, sample = buf.push, buf.sample
             for start in range(0, n, block):
-                for item in items[start:start + block]:
+                for item in items[start : start + block]:
                     push(item)
                 for _ in range(8 // groups_per_sample):
                     sample(groups_per_sample)
+
         return n / best_of(repeats, run)
 
     out["bounded_pairs_per_s"] = pairs(lambda: BoundedReplayBuffer(1024))
@@ -101,7 +104,7 @@ def threaded(buffer, n: int, producers: int = 8, consumers: int = 2, groups: boo
     items = make_items(n)
     shares = [items[i::producers] for i in range(producers)]
     if groups:  # keep each prompt's G completions with one producer, still interleaved
-        by_block = [items[i:i + 8 * GROUP_SIZE] for i in range(0, n, 8 * GROUP_SIZE)]
+        by_block = [items[i : i + 8 * GROUP_SIZE] for i in range(0, n, 8 * GROUP_SIZE)]
         shares = [[it for block in by_block[p::producers] for it in block] for p in range(producers)]
     consumed = [0] * consumers
     done_producing = threading.Event()

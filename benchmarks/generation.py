@@ -59,6 +59,7 @@ from rlhf_core.data.prompts import PromptBatch  # noqa: E402
 from rlhf_core.rollout import HFEngine, SamplingParams  # noqa: E402
 from rlhf_core.trainer import Trainer, sequence_logprobs  # noqa: E402
 from rlhf_core.types import PackedPatterns, RolloutBatch  # noqa: E402
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/machine.py, also when imported
 from machine import cpu_model  # noqa: E402
 
@@ -78,10 +79,20 @@ def build_model(spec: dict):
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    config = LlamaConfig(vocab_size=spec["vocab"], hidden_size=spec["hidden"], intermediate_size=spec["intermediate"],
-                         num_hidden_layers=spec["layers"], num_attention_heads=spec["heads"],
-                         num_key_value_heads=spec["heads"], max_position_embeddings=512, tie_word_embeddings=True,
-                         bos_token_id=BOS, eos_token_id=None, pad_token_id=PAD, rms_norm_eps=1e-6)
+    config = LlamaConfig(
+        vocab_size=spec["vocab"],
+        hidden_size=spec["hidden"],
+        intermediate_size=spec["intermediate"],
+        num_hidden_layers=spec["layers"],
+        num_attention_heads=spec["heads"],
+        num_key_value_heads=spec["heads"],
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        bos_token_id=BOS,
+        eos_token_id=None,
+        pad_token_id=PAD,
+        rms_norm_eps=1e-6,
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = LlamaForCausalLM(config).eval()
@@ -110,9 +121,18 @@ def bench_generation(model, spec: dict, n: int, T: int, rounds: int, budget_s: f
     attention_mask = prompts.prompt_mask.long()
 
     def hf_generate():
-        return model.generate(input_ids=prompts.prompt_ids, attention_mask=attention_mask, do_sample=True,
-                              max_new_tokens=T, min_new_tokens=0, top_k=0, top_p=1.0, temperature=1.0,
-                              pad_token_id=PAD, eos_token_id=None)
+        return model.generate(
+            input_ids=prompts.prompt_ids,
+            attention_mask=attention_mask,
+            do_sample=True,
+            max_new_tokens=T,
+            min_new_tokens=0,
+            top_k=0,
+            top_p=1.0,
+            temperature=1.0,
+            pad_token_id=PAD,
+            eos_token_id=None,
+        )
 
     def hfengine():
         return engine.generate(prompts, 1, sampling)
@@ -120,8 +140,10 @@ def bench_generation(model, spec: dict, n: int, T: int, rounds: int, budget_s: f
     with torch.no_grad():  # warm-up, and the equal-length check
         ref_len = hf_generate().shape[1] - PROMPT_LEN
         ours = hfengine()
-    assert ref_len == T and ours.response_ids.shape == (n, T) and int(ours.response_lengths.min()) == T, \
-        (ref_len, tuple(ours.response_ids.shape))
+    assert ref_len == T and ours.response_ids.shape == (n, T) and int(ours.response_lengths.min()) == T, (
+        ref_len,
+        tuple(ours.response_ids.shape),
+    )
     wall = {"hf_generate": [], "hfengine": []}
     cpu = {"hf_generate": [], "hfengine": []}
     start = time.perf_counter()
@@ -129,7 +151,7 @@ def bench_generation(model, spec: dict, n: int, T: int, rounds: int, budget_s: f
         if r >= 3 and time.perf_counter() - start > budget_s:
             break
         order = [("hf_generate", hf_generate), ("hfengine", hfengine)]
-        for name, fn in (order if r % 2 == 0 else order[::-1]):
+        for name, fn in order if r % 2 == 0 else order[::-1]:
             c0, t0 = time.process_time(), time.perf_counter()
             with torch.no_grad():
                 fn()
@@ -152,20 +174,34 @@ def bench_trainer(model, spec: dict, n: int, T: int, rounds: int) -> dict:
     import copy
 
     model = copy.deepcopy(model)
-    cfg = load_config(None, [f"rollout.samples_per_prompt={GROUP}", f"trainer.prompts_per_step={n // GROUP}",
-                             f"rollout.max_new_tokens={T}", "trainer.micro_batch_size=64", "algorithm.loss=grpo",
-                             "trainer.lr=1e-5"])
+    cfg = load_config(
+        None,
+        [
+            f"rollout.samples_per_prompt={GROUP}",
+            f"trainer.prompts_per_step={n // GROUP}",
+            f"rollout.max_new_tokens={T}",
+            "trainer.micro_batch_size=64",
+            "algorithm.loss=grpo",
+            "trainer.lr=1e-5",
+        ],
+    )
     prompts = make_prompts(n, spec["vocab"], seed=n + 1)
     g = torch.Generator().manual_seed(n + 2)
     response = torch.randint(3, spec["vocab"], (n, T), generator=g)
     response_mask = torch.ones((n, T), dtype=torch.bool)
     with torch.no_grad():
         behavior, _ = sequence_logprobs(model, prompts.prompt_ids, prompts.prompt_mask, response, response_mask)
-    batch = RolloutBatch(prompt_ids=prompts.prompt_ids, prompt_mask=prompts.prompt_mask, response_ids=response,
-                         response_mask=response_mask, behavior_logprobs=behavior,
-                         response_lengths=response_mask.sum(-1), group_ids=torch.arange(n) // GROUP,
-                         policy_version=torch.zeros(n, dtype=torch.long),
-                         rewards=torch.randint(0, 2, (n,), generator=g).float())
+    batch = RolloutBatch(
+        prompt_ids=prompts.prompt_ids,
+        prompt_mask=prompts.prompt_mask,
+        response_ids=response,
+        response_mask=response_mask,
+        behavior_logprobs=behavior,
+        response_lengths=response_mask.sum(-1),
+        group_ids=torch.arange(n) // GROUP,
+        policy_version=torch.zeros(n, dtype=torch.long),
+        rewards=torch.randint(0, 2, (n,), generator=g).float(),
+    )
     trainer = Trainer(model, cfg, pad_token_id=PAD)
     trainer.train_step(batch)  # warm-up
     times = []
@@ -175,8 +211,15 @@ def bench_trainer(model, spec: dict, n: int, T: int, rounds: int) -> dict:
         times.append(time.perf_counter() - t0)
     assert metrics["trainer/step_finite"] == 1.0
     tokens = n * T
-    return {"N": n, "T": T, "tokens": tokens, "step_s": min(times), "step_median_s": statistics.median(times),
-            "tokens_per_s": tokens / min(times), "samples_per_s": n / min(times)}
+    return {
+        "N": n,
+        "T": T,
+        "tokens": tokens,
+        "step_s": min(times),
+        "step_median_s": statistics.median(times),
+        "tokens_per_s": tokens / min(times),
+        "samples_per_s": n / min(times),
+    }
 
 
 def run(quick: bool, threads: str = "1,default") -> dict:
@@ -196,12 +239,19 @@ def run(quick: bool, threads: str = "1,default") -> dict:
         for threads in thread_counts:
             torch.set_num_threads(threads)
             for n in gen_sizes:
-                generation.append({"model": name, "params": params, "threads": threads,
-                                   **bench_generation(model, spec, n, T, rounds)})
+                generation.append(
+                    {"model": name, "params": params, "threads": threads, **bench_generation(model, spec, n, T, rounds)}
+                )
                 _progress(f"generation {name} threads={threads} N={n}: overhead {generation[-1]['overhead']:+.1%}")
             for n in train_sizes:
-                training.append({"model": name, "params": params, "threads": threads,
-                                 **bench_trainer(model, spec, n, T, 2 if quick else 3)})
+                training.append(
+                    {
+                        "model": name,
+                        "params": params,
+                        "threads": threads,
+                        **bench_trainer(model, spec, n, T, 2 if quick else 3),
+                    }
+                )
                 _progress(f"trainer {name} threads={threads} N={n}: {training[-1]['tokens_per_s']:,.0f} tokens/s")
     torch.set_num_threads(default_threads)
     # The target is judged on single-thread rows by CPU time (best of the rounds): on a shared machine
@@ -216,17 +266,27 @@ def run(quick: bool, threads: str = "1,default") -> dict:
     return {
         "benchmark": "generation",
         "date": date.today().isoformat(),
-        "machine": {"cpu": cpu_model(), "cpus": os.cpu_count(), "default_threads": default_threads,
-                    "torch": torch.__version__, "transformers": _transformers_version(),
-                    "python": platform.python_version(), "loadavg_1min": load},
+        "machine": {
+            "cpu": cpu_model(),
+            "cpus": os.cpu_count(),
+            "default_threads": default_threads,
+            "torch": torch.__version__,
+            "transformers": _transformers_version(),
+            "python": platform.python_version(),
+            "loadavg_1min": load,
+        },
         "quick": quick,
         "prompt_len": PROMPT_LEN,
         "models": MODELS,
         "generation": generation,
         "trainer": training,
-        "targets": {"hfengine_overhead_max": TARGET_OVERHEAD, "judged_on": "threads=1 rows, CPU time, best of rounds",
-                    "worst_overhead": worst, "worst_overhead_wall": worst_wall,
-                    "met": None if worst is None else worst <= TARGET_OVERHEAD},
+        "targets": {
+            "hfengine_overhead_max": TARGET_OVERHEAD,
+            "judged_on": "threads=1 rows, CPU time, best of rounds",
+            "worst_overhead": worst,
+            "worst_overhead_wall": worst_wall,
+            "met": None if worst is None else worst <= TARGET_OVERHEAD,
+        },
     }
 
 
@@ -242,37 +302,50 @@ def _transformers_version() -> str:
 
 def print_table(report: dict) -> None:
     m = report["machine"]
-    print(f"generation and training throughput, {m['cpu']}, {m['cpus']} CPUs, torch {m['torch']}, transformers "
-          f"{m['transformers']}{' (quick)' if report['quick'] else ''}; best of rounds")
-    head = (f"{'model':<12} {'thr':>3} {'N':>4} {'T':>3} | {'generate tok/s':>14} {'HFEngine tok/s':>14} | "
-            f"{'overhead':>8} {'(median)':>8} {'(CPU)':>8}")
+    print(
+        f"generation and training throughput, {m['cpu']}, {m['cpus']} CPUs, torch {m['torch']}, transformers "
+        f"{m['transformers']}{' (quick)' if report['quick'] else ''}; best of rounds"
+    )
+    head = (
+        f"{'model':<12} {'thr':>3} {'N':>4} {'T':>3} | {'generate tok/s':>14} {'HFEngine tok/s':>14} | "
+        f"{'overhead':>8} {'(median)':>8} {'(CPU)':>8}"
+    )
     print(head)
     print("-" * len(head))
     for r in report["generation"]:
-        print(f"{r['model']:<12} {r['threads']:>3} {r['N']:>4} {r['T']:>3} | {r['hf_generate_tokens_per_s']:>14,.0f} "
-              f"{r['hfengine_tokens_per_s']:>14,.0f} | {r['overhead']:>+8.1%} {r['overhead_median']:>+8.1%} "
-              f"{r['overhead_cpu']:>+8.1%}")
+        print(
+            f"{r['model']:<12} {r['threads']:>3} {r['N']:>4} {r['T']:>3} | {r['hf_generate_tokens_per_s']:>14,.0f} "
+            f"{r['hfengine_tokens_per_s']:>14,.0f} | {r['overhead']:>+8.1%} {r['overhead_median']:>+8.1%} "
+            f"{r['overhead_cpu']:>+8.1%}"
+        )
     print()
     head = f"{'model':<12} {'thr':>3} {'N':>4} {'T':>3} | {'step s':>7} {'tokens/s':>10} {'samples/s':>9}"
     print(head)
     print("-" * len(head))
     for r in report["trainer"]:
-        print(f"{r['model']:<12} {r['threads']:>3} {r['N']:>4} {r['T']:>3} | {r['step_s']:>7.3f} "
-              f"{r['tokens_per_s']:>10,.0f} {r['samples_per_s']:>9.1f}")
+        print(
+            f"{r['model']:<12} {r['threads']:>3} {r['N']:>4} {r['T']:>3} | {r['step_s']:>7.3f} "
+            f"{r['tokens_per_s']:>10,.0f} {r['samples_per_s']:>9.1f}"
+        )
     t = report["targets"]
     if t["met"] is None:
         print("\ntarget: judged on threads=1 rows only; none were run (--threads)")
         return
-    print(f"\ntarget: HFEngine within {t['hfengine_overhead_max']:.0%} of generate() ({t['judged_on']}); worst "
-          f"{t['worst_overhead']:+.1%} (wall {t['worst_overhead_wall']:+.1%}): {'met' if t['met'] else 'NOT met'}")
+    print(
+        f"\ntarget: HFEngine within {t['hfengine_overhead_max']:.0%} of generate() ({t['judged_on']}); worst "
+        f"{t['worst_overhead']:+.1%} (wall {t['worst_overhead_wall']:+.1%}): {'met' if t['met'] else 'NOT met'}"
+    )
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object of all figures, nothing else")
     parser.add_argument("--quick", action="store_true", help="smaller batches, fewer rounds")
-    parser.add_argument("--threads", default="1,default",
-                        help="comma-separated torch thread counts; 'default' = torch's default (%(default)s)")
+    parser.add_argument(
+        "--threads",
+        default="1,default",
+        help="comma-separated torch thread counts; 'default' = torch's default (%(default)s)",
+    )
     args = parser.parse_args(argv)
     # anything a library prints while we work goes to stderr, so that --json stdout is exactly one object
     with contextlib.redirect_stdout(sys.stderr if args.json else sys.stdout):

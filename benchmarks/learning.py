@@ -1,8 +1,8 @@
 """Does the embedded default learn? Held-out accuracy curves of the single-process loop per loss.
 
 Runs `rlhf_core.loop.run_sync` on configs/tiny.yaml (tiny Llama, "max of three digits", CPU) for each
-loss and records held-out greedy accuracy every --eval-every steps, with wall-clock time. Target (issue
-3): each loss from <= 0.3 at the start to >= 0.9, within 3 minutes on a 2-core machine.
+loss and records held-out greedy accuracy every --eval-every steps, with wall-clock time. Target: each
+loss from <= 0.3 at the start to >= 0.9, within 3 minutes on a 2-core machine.
 
     python benchmarks/learning.py                 # grpo and m2po, table
     python benchmarks/learning.py --json          # one JSON object
@@ -27,9 +27,17 @@ def run_one(loss: str, steps: int, eval_every: int, overrides: list[str]) -> dic
     from rlhf_core.loop import run_sync
 
     with tempfile.TemporaryDirectory() as out:
-        cfg = load_config("configs/tiny.yaml", [f"algorithm.loss={loss}", f"trainer.total_steps={steps}",
-                                                f"tracking.eval_every={eval_every}", "tracking.checkpoint_every=0",
-                                                f"run.output_dir={out}", *overrides])
+        cfg = load_config(
+            "configs/tiny.yaml",
+            [
+                f"algorithm.loss={loss}",
+                f"trainer.total_steps={steps}",
+                f"tracking.eval_every={eval_every}",
+                "tracking.checkpoint_every=0",
+                f"run.output_dir={out}",
+                *overrides,
+            ],
+        )
         start = time.perf_counter()
         curve: list[tuple[int, float, float]] = []
 
@@ -39,10 +47,21 @@ def run_one(loss: str, steps: int, eval_every: int, overrides: list[str]) -> dic
 
         result = run_sync(cfg, on_step=on_step)
         wall = time.perf_counter() - start
-    curve = [(0, round(result["eval/accuracy_start"], 3), 0.0)] + curve + [(steps, round(result["eval/accuracy"], 3), round(wall, 1))]
+    curve = (
+        [(0, round(result["eval/accuracy_start"], 3), 0.0)]
+        + curve
+        + [(steps, round(result["eval/accuracy"], 3), round(wall, 1))]
+    )
     reached = next((t for s, a, t in curve if a >= 0.9), None)
-    return {"loss": loss, "steps": steps, "accuracy_start": result["eval/accuracy_start"],
-            "accuracy_final": result["eval/accuracy"], "wall_s": round(wall, 1), "seconds_to_0.9": reached, "curve": curve}
+    return {
+        "loss": loss,
+        "steps": steps,
+        "accuracy_start": result["eval/accuracy_start"],
+        "accuracy_final": result["eval/accuracy"],
+        "wall_s": round(wall, 1),
+        "seconds_to_0.9": reached,
+        "curve": curve,
+    }
 
 
 def main() -> None:
@@ -62,8 +81,10 @@ def main() -> None:
         return
     print(f"{'loss':6} {'acc start':>9} {'acc final':>9} {'wall s':>7} {'s to 0.9':>8}  curve (step, acc, s)")
     for r in results:
-        print(f"{r['loss']:6} {r['accuracy_start']:9.3f} {r['accuracy_final']:9.3f} {r['wall_s']:7.1f} "
-              f"{str(r['seconds_to_0.9']):>8}  {r['curve']}")
+        print(
+            f"{r['loss']:6} {r['accuracy_start']:9.3f} {r['accuracy_final']:9.3f} {r['wall_s']:7.1f} "
+            f"{str(r['seconds_to_0.9']):>8}  {r['curve']}"
+        )
     print(f"(load average {os.getloadavg()[0]:.1f})", file=sys.stderr)
 
 

@@ -25,6 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rlhf_core.algorithms import compute_grpo_loss, compute_m2po_loss, compute_ppo_loss  # noqa: E402
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/machine.py, also when imported
 from machine import cpu_model  # noqa: E402
 
@@ -39,7 +40,7 @@ LOSSES = {
 def make_inputs(B: int, L: int, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     logprobs = -torch.rand(B, L, generator=g) * 3
-    old = logprobs + 0.2 * torch.randn(B, L, generator=g)      # a few versions stale
+    old = logprobs + 0.2 * torch.randn(B, L, generator=g)  # a few versions stale
     ref = logprobs + 0.3 * torch.randn(B, L, generator=g)
     adv = torch.randn(B, generator=g)
     lengths = torch.randint(L // 2, L + 1, (B,), generator=g)
@@ -71,12 +72,22 @@ def run(B: int, L: int, reps: int, warmup: int) -> dict:
         for name, fn in LOSSES.items():
             sec = time_loss(fn, inputs, reps, warmup)
             results[f"{name}/threads={threads}"] = {
-                "loss": name, "threads": threads, "ms_per_call": sec * 1e3, "tokens_per_s": B * L / sec,
+                "loss": name,
+                "threads": threads,
+                "ms_per_call": sec * 1e3,
+                "tokens_per_s": B * L / sec,
             }
     torch.set_num_threads(default_threads)
     return {
-        "benchmark": "losses", "B": B, "L": L, "dtype": "float32", "device": "cpu", "reps": reps,
-        "torch": torch.__version__, "cpu": cpu_model(), "default_threads": default_threads,
+        "benchmark": "losses",
+        "B": B,
+        "L": L,
+        "dtype": "float32",
+        "device": "cpu",
+        "reps": reps,
+        "torch": torch.__version__,
+        "cpu": cpu_model(),
+        "default_threads": default_threads,
         "loadavg_1min": os.getloadavg()[0],  # other work on the machine skews the multi-thread rows
         "results": results,
     }
@@ -95,8 +106,10 @@ def main() -> None:
     if args.json:
         print(json.dumps(out))
         return
-    print(f"policy loss forward+backward, B={out['B']} L={out['L']} float32 CPU ({out['cpu']}), "
-          f"torch {out['torch']}, median of {reps}, load average {out['loadavg_1min']:.2f}")
+    print(
+        f"policy loss forward+backward, B={out['B']} L={out['L']} float32 CPU ({out['cpu']}), "
+        f"torch {out['torch']}, median of {reps}, load average {out['loadavg_1min']:.2f}"
+    )
     print(f"{'loss':<20} {'threads':>7} {'ms/call':>9} {'tokens/s':>12}")
     for r in out["results"].values():
         print(f"{r['loss']:<20} {r['threads']:>7} {r['ms_per_call']:>9.3f} {r['tokens_per_s']:>12,.0f}")

@@ -57,21 +57,27 @@ def loadavg() -> list[float]:
 def pipeline_config(args, mode: str, tokens_per_s: float, output_dir: str):
     from rlhf_core.config import load_config
 
-    return load_config(ROOT / "configs" / "tiny.yaml", [
-        f"runtime.mode={mode}",
-        f"runtime.max_staleness={args.max_staleness}",
-        "rollout.engine=random",
-        f"rollout.random_tokens_per_s={tokens_per_s}",
-        "rollout.num_workers=1",
-        f"rollout.prompts_per_batch={args.prompts_per_step}",
-        f"trainer.prompts_per_step={args.prompts_per_step}",
-        f"rollout.max_new_tokens={args.max_new_tokens}",
-        f"trainer.total_steps={args.steps}",
-        "cluster.num_cpus=2", "cluster.rollout_cpus=1", "cluster.trainer_cpus=1", "cluster.torch_threads=1",
-        "data.eval_size=32",
-        f"run.output_dir={output_dir}",
-        f"runtime.prefetch={'false' if args.no_prefetch else 'true'}",
-    ])
+    return load_config(
+        ROOT / "configs" / "tiny.yaml",
+        [
+            f"runtime.mode={mode}",
+            f"runtime.max_staleness={args.max_staleness}",
+            "rollout.engine=random",
+            f"rollout.random_tokens_per_s={tokens_per_s}",
+            "rollout.num_workers=1",
+            f"rollout.prompts_per_batch={args.prompts_per_step}",
+            f"trainer.prompts_per_step={args.prompts_per_step}",
+            f"rollout.max_new_tokens={args.max_new_tokens}",
+            f"trainer.total_steps={args.steps}",
+            "cluster.num_cpus=2",
+            "cluster.rollout_cpus=1",
+            "cluster.trainer_cpus=1",
+            "cluster.torch_threads=1",
+            "data.eval_size=32",
+            f"run.output_dir={output_dir}",
+            f"runtime.prefetch={'false' if args.no_prefetch else 'true'}",
+        ],
+    )
 
 
 def calibrate(cfg, repeats: int = 12) -> dict:
@@ -98,8 +104,11 @@ def calibrate(cfg, repeats: int = 12) -> dict:
     finally:
         torch.set_num_threads(threads)
     train_s = statistics.median(times)
-    return {"calib_train_s": train_s, "calib_tokens_per_step": statistics.mean(tokens),
-            "tokens_per_s": statistics.mean(tokens) / train_s}
+    return {
+        "calib_train_s": train_s,
+        "calib_tokens_per_step": statistics.mean(tokens),
+        "tokens_per_s": statistics.mean(tokens) / train_s,
+    }
 
 
 # --------------------------------------------------------------------------------------------- part 1
@@ -145,8 +154,12 @@ def mode_figures(result: dict, batches_per_step: float) -> dict:
         # the rollout's cycle outside generation: denied admission, and everything else (weight checks,
         # prompt and push round trips, packing), per batch, over the worker's time since its first batch
         "rollout_denied_s_per_batch": w["idle_s"] / w["batches"] if w["batches"] else float("nan"),
-        "rollout_other_s_per_batch": ((w["busy_s"] / w["busy_frac"] if w["busy_frac"] else wall) - w["busy_s"] - w["idle_s"])
-        / w["batches"] if w["batches"] else float("nan"),
+        "rollout_other_s_per_batch": (
+            (w["busy_s"] / w["busy_frac"] if w["busy_frac"] else wall) - w["busy_s"] - w["idle_s"]
+        )
+        / w["batches"]
+        if w["batches"]
+        else float("nan"),
         # ... and its parts the worker times itself: weight check + fetch + load, waiting for prompts,
         # splitting into groups, packing + pushing (+ confirming the previous push)
         "rollout_phase_s_per_batch": w.get("phase_s_per_batch", {}),
@@ -173,11 +186,19 @@ def pipeline(args, output_dir: str) -> dict:
 
         calib = ray.get(ray.remote(num_cpus=1)(calibrate).remote(base))
     tps = round(calib["tokens_per_s"], 1)
-    out = {"config": {"steps": args.steps, "prompts_per_step": args.prompts_per_step,
-                      "samples_per_prompt": base.rollout.samples_per_prompt,
-                      "max_new_tokens": args.max_new_tokens, "max_staleness": args.max_staleness,
-                      "random_tokens_per_s": tps, "poll_interval_s": args.poll_s},
-           **{k: v for k, v in calib.items() if k != "tokens_per_s"}}
+    out = {
+        "config": {
+            "steps": args.steps,
+            "prompts_per_step": args.prompts_per_step,
+            "samples_per_prompt": base.rollout.samples_per_prompt,
+            "max_new_tokens": args.max_new_tokens,
+            "max_staleness": args.max_staleness,
+            "random_tokens_per_s": tps,
+            "poll_interval_s": args.poll_s,
+        },
+        **{k: v for k, v in calib.items() if k != "tokens_per_s"},
+    }
+
     def measure(mode: str) -> dict:
         return mode_figures(run_mode(pipeline_config(args, mode, tps, output_dir), args.poll_s), batches_per_step=1.0)
 
@@ -188,35 +209,42 @@ def pipeline(args, output_dir: str) -> dict:
     t_roll, t_train = s["rollout_s_per_step"], s["train_s_per_step"]
     ideal = (t_roll + t_train) / max(t_roll, t_train)
     speedup = s["wall_s"] / a["wall_s"]
-    out.update({
-        "sync": s, "async": a,
-        "sync_rollout_s_per_step": t_roll,
-        "sync_train_s_per_step": t_train,
-        "sync_overhead_s_per_step": s["wall_s"] / s["steps"] - t_roll - t_train,
-        "speedup": speedup,
-        "ideal_speedup": ideal,
-        "async_efficiency": speedup / ideal,
-        # against a sync loop with no per-step overhead (phases back to back): the stricter comparison
-        "async_efficiency_vs_phases": (s["steps"] * (t_roll + t_train)) / a["wall_s"] / ideal,
-        # the async run against its own bottleneck: steps x max(T_rollout, T_train) / wall (load drift cancels)
-        "async_pipeline_efficiency": a["steps"] * max(a["rollout_s_per_step"], a["train_s_per_step"]) / a["wall_s"],
-        "async_busy_rollout": a["busy_rollout"],
-        "async_busy_trainer": a["busy_trainer"],
-        "async_busy_rollout_wall": a["busy_rollout_wall"],
-        "async_busy_trainer_wall": a["busy_trainer_wall"],
-        # what the async run's own phase times allow: the faster role waits for the slower one
-        "async_achievable_busy_rollout": a["rollout_s_per_step"] / max(a["rollout_s_per_step"], a["train_s_per_step"]),
-        "async_achievable_busy_trainer": a["train_s_per_step"] / max(a["rollout_s_per_step"], a["train_s_per_step"]),
-        "bubble_rollout": 1 - a["busy_rollout"],
-        "bubble_trainer": 1 - a["busy_trainer"],
-        "evicted_frac": a["evicted_frac"],
-        "staleness_hist": a["staleness_hist"],
-        "max_staleness_observed": a["max_staleness_observed"],
-        "sync_latency_s": a["sync_latency_s"],
-        "stall_frac": a["stall_frac"],
-        "samples_per_s_sync": s["samples_per_s"], "samples_per_s_async": a["samples_per_s"],
-        "tokens_per_s_sync": s["tokens_per_s"], "tokens_per_s_async": a["tokens_per_s"],
-    })
+    out.update(
+        {
+            "sync": s,
+            "async": a,
+            "sync_rollout_s_per_step": t_roll,
+            "sync_train_s_per_step": t_train,
+            "sync_overhead_s_per_step": s["wall_s"] / s["steps"] - t_roll - t_train,
+            "speedup": speedup,
+            "ideal_speedup": ideal,
+            "async_efficiency": speedup / ideal,
+            # against a sync loop with no per-step overhead (phases back to back): the stricter comparison
+            "async_efficiency_vs_phases": (s["steps"] * (t_roll + t_train)) / a["wall_s"] / ideal,
+            # the async run against its own bottleneck: steps x max(T_rollout, T_train) / wall (load drift cancels)
+            "async_pipeline_efficiency": a["steps"] * max(a["rollout_s_per_step"], a["train_s_per_step"]) / a["wall_s"],
+            "async_busy_rollout": a["busy_rollout"],
+            "async_busy_trainer": a["busy_trainer"],
+            "async_busy_rollout_wall": a["busy_rollout_wall"],
+            "async_busy_trainer_wall": a["busy_trainer_wall"],
+            # what the async run's own phase times allow: the faster role waits for the slower one
+            "async_achievable_busy_rollout": a["rollout_s_per_step"]
+            / max(a["rollout_s_per_step"], a["train_s_per_step"]),
+            "async_achievable_busy_trainer": a["train_s_per_step"]
+            / max(a["rollout_s_per_step"], a["train_s_per_step"]),
+            "bubble_rollout": 1 - a["busy_rollout"],
+            "bubble_trainer": 1 - a["busy_trainer"],
+            "evicted_frac": a["evicted_frac"],
+            "staleness_hist": a["staleness_hist"],
+            "max_staleness_observed": a["max_staleness_observed"],
+            "sync_latency_s": a["sync_latency_s"],
+            "stall_frac": a["stall_frac"],
+            "samples_per_s_sync": s["samples_per_s"],
+            "samples_per_s_async": a["samples_per_s"],
+            "tokens_per_s_sync": s["tokens_per_s"],
+            "tokens_per_s_async": a["tokens_per_s"],
+        }
+    )
     return out
 
 
@@ -228,7 +256,9 @@ class _WeightSender:
         import torch
 
         torch.set_num_threads(1)
-        sizes = [tensor_numel] * (n_params // tensor_numel) + ([n_params % tensor_numel] if n_params % tensor_numel else [])
+        sizes = [tensor_numel] * (n_params // tensor_numel) + (
+            [n_params % tensor_numel] if n_params % tensor_numel else []
+        )
         self.state = {f"layer{i}.weight": torch.empty(n).fill_(0.5 + i) for i, n in enumerate(sizes)}
         self.ref = None
 
@@ -238,7 +268,7 @@ class _WeightSender:
     def put(self) -> tuple[list, float]:
         import ray
 
-        from rlhf_core.distributed.actors import pack_state_dict
+        from rlhf_core.distributed.transport import pack_state_dict
 
         self.ref = None
         start = time.perf_counter()
@@ -264,7 +294,7 @@ class _WeightReceiver:
         import ray
         import torch
 
-        from rlhf_core.distributed.actors import unpack_state_dict
+        from rlhf_core.distributed.transport import unpack_state_dict
 
         start = time.perf_counter()
         packed = ray.get(ref_box[0])
@@ -337,22 +367,35 @@ def targets(fig: dict) -> dict:
 
 def print_table(fig: dict) -> None:
     s, a, c = fig["sync"], fig["async"], fig["config"]
-    print(f"pipeline: sync vs async, {c['steps']} trainer steps, {c['prompts_per_step']} prompts x "
-          f"{c['samples_per_prompt']} samples/step, RandomEngine at {c['random_tokens_per_s']:,.0f} tokens/s, "
-          f"max_staleness {c['max_staleness']}")
-    rows = [("wall (s)", "wall_s", ".2f"), ("samples/s", "samples_per_s", ",.1f"), ("tokens/s", "tokens_per_s", ",.1f"),
-            ("rollout s/step (busy)", "rollout_s_per_step", ".4f"), ("train s/step (incl. publish)", "train_s_per_step", ".4f"),
-            ("busy rollout (runtime)", "busy_rollout", ".3f"), ("busy trainer (runtime)", "busy_trainer", ".3f"),
-            ("busy rollout (of wall)", "busy_rollout_wall", ".3f"), ("busy trainer (of wall)", "busy_trainer_wall", ".3f"),
-            ("sync latency (s, publish)", "sync_latency_s", ".4f"), ("rollout stall/sync (s)", "sync_stall_s", ".4f"),
-            ("rollout batch (s)", "rollout_batch_s", ".4f"), ("evicted / generated", "evicted_frac", ".4f"),
-            ("max staleness", "max_staleness_observed", "d")]
+    print(
+        f"pipeline: sync vs async, {c['steps']} trainer steps, {c['prompts_per_step']} prompts x "
+        f"{c['samples_per_prompt']} samples/step, RandomEngine at {c['random_tokens_per_s']:,.0f} tokens/s, "
+        f"max_staleness {c['max_staleness']}"
+    )
+    rows = [
+        ("wall (s)", "wall_s", ".2f"),
+        ("samples/s", "samples_per_s", ",.1f"),
+        ("tokens/s", "tokens_per_s", ",.1f"),
+        ("rollout s/step (busy)", "rollout_s_per_step", ".4f"),
+        ("train s/step (incl. publish)", "train_s_per_step", ".4f"),
+        ("busy rollout (runtime)", "busy_rollout", ".3f"),
+        ("busy trainer (runtime)", "busy_trainer", ".3f"),
+        ("busy rollout (of wall)", "busy_rollout_wall", ".3f"),
+        ("busy trainer (of wall)", "busy_trainer_wall", ".3f"),
+        ("sync latency (s, publish)", "sync_latency_s", ".4f"),
+        ("rollout stall/sync (s)", "sync_stall_s", ".4f"),
+        ("rollout batch (s)", "rollout_batch_s", ".4f"),
+        ("evicted / generated", "evicted_frac", ".4f"),
+        ("max staleness", "max_staleness_observed", "d"),
+    ]
     print(f"{'':<32}{'sync':>12}{'async':>12}")
     for label, key, fmt in rows:
         print(f"{label:<32}{format(s[key], fmt):>12}{format(a[key], fmt):>12}")
     print(f"{'staleness histogram (async)':<32}{a['staleness_hist']}")
-    print(f"{'load avg before/after':<32}{s['load_before'][0]:>6.1f}/{s['load_after'][0]:<5.1f}"
-          f"{a['load_before'][0]:>6.1f}/{a['load_after'][0]:<5.1f}")
+    print(
+        f"{'load avg before/after':<32}{s['load_before'][0]:>6.1f}/{s['load_after'][0]:<5.1f}"
+        f"{a['load_before'][0]:>6.1f}/{a['load_after'][0]:<5.1f}"
+    )
     met = fig["targets_met"]
 
     def line(label, value, target, key):
@@ -361,18 +404,28 @@ def print_table(fig: dict) -> None:
     print()
     print(f"{'speedup (sync wall / async wall)':<44}{fig['speedup']:>10.3f}")
     print(f"{'ideal speedup (T_r + T_t) / max(T_r, T_t)':<44}{fig['ideal_speedup']:>10.3f}")
-    line("async efficiency (speedup / ideal)", f"{fig['async_efficiency']:.3f}", f">= {TARGET_ASYNC_EFFICIENCY}", "async_efficiency")
+    line(
+        "async efficiency (speedup / ideal)",
+        f"{fig['async_efficiency']:.3f}",
+        f">= {TARGET_ASYNC_EFFICIENCY}",
+        "async_efficiency",
+    )
     print(f"{'  vs an overhead-free sync loop':<44}{fig['async_efficiency_vs_phases']:>10.3f}")
     print(f"{'  async wall vs its own bottleneck phase':<44}{fig['async_pipeline_efficiency']:>10.3f}")
     line("async busy, rollout", f"{fig['async_busy_rollout']:.3f}", f">= {TARGET_BUSY}", "async_busy_rollout")
     line("async busy, trainer", f"{fig['async_busy_trainer']:.3f}", f">= {TARGET_BUSY}", "async_busy_trainer")
-    print(f"{'  achievable from phase times (r / t)':<44}{fig['async_achievable_busy_rollout']:>10.3f} / "
-          f"{fig['async_achievable_busy_trainer']:.3f}")
+    print(
+        f"{'  achievable from phase times (r / t)':<44}{fig['async_achievable_busy_rollout']:>10.3f} / "
+        f"{fig['async_achievable_busy_trainer']:.3f}"
+    )
     line("rollout stall per sync / batch", f"{fig['stall_frac']:.4f}", f"<= {TARGET_STALL_FRAC}", "stall_frac")
     line("evicted fraction", f"{fig['evicted_frac']:.4f}", f"<= {TARGET_EVICTED_FRAC}", "evicted_frac")
     print()
-    print(f"weight sync: {fig['sync_params'] / 1e6:,.0f}M fp32 params ({fig['sync_bytes'] / 1e9:.2f} GB, "
-          f"{fig['sync_tensors']} tensors), median of {fig['sync_repeats']} rounds after {fig['sync_warmup_rounds']} warm-up rounds")
+    print(
+        f"weight sync: {fig['sync_params'] / 1e6:,.0f}M fp32 params ({fig['sync_bytes'] / 1e9:.2f} GB, "
+        f"{fig['sync_tensors']} tensors), median of {fig['sync_repeats']} rounds after "
+        f"{fig['sync_warmup_rounds']} warm-up rounds"
+    )
     print(f"{'  put (pack + ray.put), GB/s':<44}{fig['sync_put_gbps']:>10.2f}")
     print(f"{'  get + unpack + copy_, GB/s':<44}{fig['sync_get_unpack_copy_gbps']:>10.2f}")
     line("  end to end, GB/s", f"{fig['sync_bandwidth_gbps']:.2f}", f">= {TARGET_SYNC_GBPS}", "sync_bandwidth_gbps")
@@ -385,16 +438,35 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object of figures only")
     parser.add_argument("--quick", action="store_true", help="30 steps and a 50M-parameter weight sync (~1.5 min)")
     parser.add_argument("--steps", type=int, default=None, help="trainer steps per mode (default 120; --quick 30)")
-    parser.add_argument("--sync-params", type=int, default=None, help="parameters of the synthetic fp32 state dict "
-                        "(default 500M = 2 GB; --quick 50M)")
-    parser.add_argument("--sync-repeats", type=int, default=None, help="timed weight-sync rounds after 3 warm-up rounds (default 3; --quick 3)")
-    parser.add_argument("--prompts-per-step", type=int, default=16, help="prompts per trainer step and per rollout batch")
+    parser.add_argument(
+        "--sync-params",
+        type=int,
+        default=None,
+        help="parameters of the synthetic fp32 state dict (default 500M = 2 GB; --quick 50M)",
+    )
+    parser.add_argument(
+        "--sync-repeats",
+        type=int,
+        default=None,
+        help="timed weight-sync rounds after 3 warm-up rounds (default 3; --quick 3)",
+    )
+    parser.add_argument(
+        "--prompts-per-step", type=int, default=16, help="prompts per trainer step and per rollout batch"
+    )
     parser.add_argument("--max-new-tokens", type=int, default=4, help="rollout.max_new_tokens")
     parser.add_argument("--max-staleness", type=int, default=2, help="runtime.max_staleness")
-    parser.add_argument("--tokens-per-s", type=float, default=0.0, help="RandomEngine rate (0 = calibrate so that a "
-                        "rollout batch takes as long as a train step)")
-    parser.add_argument("--no-prefetch", action="store_true", help="runtime.prefetch=false: the trainer takes each "
-                        "batch only after the previous step (for before/after comparisons)")
+    parser.add_argument(
+        "--tokens-per-s",
+        type=float,
+        default=0.0,
+        help="RandomEngine rate (0 = calibrate so that a rollout batch takes as long as a train step)",
+    )
+    parser.add_argument(
+        "--no-prefetch",
+        action="store_true",
+        help="runtime.prefetch=false: the trainer takes each "
+        "batch only after the previous step (for before/after comparisons)",
+    )
     parser.add_argument("--poll-s", type=float, default=0.5, help="run_distributed poll interval in async mode")
     parser.add_argument("--skip-pipeline", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -415,8 +487,13 @@ def main() -> None:
     output_dir = tempfile.mkdtemp(prefix="pipeline_bench_")
     # One Ray instance for both runs (run_distributed joins it and leaves it up) and for the sync test.
     # A store of 2.5 objects, as a run has (the published weights and the ones replacing them).
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
-             object_store_memory=int(max(2.5 * args.sync_params * 4, 3e8)))
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        configure_logging=False,
+        object_store_memory=int(max(2.5 * args.sync_params * 4, 3e8)),
+    )
     try:
         fig: dict = {"machine_cpus": os.cpu_count(), "load_start": loadavg(), "prefetch": not args.no_prefetch}
         if not args.skip_pipeline:

@@ -1,8 +1,8 @@
-"""Reward scoring throughput: tensor-native token matching vs. the seed's per-row loop vs. decode + regex.
+"""Reward scoring throughput: tensor-native token matching vs. a per-row Python loop vs. decode + regex.
 
 For each batch shape (B rows x L response tokens) it times, single-threaded on the CPU:
   tensor  rlhf_core.reward.tensor_native_reward on pre-packed patterns (PackedPatterns) — our hot path;
-  loop    the seed's section 5.1 loop: per row, slice to the first EOS, unfold, compare;
+  loop    a plain Python loop over rows: per row, slice to the first EOS, unfold, compare;
   regex   what verl / TRL reward functions do: move ids to the host, tokenizer.batch_decode the rows up
           to EOS with a real Hugging Face fast tokenizer, then a regex search for the answer text per row.
 Data: uniform random tokens over a ~500-word vocabulary, answer patterns of 3-5 tokens planted at a
@@ -32,6 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rlhf_core.reward import exact_match_reward, pack_patterns, tensor_native_reward, valid_lengths  # noqa: E402
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/machine.py, also when imported
 from machine import cpu_model  # noqa: E402
 
@@ -60,23 +61,24 @@ def make_batch(B: int, L: int, vocab: int, seed: int):
         pattern = torch.randint(3, vocab, (q,), generator=g)
         if b % 2 == 0 and L >= q:
             start = int(torch.randint(0, L - q + 1, (1,), generator=g))
-            ids[b, start:start + q] = pattern
+            ids[b, start : start + q] = pattern
         eos_at = int(torch.randint(L // 8, L + L // 8, (1,), generator=g))  # >= L: no EOS in this row
         if eos_at < L:
             ids[b, eos_at] = EOS
-            ids[b, eos_at + 1:] = PAD
+            ids[b, eos_at + 1 :] = PAD
         patterns.append(pattern)
     return ids, patterns
 
 
-def seed_loop_reward(generated_ids, answer_patterns, eos_token_id):
-    """The seed's tensor_native_reward (section 5.1), reimplemented as written: a Python loop over rows."""
+def loop_reward(generated_ids, answer_patterns, eos_token_id):
+    """The baseline: tensor_native_reward's "contains" rule written as a Python loop over rows."""
     B, L = generated_ids.shape
     device_obj = generated_ids.device
     rewards = torch.zeros(B, device=device_obj)
     eos_mask = generated_ids == eos_token_id
-    first_eos = torch.where(eos_mask.any(dim=1), eos_mask.int().argmax(dim=1),
-                            torch.full((B,), L, device=device_obj, dtype=torch.long))
+    first_eos = torch.where(
+        eos_mask.any(dim=1), eos_mask.int().argmax(dim=1), torch.full((B,), L, device=device_obj, dtype=torch.long)
+    )
     for i in range(B):
         seq = generated_ids[i, : first_eos[i]]
         pattern = answer_patterns[i]
@@ -92,7 +94,7 @@ def seed_loop_reward(generated_ids, answer_patterns, eos_token_id):
 def decode_regex_reward(generated_ids, answer_regexes, tokenizer, eos_token_id):
     """verl / TRL style: ids to host, decode each row up to its first EOS, regex-search the answer text."""
     rows = generated_ids.tolist()
-    trimmed = [row[:row.index(eos_token_id)] if eos_token_id in row else row for row in rows]
+    trimmed = [row[: row.index(eos_token_id)] if eos_token_id in row else row for row in rows]
     texts = tokenizer.batch_decode(trimmed, skip_special_tokens=True)
     return torch.tensor([1.0 if rx.search(text) else 0.0 for text, rx in zip(texts, answer_regexes)])
 
@@ -122,16 +124,17 @@ def run(quick: bool) -> dict:
         regexes = [re.compile(r"(?<!\S)" + re.escape(a) + r"(?!\S)") for a in answers]
 
         ours = tensor_native_reward(ids, packed, EOS)
-        loop = seed_loop_reward(ids, patterns, EOS)
+        loop = loop_reward(ids, patterns, EOS)
         regex = decode_regex_reward(ids, regexes, tokenizer, EOS)
         row = {
-            "B": B, "L": L,
+            "B": B,
+            "L": L,
             "tokens_scored": int(valid_lengths(ids, EOS).sum()),
             "match_rate": float(ours.mean()),
             "agree_loop": float((ours == loop).float().mean()),
             "agree_regex": float((ours == regex).float().mean()),
             "tensor_ms": median_ms(lambda: tensor_native_reward(ids, packed, EOS), repeats, budget),
-            "loop_ms": median_ms(lambda: seed_loop_reward(ids, patterns, EOS), repeats, budget),
+            "loop_ms": median_ms(lambda: loop_reward(ids, patterns, EOS), repeats, budget),
             "regex_ms": median_ms(lambda: decode_regex_reward(ids, regexes, tokenizer, EOS), repeats, budget),
             # for reference: the default reward of the synthetic task (whole response == answer)
             "exact_match_ms": median_ms(lambda: exact_match_reward(ids, packed, EOS), repeats, budget),
@@ -150,8 +153,12 @@ def run(quick: bool) -> dict:
     return {
         "benchmark": "reward",
         "date": date.today().isoformat(),
-        "machine": {"cpu": cpu_model(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-                    "python": platform.python_version()},
+        "machine": {
+            "cpu": cpu_model(),
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+        },
         "quick": quick,
         "vocab_size": vocab,
         "results": results,
@@ -161,23 +168,31 @@ def run(quick: bool) -> dict:
 
 def print_table(report: dict) -> None:
     m = report["machine"]
-    print(f"reward scoring, {m['cpu']}, {m['threads']} thread, torch {m['torch']}, vocab {report['vocab_size']}"
-          f"{' (quick)' if report['quick'] else ''}")
-    head = (f"{'B':>5} {'L':>5} | {'tensor ms':>10} {'loop ms':>10} {'regex ms':>10} | "
-            f"{'tensor ns/tok':>13} {'loop ns/tok':>11} {'regex ns/tok':>12} | {'x loop':>7} {'x regex':>8} | "
-            f"{'agree':>9} | {'exact ms':>8}")
+    print(
+        f"reward scoring, {m['cpu']}, {m['threads']} thread, torch {m['torch']}, vocab {report['vocab_size']}"
+        f"{' (quick)' if report['quick'] else ''}"
+    )
+    head = (
+        f"{'B':>5} {'L':>5} | {'tensor ms':>10} {'loop ms':>10} {'regex ms':>10} | "
+        f"{'tensor ns/tok':>13} {'loop ns/tok':>11} {'regex ns/tok':>12} | {'x loop':>7} {'x regex':>8} | "
+        f"{'agree':>9} | {'exact ms':>8}"
+    )
     print(head)
     print("-" * len(head))
     for r in report["results"]:
-        print(f"{r['B']:>5} {r['L']:>5} | {r['tensor_ms']:>10.3f} {r['loop_ms']:>10.2f} {r['regex_ms']:>10.2f} | "
-              f"{r['tensor_ns_per_token']:>13.2f} {r['loop_ns_per_token']:>11.1f} {r['regex_ns_per_token']:>12.1f} | "
-              f"{r['speedup_vs_loop']:>7.1f} {r['speedup_vs_regex']:>8.1f} | "
-              f"{r['agree_loop']:>4.0%}/{r['agree_regex']:<4.0%} | {r['exact_match_ms']:>8.3f}")
+        print(
+            f"{r['B']:>5} {r['L']:>5} | {r['tensor_ms']:>10.3f} {r['loop_ms']:>10.2f} {r['regex_ms']:>10.2f} | "
+            f"{r['tensor_ns_per_token']:>13.2f} {r['loop_ns_per_token']:>11.1f} {r['regex_ns_per_token']:>12.1f} | "
+            f"{r['speedup_vs_loop']:>7.1f} {r['speedup_vs_regex']:>8.1f} | "
+            f"{r['agree_loop']:>4.0%}/{r['agree_regex']:<4.0%} | {r['exact_match_ms']:>8.3f}"
+        )
     t = report["targets"]
     if "met_vs_regex" in t:
-        print(f"targets at B=256, L=1024: >= {t['speedup_vs_regex']:.0f}x vs decode+regex: "
-              f"{'met' if t['met_vs_regex'] else 'NOT met'}; >= {t['speedup_vs_loop']:.0f}x vs per-row loop: "
-              f"{'met' if t['met_vs_loop'] else 'NOT met'}")
+        print(
+            f"targets at B=256, L=1024: >= {t['speedup_vs_regex']:.0f}x vs decode+regex: "
+            f"{'met' if t['met_vs_regex'] else 'NOT met'}; >= {t['speedup_vs_loop']:.0f}x vs per-row loop: "
+            f"{'met' if t['met_vs_loop'] else 'NOT met'}"
+        )
 
 
 def main(argv=None) -> None:

@@ -43,6 +43,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/machine.py, also when imported
 from machine import cpu_model  # noqa: E402
 
@@ -55,10 +56,18 @@ sys.path.insert(0, str(ROOT))
 LOSSES: dict[str, list[str]] = {
     "ppo_clip0.2": ["algorithm.loss=ppo", "algorithm.clip_eps=0.2"],
     "grpo_noclip": ["algorithm.loss=grpo", "algorithm.clip_eps=null"],
-    "m2po_trust_region": ["algorithm.loss=m2po", "algorithm.masking=trust_region", "algorithm.m2_threshold=0.04",
-                          "algorithm.clip_eps=null"],
-    "m2po_ratio_sq": ["algorithm.loss=m2po", "algorithm.masking=ratio_sq", "algorithm.ratio_sq_threshold=4.0",
-                      "algorithm.clip_eps=0.2"],
+    "m2po_trust_region": [
+        "algorithm.loss=m2po",
+        "algorithm.masking=trust_region",
+        "algorithm.m2_threshold=0.04",
+        "algorithm.clip_eps=null",
+    ],
+    "m2po_ratio_sq": [
+        "algorithm.loss=m2po",
+        "algorithm.masking=ratio_sq",
+        "algorithm.ratio_sq_threshold=4.0",
+        "algorithm.clip_eps=0.2",
+    ],
 }
 FULL_TAUS = [0, 2, 4, 8, 16, 32]
 QUICK_TAUS = [0, 8]
@@ -75,11 +84,20 @@ def cell_key(tau: int, loss: str) -> str:
 def build_cfg(loss: str, seed: int, steps: int, lr: float, eval_size: int, policy_root: str):
     from rlhf_core.config import load_config
 
-    return load_config(ROOT / "configs" / "tiny.yaml", LOSSES[loss] + [
-        f"trainer.total_steps={steps}", f"trainer.lr={lr}", f"trainer.seed={seed}", f"data.eval_size={eval_size}",
-        "cluster.torch_threads=1", "tracking.eval_every=0", "tracking.checkpoint_every=0",
-        f"run.output_dir={policy_root}/seed{seed}",
-    ])
+    return load_config(
+        ROOT / "configs" / "tiny.yaml",
+        LOSSES[loss]
+        + [
+            f"trainer.total_steps={steps}",
+            f"trainer.lr={lr}",
+            f"trainer.seed={seed}",
+            f"data.eval_size={eval_size}",
+            "cluster.torch_threads=1",
+            "tracking.eval_every=0",
+            "tracking.checkpoint_every=0",
+            f"run.output_dir={policy_root}/seed{seed}",
+        ],
+    )
 
 
 def run_cell(job: dict) -> dict:
@@ -105,15 +123,22 @@ def run_cell(job: dict) -> dict:
         return statistics.fmean(vals) if vals else None
 
     return {
-        "tau": job["tau"], "loss": job["loss"], "seed": job["seed"],
-        "final_accuracy": out["eval/accuracy"], "start_accuracy": out["eval/accuracy_start"],
-        "steps_to_target": reached, "curve": curve,
+        "tau": job["tau"],
+        "loss": job["loss"],
+        "seed": job["seed"],
+        "final_accuracy": out["eval/accuracy"],
+        "start_accuracy": out["eval/accuracy_start"],
+        "steps_to_target": reached,
+        "curve": curve,
         "grad_norm_var": statistics.pvariance(grad_norms) if len(grad_norms) > 1 else None,
         "grad_norm_mean": statistics.fmean(grad_norms) if grad_norms else None,
-        "clip_frac_mean": mean_of("policy/clip_frac"), "ratio_max_mean": mean_of("policy/ratio_max"),
+        "clip_frac_mean": mean_of("policy/clip_frac"),
+        "ratio_max_mean": mean_of("policy/ratio_max"),
         "approx_kl_mean": mean_of("policy/approx_kl"),
-        "masked_frac_mean": mean_of("m2po/masked_frac"), "m2_mean": mean_of("m2po/m2"),
-        "staleness_settled": sorted(set(settled)), "skipped_steps": hist[-1]["trainer/skipped_steps"] if hist else 0,
+        "masked_frac_mean": mean_of("m2po/masked_frac"),
+        "m2_mean": mean_of("m2po/m2"),
+        "staleness_settled": sorted(set(settled)),
+        "skipped_steps": hist[-1]["trainer/skipped_steps"] if hist else 0,
         "wall_s": wall,
     }
 
@@ -139,17 +164,26 @@ def summarise(runs: list[dict]) -> dict:
         st_m, st_s = _mean_std([r["steps_to_target"] for r in rs])
         gv_m, gv_s = _mean_std([r["grad_norm_var"] for r in rs])
         steps_curve = [s for s, _ in rs[0]["curve"]]
-        mean_curve = [statistics.fmean(r["curve"][i][1] for r in rs) for i in range(len(steps_curve))] \
-            if all(len(r["curve"]) == len(steps_curve) for r in rs) else None
+        mean_curve = (
+            [statistics.fmean(r["curve"][i][1] for r in rs) for i in range(len(steps_curve))]
+            if all(len(r["curve"]) == len(steps_curve) for r in rs)
+            else None
+        )
         out[key] = {
-            "tau": rs[0]["tau"], "loss": rs[0]["loss"], "seeds": [r["seed"] for r in rs],
-            "final_accuracy_mean": acc_m, "final_accuracy_std": acc_s,
+            "tau": rs[0]["tau"],
+            "loss": rs[0]["loss"],
+            "seeds": [r["seed"] for r in rs],
+            "final_accuracy_mean": acc_m,
+            "final_accuracy_std": acc_s,
             "final_accuracy_per_seed": [r["final_accuracy"] for r in rs],
-            "last3_accuracy_mean": last3_m, "last3_accuracy_std": last3_s,
-            "steps_to_target_mean": st_m, "steps_to_target_std": st_s,
+            "last3_accuracy_mean": last3_m,
+            "last3_accuracy_std": last3_s,
+            "steps_to_target_mean": st_m,
+            "steps_to_target_std": st_s,
             "steps_to_target_per_seed": [r["steps_to_target"] for r in rs],
             "reached_target": sum(r["steps_to_target"] is not None for r in rs),
-            "grad_norm_var_mean": gv_m, "grad_norm_var_std": gv_s,
+            "grad_norm_var_mean": gv_m,
+            "grad_norm_var_std": gv_s,
             "grad_norm_mean": _mean_std([r["grad_norm_mean"] for r in rs])[0],
             "clip_frac_mean": _mean_std([r["clip_frac_mean"] for r in rs])[0],
             "approx_kl_mean": _mean_std([r["approx_kl_mean"] for r in rs])[0],
@@ -157,14 +191,16 @@ def summarise(runs: list[dict]) -> dict:
             "m2_mean": _mean_std([r["m2_mean"] for r in rs])[0],
             "staleness_settled": sorted({s for r in rs for s in r["staleness_settled"]}),
             "skipped_steps": sum(r["skipped_steps"] for r in rs),
-            "curve_steps": steps_curve, "curve_accuracy_mean": mean_curve,
+            "curve_steps": steps_curve,
+            "curve_accuracy_mean": mean_curve,
             "wall_s_mean": statistics.fmean(r["wall_s"] for r in rs),
         }
     return out
 
 
 def check_claim(cells: dict) -> dict:
-    """The seed's expectation: M2PO at τ=8 within 5 % of its τ=0 accuracy while PPO clipping falls behind."""
+    """The hypothesis under test: M2PO at τ=8 within 5 % of its τ=0 accuracy while PPO clipping falls behind."""
+
     def acc(tau, loss):
         c = cells.get(cell_key(tau, loss))
         return None if c is None else c["final_accuracy_mean"]
@@ -174,13 +210,19 @@ def check_claim(cells: dict) -> dict:
         a0, a8 = acc(0, loss), acc(8, loss)
         if a0 is None or a8 is None:
             continue
-        out[loss] = {"acc_tau0": a0, "acc_tau8": a8, "relative_drop": (a0 - a8) / a0 if a0 else None,
-                     "within_5pct": a8 >= 0.95 * a0}
+        out[loss] = {
+            "acc_tau0": a0,
+            "acc_tau8": a8,
+            "relative_drop": (a0 - a8) / a0 if a0 else None,
+            "within_5pct": a8 >= 0.95 * a0,
+        }
     m2 = [out[k]["within_5pct"] for k in ("m2po_trust_region", "m2po_ratio_sq") if k in out]
     ppo = out.get("ppo_clip0.2")
     ppo_behind = None
     if ppo is not None:
-        best_m2_tau8 = max((out[k]["acc_tau8"] for k in ("m2po_trust_region", "m2po_ratio_sq") if k in out), default=None)
+        best_m2_tau8 = max(
+            (out[k]["acc_tau8"] for k in ("m2po_trust_region", "m2po_ratio_sq") if k in out), default=None
+        )
         ppo_behind = (not ppo["within_5pct"]) and (best_m2_tau8 is None or ppo["acc_tau8"] < best_m2_tau8)
     out["m2po_within_5pct_at_tau8"] = all(m2) if m2 else None
     out["ppo_falls_behind_at_tau8"] = ppo_behind
@@ -193,8 +235,9 @@ def ppo_degraded(cells: dict, tau: int) -> bool:
     cur = cells.get(cell_key(tau, "ppo_clip0.2"))
     if base is None or cur is None:
         return True  # nothing to extend for
-    return (cur["final_accuracy_mean"] <= base["final_accuracy_mean"] - DEGRADED_DROP
-            or cur["reached_target"] * 2 < len(cur["seeds"]))
+    return cur["final_accuracy_mean"] <= base["final_accuracy_mean"] - DEGRADED_DROP or cur["reached_target"] * 2 < len(
+        cur["seeds"]
+    )
 
 
 def run_jobs(jobs: list[dict], workers: int, log) -> list[dict]:
@@ -236,8 +279,14 @@ def plot(cells: dict, path: str, meta: dict) -> None:
         if not cs:
             continue
         jitter = (i - (len(LOSSES) - 1) / 2) * 0.06  # side by side, so that the error bars stay readable
-        ax.errorbar([xs[c["tau"]] + jitter for c in cs], [c["final_accuracy_mean"] for c in cs],
-                    yerr=[c["final_accuracy_std"] for c in cs], marker="o", capsize=3, label=loss)
+        ax.errorbar(
+            [xs[c["tau"]] + jitter for c in cs],
+            [c["final_accuracy_mean"] for c in cs],
+            yerr=[c["final_accuracy_std"] for c in cs],
+            marker="o",
+            capsize=3,
+            label=loss,
+        )
         ax2.plot([xs[c["tau"]] for c in cs], [c["grad_norm_var_mean"] for c in cs], marker="o", label=loss)
     for a in (ax, ax2):
         a.set_xticks(range(len(taus)), [str(t) for t in taus])
@@ -263,24 +312,35 @@ def fmt(v, spec=".2f", none="—"):
 
 def print_table(out: dict) -> None:
     meta = out["meta"]
-    print(f"controlled staleness (stale-k), max3 tiny Llama: {meta['steps']} steps × {meta['batch']} samples, "
-          f"lr {meta['lr']}, eval every {meta['eval_every']} on {meta['eval_size']} held-out prompts, "
-          f"seeds {meta['seeds']}; wall {meta['wall_s'] / 60:.1f} min on {meta['workers']} workers ({meta['cpu']})")
-    print(f"{'tau':>4} {'loss':<18} {'final acc':<12} {'last-3 acc':<11} {'steps→0.8':>14} {'reached':>7} "
-          f"{'var|g|':>9} {'clip':>6} {'masked':>7} {'M2':>8}")
+    print(
+        f"controlled staleness (stale-k), max3 tiny Llama: {meta['steps']} steps × {meta['batch']} samples, "
+        f"lr {meta['lr']}, eval every {meta['eval_every']} on {meta['eval_size']} held-out prompts, "
+        f"seeds {meta['seeds']}; wall {meta['wall_s'] / 60:.1f} min on {meta['workers']} workers ({meta['cpu']})"
+    )
+    print(
+        f"{'tau':>4} {'loss':<18} {'final acc':<12} {'last-3 acc':<11} {'steps→0.8':>14} {'reached':>7} "
+        f"{'var|g|':>9} {'clip':>6} {'masked':>7} {'M2':>8}"
+    )
     for c in out["cells"].values():
-        steps = f"{fmt(c['steps_to_target_mean'], '.0f')}±{fmt(c['steps_to_target_std'], '.0f')}" \
-            if c["steps_to_target_mean"] is not None else "—"
+        steps = (
+            f"{fmt(c['steps_to_target_mean'], '.0f')}±{fmt(c['steps_to_target_std'], '.0f')}"
+            if c["steps_to_target_mean"] is not None
+            else "—"
+        )
         final = f"{fmt(c['final_accuracy_mean'])}±{fmt(c['final_accuracy_std'])}"
         last3 = f"{fmt(c['last3_accuracy_mean'])}±{fmt(c['last3_accuracy_std'])}"
         reached = f"{c['reached_target']}/{len(c['seeds'])}"
-        print(f"{c['tau']:>4} {c['loss']:<18} {final:<12} {last3:<11} {steps:>14} {reached:>7} "
-              f"{fmt(c['grad_norm_var_mean'], '.4f'):>9} {fmt(c['clip_frac_mean'], '.3f'):>6} "
-              f"{fmt(c['masked_frac_mean'], '.3f'):>7} {fmt(c['m2_mean'], '.4f'):>8}")
+        print(
+            f"{c['tau']:>4} {c['loss']:<18} {final:<12} {last3:<11} {steps:>14} {reached:>7} "
+            f"{fmt(c['grad_norm_var_mean'], '.4f'):>9} {fmt(c['clip_frac_mean'], '.3f'):>6} "
+            f"{fmt(c['masked_frac_mean'], '.3f'):>7} {fmt(c['m2_mean'], '.4f'):>8}"
+        )
     claim = out["claim"]
-    print("seed claim (M2PO at τ=8 within 5% of τ=0, PPO clipping behind): "
-          f"m2po within 5%: {claim.get('m2po_within_5pct_at_tau8')}, ppo behind: {claim.get('ppo_falls_behind_at_tau8')}"
-          f" -> {'holds' if claim.get('claim_holds') else 'does not hold'}")
+    print(
+        "staleness claim (M2PO at τ=8 within 5% of τ=0, PPO clipping behind): "
+        f"m2po within 5%: {claim.get('m2po_within_5pct_at_tau8')}, ppo behind: {claim.get('ppo_falls_behind_at_tau8')}"
+        f" -> {'holds' if claim.get('claim_holds') else 'does not hold'}"
+    )
 
 
 def main() -> None:
@@ -296,14 +356,21 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=20, help="evaluate every this many steps")
     parser.add_argument("--eval-size", type=int, default=200, help="held-out prompts per evaluation")
     parser.add_argument("--workers", type=int, default=2, help="parallel processes (one torch thread each)")
-    parser.add_argument("--no-extend", action="store_true",
-                        help=f"do not extend τ upward (doubling, up to {MAX_EXTEND_TAU}) when plain clipping "
-                             "has not clearly degraded at the largest τ")
-    parser.add_argument("--save", default=None,
-                        help="also write the JSON object to this file, and each finished run to PATH.runs.jsonl")
-    parser.add_argument("--resume", default=None,
-                        help="a PATH.runs.jsonl of an interrupted run: its (τ, loss, seed) runs are reused as they "
-                             "are, not rerun (pass the same --steps, --lr and --eval-* as that run)")
+    parser.add_argument(
+        "--no-extend",
+        action="store_true",
+        help=f"do not extend τ upward (doubling, up to {MAX_EXTEND_TAU}) when plain clipping "
+        "has not clearly degraded at the largest τ",
+    )
+    parser.add_argument(
+        "--save", default=None, help="also write the JSON object to this file, and each finished run to PATH.runs.jsonl"
+    )
+    parser.add_argument(
+        "--resume",
+        default=None,
+        help="a PATH.runs.jsonl of an interrupted run: its (τ, loss, seed) runs are reused as they "
+        "are, not rerun (pass the same --steps, --lr and --eval-* as that run)",
+    )
     args = parser.parse_args()
 
     taus = args.taus or (QUICK_TAUS if args.quick else FULL_TAUS)
@@ -324,9 +391,13 @@ def main() -> None:
         if runs_log is not None:
             with runs_log.open("a") as fh:
                 fh.write(json.dumps(res) + "\n")
-        print(f"[{i}/{n}] tau={res['tau']:<3} {res['loss']:<18} seed={res['seed']} acc={res['final_accuracy']:.3f} "
-              f"steps→0.8={res['steps_to_target']} var|g|={fmt(res['grad_norm_var'], '.4f')} "
-              f"({res['wall_s']:.0f} s)", file=sys.stderr, flush=True)
+        print(
+            f"[{i}/{n}] tau={res['tau']:<3} {res['loss']:<18} seed={res['seed']} acc={res['final_accuracy']:.3f} "
+            f"steps→0.8={res['steps_to_target']} var|g|={fmt(res['grad_norm_var'], '.4f')} "
+            f"({res['wall_s']:.0f} s)",
+            file=sys.stderr,
+            flush=True,
+        )
 
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="staleness_") as policy_root:
@@ -335,19 +406,39 @@ def main() -> None:
         def run_taus(ts):
             """Run (or reuse from --resume) every (τ, loss, seed) of these τ."""
             reused = [done[(t, loss, s)] for t in ts for loss in losses for s in seeds if (t, loss, s) in done]
-            jobs = [{"tau": t, "loss": loss, "seed": s, "steps": steps, "lr": args.lr, "eval_every": args.eval_every,
-                     "eval_size": args.eval_size, "policy_root": policy_root}
-                    # seed-major order: an interrupted grid still holds whole τ × loss grids for its first seeds
-                    for s in seeds for t in sorted(ts, reverse=True) for loss in losses if (t, loss, s) not in done]
+            jobs = [
+                {
+                    "tau": t,
+                    "loss": loss,
+                    "seed": s,
+                    "steps": steps,
+                    "lr": args.lr,
+                    "eval_every": args.eval_every,
+                    "eval_size": args.eval_size,
+                    "policy_root": policy_root,
+                }
+                # seed-major order: an interrupted grid still holds whole τ × loss grids for its first seeds
+                for s in seeds
+                for t in sorted(ts, reverse=True)
+                for loss in losses
+                if (t, loss, s) not in done
+            ]
             return reused + run_jobs(jobs, args.workers, log)
 
         runs = run_taus(taus)
         extended = []
-        while extend and "ppo_clip0.2" in losses and not ppo_degraded(summarise(runs), max(taus)) \
-                and max(taus) * 2 <= MAX_EXTEND_TAU:
+        while (
+            extend
+            and "ppo_clip0.2" in losses
+            and not ppo_degraded(summarise(runs), max(taus))
+            and max(taus) * 2 <= MAX_EXTEND_TAU
+        ):
             nxt = max(taus) * 2
-            print(f"plain clipping has not clearly degraded by τ={max(taus)}; extending to τ={nxt}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"plain clipping has not clearly degraded by τ={max(taus)}; extending to τ={nxt}",
+                file=sys.stderr,
+                flush=True,
+            )
             taus = taus + [nxt]
             extended.append(nxt)
             runs += run_taus([nxt])
@@ -355,12 +446,26 @@ def main() -> None:
     cells = summarise(runs)
     import torch
 
-    meta = {"task": "max3", "config": "configs/tiny.yaml", "steps": steps, "lr": args.lr,
-            "batch": "16 prompts × 8", "eval_every": args.eval_every, "eval_size": args.eval_size,
-            "taus": sorted(taus), "extended_taus": extended, "losses": {k: LOSSES[k] for k in losses},
-            "seeds": seeds, "workers": args.workers, "target_accuracy": TARGET_ACCURACY,
-            "wall_s": time.perf_counter() - start, "cpu": cpu_model(), "torch": torch.__version__,
-            "loadavg_1min": os.getloadavg()[0], "quick": args.quick}
+    meta = {
+        "task": "max3",
+        "config": "configs/tiny.yaml",
+        "steps": steps,
+        "lr": args.lr,
+        "batch": "16 prompts × 8",
+        "eval_every": args.eval_every,
+        "eval_size": args.eval_size,
+        "taus": sorted(taus),
+        "extended_taus": extended,
+        "losses": {k: LOSSES[k] for k in losses},
+        "seeds": seeds,
+        "workers": args.workers,
+        "target_accuracy": TARGET_ACCURACY,
+        "wall_s": time.perf_counter() - start,
+        "cpu": cpu_model(),
+        "torch": torch.__version__,
+        "loadavg_1min": os.getloadavg()[0],
+        "quick": args.quick,
+    }
     out = {"benchmark": "staleness", "meta": meta, "cells": cells, "claim": check_claim(cells), "runs": runs}
     if args.plot:
         plot(cells, args.plot, meta)

@@ -23,15 +23,24 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-def one_run(mode: str, max_staleness: int, target: float, budget_s: float, eval_every_s: float,
-            overrides: list[str]) -> dict:
+def one_run(
+    mode: str, max_staleness: int, target: float, budget_s: float, eval_every_s: float, overrides: list[str]
+) -> dict:
     from rlhf_core.config import load_config
     from rlhf_core.distributed import DistributedRun
 
     with tempfile.TemporaryDirectory() as out:
-        cfg = load_config("configs/tiny.yaml", [f"run.output_dir={out}", "cluster.num_cpus=2", f"runtime.mode={mode}",
-                                                f"runtime.max_staleness={max_staleness}", "trainer.total_steps=100000",
-                                                *overrides])
+        cfg = load_config(
+            "configs/tiny.yaml",
+            [
+                f"run.output_dir={out}",
+                "cluster.num_cpus=2",
+                f"runtime.mode={mode}",
+                f"runtime.max_staleness={max_staleness}",
+                "trainer.total_steps=100000",
+                *overrides,
+            ],
+        )
         with DistributedRun(cfg) as run:
             run.launch()
             curve = [(0.0, 0, run.evaluate()["eval/accuracy"])]
@@ -57,8 +66,14 @@ def one_run(mode: str, max_staleness: int, target: float, budget_s: float, eval_
                         break
                 last = time.perf_counter()
             final = run.poll()
-    return {"mode": mode, "max_staleness": max_staleness if mode == "async" else 0, "seconds_to_target": reached,
-            "final_accuracy": curve[-1][2], "steps": final["step"], "curve": curve}
+    return {
+        "mode": mode,
+        "max_staleness": max_staleness if mode == "async" else 0,
+        "seconds_to_target": reached,
+        "final_accuracy": curve[-1][2],
+        "steps": final["step"],
+        "curve": curve,
+    }
 
 
 def main() -> None:

@@ -14,8 +14,9 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
 from rlhf_core.config import ConfigError, TrainConfig, load_config
 
@@ -24,9 +25,16 @@ EXIT_FAILED = 1
 EXIT_INTERRUPTED = 130
 
 # Quiet, offline defaults for the libraries the commands use; explicit settings in the environment win.
-_QUIET_ENV = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "RAY_USAGE_STATS_ENABLED": "0", "DO_NOT_TRACK": "1",
-              "MLFLOW_DISABLE_TELEMETRY": "true", "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
-              "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+_QUIET_ENV = {
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "DO_NOT_TRACK": "1",
+    "MLFLOW_DISABLE_TELEMETRY": "true",
+    "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
 
 
 def _overrides(groups: Optional[list[list[str]]]) -> list[str]:
@@ -35,27 +43,49 @@ def _overrides(groups: Optional[list[list[str]]]) -> list[str]:
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="PATH", help="YAML config (default: the built-in tiny demo; see configs/)")
-    p.add_argument("--set", dest="overrides", metavar="KEY=VALUE", nargs="+", action="append",
-                   help="override a config field, e.g. --set trainer.total_steps=50 runtime.mode=sync")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        metavar="KEY=VALUE",
+        nargs="+",
+        action="append",
+        help="override a config field, e.g. --set trainer.total_steps=50 runtime.mode=sync",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="atrlhf", description="Asynchronous RL fine-tuning of language models "
-                                     "(PPO/GRPO/M2PO) on Ray, supervised by Prefect, tracked in MLflow.")
+    parser = argparse.ArgumentParser(
+        prog="atrlhf",
+        description="Asynchronous RL fine-tuning of language models "
+        "(PPO/GRPO/M2PO) on Ray, supervised by Prefect, tracked in MLflow.",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="{train,evaluate}")
-    t = sub.add_parser("train", help="run the training flow locally (Prefect, Ray, MLflow)",
-                       description="Run the supervised training flow in this process: a temporary Prefect API "
-                       "(or PREFECT_API_URL), local Ray (or cluster.address), MLflow in sqlite:///mlflow.db "
-                       "(or tracking.tracking_uri / MLFLOW_TRACKING_URI).")
+    t = sub.add_parser(
+        "train",
+        help="run the training flow locally (Prefect, Ray, MLflow)",
+        description="Run the supervised training flow in this process: a temporary Prefect API "
+        "(or PREFECT_API_URL), local Ray (or cluster.address), MLflow in sqlite:///mlflow.db "
+        "(or tracking.tracking_uri / MLFLOW_TRACKING_URI).",
+    )
     _add_config_args(t)
-    t.add_argument("--resume-from", metavar="RUN_OR_PATH",
-                   help="an MLflow run id (continue that run from its newest checkpoint) or a checkpoint directory")
-    e = sub.add_parser("evaluate", help="score a policy on the held-out prompts",
-                       description="Greedy held-out accuracy of a checkpoint directory, an exported Hugging Face "
-                       "directory, or the model an MLflow run logged. The config names the task and the data.")
+    t.add_argument(
+        "--resume-from",
+        metavar="RUN_OR_PATH",
+        help="an MLflow run id (continue that run from its newest checkpoint) or a checkpoint directory",
+    )
+    e = sub.add_parser(
+        "evaluate",
+        help="score a policy on the held-out prompts",
+        description="Greedy held-out accuracy of a checkpoint directory, an exported Hugging Face "
+        "directory, or the model an MLflow run logged. The config names the task and the data.",
+    )
     _add_config_args(e)
-    e.add_argument("--checkpoint", required=True, metavar="PATH_OR_RUN",
-                   help="checkpoint directory, exported model directory, or MLflow run id")
+    e.add_argument(
+        "--checkpoint",
+        required=True,
+        metavar="PATH_OR_RUN",
+        help="checkpoint directory, exported model directory, or MLflow run id",
+    )
     e.add_argument("--json", action="store_true", help="print one JSON object instead of a sentence")
     return parser
 
@@ -110,8 +140,10 @@ def _prefect_location(flow_run_id: Optional[str]) -> tuple[str, str]:
         ui = (settings.ui_url or api.rsplit("/api", 1)[0]).rstrip("/")
         return f"the Prefect API at {api}", f"{ui}/runs/flow-run/{flow_run_id}" if flow_run_id else ui
     home = Path(str(settings.home)).expanduser()
-    return (f"the local Prefect database under {home}",
-            f"`prefect server start --host 127.0.0.1`, then http://127.0.0.1:4200/runs/flow-run/{flow_run_id}")
+    return (
+        f"the local Prefect database under {home}",
+        f"`prefect server start --host 127.0.0.1`, then http://127.0.0.1:4200/runs/flow-run/{flow_run_id}",
+    )
 
 
 def _train_summary(cfg: TrainConfig, state, result: Optional[dict], flow_run_id: Optional[str]) -> str:
@@ -119,17 +151,25 @@ def _train_summary(cfg: TrainConfig, state, result: Optional[dict], flow_run_id:
 
     where, see = _prefect_location(flow_run_id)
     uri = (result or {}).get("mlflow_tracking_uri") or resolve_tracking_uri(cfg)
-    lines = ["", "=" * 78, f"atrlhf train: {state.name}" + (f" — {state.message}" if state.message and not result else "")]
+    lines = [
+        "",
+        "=" * 78,
+        f"atrlhf train: {state.name}" + (f" — {state.message}" if state.message and not result else ""),
+    ]
     if result:
-        lines += [f"  held-out accuracy   {result['eval/accuracy_start']:.3f} at the start -> {result['eval/accuracy']:.3f} "
-                  f"after {result['steps']} steps",
-                  f"  final checkpoint    {result['checkpoint']}",
-                  f"  exported policy     {result['export']}  (rlhf_core.models.load_policy loads it)",
-                  f"  MLflow run          {result['mlflow_run_id']}  (experiment '{cfg.tracking.experiment}', {uri})"]
-    lines += [f"  Prefect flow run    {flow_run_id}  (in {where})",
-              f"  Prefect UI          {see}",
-              f"  MLflow UI           {ui_command(uri)}  -> http://127.0.0.1:5000",
-              "=" * 78]
+        lines += [
+            f"  held-out accuracy   {result['eval/accuracy_start']:.3f} at the start -> {result['eval/accuracy']:.3f} "
+            f"after {result['steps']} steps",
+            f"  final checkpoint    {result['checkpoint']}",
+            f"  exported policy     {result['export']}  (rlhf_core.models.load_policy loads it)",
+            f"  MLflow run          {result['mlflow_run_id']}  (experiment '{cfg.tracking.experiment}', {uri})",
+        ]
+    lines += [
+        f"  Prefect flow run    {flow_run_id}  (in {where})",
+        f"  Prefect UI          {see}",
+        f"  MLflow UI           {ui_command(uri)}  -> http://127.0.0.1:5000",
+        "=" * 78,
+    ]
     return "\n".join(lines)
 
 
@@ -140,7 +180,7 @@ def resolve_policy(cfg: TrainConfig, target: str) -> tuple[Path, Optional[Path]]
     A checkpoint holds weights only: its architecture comes from model.path, or for the tiny default
     from the `tiny_policy/` beside the run's `checkpoints/` (else the one the config builds).
     """
-    from rlhf_core.models import ensure_policy
+    from rlhf_core.build import resolve_policy_dir
 
     path = Path(target).expanduser()
     if path.is_dir() and (path / "config.json").is_file():
@@ -149,7 +189,7 @@ def resolve_policy(cfg: TrainConfig, target: str) -> tuple[Path, Optional[Path]]
         beside = path.parent.parent / "tiny_policy"
         if not cfg.model.path and (beside / "config.json").is_file():
             return beside, path
-        return ensure_policy(cfg.model, cfg.data.task, cfg.run.output_dir, seed=cfg.trainer.seed), path
+        return resolve_policy_dir(cfg), path
     if not path.exists() and len(target) == 32 and all(c in "0123456789abcdef" for c in target.lower()):
         from tasks.tracking import download_logged_policy, resolve_tracking_uri
 
@@ -157,34 +197,26 @@ def resolve_policy(cfg: TrainConfig, target: str) -> tuple[Path, Optional[Path]]
         try:
             return download_logged_policy(target, uri), None
         except Exception as exc:  # MlflowException and friends: name the run and the store
-            raise FileNotFoundError(f"--checkpoint {target!r}: no logged model for that MLflow run in {uri} "
-                                    f"({type(exc).__name__}: {str(exc)[:300]})") from None
-    raise FileNotFoundError(f"--checkpoint {target!r} is not a checkpoint directory, a Hugging Face model directory "
-                            "or an MLflow run id")
+            raise FileNotFoundError(
+                f"--checkpoint {target!r}: no logged model for that MLflow run in {uri} "
+                f"({type(exc).__name__}: {str(exc)[:300]})"
+            ) from None
+    raise FileNotFoundError(
+        f"--checkpoint {target!r} is not a checkpoint directory, a Hugging Face model directory or an MLflow run id"
+    )
 
 
 def evaluate_policy(cfg: TrainConfig, policy_dir: Path, checkpoint: Optional[Path] = None) -> dict:
     """Greedy accuracy and mean reward on cfg's held-out prompts (the same scoring as eval/accuracy)."""
-    import torch
+    from rlhf_core import build
+    from rlhf_core.checkpoint import load_checkpoint
 
-    from rlhf_core.checkpoint import load_weights_into, read_checkpoint
-    from rlhf_core.data import build_prompt_splits
-    from rlhf_core.loop import evaluate
-    from rlhf_core.models import load_policy
-    from rlhf_core.reward import build_reward_fn
-    from rlhf_core.rollout import HFEngine
-
-    torch.set_num_threads(max(1, cfg.cluster.torch_threads))
-    model, tok = load_policy(policy_dir, dtype=cfg.model.dtype, device=cfg.model.device,
-                             trust_remote_code=cfg.model.trust_remote_code)
+    build.setup_process(cfg, cfg.trainer.seed)
+    model, tokenizer = build.build_policy(cfg, policy_dir)
     if checkpoint is not None:
-        _, weights = read_checkpoint(checkpoint, model)
-        load_weights_into(model, weights)
-    _, heldout = build_prompt_splits(cfg.data, tok)
-    reward_fn = build_reward_fn(cfg.reward, tok, tok.eos_token_id, cfg.rollout.max_new_tokens)
-    engine = HFEngine(model, tok.eos_token_id, tok.pad_token_id, seed=cfg.trainer.seed)
-    result = evaluate(engine, heldout, reward_fn, tok.pad_token_id, cfg.rollout.max_new_tokens,
-                      max_prompt_tokens=cfg.data.max_prompt_tokens)
+        load_checkpoint(checkpoint, model)
+    _, heldout = build.build_prompts(cfg, tokenizer)
+    result = build.build_evaluator(cfg, model, tokenizer, heldout)()
     result["eval/prompts"] = len(heldout)
     return result
 
@@ -202,8 +234,10 @@ def cmd_evaluate(cfg: TrainConfig, target: str, as_json: bool = False) -> int:
     if as_json:
         print(json.dumps({"policy": str(checkpoint or policy_dir), **result}))
     else:
-        print(f"held-out accuracy {result['eval/accuracy']:.3f} (mean reward {result['eval/reward_mean']:.3f}) on "
-              f"{result['eval/prompts']} {cfg.data.task} prompts — {checkpoint or policy_dir}")
+        print(
+            f"held-out accuracy {result['eval/accuracy']:.3f} (mean reward {result['eval/reward_mean']:.3f}) on "
+            f"{result['eval/prompts']} {cfg.data.task} prompts — {checkpoint or policy_dir}"
+        )
     return 0
 
 

@@ -48,5 +48,4 @@ def load_parameters(file: str) -> dict[str, Any]:
     if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
         raise ConfigError(f"{path}: 'overrides' must be a list of 'dotted.key=value' strings")
     cfg = load_config(config_file, overrides)
-    return {"config": cfg.model_dump(mode="json"), "resume_from": spec.get("resume_from"),
-            "directory": str(REPO_ROOT)}
+    return {"config": cfg.model_dump(mode="json"), "resume_from": spec.get("resume_from"), "directory": str(REPO_ROOT)}

@@ -1,60 +1,48 @@
 """The training flow: launch the Ray runtime, supervise it to cfg.trainer.total_steps, record everything.
 
-    launch (task) -> evaluate at start (task) -> start the loops
-    every supervision.supervise_interval_s (sync mode: every lockstep step):
-        poll stats -> log metrics to MLflow -> health checks and their actions (sync weights, throttle,
-        top up prompts, fail) -> checkpoint every tracking.checkpoint_every steps (task) -> evaluate every
-        tracking.eval_every steps (task) -> progress artifact and a progress line
-    final checkpoint, held-out evaluation, HF export, model + plots to MLflow, summary and health-event
-    artifacts -> teardown (task)
+    launch (task) -> open the MLflow run (task) -> evaluate at the start (task)
+    supervise: every supervision.supervise_interval_s (sync mode: every lockstep step), one Supervisor
+        tick (poll, health checks and their actions: sync weights, throttle, top up prompts, fail), then
+        metrics to MLflow, a checkpoint every tracking.checkpoint_every steps (task), an evaluation every
+        tracking.eval_every steps (task), the progress artifact and a progress line
+    finish: final evaluation, checkpoint, HF export, model + plots to MLflow, summary and health-event
+        artifacts -> teardown (task)
 
-The runtime is torn down on success, failure and cancellation (try/finally in the flow; the flow hooks
-cover what escapes it), and the MLflow run ends FINISHED, FAILED or KILLED to match the flow run.
+Cleanup has one mechanism, `RunResources`: whatever the flow started is released when the flow body
+leaves, however it leaves (success, failure, Ctrl-C, a worker's cancellation SIGTERM), and the MLflow run
+ends FINISHED, FAILED or KILLED to match the flow run.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from prefect import flow, get_run_logger
-from prefect.artifacts import (create_link_artifact, create_markdown_artifact, create_progress_artifact,
-                               create_table_artifact, update_progress_artifact)
+from prefect.artifacts import (
+    create_link_artifact,
+    create_markdown_artifact,
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
 from prefect.exceptions import TerminationSignal
 from prefect.runtime import flow_run as current_flow_run
 from prefect.states import Cancelled
 
 from rlhf_core.config import TrainConfig, validate_config
+from rlhf_core.supervision import HealthEvent, Supervisor
 from tasks.checkpoints import ResumeTarget, export_policy, resolve_resume, save_checkpoint
 from tasks.cluster import evaluate_heldout, launch_runtime, teardown_runtime
-from tasks.supervision import CancelWatch, HealthMonitor, SupervisionError, event_rows, progress_line
+from tasks.supervision import CancelWatch, event_rows, progress_line
 from tasks.tracking import MlflowTracker, log_model, log_plots, run_url, start_tracking, ui_command
 
-# Live runtimes and trackers by flow run id, so that the state hooks can clean up whatever the flow body's
-# own try/finally did not (it normally does; the hooks are the second line).
-_LIVE: dict[str, dict[str, Any]] = {}
 CANCEL_CHECK_INTERVAL_S = 1.0
 HEARTBEAT_S = 30.0
 
 
-def _release(flow_run_id: str, status: str) -> None:
-    live = _LIVE.pop(flow_run_id, {})
-    runtime, tracker = live.get("runtime"), live.get("tracker")
-    if runtime is not None:
-        runtime.teardown()
-    if tracker is not None:
-        tracker.end(status)
-
-
-def _hook(status: str):
-    def hook(flow, flow_run, state) -> None:
-        _release(str(flow_run.id), status)
-    hook.__name__ = f"release_runtime_{status.lower()}"
-    return hook
-
-
-@flow(name="atrlhf-train", validate_parameters=False, log_prints=True,
-      on_failure=[_hook("FAILED")], on_crashed=[_hook("FAILED")], on_cancellation=[_hook("KILLED")])
+@flow(name="atrlhf-train", validate_parameters=False, log_prints=True)
 def train(config: TrainConfig = TrainConfig(), resume_from: Optional[str] = None) -> dict:
     """Asynchronous (or lockstep) RL fine-tuning of a language model on Ray, supervised by Prefect.
 
@@ -70,44 +58,85 @@ def train(config: TrainConfig = TrainConfig(), resume_from: Optional[str] = None
     flow_run_id = str(current_flow_run.id) if current_flow_run.id else ""
     resume = resolve_resume(cfg, resume_from)
 
-    runtime = tracker = None
-    status = "FAILED"
-    try:
-        runtime, info = launch_runtime(cfg, resume.checkpoint)
-        _LIVE[flow_run_id] = {"runtime": runtime}
-        tracker = start_tracking(cfg, flow_run_id, resume.mlflow_run_id,
-                                 tags={"prefect.flow_run_name": current_flow_run.name or "",
-                                       "resumed_from": resume_from or ""})
-        _LIVE[flow_run_id]["tracker"] = tracker
-        _link_mlflow_run(tracker, flow_run_id, logger)
+    with RunResources(logger) as resources:
+        resources.runtime, info = launch_runtime(cfg, resume.checkpoint)
+        resources.tracker = start_tracking(
+            cfg,
+            flow_run_id,
+            resume.mlflow_run_id,
+            tags={"prefect.flow_run_name": current_flow_run.name or "", "resumed_from": resume_from or ""},
+        )
+        _link_mlflow_run(resources.tracker, flow_run_id, logger)
+        run = RunState(cfg, resources.runtime, resources.tracker, logger, step=info["step"])
 
-        result = _supervise(cfg, runtime, tracker, info, resume, logger, CancelWatch(flow_run_id))
-        if result is None:
-            status = "KILLED"
-            return Cancelled(message="Flow run was cancelled; the runtime was torn down and the MLflow run ended KILLED.")
-        teardown_runtime(runtime)
+        evaluate_at_start(run, resume)
+        if not supervise(run, CancelWatch(flow_run_id)):
+            resources.status = "KILLED"
+            return Cancelled(
+                message="Flow run was cancelled; the runtime was torn down and the MLflow run ended KILLED."
+            )
+        result = finish(run)
+        teardown_runtime(run.runtime)
         result["flow_run_id"] = flow_run_id
-        status = "FINISHED"
+        resources.status = "FINISHED"
         return result
-    except (KeyboardInterrupt, TerminationSignal, SystemExit):
-        status = "KILLED"
-        logger.warning("interrupted: tearing down the runtime and ending the MLflow run as KILLED")
-        raise
-    except BaseException as exc:
-        logger.error("run failed: %s: %s", type(exc).__name__, exc)
-        if tracker is not None:
-            try:
-                tracker.set_tags({"error": f"{type(exc).__name__}: {exc}"[:5000]})
-            except Exception:
-                pass
-        raise
-    finally:
-        # the MLflow status first (one quick write): a worker kills the process if teardown outlasts its grace period
-        if tracker is not None:
-            _shielded(lambda: tracker.end(status), logger, "ending the MLflow run")
-        if runtime is not None:
-            _shielded(runtime.teardown, logger, "teardown")  # idempotent; a no-op after the teardown task
-        _LIVE.pop(flow_run_id, None)
+
+
+@dataclass
+class RunState:
+    """One run as the flow sees it: its parts and what it has recorded so far."""
+
+    cfg: TrainConfig
+    runtime: Any  # rlhf_core.distributed.DistributedRun
+    tracker: MlflowTracker
+    logger: Any
+    step: int = 0
+    eval_start: Optional[float] = None
+    history: list[dict] = field(default_factory=list)  # per-step trainer metrics
+    evals: list[dict] = field(default_factory=list)  # held-out evaluations, with their step
+    last_metrics: dict = field(default_factory=dict)
+    final_poll: dict = field(default_factory=dict)
+    events: list[HealthEvent] = field(default_factory=list)
+
+    @property
+    def checkpoint_facts(self) -> dict:
+        """What every checkpoint records about the run, for resuming it."""
+        return {"eval_start": self.eval_start, "mlflow_run_id": self.tracker.run_id}
+
+
+class RunResources:
+    """The flow's one cleanup mechanism: the runtime and the MLflow run it started are released when the
+    flow body leaves, however it leaves. The MLflow status is written first (one quick write): a worker
+    kills the process if teardown outlasts its grace period."""
+
+    def __init__(self, logger):
+        self.logger = logger
+        self.runtime = None
+        self.tracker: Optional[MlflowTracker] = None
+        self.status = "FAILED"  # until the body says otherwise
+
+    def __enter__(self) -> RunResources:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is not None and issubclass(exc_type, (KeyboardInterrupt, TerminationSignal, SystemExit)):
+            self.status = "KILLED"
+            self.logger.warning("interrupted: tearing down the runtime and ending the MLflow run as KILLED")
+        elif exc_type is not None:
+            self.status = "FAILED"
+            self.logger.error("run failed: %s: %s", exc_type.__name__, exc)
+            if self.tracker is not None:
+                _shielded(
+                    lambda: self.tracker.set_tags({"error": f"{exc_type.__name__}: {exc}"[:5000]}),
+                    self.logger,
+                    "tagging the MLflow run with the error",
+                )
+        if self.tracker is not None:
+            tracker, status = self.tracker, self.status
+            _shielded(lambda: tracker.end(status), self.logger, "ending the MLflow run")
+        if self.runtime is not None:
+            _shielded(self.runtime.teardown, self.logger, "teardown")  # idempotent; a no-op after the teardown task
+        return False
 
 
 def _shielded(fn, logger, what: str, attempts: int = 3) -> None:
@@ -124,130 +153,162 @@ def _shielded(fn, logger, what: str, attempts: int = 3) -> None:
             return
 
 
-def _supervise(cfg: TrainConfig, runtime, tracker: MlflowTracker, info: dict, resume: ResumeTarget, logger,
-               cancel: CancelWatch) -> Optional[dict]:
-    """Poll, act and record until the trainer reaches total_steps. Returns None when the run was cancelled."""
-    total = cfg.trainer.total_steps
-    sync_mode = cfg.runtime.mode == "sync"
-    step = info["step"]
-    monitor = HealthMonitor(cfg, start_step=step)
-    history: list[dict] = []
-    evals: list[dict] = []
-    progress_id = create_progress_artifact(progress=100.0 * step / total, key="atrlhf-progress",
-                                           description=f"trainer steps out of {total}")
-
+# ------------------------------------------------------------------------------------------- the run
+def evaluate_at_start(run: RunState, resume: ResumeTarget) -> None:
+    """Held-out accuracy before training (on resume: the value the original run recorded)."""
     if resume.eval_start is not None:
-        eval_start = resume.eval_start
-    else:
-        first = evaluate_heldout(runtime, step)
-        eval_start = first["eval/accuracy"]
-        evals.append({**first, "step": step})
-        tracker.log_metrics_at({**first, "eval/accuracy_start": eval_start}, step)
-    ckpt_extra = {"eval_start": eval_start, "mlflow_run_id": tracker.run_id}
+        run.eval_start = resume.eval_start
+        return
+    first = evaluate_heldout(run.runtime, run.step)
+    run.eval_start = first["eval/accuracy"]
+    run.evals.append({**first, "step": run.step})
+    run.tracker.log_metrics_at({**first, "eval/accuracy_start": run.eval_start}, run.step)
 
-    def next_multiple(every: int, current: int) -> Optional[int]:
-        return (current // every + 1) * every if every else None
 
-    next_ckpt = next_multiple(cfg.tracking.checkpoint_every, step)
-    next_eval = next_multiple(cfg.tracking.eval_every, step)
-    next_log = next_multiple(cfg.run.log_every, step)
+def supervise(run: RunState, cancel: CancelWatch) -> bool:
+    """Poll, act and record until the trainer reaches total_steps. Returns False when the run was cancelled."""
+    cfg, total = run.cfg, run.cfg.trainer.total_steps
+    supervisor = Supervisor(cfg, run.runtime, start_step=run.step, report=lambda ev: _log_event(run.logger, ev))
+    run.events = supervisor.events
+    checkpoints, evaluations = Every(cfg.tracking.checkpoint_every, run.step), Every(cfg.tracking.eval_every, run.step)
+    lines = Every(cfg.run.log_every, run.step)
+    progress_id = create_progress_artifact(
+        progress=100.0 * run.step / total, key="atrlhf-progress", description=f"trainer steps out of {total}"
+    )
     last_line = last_cancel_check = time.monotonic()
-    last_metrics: dict = {}
 
-    logger.info("training %s mode to step %d (from step %d); loss %s, %d rollout worker(s)", cfg.runtime.mode, total,
-                step, cfg.algorithm.loss, cfg.rollout.num_workers)
-    runtime.start()
+    run.logger.info(
+        "training %s mode to step %d (from step %d); loss %s, %d rollout worker(s)",
+        cfg.runtime.mode,
+        total,
+        run.step,
+        cfg.algorithm.loss,
+        cfg.rollout.num_workers,
+    )
+    run.runtime.start()
     while True:
-        runtime.advance()  # sync mode: one lockstep generate -> train -> sync step; async: nothing
-        poll = runtime.poll()
-        step = poll["step"]
-        if poll["metrics"]:
-            history.extend(poll["metrics"])
-            tracker.log_metrics(poll["metrics"])
-            last_metrics = poll["metrics"][-1]
-
-        decision = monitor.check(poll)
-        for ev in decision.events:
-            level = {"error": logger.error, "warning": logger.warning}.get(ev.severity, logger.info)
-            level("health: %s at step %d -> %s: %s", ev.kind, ev.step, ev.action, ev.detail)
-        if decision.fail:
-            raise SupervisionError(decision.fail)
-        if decision.request_sync:
-            runtime.request_sync()
-        if decision.throttle is not None:
-            runtime.throttle(decision.throttle)
-        if decision.admission_window is not None:
-            runtime.set_admission_window(decision.admission_window)
-        if not sync_mode and not monitor.throttled:
-            runtime.top_up_prompts(decision.top_up)
-
-        if next_ckpt is not None and step >= next_ckpt and step < total:
-            save_checkpoint(runtime, cfg, step, tracker, extra=ckpt_extra)
-            next_ckpt = next_multiple(cfg.tracking.checkpoint_every, step)
-        if next_eval is not None and step >= next_eval and step < total:
-            ev = evaluate_heldout(runtime, step)
-            evals.append({**ev, "step": step})
-            tracker.log_metrics_at(ev, step)
-            next_eval = next_multiple(cfg.tracking.eval_every, step)
+        poll = supervisor.tick()
+        _record(run, poll)
+        if checkpoints.due(run.step) and run.step < total:
+            save_checkpoint(run.runtime, cfg, run.step, run.tracker, run=run.checkpoint_facts)
+        if evaluations.due(run.step) and run.step < total:
+            _evaluate(run)
 
         now = time.monotonic()
-        if (next_log is not None and step >= next_log) or poll["done"] or now - last_line > HEARTBEAT_S:
-            logger.info(progress_line(step, total, last_metrics, evals[-1] if evals else None, poll))
-            update_progress_artifact(artifact_id=progress_id, progress=100.0 * min(step, total) / total)
-            next_log = next_multiple(cfg.run.log_every, step)
+        if lines.due(run.step) or poll["done"] or now - last_line > HEARTBEAT_S:
+            run.logger.info(
+                progress_line(run.step, total, run.last_metrics, run.evals[-1] if run.evals else None, poll)
+            )
+            update_progress_artifact(artifact_id=progress_id, progress=100.0 * min(run.step, total) / total)
             last_line = now
         if poll["done"]:
             break
         if now - last_cancel_check > CANCEL_CHECK_INTERVAL_S:
             last_cancel_check = now
             if cancel.requested():
-                logger.warning("cancellation requested at step %d: stopping the loops", step)
-                runtime.stop()
-                return None
-        if not sync_mode:
+                run.logger.warning("cancellation requested at step %d: stopping the loops", run.step)
+                run.runtime.stop()
+                return False
+        if cfg.runtime.mode == "async":
             time.sleep(cfg.supervision.supervise_interval_s)
 
-    runtime.stop()
-    final_poll = runtime.poll()
-    if final_poll["metrics"]:
-        history.extend(final_poll["metrics"])
-        tracker.log_metrics(final_poll["metrics"])
-        last_metrics = final_poll["metrics"][-1]
-    step = final_poll["step"]
+    run.runtime.stop()
+    _record(run, run.runtime.poll())
     update_progress_artifact(artifact_id=progress_id, progress=100.0)
-    return _finish(cfg, runtime, tracker, step, eval_start, last_metrics, history, evals, monitor, final_poll, ckpt_extra,
-                   logger)
+    return True
 
 
-def _finish(cfg, runtime, tracker: MlflowTracker, step: int, eval_start: float, last_metrics: dict, history: list,
-            evals: list, monitor: HealthMonitor, final_poll: dict, ckpt_extra: dict, logger) -> dict:
-    """Final evaluation, checkpoint, export and records."""
-    final_eval = evaluate_heldout(runtime, step)
-    evals.append({**final_eval, "step": step})
-    tracker.log_metrics_at(final_eval, step)
-    checkpoint = save_checkpoint(runtime, cfg, step, tracker, extra=ckpt_extra)
-    exported = export_policy(runtime, cfg)
+def finish(run: RunState) -> dict:
+    """Final evaluation, checkpoint, export and records; returns the run's result."""
+    cfg, tracker = run.cfg, run.tracker
+    final_eval = _evaluate(run)
+    checkpoint = save_checkpoint(run.runtime, cfg, run.step, tracker, run=run.checkpoint_facts)
+    exported = export_policy(run.runtime, cfg)
     if cfg.tracking.log_model:
         log_model(tracker, exported)
-    log_plots(tracker, history, (final_poll.get("trainer") or {}).get("staleness_hist") or {}, evals)
-    rows = event_rows(monitor.events)
+    log_plots(tracker, run.history, (run.final_poll.get("trainer") or {}).get("staleness_hist") or {}, run.evals)
+    rows = event_rows(run.events)
     tracker.log_dict(rows, "health_events.json")
 
-    result = {k: v for k, v in last_metrics.items() if isinstance(v, (int, float))}
+    result = {k: v for k, v in run.last_metrics.items() if isinstance(v, (int, float))}
     result.update(final_eval)
-    result.update({"eval/accuracy_start": eval_start, "steps": step, "mlflow_run_id": tracker.run_id,
-                   "mlflow_experiment_id": tracker.experiment_id, "mlflow_tracking_uri": tracker.uri,
-                   "checkpoint": checkpoint, "export": exported, "health_events": len(rows)})
-    tracker.log_metrics_at({"eval/accuracy_start": eval_start}, step)
+    result.update(
+        {
+            "eval/accuracy_start": run.eval_start,
+            "steps": run.step,
+            "mlflow_run_id": tracker.run_id,
+            "mlflow_experiment_id": tracker.experiment_id,
+            "mlflow_tracking_uri": tracker.uri,
+            "checkpoint": checkpoint,
+            "export": exported,
+            "health_events": len(rows),
+        }
+    )
+    tracker.log_metrics_at({"eval/accuracy_start": run.eval_start}, run.step)
 
-    create_table_artifact(table=rows or [{"step": step, "kind": "none", "severity": "info", "action": "none",
-                                          "detail": "no health events", "time": ""}],
-                          key="atrlhf-health-events", description="Health events found by the supervising flow")
-    create_markdown_artifact(markdown=_summary_markdown(cfg, result, tracker), key="atrlhf-summary",
-                             description="Run summary")
-    logger.info("done: step %d, held-out accuracy %.3f (start %.3f); MLflow run %s; policy exported to %s", step,
-                result["eval/accuracy"], eval_start, tracker.run_id, exported)
+    create_table_artifact(
+        table=rows
+        or [
+            {
+                "step": run.step,
+                "kind": "none",
+                "severity": "info",
+                "action": "none",
+                "detail": "no health events",
+                "time": "",
+            }
+        ],
+        key="atrlhf-health-events",
+        description="Health events found by the supervising flow",
+    )
+    create_markdown_artifact(
+        markdown=_summary_markdown(cfg, result, tracker), key="atrlhf-summary", description="Run summary"
+    )
+    run.logger.info(
+        "done: step %d, held-out accuracy %.3f (start %.3f); MLflow run %s; policy exported to %s",
+        run.step,
+        result["eval/accuracy"],
+        run.eval_start,
+        tracker.run_id,
+        exported,
+    )
     return result
+
+
+# ------------------------------------------------------------------------------------------- helpers
+class Every:
+    """Fires at the first step at or after each multiple of `every`; never when every is 0."""
+
+    def __init__(self, every: int, step: int):
+        self.every = every
+        self.next = (step // every + 1) * every if every else None
+
+    def due(self, step: int) -> bool:
+        if self.next is None or step < self.next:
+            return False
+        self.next = (step // self.every + 1) * self.every
+        return True
+
+
+def _record(run: RunState, poll: dict) -> None:
+    """A poll's step and trainer metrics into the run state and MLflow."""
+    run.step, run.final_poll = poll["step"], poll
+    if poll["metrics"]:
+        run.history.extend(poll["metrics"])
+        run.tracker.log_metrics(poll["metrics"])
+        run.last_metrics = poll["metrics"][-1]
+
+
+def _evaluate(run: RunState) -> dict:
+    result = evaluate_heldout(run.runtime, run.step)
+    run.evals.append({**result, "step": run.step})
+    run.tracker.log_metrics_at(result, run.step)
+    return result
+
+
+def _log_event(logger, ev: HealthEvent) -> None:
+    level = {"error": logger.error, "warning": logger.warning}.get(ev.severity, logger.info)
+    level("health: %s at step %d -> %s: %s", ev.kind, ev.step, ev.action, ev.detail)
 
 
 def _link_mlflow_run(tracker: MlflowTracker, flow_run_id: str, logger) -> None:
@@ -262,10 +323,19 @@ def _link_mlflow_run(tracker: MlflowTracker, flow_run_id: str, logger) -> None:
                 client.update_flow_run(flow_run_id, tags=sorted(set(fr.tags) | {f"mlflow-run:{tracker.run_id}"}))
         except Exception as exc:  # cosmetic; never fail a run over a tag
             logger.warning("could not tag the flow run with the MLflow run id: %s", exc)
-    create_link_artifact(link=url, link_text=f"MLflow run {tracker.run_id}", key="atrlhf-mlflow-run",
-                         description=f"MLflow run of this flow run (store {tracker.uri}; open with `{ui_command(tracker.uri)}`)")
-    logger.info("MLflow run %s in experiment %s (%s); UI: %s", tracker.run_id, tracker.experiment_id, tracker.uri,
-                ui_command(tracker.uri))
+    create_link_artifact(
+        link=url,
+        link_text=f"MLflow run {tracker.run_id}",
+        key="atrlhf-mlflow-run",
+        description=f"MLflow run of this flow run (store {tracker.uri}; open with `{ui_command(tracker.uri)}`)",
+    )
+    logger.info(
+        "MLflow run %s in experiment %s (%s); UI: %s",
+        tracker.run_id,
+        tracker.experiment_id,
+        tracker.uri,
+        ui_command(tracker.uri),
+    )
 
 
 def _fmt(value: Any) -> str:
@@ -273,22 +343,39 @@ def _fmt(value: Any) -> str:
 
 
 def _summary_markdown(cfg: TrainConfig, result: dict, tracker: MlflowTracker) -> str:
-    keys = ["eval/accuracy_start", "eval/accuracy", "eval/reward_mean", "reward/mean", "loss/policy", "policy/entropy",
-            "async/staleness_mean", "throughput/samples_per_s", "steps", "health_events"]
+    keys = [
+        "eval/accuracy_start",
+        "eval/accuracy",
+        "eval/reward_mean",
+        "reward/mean",
+        "loss/policy",
+        "policy/entropy",
+        "async/staleness_mean",
+        "throughput/samples_per_s",
+        "steps",
+        "health_events",
+    ]
     rows = "\n".join(f"| `{k}` | {_fmt(result[k])} |" for k in keys if k in result)
     url = run_url(tracker.uri, tracker.experiment_id, tracker.run_id)
-    return f"""# AsyncTensorRLHF run summary
-
-**{cfg.algorithm.loss}** in **{cfg.runtime.mode}** mode, task `{cfg.data.task}`, model `{cfg.model.path or 'tiny default'}`,
-{cfg.trainer.total_steps} trainer steps.
-
-| metric | value |
-|---|---|
-{rows}
-
-- MLflow run: `{tracker.run_id}` (experiment `{cfg.tracking.experiment}`, store `{tracker.uri}`): [{url}]({url})
-  — open the UI with `{ui_command(tracker.uri)}`
-- Final checkpoint: `{result['checkpoint']}`
-- Exported policy (Hugging Face directory): `{result['export']}`
-""" + (f"""- Load the logged model: `from tasks.tracking import load_logged_policy; model, tok = load_logged_policy("{tracker.run_id}", "{tracker.uri}")`
-""" if cfg.tracking.log_model else "")
+    model = cfg.model.path or "tiny default"
+    lines = [
+        "# AsyncTensorRLHF run summary",
+        "",
+        f"**{cfg.algorithm.loss}** in **{cfg.runtime.mode}** mode, task `{cfg.data.task}`, model `{model}`, "
+        f"{cfg.trainer.total_steps} trainer steps.",
+        "",
+        "| metric | value |",
+        "|---|---|",
+        rows,
+        "",
+        f"- MLflow run: `{tracker.run_id}` (experiment `{cfg.tracking.experiment}`, store `{tracker.uri}`): "
+        f"[{url}]({url}) — open the UI with `{ui_command(tracker.uri)}`",
+        f"- Final checkpoint: `{result['checkpoint']}`",
+        f"- Exported policy (Hugging Face directory): `{result['export']}`",
+    ]
+    if cfg.tracking.log_model:
+        lines.append(
+            f"- Load the logged model: `from tasks.tracking import load_logged_policy; "
+            f'model, tok = load_logged_policy("{tracker.run_id}", "{tracker.uri}")`'
+        )
+    return "\n".join(lines) + "\n"

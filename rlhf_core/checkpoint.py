@@ -1,13 +1,18 @@
-"""Checkpoints: one directory holds everything needed to resume.
+"""Checkpoints: one layout for every kind of run, written and read by this module only.
 
     <dir>/policy.safetensors   policy weights (safetensors; shared/tied tensors handled)
-    <dir>/state.pt             optimizer, scheduler, versions, step, RNG states, data position (torch.save,
-                               read back with weights_only=True)
-    <dir>/meta.json            format version, step, version, parameter names and shapes (checked on load)
+    <dir>/state.pt             CheckpointState: trainer (optimizer, scheduler, version, step), data position
+                               (prompt source and queued prompts), RNG states (trainer process and each
+                               rollout engine), run facts (held-out accuracy at the start, MLflow run id)
+                               (torch.save, read back with weights_only=True)
+    <dir>/meta.json            layout version, step, version, parameter names and shapes (checked on load)
+    <dir>/train_config.yaml    the full TrainConfig of the run that wrote it
 
-A checkpoint is written to a temporary sibling directory and renamed into place, so a crash mid-write
-never leaves a half checkpoint under the final name. Loading validates every file and the parameter
-names/shapes against the model BEFORE anything is overwritten.
+The single-process loop and the Ray runtime write the same layout, so either resumes from the other's
+checkpoint. A checkpoint is written to a temporary sibling directory and renamed into place, so a crash
+mid-write never leaves a half checkpoint under the final name. Loading validates every file and the
+parameter names and shapes against the model BEFORE anything is overwritten; a checkpoint of an older
+layout fails with a message that says so.
 """
 
 from __future__ import annotations
@@ -15,17 +20,39 @@ from __future__ import annotations
 import json
 import random
 import shutil
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import numpy as np
 import torch
+import yaml
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+CONFIG_FILE = "train_config.yaml"
 
 
 class CheckpointError(ValueError):
     """A checkpoint is missing, corrupt, or does not match the model or run it is loaded into."""
+
+
+@dataclass
+class CheckpointState:
+    """Everything but the weights. Every value is a tensor or a plain Python type (weights_only-safe)."""
+
+    trainer: dict  # Trainer.state_dict(): optimizer, scheduler, version, step
+    data: dict  # PromptQueue.state_dict(): source position, queued prompt uids
+    rng: dict  # {"trainer": capture_rng(), "rollout": [engine generator states]}
+    run: dict = field(default_factory=dict)  # eval_start, mlflow_run_id, ...: facts of the run so far
+    config: Optional[dict] = None  # the TrainConfig (model_dump(mode="json")) that wrote it
+
+    @property
+    def step(self) -> int:
+        return int(self.trainer.get("step", 0))
+
+    @property
+    def version(self) -> int:
+        return int(self.trainer.get("version", 0))
 
 
 def capture_rng(extra_generators: Optional[dict[str, torch.Generator]] = None) -> dict:
@@ -34,7 +61,13 @@ def capture_rng(extra_generators: Optional[dict[str, torch.Generator]] = None) -
     np_state = np.random.get_state()
     state = {
         "python": [py_state[0], list(py_state[1]), py_state[2]],
-        "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+        "numpy": [
+            np_state[0],
+            torch.from_numpy(np_state[1].astype(np.int64)),
+            int(np_state[2]),
+            int(np_state[3]),
+            float(np_state[4]),
+        ],
         "torch": torch.get_rng_state(),
         "generators": {k: g.get_state() for k, g in (extra_generators or {}).items()},
     }
@@ -60,8 +93,8 @@ def _param_shapes(model) -> dict[str, list[int]]:
     return {k: list(v.shape) for k, v in model.state_dict().items()}
 
 
-def save_checkpoint(path: str | Path, model, state: dict[str, Any]) -> Path:
-    """Write weights + `state` (trainer/data/rng/anything weights_only-safe) atomically to directory `path`."""
+def save_checkpoint(path: str | Path, model, state: CheckpointState) -> Path:
+    """Write the weights and `state` atomically to directory `path` (replacing what is there)."""
     from safetensors.torch import save_model
 
     final = Path(path)
@@ -70,10 +103,18 @@ def save_checkpoint(path: str | Path, model, state: dict[str, Any]) -> Path:
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     save_model(model, str(tmp / "policy.safetensors"))
-    torch.save(state, tmp / "state.pt")
-    meta = {"format_version": FORMAT_VERSION, "step": state.get("trainer", {}).get("step"),
-            "version": state.get("trainer", {}).get("version"), "params": _param_shapes(model)}
+    body = asdict(state)
+    config = body.pop("config")
+    torch.save(body, tmp / "state.pt")
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "step": state.step,
+        "version": state.version,
+        "params": _param_shapes(model),
+    }
     (tmp / "meta.json").write_text(json.dumps(meta))
+    if config is not None:
+        (tmp / CONFIG_FILE).write_text(yaml.safe_dump(config, sort_keys=False))
     if final.exists():
         old = final.with_name(final.name + ".old")
         if old.exists():
@@ -86,11 +127,12 @@ def save_checkpoint(path: str | Path, model, state: dict[str, Any]) -> Path:
     return final
 
 
-def read_checkpoint(path: str | Path, model=None) -> tuple[dict, Optional[dict]]:
+def read_checkpoint(path: str | Path, model=None) -> tuple[CheckpointState, Optional[dict]]:
     """Validate and read a checkpoint without touching any live object.
 
-    Returns (state, weights): the state dict, and the weights as a state dict when `model` is given (its
-    names and shapes checked against the model). Raises CheckpointError naming the file and the problem.
+    Returns (state, weights): the CheckpointState, and the weights as a state dict when `model` is given
+    (their names and shapes checked against the model). Raises CheckpointError naming the file and the
+    problem.
     """
     from safetensors import SafetensorError
     from safetensors.torch import load_file
@@ -105,12 +147,31 @@ def read_checkpoint(path: str | Path, model=None) -> tuple[dict, Optional[dict]]
         meta = json.loads((p / "meta.json").read_text())
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"{p / 'meta.json'} is corrupt: {exc}") from exc
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"{p / 'meta.json'}: format_version {meta.get('format_version')!r}, expected {FORMAT_VERSION}")
+    layout = meta.get("format_version")
+    if isinstance(layout, int) and layout < FORMAT_VERSION:
+        raise CheckpointError(
+            f"checkpoint {p} has layout version {layout}, written by an older AsyncTensorRLHF; this "
+            f"version reads layout {FORMAT_VERSION}. Resume it with the version that wrote it, or "
+            "start a new run from its weights (policy.safetensors)"
+        )
+    if layout != FORMAT_VERSION:
+        raise CheckpointError(f"{p / 'meta.json'}: format_version {layout!r}, expected {FORMAT_VERSION}")
     try:
-        state = torch.load(p / "state.pt", map_location="cpu", weights_only=True)
+        body = torch.load(p / "state.pt", map_location="cpu", weights_only=True)
     except Exception as exc:
         raise CheckpointError(f"{p / 'state.pt'} is corrupt or not a checkpoint state: {exc}") from exc
+    missing = [k for k in ("trainer", "data", "rng") if not isinstance(body, dict) or k not in body]
+    if missing:
+        raise CheckpointError(f"{p / 'state.pt'} lacks {missing}: not a checkpoint state of layout {FORMAT_VERSION}")
+    config = None
+    if (p / CONFIG_FILE).is_file():
+        try:
+            config = yaml.safe_load((p / CONFIG_FILE).read_text())
+        except yaml.YAMLError as exc:
+            raise CheckpointError(f"{p / CONFIG_FILE} is corrupt: {exc}") from exc
+    state = CheckpointState(
+        trainer=body["trainer"], data=body["data"], rng=body["rng"], run=body.get("run") or {}, config=config
+    )
     weights = None
     if model is not None:
         expected = _param_shapes(model)
@@ -119,8 +180,10 @@ def read_checkpoint(path: str | Path, model=None) -> tuple[dict, Optional[dict]]
             missing = sorted(set(expected) - set(saved))[:3]
             extra = sorted(set(saved) - set(expected))[:3]
             shape = [k for k in expected if k in saved and saved[k] != expected[k]][:3]
-            raise CheckpointError(f"checkpoint {p} does not match the model: missing {missing}, unexpected {extra}, "
-                                  f"different shapes {shape}")
+            raise CheckpointError(
+                f"checkpoint {p} does not match the model: missing {missing}, unexpected {extra}, "
+                f"different shapes {shape}"
+            )
         try:
             weights = load_file(str(p / "policy.safetensors"), device="cpu")
         except (SafetensorError, OSError, Exception) as exc:
@@ -130,8 +193,10 @@ def read_checkpoint(path: str | Path, model=None) -> tuple[dict, Optional[dict]]
         bad = [k for k, v in weights.items() if list(v.shape) != expected.get(k)]
         missing = [k for k in expected if k not in weights and not _is_tied(model, k, weights)]
         if bad or missing:
-            raise CheckpointError(f"{p / 'policy.safetensors'} does not match the model: unexpected or differently "
-                                  f"shaped tensors {bad[:3]}, missing {missing[:3]}")
+            raise CheckpointError(
+                f"{p / 'policy.safetensors'} does not match the model: unexpected or differently "
+                f"shaped tensors {bad[:3]}, missing {missing[:3]}"
+            )
     return state, weights
 
 
@@ -141,7 +206,9 @@ def load_weights_into(model, weights: dict[str, torch.Tensor]) -> None:
     tied = set(getattr(model, "_tied_weights_keys", None) or [])
     real_missing = [k for k in missing if k not in tied and not _is_tied(model, k, weights)]
     if real_missing or unexpected:
-        raise CheckpointError(f"weights do not fit the model: missing {real_missing[:3]}, unexpected {list(unexpected)[:3]}")
+        raise CheckpointError(
+            f"weights do not fit the model: missing {real_missing[:3]}, unexpected {list(unexpected)[:3]}"
+        )
 
 
 def _is_tied(model, key: str, weights: dict) -> bool:
@@ -149,3 +216,10 @@ def _is_tied(model, key: str, weights: dict) -> bool:
     sd = model.state_dict()
     ptr = sd[key].data_ptr()
     return any(sd[k].data_ptr() == ptr for k in weights if k in sd)
+
+
+def load_checkpoint(path: str | Path, model) -> CheckpointState:
+    """Validate the whole checkpoint, then copy its weights into `model`; returns the rest for the caller."""
+    state, weights = read_checkpoint(path, model)
+    load_weights_into(model, weights)
+    return state

@@ -10,8 +10,9 @@ Bad input fails with `ConfigError`, whose message names the dotted field path an
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable, Literal, Optional
+from typing import Any, Literal, Optional
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -28,41 +29,109 @@ class _Section(BaseModel):
 class AlgorithmConfig(_Section):
     """Policy loss and advantage estimator."""
 
-    loss: Literal["grpo", "ppo", "m2po"] = Field("grpo", description="Policy loss, by name from rlhf_core.algorithms.POLICY_LOSSES.")
-    advantage: Literal["grpo", "rloo"] = Field("grpo", description="Advantage estimator, by name from rlhf_core.algorithms.ADVANTAGE_ESTIMATORS.")
-    adv_scale: Literal["group", "batch", "none"] = Field("group", description="GRPO advantage normalisation: group std, batch std, or none (Dr.GRPO).")
-    adv_eps: float = Field(1e-6, gt=0, description="Added to the std when normalising advantages.")
-    clip_eps: Optional[float] = Field(0.2, gt=0, lt=1, description="PPO clip range (lower, and upper unless clip_eps_high is set); M2PO clips only when set.")
-    clip_eps_high: Optional[float] = Field(None, gt=0, description="Upper clip range (DAPO clip-higher); None uses clip_eps.")
-    dual_clip: Optional[float] = Field(None, gt=1, description="Dual-clip constant c > 1 bounding the loss of negative-advantage tokens; None disables.")
-    m2_threshold: float = Field(0.04, gt=0, description="M2PO bound on the mean squared log-ratio over candidate tokens.")
-    masking: Literal["trust_region", "ratio_sq"] = Field("trust_region", description="M2PO masking: Algorithm 1 of arXiv 2510.01161, or the seed's r^2 < threshold rule.")
-    ratio_sq_threshold: float = Field(4.0, gt=0, description="M2PO 'ratio_sq' masking: keep tokens with r^2 below this.")
+    loss: Literal["grpo", "ppo", "m2po"] = Field(
+        "grpo", description="Policy loss, by name from rlhf_core.algorithms.POLICY_LOSSES."
+    )
+    advantage: Literal["grpo", "rloo"] = Field(
+        "grpo", description="Advantage estimator, by name from rlhf_core.algorithms.ADVANTAGE_ESTIMATORS."
+    )
+    adv_scale: Literal["group", "batch", "none"] = Field(
+        "group",
+        description="GRPO advantage normalisation: group std, batch std, or none (Dr.GRPO). Not for advantage 'rloo'.",
+    )
+    adv_eps: float = Field(
+        1e-6, gt=0, description="Added to the std when normalising GRPO advantages. Not for advantage 'rloo'."
+    )
+    clip_eps: Optional[float] = Field(
+        0.2,
+        gt=0,
+        lt=1,
+        description="PPO clip range (lower, and upper unless clip_eps_high is set); M2PO clips only when set.",
+    )
+    clip_eps_high: Optional[float] = Field(
+        None, gt=0, description="Upper clip range (DAPO clip-higher); None uses clip_eps."
+    )
+    dual_clip: Optional[float] = Field(
+        None,
+        gt=1,
+        description="Dual-clip constant c > 1 bounding the loss of negative-advantage tokens; None disables.",
+    )
+    m2_threshold: float = Field(
+        0.04, gt=0, description="M2PO bound on the mean squared log-ratio over candidate tokens."
+    )
+    masking: Literal["trust_region", "ratio_sq"] = Field(
+        "trust_region",
+        description="M2PO masking: Algorithm 1 of arXiv 2510.01161, or the r^2 < ratio_sq_threshold rule; computed over the whole step's batch.",
+    )
+    ratio_sq_threshold: float = Field(
+        4.0, gt=0, description="M2PO 'ratio_sq' masking: keep tokens with r^2 below this."
+    )
     agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = Field(
-        "token-mean", description="How per-token losses are aggregated into a scalar.")
-    importance_level: Literal["token", "sequence"] = Field("token", description="Per-token ratios (PPO) or one geometric-mean ratio per sequence (GSPO).")
-    tis_cap: Optional[float] = Field(None, gt=0, description="Truncated importance sampling cap for rollout-vs-trainer logprob mismatch; None disables.")
-    kl_coef: float = Field(0.0, ge=0, description="Weight of the KL penalty to the frozen reference policy; 0 loads no reference model.")
+        "token-mean",
+        description="How per-token losses are aggregated into a scalar ('seq-mean-token-sum-norm' divides by rows x rollout.max_new_tokens).",
+    )
+    importance_level: Literal["token", "sequence"] = Field(
+        "token", description="Per-token ratios (PPO) or one geometric-mean ratio per sequence (GSPO)."
+    )
+    tis_cap: Optional[float] = Field(
+        None,
+        gt=0,
+        description="Truncated importance sampling cap for rollout-vs-trainer logprob mismatch; None disables.",
+    )
+    kl_coef: float = Field(
+        0.0, ge=0, description="Weight of the KL penalty to the frozen reference policy; 0 loads no reference model."
+    )
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator used for the penalty.")
+
+    @model_validator(mode="after")
+    def _advantage_options(self) -> AlgorithmConfig:
+        # Options the chosen estimator would ignore are refused rather than dropped silently. A value equal
+        # to the default is let through: a config dumped whole (a checkpoint, a Prefect parameter form)
+        # lists every field, and that must stay valid.
+        if self.advantage == "rloo":
+            for name in ("adv_scale", "adv_eps"):
+                if name in self.model_fields_set and getattr(self, name) != type(self).model_fields[name].default:
+                    raise ValueError(
+                        f"algorithm.{name} has no effect with algorithm.advantage 'rloo' (RLOO's "
+                        f"leave-one-out baseline is never scaled); remove algorithm.{name} or use "
+                        "algorithm.advantage 'grpo'"
+                    )
+        return self
+
+
+REWARD_COMPONENT_NAMES: tuple[str, ...] = ("exact_match", "contains", "answer_after_marker", "format", "length_penalty")
+"""The built-in reward components, named here so that validating a config does not import torch (they are
+the keys of rlhf_core.reward.REWARD_COMPONENTS; tests/test_config.py checks the two agree)."""
 
 
 class RewardConfig(_Section):
     """Tensor-native reward: a weighted sum of named components, scored in token space."""
 
-    components: dict[str, float] = Field(default_factory=lambda: {"exact_match": 1.0},
-                                         description="Reward components by name (rlhf_core.reward.REWARD_COMPONENTS) and their weights.")
-    marker: str = Field("####", description="Text whose LAST occurrence precedes the answer, for the 'answer_after_marker' component.")
-    continuation_chars: str = Field("0123456789.,", description="Characters that may not directly follow the answer in 'answer_after_marker' ('42' must not match '421').")
-    format_sequences: list[str] = Field(default_factory=list, description="Texts that must appear in order in the response, for the 'format' component.")
-    length_target: int = Field(0, ge=0, description="Responses longer than this many tokens are penalised by the 'length_penalty' component (0 = max_new_tokens).")
+    components: dict[str, float] = Field(
+        default_factory=lambda: {"exact_match": 1.0},
+        description="Reward components by name (rlhf_core.reward.REWARD_COMPONENTS) and their weights.",
+    )
+    marker: str = Field(
+        "####", description="Text whose LAST occurrence precedes the answer, for the 'answer_after_marker' component."
+    )
+    continuation_chars: str = Field(
+        "0123456789.,",
+        description="Characters that may not directly follow the answer in 'answer_after_marker' ('42' must not match '421').",
+    )
+    format_sequences: list[str] = Field(
+        default_factory=list, description="Texts that must appear in order in the response, for the 'format' component."
+    )
+    length_target: int = Field(
+        0,
+        ge=0,
+        description="Responses longer than this many tokens are penalised by the 'length_penalty' component (0 = max_new_tokens).",
+    )
 
     @model_validator(mode="after")
-    def _known_components(self) -> "RewardConfig":
-        from rlhf_core.reward import REWARD_COMPONENTS  # late import: reward imports nothing from config
-
-        unknown = sorted(set(self.components) - set(REWARD_COMPONENTS))
+    def _known_components(self) -> RewardConfig:
+        unknown = sorted(set(self.components) - set(REWARD_COMPONENT_NAMES))
         if unknown:
-            raise ValueError(f"unknown reward component(s) {unknown}; known: {sorted(REWARD_COMPONENTS)}")
+            raise ValueError(f"unknown reward component(s) {unknown}; known: {sorted(REWARD_COMPONENT_NAMES)}")
         if not self.components:
             raise ValueError("at least one reward component is required")
         return self
@@ -71,14 +140,20 @@ class RewardConfig(_Section):
 class BufferConfig(_Section):
     """Replay buffer between rollout and trainer."""
 
-    max_size: int = Field(4096, ge=1, description="Capacity in samples; the oldest ready data is dropped (and counted) on overflow.")
+    max_size: int = Field(
+        4096, ge=1, description="Capacity in samples; the oldest ready data is dropped (and counted) on overflow."
+    )
 
 
 class ModelConfig(_Section):
     """Policy model. `path` empty builds the tiny default model for the synthetic task."""
 
-    path: str = Field("", description="Local Hugging Face model directory; empty builds the tiny default policy under run.output_dir.")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("float32", description="Parameter dtype; 'auto' takes the checkpoint's.")
+    path: str = Field(
+        "", description="Local Hugging Face model directory; empty builds the tiny default policy under run.output_dir."
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "float32", description="Parameter dtype; 'auto' takes the checkpoint's."
+    )
     device: str = Field("auto", description="'auto' (CUDA when available, else CPU), 'cpu', 'cuda' or 'cuda:N'.")
     trust_remote_code: bool = Field(False, description="Allow model code shipped inside the model directory to run.")
     gradient_checkpointing: bool = Field(False, description="Trade compute for memory in the trainer's forward pass.")
@@ -90,11 +165,20 @@ class ModelConfig(_Section):
 class DataConfig(_Section):
     """Prompt source."""
 
-    task: Literal["max3", "sum2", "jsonl"] = Field("max3", description="Synthetic task ('max3': maximum of three digits; 'sum2': a+b) or a JSONL dataset.")
-    train_path: str = Field("", description="JSONL training prompts (task 'jsonl'): one object per line with 'prompt' or 'messages', and 'answer'.")
-    eval_path: str = Field("", description="JSONL held-out prompts (task 'jsonl'); empty holds out eval_size rows of train_path.")
+    task: Literal["max3", "sum2", "jsonl"] = Field(
+        "max3", description="Synthetic task ('max3': maximum of three digits; 'sum2': a+b) or a JSONL dataset."
+    )
+    train_path: str = Field(
+        "",
+        description="JSONL training prompts (task 'jsonl'): one object per line with 'prompt' or 'messages', and 'answer'.",
+    )
+    eval_path: str = Field(
+        "", description="JSONL held-out prompts (task 'jsonl'); empty holds out eval_size rows of train_path."
+    )
     eval_size: int = Field(200, ge=1, description="Held-out prompts used for eval/accuracy.")
-    heldout_frac: float = Field(0.2, gt=0, lt=1, description="Synthetic tasks: fraction of all problems held out from training.")
+    heldout_frac: float = Field(
+        0.2, gt=0, lt=1, description="Synthetic tasks: fraction of all problems held out from training."
+    )
     max_prompt_tokens: int = Field(256, ge=1, description="Prompts longer than this are left-truncated.")
     system_prompt: str = Field("", description="System message for chat-template models (task 'jsonl').")
     seed: int = Field(0, description="Shuffling seed of the prompt source.")
@@ -103,7 +187,9 @@ class DataConfig(_Section):
 class RolloutConfig(_Section):
     """Generation."""
 
-    engine: Literal["hf", "vllm", "random"] = Field("hf", description="Rollout engine; 'random' emits uniform random tokens (load tests only).")
+    engine: Literal["hf", "vllm", "random"] = Field(
+        "hf", description="Rollout engine; 'random' emits uniform random tokens (load tests only)."
+    )
     num_workers: int = Field(1, ge=1, description="Rollout workers (Ray actors in the distributed runtime).")
     prompts_per_batch: int = Field(16, ge=1, description="Prompts per generation batch on one worker.")
     samples_per_prompt: int = Field(8, ge=1, description="Completions per prompt (the GRPO group size G).")
@@ -111,16 +197,24 @@ class RolloutConfig(_Section):
     temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
     top_k: int = Field(0, ge=0, description="Top-k sampling (0 disables).")
-    random_tokens_per_s: float = Field(0.0, ge=0, description="RandomEngine only: simulated generation rate (0 = as fast as possible).")
-    vllm_gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vLLM engine: fraction of GPU memory it may take.")
+    random_tokens_per_s: float = Field(
+        0.0, ge=0, description="RandomEngine only: simulated generation rate (0 = as fast as possible)."
+    )
+    vllm_gpu_memory_utilization: float = Field(
+        0.5, gt=0, le=1, description="vLLM engine: fraction of GPU memory it may take."
+    )
 
 
 class TrainerConfig(_Section):
     """Optimisation."""
 
     total_steps: int = Field(400, ge=1, description="Trainer steps (policy versions) in the run.")
-    prompts_per_step: int = Field(16, ge=1, description="Prompt groups consumed per trainer step (batch = prompts_per_step x samples_per_prompt).")
-    micro_batch_size: int = Field(64, ge=1, description="Sequences per forward/backward; gradients accumulate over micro-batches.")
+    prompts_per_step: int = Field(
+        16, ge=1, description="Prompt groups consumed per trainer step (batch = prompts_per_step x samples_per_prompt)."
+    )
+    micro_batch_size: int = Field(
+        64, ge=1, description="Sequences per forward/backward; gradients accumulate over micro-batches."
+    )
     lr: float = Field(3e-4, gt=0, description="AdamW peak learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.99), description="AdamW betas.")
@@ -128,24 +222,40 @@ class TrainerConfig(_Section):
     lr_schedule: Literal["constant", "cosine"] = Field("constant", description="Learning-rate schedule after warmup.")
     warmup_steps: int = Field(0, ge=0, description="Linear warmup steps.")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Cosine schedule floor as a fraction of lr.")
-    warm_start_steps: int = Field(0, ge=0, description="Supervised warm-start steps on training prompts before RL (reported openly; 0 = none).")
+    warm_start_steps: int = Field(
+        0, ge=0, description="Supervised warm-start steps on training prompts before RL (reported openly; 0 = none)."
+    )
     seed: int = Field(0, description="Seed for torch, sampling and initialisation.")
 
 
 class RuntimeConfig(_Section):
     """How rollout and training are interleaved."""
 
-    mode: Literal["sync", "async"] = Field("async", description="'sync': generate -> train -> sync in lockstep; 'async': both loops run continuously.")
-    max_staleness: int = Field(2, ge=0, description="tau_max: every consumed sample has trainer_version - sample_version <= this.")
+    mode: Literal["sync", "async"] = Field(
+        "async", description="'sync': generate -> train -> sync in lockstep; 'async': both loops run continuously."
+    )
+    max_staleness: int = Field(
+        2, ge=0, description="tau_max: every consumed sample has trainer_version - sample_version <= this."
+    )
     sync_every: int = Field(1, ge=1, description="Publish weights to rollout workers every this many trainer versions.")
-    wait_timeout_s: float = Field(120.0, gt=0, description="Longest any blocking wait may last before failing with a message naming what it waited for.")
-    prefetch: bool = Field(True, description="Async mode: the trainer takes the next batch (for version V + 1) from the buffer while step V trains.")
+    wait_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        description="Longest any blocking wait may last before failing with a message naming what it waited for.",
+    )
+    prefetch: bool = Field(
+        True,
+        description="Async mode: the trainer takes the next batch (for version V + 1) from the buffer while step V trains.",
+    )
 
 
 class ClusterConfig(_Section):
     """Ray placement. Only rlhf_core.distributed reads it."""
 
-    address: str = Field("", description="'' starts a local Ray instance; 'auto' or 'ray://host:port' joins a cluster. Defaults from RAY_ADDRESS.")
+    address: str = Field(
+        "",
+        description="'' starts a local Ray instance; 'auto' or 'ray://host:port' joins a cluster. Defaults from RAY_ADDRESS.",
+    )
     num_cpus: Optional[int] = Field(None, ge=1, description="CPUs of a local Ray instance (None = all).")
     num_gpus: Optional[int] = Field(None, ge=0, description="GPUs of a local Ray instance (None = detected).")
     rollout_cpus: float = Field(1.0, ge=0, description="CPUs per rollout worker.")
@@ -160,10 +270,17 @@ class TrackingConfig(_Section):
     """MLflow tracking, checkpoints and evaluation."""
 
     experiment: str = Field("asynctensorrlhf", description="MLflow experiment name.")
-    tracking_uri: str = Field("", description="MLflow tracking URI; empty uses MLFLOW_TRACKING_URI or sqlite:///mlflow.db in the working directory.")
+    tracking_uri: str = Field(
+        "",
+        description="MLflow tracking URI; empty uses MLFLOW_TRACKING_URI or sqlite:///mlflow.db in the working directory.",
+    )
     run_name: str = Field("", description="MLflow run name; empty lets MLflow choose.")
-    checkpoint_every: int = Field(20, ge=0, description="Checkpoint every this many trainer steps (0 = only at the end).")
-    eval_every: int = Field(20, ge=0, description="Evaluate on held-out prompts every this many steps (0 = only at start and end).")
+    checkpoint_every: int = Field(
+        20, ge=0, description="Checkpoint every this many trainer steps (0 = only at the end)."
+    )
+    eval_every: int = Field(
+        20, ge=0, description="Evaluate on held-out prompts every this many steps (0 = only at start and end)."
+    )
     log_system_metrics: bool = Field(True, description="Let MLflow sample CPU/GPU/memory during the run.")
     log_model: bool = Field(True, description="Log the final policy as an MLflow artifact that loads back.")
 
@@ -172,16 +289,24 @@ class SupervisionConfig(_Section):
     """The Prefect flow's health checks and their limits."""
 
     supervise_interval_s: float = Field(2.0, gt=0, description="Seconds between polls of the actors' stats.")
-    staleness_warn: float = Field(0.8, gt=0, le=1, description="Warn and sync sooner when mean staleness exceeds this fraction of max_staleness.")
-    nonfinite_limit: int = Field(5, ge=1, description="Fail after this many consecutive non-finite (skipped) trainer steps.")
-    stall_timeout_s: float = Field(180.0, gt=0, description="Fail when no trainer step completes for this long, naming the stuck role.")
+    staleness_warn: float = Field(
+        0.8, gt=0, le=1, description="Warn and sync sooner when mean staleness exceeds this fraction of max_staleness."
+    )
+    nonfinite_limit: int = Field(
+        5, ge=1, description="Fail after this many consecutive non-finite (skipped) trainer steps."
+    )
+    stall_timeout_s: float = Field(
+        180.0, gt=0, description="Fail when no trainer step completes for this long, naming the stuck role."
+    )
     restart_limit: int = Field(5, ge=0, description="Fail after this many rollout-worker restarts in one run.")
 
 
 class RunConfig(_Section):
     """Where outputs go."""
 
-    output_dir: str = Field("runs/tiny", description="Directory for the built tiny model, checkpoints and the exported policy.")
+    output_dir: str = Field(
+        "runs/tiny", description="Directory for the built tiny model, checkpoints and the exported policy."
+    )
     log_every: int = Field(5, ge=1, description="Print a progress line every this many trainer steps.")
 
 
@@ -195,18 +320,22 @@ class TrainConfig(_Section):
     data: DataConfig = Field(default_factory=DataConfig, description="Prompt source.")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Generation.")
     trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="Optimisation.")
-    runtime: RuntimeConfig = Field(default_factory=RuntimeConfig, description="Sync or async interleaving and staleness.")
+    runtime: RuntimeConfig = Field(
+        default_factory=RuntimeConfig, description="Sync or async interleaving and staleness."
+    )
     cluster: ClusterConfig = Field(default_factory=ClusterConfig, description="Ray placement.")
     tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="MLflow, checkpoints, evaluation.")
     supervision: SupervisionConfig = Field(default_factory=SupervisionConfig, description="Flow health checks.")
     run: RunConfig = Field(default_factory=RunConfig, description="Outputs.")
 
     @model_validator(mode="after")
-    def _cross_field(self) -> "TrainConfig":
+    def _cross_field(self) -> TrainConfig:
         if self.data.task == "jsonl" and not self.data.train_path:
             raise ValueError("data.train_path is required when data.task is 'jsonl'")
         if self.data.task == "jsonl" and not self.model.path:
-            raise ValueError("model.path is required when data.task is 'jsonl' (the tiny model only speaks the synthetic tasks)")
+            raise ValueError(
+                "model.path is required when data.task is 'jsonl' (the tiny model only speaks the synthetic tasks)"
+            )
         return self
 
     @property
@@ -256,7 +385,7 @@ def apply_overrides(data: dict, overrides: Iterable[str]) -> dict:
             if child is None:
                 child = node[part] = {}
             if not isinstance(child, dict):
-                raise ConfigError(f"override {item!r}: {'.'.join(parts[:i + 1])} is not a section")
+                raise ConfigError(f"override {item!r}: {'.'.join(parts[: i + 1])} is not a section")
             node = child
         node[parts[-1]] = value
     return data

@@ -58,44 +58,68 @@ def check_model_dir(path: str | Path) -> Path:
         json.loads(cfg.read_text())
     except json.JSONDecodeError as exc:
         raise ModelLoadError(f"{cfg} is not valid JSON: {exc}") from exc
-    if not any((p / name).is_file() for name in ("model.safetensors", "pytorch_model.bin",
-                                                  "model.safetensors.index.json", "pytorch_model.bin.index.json")):
-        raise ModelLoadError(f"model directory {p} has no weights (model.safetensors, pytorch_model.bin or a sharded index)")
+    if not any(
+        (p / name).is_file()
+        for name in (
+            "model.safetensors",
+            "pytorch_model.bin",
+            "model.safetensors.index.json",
+            "pytorch_model.bin.index.json",
+        )
+    ):
+        raise ModelLoadError(
+            f"model directory {p} has no weights (model.safetensors, pytorch_model.bin or a sharded index)"
+        )
     if not any((p / name).is_file() for name in _TOKENIZER_FILES):
         raise ModelLoadError(f"model directory {p} has no tokenizer files (expected one of {list(_TOKENIZER_FILES)})")
     return p
 
 
-def load_policy(path: str | Path, dtype: str | torch.dtype | None = None, device: str | torch.device | None = None,
-                trust_remote_code: bool = False):
+def load_policy(
+    path: str | Path,
+    dtype: str | torch.dtype | None = None,
+    device: str | torch.device | None = None,
+    trust_remote_code: bool = False,
+):
     """Load `(model, tokenizer)` from a local directory through AutoModelForCausalLM / AutoTokenizer.
 
     The tokenizer pads on the left (generation) and gets a pad token (its EOS) when it has none.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     p = check_model_dir(path)
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype)
+    tokenizer = load_tokenizer(p, trust_remote_code=trust_remote_code)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(p), dtype=torch_dtype or "auto", trust_remote_code=trust_remote_code, local_files_only=True
+        )
+    except Exception as exc:
+        raise ModelLoadError(f"could not load the model from {p}: {exc}") from exc
+    model.to(dev)
+    model.eval()
+    return model, tokenizer
+
+
+def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
+    """The tokenizer of a local model directory, padding on the left (generation), with a pad token (its
+    EOS when it has none). Raises ModelLoadError naming the path when it cannot be loaded or has no EOS."""
+    from transformers import AutoTokenizer
+
+    p = Path(path).expanduser()
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(p), trust_remote_code=trust_remote_code, local_files_only=True)
     except Exception as exc:  # transformers raises many types; name the path and the cause
         raise ModelLoadError(f"could not load the tokenizer from {p}: {exc}") from exc
-    try:
-        model = AutoModelForCausalLM.from_pretrained(str(p), dtype=torch_dtype or "auto",
-                                                     trust_remote_code=trust_remote_code, local_files_only=True)
-    except Exception as exc:
-        raise ModelLoadError(f"could not load the model from {p}: {exc}") from exc
+    if tokenizer.eos_token_id is None:
+        raise ModelLoadError(f"the tokenizer in {p} has no EOS token; generation could never stop")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
-    if tokenizer.eos_token_id is None:
-        raise ModelLoadError(f"the tokenizer in {p} has no EOS token; generation could never stop")
-    model.to(dev)
-    model.eval()
-    return model, tokenizer
+    return tokenizer
 
 
 def build_tiny_tokenizer():
@@ -105,16 +129,25 @@ def build_tiny_tokenizer():
 
     vocab = {tok: i for i, tok in enumerate(TINY_SPECIAL_TOKENS + TINY_WORDS)}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Digits(individual_digits=True)])
+    core.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Digits(individual_digits=True)]
+    )
     core.decoder = decoders.Sequence([])
     core.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", vocab["<bos>"])])
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
-                                  unk_token="<unk>", padding_side="left")
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        padding_side="left",
+    )
     return tok
 
 
-def build_tiny_policy(task: str, out_dir: str | Path, layers: int = 2, hidden: int = 128, heads: int = 4,
-                      seed: int = 0) -> Path:
+def build_tiny_policy(
+    task: str, out_dir: str | Path, layers: int = 2, hidden: int = 128, heads: int = 4, seed: int = 0
+) -> Path:
     """Build a small Llama policy and its tokenizer for a synthetic task and `save_pretrained` both.
 
     Returns `out_dir`. The task name is recorded in the config (`task_name`); the vocabulary covers
@@ -130,10 +163,18 @@ def build_tiny_policy(task: str, out_dir: str | Path, layers: int = 2, hidden: i
     if hidden % heads:
         raise ValueError(f"model.tiny_hidden ({hidden}) must be divisible by model.tiny_heads ({heads})")
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=128,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=True, rms_norm_eps=1e-6,
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=128,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-6,
     )
     config.task_name = task
     with torch.random.fork_rng(devices=[]):
@@ -150,6 +191,12 @@ def ensure_policy(model_cfg, task: str, output_dir: str | Path, seed: int = 0) -
         return check_model_dir(model_cfg.path)
     tiny = Path(output_dir) / "tiny_policy"
     if not (tiny / "config.json").is_file():
-        build_tiny_policy(task, tiny, layers=model_cfg.tiny_layers, hidden=model_cfg.tiny_hidden,
-                          heads=model_cfg.tiny_heads, seed=seed)
+        build_tiny_policy(
+            task,
+            tiny,
+            layers=model_cfg.tiny_layers,
+            hidden=model_cfg.tiny_hidden,
+            heads=model_cfg.tiny_heads,
+            seed=seed,
+        )
     return tiny

@@ -23,10 +23,10 @@ class PackedPatterns:
     tokens: torch.Tensor
     lengths: torch.Tensor
 
-    def to(self, device: torch.device | str) -> "PackedPatterns":
+    def to(self, device: torch.device | str) -> PackedPatterns:
         return PackedPatterns(self.tokens.to(device), self.lengths.to(device))
 
-    def repeat_interleave(self, repeats: int) -> "PackedPatterns":
+    def repeat_interleave(self, repeats: int) -> PackedPatterns:
         return PackedPatterns(self.tokens.repeat_interleave(repeats, 0), self.lengths.repeat_interleave(repeats, 0))
 
     def __len__(self) -> int:
@@ -69,14 +69,26 @@ class RolloutBatch:
     def num_tokens(self) -> int:
         return int(self.response_lengths.sum())
 
-    def to(self, device: torch.device | str) -> "RolloutBatch":
-        return replace(self, **{f.name: getattr(self, f.name).to(device)
-                                for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)})
+    def to(self, device: torch.device | str) -> RolloutBatch:
+        return replace(
+            self,
+            **{
+                f.name: getattr(self, f.name).to(device)
+                for f in fields(self)
+                if isinstance(getattr(self, f.name), torch.Tensor)
+            },
+        )
 
-    def select(self, index: torch.Tensor) -> "RolloutBatch":
+    def select(self, index: torch.Tensor) -> RolloutBatch:
         """Rows `index` (a LongTensor) of every per-row tensor."""
-        return replace(self, **{f.name: getattr(self, f.name).index_select(0, index)
-                                for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)})
+        return replace(
+            self,
+            **{
+                f.name: getattr(self, f.name).index_select(0, index)
+                for f in fields(self)
+                if isinstance(getattr(self, f.name), torch.Tensor)
+            },
+        )
 
 
 @dataclass

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every GPU check of the project in one run, for a short lease on a CUDA machine (issue 6, section 3).
+# Every GPU check of the project in one run, for a short lease on a CUDA machine.
 #
 #   OUT=/path/to/results scripts/gpu_checks.sh        # from the repository root; OUT defaults to gpu_results/
 #

@@ -1,6 +1,6 @@
 """Verify AsyncTensorRLHF on the device it will run on (CUDA when present, else CPU).
 
-One self-contained script, the seed's section 7.2:
+One self-contained script:
 
   [0] device and memory report (GPU model, capability, total / free / allocated VRAM)
   [1] tensor-native reward timing at B=64, L=256 and B=256, L=1024 (CUDA events, warm-up, median of
@@ -81,13 +81,15 @@ class Report:
             error = f"{type(exc).__name__}: {exc}"
             if not self.quiet:
                 traceback.print_exc(file=sys.stderr)
-        self.checks.append({"name": name, "passed": passed, "error": error, "seconds": time.perf_counter() - t0,
-                            **details})
+        self.checks.append(
+            {"name": name, "passed": passed, "error": error, "seconds": time.perf_counter() - t0, **details}
+        )
         self.say(f"  -> {name}: {'PASSED' if passed else 'FAILED'}" + (f" ({error})" if error else ""))
         return passed
 
 
 # ------------------------------------------------------------------------------------------ timing
+
 
 def time_ms(fn, device: torch.device, repeats: int, warmup: int) -> dict:
     """Median / p10 / p90 milliseconds of one call: CUDA events on CUDA, perf_counter on CPU."""
@@ -111,11 +113,18 @@ def time_ms(fn, device: torch.device, repeats: int, warmup: int) -> dict:
             times.append((time.perf_counter() - t0) * 1e3)
         method = "perf_counter"
     times.sort()
-    return {"median_ms": statistics.median(times), "p10_ms": times[len(times) // 10],
-            "p90_ms": times[(9 * len(times)) // 10], "repeats": repeats, "warmup": warmup, "method": method}
+    return {
+        "median_ms": statistics.median(times),
+        "p10_ms": times[len(times) // 10],
+        "p90_ms": times[(9 * len(times)) // 10],
+        "repeats": repeats,
+        "warmup": warmup,
+        "method": method,
+    }
 
 
 # ------------------------------------------------------------------------------------------ data
+
 
 def reward_batch(B: int, L: int, device: torch.device, vocab: int = 500, seed: int = 0):
     """Random responses [B, L] with a 3-5 token answer planted in half the rows, EOS somewhere (or not),
@@ -130,11 +139,11 @@ def reward_batch(B: int, L: int, device: torch.device, vocab: int = 500, seed: i
         pattern = torch.randint(3, vocab, (q,), generator=g)
         if b % 2 == 0:
             s = int(torch.randint(0, L - q + 1, (1,), generator=g))
-            ids[b, s:s + q] = pattern
+            ids[b, s : s + q] = pattern
         eos_at = int(torch.randint(L // 8, L + L // 8, (1,), generator=g))
         if eos_at < L:
             ids[b, eos_at] = EOS
-            ids[b, eos_at + 1:] = PAD
+            ids[b, eos_at + 1 :] = PAD
         patterns.append(pattern)
     expected = torch.tensor([float(_occurs(ids[b], patterns[b])) for b in range(B)])
     return ids.to(device), pack_patterns(patterns).to(device), expected
@@ -143,42 +152,61 @@ def reward_batch(B: int, L: int, device: torch.device, vocab: int = 500, seed: i
 def _occurs(row: torch.Tensor, pattern: torch.Tensor) -> bool:
     """Reference (slow, host): does `pattern` occur before the row's first EOS?"""
     r = row.tolist()
-    r = r[:r.index(EOS)] if EOS in r else r
+    r = r[: r.index(EOS)] if EOS in r else r
     p = pattern.tolist()
-    return any(r[i:i + len(p)] == p for i in range(len(r) - len(p) + 1))
+    return any(r[i : i + len(p)] == p for i in range(len(r) - len(p) + 1))
 
 
 # ------------------------------------------------------------------------------------------ sections
 
+
 def device_report(device: torch.device, rep: Report) -> dict:
-    info = {"torch": torch.__version__, "python": platform.python_version(), "device": str(device),
-            "cuda_available": torch.cuda.is_available()}
+    info = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "device": str(device),
+        "cuda_available": torch.cuda.is_available(),
+    }
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         free, total = torch.cuda.mem_get_info(device)
-        info.update(gpu=props.name, capability=list(torch.cuda.get_device_capability(device)),
-                    cuda=torch.version.cuda, vram_total_mb=total / 2**20, vram_free_mb=free / 2**20,
-                    allocated_start_mb=torch.cuda.memory_allocated(device) / 2**20)
+        info.update(
+            gpu=props.name,
+            capability=list(torch.cuda.get_device_capability(device)),
+            cuda=torch.version.cuda,
+            vram_total_mb=total / 2**20,
+            vram_free_mb=free / 2**20,
+            allocated_start_mb=torch.cuda.memory_allocated(device) / 2**20,
+        )
         torch.cuda.reset_peak_memory_stats(device)
         rep.say(f"Target Device: CUDA ({device})")
         rep.say(f"GPU Model: {props.name}")
         rep.say(f"CUDA Capability: {tuple(info['capability'])}, CUDA {info['cuda']}, torch {info['torch']}")
-        rep.say(f"VRAM: {info['vram_total_mb']:.0f} MB total, {info['vram_free_mb']:.0f} MB free; "
-                f"allocated at start {info['allocated_start_mb']:.2f} MB")
+        rep.say(
+            f"VRAM: {info['vram_total_mb']:.0f} MB total, {info['vram_free_mb']:.0f} MB free; "
+            f"allocated at start {info['allocated_start_mb']:.2f} MB"
+        )
     else:
         info.update(cpu=_cpu_model(), threads=torch.get_num_threads())
         rep.say(f"Target Device: CPU ({info['cpu']}, {info['threads']} threads), torch {info['torch']}")
-        rep.say("CUDA is not available: CUDA measurements were skipped (CUDA-event timing, the "
-                "set_sync_debug_mode('error') check, VRAM); everything else runs on the CPU.")
-        rep.skipped += ["device.vram", "reward.cuda_event_timing", "reward.no_host_sync", "memory.final_vram",
-                        "targets.reward_ms"]
+        rep.say(
+            "CUDA is not available: CUDA measurements were skipped (CUDA-event timing, the "
+            "set_sync_debug_mode('error') check, VRAM); everything else runs on the CPU."
+        )
+        rep.skipped += [
+            "device.vram",
+            "reward.cuda_event_timing",
+            "reward.no_host_sync",
+            "memory.final_vram",
+            "targets.reward_ms",
+        ]
     return info
 
 
 def check_rewards(device: torch.device, rep: Report, repeats: int, warmup: int) -> None:
-    from rlhf_core.reward import build_reward_fn, tensor_native_reward
     from rlhf_core.config import RewardConfig
     from rlhf_core.models import build_tiny_tokenizer
+    from rlhf_core.reward import build_reward_fn, tensor_native_reward
 
     rep.say(f"[1/5] Tensor-native reward on {device.type.upper()} (median of {repeats}, {warmup} warm-up)")
     tok = build_tiny_tokenizer()
@@ -192,16 +220,20 @@ def check_rewards(device: torch.device, rep: Report, repeats: int, warmup: int) 
             if out.device.type != device.type:
                 raise AssertionError(f"reward computed on {out.device}, not on {device}")
             if not torch.equal(out.cpu(), expected):
-                raise AssertionError(f"tensor_native_reward disagrees with the host reference on "
-                                     f"{int((out.cpu() != expected).sum())} of {B} rows")
+                raise AssertionError(
+                    f"tensor_native_reward disagrees with the host reference on "
+                    f"{int((out.cpu() != expected).sum())} of {B} rows"
+                )
             t = time_ms(lambda: tensor_native_reward(ids, packed, EOS), device, repeats, warmup)
             composed(ids, packed)  # warm the per-device constant cache before timing
             tc = time_ms(lambda: composed(ids, packed), device, repeats, warmup)
             rep.timings[f"reward/tensor_native/B={B},L={L}"] = t
             rep.timings[f"reward/composed_exact_match/B={B},L={L}"] = tc
-            rep.say(f"  -> B={B}, L={L}: tensor_native_reward {t['median_ms']:.3f} ms "
-                    f"(p10 {t['p10_ms']:.3f}, p90 {t['p90_ms']:.3f}; {t['method']}); "
-                    f"configured reward (exact_match) {tc['median_ms']:.3f} ms; match rate {float(out.mean()):.2f}")
+            rep.say(
+                f"  -> B={B}, L={L}: tensor_native_reward {t['median_ms']:.3f} ms "
+                f"(p10 {t['p10_ms']:.3f}, p90 {t['p90_ms']:.3f}; {t['method']}); "
+                f"configured reward (exact_match) {tc['median_ms']:.3f} ms; match rate {float(out.mean()):.2f}"
+            )
             return {"B": B, "L": L, "median_ms": t["median_ms"], "composed_median_ms": tc["median_ms"]}
 
         rep.check(f"reward B={B} L={L} correct on device", run)
@@ -216,8 +248,9 @@ def check_no_host_sync(device: torch.device, rep: Report) -> None:
     from rlhf_core.models import build_tiny_tokenizer
     from rlhf_core.reward import build_reward_fn, exact_match_reward, tensor_native_reward
 
-    composed = build_reward_fn(RewardConfig(components={"exact_match": 1.0, "contains": 0.5}),
-                               build_tiny_tokenizer(), EOS, max_new_tokens=1024)
+    composed = build_reward_fn(
+        RewardConfig(components={"exact_match": 1.0, "contains": 0.5}), build_tiny_tokenizer(), EOS, max_new_tokens=1024
+    )
     composed.eos_token_id = EOS
 
     def run():
@@ -236,8 +269,10 @@ def check_no_host_sync(device: torch.device, rep: Report) -> None:
                 torch.cuda.set_sync_debug_mode(previous)
             torch.cuda.synchronize(device)
             done.append(f"B={B},L={L}")
-        rep.say(f"  -> no host synchronisation in tensor_native_reward, exact_match_reward and the composed "
-                f"reward at {', '.join(done)}")
+        rep.say(
+            f"  -> no host synchronisation in tensor_native_reward, exact_match_reward and the composed "
+            f"reward at {', '.join(done)}"
+        )
         return {"shapes": done}
 
     rep.check("reward path has no host sync", run)
@@ -249,7 +284,7 @@ def check_losses(device: torch.device, rep: Report, repeats: int, warmup: int) -
     rep.say(f"[3/5] Policy losses and backward on {device.type.upper()} (B=64, L=256)")
     B, L = 64, 256
     g = torch.Generator().manual_seed(0)
-    base = (-torch.rand(B, L, generator=g) * 3)
+    base = -torch.rand(B, L, generator=g) * 3
     old = base + 0.3 * torch.randn(B, L, generator=g)  # several versions stale: M2PO must mask some tokens
     ref = base + 0.3 * torch.randn(B, L, generator=g)
     adv = torch.randn(B, generator=g)
@@ -263,6 +298,7 @@ def check_losses(device: torch.device, rep: Report, repeats: int, warmup: int) -
         "m2po_ratio_sq": lambda lp: compute_m2po_loss(lp, old, adv, mask, masking="ratio_sq"),
     }
     for name, fn in losses.items():
+
         def run(name=name, fn=fn):
             lp = base.clone().requires_grad_()
             loss, stats = fn(lp)
@@ -285,9 +321,11 @@ def check_losses(device: torch.device, rep: Report, repeats: int, warmup: int) -
 
             t = time_ms(step, device, repeats, warmup)
             rep.timings[f"loss/{name}/B={B},L={L}"] = t
-            extra = (f", masked {details['masked_frac']:.3f}, M2 {details['m2']:.4f}" if name.startswith("m2po") else "")
-            rep.say(f"  -> {name}: loss {details['loss']:.4f} (finite {details['finite']}{extra}); "
-                    f"fwd+bwd {t['median_ms']:.3f} ms")
+            extra = f", masked {details['masked_frac']:.3f}, M2 {details['m2']:.4f}" if name.startswith("m2po") else ""
+            rep.say(
+                f"  -> {name}: loss {details['loss']:.4f} (finite {details['finite']}{extra}); "
+                f"fwd+bwd {t['median_ms']:.3f} ms"
+            )
             details["passed"] = ok
             return details
 
@@ -303,18 +341,27 @@ def check_buffers(device: torch.device, rep: Report) -> None:
         buf = GroupAwareReplayBuffer(group_size=4, max_size=64, max_staleness=2)
         payload = torch.arange(4, device=device)
         # the completions of two prompts arrive interleaved, rewards 0..3 in each group
-        items = [{"prompt_id": p, "reward": float(r), "policy_version": 0, "ids": payload[r:r + 1]}
-                 for r in range(4) for p in (0, 1)]
+        items = [
+            {"prompt_id": p, "reward": float(r), "policy_version": 0, "ids": payload[r : r + 1]}
+            for r in range(4)
+            for p in (0, 1)
+        ]
         buf.push_many(items)
         groups = buf.sample(2)
         adv = groups[0].advantages
         expected = torch.tensor([-1.3416, -0.4472, 0.4472, 1.3416])
-        ok = (len(groups) == 2 and all(len(g_) == 4 for g_ in groups)
-              and torch.allclose(adv, expected, atol=1e-4)
-              and all(item["ids"].device.type == device.type for g_ in groups for item in g_))
+        ok = (
+            len(groups) == 2
+            and all(len(g_) == 4 for g_ in groups)
+            and torch.allclose(adv, expected, atol=1e-4)
+            and all(item["ids"].device.type == device.type for g_ in groups for item in g_)
+        )
         stats = buf.stats()
-        ok = ok and stats["pushed"] == stats["sampled"] + stats["evicted_stale"] + stats["dropped_overflow"] + \
-            stats["size"] + stats["pending"]
+        ok = (
+            ok
+            and stats["pushed"]
+            == stats["sampled"] + stats["evicted_stale"] + stats["dropped_overflow"] + stats["size"] + stats["pending"]
+        )
         rep.say(f"  -> GRPO group advantages standardised: {[round(a, 4) for a in adv.tolist()]}")
         return {"passed": ok, "advantages": adv.tolist()}
 
@@ -326,9 +373,16 @@ def check_buffers(device: torch.device, rep: Report) -> None:
         refused = not buf.push({"policy_version": 1, "ids": torch.zeros(2, device=device)})
         left = buf.sample(64)
         versions = [it["policy_version"] for it in left]
-        ok = evicted == 3 and refused and versions == [3, 4, 5] and all(it["ids"].device.type == device.type for it in left)
-        rep.say(f"  -> versioned buffer at version 5, max_staleness 2: evicted {evicted}, stale push refused "
-                f"{refused}, left versions {versions}")
+        ok = (
+            evicted == 3
+            and refused
+            and versions == [3, 4, 5]
+            and all(it["ids"].device.type == device.type for it in left)
+        )
+        rep.say(
+            f"  -> versioned buffer at version 5, max_staleness 2: evicted {evicted}, stale push refused "
+            f"{refused}, left versions {versions}"
+        )
         return {"passed": ok, "evicted": evicted, "left_versions": versions}
 
     rep.check("group-aware buffer", group)
@@ -341,36 +395,57 @@ def check_closed_loop(device: torch.device, rep: Report, steps: int, workdir: st
     from rlhf_core.staleness import run_stale
 
     rep.say(f"[5/5] Closed-loop rollout + training on {device.type.upper()} (tiny model, {steps} steps each)")
-    overrides = [f"model.device={device}", f"trainer.total_steps={steps}", "data.eval_size=32",
-                 "tracking.eval_every=0", "tracking.checkpoint_every=0", f"run.output_dir={workdir}",
-                 "trainer.lr=0.003",
-                 # a length term makes rewards differ within groups from the first step (the untrained tiny
-                 # model scores 0 on exact_match alone), so advantages, gradients and updates are non-zero
-                 "reward.components={exact_match: 1.0, length_penalty: 0.5}", "reward.length_target=1"]
+    overrides = [
+        f"model.device={device}",
+        f"trainer.total_steps={steps}",
+        "data.eval_size=32",
+        "tracking.eval_every=0",
+        "tracking.checkpoint_every=0",
+        f"run.output_dir={workdir}",
+        "trainer.lr=0.003",
+        # a length term makes rewards differ within groups from the first step (the untrained tiny
+        # model scores 0 on exact_match alone), so advantages, gradients and updates are non-zero
+        "reward.components={exact_match: 1.0, length_penalty: 0.5}",
+        "reward.length_target=1",
+    ]
 
     def on_policy():
         cfg = load_config(ROOT / "configs" / "tiny.yaml", overrides + ["runtime.mode=sync"])
         lines = []
         result = run_sync(cfg, on_step=lambda m: lines.append(m))
         for m in lines:
-            rep.say(f"  -> step {m['step']}: version {m['version']}, loss {m['loss/policy']:.4f}, "
-                    f"grad norm {m['policy/grad_norm']:.3f}, "
-                    f"reward {m['reward/mean']:.3f}, {m['throughput/samples_per_s']:.0f} samples/s")
-        ok = (result["steps"] == steps and lines[-1]["version"] == steps
-              and all(math.isfinite(m["loss/policy"]) for m in lines)
-              and all(m["policy/grad_norm"] > 0 for m in lines))
-        return {"passed": ok, "steps": result["steps"], "eval_accuracy": result["eval/accuracy"],
-                "wall_s": result["time/train_wall_s"]}
+            rep.say(
+                f"  -> step {m['step']}: version {m['version']}, loss {m['loss/policy']:.4f}, "
+                f"grad norm {m['policy/grad_norm']:.3f}, "
+                f"reward {m['reward/mean']:.3f}, {m['throughput/samples_per_s']:.0f} samples/s"
+            )
+        ok = (
+            result["steps"] == steps
+            and lines[-1]["version"] == steps
+            and all(math.isfinite(m["loss/policy"]) for m in lines)
+            and all(m["policy/grad_norm"] > 0 for m in lines)
+        )
+        return {
+            "passed": ok,
+            "steps": result["steps"],
+            "eval_accuracy": result["eval/accuracy"],
+            "wall_s": result["time/train_wall_s"],
+        }
 
     def stale():
         cfg = load_config(ROOT / "configs" / "tiny.yaml", overrides + ["algorithm.loss=m2po"])
         out = run_stale(cfg, 1)
         hist = out["history"]
         stal = [m["async/staleness_mean"] for m in hist]
-        ok = (stal == [0.0] + [1.0] * (steps - 1) and all(math.isfinite(m["loss/policy"]) for m in hist)
-              and hist[-1]["m2po/m2"] > 0)  # behaviour log-probs from the stale policy: ratios differ from 1
-        rep.say(f"  -> stale-k (τ=1, m2po): consumed staleness per step {stal}, final version "
-                f"{hist[-1]['version']}, last step M2 {hist[-1]['m2po/m2']:.2e}, masked {hist[-1]['m2po/masked_frac']:.3f}")
+        ok = (
+            stal == [0.0] + [1.0] * (steps - 1)
+            and all(math.isfinite(m["loss/policy"]) for m in hist)
+            and hist[-1]["m2po/m2"] > 0
+        )  # behaviour log-probs from the stale policy: ratios differ from 1
+        rep.say(
+            f"  -> stale-k (τ=1, m2po): consumed staleness per step {stal}, final version "
+            f"{hist[-1]['version']}, last step M2 {hist[-1]['m2po/m2']:.2e}, masked {hist[-1]['m2po/masked_frac']:.3f}"
+        )
         return {"passed": ok, "staleness": stal}
 
     rep.check("closed loop on-policy (run_sync)", on_policy)
@@ -380,11 +455,15 @@ def check_closed_loop(device: torch.device, rep: Report, steps: int, workdir: st
 def final_memory(device: torch.device, rep: Report) -> dict:
     if device.type != "cuda":
         return {}
-    out = {"allocated_end_mb": torch.cuda.memory_allocated(device) / 2**20,
-           "peak_allocated_mb": torch.cuda.max_memory_allocated(device) / 2**20,
-           "reserved_end_mb": torch.cuda.memory_reserved(device) / 2**20}
-    rep.say(f"Final Allocated VRAM: {out['allocated_end_mb']:.2f} MB (peak {out['peak_allocated_mb']:.2f} MB, "
-            f"reserved {out['reserved_end_mb']:.2f} MB)")
+    out = {
+        "allocated_end_mb": torch.cuda.memory_allocated(device) / 2**20,
+        "peak_allocated_mb": torch.cuda.max_memory_allocated(device) / 2**20,
+        "reserved_end_mb": torch.cuda.memory_reserved(device) / 2**20,
+    }
+    rep.say(
+        f"Final Allocated VRAM: {out['allocated_end_mb']:.2f} MB (peak {out['peak_allocated_mb']:.2f} MB, "
+        f"reserved {out['reserved_end_mb']:.2f} MB)"
+    )
     return out
 
 
@@ -407,8 +486,11 @@ def main(argv=None) -> int:
     parser.add_argument("--strict-targets", action="store_true", help="a missed CUDA performance target fails the run")
     args = parser.parse_args(argv)
 
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
-                          else ("cpu" if args.device == "auto" else args.device))
+    device = torch.device(
+        "cuda"
+        if args.device == "auto" and torch.cuda.is_available()
+        else ("cpu" if args.device == "auto" else args.device)
+    )
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error(f"--device {args.device}: CUDA is not available here")
     repeats, warmup = (30, 5) if args.quick else (200, 20)
@@ -436,25 +518,47 @@ def main(argv=None) -> int:
     key = "reward/tensor_native/B=256,L=1024"
     if device.type == "cuda" and key in rep.timings:
         ms = rep.timings[key]["median_ms"]
-        targets["reward_ms_B256_L1024"] = {"target_ms": REWARD_TARGET_MS, "measured_ms": ms, "met": ms <= REWARD_TARGET_MS}
+        targets["reward_ms_B256_L1024"] = {
+            "target_ms": REWARD_TARGET_MS,
+            "measured_ms": ms,
+            "met": ms <= REWARD_TARGET_MS,
+        }
         sync = next((c for c in rep.checks if c["name"] == "reward path has no host sync"), None)
         targets["no_host_sync_in_reward_path"] = {"met": bool(sync and sync["passed"])}
-        rep.say(f"Target: reward <= {REWARD_TARGET_MS} ms at B=256, L=1024: measured {ms:.3f} ms -> "
-                f"{'met' if ms <= REWARD_TARGET_MS else 'NOT met'}")
+        rep.say(
+            f"Target: reward <= {REWARD_TARGET_MS} ms at B=256, L=1024: measured {ms:.3f} ms -> "
+            f"{'met' if ms <= REWARD_TARGET_MS else 'NOT met'}"
+        )
     failed = [c["name"] for c in rep.checks if not c["passed"]]
     missed = [k for k, t in targets.items() if not t["met"]]
     ok = not failed and not (args.strict_targets and missed)
     if device.type != "cuda":
-        rep.say("CUDA measurements were skipped (no CUDA device): run `python scripts/verify_gpu.py` on a GPU "
-                "machine for the GPU figures and the no-host-sync check.")
-    rep.say(("ALL VERIFICATIONS PASSED (EXIT 0)" if ok else f"FAILED: {failed + (missed if args.strict_targets else [])} (EXIT 1)")
-            + f" in {time.perf_counter() - start:.1f} s")
+        rep.say(
+            "CUDA measurements were skipped (no CUDA device): run `python scripts/verify_gpu.py` on a GPU "
+            "machine for the GPU figures and the no-host-sync check."
+        )
+    rep.say(
+        (
+            "ALL VERIFICATIONS PASSED (EXIT 0)"
+            if ok
+            else f"FAILED: {failed + (missed if args.strict_targets else [])} (EXIT 1)"
+        )
+        + f" in {time.perf_counter() - start:.1f} s"
+    )
     rep.say("=" * 72)
     report = {
-        "script": "verify_gpu", "quick": args.quick, "device": rep.info, "ok": ok,
+        "script": "verify_gpu",
+        "quick": args.quick,
+        "device": rep.info,
+        "ok": ok,
         "cuda_measurements": "measured" if device.type == "cuda" else "skipped",
-        "skipped": rep.skipped, "checks": rep.checks, "timings": rep.timings, "targets": targets,
-        "memory": memory, "failed": failed, "targets_missed": missed,
+        "skipped": rep.skipped,
+        "checks": rep.checks,
+        "timings": rep.timings,
+        "targets": targets,
+        "memory": memory,
+        "failed": failed,
+        "targets_missed": missed,
         "wall_s": time.perf_counter() - start,
     }
     if args.json_out:

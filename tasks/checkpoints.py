@@ -22,9 +22,9 @@ from tasks import tracking
 
 @dataclass
 class ResumeTarget:
-    checkpoint: Optional[str] = None      # local checkpoint directory to restore, or None for a fresh run
-    mlflow_run_id: Optional[str] = None   # MLflow run to keep logging into, or None for a new run
-    eval_start: Optional[float] = None    # held-out accuracy recorded at the start of the original run
+    checkpoint: Optional[str] = None  # local checkpoint directory to restore, or None for a fresh run
+    mlflow_run_id: Optional[str] = None  # MLflow run to keep logging into, or None for a new run
+    eval_start: Optional[float] = None  # held-out accuracy recorded at the start of the original run
 
 
 def checkpoint_dir(cfg: TrainConfig, step: int) -> Path:
@@ -52,29 +52,41 @@ def resolve_resume(cfg: TrainConfig, resume_from: Optional[str]) -> ResumeTarget
         run_id = resume_from
         artifact = tracking.latest_checkpoint_artifact(run_id, uri)
         if artifact is None:
-            raise CheckpointError(f"resume_from={resume_from!r}: MLflow run {run_id} has no checkpoint artifacts "
-                                  f"under {tracking.CHECKPOINT_ARTIFACT_PATH}/")
+            raise CheckpointError(
+                f"resume_from={resume_from!r}: MLflow run {run_id} has no checkpoint artifacts "
+                f"under {tracking.CHECKPOINT_ARTIFACT_PATH}/"
+            )
         dst = Path(cfg.run.output_dir) / "resume" / run_id
         ckpt = tracking.download_artifact(run_id, artifact, uri, dst)
         logger.info("downloaded checkpoint %s of MLflow run %s to %s", artifact, run_id, ckpt)
     else:
-        raise CheckpointError(f"resume_from={resume_from!r} is neither an existing checkpoint directory nor an "
-                              "MLflow run id (32 hex characters)")
+        raise CheckpointError(
+            f"resume_from={resume_from!r} is neither an existing checkpoint directory nor an "
+            "MLflow run id (32 hex characters)"
+        )
     state, _ = read_checkpoint(ckpt)  # structure and files; the runtime checks shapes against the model
-    if run_id is None and state.get("mlflow_run_id") and tracking.run_exists(state["mlflow_run_id"], uri):
-        run_id = state["mlflow_run_id"]
-    trainer_state = state.get("trainer") or {}
-    logger.info("resuming from %s (step %s, version %s)%s", ckpt, trainer_state.get("step"), trainer_state.get("version"),
-                f", logging into MLflow run {run_id}" if run_id else "")
-    return ResumeTarget(checkpoint=str(ckpt), mlflow_run_id=run_id, eval_start=state.get("eval_start"))
+    logged_run = state.run.get("mlflow_run_id")
+    if run_id is None and logged_run and tracking.run_exists(logged_run, uri):
+        run_id = logged_run
+    logger.info(
+        "resuming from %s (step %d, version %d)%s",
+        ckpt,
+        state.step,
+        state.version,
+        f", logging into MLflow run {run_id}" if run_id else "",
+    )
+    return ResumeTarget(checkpoint=str(ckpt), mlflow_run_id=run_id, eval_start=state.run.get("eval_start"))
 
 
 @task(name="checkpoint", cache_policy=NO_CACHE, persist_result=False)
-def save_checkpoint(runtime, cfg: TrainConfig, step: int, tracker=None, extra: Optional[dict] = None) -> str:
-    """A full resumable checkpoint under run.output_dir/checkpoints/, logged to MLflow as artifacts."""
-    path = runtime.checkpoint(str(checkpoint_dir(cfg, step)), extra=extra)
+def save_checkpoint(runtime, cfg: TrainConfig, step: int, tracker=None, run: Optional[dict] = None) -> str:
+    """A full resumable checkpoint under run.output_dir/checkpoints/, logged to MLflow as artifacts.
+    `run`: facts of the run kept in the checkpoint (its MLflow run id, held-out accuracy at the start)."""
+    path = runtime.checkpoint(str(checkpoint_dir(cfg, step)), run=run)
     artifact = tracker.log_checkpoint(path) if tracker is not None else None
-    get_run_logger().info("checkpoint at step %d: %s%s", step, path, f" (MLflow artifact {artifact})" if artifact else "")
+    get_run_logger().info(
+        "checkpoint at step %d: %s%s", step, path, f" (MLflow artifact {artifact})" if artifact else ""
+    )
     return str(path)
 
 

@@ -51,9 +51,15 @@ def launch_runtime(cfg: TrainConfig, resume_from: Optional[str] = None):
         except BaseException:
             runtime.teardown()
             raise
-    logger.info("Ray runtime up: address=%s (started here: %s), %d rollout worker(s), policy %s, step %d, version %d",
-                info["ray_address"], info["started_ray"], cfg.rollout.num_workers, info["policy_dir"], info["step"],
-                info["version"])
+    logger.info(
+        "Ray runtime up: address=%s (started here: %s), %d rollout worker(s), policy %s, step %d, version %d",
+        info["ray_address"],
+        info["started_ray"],
+        cfg.rollout.num_workers,
+        info["policy_dir"],
+        info["step"],
+        info["version"],
+    )
     return runtime, info
 
 
@@ -61,8 +67,12 @@ def launch_runtime(cfg: TrainConfig, resume_from: Optional[str] = None):
 def evaluate_heldout(runtime, step: int) -> dict:
     """Greedy accuracy and mean reward on the held-out prompts, with the trainer's current weights."""
     result = dict(runtime.evaluate())
-    get_run_logger().info("held-out evaluation at step %d: accuracy %.3f, reward %.3f", step,
-                          result["eval/accuracy"], result["eval/reward_mean"])
+    get_run_logger().info(
+        "held-out evaluation at step %d: accuracy %.3f, reward %.3f",
+        step,
+        result["eval/accuracy"],
+        result["eval/reward_mean"],
+    )
     return result
 
 

@@ -13,12 +13,12 @@ The final policy is logged as a plain Hugging Face directory under the artifact 
 from __future__ import annotations
 
 import json
-import math
 import os
 import tempfile
 import time
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Optional
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
@@ -27,9 +27,9 @@ from rlhf_core.config import TrainConfig, flatten_config
 
 MODEL_ARTIFACT_PATH = "model"
 CHECKPOINT_ARTIFACT_PATH = "checkpoints"
-PARAM_BATCH = 100          # MLflow accepts at most 100 params per log_batch call
-PARAM_VALUE_MAX = 6000     # and param values of at most 6000 characters
-METRIC_BATCH = 1000        # and at most 1000 metrics per call
+PARAM_BATCH = 100  # MLflow accepts at most 100 params per log_batch call
+PARAM_VALUE_MAX = 6000  # and param values of at most 6000 characters
+METRIC_BATCH = 1000  # and at most 1000 metrics per call
 TERMINAL_STATUSES = ("FINISHED", "FAILED", "KILLED")
 
 
@@ -48,7 +48,7 @@ def resolve_tracking_uri(cfg: TrainConfig) -> str:
 
 def _sqlite_path(uri: str) -> Optional[Path]:
     if uri.startswith("sqlite:///"):
-        return Path(uri[len("sqlite:///"):])
+        return Path(uri[len("sqlite:///") :])
     return None
 
 
@@ -100,8 +100,13 @@ class MlflowTracker:
 
     # ------------------------------------------------------------------ lifecycle
     @classmethod
-    def start(cls, cfg: TrainConfig, flow_run_id: Optional[str] = None, resume_run_id: Optional[str] = None,
-              tags: Optional[dict[str, str]] = None) -> "MlflowTracker":
+    def start(
+        cls,
+        cfg: TrainConfig,
+        flow_run_id: Optional[str] = None,
+        resume_run_id: Optional[str] = None,
+        tags: Optional[dict[str, str]] = None,
+    ) -> MlflowTracker:
         """Create the run (or reopen `resume_run_id`), log params and tags, start system metrics."""
         from mlflow.entities import RunStatus
 
@@ -153,8 +158,13 @@ class MlflowTracker:
 
         interval = max(1.0, min(10.0, cfg.supervision.supervise_interval_s * 5))
         try:
-            monitor = SystemMetricsMonitor(self.run_id, sampling_interval=interval, samples_before_logging=1,
-                                           resume_logging=self.resumed, tracking_uri=self.uri)
+            monitor = SystemMetricsMonitor(
+                self.run_id,
+                sampling_interval=interval,
+                samples_before_logging=1,
+                resume_logging=self.resumed,
+                tracking_uri=self.uri,
+            )
             monitor.start()
         except Exception as exc:  # psutil missing, say: the run goes on without system metrics
             logging.getLogger("tasks.tracking").warning("system metrics are off: %s", exc)
@@ -202,7 +212,7 @@ class MlflowTracker:
                 self.set_tags({"resume.changed_params": json.dumps(changed)[:PARAM_VALUE_MAX]})
         items = sorted(params.items())
         for s in range(0, len(items), PARAM_BATCH):
-            self.client.log_batch(self.run_id, params=[Param(k, v) for k, v in items[s:s + PARAM_BATCH]])
+            self.client.log_batch(self.run_id, params=[Param(k, v) for k, v in items[s : s + PARAM_BATCH]])
 
     def log_metrics(self, rows: Iterable[dict], step_key: str = "step") -> int:
         """One MLflow metric point per numeric key of each row, at step = row[step_key]. Returns the count."""
@@ -215,7 +225,7 @@ class MlflowTracker:
             for key, value in _numeric_metrics(row).items():
                 points.append(Metric(key, value, now, step))
         for s in range(0, len(points), METRIC_BATCH):
-            self.client.log_batch(self.run_id, metrics=points[s:s + METRIC_BATCH])
+            self.client.log_batch(self.run_id, metrics=points[s : s + METRIC_BATCH])
         return len(points)
 
     def log_metrics_at(self, metrics: dict, step: int) -> None:
@@ -223,9 +233,6 @@ class MlflowTracker:
 
     def log_dict(self, data: Any, artifact_file: str) -> None:
         self.client.log_dict(self.run_id, data, artifact_file)
-
-    def log_text(self, text: str, artifact_file: str) -> None:
-        self.client.log_text(self.run_id, text, artifact_file)
 
     def log_checkpoint(self, local_dir: str | Path) -> str:
         """A checkpoint directory as artifacts under checkpoints/<dir name>; returns the artifact path."""
@@ -237,8 +244,12 @@ class MlflowTracker:
     def log_model(self, export_dir: str | Path) -> str:
         """The exported Hugging Face directory as artifacts under model/ (load with load_logged_policy)."""
         self.client.log_artifacts(self.run_id, str(export_dir), MODEL_ARTIFACT_PATH)
-        self.set_tags({"model.artifact_path": MODEL_ARTIFACT_PATH,
-                       "model.load": f"tasks.tracking.load_logged_policy('{self.run_id}')"})
+        self.set_tags(
+            {
+                "model.artifact_path": MODEL_ARTIFACT_PATH,
+                "model.load": f"tasks.tracking.load_logged_policy('{self.run_id}')",
+            }
+        )
         return MODEL_ARTIFACT_PATH
 
     def log_plots(self, history: list[dict], staleness_hist: dict, evals: list[dict]) -> list[str]:
@@ -254,7 +265,9 @@ class MlflowTracker:
         fig, ax = plt.subplots(figsize=(6, 3.5))
         ax.plot(steps, rewards, label="reward/mean (train)")
         if evals:
-            ax.plot([e["step"] for e in evals], [e["eval/accuracy"] for e in evals], "o-", label="eval/accuracy (held-out)")
+            ax.plot(
+                [e["step"] for e in evals], [e["eval/accuracy"] for e in evals], "o-", label="eval/accuracy (held-out)"
+            )
         ax.set_xlabel("trainer step")
         ax.set_ylabel("reward / accuracy")
         ax.set_title("Reward curve")
@@ -295,8 +308,11 @@ def download_artifact(run_id: str, artifact_path: str, uri: str, dst: str | Path
     import mlflow.artifacts
 
     Path(dst).mkdir(parents=True, exist_ok=True)
-    return Path(mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path=artifact_path, dst_path=str(dst),
-                                                    tracking_uri=uri))
+    return Path(
+        mlflow.artifacts.download_artifacts(
+            run_id=run_id, artifact_path=artifact_path, dst_path=str(dst), tracking_uri=uri
+        )
+    )
 
 
 def run_exists(run_id: str, uri: str) -> bool:
@@ -329,8 +345,12 @@ def load_logged_policy(run_id: str, tracking_uri: Optional[str] = None, dtype: s
 
 # ---------------------------------------------------------------------------------------- Prefect tasks
 @task(name="start-mlflow-run", cache_policy=NO_CACHE, persist_result=False)
-def start_tracking(cfg: TrainConfig, flow_run_id: Optional[str], resume_run_id: Optional[str] = None,
-                   tags: Optional[dict[str, str]] = None) -> MlflowTracker:
+def start_tracking(
+    cfg: TrainConfig,
+    flow_run_id: Optional[str],
+    resume_run_id: Optional[str] = None,
+    tags: Optional[dict[str, str]] = None,
+) -> MlflowTracker:
     """Open the MLflow run of this flow run (a new one, or the resumed run) and log the config as params."""
     return MlflowTracker.start(cfg, flow_run_id=flow_run_id, resume_run_id=resume_run_id, tags=tags)
 
@@ -345,9 +365,3 @@ def log_model(tracker: MlflowTracker, export_dir: str) -> str:
 def log_plots(tracker: MlflowTracker, history: list[dict], staleness_hist: dict, evals: list[dict]) -> list[str]:
     """Reward curve and staleness histogram as PNG artifacts of the MLflow run."""
     return tracker.log_plots(history, staleness_hist, evals)
-
-
-def finite_or_none(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value

@@ -5,12 +5,30 @@ from __future__ import annotations
 import os
 
 # Set before transformers / ray / prefect are imported anywhere in the test session.
-for _key, _value in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-                     "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "RAY_USAGE_STATS_ENABLED": "0"}.items():
+for _key, _value in {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "RAY_USAGE_STATS_ENABLED": "0",
+}.items():
     os.environ.setdefault(_key, _value)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+
+def pytest_ignore_collect(collection_path, config):
+    """With `-m "not slow"` (`make test-fast`), do not even import a module marked slow as a whole: those
+    import Prefect, MLflow and Ray at the top (seconds of collection) for tests that would all be deselected."""
+    if (
+        "not slow" in (config.getoption("markexpr") or "")
+        and collection_path.suffix == ".py"
+        and collection_path.name.startswith("test_")
+        and "\npytestmark = pytest.mark.slow" in collection_path.read_text(encoding="utf-8")
+    ):
+        return True
+    return None
 
 
 @pytest.fixture(scope="session")

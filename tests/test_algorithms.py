@@ -17,6 +17,7 @@ from rlhf_core.algorithms import (
     ADVANTAGE_ESTIMATORS,
     AGG_MODES,
     POLICY_LOSSES,
+    advantages_from_config,
     agg_loss,
     compute_advantages,
     compute_grpo_advantages,
@@ -25,10 +26,13 @@ from rlhf_core.algorithms import (
     compute_policy_loss,
     compute_ppo_loss,
     compute_rloo_advantages,
+    global_normalisers,
     kl_penalty,
+    m2po_keep_mask,
     m2po_trust_region_mask,
+    step_keep_mask,
 )
-from rlhf_core.config import AlgorithmConfig
+from rlhf_core.config import AlgorithmConfig, ConfigError, load_config, validate_config
 
 LOG = math.log
 F64 = torch.float64
@@ -64,10 +68,10 @@ LOSS_IDS = [name for name, _ in all_losses()]
 AGG_LOSS = [[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]]
 AGG_MASK = [[1, 1, 0], [1, 0, 0], [0, 0, 0]]
 AGG_EXPECTED = {
-    "token-mean": 7 / 3,                    # (1 + 2 + 4) / 3
-    "seq-mean-token-mean": 2.75,            # mean(3/2, 4/1); the empty row is excluded
-    "seq-mean-token-sum": 3.5,              # mean(3, 4)
-    "seq-mean-token-sum-norm": 7 / 9,       # (1 + 2 + 4) / (3 * 3)
+    "token-mean": 7 / 3,  # (1 + 2 + 4) / 3
+    "seq-mean-token-mean": 2.75,  # mean(3/2, 4/1); the empty row is excluded
+    "seq-mean-token-sum": 3.5,  # mean(3, 4)
+    "seq-mean-token-sum-norm": 7 / 9,  # (1 + 2 + 4) / (3 rows * 3): norm_len not given falls back to L
 }
 
 
@@ -81,7 +85,7 @@ def test_agg_loss_hand_values(agg):
 def test_agg_loss_no_mask_and_float_weights():
     loss = t([[2.0, 4.0], [6.0, 8.0]])
     assert close(agg_loss(loss, None, "token-mean"), 5.0)
-    assert close(agg_loss(loss, None, "seq-mean-token-sum"), 10.0)          # mean(6, 14)
+    assert close(agg_loss(loss, None, "seq-mean-token-sum"), 10.0)  # mean(6, 14)
     # float weights: (0.5·2 + 1·4) / 1.5 = 10/3
     assert close(agg_loss(t([[2.0, 4.0]]), t([[0.5, 1.0]]), "token-mean"), 10 / 3)
 
@@ -94,6 +98,68 @@ def test_agg_loss_empty_mask_is_zero_with_zero_grad(agg):
     assert float(out.detach()) == 0.0 and torch.equal(loss.grad, torch.zeros(3, 3, dtype=F64))
 
 
+def test_seq_mean_token_sum_norm_uses_a_fixed_length_not_the_padded_width():
+    # Dr.GRPO divides by rows x the generation budget (TRL dr_grpo: max_completion_length), a constant.
+    # With norm_len = 8: (1 + 2 + 4) / (3 rows * 8) = 7/24, whatever the padded width L.
+    mask = torch.tensor(AGG_MASK, dtype=torch.bool)
+    assert close(agg_loss(t(AGG_LOSS), mask, "seq-mean-token-sum-norm", norm_len=8), 7 / 24)
+    wide_loss = torch.cat([t(AGG_LOSS), torch.full((3, 5), 123.0, dtype=F64)], dim=1)  # 5 padded columns
+    wide_mask = torch.cat([mask, torch.zeros(3, 5, dtype=torch.bool)], dim=1)
+    assert close(agg_loss(wide_loss, wide_mask, "seq-mean-token-sum-norm", norm_len=8), 7 / 24)
+    # without a fixed normaliser the padded width leaks in: 7/9 vs 7/24
+    assert not close(agg_loss(wide_loss, wide_mask, "seq-mean-token-sum-norm"), AGG_EXPECTED["seq-mean-token-sum-norm"])
+    # norm_len changes nothing in the other modes
+    for agg in AGG_MODES[:3]:
+        assert close(agg_loss(wide_loss, wide_mask, agg, norm_len=8), AGG_EXPECTED[agg])
+
+
+@pytest.mark.parametrize("name,fn", [*all_losses(), ("registry", None)], ids=[*LOSS_IDS, "registry"])
+def test_wider_padding_does_not_change_the_loss(name, fn):
+    """The same rows in a batch padded wider (extra masked columns) give the same loss and gradient."""
+    logp, old, adv, mask, ref = _inputs(20)
+    L, extra = logp.shape[1], 7
+
+    def pad(x, value):
+        return torch.cat([x, torch.full((x.shape[0], extra), value, dtype=x.dtype)], dim=1)
+
+    def run(lp, o, m, r):
+        lp = lp.clone().requires_grad_()
+        if fn is None:
+            cfg = AlgorithmConfig(loss="grpo", agg="seq-mean-token-sum-norm", kl_coef=0.1)
+            loss, _ = compute_policy_loss(cfg, lp, o, adv, m, ref_logprobs=r, norm_len=16)
+        else:
+            loss, _ = fn(lp, o, adv, m, agg="seq-mean-token-sum-norm", ref_logprobs=r, kl_coef=0.1, norm_len=16)
+        loss.backward()
+        return loss.detach(), lp.grad
+
+    narrow = run(logp, old, mask, ref)
+    wide = run(pad(logp, 0.0), pad(old, -1.0), pad(mask, False), pad(ref, 0.5))
+    assert close(narrow[0], wide[0], 1e-12)
+    assert torch.allclose(wide[1][:, :L], narrow[1], atol=1e-15) and (wide[1][:, L:] == 0).all()
+
+
+@pytest.mark.parametrize("agg", AGG_MODES)
+def test_agg_loss_global_normalisers_make_micro_batches_sum_exactly(agg):
+    # Rows of unequal lengths, one empty row, float weights: the per-micro-batch losses with the step's
+    # normalisers add up to the full-batch loss, and so do their gradients.
+    g = torch.Generator().manual_seed(13)
+    loss = torch.randn(10, 6, dtype=F64, generator=g).requires_grad_()
+    mask = (torch.rand(10, 6, generator=g) > 0.4).double() * torch.rand(10, 6, dtype=F64, generator=g)
+    mask[4] = 0.0
+    full = agg_loss(loss, mask, agg, norm_len=9)
+    (full_grad,) = torch.autograd.grad(full, loss)
+    norm = global_normalisers(mask)
+    assert close(norm["global_tokens"], mask.sum(), 1e-12) and float(norm["global_seqs"]) == 9.0
+    assert float(norm["global_rows"]) == 10.0
+    parts = [agg_loss(loss[s : s + 3], mask[s : s + 3], agg, norm_len=9, **norm) for s in range(0, 10, 3)]
+    (part_grad,) = torch.autograd.grad(sum(parts), loss)
+    assert close(sum(parts), full, 1e-12)
+    assert torch.allclose(part_grad, full_grad, atol=1e-14, rtol=0)
+    # all-zero step mask: still 0, never NaN
+    zero = torch.zeros(3, 6, dtype=F64)
+    assert float(agg_loss(loss[:3].detach(), zero, agg, **global_normalisers(zero))) == 0.0
+
+
 def test_agg_loss_unknown_mode():
     with pytest.raises(ValueError, match="aggregation"):
         agg_loss(t([[1.0]]), None, "mean")
@@ -102,6 +168,7 @@ def test_agg_loss_unknown_mode():
 # ------------------------------------------------------------------------------------------------
 # KL estimators
 # ------------------------------------------------------------------------------------------------
+
 
 def test_kl_estimators_hand_values():
     logp, ref = t([0.0, 0.0]), t([LOG(2.0), -1.0])
@@ -129,12 +196,13 @@ def test_kl_k3_is_clamped_finite_nonnegative():
 # PPO
 # ------------------------------------------------------------------------------------------------
 
+
 def test_ppo_identical_policies_ratio_one():
     torch.manual_seed(0)
     logp = torch.randn(4, 5, requires_grad=True)
     adv = torch.randn(4)
     loss, stats = compute_ppo_loss(logp, logp.detach(), adv)
-    assert torch.allclose(loss, -adv.mean(), atol=1e-6)        # ratio 1 everywhere: loss = -mean A
+    assert torch.allclose(loss, -adv.mean(), atol=1e-6)  # ratio 1 everywhere: loss = -mean A
     assert float(stats["policy/ratio_mean"]) == pytest.approx(1.0)
     assert float(stats["policy/clip_frac"]) == 0.0 and float(stats["policy/approx_kl"]) == 0.0
     loss.backward()
@@ -162,7 +230,7 @@ def test_ppo_hand_values_positive_and_negative_advantage():
 def test_ppo_clipping_bounds():
     torch.manual_seed(1)
     old = torch.randn(8, 16, dtype=F64)
-    logp = old + 3 * torch.randn(8, 16, dtype=F64)   # ratios far outside the clip range
+    logp = old + 3 * torch.randn(8, 16, dtype=F64)  # ratios far outside the clip range
     adv = torch.randn(8, 16, dtype=F64)
     loss, _ = compute_ppo_loss(logp, old, adv, clip_eps=0.2, agg="token-mean")
     r = torch.exp(logp - old)
@@ -187,7 +255,7 @@ def test_ppo_dual_clip():
     loss, stats = compute_ppo_loss(logp, torch.zeros(1, 2, dtype=F64), t([-1.0]), dual_clip=3.0)
     assert close(loss, 2.5) and close(stats["policy/dual_clip_frac"], 0.5)
     loss.backward()
-    assert torch.allclose(logp.grad, t([[0.0, 2.0 / 2]]))    # dual-clipped token is constant
+    assert torch.allclose(logp.grad, t([[0.0, 2.0 / 2]]))  # dual-clipped token is constant
     # positive advantages are untouched by the dual clip: max(-4, -1.2) = -1.2; max(-2, -1.2) = -1.2
     loss, _ = compute_ppo_loss(logp, torch.zeros(1, 2, dtype=F64), t([1.0]), dual_clip=3.0)
     assert close(loss, -1.2)
@@ -204,7 +272,7 @@ def test_ppo_unclipped_analytic_gradient():
     loss, _ = compute_ppo_loss(logp, old, adv, mask, clip_eps=None)
     loss.backward()
     r = torch.exp(logp.detach() - old)
-    expected = -adv[:, None] * r * mask / mask.sum()           # ∂/∂logp of Σ(-A·r·m)/Σm
+    expected = -adv[:, None] * r * mask / mask.sum()  # ∂/∂logp of Σ(-A·r·m)/Σm
     assert torch.allclose(logp.grad, expected)
 
 
@@ -223,6 +291,7 @@ def test_ppo_gradcheck(agg):
 # ------------------------------------------------------------------------------------------------
 # GRPO
 # ------------------------------------------------------------------------------------------------
+
 
 def test_grpo_gradient_flow():
     torch.manual_seed(4)
@@ -257,8 +326,7 @@ def test_grpo_kl_uses_same_agg(kind):
     adv = torch.randn(3, dtype=F64)
     for agg in AGG_MODES:
         base, _ = compute_grpo_loss(logp, old, adv, mask, agg=agg)
-        loss, stats = compute_grpo_loss(logp, old, adv, mask, ref_logprobs=ref, kl_coef=0.3,
-                                        kl_estimator=kind, agg=agg)
+        loss, stats = compute_grpo_loss(logp, old, adv, mask, ref_logprobs=ref, kl_coef=0.3, kl_estimator=kind, agg=agg)
         expected_kl = agg_loss(kl_penalty(logp, ref, kind), mask, agg)
         assert close(stats["loss/kl"], expected_kl, 1e-10)
         assert close(loss, base + 0.3 * expected_kl, 1e-10)
@@ -273,8 +341,9 @@ def test_grpo_accepts_b_g_l():
     adv = torch.randn(B, G, dtype=F64)
     loss3, stats3 = compute_grpo_loss(logp, old, adv, mask, ref_logprobs=ref, kl_coef=0.05)
     flat = lambda x: x.reshape(B * G, L)
-    loss2, stats2 = compute_grpo_loss(flat(logp), flat(old), adv.reshape(-1), flat(mask),
-                                      ref_logprobs=flat(ref), kl_coef=0.05)
+    loss2, stats2 = compute_grpo_loss(
+        flat(logp), flat(old), adv.reshape(-1), flat(mask), ref_logprobs=flat(ref), kl_coef=0.05
+    )
     assert close(loss3, loss2, 1e-12) and close(stats3["loss/kl"], stats2["loss/kl"], 1e-12)
     # [B·G] advantages with [B, G, L] inputs, and token-level [B, G, L] advantages
     assert close(compute_grpo_loss(logp, old, adv.reshape(-1), mask)[0], compute_grpo_loss(logp, old, adv, mask)[0])
@@ -287,16 +356,16 @@ def test_grpo_accepts_b_g_l():
 def test_grpo_gradcheck_with_kl():
     torch.manual_seed(7)
     old = torch.randn(4, 3, dtype=F64)
-    logp = (old + 0.05 * torch.randn(4, 3, dtype=F64)).requires_grad_()   # inside the clip range
+    logp = (old + 0.05 * torch.randn(4, 3, dtype=F64)).requires_grad_()  # inside the clip range
     ref, adv = torch.randn(4, 3, dtype=F64), torch.randn(4, dtype=F64)
-    fn = lambda lp: compute_grpo_loss(lp, old, adv, ref_logprobs=ref, kl_coef=0.2,
-                                      agg="seq-mean-token-mean")[0]
+    fn = lambda lp: compute_grpo_loss(lp, old, adv, ref_logprobs=ref, kl_coef=0.2, agg="seq-mean-token-mean")[0]
     assert torch.autograd.gradcheck(fn, (logp,))
 
 
 # ------------------------------------------------------------------------------------------------
 # M2PO
 # ------------------------------------------------------------------------------------------------
+
 
 def test_m2po_trust_region_hand_values():
     # A = +1, d = [0.1, 0.2, 0.3, -0.4]; candidates (A>0, d>0): tokens 0..2 with v = .01, .04, .09.
@@ -330,7 +399,7 @@ def test_m2po_trust_region_with_clip():
     logp = t([[0.1, 0.2, 0.3, -0.4]])
     loss, stats = compute_m2po_loss(logp, torch.zeros(1, 4, dtype=F64), t([1.0]), clip_eps=0.15)
     assert close(loss, -(math.exp(0.1) + 1.15 + math.exp(-0.4)) / 4)
-    assert close(stats["policy/clip_frac"], 0.5)     # tokens 1 and 2 sit on the clipped branch
+    assert close(stats["policy/clip_frac"], 0.5)  # tokens 1 and 2 sit on the clipped branch
 
 
 def test_m2po_ratio_sq_threshold_masking():
@@ -340,7 +409,7 @@ def test_m2po_ratio_sq_threshold_masking():
     loss, stats = compute_m2po_loss(logp, torch.zeros(1, 3, dtype=F64), t([1.0]), masking="ratio_sq")
     assert close(loss, -1.1) and close(stats["m2po/masked_frac"], 1 / 3)
     loss.backward()
-    assert torch.allclose(logp.grad, t([[-0.5, 0.0, 0.0]]))   # masked and clipped tokens carry no gradient
+    assert torch.allclose(logp.grad, t([[-0.5, 0.0, 0.0]]))  # masked and clipped tokens carry no gradient
     # everything masked -> 0, no NaN
     loss, stats = compute_m2po_loss(t([[LOG(3.0)]]), t([[0.0]]), t([1.0]), masking="ratio_sq")
     assert float(loss) == 0.0 and close(stats["m2po/masked_frac"], 1.0)
@@ -360,14 +429,20 @@ def naive_m2po_keep(d, adv, valid, thr):
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(data=st.data(), n=st.integers(1, 4), length=st.integers(1, 6),
-       thr=st.floats(0.001, 0.6), token_adv=st.booleans())
+@given(
+    data=st.data(), n=st.integers(1, 4), length=st.integers(1, 6), thr=st.floats(0.001, 0.6), token_adv=st.booleans()
+)
 def test_m2po_trust_region_matches_naive_reference(data, n, length, thr, token_adv):
     vals = st.one_of(st.floats(-1.0, 1.0, allow_nan=False), st.sampled_from([0.0, 0.1, -0.1, 0.2, 0.5]))
     d = data.draw(st.lists(vals, min_size=n * length, max_size=n * length))
     valid = data.draw(st.lists(st.booleans(), min_size=n * length, max_size=n * length))
-    adv_row = data.draw(st.lists(st.sampled_from([-1.0, -0.5, 0.0, 0.7, 2.0]),
-                                 min_size=n * length if token_adv else n, max_size=n * length if token_adv else n))
+    adv_row = data.draw(
+        st.lists(
+            st.sampled_from([-1.0, -0.5, 0.0, 0.7, 2.0]),
+            min_size=n * length if token_adv else n,
+            max_size=n * length if token_adv else n,
+        )
+    )
     adv_tok = adv_row if token_adv else [a for a in adv_row for _ in range(length)]
     # Exclude inputs where some prefix mean lands within rounding of the threshold.
     v_cand = sorted(x * x for x, ok, a in zip(d, valid, adv_tok) if ok and ((a > 0 and x > 0) or (a < 0 and x < 0)))
@@ -393,13 +468,124 @@ def test_m2po_gradcheck():
     logp = (beh + 0.4 * torch.randn(4, 6, dtype=F64)).requires_grad_()
     adv = torch.randn(4, dtype=F64)
     _, stats = compute_m2po_loss(logp, beh, adv)
-    assert float(stats["m2po/masked_frac"]) > 0            # the mask is active in this example
+    assert float(stats["m2po/masked_frac"]) > 0  # the mask is active in this example
     assert torch.autograd.gradcheck(lambda lp: compute_m2po_loss(lp, beh, adv)[0], (logp,))
+
+
+def _stale_batch(seed=14, n=12, length=7):
+    """A stale batch: log-ratios of ~0.6 nats, unequal lengths (one empty row), KL reference, TIS."""
+    g = torch.Generator().manual_seed(seed)
+    beh = torch.randn(n, length, dtype=F64, generator=g) - 1.0
+    logp = beh + 0.6 * torch.randn(n, length, dtype=F64, generator=g)
+    ref = beh + 0.3 * torch.randn(n, length, dtype=F64, generator=g)
+    roll = beh + 0.1 * torch.randn(n, length, dtype=F64, generator=g)
+    lengths = torch.randint(1, length + 1, (n,), generator=g)
+    lengths[3] = 0
+    mask = torch.arange(length)[None, :] < lengths[:, None]
+    adv = torch.randn(n, dtype=F64, generator=g)
+    return logp, beh, adv, mask, ref, roll
+
+
+@pytest.mark.parametrize("agg", AGG_MODES)
+@pytest.mark.parametrize("loss", ["ppo", "grpo", "m2po-trust_region", "m2po-ratio_sq"])
+def test_micro_batch_losses_sum_exactly_to_the_full_batch(loss, agg):
+    """Per-micro-batch losses with the step's normalisers (and, for M2PO, the step's keep mask) sum to the
+    full-batch loss, gradients included, for every loss and aggregation (with KL and TIS on)."""
+    name, _, masking = loss.partition("-")
+    cfg = AlgorithmConfig(
+        loss=name,
+        masking=masking or "trust_region",
+        agg=agg,
+        kl_coef=0.1,
+        tis_cap=2.0,
+        clip_eps=None if masking == "trust_region" else 0.2,
+        m2_threshold=0.05,
+    )
+    logp, beh, adv, mask, ref, roll = _stale_batch()
+    logp = logp.requires_grad_()
+    full, full_stats = compute_policy_loss(cfg, logp, beh, adv, mask, ref, roll, norm_len=9)
+    (full_grad,) = torch.autograd.grad(full, logp)
+
+    kw = {"norm_len": 9, "global_norm": global_normalisers(mask)}
+    step = step_keep_mask(cfg, logp, beh, adv, mask)
+    assert (step is None) == (name != "m2po")
+    total, pg, kl = 0.0, 0.0, 0.0
+    for s in range(0, 12, 5):
+        rows = slice(s, s + 5)
+        if step is not None:
+            kw.update(keep_mask=step[0][rows], kept_norm=step[1])
+        part, stats = compute_policy_loss(
+            cfg, logp[rows], beh[rows], adv[rows], mask[rows], ref[rows], roll[rows], **kw
+        )
+        total, pg, kl = total + part, pg + stats["loss/policy"], kl + stats["loss/kl"]
+    (part_grad,) = torch.autograd.grad(total, logp)
+    assert close(total, full, 1e-12)
+    assert close(pg, full_stats["loss/policy"], 1e-12) and close(kl, full_stats["loss/kl"], 1e-12)
+    assert torch.allclose(part_grad, full_grad, atol=1e-12, rtol=0)
+    if name == "m2po":
+        # the step's mask is what the loss computes on the full batch, and it masks something
+        keep = m2po_keep_mask(logp, beh, adv, mask, 0.05, cfg.masking, cfg.ratio_sq_threshold)
+        assert torch.equal(keep, step[0]) and float(full_stats["m2po/masked_frac"]) > 0
+
+
+@pytest.mark.parametrize("masking", ["trust_region", "ratio_sq"])
+def test_m2po_mask_of_micro_batches_is_not_the_step_mask(masking):
+    """Why the keep mask is computed once per step: from a micro-batch's rows alone it differs, and so
+    does the loss (the second moment and the kept-token count are statistics of the whole batch)."""
+    logp, beh, adv, mask, _, _ = _stale_batch()
+    step = m2po_keep_mask(logp, beh, adv, mask, 0.05, masking)
+    per_micro = torch.cat(
+        [
+            m2po_keep_mask(logp[s : s + 5], beh[s : s + 5], adv[s : s + 5], mask[s : s + 5], 0.05, masking)
+            for s in range(0, 12, 5)
+        ]
+    )
+    if masking == "trust_region":
+        assert not torch.equal(per_micro & mask, step & mask)
+    else:  # ratio_sq keeps per token, so the mask agrees; its normaliser (kept tokens) is batch-wide
+        assert torch.equal(per_micro, step)
+    full, _ = compute_m2po_loss(logp, beh, adv, mask, 0.05, masking)
+    norm = global_normalisers(mask)
+    kept_norm = global_normalisers(step.double() * mask)
+    naive = sum(
+        compute_m2po_loss(
+            logp[s : s + 5], beh[s : s + 5], adv[s : s + 5], mask[s : s + 5], 0.05, masking, global_norm=norm
+        )[0]
+        for s in range(0, 12, 5)
+    )
+    exact = sum(
+        compute_m2po_loss(
+            logp[s : s + 5],
+            beh[s : s + 5],
+            adv[s : s + 5],
+            mask[s : s + 5],
+            0.05,
+            masking,
+            global_norm=norm,
+            keep_mask=step[s : s + 5],
+            kept_norm=kept_norm,
+        )[0]
+        for s in range(0, 12, 5)
+    )
+    assert close(exact, full, 1e-12) and not close(naive, full, 1e-6)
+
+
+def test_step_keep_mask_only_for_m2po():
+    logp, beh, adv, mask, _, _ = _stale_batch()
+    assert step_keep_mask(AlgorithmConfig(loss="ppo"), logp, beh, adv, mask) is None
+    keep, kept_norm = step_keep_mask(AlgorithmConfig(loss="m2po", masking="ratio_sq"), logp, beh, adv, mask)
+    assert keep.dtype == torch.bool and keep.shape == mask.shape
+    assert close(kept_norm["global_tokens"], (keep & mask).sum(), 1e-12)
+    with pytest.raises(ValueError, match="keep_mask"):
+        compute_policy_loss(AlgorithmConfig(loss="grpo"), logp, beh, adv, mask, keep_mask=keep)
+    with pytest.raises(ValueError, match="keep_mask"):
+        compute_m2po_loss(logp, beh, adv, mask, keep_mask=keep[:, :3])
 
 
 # ------------------------------------------------------------------------------------------------
 # Options shared by every loss: GSPO, TIS, KL, padding, empty masks, zero advantages
 # ------------------------------------------------------------------------------------------------
+
 
 def test_gspo_sequence_ratio():
     # log ratios [log 2, 0] -> s = exp(log 2 / 2) = √2 = 1.41421; eps 0.5: inside [0.5, 1.5]
@@ -415,8 +601,14 @@ def test_gspo_sequence_ratio():
     assert close(loss, -1.2) and close(stats["policy/clip_frac"], 1.0)
     # padding does not enter the sequence mean
     padded = t([[LOG(2.0), 0.0, 5.0]])
-    loss, _ = compute_ppo_loss(padded, torch.zeros(1, 3, dtype=F64), t([1.0]), clip_eps=0.5,
-                               mask=torch.tensor([[True, True, False]]), importance_level="sequence")
+    loss, _ = compute_ppo_loss(
+        padded,
+        torch.zeros(1, 3, dtype=F64),
+        t([1.0]),
+        clip_eps=0.5,
+        mask=torch.tensor([[True, True, False]]),
+        importance_level="sequence",
+    )
     assert close(loss, -math.sqrt(2))
 
 
@@ -449,9 +641,18 @@ def test_tis_truncated_weights():
 def test_all_zero_mask_gives_zero_loss_and_grads(name, fn, agg):
     logp = torch.randn(3, 4, requires_grad=True)
     garbage = torch.full((3, 4), float("nan"))
-    loss, stats = fn(logp, garbage, torch.randn(3), torch.zeros(3, 4, dtype=torch.bool), agg=agg,
-                     ref_logprobs=garbage, kl_coef=0.1, rollout_logprobs=garbage, tis_cap=2.0,
-                     importance_level="sequence" if agg == "seq-mean-token-mean" else "token")
+    loss, stats = fn(
+        logp,
+        garbage,
+        torch.randn(3),
+        torch.zeros(3, 4, dtype=torch.bool),
+        agg=agg,
+        ref_logprobs=garbage,
+        kl_coef=0.1,
+        rollout_logprobs=garbage,
+        tis_cap=2.0,
+        importance_level="sequence" if agg == "seq-mean-token-mean" else "token",
+    )
     loss.backward()
     assert float(loss.detach()) == 0.0
     assert torch.equal(logp.grad, torch.zeros(3, 4))
@@ -508,6 +709,7 @@ def test_loss_argument_errors():
 # Registry
 # ------------------------------------------------------------------------------------------------
 
+
 def _inputs(seed=12):
     g = torch.Generator().manual_seed(seed)
     logp = torch.randn(4, 6, dtype=F64, generator=g)
@@ -531,12 +733,16 @@ def test_registry_dispatch_matches_direct_calls():
     assert "m2po/masked_frac" in stats
     cfg = AlgorithmConfig(loss="m2po", masking="ratio_sq", ratio_sq_threshold=1.5)
     got, _ = compute_policy_loss(cfg, logp, old, adv, mask)
-    assert close(got, compute_m2po_loss(logp, old, adv, mask, masking="ratio_sq", clip_eps=0.2,
-                                        ratio_sq_threshold=1.5)[0], 1e-12)
+    assert close(
+        got, compute_m2po_loss(logp, old, adv, mask, masking="ratio_sq", clip_eps=0.2, ratio_sq_threshold=1.5)[0], 1e-12
+    )
     cfg = AlgorithmConfig(loss="grpo", importance_level="sequence", tis_cap=2.0)
     got, stats = compute_policy_loss(cfg, logp, old, adv, mask, rollout_logprobs=ref)
-    assert close(got, compute_grpo_loss(logp, old, adv, mask, importance_level="sequence",
-                                        rollout_logprobs=ref, tis_cap=2.0)[0], 1e-12)
+    assert close(
+        got,
+        compute_grpo_loss(logp, old, adv, mask, importance_level="sequence", rollout_logprobs=ref, tis_cap=2.0)[0],
+        1e-12,
+    )
     assert "tis/weight_mean" in stats
     with pytest.raises(ValueError, match="unknown policy loss"):
         compute_policy_loss(SimpleNamespace(loss="a2c"), logp, old, adv)
@@ -558,6 +764,7 @@ def test_registry_adds_kl_for_every_loss(loss):
 # Advantages
 # ------------------------------------------------------------------------------------------------
 
+
 def test_grpo_advantages_group_batch_none():
     r = torch.tensor([[1.0, 0.0, 1.0, 0.0]])
     # group mean .5, population std .5 -> ±1
@@ -578,12 +785,35 @@ def test_rloo_advantages():
 
 
 def test_constant_groups_and_single_sample_groups_are_exactly_zero():
-    const = torch.full((3, 5), 0.1)                      # float mean of 0.1s is not exactly 0.1
+    const = torch.full((3, 5), 0.1)  # float mean of 0.1s is not exactly 0.1
     for scale in ("group", "batch", "none"):
         assert torch.equal(compute_grpo_advantages(const, scale=scale), torch.zeros(3, 5))
         assert torch.equal(compute_grpo_advantages(torch.tensor([[0.3], [0.9]]), scale=scale), torch.zeros(2, 1))
     assert torch.equal(compute_rloo_advantages(const), torch.zeros(3, 5))
     assert torch.equal(compute_rloo_advantages(torch.tensor([[0.3], [0.9]])), torch.zeros(2, 1))
+
+
+def test_rloo_takes_no_scale_or_eps():
+    r = torch.tensor([[1.0, 0.0, 2.0]])
+    for option in ({"scale": "batch"}, {"eps": 0.1}):
+        with pytest.raises(ValueError, match="'rloo' takes no option"):
+            compute_advantages("rloo", r, **option)
+    # from a config: the estimator gets the options it takes, and only those
+    assert torch.equal(advantages_from_config(AlgorithmConfig(advantage="rloo"), r), compute_rloo_advantages(r))
+    cfg = AlgorithmConfig(adv_scale="none", adv_eps=0.5)
+    assert torch.equal(advantages_from_config(cfg, r), compute_grpo_advantages(r, scale="none"))
+    cfg = AlgorithmConfig(adv_scale="group", adv_eps=0.5)
+    assert torch.equal(advantages_from_config(cfg, r), compute_grpo_advantages(r, eps=0.5))
+
+
+@pytest.mark.parametrize("field,value", [("adv_scale", "batch"), ("adv_scale", "none"), ("adv_eps", 0.01)])
+def test_config_refuses_advantage_options_rloo_ignores(field, value):
+    with pytest.raises(ConfigError, match=f"algorithm.{field} has no effect with algorithm.advantage 'rloo'"):
+        load_config(None, ["algorithm.advantage=rloo", f"algorithm.{field}={value}"])
+    assert load_config(None, [f"algorithm.{field}={value}"]).algorithm.advantage == "grpo"  # fine with grpo
+    # a config dumped whole (checkpoint, Prefect form) lists the defaults and stays valid
+    cfg = load_config(None, ["algorithm.advantage=rloo"])
+    assert validate_config(cfg.model_dump(mode="json")).algorithm.advantage == "rloo"
 
 
 def test_compute_advantages_by_name():
@@ -599,6 +829,7 @@ def test_compute_advantages_by_name():
 # Device: the hot path never synchronises with the host
 # ------------------------------------------------------------------------------------------------
 
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_losses_do_not_sync_on_cuda():
@@ -606,10 +837,28 @@ def test_losses_do_not_sync_on_cuda():
     logp = torch.randn(8, 32, device=dev, requires_grad=True)
     old, ref, roll = (torch.randn(8, 32, device=dev) for _ in range(3))
     adv, mask = torch.randn(8, device=dev), torch.rand(8, 32, device=dev) > 0.2
-    calls = [lambda fn=fn: fn(logp, old, adv, mask, ref_logprobs=ref, kl_coef=0.1,
-                               rollout_logprobs=roll, tis_cap=2.0, agg=agg)
-             for _, fn in all_losses() for agg in AGG_MODES]
-    for call in calls:   # warm-up (allocator, kernels)
+    calls = [
+        lambda fn=fn, agg=agg: fn(
+            logp, old, adv, mask, ref_logprobs=ref, kl_coef=0.1, rollout_logprobs=roll, tis_cap=2.0, agg=agg
+        )
+        for _, fn in all_losses()
+        for agg in AGG_MODES
+    ]
+
+    def micro_batch(cfg):  # the step's normalisers and M2PO mask, then the loss of 4 of the 8 rows
+        kw = {"norm_len": 32, "global_norm": global_normalisers(mask)}
+        step = step_keep_mask(cfg, logp, old, adv, mask)
+        if step is not None:
+            kw.update(keep_mask=step[0][:4], kept_norm=step[1])
+        return compute_policy_loss(cfg, logp[:4], old[:4], adv[:4], mask[:4], ref[:4], roll[:4], **kw)
+
+    cfgs = [
+        AlgorithmConfig(loss=loss, masking=masking, agg=agg, kl_coef=0.1, tis_cap=2.0)
+        for loss, masking in (("ppo", "trust_region"), ("m2po", "trust_region"), ("m2po", "ratio_sq"))
+        for agg in AGG_MODES
+    ]
+    calls += [lambda cfg=cfg: micro_batch(cfg) for cfg in cfgs]
+    for call in calls:  # warm-up (allocator, kernels)
         call()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")

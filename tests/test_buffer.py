@@ -30,22 +30,29 @@ class Sample:
 
 
 def balanced(stats: dict) -> bool:
-    return stats["pushed"] == (stats["sampled"] + stats["evicted_stale"] + stats["dropped_overflow"]
-                               + stats["size"] + stats["pending"])
+    return stats["pushed"] == (
+        stats["sampled"] + stats["evicted_stale"] + stats["dropped_overflow"] + stats["size"] + stats["pending"]
+    )
 
 
 def make_experience(prompt_id: int, version: int, rewards: list[float]) -> Experience:
     n = len(rewards)
     batch = RolloutBatch(
-        prompt_ids=torch.zeros(n, 2, dtype=torch.long), prompt_mask=torch.ones(n, 2, dtype=torch.bool),
-        response_ids=torch.zeros(n, 3, dtype=torch.long), response_mask=torch.ones(n, 3, dtype=torch.bool),
-        behavior_logprobs=torch.zeros(n, 3), response_lengths=torch.full((n,), 3),
-        group_ids=torch.zeros(n, dtype=torch.long), policy_version=torch.full((n,), version),
-        rewards=torch.tensor(rewards))
+        prompt_ids=torch.zeros(n, 2, dtype=torch.long),
+        prompt_mask=torch.ones(n, 2, dtype=torch.bool),
+        response_ids=torch.zeros(n, 3, dtype=torch.long),
+        response_mask=torch.ones(n, 3, dtype=torch.bool),
+        behavior_logprobs=torch.zeros(n, 3),
+        response_lengths=torch.full((n,), 3),
+        group_ids=torch.zeros(n, dtype=torch.long),
+        policy_version=torch.full((n,), version),
+        rewards=torch.tensor(rewards),
+    )
     return Experience(batch=batch, prompt_id=prompt_id, policy_version=version)
 
 
 # ---------------------------------------------------------------- BoundedReplayBuffer
+
 
 def test_bounded_fifo_and_overflow_discards_oldest():
     buf = BoundedReplayBuffer(3)
@@ -58,8 +65,6 @@ def test_bounded_fifo_and_overflow_discards_oldest():
     assert buf.sample(10) == [4]
     assert buf.sample(1) == [] and buf.sample(0) == []
     assert buf.stats()["sampled"] == 3 and balanced(buf.stats())
-    m = buf.metrics()
-    assert m["buffer/size"] == 0 and m["buffer/dropped_overflow"] == 2 and "buffer/closed" not in m
 
 
 def test_bounded_push_many_counts_overflow_including_its_own_items():
@@ -103,11 +108,14 @@ def test_waiting_sampler_wakes_on_push():
     assert time.monotonic() - t0 < 0.2
 
 
-@pytest.mark.parametrize("make", [
-    lambda: BoundedReplayBuffer(8),
-    lambda: VersionedReplayBuffer(8, max_staleness=1),
-    lambda: GroupAwareReplayBuffer(2, 8),
-])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: BoundedReplayBuffer(8),
+        lambda: VersionedReplayBuffer(8, max_staleness=1),
+        lambda: GroupAwareReplayBuffer(2, 8),
+    ],
+)
 def test_close_wakes_a_waiting_sampler_and_refuses_pushes(make):
     buf = make()
     result = {}
@@ -133,16 +141,17 @@ def test_close_wakes_a_waiting_sampler_and_refuses_pushes(make):
 
 # ---------------------------------------------------------------- VersionedReplayBuffer
 
+
 def test_versioned_staleness_boundaries_are_exact():
     buf = VersionedReplayBuffer(100, max_staleness=2)
     assert buf.set_version(10) == 0
-    assert buf.push(Sample(0, policy_version=8))       # 10 - 2: still fresh
-    assert not buf.push(Sample(1, policy_version=7))   # 10 - 3: stale, refused and counted
+    assert buf.push(Sample(0, policy_version=8))  # 10 - 2: still fresh
+    assert not buf.push(Sample(1, policy_version=7))  # 10 - 3: stale, refused and counted
     assert buf.push({"id": 2, "policy_version": 9})
     assert buf.push(Sample(3, policy_version=12))
     s = buf.stats()
     assert (s["pushed"], s["evicted_stale"], s["size"], s["version"], s["max_staleness"]) == (4, 1, 3, 10, 2)
-    assert buf.set_version(11) == 1                    # version 8 is now 11 - 3
+    assert buf.set_version(11) == 1  # version 8 is now 11 - 3
     got = buf.sample(10)
     assert [x.id if isinstance(x, Sample) else x["id"] for x in got] == [2, 3]
     assert buf.stats()["evicted_stale"] == 2 and balanced(buf.stats())
@@ -154,7 +163,7 @@ def test_versioned_push_many_filters_stale_and_set_version_can_go_back():
     assert buf.push_many([{"policy_version": v} for v in (1, 2, 3, 3, 4)]) == 3
     s = buf.stats()
     assert (s["pushed"], s["evicted_stale"], s["size"]) == (5, 2, 3) and balanced(s)
-    assert buf.set_version(1) == 0                     # nothing becomes stale going back
+    assert buf.set_version(1) == 0  # nothing becomes stale going back
     assert buf.set_version(4) == 2
     assert buf.sample(10) == [{"policy_version": 4}]
 
@@ -165,8 +174,8 @@ def test_versioned_requires_policy_version():
         buf.push({"id": 1})
     with pytest.raises(AttributeError, match="policy_version"):
         buf.push(object())
-    assert buf.stats()["pushed"] == 0                   # a refused malformed item never entered
-    buf.push({"policy_version": torch.tensor(0)})      # integer tensors and numpy ints are fine
+    assert buf.stats()["pushed"] == 0  # a refused malformed item never entered
+    buf.push({"policy_version": torch.tensor(0)})  # integer tensors and numpy ints are fine
 
 
 def test_versioned_with_experience_items():
@@ -179,6 +188,7 @@ def test_versioned_with_experience_items():
 
 
 # ---------------------------------------------------------------- GroupAwareReplayBuffer
+
 
 def test_group_emits_only_when_full():
     buf = GroupAwareReplayBuffer(group_size=4, max_size=16)
@@ -203,7 +213,7 @@ def test_group_emits_only_when_full():
 def test_group_zero_variance_rewards_get_exact_zero_advantages():
     buf = GroupAwareReplayBuffer(group_size=5, max_size=20)
     for reward in (0.1, 1.0, 0.0):
-        for i in range(5):
+        for _ in range(5):
             buf.push({"prompt_id": reward, "reward": reward, "policy_version": 0})
     groups = buf.sample(3)
     assert len(groups) == 3
@@ -244,12 +254,12 @@ def test_group_prompt_ids_as_tensors_group_by_value():
 def test_group_stale_partial_and_ready_groups_are_evicted():
     buf = GroupAwareReplayBuffer(group_size=3, max_size=30, max_staleness=1)
     for i in range(3):
-        buf.push(Sample(i, prompt_id=0, policy_version=0))     # ready, version 0
-    buf.push(Sample(10, prompt_id=1, policy_version=1))        # partial, version 1
-    buf.push(Sample(11, prompt_id=2, policy_version=0))        # partial, version 0
-    buf.push(Sample(12, prompt_id=2, policy_version=2))        # its oldest item decides: 0
-    assert buf.set_version(1) == 0                              # 0 is still 1 - 1
-    assert buf.set_version(2) == 5                              # ready group (3) + partial of prompt 2 (2)
+        buf.push(Sample(i, prompt_id=0, policy_version=0))  # ready, version 0
+    buf.push(Sample(10, prompt_id=1, policy_version=1))  # partial, version 1
+    buf.push(Sample(11, prompt_id=2, policy_version=0))  # partial, version 0
+    buf.push(Sample(12, prompt_id=2, policy_version=2))  # its oldest item decides: 0
+    assert buf.set_version(1) == 0  # 0 is still 1 - 1
+    assert buf.set_version(2) == 5  # ready group (3) + partial of prompt 2 (2)
     s = buf.stats()
     assert (s["evicted_stale"], s["size"], s["pending"], s["pending_groups"]) == (5, 0, 1, 1) and balanced(s)
     assert not buf.push(Sample(20, prompt_id=1, policy_version=0))  # stale push refused
@@ -314,6 +324,7 @@ def test_group_with_experience_items_and_immutable_items():
 
 
 # ---------------------------------------------------------------- threads
+
 
 def _run_threads(buffer, shares, consume_batch, flatten, check_batch=None):
     """8 producers push their shares; 2 consumers sample until everything is produced and drained; a
@@ -416,8 +427,14 @@ def test_group_stress_whole_groups_only():
     shares = []
     for p in range(8):  # each producer interleaves the completions of its prompts, 5 prompts at a time
         prompts = [(p, k) for k in range(60)]
-        shares.append([{"id": (pid, j), "prompt_id": pid, "reward": float(j % 2)}
-                       for start in range(0, 60, 5) for j in range(G) for pid in prompts[start:start + 5]])
+        shares.append(
+            [
+                {"id": (pid, j), "prompt_id": pid, "reward": float(j % 2)}
+                for start in range(0, 60, 5)
+                for j in range(G)
+                for pid in prompts[start : start + 5]
+            ]
+        )
 
     def check(batch, _):
         for g in batch:
@@ -435,12 +452,12 @@ def test_group_stress_whole_groups_only():
 
 # ---------------------------------------------------------------- random operation sequences
 
+
 class BufferMachine(RuleBasedStateMachine):
     """Drives the three buffers with the same random operations and checks each against a plain
     reference model: contents, order, every counter, and the accounting invariant after every step."""
 
-    @initialize(max_size=st.integers(1, 8), group_size=st.integers(1, 3),
-                max_staleness=st.none() | st.integers(0, 2))
+    @initialize(max_size=st.integers(1, 8), group_size=st.integers(1, 3), max_staleness=st.none() | st.integers(0, 2))
     def setup(self, max_size, group_size, max_staleness):
         self.G, self.max_staleness = group_size, max_staleness
         self.max_size, self.group_max = max_size, max(max_size, group_size)
@@ -448,9 +465,11 @@ class BufferMachine(RuleBasedStateMachine):
         self.versioned = VersionedReplayBuffer(max_size, max_staleness)
         self.group = GroupAwareReplayBuffer(group_size, self.group_max, max_staleness)
         self.next_id, self.version, self.closed = 0, 0, False
-        self.model = {name: {"pushed": 0, "sampled": 0, "evicted_stale": 0, "dropped_overflow": 0, "rejected_closed": 0}
-                      for name in ("bounded", "versioned", "group")}
-        self.fifo, self.vfifo = [], []   # items of bounded / versioned
+        self.model = {
+            name: {"pushed": 0, "sampled": 0, "evicted_stale": 0, "dropped_overflow": 0, "rejected_closed": 0}
+            for name in ("bounded", "versioned", "group")
+        }
+        self.fifo, self.vfifo = [], []  # items of bounded / versioned
         self.pending, self.ready = {}, []  # group: prompt -> items, and ready groups (lists of items)
 
     def _item(self, prompt_id, version, reward):
@@ -492,8 +511,7 @@ class BufferMachine(RuleBasedStateMachine):
         while sum(map(len, self.ready)) > self.group_max:
             self.model["group"]["dropped_overflow"] += len(self.ready.pop(0))
 
-    item_args = dict(prompt_id=st.integers(0, 3), version=st.integers(0, 6),
-                     reward=st.sampled_from([0.0, 0.5, 1.0]))
+    item_args = dict(prompt_id=st.integers(0, 3), version=st.integers(0, 6), reward=st.sampled_from([0.0, 0.5, 1.0]))
 
     @rule(**item_args)
     def push(self, prompt_id, version, reward):
@@ -512,9 +530,13 @@ class BufferMachine(RuleBasedStateMachine):
         for item in items:
             self._model_push(item)
 
-    @rule(prompt_id=st.integers(10, 12), version=st.integers(0, 6), rewards=st.lists(st.sampled_from([0.0, 1.0]), min_size=3, max_size=3))
+    @rule(
+        prompt_id=st.integers(10, 12),
+        version=st.integers(0, 6),
+        rewards=st.lists(st.sampled_from([0.0, 1.0]), min_size=3, max_size=3),
+    )
     def push_group(self, prompt_id, version, rewards):
-        items = [self._item(prompt_id, version, r) for r in rewards[:self.G]]
+        items = [self._item(prompt_id, version, r) for r in rewards[: self.G]]
         accepted = self.group.push_group([dict(x) for x in items])
         mg = self.model["group"]
         if self.closed:
@@ -557,8 +579,9 @@ class BufferMachine(RuleBasedStateMachine):
         self.vfifo = keep
         expected_g = 0
         if self.max_staleness is not None:
-            for prompt in [p for p, part in self.pending.items()
-                           if not self._fresh(min(x["policy_version"] for x in part))]:
+            for prompt in [
+                p for p, part in self.pending.items() if not self._fresh(min(x["policy_version"] for x in part))
+            ]:
                 expected_g += len(self.pending.pop(prompt))
             keep_groups = [g for g in self.ready if self._fresh(min(x["policy_version"] for x in g))]
             expected_g += sum(map(len, self.ready)) - sum(map(len, keep_groups))
@@ -584,8 +607,11 @@ class BufferMachine(RuleBasedStateMachine):
 
     @invariant()
     def accounting_matches_the_model(self):
-        sizes = {"bounded": (len(self.fifo), 0), "versioned": (len(self.vfifo), 0),
-                 "group": (sum(map(len, self.ready)), sum(map(len, self.pending.values())))}
+        sizes = {
+            "bounded": (len(self.fifo), 0),
+            "versioned": (len(self.vfifo), 0),
+            "group": (sum(map(len, self.ready)), sum(map(len, self.pending.values()))),
+        }
         for name, buf in (("bounded", self.bounded), ("versioned", self.versioned), ("group", self.group)):
             s = buf.stats()
             assert balanced(s), (name, s)
@@ -594,22 +620,10 @@ class BufferMachine(RuleBasedStateMachine):
             assert {k: s[k] for k in m} == m, (name, s, m)
 
 
-BufferMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None,
-                                           suppress_health_check=[HealthCheck.too_slow])
+BufferMachine.TestCase.settings = settings(
+    max_examples=60, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 test_buffer_accounting_random_sequences = BufferMachine.TestCase
-
-
-def test_wait_for_blocks_until_n_ready_and_takes_nothing():
-    import threading
-
-    buf = VersionedReplayBuffer(max_size=16, max_staleness=2)
-    assert buf.wait_for(3, timeout=0.05) is False and buf.stats()["sampled"] == 0
-    pusher = threading.Timer(0.05, lambda: [buf.push({"policy_version": 0, "i": i}) for i in range(3)])
-    pusher.start()
-    assert buf.wait_for(3, timeout=5.0) is True
-    pusher.join()
-    assert len(buf) == 3 and buf.stats()["sampled"] == 0      # waiting took nothing
-    assert [x["i"] for x in buf.sample(3)] == [0, 1, 2]
 
 
 def test_requeue_puts_items_back_in_front_in_order_and_uncounts_them():
@@ -619,7 +633,7 @@ def test_requeue_puts_items_back_in_front_in_order_and_uncounts_them():
     assert buf.requeue(taken) == 3
     s = buf.stats()
     assert (s["sampled"], s["size"]) == (0, 5) and balanced(s)
-    assert [x.id for x in buf.sample(5)] == [0, 1, 2, 3, 4]   # as if never sampled: order kept
+    assert [x.id for x in buf.sample(5)] == [0, 1, 2, 3, 4]  # as if never sampled: order kept
     with pytest.raises(ValueError, match="only 5 were ever sampled"):
         buf.requeue([Sample(i) for i in range(6)])
 
@@ -628,34 +642,34 @@ def test_requeue_into_a_full_buffer_drops_the_oldest_given_back_items():
     buf = BoundedReplayBuffer(4)
     buf.push_many([Sample(i) for i in range(4)])
     taken = buf.sample(3)
-    buf.push_many([Sample(i) for i in range(4, 6)])          # 3 items now, room for 1
+    buf.push_many([Sample(i) for i in range(4, 6)])  # 3 items now, room for 1
     assert buf.requeue(taken) == 1
     s = buf.stats()
     assert (s["sampled"], s["dropped_overflow"], s["size"]) == (0, 2, 4) and balanced(s)
-    assert [x.id for x in buf.sample(4)] == [2, 3, 4, 5]      # the newest given-back item went in front
+    assert [x.id for x in buf.sample(4)] == [2, 3, 4, 5]  # the newest given-back item went in front
 
 
 def test_versioned_requeue_evicts_what_went_stale_meanwhile():
     buf = VersionedReplayBuffer(8, max_staleness=1)
     buf.push_many([Sample(i, policy_version=v) for i, v in enumerate([0, 1, 2])])
     taken = buf.sample(3)
-    buf.set_version(2)                                         # version 0 is now 2 - 2: stale
+    buf.set_version(2)  # version 0 is now 2 - 2: stale
     assert buf.requeue(taken) == 2
     s = buf.stats()
     assert (s["sampled"], s["evicted_stale"], s["size"]) == (0, 1, 2) and balanced(s)
-    assert buf.set_version(3) == 1                             # requeued items still take part in eviction
+    assert buf.set_version(3) == 1  # requeued items still take part in eviction
     assert [x.id for x in buf.sample(4)] == [2]
 
 
 def test_take_for_a_later_version_evicts_what_is_too_stale_for_it_but_keeps_the_buffers_version():
     buf = VersionedReplayBuffer(8, max_staleness=1, version=3)
     buf.push_many([Sample(i, policy_version=v) for i, v in enumerate([2, 3, 2, 4])])
-    got = buf.take_for(2, version=4, timeout=0.0)                    # version 2 is 4 - 2: too stale for 4
+    got = buf.take_for(2, version=4, timeout=0.0)  # version 2 is 4 - 2: too stale for 4
     assert [x.id for x in got] == [1, 3]
     s = buf.stats()
     assert (s["version"], s["evicted_stale"], s["sampled"], s["size"]) == (3, 2, 2, 0) and balanced(s)
-    assert buf.push(Sample(4, policy_version=2))                     # still fresh for the buffer's own version 3
-    assert buf.take_for(2, version=3, timeout=0.0) == []             # exactly n, or nothing
+    assert buf.push(Sample(4, policy_version=2))  # still fresh for the buffer's own version 3
+    assert buf.take_for(2, version=3, timeout=0.0) == []  # exactly n, or nothing
     assert len(buf) == 1
 
 
@@ -668,7 +682,7 @@ def test_take_for_waits_for_enough_fresh_items_and_honours_close():
     closer = threading.Timer(0.05, buf.close)
     closer.start()
     start = time.monotonic()
-    assert buf.take_for(1, version=1, timeout=30.0) == []            # woken by close, not by the deadline
+    assert buf.take_for(1, version=1, timeout=30.0) == []  # woken by close, not by the deadline
     assert time.monotonic() - start < 10
     closer.join()
     with pytest.raises(ValueError, match="n must be >= 1"):

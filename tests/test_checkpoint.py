@@ -8,23 +8,49 @@ import shutil
 import pytest
 import torch
 
-from rlhf_core.checkpoint import CheckpointError, capture_rng, read_checkpoint, restore_rng, save_checkpoint
+from rlhf_core.checkpoint import (
+    CheckpointError,
+    CheckpointState,
+    capture_rng,
+    read_checkpoint,
+    restore_rng,
+    save_checkpoint,
+)
 from rlhf_core.config import load_config
 from rlhf_core.loop import build_run, restore_run_checkpoint, run_sync
 
 
 def small_cfg(output_dir, *overrides):
-    return load_config(None, [
-        f"run.output_dir={output_dir}", "model.tiny_hidden=32", "model.tiny_layers=1", "model.tiny_heads=2",
-        "trainer.total_steps=4", "trainer.prompts_per_step=4", "rollout.samples_per_prompt=4",
-        "rollout.prompts_per_batch=4", "data.eval_size=20", "tracking.eval_every=0", "tracking.checkpoint_every=2",
-        "trainer.lr=3e-3", "trainer.lr_schedule=cosine", "trainer.warmup_steps=1", *overrides])
+    return load_config(
+        None,
+        [
+            f"run.output_dir={output_dir}",
+            "model.tiny_hidden=32",
+            "model.tiny_layers=1",
+            "model.tiny_heads=2",
+            "trainer.total_steps=4",
+            "trainer.prompts_per_step=4",
+            "rollout.samples_per_prompt=4",
+            "rollout.prompts_per_batch=4",
+            "data.eval_size=20",
+            "tracking.eval_every=0",
+            "tracking.checkpoint_every=2",
+            "trainer.lr=3e-3",
+            "trainer.lr_schedule=cosine",
+            "trainer.warmup_steps=1",
+            *overrides,
+        ],
+    )
 
 
 def snapshot(parts):
-    return ({k: v.detach().clone() for k, v in parts.model.state_dict().items()},
-            parts.trainer.version, parts.trainer.step, parts.source.state_dict(),
-            [g["lr"] for g in parts.trainer.optimizer.param_groups])
+    return (
+        {k: v.detach().clone() for k, v in parts.model.state_dict().items()},
+        parts.trainer.version,
+        parts.trainer.step,
+        parts.prompts.state_dict(),
+        [g["lr"] for g in parts.trainer.optimizer.param_groups],
+    )
 
 
 def assert_unchanged(parts, snap):
@@ -32,7 +58,7 @@ def assert_unchanged(parts, snap):
     for k, v in parts.model.state_dict().items():
         assert torch.equal(v, weights[k]), k
     assert (parts.trainer.version, parts.trainer.step) == (version, step)
-    assert parts.source.state_dict() == data
+    assert parts.prompts.state_dict() == data
     assert [g["lr"] for g in parts.trainer.optimizer.param_groups] == lrs
 
 
@@ -55,35 +81,47 @@ def fresh_parts(full_run, tmp_path):
 
 def test_save_read_round_trip(tiny_model, tmp_path):
     gen = torch.Generator().manual_seed(5)
-    state = {"trainer": {"step": 7, "version": 6, "extra": [1, 2]}, "data": {"epoch": 1, "index": 3},
-             "rng": capture_rng({"engine": gen}), "result": {"eval/accuracy_start": 0.25}}
+    cfg = load_config(None, ["trainer.lr=1e-3"])
+    state = CheckpointState(
+        trainer={"step": 7, "version": 6, "extra": [1, 2]},
+        data={"source": {"epoch": 1, "index": 3}, "queued": [4, 5]},
+        rng={"trainer": capture_rng(), "rollout": [gen.get_state()]},
+        run={"eval_start": 0.25},
+        config=cfg.model_dump(mode="json"),
+    )
     path = save_checkpoint(tmp_path / "ckpt", tiny_model, state)
-    assert sorted(p.name for p in path.iterdir()) == ["meta.json", "policy.safetensors", "state.pt"]
+    assert sorted(p.name for p in path.iterdir()) == [
+        "meta.json",
+        "policy.safetensors",
+        "state.pt",
+        "train_config.yaml",
+    ]
     assert not (tmp_path / "ckpt.tmp").exists()
     meta = json.loads((path / "meta.json").read_text())
-    assert meta["step"] == 7 and meta["version"] == 6 and meta["format_version"] == 1
+    assert meta["step"] == 7 and meta["version"] == 6 and meta["format_version"] == 2
     assert meta["params"]["model.embed_tokens.weight"] == list(tiny_model.model.embed_tokens.weight.shape)
 
     read_state, weights = read_checkpoint(path, tiny_model)
-    assert read_state["trainer"] == state["trainer"] and read_state["data"] == state["data"]
-    assert read_state["result"] == {"eval/accuracy_start": 0.25}
+    assert read_state.trainer == state.trainer and read_state.data == state.data and read_state.run == state.run
+    assert type(cfg).model_validate(read_state.config) == cfg  # the full config comes back
     sd = tiny_model.state_dict()
     for k, v in weights.items():
         assert torch.equal(v, sd[k]), k
     state_only, none = read_checkpoint(path)
-    assert none is None and state_only["trainer"]["step"] == 7
+    assert none is None and state_only.step == 7
 
     # RNG states come back: the same draws follow
     expected = (torch.rand(3), torch.rand(3, generator=gen))
     torch.manual_seed(99)
     gen.manual_seed(99)
-    restore_rng(read_state["rng"], {"engine": gen})
+    restore_rng(read_state.rng["trainer"])
+    gen.set_state(read_state.rng["rollout"][0])
     assert torch.equal(torch.rand(3), expected[0]) and torch.equal(torch.rand(3, generator=gen), expected[1])
 
     # overwriting an existing checkpoint replaces it atomically
-    state["trainer"]["step"] = 8
+    state.trainer["step"] = 8
     save_checkpoint(path, tiny_model, state)
-    assert read_checkpoint(path)[0]["trainer"]["step"] == 8
+    assert read_checkpoint(path)[0].step == 8
     assert not (tmp_path / "ckpt.old").exists() and not (tmp_path / "ckpt.tmp").exists()
 
 
@@ -92,16 +130,21 @@ def test_full_run_wrote_checkpoints(full_run):
     ckpts = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert ckpts == ["step_000002", "step_000004"]
     state, _ = read_checkpoint(out / "checkpoints" / "step_000002")
-    assert state["trainer"]["step"] == 2 and state["trainer"]["version"] == 2
-    assert state["data"]["index"] == 8  # two steps of four prompts
-    assert state["result"]["eval/accuracy_start"] == result["eval/accuracy_start"]
+    assert state.step == 2 and state.version == 2
+    assert state.data["source"]["index"] == 8 and state.data["queued"] == []  # two steps of four prompts
+    assert state.run["eval_start"] == result["eval/accuracy_start"]
+    assert state.config == cfg.model_dump(mode="json")
     assert result["steps"] == 4 and len(history) == 4
 
 
 def test_resume_equals_uninterrupted_run(full_run, fresh_parts, tmp_path):
     cfg, out, result, final, history = full_run
-    resumed = run_sync(cfg, resume_from=str(out / "checkpoints" / "step_000002"), parts=fresh_parts,
-                       checkpoint_dir=tmp_path / "resumed_ckpts")
+    resumed = run_sync(
+        cfg,
+        resume_from=str(out / "checkpoints" / "step_000002"),
+        parts=fresh_parts,
+        checkpoint_dir=tmp_path / "resumed_ckpts",
+    )
     assert resumed["steps"] == 4
     assert resumed["eval/accuracy_start"] == result["eval/accuracy_start"]  # carried over from the first run
     sd = fresh_parts.model.state_dict()
@@ -120,7 +163,7 @@ def test_restore_sets_everything(full_run, fresh_parts):
     state = restore_run_checkpoint(fresh_parts, out / "checkpoints" / "step_000002")
     assert fresh_parts.trainer.step == 2 and fresh_parts.trainer.version == 2
     assert fresh_parts.engine.version == 2
-    assert fresh_parts.source.state_dict() == state["data"]
+    assert fresh_parts.prompts.state_dict() == state.data
     assert fresh_parts.trainer.optimizer.state_dict()["state"][0]["step"] == 2
 
 
@@ -131,15 +174,19 @@ def _broken_copy(full_run, tmp_path, name="bad"):
     return dst
 
 
-@pytest.mark.parametrize("damage, message", [
-    ("corrupt_state", "state.pt"),
-    ("corrupt_weights", "policy.safetensors"),
-    ("corrupt_meta", "meta.json"),
-    ("old_format", "format_version"),
-    ("missing_state", "missing state.pt"),
-    ("missing_weights", "missing policy.safetensors"),
-    ("not_a_dir", "does not exist"),
-])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        ("corrupt_state", "state.pt"),
+        ("corrupt_weights", "policy.safetensors"),
+        ("corrupt_meta", "meta.json"),
+        ("old_format", "layout version 1, written by an older AsyncTensorRLHF"),
+        ("unknown_format", "format_version 'x'"),
+        ("missing_state", "missing state.pt"),
+        ("missing_weights", "missing policy.safetensors"),
+        ("not_a_dir", "does not exist"),
+    ],
+)
 def test_bad_checkpoint_fails_before_any_change(full_run, fresh_parts, tmp_path, damage, message):
     path = _broken_copy(full_run, tmp_path)
     if damage == "corrupt_state":
@@ -151,7 +198,11 @@ def test_bad_checkpoint_fails_before_any_change(full_run, fresh_parts, tmp_path,
         (path / "meta.json").write_text("{")
     elif damage == "old_format":
         meta = json.loads((path / "meta.json").read_text())
-        meta["format_version"] = 0
+        meta["format_version"] = 1
+        (path / "meta.json").write_text(json.dumps(meta))
+    elif damage == "unknown_format":
+        meta = json.loads((path / "meta.json").read_text())
+        meta["format_version"] = "x"
         (path / "meta.json").write_text(json.dumps(meta))
     elif damage == "missing_state":
         (path / "state.pt").unlink()
@@ -187,3 +238,22 @@ def test_swapped_weights_file_fails_before_any_change(full_run, fresh_parts, tmp
     with pytest.raises(CheckpointError, match="policy.safetensors"):
         restore_run_checkpoint(fresh_parts, path)
     assert_unchanged(fresh_parts, snap)
+
+
+def test_a_layout_1_checkpoint_is_refused_saying_so(full_run, fresh_parts, tmp_path):
+    """The earlier layout (separate 'result' / 'queue' / 'rollout_rng' keys, format_version 1) fails clearly."""
+    path = _broken_copy(full_run, tmp_path)
+    torch.save({"trainer": {"step": 2, "version": 2}, "rng": capture_rng(), "queue": {"queued": []}}, path / "state.pt")
+    meta = json.loads((path / "meta.json").read_text())
+    (path / "meta.json").write_text(json.dumps({**meta, "format_version": 1}))
+    snap = snapshot(fresh_parts)
+    with pytest.raises(CheckpointError, match="older AsyncTensorRLHF.*reads layout 2"):
+        restore_run_checkpoint(fresh_parts, path)
+    assert_unchanged(fresh_parts, snap)
+
+
+def test_a_state_without_the_layout_keys_is_refused(full_run, fresh_parts, tmp_path):
+    path = _broken_copy(full_run, tmp_path)
+    torch.save({"trainer": {"step": 2, "version": 2}}, path / "state.pt")
+    with pytest.raises(CheckpointError, match=r"lacks \['data', 'rng'\]"):
+        restore_run_checkpoint(fresh_parts, path)

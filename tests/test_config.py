@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from rlhf_core.config import ConfigError, TrainConfig, apply_overrides, flatten_config, load_config
+from rlhf_core.config import (
+    REWARD_COMPONENT_NAMES,
+    ConfigError,
+    TrainConfig,
+    apply_overrides,
+    flatten_config,
+    load_config,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -23,12 +32,20 @@ def test_defaults_are_valid():
 def test_yaml_file_and_dotted_overrides(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("algorithm:\n  loss: ppo\n  clip_eps: 0.3\ntrainer:\n  lr: 0.001\n")
-    cfg = load_config(path, ["algorithm.clip_eps=0.1", "trainer.betas=[0.8, 0.95]", "reward.format_sequences=['=', '+']",
-                             "rollout.top_k=5", "run.output_dir=/tmp/x"])
-    assert cfg.algorithm.loss == "ppo"          # from the file
-    assert cfg.algorithm.clip_eps == 0.1        # override beats the file
+    cfg = load_config(
+        path,
+        [
+            "algorithm.clip_eps=0.1",
+            "trainer.betas=[0.8, 0.95]",
+            "reward.format_sequences=['=', '+']",
+            "rollout.top_k=5",
+            "run.output_dir=/tmp/x",
+        ],
+    )
+    assert cfg.algorithm.loss == "ppo"  # from the file
+    assert cfg.algorithm.clip_eps == 0.1  # override beats the file
     assert cfg.trainer.lr == 0.001
-    assert cfg.trainer.betas == (0.8, 0.95)     # YAML list -> tuple field
+    assert cfg.trainer.betas == (0.8, 0.95)  # YAML list -> tuple field
     assert cfg.reward.format_sequences == ["=", "+"]
     assert cfg.rollout.top_k == 5
     assert cfg.run.output_dir == "/tmp/x"
@@ -48,11 +65,14 @@ def test_apply_overrides_creates_sections_and_rejects_scalar_parent():
         load_config(None, ["trainer..lr=1"])
 
 
-@pytest.mark.parametrize("override, path, value", [
-    ("algorithm.clip_epz=0.1", "algorithm.clip_epz", "0.1"),
-    ("bogus_section=1", "bogus_section", "1"),
-    ("trainer.nested.deeper=3", "trainer.nested", "3"),
-])
+@pytest.mark.parametrize(
+    "override, path, value",
+    [
+        ("algorithm.clip_epz=0.1", "algorithm.clip_epz", "0.1"),
+        ("bogus_section=1", "bogus_section", "1"),
+        ("trainer.nested.deeper=3", "trainer.nested", "3"),
+    ],
+)
 def test_unknown_key_names_dotted_path_and_value(override, path, value):
     with pytest.raises(ConfigError) as exc:
         load_config(None, [override])
@@ -70,15 +90,18 @@ def test_unknown_key_in_yaml_file_names_file_and_path(tmp_path):
     assert "rollout.temprature" in msg and "0.5" in msg and str(path) in msg
 
 
-@pytest.mark.parametrize("override, path, value", [
-    ("trainer.lr=-1", "trainer.lr", "-1"),
-    ("rollout.top_p=2", "rollout.top_p", "2"),
-    ("rollout.temperature=0", "rollout.temperature", "0"),
-    ("trainer.total_steps=abc", "trainer.total_steps", "'abc'"),
-    ("algorithm.loss=sgd", "algorithm.loss", "'sgd'"),
-    ("algorithm.clip_eps=1.5", "algorithm.clip_eps", "1.5"),
-    ("trainer.betas=[0.9]", "trainer.betas", "0.9"),
-])
+@pytest.mark.parametrize(
+    "override, path, value",
+    [
+        ("trainer.lr=-1", "trainer.lr", "-1"),
+        ("rollout.top_p=2", "rollout.top_p", "2"),
+        ("rollout.temperature=0", "rollout.temperature", "0"),
+        ("trainer.total_steps=abc", "trainer.total_steps", "'abc'"),
+        ("algorithm.loss=sgd", "algorithm.loss", "'sgd'"),
+        ("algorithm.clip_eps=1.5", "algorithm.clip_eps", "1.5"),
+        ("trainer.betas=[0.9]", "trainer.betas", "0.9"),
+    ],
+)
 def test_wrong_type_or_range_names_field_and_value(override, path, value):
     with pytest.raises(ConfigError) as exc:
         load_config(None, [override])
@@ -118,6 +141,37 @@ def test_unknown_reward_component_is_named():
     assert "exactmatch" in msg and "reward" in msg
     with pytest.raises(ConfigError, match="at least one reward component"):
         load_config(None, ["reward.components={}"])
+
+
+def test_reward_component_names_are_the_registry_keys():
+    """config.py names the components without importing torch; the two lists must not drift apart."""
+    from rlhf_core.reward import REWARD_COMPONENTS
+
+    assert sorted(REWARD_COMPONENT_NAMES) == sorted(REWARD_COMPONENTS)
+    assert len(set(REWARD_COMPONENT_NAMES)) == len(REWARD_COMPONENT_NAMES)
+
+
+def _fresh_python(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
+
+
+def test_loading_a_config_imports_neither_torch_nor_transformers():
+    out = _fresh_python(
+        "import sys; from rlhf_core.config import load_config; load_config('configs/tiny.yaml'); "
+        "print(sorted(m for m in ('torch', 'transformers', 'rlhf_core.reward') if m in sys.modules))"
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_a_bad_command_line_is_refused_without_heavy_imports():
+    """`atrlhf train --set trainer.lr=-1` answers in well under a second: nothing heavy is imported."""
+    out = _fresh_python(
+        "import sys; from flows.cli import main; rc = main(['train', '--set', 'trainer.lr=-1']); "
+        "print(rc, sorted(m for m in ('torch', 'transformers', 'prefect', 'ray', 'mlflow') "
+        "if m in sys.modules))"
+    )
+    assert out.stdout.strip() == "2 []", out.stdout + out.stderr
+    assert "trainer.lr" in out.stderr
 
 
 def test_jsonl_task_needs_train_path_and_model_path():

@@ -20,8 +20,13 @@ from pathlib import Path
 
 import pytest
 
-for _key, _value in {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "RAY_USAGE_STATS_ENABLED": "0", "DO_NOT_TRACK": "1",
-                     "MLFLOW_DISABLE_TELEMETRY": "true", "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"}.items():
+for _key, _value in {
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "DO_NOT_TRACK": "1",
+    "MLFLOW_DISABLE_TELEMETRY": "true",
+    "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
+}.items():
     os.environ.setdefault(_key, _value)
 
 from mlflow.tracking import MlflowClient  # noqa: E402
@@ -36,10 +41,21 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 PREFECT = str(Path(sys.executable).with_name("prefect"))
 POOL = "atrlhf-local"
-SMALL = ["trainer.total_steps=4", "data.eval_size=20", "model.tiny_hidden=32", "model.tiny_heads=2",
-         "model.tiny_layers=1", "rollout.prompts_per_batch=4", "trainer.prompts_per_step=4",
-         "rollout.samples_per_prompt=4", "cluster.num_cpus=2", "supervision.supervise_interval_s=0.2",
-         "tracking.eval_every=2", "tracking.checkpoint_every=2", "tracking.log_system_metrics=true"]
+SMALL = [
+    "trainer.total_steps=4",
+    "data.eval_size=20",
+    "model.tiny_hidden=32",
+    "model.tiny_heads=2",
+    "model.tiny_layers=1",
+    "rollout.prompts_per_batch=4",
+    "trainer.prompts_per_step=4",
+    "rollout.samples_per_prompt=4",
+    "cluster.num_cpus=2",
+    "supervision.supervise_interval_s=0.2",
+    "tracking.eval_every=2",
+    "tracking.checkpoint_every=2",
+    "tracking.log_system_metrics=true",
+]
 
 
 def _free_port() -> int:
@@ -74,15 +90,29 @@ def server(tmp_path_factory):
     port = _free_port()
     url = f"http://127.0.0.1:{port}/api"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-    env.update({"PREFECT_HOME": str(home), "PREFECT_API_URL": url, "PREFECT_UI_ENABLED": "false",
-                "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_WORKER_QUERY_SECONDS": "1",
-                "PREFECT_WORKER_PREFETCH_SECONDS": "1", "PREFECT_LOGGING_LEVEL": "INFO",
-                # flows join the Ray started by this module: a driver joining a local cluster needs token mode
-                # to present the cluster's token (~/.ray/auth_token)
-                "RAY_AUTH_MODE": "token"})
+    env.update(
+        {
+            "PREFECT_HOME": str(home),
+            "PREFECT_API_URL": url,
+            "PREFECT_UI_ENABLED": "false",
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            "PREFECT_WORKER_QUERY_SECONDS": "1",
+            "PREFECT_WORKER_PREFETCH_SECONDS": "1",
+            "PREFECT_LOGGING_LEVEL": "INFO",
+            # flows join the Ray started by this module: a driver joining a local cluster needs token mode
+            # to present the cluster's token (~/.ray/auth_token)
+            "RAY_AUTH_MODE": "token",
+        }
+    )
     log = open(home / "server.log", "w")
-    proc = subprocess.Popen([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)], env=env,
-                            cwd=home, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        env=env,
+        cwd=home,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 180
         while True:
@@ -112,8 +142,14 @@ def deployed(server, tmp_path_factory):
     assert deploy.returncode == 0, deploy.stdout[-3000:] + deploy.stderr[-3000:]
     logdir = tmp_path_factory.mktemp("worker")
     log = open(logdir / "worker.log", "w")
-    worker = subprocess.Popen([PREFECT, "worker", "start", "--pool", POOL, "--type", "process"], env=env, cwd=logdir,
-                              stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    worker = subprocess.Popen(
+        [PREFECT, "worker", "start", "--pool", POOL, "--type", "process"],
+        env=env,
+        cwd=logdir,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         yield {"worker_log": logdir / "worker.log"}
     finally:
@@ -149,8 +185,16 @@ def deployment_config(name: str, work: Path, run: str, *extra: str) -> dict:
     """The config stored on a deployment, shrunk to a few steps and pointed at temp dirs."""
     with get_client(sync_client=True) as client:
         cfg = copy.deepcopy(client.read_deployment_by_name(f"atrlhf-train/{name}").parameters["config"])
-    return apply_overrides(cfg, [*SMALL, f"run.output_dir={work / run}", f"tracking.run_name={run}",
-                                 f"tracking.tracking_uri=sqlite:///{work / 'mlflow.db'}", *extra])
+    return apply_overrides(
+        cfg,
+        [
+            *SMALL,
+            f"run.output_dir={work / run}",
+            f"tracking.run_name={run}",
+            f"tracking.tracking_uri=sqlite:///{work / 'mlflow.db'}",
+            *extra,
+        ],
+    )
 
 
 def wait_final(flow_run_id, timeout_s: float, worker_log: Path):
@@ -160,8 +204,9 @@ def wait_final(flow_run_id, timeout_s: float, worker_log: Path):
             state = client.read_flow_run(flow_run_id).state
             if state is not None and state.is_final():
                 return state
-            assert time.monotonic() < deadline, f"flow run not final after {timeout_s} s ({state}); worker log:\n" + \
-                worker_log.read_text()[-4000:]
+            assert time.monotonic() < deadline, (
+                f"flow run not final after {timeout_s} s ({state}); worker log:\n" + worker_log.read_text()[-4000:]
+            )
             time.sleep(0.5)
 
 
@@ -213,8 +258,14 @@ def test_deployment_run_completes(deployed, work, ray_address):
 def test_cancel_deployment_run(deployed, work, ray_address):
     """Cancel a running deployment run: the worker SIGTERMs the flow, which tears down (no actor of it left
     on the Ray it joined) and ends its MLflow run KILLED; the flow run ends Cancelled."""
-    cfg = deployment_config("tiny-async", work, "cancelled", "trainer.total_steps=100000",
-                            "tracking.log_system_metrics=false", f"cluster.address={ray_address}")
+    cfg = deployment_config(
+        "tiny-async",
+        work,
+        "cancelled",
+        "trainer.total_steps=100000",
+        "tracking.log_system_metrics=false",
+        f"cluster.address={ray_address}",
+    )
     flow_run = run_deployment("atrlhf-train/tiny-async", parameters={"config": cfg}, timeout=0)
     client = MlflowClient(f"sqlite:///{work / 'mlflow.db'}")
     deadline = time.monotonic() + 240

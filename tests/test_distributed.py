@@ -13,13 +13,22 @@ ray = pytest.importorskip("ray")
 
 from rlhf_core.config import load_config  # noqa: E402
 from rlhf_core.distributed import ClusterError, DistributedRun, run_distributed  # noqa: E402
-from rlhf_core.distributed.actors import pack_state_dict, unpack_state_dict  # noqa: E402
+
+pytestmark = pytest.mark.slow  # every test here starts a local Ray instance (`make test-fast` skips them)
 
 
 def tiny_cfg(tmp_path, *overrides):
-    return load_config("configs/tiny.yaml", [
-        f"run.output_dir={tmp_path}", "cluster.num_cpus=2", "data.eval_size=100", "supervision.supervise_interval_s=0.2",
-        "runtime.wait_timeout_s=60", *overrides])
+    return load_config(
+        "configs/tiny.yaml",
+        [
+            f"run.output_dir={tmp_path}",
+            "cluster.num_cpus=2",
+            "data.eval_size=100",
+            "supervision.supervise_interval_s=0.2",
+            "runtime.wait_timeout_s=60",
+            *overrides,
+        ],
+    )
 
 
 def assert_all_dead(actors, within_s: float = 30.0) -> None:
@@ -43,22 +52,28 @@ def test_async_run_bounds_staleness_and_reconciles(ray_local, tmp_path):
     result = run_distributed(cfg, poll_interval_s=0.2, on_launch=lambda run: launched.extend(run.handle.actors))
     assert result["steps"] == 25
     hist = result["final_poll"]["trainer"]["staleness_hist"]
-    assert hist and max(hist) <= 1, hist                     # every consumed sample: tau <= tau_max
-    assert sum(hist.values()) == 25 * cfg.batch_size          # ... and every consumed sample is counted
+    assert hist and max(hist) <= 1, hist  # every consumed sample: tau <= tau_max
+    assert sum(hist.values()) == 25 * cfg.batch_size  # ... and every consumed sample is counted
     per_step = [m["async/staleness_max"] for m in result["metrics"]]
     assert len(per_step) == 25 and max(per_step) <= 1
     rec = result["reconcile"]
-    assert rec["consumed"] == 25 * cfg.trainer.prompts_per_step
-    assert rec["generated"] == rec["consumed"] + rec["evicted"] + rec["dropped"] + rec["buffered"] + rec["in_flight"]
-    assert_all_dead(launched)                                 # teardown killed exactly our actors
-    assert ray.is_initialized()                               # ... and left the Ray it did not start running
+    assert rec["trained"] == rec["consumed"] == 25 * cfg.trainer.prompts_per_step
+    assert rec["in_flight"] == 0 and rec["unaccounted"] == 0, rec  # counted at both ends: nothing lost or doubled
+    assert_all_dead(launched)  # teardown killed exactly our actors
+    assert ray.is_initialized()  # ... and left the Ray it did not start running
 
 
 def test_stopping_mid_run_gives_the_prefetched_batch_back(ray_local, tmp_path):
     """The trainer prefetches batch V + 1 while V trains; stopping must not count that batch as consumed.
     A rollout far faster than the trainer keeps the buffer stocked, so a batch is prefetched at the stop."""
-    cfg = tiny_cfg(tmp_path, "trainer.total_steps=500", "runtime.max_staleness=2", "rollout.prompts_per_batch=8",
-                   "rollout.engine=random", "rollout.random_tokens_per_s=1000000")
+    cfg = tiny_cfg(
+        tmp_path,
+        "trainer.total_steps=500",
+        "runtime.max_staleness=2",
+        "rollout.prompts_per_batch=8",
+        "rollout.engine=random",
+        "rollout.random_tokens_per_s=1000000",
+    )
     assert cfg.runtime.prefetch
     with DistributedRun(cfg) as run:
         run.launch()
@@ -72,10 +87,9 @@ def test_stopping_mid_run_gives_the_prefetched_batch_back(ray_local, tmp_path):
         rec = run.reconcile(final)
     steps = final["step"]
     assert 5 <= steps < 500
-    assert final["buffer"]["given_back"] == cfg.trainer.prompts_per_step   # the prefetched batch went back
-    assert rec["consumed"] == steps * cfg.trainer.prompts_per_step    # trained on, not merely taken
-    assert rec["generated"] == rec["consumed"] + rec["evicted"] + rec["dropped"] + rec["buffered"] + rec["in_flight"]
-    assert rec["in_flight"] >= 0
+    assert final["buffer"]["given_back"] == cfg.trainer.prompts_per_step  # the prefetched batch went back
+    assert rec["trained"] == rec["consumed"] == steps * cfg.trainer.prompts_per_step  # trained on, not merely taken
+    assert rec["in_flight"] == 0 and rec["unaccounted"] == 0, rec
     # the rollout loop asks admission for its next batch before generating this one; stopping returns it
     assert final["buffer"]["admitted"] == rec["generated"]
 
@@ -84,7 +98,7 @@ def test_narrowed_admission_window_bounds_staleness_tighter(ray_local, tmp_path)
     cfg = tiny_cfg(tmp_path, "trainer.total_steps=12", "runtime.max_staleness=2", "rollout.prompts_per_batch=8")
     result = run_distributed(cfg, poll_interval_s=0.2, on_launch=lambda run: run.set_admission_window(0))
     assert result["final_poll"]["buffer"]["admission_window"] == 0
-    assert set(result["final_poll"]["trainer"]["staleness_hist"]) == {0}   # generated with the weights it trains
+    assert set(result["final_poll"]["trainer"]["staleness_hist"]) == {0}  # generated with the weights it trains
 
 
 def test_killed_rollout_worker_is_restarted_and_run_completes(ray_local, tmp_path):
@@ -126,7 +140,7 @@ def test_trainer_failure_ends_run_with_clear_error_and_keeps_checkpoint(ray_loca
                 run.poll()
                 time.sleep(0.2)
     state, _ = read_checkpoint(ckpt)
-    assert state["trainer"]["step"] >= 3
+    assert state.step >= 3
 
 
 @pytest.mark.slow
@@ -153,48 +167,56 @@ def test_too_few_resources_is_a_clear_error(ray_local, tmp_path):
     run = DistributedRun(cfg)
     with pytest.raises(ClusterError, match="not enough resources.*CPU: need 4"):
         run.launch()
-    assert run.handle is None and run.workers == []          # nothing was created
+    assert run.handle is None and run.workers == []  # nothing was created
 
 
-def test_state_dict_packing_round_trips_bfloat16():
-    import torch
+def test_the_loop_and_the_ray_runtime_resume_from_each_others_checkpoints(ray_local, tmp_path):
+    """One checkpoint layout: the single-process loop continues a Ray run's checkpoint (weights, optimizer,
+    versions, prompt position, run facts), and the Ray runtime continues the loop's."""
+    from rlhf_core.checkpoint import read_checkpoint
+    from rlhf_core.loop import run_sync
 
-    sd = {"a": torch.randn(3, 4), "b": torch.randn(5).to(torch.bfloat16), "c": torch.arange(4)}
-    back = unpack_state_dict(pack_state_dict(sd))
-    for k in sd:
-        assert back[k].dtype == sd[k].dtype and torch.equal(back[k], sd[k])
+    cfg = tiny_cfg(
+        tmp_path,
+        "trainer.total_steps=4",
+        "runtime.mode=sync",
+        "tracking.checkpoint_every=2",
+        "tracking.eval_every=0",
+        "data.eval_size=20",
+        "trainer.prompts_per_step=4",
+        "rollout.prompts_per_batch=4",
+        "rollout.samples_per_prompt=4",
+    )
+    per_step = cfg.trainer.prompts_per_step
+    with DistributedRun(cfg) as run:
+        run.launch()
+        run.eval_start = 0.125
+        while run.poll()["step"] < 2:
+            run.advance()
+        ray_ckpt = run.checkpoint(tmp_path / "ray_ckpt", run={"mlflow_run_id": "0" * 32})
+    ray_state, _ = read_checkpoint(ray_ckpt)
+    assert ray_state.step == 2 and ray_state.data["source"]["index"] == 2 * per_step
+    assert len(ray_state.rng["rollout"]) == cfg.rollout.num_workers and ray_state.config == cfg.model_dump(mode="json")
 
+    result = run_sync(cfg, resume_from=str(ray_ckpt), checkpoint_dir=tmp_path / "loop_ckpts")
+    assert result["steps"] == 4 and result["eval/accuracy_start"] == 0.125  # the Ray run's fact, carried over
+    loop_ckpt = tmp_path / "loop_ckpts" / "step_000004"
+    loop_state, _ = read_checkpoint(loop_ckpt)
+    assert loop_state.version == 4 and loop_state.data["source"]["index"] == 4 * per_step  # prompts went on
+    assert loop_state.run["mlflow_run_id"] == "0" * 32
 
-def test_experience_buffer_prefetch_take_and_give_back_keep_the_bound_and_the_accounting():
-    """The trainer's prefetch: take for version V + 1 while V trains; give back an untrained batch."""
-    from rlhf_core.distributed.actors import ExperienceBuffer, pack_groups, unpack_groups
-    from tests.test_buffer import make_experience
-
-    buf = ExperienceBuffer(max_size=16, max_staleness=1, prompts_per_step=2, admission=False)
-    buf.set_version(3)
-    buf.push(pack_groups([make_experience(i, v, [1.0, 0.0]) for i, v in enumerate([2, 3, 3, 4])]))
-    got = unpack_groups(buf.take(2, timeout_s=0.1, for_version=4))   # for consumer version 4: version 2 is stale
-    assert [g.policy_version for g in got] == [3, 3]
-    assert all(4 - g.policy_version <= 1 for g in got)
-    assert buf.stats()["version"] == 3 and buf.stats()["evicted_stale"] == 1   # asking ahead moves nothing
-    assert buf.give_back(pack_groups(got)) == 2
-    s = buf.stats()
-    assert (s["sampled"], s["size"], s["given_back"]) == (0, 3, 2)
-    assert s["pushed"] == s["sampled"] + s["evicted_stale"] + s["dropped_overflow"] + s["size"]
-    assert [g.prompt_id for g in unpack_groups(buf.take(3, timeout_s=0.1))] == [1, 2, 3]
-    buf.advance(5)
-    buf.advance(4)                                                     # reported out of order: never moves back
-    assert buf.stats()["version"] == 5
-
-    # tau = 0 and a step that does not count: the prefetch asked for V + 1, which never comes; the trainer
-    # takes for V again and finds V's data, because asking ahead did not make the buffer refuse it
-    strict = ExperienceBuffer(max_size=16, max_staleness=0, prompts_per_step=2, admission=False)
-    strict.set_version(3)
-    assert strict.take(2, timeout_s=0.05, for_version=4) == []
-    assert strict.push(pack_groups([make_experience(i, 3, [1.0, 0.0]) for i in range(2)])) == 2
-    assert [g.policy_version for g in unpack_groups(strict.take(2, timeout_s=0.1, for_version=3))] == [3, 3]
-
-    admission = ExperienceBuffer(max_size=16, max_staleness=0, prompts_per_step=2)
-    assert admission.try_admit(2) and not admission.try_admit(1)      # capacity (0 + 0 + 1) x 2 groups
-    admission.release(2)
-    assert admission.try_admit(2) and admission.stats()["admitted"] == 2
+    more = tiny_cfg(
+        tmp_path,
+        "trainer.total_steps=5",
+        "runtime.mode=sync",
+        "data.eval_size=20",
+        "trainer.prompts_per_step=4",
+        "rollout.prompts_per_batch=4",
+        "rollout.samples_per_prompt=4",
+    )
+    with DistributedRun(more) as run:
+        info = run.launch(resume_from=str(loop_ckpt))
+        assert (info["step"], info["version"]) == (4, 4) and run.eval_start == 0.125
+        assert ray.get(run.queue.state_dict.remote()) == loop_state.data
+        run.advance()
+        assert run.poll()["step"] == 5

@@ -13,9 +13,14 @@ from pathlib import Path
 
 import pytest
 
-for _key, _value in {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "RAY_USAGE_STATS_ENABLED": "0", "DO_NOT_TRACK": "1",
-                     "MLFLOW_DISABLE_TELEMETRY": "true", "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
-                     "PREFECT_LOGGING_TO_API_BATCH_INTERVAL": "0.5"}.items():
+for _key, _value in {
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "DO_NOT_TRACK": "1",
+    "MLFLOW_DISABLE_TELEMETRY": "true",
+    "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
+    "PREFECT_LOGGING_TO_API_BATCH_INTERVAL": "0.5",
+}.items():
     os.environ.setdefault(_key, _value)
 
 from mlflow.tracking import MlflowClient  # noqa: E402
@@ -25,25 +30,55 @@ from prefect.states import Cancelling, StateType  # noqa: E402
 from prefect.testing.utilities import prefect_test_harness  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
+from flows.cli import main as cli_main  # noqa: E402
 from flows.train import train  # noqa: E402
 from rlhf_core.config import flatten_config, load_config  # noqa: E402
-from flows.cli import main as cli_main  # noqa: E402
 from tasks.tracking import load_logged_policy  # noqa: E402
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 
 # Small enough to run in seconds on 2 cores; m2po + a KL term so that every contract metric is produced.
-TINY = ["trainer.total_steps=6", "data.eval_size=20", "tracking.eval_every=3", "tracking.checkpoint_every=3",
-        "model.tiny_hidden=32", "model.tiny_heads=2", "model.tiny_layers=1", "rollout.prompts_per_batch=4",
-        "trainer.prompts_per_step=4", "rollout.samples_per_prompt=4", "cluster.num_cpus=2",
-        "supervision.supervise_interval_s=0.2", "tracking.log_system_metrics=false", "algorithm.loss=m2po",
-        "algorithm.kl_coef=0.01", "runtime.mode=sync"]
+TINY = [
+    "trainer.total_steps=6",
+    "data.eval_size=20",
+    "tracking.eval_every=3",
+    "tracking.checkpoint_every=3",
+    "model.tiny_hidden=32",
+    "model.tiny_heads=2",
+    "model.tiny_layers=1",
+    "rollout.prompts_per_batch=4",
+    "trainer.prompts_per_step=4",
+    "rollout.samples_per_prompt=4",
+    "cluster.num_cpus=2",
+    "supervision.supervise_interval_s=0.2",
+    "tracking.log_system_metrics=false",
+    "algorithm.loss=m2po",
+    "algorithm.kl_coef=0.01",
+    "runtime.mode=sync",
+]
 
-CONTRACT_PER_STEP = ["reward/mean", "reward/std", "loss/policy", "loss/kl", "policy/entropy", "policy/clip_frac",
-                     "m2po/m2", "m2po/masked_frac", "async/staleness_mean", "async/staleness_max", "buffer/size",
-                     "buffer/evicted_stale", "buffer/dropped_overflow", "throughput/samples_per_s",
-                     "throughput/tokens_per_s", "util/rollout_busy", "util/trainer_busy", "sync/latency_s", "version"]
+CONTRACT_PER_STEP = [
+    "reward/mean",
+    "reward/std",
+    "loss/policy",
+    "loss/kl",
+    "policy/entropy",
+    "policy/clip_frac",
+    "m2po/m2",
+    "m2po/masked_frac",
+    "async/staleness_mean",
+    "async/staleness_max",
+    "buffer/size",
+    "buffer/evicted_stale",
+    "buffer/dropped_overflow",
+    "throughput/samples_per_s",
+    "throughput/tokens_per_s",
+    "util/rollout_busy",
+    "util/trainer_busy",
+    "sync/latency_s",
+    "version",
+]
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +93,13 @@ def work(tmp_path_factory):
 
 
 def overrides(work: Path, name: str, *extra: str) -> list[str]:
-    return [*TINY, f"run.output_dir={work / name}", f"tracking.tracking_uri=sqlite:///{work / 'mlflow.db'}",
-            f"tracking.run_name={name}", *extra]
+    return [
+        *TINY,
+        f"run.output_dir={work / name}",
+        f"tracking.tracking_uri=sqlite:///{work / 'mlflow.db'}",
+        f"tracking.run_name={name}",
+        *extra,
+    ]
 
 
 def config(work: Path, name: str, *extra: str):
@@ -86,7 +126,9 @@ def runs_named(work: Path, name: str) -> list:
 
 def read_flow_run_artifacts(flow_run_id) -> dict:
     with get_client(sync_client=True) as client:
-        arts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
+        arts = client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]))
+        )
     return {a.key: a for a in arts if a.key}
 
 
@@ -141,8 +183,20 @@ def test_flow_completes_and_records_everything(straight_run, work):
             assert (value == exported[key]).all(), key
     assert tokenizer.eos_token_id is not None
     # ... and `atrlhf evaluate` scores it from the run id
-    assert cli_main(["evaluate", "--checkpoint", run.info.run_id, "--json", "--set", *TINY,
-                     f"tracking.tracking_uri={cfg.tracking.tracking_uri}"]) == 0
+    assert (
+        cli_main(
+            [
+                "evaluate",
+                "--checkpoint",
+                run.info.run_id,
+                "--json",
+                "--set",
+                *TINY,
+                f"tracking.tracking_uri={cfg.tracking.tracking_uri}",
+            ]
+        )
+        == 0
+    )
 
     # the Prefect side: the MLflow run id on the flow run, summary / health / progress artifacts
     with get_client(sync_client=True) as pc:
@@ -186,8 +240,14 @@ def test_resume_equals_straight_run(straight_run, work, capsys):
 def test_cancel_running_flow(prefect_api, ray_local, work):
     """Cancelling from the API: the flow stops its loops, tears down, ends the MLflow run KILLED, and the
     flow run ends Cancelled."""
-    cfg = config(work, "cancel-me", "runtime.mode=async", "trainer.total_steps=100000", "tracking.checkpoint_every=0",
-                 "tracking.eval_every=0")
+    cfg = config(
+        work,
+        "cancel-me",
+        "runtime.mode=async",
+        "trainer.total_steps=100000",
+        "tracking.checkpoint_every=0",
+        "tracking.eval_every=0",
+    )
     box: dict = {}
     thread = threading.Thread(target=lambda: box.update(state=train(config=cfg, return_state=True)), daemon=True)
     thread.start()
@@ -254,8 +314,15 @@ def test_mismatched_checkpoint_fails_cleanly(straight_run, work):
 def test_failure_mid_run_tears_down_and_marks_mlflow_failed(prefect_api, ray_local, work):
     """Non-finite losses (a learning rate that blows the weights up) reach supervision.nonfinite_limit: the flow
     fails naming the limit, tears the actors down and ends the MLflow run FAILED."""
-    cfg = config(work, "blowup", "trainer.lr=1e30", "supervision.nonfinite_limit=2", "trainer.total_steps=20",
-                 "tracking.eval_every=0", "tracking.checkpoint_every=0")
+    cfg = config(
+        work,
+        "blowup",
+        "trainer.lr=1e30",
+        "supervision.nonfinite_limit=2",
+        "trainer.total_steps=20",
+        "tracking.eval_every=0",
+        "tracking.checkpoint_every=0",
+    )
     state = train(config=cfg, return_state=True)
     assert state.is_failed()
     assert "supervision.nonfinite_limit=2" in state.message

@@ -8,17 +8,30 @@ import pytest
 import torch
 
 from rlhf_core.config import load_config
-from rlhf_core.loop import accuracy_from_components, build_run, run_sync, warm_start
+from rlhf_core.evaluation import accuracy_from_components
+from rlhf_core.loop import build_run, run_sync, warm_start
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def small_cfg(output_dir, *overrides):
-    return load_config(None, [
-        f"run.output_dir={output_dir}", "model.tiny_hidden=32", "model.tiny_layers=1", "model.tiny_heads=2",
-        "trainer.total_steps=2", "trainer.prompts_per_step=4", "rollout.samples_per_prompt=4",
-        "rollout.prompts_per_batch=2", "data.eval_size=16", "tracking.eval_every=1", "tracking.checkpoint_every=0",
-        *overrides])
+    return load_config(
+        None,
+        [
+            f"run.output_dir={output_dir}",
+            "model.tiny_hidden=32",
+            "model.tiny_layers=1",
+            "model.tiny_heads=2",
+            "trainer.total_steps=2",
+            "trainer.prompts_per_step=4",
+            "rollout.samples_per_prompt=4",
+            "rollout.prompts_per_batch=2",
+            "data.eval_size=16",
+            "tracking.eval_every=1",
+            "tracking.checkpoint_every=0",
+            *overrides,
+        ],
+    )
 
 
 def test_accuracy_from_components():
@@ -35,8 +48,17 @@ def test_run_sync_metrics_and_history(tmp_path):
     assert [m["step"] for m in seen] == [1, 2] and [m["version"] for m in seen] == [1, 2]
     assert "eval/accuracy" in seen[0]  # eval_every=1, but not on the last step: the final eval covers it
     assert "eval/accuracy" not in seen[1]
-    for key in ("eval/accuracy_start", "eval/accuracy", "eval/reward_mean", "loss/policy", "reward/mean",
-                "reward/exact_match", "throughput/tokens_per_s", "time/train_wall_s", "async/staleness_max"):
+    for key in (
+        "eval/accuracy_start",
+        "eval/accuracy",
+        "eval/reward_mean",
+        "loss/policy",
+        "reward/mean",
+        "reward/exact_match",
+        "throughput/tokens_per_s",
+        "time/train_wall_s",
+        "async/staleness_max",
+    ):
         assert key in result, key
     assert 0.0 <= result["eval/accuracy"] <= 1.0
     assert result["async/staleness_max"] == 0  # lockstep: always on-policy
@@ -74,8 +96,8 @@ def test_nonfinite_limit_stops_the_run(tmp_path):
 def test_warm_start_teaches_format_not_answers(tmp_path):
     cfg = small_cfg(tmp_path, "trainer.lr=3e-3", "model.tiny_hidden=64", "model.tiny_heads=4")
     parts = build_run(cfg)
-    from rlhf_core.rollout import SamplingParams
     from rlhf_core.data import collate_prompts
+    from rlhf_core.rollout import SamplingParams
 
     out = warm_start(parts, 30)
     assert out["warm_start/steps"] == 30 and 0.0 <= out["eval/accuracy_warm_start"] <= 1.0
@@ -83,8 +105,7 @@ def test_warm_start_teaches_format_not_answers(tmp_path):
     batch = parts.engine.generate(pb, 1, SamplingParams(max_new_tokens=4, temperature=0.0))
     # most greedy responses are now one digit followed by EOS
     digit_ids = set(parts.tokenizer.convert_tokens_to_ids([str(d) for d in range(10)]))
-    well_formed = sum(int(r[0]) in digit_ids and int(r[1]) == parts.tokenizer.eos_token_id
-                      for r in batch.response_ids)
+    well_formed = sum(int(r[0]) in digit_ids and int(r[1]) == parts.tokenizer.eos_token_id for r in batch.response_ids)
     assert well_formed >= 0.75 * len(batch)
 
 
@@ -95,9 +116,16 @@ def test_tiny_default_learns_max3(tmp_path):
     Measured (trainer.seed 0/1/2): eval/accuracy 0.0 -> 0.78 / 0.93 / 0.89 after 100 steps (0.79 / 0.93 /
     0.90 after 120); about 13 s on one idle core.
     """
-    cfg = load_config(REPO / "configs" / "tiny.yaml", [
-        "trainer.total_steps=100", "data.eval_size=100", "tracking.eval_every=0", "tracking.checkpoint_every=0",
-        f"run.output_dir={tmp_path}"])
+    cfg = load_config(
+        REPO / "configs" / "tiny.yaml",
+        [
+            "trainer.total_steps=100",
+            "data.eval_size=100",
+            "tracking.eval_every=0",
+            "tracking.checkpoint_every=0",
+            f"run.output_dir={tmp_path}",
+        ],
+    )
     result = run_sync(cfg)
     assert result["steps"] == 100
     assert result["eval/accuracy"] >= 0.5

@@ -8,14 +8,21 @@ import shutil
 import pytest
 import torch
 
-from rlhf_core.data import (DatasetError, Prompt, PromptSource, build_prompt_splits, build_synthetic_task,
-                            collate_prompts, load_jsonl_prompts)
+from rlhf_core.data import (
+    DatasetError,
+    Prompt,
+    PromptSource,
+    build_prompt_splits,
+    build_synthetic_task,
+    collate_prompts,
+    load_jsonl_prompts,
+)
 from rlhf_core.models import TINY_SPECIAL_TOKENS, TINY_WORDS, ModelLoadError, check_model_dir, load_policy
-
 
 # ---------------------------------------------------------------------------------------------------
 # Models
 # ---------------------------------------------------------------------------------------------------
+
 
 def _copy_without(src, dst, *names):
     shutil.copytree(src, dst)
@@ -110,6 +117,7 @@ def test_tiny_policy_rejects_bad_heads(tmp_path):
 # Synthetic tasks
 # ---------------------------------------------------------------------------------------------------
 
+
 def _problem(tok, p: Prompt) -> tuple[int, ...]:
     return tuple(int(t) for t in tok.convert_ids_to_tokens(p.prompt_ids) if t.isdigit())
 
@@ -153,6 +161,7 @@ def test_synthetic_eval_size_caps_heldout(tiny_tokenizer):
 # PromptSource
 # ---------------------------------------------------------------------------------------------------
 
+
 def _prompts(n: int) -> list[Prompt]:
     return [Prompt(uid=i, prompt_ids=[1, 4 + i % 10], answers=[[4 + i % 10]]) for i in range(n)]
 
@@ -164,7 +173,7 @@ def test_prompt_source_seeded_order_and_epochs():
     c = [p.uid for p in PromptSource(prompts, seed=2).next(30)]
     assert a == b and a != c
     for e in range(3):  # every epoch is a permutation of all prompts, each epoch a different one
-        assert sorted(a[10 * e:10 * e + 10]) == list(range(10))
+        assert sorted(a[10 * e : 10 * e + 10]) == list(range(10))
     assert a[:10] != a[10:20]
     assert [p.uid for p in PromptSource(prompts, shuffle=False).next(12)] == list(range(10)) + [0, 1]
 
@@ -200,9 +209,12 @@ def test_prompt_source_resume_gives_identical_prompts():
 # Collation
 # ---------------------------------------------------------------------------------------------------
 
+
 def test_collate_prompts_left_pads_and_packs_patterns():
-    prompts = [Prompt(uid=10, prompt_ids=[1, 5, 6], answers=[[7], [8, 9]]),
-               Prompt(uid=11, prompt_ids=[1, 5, 6, 7, 8], answers=[[4, 4, 4]])]
+    prompts = [
+        Prompt(uid=10, prompt_ids=[1, 5, 6], answers=[[7], [8, 9]]),
+        Prompt(uid=11, prompt_ids=[1, 5, 6, 7, 8], answers=[[4, 4, 4]]),
+    ]
     pb = collate_prompts(prompts, pad_token_id=0)
     assert len(pb) == 2
     assert pb.prompt_ids.tolist() == [[0, 0, 1, 5, 6], [1, 5, 6, 7, 8]]
@@ -225,6 +237,7 @@ def test_collate_prompts_left_pads_and_packs_patterns():
 # JSONL datasets
 # ---------------------------------------------------------------------------------------------------
 
+
 def _write(path, rows):
     path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
     return path
@@ -232,11 +245,14 @@ def _write(path, rows):
 
 def test_jsonl_loads_prompt_and_messages_forms(tiny_tokenizer, tmp_path):
     tok = tiny_tokenizer
-    path = _write(tmp_path / "train.jsonl", [
-        {"prompt": "max 1 2 3 =", "answer": "3", "id": "a"},
-        "",  # blank lines are skipped
-        {"messages": [{"role": "user", "content": "sum 4 5 ="}], "answer": 9},
-    ])
+    path = _write(
+        tmp_path / "train.jsonl",
+        [
+            {"prompt": "max 1 2 3 =", "answer": "3", "id": "a"},
+            "",  # blank lines are skipped
+            {"messages": [{"role": "user", "content": "sum 4 5 ="}], "answer": 9},
+        ],
+    )
     rows = load_jsonl_prompts(path, tok)
     assert len(rows) == 2
     assert rows[0].prompt_ids == tok("max 1 2 3 =")["input_ids"]
@@ -249,15 +265,18 @@ def test_jsonl_loads_prompt_and_messages_forms(tiny_tokenizer, tmp_path):
     assert truncated[0].prompt_ids == tok("max 1 2 3 =")["input_ids"][-3:]
 
 
-@pytest.mark.parametrize("bad_line, reason", [
-    ('{"prompt": "max 1 2 3 =", "answer": ', "invalid JSON"),
-    ('{"prompt": "max 1 2 3 ="}', "answer"),
-    ('{"prompt": "max 1 2 3 =", "answer": ""}', "answer"),
-    ('{"answer": "3"}', "'prompt'"),
-    ('{"prompt": "", "answer": "3"}', "'prompt'"),
-    ('{"messages": "hi", "answer": "3"}', "'messages'"),
-    ('[1, 2]', "JSON object"),
-])
+@pytest.mark.parametrize(
+    "bad_line, reason",
+    [
+        ('{"prompt": "max 1 2 3 =", "answer": ', "invalid JSON"),
+        ('{"prompt": "max 1 2 3 ="}', "answer"),
+        ('{"prompt": "max 1 2 3 =", "answer": ""}', "answer"),
+        ('{"answer": "3"}', "'prompt'"),
+        ('{"prompt": "", "answer": "3"}', "'prompt'"),
+        ('{"messages": "hi", "answer": "3"}', "'messages'"),
+        ("[1, 2]", "JSON object"),
+    ],
+)
 def test_jsonl_malformed_line_names_file_and_line(tiny_tokenizer, tmp_path, bad_line, reason):
     path = _write(tmp_path / "data.jsonl", [{"prompt": "max 1 2 3 =", "answer": "3"}, "", bad_line])
     with pytest.raises(DatasetError) as exc:

@@ -1,4 +1,4 @@
-"""Tensor-native rewards: seed edge cases, semantics of every component, agreement with naive references."""
+"""Tensor-native rewards: edge cases, semantics of every component, agreement with naive references."""
 
 from __future__ import annotations
 
@@ -8,15 +8,27 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from torch.overrides import TorchFunctionMode
 from transformers import PreTrainedTokenizerFast
 
 from rlhf_core.config import ConfigError, RewardConfig, load_config
-from rlhf_core.reward import (REWARD_COMPONENTS, answer_after_marker_reward, answer_variants, build_reward_fn,
-                              continuation_token_ids, exact_match_reward, format_reward, gpu_reward_simple,
-                              length_penalty, number_forms, pack_patterns, patterns_from_texts,
-                              tensor_native_reward, valid_lengths, whitespace_token_ids)
+from rlhf_core.reward import (
+    REWARD_COMPONENTS,
+    answer_after_marker_reward,
+    answer_variants,
+    build_reward_fn,
+    continuation_token_ids,
+    exact_match_reward,
+    format_reward,
+    length_penalty,
+    number_forms,
+    pack_patterns,
+    patterns_from_texts,
+    tensor_native_reward,
+    valid_lengths,
+    whitespace_token_ids,
+)
 from rlhf_core.types import PackedPatterns
 
 EOS = 0
@@ -36,12 +48,13 @@ def pats(*rows):
 # Naive pure-Python references
 # ---------------------------------------------------------------------------------------------------
 
+
 def trim(row, eos):
-    return row[:row.index(eos)] if eos in row else row
+    return row[: row.index(eos)] if eos in row else row
 
 
 def occurs_at(t, p, s):
-    return len(p) > 0 and t[s:s + len(p)] == p
+    return len(p) > 0 and t[s : s + len(p)] == p
 
 
 def ref_contains(row, alts, eos):
@@ -52,10 +65,6 @@ def ref_contains(row, alts, eos):
 def ref_exact(row, alts, eos):
     t = trim(row, eos)
     return float(any(len(p) > 0 and t == p for p in alts))
-
-
-def ref_simple(row, gt, eos):
-    return float(gt in trim(row, eos))
 
 
 def ref_marker(row, alts, eos, markers, cont, ws=None):
@@ -101,8 +110,9 @@ def as_rows(t):
 
 
 # ---------------------------------------------------------------------------------------------------
-# The seed's edge cases (tensor_native_reward, gpu_reward_simple)
+# Edge cases of tensor_native_reward
 # ---------------------------------------------------------------------------------------------------
+
 
 def test_empty_pattern_scores_zero():
     assert tensor_native_reward(ids([1, 2, 3, EOS]), pats([]), EOS).tolist() == [0.0]
@@ -144,20 +154,13 @@ def test_heterogeneous_batch():
     assert out.dtype == torch.float32 and out.shape == (4,)
 
 
-def test_gpu_reward_simple_edge_cases():
-    batch = ids([1, 2, EOS, 3], [3, 3, 3, 3], [EOS, 5, 5, 5], [6, 7, 8, 9], [1, EOS, 1, 1])
-    gt = T([2, 3, 5, 4, EOS])
-    assert gpu_reward_simple(batch, gt, EOS).tolist() == [1.0, 1.0, 0.0, 0.0, 0.0]
-    assert gpu_reward_simple(torch.zeros(0, 4, dtype=torch.long), T([], dtype=torch.long), EOS).shape == (0,)
-    assert gpu_reward_simple(torch.zeros(2, 0, dtype=torch.long), T([1, 2]), EOS).tolist() == [0.0, 0.0]
-
-
 def test_empty_batch_and_empty_rows():
     empty = torch.zeros(0, 5, dtype=torch.long)
     for fn in (tensor_native_reward, exact_match_reward):
         assert fn(empty, [], EOS).shape == (0,)
-        assert fn(empty, PackedPatterns(torch.zeros(0, 1, 3, dtype=torch.long), torch.zeros(0, 1, dtype=torch.long)),
-                  EOS).shape == (0,)
+        assert fn(
+            empty, PackedPatterns(torch.zeros(0, 1, 3, dtype=torch.long), torch.zeros(0, 1, dtype=torch.long)), EOS
+        ).shape == (0,)
     no_tokens = torch.zeros(2, 0, dtype=torch.long)
     assert tensor_native_reward(no_tokens, pats([1], []), EOS).tolist() == [0.0, 0.0]
     assert exact_match_reward(no_tokens, pats([1], []), EOS).tolist() == [0.0, 0.0]
@@ -170,6 +173,7 @@ def test_empty_batch_and_empty_rows():
 # ---------------------------------------------------------------------------------------------------
 # Alternatives and input forms
 # ---------------------------------------------------------------------------------------------------
+
 
 def test_alternatives_any_match_scores():
     batch = ids([1, 2, 3, EOS], [4, 5, 6, EOS], [7, 7, 7, 7])
@@ -197,7 +201,8 @@ def test_all_input_forms_agree():
     for form in forms:
         assert tensor_native_reward(batch, form, EOS).tolist() == expected
         assert exact_match_reward(batch, form, EOS).tolist() == [
-            ref_exact(r, [p.tolist()], EOS) for r, p in zip(as_rows(batch), single)]
+            ref_exact(r, [p.tolist()], EOS) for r, p in zip(as_rows(batch), single)
+        ]
     assert Q == max(1, max(len(p) for p in single))
 
 
@@ -215,6 +220,7 @@ def test_pack_patterns_layout():
 # ---------------------------------------------------------------------------------------------------
 # Component semantics
 # ---------------------------------------------------------------------------------------------------
+
 
 def test_exact_match_semantics():
     batch = ids([7, EOS, 3, 3], [7, 7, EOS, 3], [3, 7, EOS, 3], [7, 3, EOS, EOS], [EOS, 7, 7, 7], [7, 3, 1, 2])
@@ -271,10 +277,12 @@ def test_format_ordering():
 
 
 def test_length_penalty_by_hand():
-    batch = ids([1, EOS, 0, 0, 0, 0, 0, 0, 0, 0],       # len 2
-                [1, 1, 1, 1, EOS, 0, 0, 0, 0, 0],       # len 5
-                [1, 1, 1, 1, 1, 1, EOS, 0, 0, 0],       # len 7
-                [1] * 10)                               # no EOS: len 10
+    batch = ids(
+        [1, EOS, 0, 0, 0, 0, 0, 0, 0, 0],  # len 2
+        [1, 1, 1, 1, EOS, 0, 0, 0, 0, 0],  # len 5
+        [1, 1, 1, 1, 1, 1, EOS, 0, 0, 0],  # len 7
+        [1] * 10,
+    )  # no EOS: len 10
     # target 4, L 10: 0, -(5-4)/6, -(7-4)/6, -(10-4)/6
     assert torch.allclose(length_penalty(batch, EOS, 4), T([0.0, -1 / 6, -3 / 6, -1.0]))
     assert length_penalty(batch, EOS, 10).tolist() == [0.0] * 4
@@ -325,7 +333,8 @@ def test_single_pattern_list_matches_reference(data):
     rows, L, alts, eos = data
     single = [T(a[0], dtype=torch.long) for a in alts]
     assert tensor_native_reward(to_ids(rows, L), single, eos).tolist() == [
-        ref_contains(r, a, eos) for r, a in zip(rows, alts)]
+        ref_contains(r, a, eos) for r, a in zip(rows, alts)
+    ]
 
 
 @HYP
@@ -333,25 +342,27 @@ def test_single_pattern_list_matches_reference(data):
 def test_exact_match_matches_reference(data):
     rows, L, alts, eos = data
     assert exact_match_reward(to_ids(rows, L), to_alts(alts), eos).tolist() == [
-        ref_exact(r, a, eos) for r, a in zip(rows, alts)]
+        ref_exact(r, a, eos) for r, a in zip(rows, alts)
+    ]
 
 
 @HYP
-@given(batches(), st.integers(0, VOCAB - 1))
-def test_gpu_reward_simple_matches_reference(data, shift):
-    rows, L, _, eos = data
-    gt = [(sum(r) + shift) % VOCAB for r in rows]
-    out = gpu_reward_simple(to_ids(rows, L), T(gt, dtype=torch.long), eos)
-    assert out.tolist() == [ref_simple(r, g, eos) for r, g in zip(rows, gt)]
-
-
-@HYP
-@given(batches(), st.lists(st.lists(token, min_size=1, max_size=2), min_size=1, max_size=2),
-       st.lists(token, max_size=3, unique=True), st.one_of(st.none(), st.lists(token, max_size=2, unique=True)))
+@given(
+    batches(),
+    st.lists(st.lists(token, min_size=1, max_size=2), min_size=1, max_size=2),
+    st.lists(token, max_size=3, unique=True),
+    st.one_of(st.none(), st.lists(token, max_size=2, unique=True)),
+)
 def test_answer_after_marker_matches_reference(data, markers, cont, ws):
     rows, L, alts, eos = data
-    out = answer_after_marker_reward(to_ids(rows, L), to_alts(alts), eos, [T(m) for m in markers],
-                                     T(cont, dtype=torch.long), None if ws is None else T(ws, dtype=torch.long))
+    out = answer_after_marker_reward(
+        to_ids(rows, L),
+        to_alts(alts),
+        eos,
+        [T(m) for m in markers],
+        T(cont, dtype=torch.long),
+        None if ws is None else T(ws, dtype=torch.long),
+    )
     assert out.tolist() == [ref_marker(r, a, eos, markers, cont, ws) for r, a in zip(rows, alts)]
 
 
@@ -378,8 +389,9 @@ def test_large_batch_matches_reference():
     B, L = 1024, 40
     batch = torch.randint(0, 5, (B, L), generator=g)
     rng = random.Random(1)
-    alts = [[[rng.randrange(5) for _ in range(rng.randrange(1, 4))] for _ in range(rng.randrange(1, 3))]
-            for _ in range(B)]
+    alts = [
+        [[rng.randrange(5) for _ in range(rng.randrange(1, 4))] for _ in range(rng.randrange(1, 3))] for _ in range(B)
+    ]
     packed = pack_patterns(to_alts(alts))
     rows = as_rows(batch)
     assert tensor_native_reward(batch, packed, EOS).tolist() == [ref_contains(r, a, EOS) for r, a in zip(rows, alts)]
@@ -402,11 +414,26 @@ def test_int32_and_negative_ids():
 # No host round trip in the hot path
 # ---------------------------------------------------------------------------------------------------
 
+
 class ForbidHostSync(TorchFunctionMode):
     """Fails on the tensor operations that copy to the host or produce data-dependent shapes."""
 
-    FORBIDDEN = {"item", "tolist", "cpu", "numpy", "nonzero", "__bool__", "__int__", "__float__", "__index__",
-                 "masked_select", "unique", "unique_consecutive", "argwhere", "nonzero_static"}
+    FORBIDDEN = {
+        "item",
+        "tolist",
+        "cpu",
+        "numpy",
+        "nonzero",
+        "__bool__",
+        "__int__",
+        "__float__",
+        "__index__",
+        "masked_select",
+        "unique",
+        "unique_consecutive",
+        "argwhere",
+        "nonzero_static",
+    }
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
@@ -423,13 +450,11 @@ def _hot_path_calls(device):
     g = torch.Generator().manual_seed(2)
     batch = torch.randint(0, 6, (64, 32), generator=g).to(device)
     packed = pack_patterns([[T([1, 2]), T([3])]] * 64, device=device)
-    gt = torch.randint(0, 6, (64,), generator=g).to(device)
     marker, cont, ws = T([4]).to(device), T([1, 2]).to(device), T([5]).to(device)
     seqs = [T([1]).to(device), T([2, 3]).to(device)]
     return [
         lambda: tensor_native_reward(batch, packed, EOS),
         lambda: tensor_native_reward(batch, (packed.tokens, packed.lengths), EOS),
-        lambda: gpu_reward_simple(batch, gt, EOS),
         lambda: exact_match_reward(batch, packed, EOS),
         lambda: answer_after_marker_reward(batch, packed, EOS, marker, cont, ws),
         lambda: format_reward(batch, EOS, seqs),
@@ -546,13 +571,27 @@ def test_registry_and_config_validation():
 
 
 def test_composed_reward_weights(quirk_tokenizer):
-    cfg = RewardConfig(components={"exact_match": 1.0, "contains": 0.5, "answer_after_marker": 2.0,
-                                   "format": 0.25, "length_penalty": 0.1},
-                       format_sequences=["the answer is"], length_target=4)
+    cfg = RewardConfig(
+        components={
+            "exact_match": 1.0,
+            "contains": 0.5,
+            "answer_after_marker": 2.0,
+            "format": 0.25,
+            "length_penalty": 0.1,
+        },
+        format_sequences=["the answer is"],
+        length_target=4,
+    )
     eos = quirk_tokenizer.eos_token_id
     reward = build_reward_fn(cfg, quirk_tokenizer, eos, max_new_tokens=12)
-    texts = ["42", "the answer is #### 42", "the answer is ####  421", "#### 42 #### 7", "so 42 x x x x x x x x",
-             "####  42"]
+    texts = [
+        "42",
+        "the answer is #### 42",
+        "the answer is ####  421",
+        "#### 42 #### 7",
+        "so 42 x x x x x x x x",
+        "####  42",
+    ]
     batch = encode_batch(quirk_tokenizer, texts, 12)
     patterns = patterns_from_texts(quirk_tokenizer, ["42"] * 4 + ["7", "42"])
     total, parts = reward(batch, patterns)
@@ -591,11 +630,13 @@ def test_answer_variants_sentencepiece_style_dedupes():
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always")
     tok.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always")
     corpus = ["the answer is 42", "so it is 7", "42 is the answer", "#### 42", "it is 421"] * 10
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=60, special_tokens=["[PAD]", "[EOS]", "[UNK]"],
-                                                        show_progress=False))
+    tok.train_from_iterator(
+        corpus, trainers.BpeTrainer(vocab_size=60, special_tokens=["[PAD]", "[EOS]", "[UNK]"], show_progress=False)
+    )
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="[EOS]", pad_token="[PAD]", unk_token="[UNK]")
     variants = answer_variants(tokenizer, "42")
     assert variants == [tokenizer.encode(" 42", add_special_tokens=False)]
     batch = encode_batch(tokenizer, ["the answer is 42", "it is 421"], 8)
-    assert tensor_native_reward(batch, patterns_from_texts(tokenizer, ["42", "42"]),
-                                tokenizer.eos_token_id).tolist() == [1.0, 0.0]
+    assert tensor_native_reward(
+        batch, patterns_from_texts(tokenizer, ["42", "42"]), tokenizer.eos_token_id
+    ).tolist() == [1.0, 0.0]

@@ -12,8 +12,15 @@ import torch
 from rlhf_core.config import RewardConfig
 from rlhf_core.data import Prompt, collate_prompts
 from rlhf_core.reward import build_reward_fn
-from rlhf_core.rollout import (HFEngine, RandomEngine, RolloutWorker, SamplingParams, response_mask_from_eos,
-                               sampling_logprobs, split_groups)
+from rlhf_core.rollout import (
+    HFEngine,
+    RandomEngine,
+    RolloutWorker,
+    SamplingParams,
+    response_mask_from_eos,
+    sampling_logprobs,
+    split_groups,
+)
 from rlhf_core.trainer import sequence_logprobs
 from rlhf_core.types import Experience
 
@@ -36,8 +43,9 @@ def mixed_length_batch(tiny_tokenizer):
     """Prompts of different lengths, so that left padding is exercised."""
     tok = tiny_tokenizer
     texts = ["max 1 2 3 =", "sum 4 5 =", "max 9 =", "sum 1 2 3 4 5 6 7 8 9 ="]
-    return collate_prompts([Prompt(uid=i, prompt_ids=tok(t)["input_ids"], answers=[[4]]) for i, t in enumerate(texts)],
-                           tok.pad_token_id)
+    return collate_prompts(
+        [Prompt(uid=i, prompt_ids=tok(t)["input_ids"], answers=[[4]]) for i, t in enumerate(texts)], tok.pad_token_id
+    )
 
 
 def _check_batch_invariants(batch, n_rows: int, max_new_tokens: int, eos: int = EOS, pad: int = PAD):
@@ -58,14 +66,21 @@ def _check_batch_invariants(batch, n_rows: int, max_new_tokens: int, eos: int = 
 # HFEngine: behaviour logprobs
 # ---------------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_behavior_logprobs_match_full_forward(engine, tiny_model, mixed_length_batch, temperature):
     sampling = SamplingParams(max_new_tokens=8, temperature=temperature, top_p=1.0, top_k=0)
     batch = engine.generate(mixed_length_batch, 4, sampling)
     _check_batch_invariants(batch, 16, 8)
     with torch.no_grad():
-        logprobs, _ = sequence_logprobs(tiny_model, batch.prompt_ids, batch.prompt_mask, batch.response_ids,
-                                        batch.response_mask, temperature=temperature)
+        logprobs, _ = sequence_logprobs(
+            tiny_model,
+            batch.prompt_ids,
+            batch.prompt_mask,
+            batch.response_ids,
+            batch.response_mask,
+            temperature=temperature,
+        )
     m = batch.response_mask
     assert m.sum() > 16
     torch.testing.assert_close(logprobs[m], batch.behavior_logprobs[m], atol=1e-4, rtol=0)
@@ -88,8 +103,13 @@ def test_left_padding_does_not_change_logprobs(engine, tiny_model, tiny_tokenize
     rows = slice(0, 3)  # the short prompt's group
     P = len(short.prompt_ids)
     with torch.no_grad():
-        unpadded, _ = sequence_logprobs(tiny_model, sampled.prompt_ids[rows, -P:], sampled.prompt_mask[rows, -P:],
-                                        sampled.response_ids[rows], sampled.response_mask[rows])
+        unpadded, _ = sequence_logprobs(
+            tiny_model,
+            sampled.prompt_ids[rows, -P:],
+            sampled.prompt_mask[rows, -P:],
+            sampled.response_ids[rows],
+            sampled.response_mask[rows],
+        )
     m = sampled.response_mask[rows]
     torch.testing.assert_close(unpadded[m], sampled.behavior_logprobs[rows][m], atol=1e-4, rtol=0)
 
@@ -103,14 +123,19 @@ def test_uniform_model_gives_exact_uniform_logprobs(tiny_model, mixed_length_bat
     V = tiny_model.config.vocab_size
     m = batch.response_mask
     torch.testing.assert_close(batch.behavior_logprobs[m], torch.full_like(batch.behavior_logprobs[m], -math.log(V)))
-    top_k = engine.generate(mixed_length_batch, 8, SamplingParams(max_new_tokens=6, top_k=0, top_p=1.0, temperature=0.5))
-    torch.testing.assert_close(top_k.behavior_logprobs[top_k.response_mask],
-                               torch.full_like(top_k.behavior_logprobs[top_k.response_mask], -math.log(V)))
+    top_k = engine.generate(
+        mixed_length_batch, 8, SamplingParams(max_new_tokens=6, top_k=0, top_p=1.0, temperature=0.5)
+    )
+    torch.testing.assert_close(
+        top_k.behavior_logprobs[top_k.response_mask],
+        torch.full_like(top_k.behavior_logprobs[top_k.response_mask], -math.log(V)),
+    )
 
 
 # ---------------------------------------------------------------------------------------------------
 # HFEngine: EOS, lengths, determinism
 # ---------------------------------------------------------------------------------------------------
+
 
 def test_eos_mask_and_padding(engine, prompt_batch):
     batch = engine.generate(prompt_batch, 16, SamplingParams(max_new_tokens=12))
@@ -123,7 +148,7 @@ def test_eos_mask_and_padding(engine, prompt_batch):
         if EOS in r:
             first = r.index(EOS)
             assert mask[row].tolist() == [True] * (first + 1) + [False] * (len(r) - first - 1)
-            assert all(t == PAD for t in r[first + 1:])
+            assert all(t == PAD for t in r[first + 1 :])
             assert batch.response_lengths[row] == first + 1
         else:
             assert bool(mask[row].all()) and batch.response_lengths[row] == len(r)
@@ -187,6 +212,7 @@ def test_same_seed_same_samples(tiny_model, prompt_batch):
 # HFEngine: top-k / top-p
 # ---------------------------------------------------------------------------------------------------
 
+
 def _reference_filtered_logprobs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
     """Independent per-row reference: temperature, keep the top-k, then the smallest prefix of the sorted
     (renormalised) distribution whose mass reaches top_p; renormalise. logits [V] -> logprobs [V]."""
@@ -218,7 +244,7 @@ def test_top_k_top_p_sampling_and_logprobs(tiny_model, prompt_batch, temperature
         ids = torch.cat([batch.prompt_ids, batch.response_ids], 1)
         attn = torch.cat([batch.prompt_mask, batch.response_mask], 1).long()
         pos = (attn.cumsum(-1) - 1).clamp(min=0)
-        logits = tiny_model(input_ids=ids, attention_mask=attn, position_ids=pos).logits[:, P - 1:-1]
+        logits = tiny_model(input_ids=ids, attention_mask=attn, position_ids=pos).logits[:, P - 1 : -1]
     allowed_sizes = []
     for n in range(len(batch)):
         for t in range(int(batch.response_lengths[n])):
@@ -236,12 +262,15 @@ def test_top_k_top_p_sampling_and_logprobs(tiny_model, prompt_batch, temperature
     for t in range(3):
         ref = _reference_filtered_logprobs(logits[0, t], temperature, top_k, top_p)
         assert torch.equal(torch.isfinite(engine_lp[t]), torch.isfinite(ref))
-        torch.testing.assert_close(engine_lp[t][torch.isfinite(ref)].double(), ref[torch.isfinite(ref)], atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            engine_lp[t][torch.isfinite(ref)].double(), ref[torch.isfinite(ref)], atol=1e-5, rtol=0
+        )
 
 
 # ---------------------------------------------------------------------------------------------------
 # HFEngine: weight loading
 # ---------------------------------------------------------------------------------------------------
+
 
 def test_load_weights_changes_outputs_and_version(tiny_model, prompt_batch):
     engine = HFEngine(copy.deepcopy(tiny_model), EOS, PAD, seed=0)
@@ -260,8 +289,9 @@ def test_load_weights_changes_outputs_and_version(tiny_model, prompt_batch):
     assert {k: v.data_ptr() for k, v in engine.model.state_dict().items()} == ptrs  # copied in place
     after = engine.generate(prompt_batch, 1, greedy)
     assert bool((after.policy_version == 3).all())
-    assert not torch.allclose(before.behavior_logprobs, after.behavior_logprobs) or \
-        not torch.equal(before.response_ids, after.response_ids)
+    assert not torch.allclose(before.behavior_logprobs, after.behavior_logprobs) or not torch.equal(
+        before.response_ids, after.response_ids
+    )
     for k, v in engine.model.state_dict().items():
         assert torch.equal(v, new.state_dict()[k])
 
@@ -285,6 +315,7 @@ def test_generate_restores_training_mode(engine, prompt_batch):
 # RandomEngine
 # ---------------------------------------------------------------------------------------------------
 
+
 def test_random_engine_shapes_mask_and_logprobs(prompt_batch):
     V = 19
     engine = RandomEngine(V, EOS, PAD, seed=0)
@@ -292,8 +323,9 @@ def test_random_engine_shapes_mask_and_logprobs(prompt_batch):
     assert batch.response_ids.shape == (48, 10)
     _check_batch_invariants(batch, 48, 10)
     assert bool((batch.response_ids < V).all())
-    torch.testing.assert_close(batch.behavior_logprobs[batch.response_mask],
-                               torch.full((int(batch.response_mask.sum()),), -math.log(V)))
+    torch.testing.assert_close(
+        batch.behavior_logprobs[batch.response_mask], torch.full((int(batch.response_mask.sum()),), -math.log(V))
+    )
     assert batch.group_ids.tolist() == [g for g in range(6) for _ in range(8)]
     engine.load_weights(None, 2)
     assert engine.version == 2 and engine.weights_loaded == 1
@@ -317,6 +349,7 @@ def test_random_engine_rate(prompt_batch):
 # RolloutWorker
 # ---------------------------------------------------------------------------------------------------
 
+
 def test_rollout_worker_scores_and_splits_groups(tiny_model, tiny_tokenizer, max3_prompts):
     train, _ = max3_prompts
     tok = tiny_tokenizer
@@ -329,7 +362,7 @@ def test_rollout_worker_scores_and_splits_groups(tiny_model, tiny_tokenizer, max
     assert batch.rewards.shape == (32 * G,) and components["exact_match"].shape == (32 * G,)
     for n in range(len(batch)):  # reward == exact match of the response up to EOS, checked by hand
         resp = batch.response_ids[n].tolist()
-        body = resp[:resp.index(tok.eos_token_id)] if tok.eos_token_id in resp else resp
+        body = resp[: resp.index(tok.eos_token_id)] if tok.eos_token_id in resp else resp
         expected = float(body == prompts[n // G].answers[0])
         assert float(batch.rewards[n]) == expected
     # hand-made responses: correct + EOS scores 1, a wrong one 0
@@ -360,15 +393,19 @@ def test_split_groups_views_rows(prompt_batch):
     assert [g.prompt_id for g in groups] == prompt_batch.uids.tolist()
     for i, g in enumerate(groups):
         assert g.batch.rewards.tolist() == [3.0 * i, 3.0 * i + 1, 3.0 * i + 2]
-        assert torch.equal(g.batch.response_ids, batch.response_ids[3 * i:3 * i + 3])
+        assert torch.equal(g.batch.response_ids, batch.response_ids[3 * i : 3 * i + 3])
 
 
 def test_build_engine_by_config(tiny_model, tiny_tokenizer):
     from rlhf_core.config import load_config
     from rlhf_core.rollout import build_engine
 
-    rnd = build_engine(load_config(None, ["rollout.engine=random", "rollout.random_tokens_per_s=100"]),
-                       tiny_model, tiny_tokenizer, seed=3)
+    rnd = build_engine(
+        load_config(None, ["rollout.engine=random", "rollout.random_tokens_per_s=100"]),
+        tiny_model,
+        tiny_tokenizer,
+        seed=3,
+    )
     assert isinstance(rnd, RandomEngine)
     assert rnd.vocab_size == len(tiny_tokenizer) and rnd.tokens_per_s == 100.0 and rnd.eos_token_id == EOS
     hf = build_engine(load_config(None), tiny_model, tiny_tokenizer, seed=3)

@@ -11,14 +11,28 @@ from rlhf_core.staleness import WeightHistory, run_stale
 
 
 def tiny_cfg(tmp_path, steps: int = 8, *extra: str):
-    return load_config(None, [
-        "model.tiny_layers=1", "model.tiny_hidden=32", "model.tiny_heads=2", "data.eval_size=16",
-        "rollout.prompts_per_batch=4", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=3",
-        "trainer.prompts_per_step=4", f"trainer.total_steps={steps}", "trainer.lr=0.01",
-        "tracking.eval_every=0", "tracking.checkpoint_every=0", f"run.output_dir={tmp_path}",
-        # a reward that varies from the first step (length), so advantages are non-zero and weights move
-        "reward.components={length_penalty: 1.0, exact_match: 1.0}", "reward.length_target=1", *extra,
-    ])
+    return load_config(
+        None,
+        [
+            "model.tiny_layers=1",
+            "model.tiny_hidden=32",
+            "model.tiny_heads=2",
+            "data.eval_size=16",
+            "rollout.prompts_per_batch=4",
+            "rollout.samples_per_prompt=4",
+            "rollout.max_new_tokens=3",
+            "trainer.prompts_per_step=4",
+            f"trainer.total_steps={steps}",
+            "trainer.lr=0.01",
+            "tracking.eval_every=0",
+            "tracking.checkpoint_every=0",
+            f"run.output_dir={tmp_path}",
+            # a reward that varies from the first step (length), so advantages are non-zero and weights move
+            "reward.components={length_penalty: 1.0, exact_match: 1.0}",
+            "reward.length_target=1",
+            *extra,
+        ],
+    )
 
 
 def test_weight_history_keeps_tau_plus_one_versions():
@@ -100,19 +114,36 @@ def _load_benchmark():
     return module
 
 
-def test_benchmark_summary_and_seed_claim():
+def test_benchmark_summary_and_claim():
     bench = _load_benchmark()
 
     def run(tau, loss, seed, acc, reached):
-        return {"tau": tau, "loss": loss, "seed": seed, "final_accuracy": acc, "steps_to_target": reached,
-                "curve": [(0, 0.0), (10, acc), (20, acc)], "grad_norm_var": 0.1 * (tau + 1), "grad_norm_mean": 0.3,
-                "clip_frac_mean": 0.0, "approx_kl_mean": 0.0, "masked_frac_mean": None, "m2_mean": None,
-                "staleness_settled": [float(tau)], "skipped_steps": 0, "wall_s": 1.0}
+        return {
+            "tau": tau,
+            "loss": loss,
+            "seed": seed,
+            "final_accuracy": acc,
+            "steps_to_target": reached,
+            "curve": [(0, 0.0), (10, acc), (20, acc)],
+            "grad_norm_var": 0.1 * (tau + 1),
+            "grad_norm_mean": 0.3,
+            "clip_frac_mean": 0.0,
+            "approx_kl_mean": 0.0,
+            "masked_frac_mean": None,
+            "m2_mean": None,
+            "staleness_settled": [float(tau)],
+            "skipped_steps": 0,
+            "wall_s": 1.0,
+        }
 
     runs = []
     for seed in (0, 1):
-        runs += [run(0, "ppo_clip0.2", seed, 0.9, 10), run(8, "ppo_clip0.2", seed, 0.6, None),
-                 run(0, "m2po_trust_region", seed, 0.9, 10), run(8, "m2po_trust_region", seed, 0.88 + 0.02 * seed, 20)]
+        runs += [
+            run(0, "ppo_clip0.2", seed, 0.9, 10),
+            run(8, "ppo_clip0.2", seed, 0.6, None),
+            run(0, "m2po_trust_region", seed, 0.9, 10),
+            run(8, "m2po_trust_region", seed, 0.88 + 0.02 * seed, 20),
+        ]
     cells = bench.summarise(runs)
     c = cells["tau=8/loss=m2po_trust_region"]
     assert c["final_accuracy_mean"] == pytest.approx(0.89) and c["final_accuracy_std"] == pytest.approx(0.01)

@@ -1,24 +1,43 @@
-"""The flow's health checks (tasks/supervision.py) on synthetic polls: no Ray, no Prefect server."""
+"""The health checks (rlhf_core/supervision.py) on synthetic polls: no Ray, no Prefect server."""
 
 from __future__ import annotations
 
 from rlhf_core.config import load_config
-from tasks.supervision import HealthMonitor, progress_line
+from rlhf_core.supervision import HealthMonitor
+from tasks.supervision import progress_line
 
 
 def cfg(*extra):
-    return load_config(None, ["trainer.prompts_per_step=4", "runtime.max_staleness=2", "supervision.staleness_warn=0.5",
-                              "supervision.nonfinite_limit=3", "supervision.restart_limit=1",
-                              "supervision.stall_timeout_s=10", "supervision.supervise_interval_s=1",
-                              "buffer.max_size=40", *extra])
+    return load_config(
+        None,
+        [
+            "trainer.prompts_per_step=4",
+            "runtime.max_staleness=2",
+            "supervision.staleness_warn=0.5",
+            "supervision.nonfinite_limit=3",
+            "supervision.restart_limit=1",
+            "supervision.stall_timeout_s=10",
+            "supervision.supervise_interval_s=1",
+            "buffer.max_size=40",
+            *extra,
+        ],
+    )
 
 
 def poll(step, staleness=0.0, size=8, finite=(1.0,), dropped=0, workers=None, **kw):
     metrics = [{"step": step, "async/staleness_mean": staleness, "trainer/step_finite": f} for f in finite]
-    return {"step": step, "version": step, "done": False, "metrics": metrics,
-            "buffer": {"size": size, "dropped_overflow": dropped},
-            "rollout": workers if workers is not None else [{"index": 0, "alive": True, "restarts": 0}],
-            "trainer": {}, "events": [], "failed": None, **kw}
+    return {
+        "step": step,
+        "version": step,
+        "done": False,
+        "metrics": metrics,
+        "buffer": {"size": size, "dropped_overflow": dropped},
+        "rollout": workers if workers is not None else [{"index": 0, "alive": True, "restarts": 0}],
+        "trainer": {},
+        "events": [],
+        "failed": None,
+        **kw,
+    }
 
 
 def test_high_staleness_syncs_then_narrows_the_admission_window_once():
@@ -84,7 +103,17 @@ def test_stall_fails_naming_the_stuck_role():
 
 
 def test_progress_line_is_compact():
-    line = progress_line(3, 6, {"reward/mean": 0.5, "async/staleness_mean": 1.0, "async/staleness_max": 2,
-                                "throughput/samples_per_s": 120.0, "buffer/size": 8},
-                         {"eval/accuracy": 0.25, "step": 3}, {})
+    line = progress_line(
+        3,
+        6,
+        {
+            "reward/mean": 0.5,
+            "async/staleness_mean": 1.0,
+            "async/staleness_max": 2,
+            "throughput/samples_per_s": 120.0,
+            "buffer/size": 8,
+        },
+        {"eval/accuracy": 0.25, "step": 3},
+        {},
+    )
     assert line == "step 3/6 | reward 0.500 | acc 0.250@3 | staleness 1.00/2 | 120 samples/s | buffer 8"

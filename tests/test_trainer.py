@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from rlhf_core.algorithms import AGG_MODES, compute_policy_loss
 from rlhf_core.config import load_config
 from rlhf_core.data import collate_prompts
 from rlhf_core.rollout import HFEngine, SamplingParams
@@ -17,8 +18,9 @@ G = 4
 
 
 def make_cfg(*overrides):
-    return load_config(None, [f"rollout.samples_per_prompt={G}", "trainer.prompts_per_step=8",
-                              "rollout.max_new_tokens=4", *overrides])
+    return load_config(
+        None, [f"rollout.samples_per_prompt={G}", "trainer.prompts_per_step=8", "rollout.max_new_tokens=4", *overrides]
+    )
 
 
 @pytest.fixture
@@ -74,8 +76,18 @@ def test_metrics_version_and_staleness(tiny_model, batch):
     assert m1["async/staleness_mean"] == 0 and m1["async/staleness_max"] == 0
     m2 = trainer.train_step(batch)  # data of version 0 consumed at trainer version 1
     assert m2["version"] == 2 and m2["async/staleness_max"] == 1
-    for key in ("loss/policy", "policy/entropy", "policy/grad_norm", "policy/lr", "policy/clip_frac",
-                "reward/mean", "reward/std", "response/length_mean", "trainer/skipped_steps", "trainer/step_finite"):
+    for key in (
+        "loss/policy",
+        "policy/entropy",
+        "policy/grad_norm",
+        "policy/lr",
+        "policy/clip_frac",
+        "reward/mean",
+        "reward/std",
+        "response/length_mean",
+        "trainer/skipped_steps",
+        "trainer/step_finite",
+    ):
         assert key in m2 and math.isfinite(m2[key]), key
     assert m2["reward/mean"] == pytest.approx(0.5) and m2["reward/std"] == pytest.approx(0.5)
     assert m2["response/length_mean"] == 4.0
@@ -142,11 +154,133 @@ def test_micro_batching_matches_one_big_batch(tiny_model, eos_batch, agg):
     assert any(not torch.equal(p, q) for p, q in zip(big_model.parameters(), tiny_model.parameters()))
 
 
+def stale(b, scale=0.5, seed=0):
+    """`b` with behaviour log-probs moved ~`scale` nats off the policy on valid tokens (ratios != 1)."""
+    out = copy.copy(b)
+    noise = scale * torch.randn(b.behavior_logprobs.shape, generator=torch.Generator().manual_seed(seed))
+    out.behavior_logprobs = torch.where(b.response_mask, b.behavior_logprobs + noise, b.behavior_logprobs)
+    return out
+
+
+def with_empty_rows(b, rows=(5, 20, 41)):
+    """`b` with the responses of `rows` masked out entirely: sequences without a valid token, which the
+    seq-mean modes leave out of their denominator (so a micro-batch's share is not its row count)."""
+    out = copy.copy(b)
+    out.response_mask = b.response_mask.clone()
+    out.response_mask[list(rows)] = False
+    out.response_lengths = out.response_mask.sum(-1)
+    return out
+
+
+def perturbed(model, scale=0.02, seed=1):
+    """A frozen copy of `model` with slightly different weights, as a reference the KL term sees."""
+    ref = copy.deepcopy(model).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=g))
+            p.requires_grad_(False)
+    return ref
+
+
+MICRO_CASES = [(loss, agg) for loss in ("ppo", "grpo", "m2po-trust_region", "m2po-ratio_sq") for agg in AGG_MODES]
+
+
+@pytest.mark.parametrize("loss,agg", MICRO_CASES, ids=[f"{loss}-{agg}" for loss, agg in MICRO_CASES])
+def test_micro_batch_size_does_not_change_the_update(tiny_model, eos_batch, loss, agg):
+    """One step with micro_batch_size 8 (6 micro-batches) and 128 (one) from the same weights on the same
+    stale batch (KL to a reference on, three rows without valid tokens) gives the same gradient and
+    weights. The M2PO mask and the kept-token count are the step's in both, the denominators those of the
+    whole batch. M2PO trust_region runs unclipped, as in the paper: with clipping, the tokens it masks are
+    mostly clipped anyway and carry no gradient.
+    Tolerance: float32, different summation order only; gradients agree to atol 1e-6 / rtol 1e-4 and the
+    weights after AdamW (lr 1e-4; its first step is ~lr·g/(|g|+eps), which amplifies float32 noise in
+    near-zero gradients) to atol 5e-6, 5 % of lr."""
+    name, _, masking = loss.partition("-")
+    base = [
+        "trainer.lr=1e-4",
+        "trainer.grad_clip=1e9",
+        f"algorithm.agg={agg}",
+        f"algorithm.loss={name}",
+        "trainer.prompts_per_step=12",
+        "rollout.max_new_tokens=8",
+        "algorithm.kl_coef=0.05",
+    ]
+    if masking:
+        base.append(f"algorithm.masking={masking}")
+    if masking == "trust_region":
+        base.append("algorithm.clip_eps=null")
+    b = with_empty_rows(stale(eos_batch))
+    ref = perturbed(tiny_model)
+    models = {size: copy.deepcopy(tiny_model) for size in (8, 128)}
+    metrics = {
+        size: Trainer(
+            models[size], make_cfg(*base, f"trainer.micro_batch_size={size}"), pad_token_id=0, ref_model=ref
+        ).train_step(b)
+        for size in (8, 128)
+    }
+    small, big = metrics[8], metrics[128]
+    for key in (
+        "loss/policy",
+        "loss/kl",
+        "loss/total",
+        "policy/ratio_max",
+        "policy/clip_frac",
+        "policy/approx_kl",
+        "policy/entropy",
+    ):
+        assert small[key] == pytest.approx(big[key], rel=1e-5, abs=1e-6), key
+    if name == "m2po":
+        assert small["m2po/masked_frac"] == pytest.approx(big["m2po/masked_frac"], abs=1e-6)
+        assert big["m2po/masked_frac"] > 0  # the mask is active
+    assert small["policy/grad_norm"] == pytest.approx(big["policy/grad_norm"], rel=1e-4)
+    for (pname, p), q in zip(models[128].named_parameters(), models[8].parameters()):
+        torch.testing.assert_close(q.grad, p.grad, atol=1e-6, rtol=1e-4, msg=lambda m, n=pname: f"{n}: {m}")
+        torch.testing.assert_close(q, p, atol=5e-6, rtol=0, msg=lambda m, n=pname: f"{n}: {m}")
+    assert any(not torch.equal(p, q) for p, q in zip(models[8].parameters(), tiny_model.parameters()))
+
+
+def test_loss_metrics_and_ratio_max_are_of_the_whole_batch(tiny_model, eos_batch):
+    """loss/policy is the policy-gradient term alone, loss/kl the KL, loss/total what is backpropagated, all
+    of the whole batch; policy/ratio_max is the batch's maximum, not a mean of micro-batch maxima."""
+    cfg = make_cfg(
+        "trainer.prompts_per_step=12",
+        "rollout.max_new_tokens=8",
+        "trainer.micro_batch_size=7",
+        "algorithm.kl_coef=0.1",
+        "algorithm.agg=seq-mean-token-mean",
+    )
+    b = stale(eos_batch)
+    ref = perturbed(tiny_model)
+    trainer = Trainer(tiny_model, cfg, pad_token_id=0, ref_model=ref)
+    with torch.no_grad():  # the full-batch values at the weights the step starts from
+        lp, _ = sequence_logprobs(tiny_model, b.prompt_ids, b.prompt_mask, b.response_ids, b.response_mask)
+        ref_lp, _ = sequence_logprobs(ref, b.prompt_ids, b.prompt_mask, b.response_ids, b.response_mask)
+    total, stats = compute_policy_loss(
+        cfg.algorithm, lp, b.behavior_logprobs, trainer.advantages(b), b.response_mask, ref_logprobs=ref_lp, norm_len=8
+    )
+    ratio = torch.where(b.response_mask, torch.exp(lp - b.behavior_logprobs), torch.zeros_like(lp))
+    per_micro_max = [float(ratio[s : s + 7].max()) for s in range(0, len(b), 7)]
+    assert min(per_micro_max) < max(per_micro_max)  # a mean of them would fall short of the maximum
+
+    m = trainer.train_step(b)
+    assert m["policy/ratio_max"] == pytest.approx(float(ratio.max()), rel=1e-5)
+    assert m["loss/kl"] == pytest.approx(float(stats["loss/kl"]), rel=1e-4) and m["loss/kl"] > 1e-4
+    assert m["loss/policy"] == pytest.approx(float(stats["loss/policy"]), abs=1e-6)
+    assert m["loss/total"] == pytest.approx(float(total), abs=1e-6)
+    assert m["loss/total"] == pytest.approx(m["loss/policy"] + 0.1 * m["loss/kl"], abs=1e-6)
+    assert abs(m["loss/total"] - m["loss/policy"]) > 1e-5
+    for key in ("policy/ratio_mean", "policy/clip_frac", "policy/approx_kl"):  # token means over the batch
+        assert m[key] == pytest.approx(float(stats[key]), rel=1e-4, abs=1e-6), key
+    no_kl = Trainer(copy.deepcopy(tiny_model), make_cfg(), 0)
+    assert "loss/kl" not in no_kl.train_step(b.select(torch.arange(32)))
+
+
 def test_lr_schedule_cosine_with_warmup():
     fn = build_lr_lambda("cosine", warmup_steps=4, total_steps=20, min_lr_ratio=0.1)
     assert [fn(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
     assert fn(4) == pytest.approx(1.0)
-    assert fn(12) == pytest.approx(0.1 + 0.9 * 0.5)                       # half way through the decay
+    assert fn(12) == pytest.approx(0.1 + 0.9 * 0.5)  # half way through the decay
     assert fn(8) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.25)))
     assert fn(20) == pytest.approx(0.1) and fn(30) == pytest.approx(0.1)  # floor after the end
     values = [fn(s) for s in range(4, 21)]
@@ -157,8 +291,13 @@ def test_lr_schedule_cosine_with_warmup():
 
 
 def test_trainer_follows_the_schedule(tiny_model, batch):
-    cfg = make_cfg("trainer.lr=0.01", "trainer.lr_schedule=cosine", "trainer.warmup_steps=2",
-                   "trainer.total_steps=6", "trainer.min_lr_ratio=0.2")
+    cfg = make_cfg(
+        "trainer.lr=0.01",
+        "trainer.lr_schedule=cosine",
+        "trainer.warmup_steps=2",
+        "trainer.total_steps=6",
+        "trainer.min_lr_ratio=0.2",
+    )
     trainer = Trainer(tiny_model, cfg, pad_token_id=0)
     fn = build_lr_lambda("cosine", 2, 6, 0.2)
     assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(0.01 * fn(0))
@@ -174,7 +313,7 @@ def test_state_dict_for_sync(tiny_model, tiny_tokenizer, batch):
     sync = trainer.state_dict_for_sync()
     named = dict(tiny_model.named_parameters())
     assert set(named) <= set(sync)
-    for name, t in sync.items():
+    for t in sync.values():
         assert t.device.type == "cpu" and t.is_contiguous()
     for name, p in named.items():
         assert torch.equal(sync[name], p.detach())

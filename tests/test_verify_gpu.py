@@ -15,12 +15,19 @@ import torch
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "verify_gpu.py"
 
 
+@pytest.mark.slow  # runs the whole verification script (trains a model): ~45 s on 2 cores
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only path and wording")
 def test_verify_gpu_quick_on_cpu(tmp_path):
     out = tmp_path / "verify.json"
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--json-out", str(out)], capture_output=True,
-                          text=True, timeout=300, env=env, cwd=SCRIPT.parents[1])
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick", "--json-out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=SCRIPT.parents[1],
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
     assert "CUDA measurements were skipped" in proc.stdout
     assert "ALL VERIFICATIONS PASSED (EXIT 0)" in proc.stdout
@@ -30,11 +37,18 @@ def test_verify_gpu_quick_on_cpu(tmp_path):
     assert report["cuda_measurements"] == "skipped" and report["device"]["device"] == "cpu"
     assert "reward.no_host_sync" in report["skipped"]
     names = {c["name"] for c in report["checks"]}
-    assert {"reward B=64 L=256 correct on device", "reward B=256 L=1024 correct on device",
-            "loss ppo forward+backward on device", "loss grpo forward+backward on device",
-            "loss m2po_trust_region forward+backward on device", "loss m2po_ratio_sq forward+backward on device",
-            "group-aware buffer", "versioned buffer staleness eviction", "closed loop on-policy (run_sync)",
-            "closed loop stale-k tau=1 (run_stale)"} <= names
+    assert {
+        "reward B=64 L=256 correct on device",
+        "reward B=256 L=1024 correct on device",
+        "loss ppo forward+backward on device",
+        "loss grpo forward+backward on device",
+        "loss m2po_trust_region forward+backward on device",
+        "loss m2po_ratio_sq forward+backward on device",
+        "group-aware buffer",
+        "versioned buffer staleness eviction",
+        "closed loop on-policy (run_sync)",
+        "closed loop stale-k tau=1 (run_stale)",
+    } <= names
     assert all(c["passed"] for c in report["checks"])
     assert report["timings"]["reward/tensor_native/B=256,L=1024"]["method"] == "perf_counter"
     assert report["targets"] == {}  # the GPU target is not judged on a CPU

@@ -35,8 +35,10 @@ def test_build_engine_falls_back_to_hf_with_one_warning(tiny_model, tiny_tokeniz
 def test_pack_completions(max3_prompts, tiny_tokenizer):
     pb = collate_prompts(max3_prompts[0][:2], tiny_tokenizer.pad_token_id)
     eos = tiny_tokenizer.eos_token_id
-    completions = [[([5, eos], [-0.5, -0.1]), ([6, 7, 8], [-1.0, -2.0, -3.0])],
-                   [([eos], [-0.2]), ([4, 4], [-0.3, -0.4])]]
+    completions = [
+        [([5, eos], [-0.5, -0.1]), ([6, 7, 8], [-1.0, -2.0, -3.0])],
+        [([eos], [-0.2]), ([4, 4], [-0.3, -0.4])],
+    ]
     batch = pack_completions(completions, pb, pad_token_id=0, version=7)
     assert batch.response_ids.tolist() == [[5, eos, 0], [6, 7, 8], [eos, 0, 0], [4, 4, 0]]
     assert batch.response_lengths.tolist() == [2, 3, 1, 2]
@@ -56,6 +58,7 @@ def test_pack_completions(max3_prompts, tiny_tokenizer):
 # The real engine: only where vLLM imports and a GPU is present
 # ---------------------------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def vllm_engine(tiny_policy_dir, tiny_tokenizer):
     pytest.importorskip("vllm")
@@ -69,8 +72,9 @@ def vllm_engine(tiny_policy_dir, tiny_tokenizer):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 5, 0.8)])
-def test_vllm_logprobs_match_full_forward(vllm_engine, tiny_policy_dir, max3_prompts, tiny_tokenizer,
-                                          temperature, top_k, top_p):
+def test_vllm_logprobs_match_full_forward(
+    vllm_engine, tiny_policy_dir, max3_prompts, tiny_tokenizer, temperature, top_k, top_p
+):
     from rlhf_core.models import load_policy
     from rlhf_core.rollout import sampling_logprobs
 
@@ -86,7 +90,9 @@ def test_vllm_logprobs_match_full_forward(vllm_engine, tiny_policy_dir, max3_pro
         ids = torch.cat([batch.prompt_ids, batch.response_ids], 1)
         attn = torch.cat([batch.prompt_mask, batch.response_mask], 1).long()
         logits = model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0)).logits
-        ref = sampling_logprobs(logits[:, P - 1:-1].reshape(-1, logits.shape[-1]), sampling).view(32, -1, logits.shape[-1])
+        ref = sampling_logprobs(logits[:, P - 1 : -1].reshape(-1, logits.shape[-1]), sampling).view(
+            32, -1, logits.shape[-1]
+        )
         ref = ref.gather(-1, batch.response_ids.unsqueeze(-1)).squeeze(-1)
     assert bool(torch.isfinite(ref[m]).all())  # every sampled token is inside the filtered set
     torch.testing.assert_close(batch.behavior_logprobs[m], ref[m], atol=2e-3, rtol=0)

@@ -6,6 +6,8 @@ prompt. Every estimator returns a tensor of the same shape.
 
 from __future__ import annotations
 
+from typing import Any, Optional
+
 import torch
 
 
@@ -49,14 +51,43 @@ def compute_rloo_advantages(rewards: torch.Tensor) -> torch.Tensor:
 
 ADVANTAGE_ESTIMATORS = {
     "grpo": compute_grpo_advantages,
-    "rloo": lambda rewards, eps=1e-8, scale="group": compute_rloo_advantages(rewards),
+    "rloo": compute_rloo_advantages,
+}
+
+# The options each estimator takes (compute_advantages refuses any other), and the AlgorithmConfig field
+# that sets each. RLOO has none: its baseline is the leave-one-out mean and it is never scaled.
+ADVANTAGE_OPTIONS: dict[str, dict[str, str]] = {
+    "grpo": {"eps": "adv_eps", "scale": "adv_scale"},
+    "rloo": {},
 }
 
 
-def compute_advantages(name: str, rewards: torch.Tensor, eps: float = 1e-8, scale: str = "group") -> torch.Tensor:
-    """Advantages by estimator name (config `algorithm.advantage`)."""
+def compute_advantages(
+    name: str, rewards: torch.Tensor, eps: Optional[float] = None, scale: Optional[str] = None
+) -> torch.Tensor:
+    """Advantages by estimator name (config `algorithm.advantage`). rewards: [..., G] -> [..., G].
+
+    eps, scale: options of the estimator (None: its default). Passing one the estimator does not take
+    (any of them to "rloo") is a ValueError, not silently ignored.
+    """
     try:
         fn = ADVANTAGE_ESTIMATORS[name]
     except KeyError:
         raise ValueError(f"unknown advantage estimator {name!r}; known: {sorted(ADVANTAGE_ESTIMATORS)}") from None
-    return fn(rewards, eps=eps, scale=scale)
+    options = {k: v for k, v in (("eps", eps), ("scale", scale)) if v is not None}
+    unused = sorted(set(options) - set(ADVANTAGE_OPTIONS.get(name, {})))
+    if unused:
+        raise ValueError(f"advantage estimator {name!r} takes no option {unused[0]!r}")
+    return fn(rewards, **options)
+
+
+def advantages_from_config(algo_cfg: Any, rewards: torch.Tensor) -> torch.Tensor:
+    """The advantages of `algo_cfg.advantage` (an AlgorithmConfig) with the options that estimator takes.
+
+    rewards: FloatTensor [..., G]. Returns FloatTensor [..., G]. The config refuses adv_scale/adv_eps set
+    for an estimator that has no use for them, so leaving them out here hides nothing.
+    """
+    fields = ADVANTAGE_OPTIONS.get(algo_cfg.advantage, {})
+    return compute_advantages(
+        algo_cfg.advantage, rewards, **{option: getattr(algo_cfg, field) for option, field in fields.items()}
+    )

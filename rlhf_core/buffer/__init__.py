@@ -8,7 +8,7 @@ GroupAwareReplayBuffer   collects the G completions of each prompt; hands out wh
 All share one contract: `push` never blocks; `sample(n, timeout=None)` returns at once with what is
 there, or with timeout > 0 waits (at most that long) for enough; `close()` wakes waiting samplers;
 `stats()` satisfies pushed == sampled + evicted_stale + dropped_overflow + size + pending at every
-moment (counted in items); `metrics()` gives the same figures as `buffer/...` metric names.
+moment (counted in items).
 """
 
 from rlhf_core.buffer.group import GroupAwareReplayBuffer, GroupEntry

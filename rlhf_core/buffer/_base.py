@@ -14,7 +14,8 @@ import math
 import operator
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 _MISSING = object()
 
@@ -97,11 +98,6 @@ class LockedBuffer:
             "rejected_closed": self._rejected_closed,
             "closed": self._closed,
         }
-
-    def metrics(self) -> dict[str, float]:
-        """Numeric `stats()` under the `buffer/` namespace of the observability contract."""
-        return {f"buffer/{k}": v for k, v in self.stats().items()
-                if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
     def stats(self) -> dict:  # pragma: no cover - every subclass defines it
         raise NotImplementedError

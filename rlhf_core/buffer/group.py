@@ -15,8 +15,8 @@ from the batched reduction), and a group of equal rewards gets exactly 0.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
-from typing import Any, Iterable
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 
@@ -54,8 +54,10 @@ class GroupEntry(Sequence):
         return iter(self.items)
 
     def __repr__(self) -> str:
-        return (f"GroupEntry(prompt_id={self.prompt_id!r}, size={len(self.items)}, "
-                f"policy_version={self.policy_version}, rewards={self._reward_values})")
+        return (
+            f"GroupEntry(prompt_id={self.prompt_id!r}, size={len(self.items)}, "
+            f"policy_version={self.policy_version}, rewards={self._reward_values})"
+        )
 
 
 class _Partial:
@@ -86,6 +88,12 @@ def _write_advantage(item: Any, advantage: float) -> None:
 class GroupAwareReplayBuffer(LockedBuffer, VersionWindow):
     """Thread-safe buffer of complete prompt groups.
 
+    Public API, not used by the training runtime (its rollout workers push whole groups into a
+    `VersionedReplayBuffer`): it is for engines that stream completions one at a time and is measured
+    by `benchmarks/buffer.py` (group push/sample and 8-producer throughput) and checked by
+    `scripts/verify_gpu.py` (section [4], groups holding device tensors); docs/architecture.md says
+    when to use it.
+
     group_size:    G, completions per prompt; a group is ready when its G-th item arrives.
     max_size:      bound on ready items; overflow drops the oldest ready groups (counted by item).
                    Partial groups are not bounded by it (they are counted in `pending`).
@@ -100,8 +108,9 @@ class GroupAwareReplayBuffer(LockedBuffer, VersionWindow):
     can take it.
     """
 
-    def __init__(self, group_size: int, max_size: int, max_staleness: int | None = None,
-                 adv_eps: float = 1e-8, version: int = 0) -> None:
+    def __init__(
+        self, group_size: int, max_size: int, max_staleness: int | None = None, adv_eps: float = 1e-8, version: int = 0
+    ) -> None:
         if group_size < 1:
             raise ValueError(f"group_size must be >= 1, got {group_size}")
         if max_size < group_size:
@@ -117,7 +126,7 @@ class GroupAwareReplayBuffer(LockedBuffer, VersionWindow):
         self._min_fresh = self._fresh_bound()
         self._pending: dict[Any, _Partial] = {}
         self._ready: deque[GroupEntry] = deque()
-        self._size = 0           # items in ready groups
+        self._size = 0  # items in ready groups
         self._pending_items = 0  # items in partial groups
 
     @property
@@ -229,8 +238,7 @@ class GroupAwareReplayBuffer(LockedBuffer, VersionWindow):
         """Outside the lock: the groups belong to the caller now."""
         rewards = torch.tensor([g._reward_values for g in groups], dtype=torch.float32)
         advantages = compute_grpo_advantages(rewards, eps=self._adv_eps, scale="group")
-        for group, group_rewards, group_advantages, values in zip(
-                groups, rewards, advantages, advantages.tolist()):
+        for group, group_rewards, group_advantages, values in zip(groups, rewards, advantages, advantages.tolist()):
             group.rewards = group_rewards
             group.advantages = group_advantages
             for item, value in zip(group.items, values):
@@ -245,8 +253,11 @@ class GroupAwareReplayBuffer(LockedBuffer, VersionWindow):
             if self._max_staleness is None:
                 return 0
             evicted = 0
-            stale_prompts = [key for key, partial in self._pending.items()
-                             if partial.min_version is not None and partial.min_version < bound]
+            stale_prompts = [
+                key
+                for key, partial in self._pending.items()
+                if partial.min_version is not None and partial.min_version < bound
+            ]
             for key in stale_prompts:
                 evicted += len(self._pending.pop(key).items)
             self._pending_items -= evicted

@@ -6,7 +6,8 @@ Items are arbitrary objects (an `Experience`, a dict, ...); one pushed object co
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from rlhf_core.buffer._base import LockedBuffer, VersionWindow, read_version
 
@@ -70,7 +71,7 @@ class BoundedReplayBuffer(LockedBuffer):
             room = self._max_size - len(self._queue)
             if len(keep) > room:
                 self._dropped_overflow += len(keep) - room
-                keep = keep[len(keep) - room:] if room > 0 else []
+                keep = keep[len(keep) - room :] if room > 0 else []
             self._queue.extendleft(reversed(keep))
             if keep and self._waiters:
                 self._not_empty.notify_all()
@@ -92,14 +93,6 @@ class BoundedReplayBuffer(LockedBuffer):
         self._pushed += len(items)
         if self._waiters:
             self._not_empty.notify_all()
-
-    def wait_for(self, n: int, timeout: float | None) -> bool:
-        """Block until at least `n` items are ready, the buffer is closed, or `timeout` seconds pass (the
-        same rules as `sample`); True when `n` are ready. Takes nothing, so a single consumer that needs
-        exactly n items can wait without polling and then `sample(n)`."""
-        with self._lock:
-            self._wait_until(lambda: len(self._queue), n, timeout)
-            return len(self._queue) >= n
 
     def sample(self, batch_size: int, timeout: float | None = None, min_items: int = 1) -> list:
         """Remove and return up to `batch_size` items, oldest first.

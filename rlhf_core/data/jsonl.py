@@ -20,7 +20,9 @@ class DatasetError(ValueError):
 def _prompt_text(row: dict, where: str, tokenizer, system_prompt: str) -> str:
     if "messages" in row:
         messages = row["messages"]
-        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+        if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and "role" in m and "content" in m for m in messages
+        ):
             raise DatasetError(f"{where}: 'messages' must be a list of {{'role', 'content'}} objects")
     elif "prompt" in row:
         if not isinstance(row["prompt"], str) or not row["prompt"].strip():
@@ -36,8 +38,9 @@ def _prompt_text(row: dict, where: str, tokenizer, system_prompt: str) -> str:
     return "\n\n".join(m["content"] for m in messages)
 
 
-def load_jsonl_prompts(path: str | Path, tokenizer, system_prompt: str = "",
-                       max_prompt_tokens: Optional[int] = None) -> list[Prompt]:
+def load_jsonl_prompts(
+    path: str | Path, tokenizer, system_prompt: str = "", max_prompt_tokens: Optional[int] = None
+) -> list[Prompt]:
     """Read and tokenize a JSONL dataset. A malformed line fails with `file:line` and the reason."""
     from rlhf_core.reward import answer_variants
 
@@ -56,7 +59,11 @@ def load_jsonl_prompts(path: str | Path, tokenizer, system_prompt: str = "",
                 raise DatasetError(f"{where}: invalid JSON ({exc.msg})") from None
             if not isinstance(row, dict):
                 raise DatasetError(f"{where}: expected a JSON object, got {type(row).__name__}")
-            if "answer" not in row or not isinstance(row["answer"], (str, int, float)) or str(row["answer"]).strip() == "":
+            if (
+                "answer" not in row
+                or not isinstance(row["answer"], (str, int, float))
+                or str(row["answer"]).strip() == ""
+            ):
                 raise DatasetError(f"{where}: needs a non-empty 'answer' (string or number)")
             text = _prompt_text(row, where, tokenizer, system_prompt)
             add_special = not getattr(tokenizer, "chat_template", None)
@@ -67,8 +74,19 @@ def load_jsonl_prompts(path: str | Path, tokenizer, system_prompt: str = "",
             variants = answer_variants(tokenizer, answer)
             if not variants:
                 raise DatasetError(f"{where}: answer {answer!r} tokenizes to nothing")
-            prompts.append(Prompt(uid=len(prompts), prompt_ids=ids, answers=variants, text=text, answer_text=answer,
-                                  meta={"line": lineno, **{k: v for k, v in row.items() if k not in ("prompt", "messages", "answer")}}))
+            prompts.append(
+                Prompt(
+                    uid=len(prompts),
+                    prompt_ids=ids,
+                    answers=variants,
+                    text=text,
+                    answer_text=answer,
+                    meta={
+                        "line": lineno,
+                        **{k: v for k, v in row.items() if k not in ("prompt", "messages", "answer")},
+                    },
+                )
+            )
     if not prompts:
         raise DatasetError(f"dataset file {p} has no usable rows")
     return prompts

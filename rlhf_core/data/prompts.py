@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Optional, Sequence
+from typing import Optional
 
 import numpy as np
 import torch
@@ -47,7 +48,9 @@ class PromptBatch:
         return self.prompt_ids.shape[0]
 
 
-def collate_prompts(prompts: Sequence[Prompt], pad_token_id: int, max_prompt_tokens: Optional[int] = None) -> PromptBatch:
+def collate_prompts(
+    prompts: Sequence[Prompt], pad_token_id: int, max_prompt_tokens: Optional[int] = None
+) -> PromptBatch:
     """Left-pad prompts into tensors and pack their answer patterns (not a hot path: runs once per batch)."""
     if not prompts:
         raise ValueError("collate_prompts needs at least one prompt")
@@ -57,8 +60,8 @@ def collate_prompts(prompts: Sequence[Prompt], pad_token_id: int, max_prompt_tok
     mask = torch.zeros((len(rows), P), dtype=torch.bool)
     for i, r in enumerate(rows):
         if r:
-            ids[i, P - len(r):] = torch.tensor(r, dtype=torch.long)
-            mask[i, P - len(r):] = True
+            ids[i, P - len(r) :] = torch.tensor(r, dtype=torch.long)
+            mask[i, P - len(r) :] = True
     K = max(1, max(len(p.answers) for p in prompts))
     Q = max(1, max((len(a) for p in prompts for a in p.answers), default=1))
     tokens = torch.zeros((len(rows), K, Q), dtype=torch.long)
@@ -66,7 +69,7 @@ def collate_prompts(prompts: Sequence[Prompt], pad_token_id: int, max_prompt_tok
     for i, p in enumerate(prompts):
         for k, a in enumerate(p.answers):
             if a:
-                tokens[i, k, :len(a)] = torch.tensor(a, dtype=torch.long)
+                tokens[i, k, : len(a)] = torch.tensor(a, dtype=torch.long)
                 lengths[i, k] = len(a)
     uids = torch.tensor([p.uid for p in prompts], dtype=torch.long)
     return PromptBatch(ids, mask, PackedPatterns(tokens, lengths), uids)
@@ -107,7 +110,7 @@ class PromptSource:
         out: list[Prompt] = []
         while len(out) < n and not self.exhausted:
             take = min(n - len(out), len(self.prompts) - self.index)
-            out.extend(self.prompts[i] for i in self._order[self.index:self.index + take])
+            out.extend(self.prompts[i] for i in self._order[self.index : self.index + take])
             self.index += take
             if self.index >= len(self.prompts):
                 self.epoch += 1
@@ -124,10 +127,11 @@ class PromptSource:
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("size") != len(self.prompts):
-            raise ValueError(f"data position was saved for a source of {state.get('size')} prompts, "
-                             f"but this source has {len(self.prompts)}: the dataset changed")
+            raise ValueError(
+                f"data position was saved for a source of {state.get('size')} prompts, "
+                f"but this source has {len(self.prompts)}: the dataset changed"
+            )
         self.seed = int(state["seed"])
         self.epoch = int(state["epoch"])
         self.index = int(state["index"])
         self._order = self._permutation(self.epoch)
-

@@ -26,8 +26,9 @@ def _problems(task: str) -> list[tuple[str, str]]:
     raise ValueError(f"unknown synthetic task {task!r}; known: {list(SYNTHETIC_TASKS)}")
 
 
-def build_synthetic_task(task: str, tokenizer, heldout_frac: float = 0.2, seed: int = 0,
-                         eval_size: int | None = None) -> tuple[list[Prompt], list[Prompt]]:
+def build_synthetic_task(
+    task: str, tokenizer, heldout_frac: float = 0.2, seed: int = 0, eval_size: int | None = None
+) -> tuple[list[Prompt], list[Prompt]]:
     """(train, heldout) prompts of a synthetic task, split by a seeded permutation of all problems."""
     problems = _problems(task)
     order = np.random.default_rng(seed).permutation(len(problems))
@@ -42,8 +43,16 @@ def build_synthetic_task(task: str, tokenizer, heldout_frac: float = 0.2, seed: 
             text, answer = problems[int(i)]
             prompt_ids = tokenizer(text)["input_ids"]
             answer_ids = tokenizer(answer, add_special_tokens=False)["input_ids"]
-            out.append(Prompt(uid=uid, prompt_ids=prompt_ids, answers=[answer_ids], text=text, answer_text=answer,
-                              meta={"task": task, "problem": int(i)}))
+            out.append(
+                Prompt(
+                    uid=uid,
+                    prompt_ids=prompt_ids,
+                    answers=[answer_ids],
+                    text=text,
+                    answer_text=answer,
+                    meta={"task": task, "problem": int(i)},
+                )
+            )
         return out
 
     return make(train_idx), make(heldout_idx)

@@ -1,4 +1,8 @@
-"""Ray actors around the core workers: prompt queue, experience buffer, weight store, rollout, trainer.
+"""The rollout and trainer actors: core workers in their own processes, talking through Ray.
+
+Their parts are built by `rlhf_core.build` (as the single-process loop's are); the prompt queue, the
+experience buffer and the weight store are the plain control objects of `control.py`, each wrapped in a
+Ray actor by the runtime; experience and weights cross processes packed by `transport.py`.
 
 The rollout and trainer loops are long-running actor methods; the actors are threaded
 (`max_concurrency`), so control calls (stats, stop, load weights, publish, evaluate, checkpoint) stay
@@ -8,19 +12,22 @@ answerable while a loop runs. Every blocking wait has a timeout and a message na
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
-from collections import deque
-from dataclasses import fields
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
 
 import ray
 import torch
 
-from rlhf_core.buffer import VersionedReplayBuffer
-from rlhf_core.data import Prompt, PromptSource
-from rlhf_core.types import Experience, RolloutBatch, cat_rollouts
+from rlhf_core import build
+from rlhf_core.checkpoint import CheckpointState, capture_rng, load_checkpoint, restore_rng, save_checkpoint
+from rlhf_core.data import Prompt
+from rlhf_core.distributed.control import busy_fraction
+from rlhf_core.distributed.transport import pack_groups, pack_state_dict, unpack_groups, unpack_state_dict
+from rlhf_core.types import Experience, cat_rollouts
 
 log = logging.getLogger("rlhf_core.distributed")
 
@@ -37,274 +44,18 @@ def get_or_fail(ref, timeout_s: float, what: str):
         raise WaitTimeout(f"timed out after {timeout_s:g} s waiting for {what} (runtime.wait_timeout_s)") from None
 
 
-def pack_state_dict(state_dict: dict[str, torch.Tensor]) -> dict:
-    """CPU tensors as numpy views, which Ray's object store serialises and reads back zero-copy.
-
-    bfloat16 has no numpy dtype: it travels as int16 bits and is viewed back on arrival.
-    """
-    out = {}
-    for k, t in state_dict.items():
-        if t.dtype == torch.bfloat16:
-            out[k] = ("bfloat16", t.view(torch.int16).numpy())
-        else:
-            out[k] = ("", t.numpy())
-    return out
-
-
-def unpack_state_dict(packed: dict) -> dict[str, torch.Tensor]:
-    """Inverse of pack_state_dict. Tensors share the (read-only) object-store memory: copy, don't write."""
-    import warnings
-
-    out = {}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # non-writable numpy arrays: we only read them
-        for k, (kind, arr) in packed.items():
-            t = torch.from_numpy(arr)
-            out[k] = t.view(torch.bfloat16) if kind == "bfloat16" else t
-    return out
-
-
-def pack_groups(groups: list[Experience]) -> list:
-    """Experience groups with their tensors as numpy arrays, for a push or a take through Ray.
-
-    Pickling a small torch tensor costs ~50x a numpy array (~100 us against ~2 us), and every group
-    (~10 tensors) crosses two hops (rollout -> buffer -> trainer): as tensors that was ~80 ms per hop for
-    16 groups on a loaded 2-core machine, as arrays ~3 ms (benchmarks/pipeline.py).
-    """
-    out = []
-    for g in groups:
-        tensors = {f.name: getattr(g.batch, f.name) for f in fields(g.batch)}
-        if not all(t is None or (isinstance(t, torch.Tensor) and t.device.type == "cpu") for t in tensors.values()):
-            out.append(g)  # not plain CPU tensors: let Ray pickle it as it is
-            continue
-        out.append({"batch": pack_state_dict({k: t.detach() for k, t in tensors.items() if t is not None}),
-                    "prompt_id": g.prompt_id, "policy_version": g.policy_version})
-    return out
-
-
-def group_rows(group) -> int:
-    """Completions in a group, packed (pack_groups) or not."""
-    if isinstance(group, Experience):
-        return len(group)
-    return int(group["batch"]["response_ids"][1].shape[0])
-
-
-def unpack_groups(packed: list) -> list[Experience]:
-    """Inverse of pack_groups. Tensors get their own writable memory (received arrays may be read-only)."""
-
-    def tensors(arrays: dict) -> dict[str, torch.Tensor]:
-        writable = {k: (kind, arr if arr.flags.writeable else arr.copy()) for k, (kind, arr) in arrays.items()}
-        return unpack_state_dict(writable)
-
-    out = []
-    for item in packed:
-        if isinstance(item, Experience):
-            out.append(item)
-            continue
-        out.append(Experience(batch=RolloutBatch(**tensors(item["batch"])), prompt_id=item["prompt_id"],
-                              policy_version=item["policy_version"]))
-    return out
-
-
-# --------------------------------------------------------------------------------------------- queue
-class PromptQueue:
-    """Prompts waiting for a rollout worker. The flow schedules (`top_up`); when it does not, `get`
-    refills from the seeded source itself, so the loop never waits on the flow."""
-
-    def __init__(self, prompts: list[Prompt], seed: int):
-        self.source = PromptSource(prompts, seed=seed)
-        self.by_uid = {p.uid: p for p in prompts}
-        self.queue: deque[Prompt] = deque()
-        self.lock = threading.Lock()
-        self.scheduled = 0
-        self.served = 0
-
-    def top_up(self, n: int) -> int:
-        with self.lock:
-            new = self.source.next(n)
-            self.queue.extend(new)
-            self.scheduled += len(new)
-            return len(new)
-
-    def get(self, n: int) -> list[Prompt]:
-        with self.lock:
-            if len(self.queue) < n:
-                new = self.source.next(n - len(self.queue))
-                self.queue.extend(new)
-                self.scheduled += len(new)
-            out = [self.queue.popleft() for _ in range(min(n, len(self.queue)))]
-            self.served += len(out)
-            return out
-
-    def size(self) -> int:
-        return len(self.queue)
-
-    def stats(self) -> dict:
-        return {"queued": len(self.queue), "scheduled": self.scheduled, "served": self.served,
-                "epoch": self.source.epoch}
-
-    def state_dict(self) -> dict:
-        with self.lock:
-            return {"source": self.source.state_dict(), "queued": [p.uid for p in self.queue]}
-
-    def load_state_dict(self, state: dict) -> None:
-        with self.lock:
-            self.source.load_state_dict(state["source"])
-            self.queue = deque(self.by_uid[u] for u in state["queued"])
-
-
-# --------------------------------------------------------------------------------------------- buffer
-class ExperienceBuffer:
-    """A VersionedReplayBuffer of prompt groups, plus admission control.
-
-    Admission (the capacity rule AReaL uses): a rollout worker may start a batch of n groups only while
-    admitted + n <= (max_staleness + version + 1) x prompts_per_step + wasted, so at steady state nothing
-    is generated that could not be consumed within max_staleness (wasted = evicted + dropped groups, which
-    are re-admitted so that eviction can never starve the trainer).
-    """
-
-    def __init__(self, max_size: int, max_staleness: int, prompts_per_step: int, admission: bool = True):
-        self.buf = VersionedReplayBuffer(max_size, max_staleness)
-        self.max_staleness = max_staleness
-        self.admission_window = max_staleness
-        self.prompts_per_step = prompts_per_step
-        self.admission = admission
-        self.admitted = 0
-        self.paused = False
-        self.lock = threading.Lock()
-        self.version = 0
-        self.weights_version = 0
-        self.samples_pushed = 0
-        self.given_back = 0
-
-    def capacity(self) -> int:
-        # Counted against the newest PUBLISHED weights (what new samples will be generated with), not the
-        # trainer's version: with sync_every > 1 the two differ and the trainer's would admit stale work.
-        s = self.buf.stats()
-        wasted = s["evicted_stale"] + s["dropped_overflow"]
-        return (self.admission_window + self.weights_version + 1) * self.prompts_per_step + wasted
-
-    def set_admission_window(self, versions: int) -> None:
-        """How many versions ahead of the published weights rollout may run (<= max_staleness, the hard bound)."""
-        self.admission_window = max(0, min(int(versions), self.max_staleness))
-
-    def set_weights_version(self, version: int) -> None:
-        self.weights_version = max(self.weights_version, int(version))
-
-    def advance(self, version: int, published_version: Optional[int] = None) -> int:
-        """After a trainer step, in one round trip: the consumer's version (evicting what became stale)
-        and, when the step published weights, their version for admission. Returns the number evicted."""
-        if published_version is not None:
-            self.set_weights_version(published_version)
-        return self.set_version(version)
-
-    def try_admit(self, n_groups: int) -> bool:
-        with self.lock:
-            if self.paused:
-                return False
-            if self.admission and self.admitted + n_groups > self.capacity():  # would be consumed too stale
-                return False
-            self.admitted += n_groups
-            return True
-
-    def release(self, n_groups: int) -> None:
-        """Return an admission that will not be used (a worker loop stopping with one granted ahead)."""
-        with self.lock:
-            self.admitted = max(0, self.admitted - int(n_groups))
-
-    def set_paused(self, paused: bool) -> None:
-        self.paused = bool(paused)
-
-    def push(self, groups: list) -> int:
-        """Groups as pack_groups made them (or Experience objects). They are stored as they come: the
-        buffer reads only policy_version, so a group crosses rollout -> buffer -> trainer without being
-        unpacked and packed again in between."""
-        accepted = 0
-        for g in groups:
-            accepted += bool(self.buf.push(g))
-            self.samples_pushed += group_rows(g)
-        return accepted
-
-    def take(self, n: int, timeout_s: float, for_version: Optional[int] = None) -> list[Experience]:
-        """Exactly n groups, oldest first (packed: unpack_groups), or [] if they did not arrive within timeout_s.
-
-        for_version: the trainer version that will consume them (default: the buffer's version). The
-        trainer prefetches the batch for V + 1 while step V trains; groups too stale for V + 1 are
-        evicted on the way, so every group taken satisfies the staleness bound at the version that
-        trains on it, while the buffer's own version stays V (pushes of V stay welcome, and a skipped
-        step can still take for V)."""
-        return self.buf.take_for(n, self.version if for_version is None else for_version, timeout_s)
-
-    def give_back(self, groups: list) -> int:
-        """Groups a take handed out that will not be trained on (the trainer stopped with a batch
-        prefetched): back to the front of the buffer, uncounted from consumed. Returns how many went back."""
-        back = self.buf.requeue(groups)
-        self.given_back += len(groups)
-        return back
-
-    def set_version(self, version: int) -> int:
-        """The consumer's version. Never moves back: the trainer's publish thread and a publish the flow
-        asked for may report versions out of order."""
-        with self.lock:
-            self.version = max(self.version, int(version))
-            return self.buf.set_version(self.version)
-
-    def stats(self) -> dict:
-        s = self.buf.stats()
-        s.update({"admitted": self.admitted, "capacity": self.capacity(), "paused": self.paused,
-                  "admission_window": self.admission_window,
-                  "samples_pushed": self.samples_pushed, "given_back": self.given_back})
-        return s
-
-
-# --------------------------------------------------------------------------------------------- weights
-class WeightStore:
-    """The latest published weights: an object reference (one ray.put of a CPU state dict) and its version."""
-
-    def __init__(self):
-        self.version = -1
-        self.ref = None
-        self.published = 0
-        self.publish_s_total = 0.0
-
-    def publish(self, version: int, ref_box: list, publish_s: float) -> None:
-        # the ref arrives inside a list so that Ray passes the reference instead of resolving it
-        if version > self.version:
-            self.version, self.ref = int(version), ref_box[0]
-        self.published += 1
-        self.publish_s_total += publish_s
-
-    def get_if_newer(self, version: int):
-        if self.ref is None or self.version <= version:
-            return None
-        return self.version, [self.ref]
-
-    def stats(self) -> dict:
-        return {"version": self.version, "published": self.published,
-                "publish_s_mean": self.publish_s_total / self.published if self.published else 0.0}
-
-
 # --------------------------------------------------------------------------------------------- rollout
 class RolloutActor:
     """A RolloutWorker in its own process: loads the newest weights between batches, asks admission,
     takes prompts, generates, scores, pushes groups. Restarted by Ray if it dies."""
 
     def __init__(self, cfg, policy_dir: str, index: int, buffer, queue, store):
-        from rlhf_core.models import load_policy
-        from rlhf_core.reward import build_reward_fn
-        from rlhf_core.rollout import RolloutWorker, SamplingParams, build_engine
-
-        torch.set_num_threads(cfg.cluster.torch_threads)
+        seed = build.rollout_seed(cfg, index)
+        build.setup_process(cfg, seed)
         self.cfg, self.index = cfg, index
         self.buffer, self.queue, self.store = buffer, queue, store
-        seed = cfg.trainer.seed + 1000 * (index + 1)
-        torch.manual_seed(seed)
-        model, tok = load_policy(policy_dir, dtype=cfg.model.dtype, device=cfg.model.device,
-                                 trust_remote_code=cfg.model.trust_remote_code)
-        reward_fn = build_reward_fn(cfg.reward, tok, tok.eos_token_id, cfg.rollout.max_new_tokens)
-        engine = build_engine(cfg, model, tok, model_path=policy_dir, seed=seed)
-        self.worker = RolloutWorker(engine, reward_fn, SamplingParams.from_config(cfg.rollout),
-                                    cfg.rollout.samples_per_prompt, tok.pad_token_id, cfg.data.max_prompt_tokens)
+        model, tokenizer = build.build_policy(cfg, policy_dir)
+        self.worker = build.build_rollout_worker(cfg, model, tokenizer, policy_dir, seed)
         self.stop_event = threading.Event()
         self.timeout = cfg.runtime.wait_timeout_s
         self.syncs: list[dict] = []
@@ -333,7 +84,9 @@ class RolloutActor:
         fetched = time.perf_counter()
         self.worker.load_weights(state_dict, version)
         done = time.perf_counter()
-        self.syncs.append({"version": version, "fetch_s": fetched - start, "load_s": done - fetched, "stall_s": done - start})
+        self.syncs.append(
+            {"version": version, "fetch_s": fetched - start, "load_s": done - fetched, "stall_s": done - start}
+        )
         self.phase_s["weights"] += done - asked
         return True
 
@@ -347,7 +100,9 @@ class RolloutActor:
         """
         t0 = time.perf_counter()
         self.work_started = self.work_started or t0
-        prompts = get_or_fail(prompts_ref or self.queue.get.remote(n_prompts), self.timeout, "prompts from the prompt queue")
+        prompts = get_or_fail(
+            prompts_ref or self.queue.get.remote(n_prompts), self.timeout, "prompts from the prompt queue"
+        )
         t1 = time.perf_counter()
         self.phase_s["prompts"] += t1 - t0
         if not prompts:
@@ -355,15 +110,15 @@ class RolloutActor:
         busy_before = self.worker.busy_s
         groups = self.worker.generate_groups(prompts)
         t2 = time.perf_counter()
-        self.phase_s["split"] += (t2 - t1) - (self.worker.busy_s - busy_before)  # what generate_groups adds to rollout()
+        self.phase_s["split"] += (t2 - t1) - (
+            self.worker.busy_s - busy_before
+        )  # what generate_groups adds to rollout()
         self.confirm_push()
         if wait:
             self._push(groups)
             self.groups_pushed += len(groups)
         else:  # packing, serialising and the buffer's answer happen on the push thread, beside the next batch
             if self._push_pool is None:
-                from concurrent.futures import ThreadPoolExecutor
-
                 self._push_pool = ThreadPoolExecutor(1, thread_name_prefix="rollout-push")
             self.pending_push = (self._push_pool.submit(self._push, groups), len(groups))
         self.phase_s["push"] += time.perf_counter() - t2
@@ -396,8 +151,9 @@ class RolloutActor:
         try:
             while not self.stop_event.is_set():
                 t0 = time.perf_counter()
-                admitted = get_or_fail(admit_ref or self.buffer.try_admit.remote(n), self.timeout,
-                                       "admission from the replay buffer")
+                admitted = get_or_fail(
+                    admit_ref or self.buffer.try_admit.remote(n), self.timeout, "admission from the replay buffer"
+                )
                 admit_ref = None
                 if not admitted:
                     self.stop_event.wait(0.005)
@@ -430,12 +186,20 @@ class RolloutActor:
     def stats(self) -> dict:
         s = self.worker.stats()
         stalls = [x["stall_s"] for x in self.syncs]
-        s.update({"index": self.index, "restarted": self.restarted, "groups_pushed": self.groups_pushed,
-                  "syncs": len(self.syncs), "sync_stall_s_mean": sum(stalls) / len(stalls) if stalls else 0.0,
-                  "sync_stall_s_max": max(stalls) if stalls else 0.0,
-                  "batch_s_mean": s["busy_s"] / s["batches"] if s["batches"] else 0.0,
-                  "phase_s_per_batch": {k: v / s["batches"] if s["batches"] else 0.0 for k, v in self.phase_s.items()},
-                  "loop_running": self.loop_running, "busy_frac": busy_fraction(s["busy_s"], self.work_started)})
+        s.update(
+            {
+                "index": self.index,
+                "restarted": self.restarted,
+                "groups_pushed": self.groups_pushed,
+                "syncs": len(self.syncs),
+                "sync_stall_s_mean": sum(stalls) / len(stalls) if stalls else 0.0,
+                "sync_stall_s_max": max(stalls) if stalls else 0.0,
+                "batch_s_mean": s["busy_s"] / s["batches"] if s["batches"] else 0.0,
+                "phase_s_per_batch": {k: v / s["batches"] if s["batches"] else 0.0 for k, v in self.phase_s.items()},
+                "loop_running": self.loop_running,
+                "busy_frac": busy_fraction(s["busy_s"], self.work_started),
+            }
+        )
         return s
 
     def rng_state(self) -> torch.Tensor:
@@ -454,20 +218,11 @@ class TrainerActor:
     """The Trainer in its own process: takes whole batches of groups, steps, publishes weights."""
 
     def __init__(self, cfg, policy_dir: str, heldout: list[Prompt], buffer, store):
-        from rlhf_core.models import load_policy
-        from rlhf_core.reward import build_reward_fn
-        from rlhf_core.rollout import HFEngine
-        from rlhf_core.trainer import Trainer
-
-        torch.set_num_threads(cfg.cluster.torch_threads)
-        torch.manual_seed(cfg.trainer.seed)
-        self.cfg, self.buffer, self.store, self.heldout = cfg, buffer, store, heldout
-        self.policy_dir = policy_dir
-        self.model, self.tokenizer = load_policy(policy_dir, dtype=cfg.model.dtype, device=cfg.model.device,
-                                                 trust_remote_code=cfg.model.trust_remote_code)
-        self.trainer = Trainer(self.model, cfg, self.tokenizer.pad_token_id)
-        self.reward_fn = build_reward_fn(cfg.reward, self.tokenizer, self.tokenizer.eos_token_id, cfg.rollout.max_new_tokens)
-        self.eval_engine = HFEngine(self.model, self.tokenizer.eos_token_id, self.tokenizer.pad_token_id, seed=cfg.trainer.seed)
+        build.setup_process(cfg, cfg.trainer.seed)
+        self.cfg, self.buffer, self.store = cfg, buffer, store
+        self.model, self.tokenizer = build.build_policy(cfg, policy_dir)
+        self.trainer = build.build_trainer(cfg, self.model, self.tokenizer)
+        self.evaluator = build.build_evaluator(cfg, self.model, self.tokenizer, heldout)
         self.lock = threading.Lock()  # one of: train step, evaluation, checkpoint, export
         self.stop_event = threading.Event()
         self.metrics: list[dict] = []
@@ -476,6 +231,7 @@ class TrainerActor:
         self.timeout = cfg.runtime.wait_timeout_s
         self.error: Optional[str] = None
         self.staleness_hist: dict[int, int] = {}
+        self.groups_trained = 0  # counted here, independently of the buffer's count (reconcile)
         self.last_publish_s: Optional[float] = None
 
     def publish(self) -> float:
@@ -495,17 +251,28 @@ class TrainerActor:
         start = time.perf_counter()
         if snapshot is not None:
             ref = ray.put(pack_state_dict(snapshot))
-            get_or_fail(self.store.publish.remote(version, [ref], time.perf_counter() - start),
-                        self.timeout, "the weight store to register a publish")
-        get_or_fail(self.buffer.advance.remote(version, version if published else None), self.timeout,
-                    "the replay buffer version update")
+            get_or_fail(
+                self.store.publish.remote(version, [ref], time.perf_counter() - start),
+                self.timeout,
+                "the weight store to register a publish",
+            )
+        get_or_fail(
+            self.buffer.advance.remote(version, version if published else None),
+            self.timeout,
+            "the replay buffer version update",
+        )
         if snapshot is not None:
             self.last_publish_s = time.perf_counter() - start
 
     def _take_batch(self, wait_s: float, for_version: Optional[int] = None) -> list[Experience]:
         """prompts_per_step groups from the buffer, unpacked, or [] if they did not arrive within wait_s."""
-        return unpack_groups(get_or_fail(self.buffer.take.remote(self.cfg.trainer.prompts_per_step, wait_s, for_version),
-                                         wait_s + self.timeout, "a batch from the replay buffer"))
+        return unpack_groups(
+            get_or_fail(
+                self.buffer.take.remote(self.cfg.trainer.prompts_per_step, wait_s, for_version),
+                wait_s + self.timeout,
+                "a batch from the replay buffer",
+            )
+        )
 
     def train_once(self, wait_s: Optional[float] = None) -> Optional[dict]:
         """Take prompts_per_step groups (waiting up to wait_s), train one step, publish by sync_every, in
@@ -530,6 +297,7 @@ class TrainerActor:
             for tau, count in zip(*torch.unique(staleness, return_counts=True)):
                 self.staleness_hist[int(tau)] = self.staleness_hist.get(int(tau), 0) + int(count)
             m = self.trainer.train_step(batch)
+            self.groups_trained += len(groups)
             version = self.trainer.version
             due = bool(m["trainer/step_finite"]) and version % self.cfg.runtime.sync_every == 0
             # copied now, under the lock: the next optimizer step changes the weights in place
@@ -538,9 +306,15 @@ class TrainerActor:
         if due and self.last_publish_s is not None:
             m["sync/latency_s"] = self.last_publish_s  # in async mode: the latest publish that has completed
         t2 = time.perf_counter()
-        m.update({"time/train_s": t2 - t1, "time/wait_s": t1 - t0, "step": self.trainer.step,
-                  "throughput/samples_per_s": len(batch) / max(1e-9, t2 - t0),
-                  "throughput/tokens_per_s": batch.num_tokens / max(1e-9, t2 - t0)})
+        m.update(
+            {
+                "time/train_s": t2 - t1,
+                "time/wait_s": t1 - t0,
+                "step": self.trainer.step,
+                "throughput/samples_per_s": len(batch) / max(1e-9, t2 - t0),
+                "throughput/tokens_per_s": batch.num_tokens / max(1e-9, t2 - t0),
+            }
+        )
         self.metrics.append(m)
         return m
 
@@ -553,8 +327,6 @@ class TrainerActor:
         trains. A batch still prefetched when the loop ends goes back to the buffer; the last publish
         completes first.
         """
-        from concurrent.futures import ThreadPoolExecutor
-
         self.stop_event.clear()
         wait_s = 0.5
         nxt = None
@@ -569,8 +341,10 @@ class TrainerActor:
             shipping = shipper_pool.submit(self._ship, version, snapshot, published)
 
         try:
-            with ThreadPoolExecutor(1, thread_name_prefix="trainer-prefetch") as take_pool, \
-                    ThreadPoolExecutor(1, thread_name_prefix="trainer-publish") as shipper_pool:
+            with (
+                ThreadPoolExecutor(1, thread_name_prefix="trainer-prefetch") as take_pool,
+                ThreadPoolExecutor(1, thread_name_prefix="trainer-publish") as shipper_pool,
+            ):
                 try:
                     while self.trainer.step < total_steps and not self.stop_event.is_set():
                         t0 = time.perf_counter()
@@ -596,6 +370,7 @@ class TrainerActor:
     def _settle(self, shipping, prefetched, quiet: bool) -> None:
         """When the loop ends: wait for the publish in flight, then return a prefetched, untrained batch
         to the buffer so that the accounting still adds up. quiet: log failures instead of raising them."""
+
         def attempt(fn, what: str):
             try:
                 return fn()
@@ -611,8 +386,14 @@ class TrainerActor:
         finally:  # even when a publish failed: the accounting must still add up
             groups = attempt(prefetched.result, "the prefetched take") if prefetched is not None else None
             if groups:
-                attempt(lambda: get_or_fail(self.buffer.give_back.remote(pack_groups(groups)), self.timeout,
-                                            "the replay buffer to take back a prefetched batch"), "the give-back")
+                attempt(
+                    lambda: get_or_fail(
+                        self.buffer.give_back.remote(pack_groups(groups)),
+                        self.timeout,
+                        "the replay buffer to take back a prefetched batch",
+                    ),
+                    "the give-back",
+                )
 
     def stop(self) -> None:
         self.stop_event.set()
@@ -622,29 +403,29 @@ class TrainerActor:
         return out
 
     def evaluate(self) -> dict:
-        from rlhf_core.loop import evaluate
-
         with self.lock:
-            return evaluate(self.eval_engine, self.heldout, self.reward_fn, self.tokenizer.pad_token_id,
-                            self.cfg.rollout.max_new_tokens, max_prompt_tokens=self.cfg.data.max_prompt_tokens)
+            return self.evaluator()
 
-    def checkpoint(self, path: str, extra: dict) -> str:
-        from rlhf_core.checkpoint import capture_rng, save_checkpoint
-
+    def checkpoint(self, path: str, data: dict, rollout_rng: list, run: dict) -> str:
+        """The one checkpoint layout: this process's weights, optimizer, versions and RNG, plus what the
+        runtime gathered from the others (prompt queue position, rollout engines' RNG, run facts)."""
         with self.lock:
-            state = {"trainer": self.trainer.state_dict(), "rng": capture_rng(), **extra}
+            state = CheckpointState(
+                trainer=self.trainer.state_dict(),
+                data=data,
+                rng={"trainer": capture_rng(), "rollout": list(rollout_rng)},
+                run=dict(run),
+                config=self.cfg.model_dump(mode="json"),
+            )
             return str(save_checkpoint(path, self.model, state))
 
-    def restore(self, path: str) -> dict:
-        """Validate, then restore weights/optimizer/versions/RNG; returns the checkpoint state for the others."""
-        from rlhf_core.checkpoint import load_weights_into, read_checkpoint, restore_rng
-
+    def restore(self, path: str) -> CheckpointState:
+        """Validate, then restore weights, optimizer, versions and RNG; returns the state for the others."""
         with self.lock:
-            state, weights = read_checkpoint(path, self.model)
-            load_weights_into(self.model, weights)
-            self.trainer.load_state_dict(state["trainer"])
-            restore_rng(state["rng"])
-        return {k: v for k, v in state.items() if k not in ("trainer", "rng")}
+            state = load_checkpoint(path, self.model)
+            self.trainer.load_state_dict(state.trainer)
+            restore_rng(state.rng["trainer"])
+        return state
 
     def export(self, path: str) -> str:
         with self.lock:
@@ -656,8 +437,16 @@ class TrainerActor:
 
     def stats(self) -> dict:
         s = self.trainer.stats()
-        s.update({"idle_s": self.idle_s, "busy_frac": busy_fraction(s["busy_s"], self.work_started), "error": self.error,
-                  "staleness_hist": dict(self.staleness_hist), "consecutive_skips": self.trainer.consecutive_skips})
+        s.update(
+            {
+                "idle_s": self.idle_s,
+                "busy_frac": busy_fraction(s["busy_s"], self.work_started),
+                "error": self.error,
+                "staleness_hist": dict(self.staleness_hist),
+                "consecutive_skips": self.trainer.consecutive_skips,
+                "groups_trained": self.groups_trained,
+            }
+        )
         return s
 
     def version(self) -> int:
@@ -668,15 +457,5 @@ class TrainerActor:
         _die()
 
 
-def busy_fraction(busy_s: float, since: Optional[float]) -> float:
-    """Busy seconds over wall-clock seconds since the role's first piece of work: every wait, round trip,
-    weight load and transfer counts as not busy, so the figure cannot flatter the pipeline."""
-    if since is None:
-        return 0.0
-    return min(1.0, busy_s / max(1e-9, time.perf_counter() - since))
-
-
 def _die() -> None:
-    import os
-
     os._exit(1)

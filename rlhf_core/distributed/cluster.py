@@ -33,7 +33,7 @@ class ClusterHandle:
 
 def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
     """Fail fast with a clear message instead of letting a client connect hang on a bad host:port."""
-    target = address[len("ray://"):] if address.startswith("ray://") else address
+    target = address[len("ray://") :] if address.startswith("ray://") else address
     if ":" not in target:
         raise ClusterError(f"cluster.address {address!r} is not '', 'auto', 'host:port' or 'ray://host:port'")
     host, _, port = target.rpartition(":")
@@ -58,8 +58,13 @@ def connect(cluster_cfg) -> ClusterHandle:
         return ClusterHandle(address="(already connected)", started_ray=False)
     if not address:
         start = time.perf_counter()
-        ray.init(num_cpus=cluster_cfg.num_cpus, num_gpus=cluster_cfg.num_gpus, include_dashboard=False,
-                 log_to_driver=True, configure_logging=False)
+        ray.init(
+            num_cpus=cluster_cfg.num_cpus,
+            num_gpus=cluster_cfg.num_gpus,
+            include_dashboard=False,
+            log_to_driver=True,
+            configure_logging=False,
+        )
         log.info("started a local Ray instance in %.1f s", time.perf_counter() - start)
         return ClusterHandle(address="local", started_ray=True)
     try:
@@ -86,7 +91,8 @@ def check_resources(cfg) -> None:
         raise ClusterError(
             f"not enough resources for the requested roles ({detail}); roles: {cfg.rollout.num_workers} rollout "
             f"worker(s) x (cpus={c.rollout_cpus:g}, gpus={c.rollout_gpus:g}) + trainer (cpus={c.trainer_cpus:g}, "
-            f"gpus={c.trainer_gpus:g}). Lower rollout.num_workers / cluster.*_cpus / cluster.*_gpus or add nodes.")
+            f"gpus={c.trainer_gpus:g}). Lower rollout.num_workers / cluster.*_cpus / cluster.*_gpus or add nodes."
+        )
 
 
 def gpu_placement_group(cfg, timeout_s: float):
@@ -96,16 +102,19 @@ def gpu_placement_group(cfg, timeout_s: float):
         return None
     from ray.util.placement_group import placement_group
 
-    bundles = [{"CPU": c.trainer_cpus, "GPU": c.trainer_gpus}] + \
-              [{"CPU": c.rollout_cpus, "GPU": c.rollout_gpus} for _ in range(cfg.rollout.num_workers)]
+    bundles = [{"CPU": c.trainer_cpus, "GPU": c.trainer_gpus}] + [
+        {"CPU": c.rollout_cpus, "GPU": c.rollout_gpus} for _ in range(cfg.rollout.num_workers)
+    ]
     bundles = [{k: v for k, v in b.items() if v > 0} or {"CPU": 0.01} for b in bundles]
     pg = placement_group(bundles, strategy="PACK")
     try:
         ray.get(pg.ready(), timeout=timeout_s)
     except ray.exceptions.GetTimeoutError:
         ray.util.remove_placement_group(pg)
-        raise ClusterError(f"the GPU placement group {bundles} was not ready within {timeout_s:g} s "
-                           "(runtime.wait_timeout_s); the cluster lacks free GPUs for these roles") from None
+        raise ClusterError(
+            f"the GPU placement group {bundles} was not ready within {timeout_s:g} s "
+            "(runtime.wait_timeout_s); the cluster lacks free GPUs for these roles"
+        ) from None
     return pg
 
 

@@ -5,13 +5,25 @@ Responses are scored where they were generated (same device, batched, no decode,
 configured weighted sum (`build_reward_fn`), `answers` the build-time tokenisation of answer texts.
 """
 
-from rlhf_core.reward.answers import (answer_variants, continuation_token_ids, number_forms, patterns_from_texts,
-                                      text_variants, whitespace_token_ids)
-from rlhf_core.reward.components import (REWARD_COMPONENTS, ComposedReward, answer_after_marker_reward,
-                                         build_reward_fn, exact_match_reward, format_reward, length_penalty,
-                                         pack_shared)
-from rlhf_core.reward.tensor_native import (gpu_reward_simple, pack_patterns, tensor_native_reward, valid_lengths,
-                                            window_matches)
+from rlhf_core.reward.answers import (
+    answer_variants,
+    continuation_token_ids,
+    number_forms,
+    patterns_from_texts,
+    text_variants,
+    whitespace_token_ids,
+)
+from rlhf_core.reward.components import (
+    REWARD_COMPONENTS,
+    ComposedReward,
+    answer_after_marker_reward,
+    build_reward_fn,
+    exact_match_reward,
+    format_reward,
+    length_penalty,
+    pack_shared,
+)
+from rlhf_core.reward.tensor_native import pack_patterns, tensor_native_reward, valid_lengths, window_matches
 
 __all__ = [
     "REWARD_COMPONENTS",
@@ -22,7 +34,6 @@ __all__ = [
     "continuation_token_ids",
     "exact_match_reward",
     "format_reward",
-    "gpu_reward_simple",
     "length_penalty",
     "number_forms",
     "pack_patterns",

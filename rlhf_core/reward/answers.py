@@ -91,7 +91,7 @@ def continuation_token_ids(tokenizer, chars: str) -> torch.Tensor:
     def keep(tok: str) -> bool:
         for prefix in SPACE_PREFIXES:
             if tok.startswith(prefix) and len(tok) > len(prefix):
-                tok = tok[len(prefix):]
+                tok = tok[len(prefix) :]
                 break
         return bool(tok) and all(c in allowed for c in tok)
 

@@ -11,22 +11,31 @@ binds the tokenizer-derived arguments once and returns a `ComposedReward`.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from rlhf_core.reward.answers import answer_variants, continuation_token_ids, whitespace_token_ids
-from rlhf_core.reward.tensor_native import (PatternsLike, _check_rows, _packed_on, pack_patterns,
-                                            tensor_native_reward, valid_lengths, window_matches)
+from rlhf_core.reward.tensor_native import (
+    PatternsLike,
+    _check_rows,
+    _packed_on,
+    pack_patterns,
+    tensor_native_reward,
+    valid_lengths,
+    window_matches,
+)
 from rlhf_core.types import PackedPatterns
 
 if TYPE_CHECKING:  # config imports this package lazily; no runtime import the other way
     from rlhf_core.config import RewardConfig
 
 
-def _matches_at(response_ids: torch.Tensor, packed: PackedPatterns, start: torch.Tensor,
-                n_valid: torch.Tensor) -> torch.Tensor:
+def _matches_at(
+    response_ids: torch.Tensor, packed: PackedPatterns, start: torch.Tensor, n_valid: torch.Tensor
+) -> torch.Tensor:
     """Whether each alternative occurs starting exactly at `start`, ending before the first EOS.
 
     response_ids: LongTensor [N, L]; packed: tokens [N, K, Q], lengths [N, K]; start: LongTensor [N]
@@ -89,18 +98,24 @@ def pack_shared(alternatives, device: torch.device | str | None = None) -> tuple
     return packed.tokens[0], packed.lengths[0]
 
 
-def _shared_hits(response_ids: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor,
-                 n_valid: torch.Tensor) -> torch.Tensor:
+def _shared_hits(
+    response_ids: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor, n_valid: torch.Tensor
+) -> torch.Tensor:
     """window_matches of the same M sequences in every row: BoolTensor [N, M, L]."""
     N = response_ids.shape[0]
-    return window_matches(response_ids, tokens.unsqueeze(0).expand(N, -1, -1),
-                          lengths.unsqueeze(0).expand(N, -1), n_valid)
+    return window_matches(
+        response_ids, tokens.unsqueeze(0).expand(N, -1, -1), lengths.unsqueeze(0).expand(N, -1), n_valid
+    )
 
 
-def answer_after_marker_reward(response_ids: torch.Tensor, patterns: PatternsLike, eos_token_id: int,
-                               marker_ids: torch.Tensor | Sequence[torch.Tensor],
-                               continuation_ids: torch.Tensor,
-                               whitespace_ids: torch.Tensor | None = None) -> torch.Tensor:
+def answer_after_marker_reward(
+    response_ids: torch.Tensor,
+    patterns: PatternsLike,
+    eos_token_id: int,
+    marker_ids: torch.Tensor | Sequence[torch.Tensor],
+    continuation_ids: torch.Tensor,
+    whitespace_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
     """1.0 where an answer alternative starts right after the LAST marker and is not continued.
 
     response_ids: LongTensor [N, L]; patterns: any form `pack_patterns` accepts; eos_token_id: int;
@@ -176,8 +191,9 @@ def format_reward(response_ids: torch.Tensor, eos_token_id: int, sequences: Sequ
     return (prev_end <= L).float()
 
 
-def length_penalty(response_ids: torch.Tensor, eos_token_id: int, target: int,
-                   max_length: int | None = None) -> torch.Tensor:
+def length_penalty(
+    response_ids: torch.Tensor, eos_token_id: int, target: int, max_length: int | None = None
+) -> torch.Tensor:
     """Linear penalty for responses longer than `target` tokens.
 
     response_ids: LongTensor [N, L]; eos_token_id: int; target: int >= 0;
@@ -240,16 +256,18 @@ class ComposedReward:
         c = self._constants(response_ids.device)
         eos = self.eos_token_id
         if name == "answer_after_marker":
-            return answer_after_marker_reward(response_ids, patterns, eos, c["marker_ids"],
-                                              c["continuation_ids"], c["whitespace_ids"])
+            return answer_after_marker_reward(
+                response_ids, patterns, eos, c["marker_ids"], c["continuation_ids"], c["whitespace_ids"]
+            )
         if name == "format":
             return format_reward(response_ids, eos, c["sequences"])
         if name == "length_penalty":
             return length_penalty(response_ids, eos, self.length_target, self.max_new_tokens)
         return REWARD_COMPONENTS[name](response_ids, patterns, eos)
 
-    def __call__(self, response_ids: torch.Tensor, patterns: PatternsLike
-                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def __call__(
+        self, response_ids: torch.Tensor, patterns: PatternsLike
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         patterns = _packed_on(patterns, response_ids.device)
         parts = {name: self.component(name, response_ids, patterns) for name in self.weights}
         total = torch.zeros(response_ids.shape[0], device=response_ids.device)
@@ -258,7 +276,7 @@ class ComposedReward:
         return total, parts
 
 
-def build_reward_fn(cfg: "RewardConfig", tokenizer, eos_token_id: int, max_new_tokens: int) -> ComposedReward:
+def build_reward_fn(cfg: RewardConfig, tokenizer, eos_token_id: int, max_new_tokens: int) -> ComposedReward:
     """The configured reward: tokenizes marker, continuation chars and format texts once, here.
 
     cfg: RewardConfig (components name -> weight, marker, continuation_chars, format_sequences,

@@ -16,7 +16,8 @@ that first EOS. An empty pattern (length 0) never matches.
 
 from __future__ import annotations
 
-from typing import Sequence, Union
+from collections.abc import Sequence
+from typing import Union
 
 import torch
 
@@ -33,6 +34,7 @@ PatternsLike = Union[
 # ----------------------------------------------------------------------------------------------------
 # Packing (not the hot path)
 # ----------------------------------------------------------------------------------------------------
+
 
 def _as_pattern(p) -> torch.Tensor:
     """One pattern (a 1-D tensor or a sequence of ints) as a 1-D LongTensor, on its own device."""
@@ -68,14 +70,19 @@ def pack_patterns(answer_patterns: PatternsLike, device: torch.device | str | No
     """
     if isinstance(answer_patterns, PackedPatterns):
         return answer_patterns if device is None else answer_patterns.to(device)
-    if isinstance(answer_patterns, tuple) and len(answer_patterns) == 2 and all(
-            isinstance(t, torch.Tensor) for t in answer_patterns):
+    if (
+        isinstance(answer_patterns, tuple)
+        and len(answer_patterns) == 2
+        and all(isinstance(t, torch.Tensor) for t in answer_patterns)
+    ):
         tokens, lengths = answer_patterns
         if tokens.dim() == 2 and lengths.dim() == 1:
             tokens, lengths = tokens.unsqueeze(1), lengths.unsqueeze(1)
         if tokens.dim() != 3 or lengths.dim() != 2 or tokens.shape[:2] != lengths.shape:
-            raise ValueError("packed answer patterns must be (tokens [B, Q], lengths [B]) or "
-                             f"(tokens [B, K, Q], lengths [B, K]); got {tuple(tokens.shape)} and {tuple(lengths.shape)}")
+            raise ValueError(
+                "packed answer patterns must be (tokens [B, Q], lengths [B]) or "
+                f"(tokens [B, K, Q], lengths [B, K]); got {tuple(tokens.shape)} and {tuple(lengths.shape)}"
+            )
         packed = PackedPatterns(tokens.long(), lengths.long())
         return packed if device is None else packed.to(device)
     rows = [_as_alternatives(item) for item in answer_patterns]
@@ -90,7 +97,7 @@ def pack_patterns(answer_patterns: PatternsLike, device: torch.device | str | No
     lengths = [[0] * K for _ in range(B)]
     for b, alts in enumerate(rows):
         for k, p in enumerate(alts):
-            tokens[b, k, :p.numel()] = p.to(device)
+            tokens[b, k, : p.numel()] = p.to(device)
             lengths[b][k] = p.numel()
     return PackedPatterns(tokens, torch.tensor(lengths, dtype=torch.long).reshape(B, K).to(device))
 
@@ -146,8 +153,13 @@ def valid_lengths(generated_ids: torch.Tensor, eos_token_id: int) -> torch.Tenso
     return _first_eos_int32(ids32, eos_token_id, scratch=ids32)
 
 
-def _window_mismatch(ids32: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor,
-                     n_valid: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
+def _window_mismatch(
+    ids32: torch.Tensor,
+    tokens: torch.Tensor,
+    lengths: torch.Tensor,
+    n_valid: torch.Tensor,
+    scratch: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Non-negative IntTensor [B, K, L] that is 0 exactly where `window_matches` is True.
 
     ids32: IntTensor [B, L] from _as_token_int32; tokens: [B, K, Q]; lengths: [B, K]; n_valid: [B];
@@ -173,15 +185,16 @@ def _window_mismatch(ids32: torch.Tensor, tokens: torch.Tensor, lengths: torch.T
     diff = torch.empty_like(acc) if scratch is None else scratch
     for q in range(min(Q, L)):
         n = L - q  # window starts s < n have their offset-q token inside the row
-        d = torch.bitwise_xor(rows[:, :, q:], tokens32[:, :, q:q + 1], out=diff[:, :, :n])
+        d = torch.bitwise_xor(rows[:, :, q:], tokens32[:, :, q : q + 1], out=diff[:, :, :n])
         if q > 0:  # offset 0 lies in every non-empty pattern; empty ones are excluded by last_start
-            d &= keep[:, :, q:q + 1]
+            d &= keep[:, :, q : q + 1]
         acc[:, :, :n] |= d
     return acc
 
 
-def window_matches(generated_ids: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor,
-                   n_valid: torch.Tensor) -> torch.Tensor:
+def window_matches(
+    generated_ids: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor, n_valid: torch.Tensor
+) -> torch.Tensor:
     """Where each row's patterns occur: start positions of complete matches before `n_valid`.
 
     generated_ids: LongTensor [B, L]; tokens: LongTensor [B, K, Q]; lengths: LongTensor [B, K];
@@ -193,8 +206,7 @@ def window_matches(generated_ids: torch.Tensor, tokens: torch.Tensor, lengths: t
     return _window_mismatch(_as_token_int32(generated_ids), tokens, lengths, n_valid) == 0
 
 
-def tensor_native_reward(generated_ids: torch.Tensor, answer_patterns: PatternsLike,
-                         eos_token_id: int) -> torch.Tensor:
+def tensor_native_reward(generated_ids: torch.Tensor, answer_patterns: PatternsLike, eos_token_id: int) -> torch.Tensor:
     """1.0 where one of the row's answer patterns occurs contiguously before the row's first EOS.
 
     generated_ids: LongTensor [B, L] response tokens.
@@ -219,20 +231,6 @@ def tensor_native_reward(generated_ids: torch.Tensor, answer_patterns: PatternsL
     n_valid = _first_eos_int32(ids32, eos_token_id, scratch=scratch[:, 0])
     mismatch = _window_mismatch(ids32, packed.tokens, packed.lengths, n_valid, scratch)  # [B, K, L], >= 0
     return (mismatch.amin(dim=-1) == 0).any(dim=-1).float()
-
-
-def gpu_reward_simple(generated_ids: torch.Tensor, gt_token_ids: torch.Tensor, eos_token_id: int) -> torch.Tensor:
-    """1.0 where the row's single ground-truth token appears before the row's first EOS.
-
-    generated_ids: LongTensor [B, L]; gt_token_ids: LongTensor [B]; eos_token_id: int.
-    Returns FloatTensor [B]. A ground truth equal to EOS never scores (nothing precedes the first EOS
-    that equals it).
-    """
-    B, L = generated_ids.shape
-    gt = gt_token_ids.to(generated_ids.device).reshape(B, 1)
-    n_valid = valid_lengths(generated_ids, eos_token_id)
-    before_eos = torch.arange(L, device=generated_ids.device) < n_valid.unsqueeze(1)
-    return ((generated_ids == gt) & before_eos).any(dim=-1).float()
 
 
 def _check_rows(generated_ids: torch.Tensor, packed: PackedPatterns) -> None:

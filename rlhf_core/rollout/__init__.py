@@ -9,8 +9,19 @@ from rlhf_core.rollout.hf import HFEngine, response_mask_from_eos
 from rlhf_core.rollout.random_engine import RandomEngine
 from rlhf_core.rollout.worker import RolloutWorker, split_groups
 
-__all__ = ["HFEngine", "RandomEngine", "RolloutEngine", "RolloutWorker", "SamplingParams", "build_engine",
-           "processed_logits", "response_mask_from_eos", "sampling_logprobs", "split_groups", "vllm_available"]
+__all__ = [
+    "HFEngine",
+    "RandomEngine",
+    "RolloutEngine",
+    "RolloutWorker",
+    "SamplingParams",
+    "build_engine",
+    "processed_logits",
+    "response_mask_from_eos",
+    "sampling_logprobs",
+    "split_groups",
+    "vllm_available",
+]
 
 _warned_vllm = False
 
@@ -33,11 +44,20 @@ def build_engine(cfg, model, tokenizer, model_path: str | None = None, seed: int
 
             return VLLMEngine(model_path, cfg, tokenizer, seed=seed)
         if not _warned_vllm:
-            warnings.warn("rollout.engine is 'vllm' but vllm is not importable here; falling back to HFEngine "
-                          "(pip install 'asynctensorrlhf[vllm]' on a CUDA machine to use it)", RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                "rollout.engine is 'vllm' but vllm is not importable here; falling back to HFEngine "
+                "(pip install 'asynctensorrlhf[vllm]' on a CUDA machine to use it)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
             _warned_vllm = True
         kind = "hf"
     if kind == "random":
-        return RandomEngine(len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id,
-                            tokens_per_s=cfg.rollout.random_tokens_per_s, seed=seed)
+        return RandomEngine(
+            len(tokenizer),
+            tokenizer.eos_token_id,
+            tokenizer.pad_token_id,
+            tokens_per_s=cfg.rollout.random_tokens_per_s,
+            seed=seed,
+        )
     return HFEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id, seed=seed)

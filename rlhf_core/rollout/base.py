@@ -22,7 +22,7 @@ class SamplingParams:
     top_k: int = 0
 
     @classmethod
-    def from_config(cls, rollout_cfg) -> "SamplingParams":
+    def from_config(cls, rollout_cfg) -> SamplingParams:
         return cls(rollout_cfg.max_new_tokens, rollout_cfg.temperature, rollout_cfg.top_p, rollout_cfg.top_k)
 
     @property
@@ -36,11 +36,9 @@ class RolloutEngine(Protocol):
     device: torch.device
     version: int
 
-    def generate(self, prompts: PromptBatch, samples_per_prompt: int, sampling: SamplingParams) -> RolloutBatch:
-        ...
+    def generate(self, prompts: PromptBatch, samples_per_prompt: int, sampling: SamplingParams) -> RolloutBatch: ...
 
-    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        ...
+    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None: ...
 
 
 def processed_logits(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:

@@ -30,8 +30,13 @@ class HFEngine:
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         # the prompt pass needs logits at the last position only (saves N x P x V of work, as generate() does)
-        self._last_logits_only = ({"logits_to_keep": 1} if "logits_to_keep" in params else
-                                  {"num_logits_to_keep": 1} if "num_logits_to_keep" in params else {})
+        self._last_logits_only = (
+            {"logits_to_keep": 1}
+            if "logits_to_keep" in params
+            else {"num_logits_to_keep": 1}
+            if "num_logits_to_keep" in params
+            else {}
+        )
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Copy new weights into the model in place (no reallocation) and adopt their version."""
@@ -64,8 +69,13 @@ class HFEngine:
         attn = torch.ones((N, P + T), dtype=torch.long, device=dev)
         attn[:, :P] = prompt_mask
         positions = (attn[:, :P].cumsum(-1) - 1).clamp_(min=0)
-        out = self.model(input_ids=prompt_ids, attention_mask=attn[:, :P], position_ids=positions, use_cache=True,
-                         **self._last_logits_only)
+        out = self.model(
+            input_ids=prompt_ids,
+            attention_mask=attn[:, :P],
+            position_ids=positions,
+            use_cache=True,
+            **self._last_logits_only,
+        )
         past = self._cache_of(out)
         next_logits = out.logits[:, -1, :]
         next_pos = positions[:, -1:] + 1
@@ -93,8 +103,13 @@ class HFEngine:
             finished |= tok == self.eos_token_id
             if t == T - 1 or ((t + 1) % check_every == 0 and bool(finished.all())):
                 break
-            out = self.model(input_ids=tokens[:, t:t + 1], attention_mask=attn[:, :P + t + 1], position_ids=next_pos,
-                             use_cache=True, **{self._cache_kw: past})
+            out = self.model(
+                input_ids=tokens[:, t : t + 1],
+                attention_mask=attn[:, : P + t + 1],
+                position_ids=next_pos,
+                use_cache=True,
+                **{self._cache_kw: past},
+            )
             past = self._cache_of(out)
             next_logits = out.logits[:, -1, :]
             next_pos = next_pos + 1
@@ -109,8 +124,12 @@ class HFEngine:
         tokens = tokens.masked_fill(~response_mask, self.pad_token_id)
         logps = logps.masked_fill(~response_mask, 0.0)
         return RolloutBatch(
-            prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=tokens, response_mask=response_mask,
-            behavior_logprobs=logps, response_lengths=lengths,
+            prompt_ids=prompt_ids,
+            prompt_mask=prompt_mask,
+            response_ids=tokens,
+            response_mask=response_mask,
+            behavior_logprobs=logps,
+            response_lengths=lengths,
             group_ids=torch.arange(len(prompts), device=dev).repeat_interleave(G),
             policy_version=torch.full((N,), self.version, dtype=torch.long, device=dev),
             prompt_uids=prompts.uids.to(dev).repeat_interleave(G),

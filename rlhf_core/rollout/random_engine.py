@@ -1,6 +1,6 @@
 """RandomEngine: uniform random tokens at a configurable rate. For load tests and pipeline benchmarks ONLY.
 
-It stands in for a real engine where generation cost must be controlled exactly (the seed's StubEngine):
+It stands in for a real engine where generation cost must be controlled exactly:
 it learns nothing and its "policy" never changes, but it honours the engine interface, versions and
 weight loads, so the runtime around it is exercised for real.
 """
@@ -18,8 +18,16 @@ from rlhf_core.types import RolloutBatch
 
 
 class RandomEngine:
-    def __init__(self, vocab_size: int, eos_token_id: int, pad_token_id: int, tokens_per_s: float = 0.0,
-                 seed: int = 0, version: int = 0, device: str | torch.device = "cpu"):
+    def __init__(
+        self,
+        vocab_size: int,
+        eos_token_id: int,
+        pad_token_id: int,
+        tokens_per_s: float = 0.0,
+        seed: int = 0,
+        version: int = 0,
+        device: str | torch.device = "cpu",
+    ):
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
@@ -46,7 +54,10 @@ class RandomEngine:
         batch = RolloutBatch(
             prompt_ids=prompts.prompt_ids.to(self.device).repeat_interleave(G, 0),
             prompt_mask=prompts.prompt_mask.to(self.device).repeat_interleave(G, 0),
-            response_ids=tokens, response_mask=mask, behavior_logprobs=logp, response_lengths=mask.sum(-1),
+            response_ids=tokens,
+            response_mask=mask,
+            behavior_logprobs=logp,
+            response_lengths=mask.sum(-1),
             group_ids=torch.arange(len(prompts), device=self.device).repeat_interleave(G),
             policy_version=torch.full((N,), self.version, dtype=torch.long, device=self.device),
             prompt_uids=prompts.uids.to(self.device).repeat_interleave(G),

@@ -33,8 +33,8 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
@@ -46,8 +46,13 @@ from rlhf_core.types import RolloutBatch
 _SKIPPED_WEIGHTS = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 
 
-def pack_completions(completions: Sequence[Sequence[tuple[Sequence[int], Sequence[float]]]], prompts: PromptBatch,
-                     pad_token_id: int, version: int, device: torch.device | str = "cpu") -> RolloutBatch:
+def pack_completions(
+    completions: Sequence[Sequence[tuple[Sequence[int], Sequence[float]]]],
+    prompts: PromptBatch,
+    pad_token_id: int,
+    version: int,
+    device: torch.device | str = "cpu",
+) -> RolloutBatch:
     """Build a RolloutBatch from per-prompt lists of G (token_ids, sampled-token logprobs) completions.
 
     completions[i][g] is the g-th completion of prompt i; every prompt has the same number G. The response
@@ -69,14 +74,17 @@ def pack_completions(completions: Sequence[Sequence[tuple[Sequence[int], Sequenc
         if len(ids) != len(lps):
             raise ValueError(f"completion {r}: {len(ids)} tokens but {len(lps)} logprobs")
         if ids:
-            tokens[r, :len(ids)] = torch.tensor(list(ids), dtype=torch.long)
-            logps[r, :len(ids)] = torch.tensor(list(lps), dtype=torch.float32)
+            tokens[r, : len(ids)] = torch.tensor(list(ids), dtype=torch.long)
+            logps[r, : len(ids)] = torch.tensor(list(lps), dtype=torch.float32)
         lengths[r] = len(ids)
     mask = torch.arange(L).unsqueeze(0) < lengths.unsqueeze(1)
     batch = RolloutBatch(
         prompt_ids=prompts.prompt_ids.repeat_interleave(G, 0),
         prompt_mask=prompts.prompt_mask.repeat_interleave(G, 0),
-        response_ids=tokens, response_mask=mask, behavior_logprobs=logps, response_lengths=lengths,
+        response_ids=tokens,
+        response_mask=mask,
+        behavior_logprobs=logps,
+        response_lengths=lengths,
         group_ids=torch.arange(n_prompts).repeat_interleave(G),
         policy_version=torch.full((N,), int(version), dtype=torch.long),
         prompt_uids=prompts.uids.repeat_interleave(G),
@@ -117,9 +125,15 @@ class VLLMEngine:
                 max_len = min(max_len, int(positions))
         except (OSError, ValueError):
             pass
-        kwargs = dict(model=self.model_path, tokenizer=self.model_path, seed=seed,
-                      dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code,
-                      gpu_memory_utilization=cfg.rollout.vllm_gpu_memory_utilization, max_model_len=max_len)
+        kwargs = dict(
+            model=self.model_path,
+            tokenizer=self.model_path,
+            seed=seed,
+            dtype=cfg.model.dtype,
+            trust_remote_code=cfg.model.trust_remote_code,
+            gpu_memory_utilization=cfg.rollout.vllm_gpu_memory_utilization,
+            max_model_len=max_len,
+        )
         try:
             self.llm = LLM(**kwargs, logprobs_mode="processed_logprobs")
             self.processed_logprobs = True
@@ -157,10 +171,17 @@ class VLLMEngine:
             raise RuntimeError(
                 "this vLLM returns logprobs of the raw model distribution (it has no logprobs_mode engine "
                 "argument), which are not the behaviour logprobs of temperature/top-k/top-p sampling; use "
-                "temperature 1 without top-k/top-p, upgrade vLLM, or use rollout.engine=hf")
-        kwargs = dict(n=G, temperature=0.0 if sampling.greedy else sampling.temperature, top_p=sampling.top_p,
-                      top_k=sampling.top_k if sampling.top_k > 0 else -1, max_tokens=sampling.max_new_tokens,
-                      logprobs=0, stop_token_ids=[self.eos_token_id])
+                "temperature 1 without top-k/top-p, upgrade vLLM, or use rollout.engine=hf"
+            )
+        kwargs = dict(
+            n=G,
+            temperature=0.0 if sampling.greedy else sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k if sampling.top_k > 0 else -1,
+            max_tokens=sampling.max_new_tokens,
+            logprobs=0,
+            stop_token_ids=[self.eos_token_id],
+        )
         try:
             return VSamplingParams(**kwargs, detokenize=False)  # token ids are all we need
         except TypeError:
@@ -168,8 +189,10 @@ class VLLMEngine:
 
     def generate(self, prompts: PromptBatch, samples_per_prompt: int, sampling: SamplingParams) -> RolloutBatch:
         G = samples_per_prompt
-        requests = [{"prompt_token_ids": row[mask].tolist()}
-                    for row, mask in zip(prompts.prompt_ids.cpu(), prompts.prompt_mask.cpu())]
+        requests = [
+            {"prompt_token_ids": row[mask].tolist()}
+            for row, mask in zip(prompts.prompt_ids.cpu(), prompts.prompt_mask.cpu())
+        ]
         outputs = self.llm.generate(requests, self._sampling_params(G, sampling), use_tqdm=False)
         completions = []
         for out in outputs:

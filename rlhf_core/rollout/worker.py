@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -18,8 +18,15 @@ class RolloutWorker:
     Keeps busy and idle seconds, samples and tokens generated (`stats()`).
     """
 
-    def __init__(self, engine, reward_fn, sampling: SamplingParams, samples_per_prompt: int, pad_token_id: int,
-                 max_prompt_tokens: int | None = None):
+    def __init__(
+        self,
+        engine,
+        reward_fn,
+        sampling: SamplingParams,
+        samples_per_prompt: int,
+        pad_token_id: int,
+        max_prompt_tokens: int | None = None,
+    ):
         self.engine = engine
         self.reward_fn = reward_fn
         self.sampling = sampling
@@ -68,9 +75,16 @@ class RolloutWorker:
 
     def stats(self) -> dict:
         total = self.busy_s + self.idle_s
-        return {"busy_s": self.busy_s, "idle_s": self.idle_s, "busy_frac": self.busy_s / total if total else 0.0,
-                "samples": self.samples, "tokens": self.tokens, "batches": self.batches, "version": self.version,
-                "reward_mean": self.reward_sum / self.samples if self.samples else 0.0}
+        return {
+            "busy_s": self.busy_s,
+            "idle_s": self.idle_s,
+            "busy_frac": self.busy_s / total if total else 0.0,
+            "samples": self.samples,
+            "tokens": self.tokens,
+            "batches": self.batches,
+            "version": self.version,
+            "reward_mean": self.reward_sum / self.samples if self.samples else 0.0,
+        }
 
 
 def split_groups(batch: RolloutBatch, group_size: int) -> list[Experience]:

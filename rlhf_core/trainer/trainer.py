@@ -14,7 +14,13 @@ from typing import Optional
 
 import torch
 
-from rlhf_core.algorithms import compute_advantages, compute_policy_loss
+from rlhf_core.algorithms import (
+    STEP_MASK_LOSSES,
+    advantages_from_config,
+    compute_policy_loss,
+    global_normalisers,
+    step_keep_mask,
+)
 from rlhf_core.types import RolloutBatch
 
 
@@ -32,8 +38,9 @@ def build_lr_lambda(schedule: str, warmup_steps: int, total_steps: int, min_lr_r
     return fn
 
 
-def sequence_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mask, temperature: float = 1.0,
-                      with_entropy: bool = False):
+def sequence_logprobs(
+    model, prompt_ids, prompt_mask, response_ids, response_mask, temperature: float = 1.0, with_entropy: bool = False
+):
     """Per-token logprobs (and entropies) of `response_ids` given left-padded prompts, in one forward pass.
 
     prompt_ids/mask: [N, P]; response_ids/mask: [N, L]. Returns (logprobs [N, L], entropy [N, L] or None).
@@ -46,7 +53,7 @@ def sequence_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mas
     attn = torch.cat([prompt_mask, response_mask], dim=1).long()
     positions = (attn.cumsum(-1) - 1).clamp_(min=0)
     logits = model(input_ids=input_ids, attention_mask=attn, position_ids=positions, use_cache=False).logits
-    logits = logits[:, P - 1:P - 1 + L, :].float()
+    logits = logits[:, P - 1 : P - 1 + L, :].float()
     if temperature not in (0, 1.0):
         logits = logits / temperature
     logp_all = torch.log_softmax(logits, dim=-1)
@@ -83,11 +90,15 @@ class Trainer:
             for p in self.ref_model.parameters():
                 p.requires_grad_(False)
         params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=self.tcfg.lr, betas=tuple(self.tcfg.betas),
-                                           weight_decay=self.tcfg.weight_decay)
+        self.optimizer = torch.optim.AdamW(
+            params, lr=self.tcfg.lr, betas=tuple(self.tcfg.betas), weight_decay=self.tcfg.weight_decay
+        )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, build_lr_lambda(self.tcfg.lr_schedule, self.tcfg.warmup_steps, self.tcfg.total_steps,
-                                            self.tcfg.min_lr_ratio))
+            self.optimizer,
+            build_lr_lambda(
+                self.tcfg.lr_schedule, self.tcfg.warmup_steps, self.tcfg.total_steps, self.tcfg.min_lr_ratio
+            ),
+        )
 
     # ------------------------------------------------------------------ advantages
     def advantages(self, batch: RolloutBatch) -> torch.Tensor:
@@ -96,12 +107,37 @@ class Trainer:
         rewards = batch.rewards.to(self.device).float()
         if rewards.numel() % G:
             raise ValueError(f"batch of {rewards.numel()} rows is not made of whole groups of {G}")
-        adv = compute_advantages(self.algo.advantage, rewards.view(-1, G), eps=self.algo.adv_eps, scale=self.algo.adv_scale)
+        adv = advantages_from_config(self.algo, rewards.view(-1, G))
         return adv.reshape(-1)
 
     # ------------------------------------------------------------------ step
+    def _logprobs(self, model, batch: RolloutBatch, idx: slice, with_entropy: bool = False):
+        return sequence_logprobs(
+            model,
+            batch.prompt_ids[idx],
+            batch.prompt_mask[idx],
+            batch.response_ids[idx],
+            batch.response_mask[idx],
+            self.temperature,
+            with_entropy=with_entropy,
+        )
+
     def train_step(self, batch: RolloutBatch, advantages: Optional[torch.Tensor] = None) -> dict:
-        """One optimizer step on a batch of complete groups. Returns metrics (floats) under contract names."""
+        """One optimizer step on a batch of complete groups. Returns metrics (floats) under contract names.
+
+        The batch is split into micro-batches of trainer.micro_batch_size rows whose gradients accumulate;
+        the update does not depend on that size. Every micro-batch's loss is normalised by the whole
+        step's denominators (`global_normalisers` of the step's mask, the generation budget
+        rollout.max_new_tokens for "seq-mean-token-sum-norm"), so the micro-batch losses sum exactly to
+        the full-batch loss. A loss whose token mask is a statistic of the whole batch (M2PO) gets that
+        mask computed once per step: over several micro-batches this costs one extra forward pass without
+        gradient to get the current log-probs of every row first.
+
+        Loss metrics: loss/policy (the policy-gradient term), loss/kl (the KL to the reference, when a
+        reference model is used; unweighted), loss/total (what is backpropagated: policy + kl_coef·KL),
+        each the full-batch value. policy/ratio_max is the maximum over the batch; the other policy/*,
+        m2po/* and tis/* statistics are means over the batch's valid tokens.
+        """
         start = time.perf_counter()
         consumer_version = self.version
         self.model.train()
@@ -110,31 +146,52 @@ class Trainer:
             advantages = self.advantages(batch)
         N = len(batch)
         mb = self.tcfg.micro_batch_size
-        total_tokens = batch.response_mask.sum().clamp(min=1)
-        # weight of each micro-batch so that accumulated gradients equal the full-batch aggregate
-        per_token = self.algo.agg == "token-mean"
+        micro = [slice(s, min(N, s + mb)) for s in range(0, N, mb)]
+        step_mask = batch.response_mask
+        total_tokens = step_mask.sum().clamp(min=1)
+        loss_kwargs: dict = {"norm_len": self.cfg.rollout.max_new_tokens, "global_norm": global_normalisers(step_mask)}
+        keep = None
+        if self.algo.loss in STEP_MASK_LOSSES and len(micro) > 1:
+            # One micro-batch is the whole step: the loss then computes its mask from its own rows.
+            with torch.no_grad():
+                current = torch.cat([self._logprobs(self.model, batch, idx)[0] for idx in micro])
+            keep, loss_kwargs["kept_norm"] = step_keep_mask(
+                self.algo, current, batch.behavior_logprobs, advantages, step_mask
+            )
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, torch.Tensor] = {}
         entropy_sum = torch.zeros((), device=self.device)
         loss_sum = torch.zeros((), device=self.device)
-        for s in range(0, N, mb):
-            idx = slice(s, min(N, s + mb))
-            mask = batch.response_mask[idx]
-            logprobs, entropy = sequence_logprobs(self.model, batch.prompt_ids[idx], batch.prompt_mask[idx],
-                                                  batch.response_ids[idx], mask, self.temperature, with_entropy=True)
+        for idx in micro:
+            mask = step_mask[idx]
+            logprobs, entropy = self._logprobs(self.model, batch, idx, with_entropy=True)
             ref_logprobs = None
             if self.ref_model is not None:
                 with torch.no_grad():
-                    ref_logprobs, _ = sequence_logprobs(self.ref_model, batch.prompt_ids[idx], batch.prompt_mask[idx],
-                                                        batch.response_ids[idx], mask, self.temperature)
-            loss, stats = compute_policy_loss(self.algo, logprobs, batch.behavior_logprobs[idx], advantages[idx],
-                                              mask=mask, ref_logprobs=ref_logprobs)
-            weight = (mask.sum() / total_tokens) if per_token else torch.tensor((idx.stop - idx.start) / N, device=self.device)
-            (loss * weight).backward()
-            loss_sum = loss_sum + loss.detach() * weight
+                    ref_logprobs, _ = self._logprobs(self.ref_model, batch, idx)
+            if keep is not None:
+                loss_kwargs["keep_mask"] = keep[idx]
+            loss, stats = compute_policy_loss(
+                self.algo,
+                logprobs,
+                batch.behavior_logprobs[idx],
+                advantages[idx],
+                mask=mask,
+                ref_logprobs=ref_logprobs,
+                **loss_kwargs,
+            )
+            loss.backward()  # this micro-batch's exact share of the step's loss: no re-weighting
+            loss_sum = loss_sum + loss.detach()
             entropy_sum = entropy_sum + (entropy.detach() * mask).sum()
+            token_share = mask.sum() / total_tokens
             for k, v in stats.items():
-                sums[k] = sums.get(k, 0.0) + torch.as_tensor(v, device=self.device).detach().float() * weight
+                v = torch.as_tensor(v, device=self.device).detach().float()
+                if k.startswith("loss/"):  # shares of the step's loss (global normalisers): they add up
+                    sums[k] = sums[k] + v if k in sums else v
+                elif k.endswith("_max"):
+                    sums[k] = torch.maximum(sums[k], v) if k in sums else v
+                else:  # means over this micro-batch's valid tokens
+                    sums[k] = sums[k] + v * token_share if k in sums else v * token_share
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.tcfg.grad_clip)
         finite = bool(torch.isfinite(loss_sum)) and bool(torch.isfinite(grad_norm))
         if finite:
@@ -154,18 +211,20 @@ class Trainer:
         self.tokens += n_tokens
 
         metrics = {k: float(v) for k, v in sums.items()}
-        metrics.update({
-            "loss/policy": float(loss_sum),
-            "policy/entropy": float(entropy_sum / total_tokens),
-            "policy/grad_norm": float(grad_norm),
-            "policy/lr": self.scheduler.get_last_lr()[0],
-            "trainer/skipped_steps": self.skipped_steps,
-            "trainer/step_finite": float(finite),
-            "reward/mean": float(batch.rewards.mean()),
-            "reward/std": float(batch.rewards.std(unbiased=False)),
-            "response/length_mean": float(batch.response_lengths.float().mean()),
-            "version": self.version,
-        })
+        metrics.update(
+            {
+                "loss/total": float(loss_sum),
+                "policy/entropy": float(entropy_sum / total_tokens),
+                "policy/grad_norm": float(grad_norm),
+                "policy/lr": self.scheduler.get_last_lr()[0],
+                "trainer/skipped_steps": self.skipped_steps,
+                "trainer/step_finite": float(finite),
+                "reward/mean": float(batch.rewards.mean()),
+                "reward/std": float(batch.rewards.std(unbiased=False)),
+                "response/length_mean": float(batch.response_lengths.float().mean()),
+                "version": self.version,
+            }
+        )
         staleness = consumer_version - batch.policy_version  # tau = trainer version - data version
         metrics["async/staleness_mean"] = float(staleness.float().mean())
         metrics["async/staleness_max"] = int(staleness.max())
@@ -182,8 +241,13 @@ class Trainer:
 
     def state_dict(self) -> dict:
         """Everything but the weights: optimizer, scheduler, counters (weights go to safetensors)."""
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                "version": self.version, "step": self.step, "skipped_steps": self.skipped_steps}
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "version": self.version,
+            "step": self.step,
+            "skipped_steps": self.skipped_steps,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
@@ -193,5 +257,11 @@ class Trainer:
         self.skipped_steps = int(state.get("skipped_steps", 0))
 
     def stats(self) -> dict:
-        return {"busy_s": self.busy_s, "samples": self.samples, "tokens": self.tokens, "version": self.version,
-                "step": self.step, "skipped_steps": self.skipped_steps}
+        return {
+            "busy_s": self.busy_s,
+            "samples": self.samples,
+            "tokens": self.tokens,
+            "version": self.version,
+            "step": self.step,
+            "skipped_steps": self.skipped_steps,
+        }

@@ -1,0 +1,97 @@
+"""One place that builds a run's parts from its config, in whichever process needs them.
+
+The single-process loop, the rollout and trainer actors, and `atrlhf evaluate` all build their model,
+tokenizer, prompts, reward, engine, evaluator and trainer here, so that a new option (a reward source, an
+EOS set, LoRA) is added once and behaves the same everywhere.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from rlhf_core.config import TrainConfig
+from rlhf_core.data import Prompt, build_prompt_splits
+from rlhf_core.evaluation import Evaluator
+from rlhf_core.models import ensure_policy, load_policy, load_tokenizer
+from rlhf_core.reward import build_reward_fn
+from rlhf_core.rollout import HFEngine, RolloutWorker, SamplingParams, build_engine
+from rlhf_core.trainer import Trainer
+
+ROLLOUT_SEED_STRIDE = 1000  # rollout worker i samples with seed trainer.seed + 1000 * (i + 1)
+
+
+def setup_process(cfg: TrainConfig, seed: int) -> None:
+    """Thread count and global RNGs of a process that is about to build run parts."""
+    torch.set_num_threads(cfg.cluster.torch_threads)
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def rollout_seed(cfg: TrainConfig, worker_index: int | None) -> int:
+    """Sampling seed of rollout worker `worker_index` (None: the single-process loop's one engine)."""
+    return cfg.trainer.seed if worker_index is None else cfg.trainer.seed + ROLLOUT_SEED_STRIDE * (worker_index + 1)
+
+
+def resolve_policy_dir(cfg: TrainConfig) -> Path:
+    """The policy directory: model.path, or the tiny default built once under run.output_dir."""
+    return Path(ensure_policy(cfg.model, cfg.data.task, cfg.run.output_dir, seed=cfg.trainer.seed)).resolve()
+
+
+def build_tokenizer(cfg: TrainConfig, policy_dir: str | Path):
+    return load_tokenizer(policy_dir, trust_remote_code=cfg.model.trust_remote_code)
+
+
+def build_policy(cfg: TrainConfig, policy_dir: str | Path):
+    """(model, tokenizer) from the policy directory, with the config's dtype and device."""
+    return load_policy(
+        policy_dir, dtype=cfg.model.dtype, device=cfg.model.device, trust_remote_code=cfg.model.trust_remote_code
+    )
+
+
+def build_prompts(cfg: TrainConfig, tokenizer) -> tuple[list[Prompt], list[Prompt]]:
+    """(train, held-out) prompts, tokenized."""
+    return build_prompt_splits(cfg.data, tokenizer)
+
+
+def build_reward(cfg: TrainConfig, tokenizer):
+    """The configured tensor-native reward: (response_ids, patterns) -> (total [N], components)."""
+    return build_reward_fn(cfg.reward, tokenizer, tokenizer.eos_token_id, cfg.rollout.max_new_tokens)
+
+
+def build_rollout_worker(
+    cfg: TrainConfig, model, tokenizer, policy_dir: str | Path, seed: int, reward_fn=None
+) -> RolloutWorker:
+    """The configured engine over `model`, its reward and sampling settings."""
+    engine = build_engine(cfg, model, tokenizer, model_path=str(policy_dir), seed=seed)
+    return RolloutWorker(
+        engine,
+        reward_fn or build_reward(cfg, tokenizer),
+        SamplingParams.from_config(cfg.rollout),
+        cfg.rollout.samples_per_prompt,
+        tokenizer.pad_token_id,
+        cfg.data.max_prompt_tokens,
+    )
+
+
+def build_evaluator(
+    cfg: TrainConfig, model, tokenizer, heldout: list[Prompt], reward_fn=None, engine=None
+) -> Evaluator:
+    """Greedy held-out evaluation of `model` (through `engine` when given, else an HF engine over `model`)."""
+    engine = engine or HFEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id, seed=cfg.trainer.seed)
+    return Evaluator(
+        engine,
+        heldout,
+        reward_fn or build_reward(cfg, tokenizer),
+        tokenizer.pad_token_id,
+        cfg.rollout.max_new_tokens,
+        cfg.data.max_prompt_tokens,
+    )
+
+
+def build_trainer(cfg: TrainConfig, model, tokenizer) -> Trainer:
+    return Trainer(model, cfg, tokenizer.pad_token_id)

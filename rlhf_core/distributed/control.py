@@ -1,0 +1,218 @@
+"""The runtime's control objects, in plain Python: prompt queue, experience buffer with admission
+control, weight-store bookkeeping.
+
+Nothing here imports Ray. The runtime makes each one a Ray actor as it is (`ray.remote(PromptQueue)`), so
+that every rule about prompts, admission, staleness and published versions is unit-tested without Ray;
+the single-process loop uses PromptQueue directly.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import Optional
+
+from rlhf_core.buffer import VersionedReplayBuffer
+from rlhf_core.data import Prompt, PromptSource
+from rlhf_core.distributed.transport import group_rows
+from rlhf_core.types import Experience
+
+
+class PromptQueue:
+    """Prompts waiting for a rollout worker. The flow schedules (`top_up`); when it does not, `get`
+    refills from the seeded source itself, so the loop never waits on the flow."""
+
+    def __init__(self, prompts: list[Prompt], seed: int):
+        self.source = PromptSource(prompts, seed=seed)
+        self.by_uid = {p.uid: p for p in prompts}
+        self.queue: deque[Prompt] = deque()
+        self.lock = threading.Lock()
+        self.scheduled = 0
+        self.served = 0
+
+    def top_up(self, n: int) -> int:
+        with self.lock:
+            new = self.source.next(n)
+            self.queue.extend(new)
+            self.scheduled += len(new)
+            return len(new)
+
+    def get(self, n: int) -> list[Prompt]:
+        with self.lock:
+            if len(self.queue) < n:
+                new = self.source.next(n - len(self.queue))
+                self.queue.extend(new)
+                self.scheduled += len(new)
+            out = [self.queue.popleft() for _ in range(min(n, len(self.queue)))]
+            self.served += len(out)
+            return out
+
+    def size(self) -> int:
+        return len(self.queue)
+
+    def stats(self) -> dict:
+        return {
+            "queued": len(self.queue),
+            "scheduled": self.scheduled,
+            "served": self.served,
+            "epoch": self.source.epoch,
+        }
+
+    def state_dict(self) -> dict:
+        with self.lock:
+            return {"source": self.source.state_dict(), "queued": [p.uid for p in self.queue]}
+
+    def load_state_dict(self, state: dict) -> None:
+        with self.lock:
+            self.source.load_state_dict(state["source"])
+            self.queue = deque(self.by_uid[u] for u in state["queued"])
+
+
+# --------------------------------------------------------------------------------------------- buffer
+class ExperienceBuffer:
+    """A VersionedReplayBuffer of prompt groups, plus admission control.
+
+    Admission (the capacity rule AReaL uses): a rollout worker may start a batch of n groups only while
+    admitted + n <= (max_staleness + version + 1) x prompts_per_step + wasted, so at steady state nothing
+    is generated that could not be consumed within max_staleness (wasted = evicted + dropped groups, which
+    are re-admitted so that eviction can never starve the trainer).
+    """
+
+    def __init__(self, max_size: int, max_staleness: int, prompts_per_step: int, admission: bool = True):
+        self.buf = VersionedReplayBuffer(max_size, max_staleness)
+        self.max_staleness = max_staleness
+        self.admission_window = max_staleness
+        self.prompts_per_step = prompts_per_step
+        self.admission = admission
+        self.admitted = 0
+        self.paused = False
+        self.lock = threading.Lock()
+        self.version = 0
+        self.weights_version = 0
+        self.samples_pushed = 0
+        self.given_back = 0
+
+    def capacity(self) -> int:
+        # Counted against the newest PUBLISHED weights (what new samples will be generated with), not the
+        # trainer's version: with sync_every > 1 the two differ and the trainer's would admit stale work.
+        s = self.buf.stats()
+        wasted = s["evicted_stale"] + s["dropped_overflow"]
+        return (self.admission_window + self.weights_version + 1) * self.prompts_per_step + wasted
+
+    def set_admission_window(self, versions: int) -> None:
+        """How many versions ahead of the published weights rollout may run (<= max_staleness, the hard bound)."""
+        self.admission_window = max(0, min(int(versions), self.max_staleness))
+
+    def set_weights_version(self, version: int) -> None:
+        self.weights_version = max(self.weights_version, int(version))
+
+    def advance(self, version: int, published_version: Optional[int] = None) -> int:
+        """After a trainer step, in one round trip: the consumer's version (evicting what became stale)
+        and, when the step published weights, their version for admission. Returns the number evicted."""
+        if published_version is not None:
+            self.set_weights_version(published_version)
+        return self.set_version(version)
+
+    def try_admit(self, n_groups: int) -> bool:
+        with self.lock:
+            if self.paused:
+                return False
+            if self.admission and self.admitted + n_groups > self.capacity():  # would be consumed too stale
+                return False
+            self.admitted += n_groups
+            return True
+
+    def release(self, n_groups: int) -> None:
+        """Return an admission that will not be used (a worker loop stopping with one granted ahead)."""
+        with self.lock:
+            self.admitted = max(0, self.admitted - int(n_groups))
+
+    def set_paused(self, paused: bool) -> None:
+        self.paused = bool(paused)
+
+    def push(self, groups: list) -> int:
+        """Groups as pack_groups made them (or Experience objects). They are stored as they come: the
+        buffer reads only policy_version, so a group crosses rollout -> buffer -> trainer without being
+        unpacked and packed again in between."""
+        accepted = 0
+        for g in groups:
+            accepted += bool(self.buf.push(g))
+            self.samples_pushed += group_rows(g)
+        return accepted
+
+    def take(self, n: int, timeout_s: float, for_version: Optional[int] = None) -> list[Experience]:
+        """Exactly n groups, oldest first (packed: unpack_groups), or [] if they did not arrive within timeout_s.
+
+        for_version: the trainer version that will consume them (default: the buffer's version). The
+        trainer prefetches the batch for V + 1 while step V trains; groups too stale for V + 1 are
+        evicted on the way, so every group taken satisfies the staleness bound at the version that
+        trains on it, while the buffer's own version stays V (pushes of V stay welcome, and a skipped
+        step can still take for V)."""
+        return self.buf.take_for(n, self.version if for_version is None else for_version, timeout_s)
+
+    def give_back(self, groups: list) -> int:
+        """Groups a take handed out that will not be trained on (the trainer stopped with a batch
+        prefetched): back to the front of the buffer, uncounted from consumed. Returns how many went back."""
+        back = self.buf.requeue(groups)
+        self.given_back += len(groups)
+        return back
+
+    def set_version(self, version: int) -> int:
+        """The consumer's version. Never moves back: the trainer's publish thread and a publish the flow
+        asked for may report versions out of order."""
+        with self.lock:
+            self.version = max(self.version, int(version))
+            return self.buf.set_version(self.version)
+
+    def stats(self) -> dict:
+        s = self.buf.stats()
+        s.update(
+            {
+                "admitted": self.admitted,
+                "capacity": self.capacity(),
+                "paused": self.paused,
+                "admission_window": self.admission_window,
+                "samples_pushed": self.samples_pushed,
+                "given_back": self.given_back,
+            }
+        )
+        return s
+
+
+# --------------------------------------------------------------------------------------------- weights
+class WeightStore:
+    """The latest published weights: an object reference (one ray.put of a CPU state dict) and its version."""
+
+    def __init__(self):
+        self.version = -1
+        self.ref = None
+        self.published = 0
+        self.publish_s_total = 0.0
+
+    def publish(self, version: int, ref_box: list, publish_s: float) -> None:
+        # the ref arrives inside a list so that Ray passes the reference instead of resolving it
+        if version > self.version:
+            self.version, self.ref = int(version), ref_box[0]
+        self.published += 1
+        self.publish_s_total += publish_s
+
+    def get_if_newer(self, version: int):
+        if self.ref is None or self.version <= version:
+            return None
+        return self.version, [self.ref]
+
+    def stats(self) -> dict:
+        return {
+            "version": self.version,
+            "published": self.published,
+            "publish_s_mean": self.publish_s_total / self.published if self.published else 0.0,
+        }
+
+
+def busy_fraction(busy_s: float, since: Optional[float]) -> float:
+    """Busy seconds over wall-clock seconds since the role's first piece of work: every wait, round trip,
+    weight load and transfer counts as not busy, so the figure cannot flatter the pipeline."""
+    if since is None:
+        return 0.0
+    return min(1.0, busy_s / max(1e-9, time.perf_counter() - since))

@@ -1,0 +1,371 @@
+"""Health checks of a running training run, and the actions taken on them: the one supervision policy.
+
+`HealthMonitor.check(poll)` reads one `DistributedRun.poll()` result and returns a `Decision`: whether to
+publish weights now, pause or resume rollout admission, how many prompts to schedule, or to fail with a
+message naming the cause. `Supervisor.tick()` polls the runtime, checks and applies the decision; the
+Prefect flow and `run_distributed` both supervise through it, so there is one stall detector and one set
+of limits. Every finding is a `HealthEvent` (the flow logs it and shows a table artifact at the end).
+Thresholds come from `cfg.supervision`. Plain Python: no Ray, no Prefect.
+
+Policies (the runtime enforces the hard bound max_staleness on its own; these keep the run healthy):
+
+- staleness: mean staleness above staleness_warn x max_staleness -> publish weights now (once per
+  trainer version, when runtime.sync_every > 1 leaves workers behind the trainer); still high for 3 polls
+  -> narrow the rollout admission window to floor(staleness_warn x max_staleness) versions for the rest
+  of the run. Rollout then runs ahead of the trainer by fewer versions, so staleness settles at the
+  warning level instead of oscillating (pausing admission would starve the trainer and change nothing
+  once resumed).
+- buffer: trainer starving (buffer below one step and no step since the last poll) -> resume admission,
+  schedule more prompts; overflow (buffer/dropped_overflow grew) -> pause admission until the buffer is
+  back under half its capacity.
+- workers: a restart is reported and waited for; more than restart_limit restarts in the run, or a worker
+  down for stall_timeout_s, fails the run.
+- non-finite losses: trainer/step_finite == 0 counted; nonfinite_limit in a row fails the run.
+- stall: no trainer step for stall_timeout_s fails the run, naming the role that is stuck.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+from rlhf_core.config import TrainConfig
+
+STALENESS_POLLS_BEFORE_THROTTLE = 3
+
+
+@dataclass
+class HealthEvent:
+    step: int
+    kind: str
+    severity: str  # info | warning | error
+    action: str
+    detail: str
+    time: float = field(default_factory=time.time)
+
+    def row(self) -> dict:
+        d = asdict(self)
+        d["time"] = time.strftime("%H:%M:%S", time.localtime(self.time))
+        return d
+
+
+@dataclass
+class Decision:
+    request_sync: bool = False
+    throttle: Optional[bool] = None  # True: pause admission, False: resume, None: leave as is
+    admission_window: Optional[int] = None  # narrow rollout admission to this many versions ahead
+    top_up: Optional[int] = None  # prompts to schedule; None: the runtime's backpressure default
+    fail: Optional[str] = None
+    events: list[HealthEvent] = field(default_factory=list)
+
+
+class SupervisionError(RuntimeError):
+    """Supervision stopped the run: a health limit from cfg.supervision was exceeded (the message says which)."""
+
+
+class HealthMonitor:
+    """Stateful checks over successive polls, one method per check. Decides; acts on nothing itself."""
+
+    def __init__(self, cfg: TrainConfig, start_step: int = 0, now: Optional[float] = None):
+        self.cfg = cfg
+        self.sup = cfg.supervision
+        now = time.monotonic() if now is None else now
+        self.last_step = start_step
+        self.last_progress = now
+        self.nonfinite_run = 0
+        self.restarts_seen = 0
+        self.down_since: dict[int, float] = {}
+        self.stale_polls = 0
+        self.staleness_high = False
+        self.last_sync_version = -1
+        self.throttled = False
+        self.admission_window: Optional[int] = None
+        self.throttle_reason: Optional[str] = None
+        self.starving = False
+        self.dropped_seen = 0
+        self.events: list[HealthEvent] = []
+
+    # ------------------------------------------------------------------ the check
+    def check(self, poll: dict, now: Optional[float] = None) -> Decision:
+        """All checks on one poll, in order; the first that fails the run ends the check."""
+        now = time.monotonic() if now is None else now
+        d = Decision()
+        step = int(poll.get("step", self.last_step))
+        for ev in poll.get("events") or []:  # the runtime's own findings (worker died / restarted, ...)
+            self._event(d, step, str(ev.get("kind", "runtime")), "warning", "observed", str(ev.get("detail", "")))
+        checks = [self._runtime_failure, self._nonfinite_losses, self._worker_restarts, self._worker_outages]
+        if self.cfg.runtime.mode == "async":
+            checks += [self._staleness, self._overflow, self._starvation]
+        checks.append(self._stall)
+        for check in checks:
+            check(d, poll, step, now)
+            if d.fail:
+                break
+        return d
+
+    def _runtime_failure(self, d: Decision, poll: dict, step: int, now: float) -> None:
+        if poll.get("failed"):
+            self._fail(d, step, "runtime_failed", f"the runtime reported a failure: {poll['failed']}")
+
+    def _nonfinite_losses(self, d: Decision, poll: dict, step: int, now: float) -> None:
+        """Non-finite (skipped) trainer steps in a row, in step order; nonfinite_limit of them fails the run."""
+        was = self.nonfinite_run
+        for m in poll.get("metrics") or []:
+            self.nonfinite_run = self.nonfinite_run + 1 if float(m.get("trainer/step_finite", 1.0)) == 0.0 else 0
+        self.nonfinite_run = max(self.nonfinite_run, int((poll.get("trainer") or {}).get("consecutive_skips", 0) or 0))
+        if self.nonfinite_run > was:
+            self._event(
+                d,
+                step,
+                "nonfinite_loss",
+                "warning",
+                "step skipped, counted",
+                f"{self.nonfinite_run} consecutive non-finite trainer step(s) "
+                f"(limit supervision.nonfinite_limit={self.sup.nonfinite_limit})",
+            )
+        if self.nonfinite_run >= self.sup.nonfinite_limit:
+            self._fail(
+                d,
+                step,
+                "nonfinite_limit",
+                f"{self.nonfinite_run} consecutive non-finite trainer steps reached "
+                f"supervision.nonfinite_limit={self.sup.nonfinite_limit}",
+            )
+
+    def _worker_restarts(self, d: Decision, poll: dict, step: int, now: float) -> None:
+        restarts = sum(int(w.get("restarts", 0)) for w in poll.get("rollout") or [])
+        if restarts > self.restarts_seen:
+            self._event(
+                d,
+                step,
+                "worker_restart",
+                "warning",
+                "waiting for Ray to restart it",
+                f"rollout worker restarts: {restarts} in this run (limit supervision.restart_limit="
+                f"{self.sup.restart_limit})",
+            )
+            self.restarts_seen = restarts
+        if restarts > self.sup.restart_limit:
+            self._fail(
+                d,
+                step,
+                "restart_limit",
+                f"rollout workers restarted {restarts} times, above supervision.restart_limit={self.sup.restart_limit}",
+            )
+
+    def _worker_outages(self, d: Decision, poll: dict, step: int, now: float) -> None:
+        """A worker that does not answer is waited for; down for stall_timeout_s fails the run."""
+        workers = poll.get("rollout") or []
+        for pos, w in enumerate(workers):
+            i = int(w.get("index", pos))
+            if w.get("alive", True):
+                if self.down_since.pop(i, None) is not None:
+                    self._event(d, step, "worker_back", "info", "none", f"rollout worker {i} answers again")
+            elif i not in self.down_since:
+                self.down_since[i] = now
+                self._event(
+                    d,
+                    step,
+                    "worker_down",
+                    "warning",
+                    "waiting for Ray to restart it",
+                    f"rollout worker {i} does not answer ({w.get('error', 'unknown')})",
+                )
+            elif now - self.down_since[i] > self.sup.stall_timeout_s:
+                self._fail(
+                    d,
+                    step,
+                    "worker_lost",
+                    f"rollout worker {i} has been down for {now - self.down_since[i]:.0f} s "
+                    f"(supervision.stall_timeout_s={self.sup.stall_timeout_s:g})",
+                )
+                return
+
+    def _staleness(self, d: Decision, poll: dict, step: int, now: float) -> None:
+        """High mean staleness: publish early (when that helps), then narrow the admission window once."""
+        metrics = poll.get("metrics") or []
+        max_tau = self.cfg.runtime.max_staleness
+        limit = self.sup.staleness_warn * max_tau
+        if not metrics or max_tau == 0:
+            return
+        stale = float(metrics[-1].get("async/staleness_mean", 0.0))
+        if stale <= limit:
+            if self.staleness_high:
+                self._event(
+                    d, step, "staleness_ok", "info", "none", f"mean staleness {stale:.2f} back under {limit:.2f}"
+                )
+            self.staleness_high, self.stale_polls = False, 0
+            return
+        self.stale_polls += 1
+        # publishing early only helps when the trainer publishes less often than every version and some
+        # worker still generates with older weights than the trainer's
+        version = int(poll.get("version", step))
+        loaded = [int(w["version"]) for w in poll.get("rollout") or [] if w.get("alive", True) and "version" in w]
+        behind = bool(loaded) and min(loaded) < version
+        can_sync = self.cfg.runtime.sync_every > 1
+        if not self.staleness_high:
+            self._event(
+                d,
+                step,
+                "staleness_high",
+                "warning",
+                "publish weights now" if can_sync else "watch (weights are published every version)",
+                f"mean staleness {stale:.2f} > supervision.staleness_warn x runtime.max_staleness = {limit:.2f}",
+            )
+        self.staleness_high = True
+        if can_sync and behind and version > self.last_sync_version:
+            d.request_sync = True
+            self.last_sync_version = version
+        window = int(limit)
+        if self.stale_polls >= STALENESS_POLLS_BEFORE_THROTTLE and self.admission_window is None and window < max_tau:
+            self.admission_window = d.admission_window = window
+            self._event(
+                d,
+                step,
+                "narrow_admission",
+                "info",
+                f"rollout may now run at most {window} version(s) ahead of the trainer",
+                f"mean staleness {stale:.2f} above {limit:.2f} for {self.stale_polls} polls",
+            )
+
+    def _overflow(self, d: Decision, poll: dict, step: int, now: float) -> None:
+        """Groups dropped on overflow: pause admission until the buffer is back under half its capacity."""
+        buffer = poll.get("buffer") or {}
+        dropped = int(buffer.get("dropped_overflow", 0))
+        if dropped > self.dropped_seen:
+            self._event(
+                d,
+                step,
+                "buffer_overflow",
+                "warning",
+                "pause admission",
+                f"{dropped - self.dropped_seen} group(s) dropped on overflow (buffer.max_size="
+                f"{self.cfg.buffer.max_size})",
+            )
+            self.dropped_seen = dropped
+            self._set_throttle(d, step, True, "buffer overflow")
+        elif self.throttle_reason == "buffer overflow" and int(buffer.get("size", 0)) <= self.cfg.buffer.max_size // 2:
+            self._set_throttle(d, step, False, "buffer back under half its capacity")
+
+    def _starvation(self, d: Decision, poll: dict, step: int, now: float) -> None:
+        """A trainer without a step's worth of data for longer than a few polls (not just warming up)."""
+        per_step = self.cfg.trainer.prompts_per_step
+        buffer_size = int((poll.get("buffer") or {}).get("size", 0))
+        starving = (
+            buffer_size < per_step
+            and step <= self.last_step
+            and now - self.last_progress > 3 * self.sup.supervise_interval_s
+        )
+        if starving and not self.starving:
+            self._event(
+                d,
+                step,
+                "buffer_starving",
+                "warning",
+                "resume admission, schedule more prompts",
+                f"buffer holds {buffer_size} group(s), the trainer needs {per_step} per step",
+            )
+        self.starving = starving
+        if starving:
+            self._set_throttle(d, step, False, "the trainer is starving")
+            d.top_up = 2 * per_step
+        elif self.throttled and buffer_size < per_step:
+            self._set_throttle(d, step, False, "the buffer fell below one trainer step")
+
+    def _stall(self, d: Decision, poll: dict, step: int, now: float) -> None:
+        """No trainer step for stall_timeout_s fails the run, naming the role that is stuck."""
+        if step > self.last_step:
+            self.last_step, self.last_progress = step, now
+        elif now - self.last_progress > self.sup.stall_timeout_s and not poll.get("done"):
+            self._fail(
+                d,
+                step,
+                "stall",
+                f"no trainer step for {now - self.last_progress:.0f} s "
+                f"(supervision.stall_timeout_s={self.sup.stall_timeout_s:g}); stuck: {self.stuck_role(poll)}",
+            )
+
+    def stuck_role(self, poll: dict) -> str:
+        workers = poll.get("rollout") or []
+        buffer_size = int((poll.get("buffer") or {}).get("size", 0))
+        if workers and not any(w.get("alive", True) for w in workers):
+            return "rollout (every rollout worker is down)"
+        if buffer_size >= self.cfg.trainer.prompts_per_step:
+            return (
+                f"trainer (the buffer holds {buffer_size} group(s), enough for a step, but the trainer does not "
+                f"step; trainer stats: {poll.get('trainer')})"
+            )
+        if self.throttled:
+            return f"rollout (admission paused by the flow: {self.throttle_reason})"
+        return (
+            f"rollout (only {buffer_size} group(s) reached the buffer; queue: {poll.get('queue')}; "
+            f"workers busy: {[round(float(w.get('busy_frac', 0.0)), 2) for w in workers]})"
+        )
+
+    # ------------------------------------------------------------------ helpers
+    def _event(self, d: Decision, step: int, kind: str, severity: str, action: str, detail: str) -> None:
+        ev = HealthEvent(step, kind, severity, action, detail)
+        d.events.append(ev)
+        self.events.append(ev)
+
+    def _fail(self, d: Decision, step: int, kind: str, message: str) -> None:
+        d.fail = message
+        self._event(d, step, kind, "error", "fail", message)
+
+    def _set_throttle(self, d: Decision, step: int, paused: bool, reason: str) -> None:
+        if paused == self.throttled:
+            return
+        self.throttled, self.throttle_reason = paused, (reason if paused else None)
+        d.throttle = paused
+        self._event(
+            d,
+            step,
+            "throttle" if paused else "unthrottle",
+            "info",
+            "paused rollout admission" if paused else "resumed rollout admission",
+            reason,
+        )
+
+
+class Supervisor:
+    """One supervision tick: advance (sync mode), poll, check health, report the events, act on the decision.
+
+    `runtime` is a DistributedRun (or anything with its control methods); `report(event)` is called for
+    every HealthEvent before the decision is applied, so a failure is reported before it is raised.
+    """
+
+    def __init__(
+        self, cfg: TrainConfig, runtime, start_step: int = 0, report: Optional[Callable[[HealthEvent], None]] = None
+    ):
+        self.cfg = cfg
+        self.runtime = runtime
+        self.monitor = HealthMonitor(cfg, start_step=start_step)
+        self.report = report or (lambda event: None)
+
+    @property
+    def events(self) -> list[HealthEvent]:
+        return self.monitor.events
+
+    def tick(self) -> dict:
+        """Returns the poll. Raises SupervisionError when a health limit is exceeded."""
+        self.runtime.advance()  # sync mode: one lockstep generate -> train -> sync step; async: nothing
+        poll = self.runtime.poll()
+        decision = self.monitor.check(poll)
+        for event in decision.events:
+            self.report(event)
+        self.apply(decision)
+        return poll
+
+    def apply(self, d: Decision) -> None:
+        if d.fail:
+            raise SupervisionError(d.fail)
+        if d.request_sync:
+            self.runtime.request_sync()
+        if d.throttle is not None:
+            self.runtime.throttle(d.throttle)
+        if d.admission_window is not None:
+            self.runtime.set_admission_window(d.admission_window)
+        if self.cfg.runtime.mode == "async" and not self.monitor.throttled:
+            self.runtime.top_up_prompts(d.top_up)

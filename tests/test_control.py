@@ -1,0 +1,102 @@
+"""The runtime's control objects and transport packing, in plain Python: no Ray started, none imported."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from rlhf_core.distributed.control import ExperienceBuffer, PromptQueue, WeightStore, busy_fraction
+from rlhf_core.distributed.transport import group_rows, pack_groups, pack_state_dict, unpack_groups, unpack_state_dict
+from tests.test_buffer import make_experience
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_control_and_transport_import_no_ray():
+    code = (
+        "import sys; import rlhf_core.distributed.control, rlhf_core.distributed.transport, rlhf_core.loop; "
+        "assert 'ray' not in sys.modules, 'ray was imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=120)
+
+
+def test_prompt_queue_refills_itself_and_resumes_its_position(max3_prompts):
+    train, _ = max3_prompts
+    q = PromptQueue(train, seed=3)
+    assert q.top_up(5) == 5 and q.size() == 5
+    first = q.get(3)  # served from what the flow scheduled
+    state = q.state_dict()
+    assert state["queued"] == [p.uid for p in q.queue] and len(state["queued"]) == 2
+    rest = q.get(6)  # 2 queued + 4 refilled from the source itself
+    assert len(rest) == 6 and q.stats()["served"] == 9 and q.stats()["scheduled"] == 9
+
+    again = PromptQueue(train, seed=3)
+    again.load_state_dict(state)  # queued prompts first, then the same source order
+    assert [p.uid for p in again.get(6)] == [p.uid for p in rest]
+    assert len({p.uid for p in first} | {p.uid for p in rest}) == 9  # no prompt served twice in an epoch
+
+
+def test_weight_store_keeps_the_newest_version_only():
+    store = WeightStore()
+    assert store.get_if_newer(-1) is None
+    store.publish(2, ["ref2"], 0.5)
+    store.publish(1, ["ref1"], 0.1)  # a late publish of an older version does not win
+    assert store.get_if_newer(0) == (2, ["ref2"]) and store.get_if_newer(2) is None
+    assert store.stats() == {"version": 2, "published": 2, "publish_s_mean": 0.3}
+
+
+def test_busy_fraction_is_bounded():
+    assert busy_fraction(5.0, None) == 0.0
+    assert busy_fraction(1e9, 0.0) == 1.0
+
+
+def test_state_dict_packing_round_trips_bfloat16():
+    sd = {"a": torch.randn(3, 4), "b": torch.randn(5).to(torch.bfloat16), "c": torch.arange(4)}
+    back = unpack_state_dict(pack_state_dict(sd))
+    for k in sd:
+        assert back[k].dtype == sd[k].dtype and torch.equal(back[k], sd[k])
+
+
+def test_group_packing_round_trips():
+    groups = [make_experience(i, v, [1.0, 0.0, 0.5]) for i, v in enumerate([2, 3])]
+    packed = pack_groups(groups)
+    assert [group_rows(g) for g in packed] == [3, 3]
+    back = unpack_groups(packed)
+    for a, b in zip(groups, back):
+        assert (a.prompt_id, a.policy_version) == (b.prompt_id, b.policy_version)
+        assert torch.equal(a.batch.response_ids, b.batch.response_ids) and torch.equal(a.batch.rewards, b.batch.rewards)
+
+
+def test_experience_buffer_prefetch_take_and_give_back_keep_the_bound_and_the_accounting():
+    """The trainer's prefetch: take for version V + 1 while V trains; give back an untrained batch."""
+    buf = ExperienceBuffer(max_size=16, max_staleness=1, prompts_per_step=2, admission=False)
+    buf.set_version(3)
+    buf.push(pack_groups([make_experience(i, v, [1.0, 0.0]) for i, v in enumerate([2, 3, 3, 4])]))
+    got = unpack_groups(buf.take(2, timeout_s=0.1, for_version=4))  # for consumer version 4: version 2 is stale
+    assert [g.policy_version for g in got] == [3, 3]
+    assert all(4 - g.policy_version <= 1 for g in got)
+    assert buf.stats()["version"] == 3 and buf.stats()["evicted_stale"] == 1  # asking ahead moves nothing
+    assert buf.give_back(pack_groups(got)) == 2
+    s = buf.stats()
+    assert (s["sampled"], s["size"], s["given_back"]) == (0, 3, 2)
+    assert s["pushed"] == s["sampled"] + s["evicted_stale"] + s["dropped_overflow"] + s["size"]
+    assert [g.prompt_id for g in unpack_groups(buf.take(3, timeout_s=0.1))] == [1, 2, 3]
+    buf.advance(5)
+    buf.advance(4)  # reported out of order: never moves back
+    assert buf.stats()["version"] == 5
+
+    # tau = 0 and a step that does not count: the prefetch asked for V + 1, which never comes; the trainer
+    # takes for V again and finds V's data, because asking ahead did not make the buffer refuse it
+    strict = ExperienceBuffer(max_size=16, max_staleness=0, prompts_per_step=2, admission=False)
+    strict.set_version(3)
+    assert strict.take(2, timeout_s=0.05, for_version=4) == []
+    assert strict.push(pack_groups([make_experience(i, 3, [1.0, 0.0]) for i in range(2)])) == 2
+    assert [g.policy_version for g in unpack_groups(strict.take(2, timeout_s=0.1, for_version=3))] == [3, 3]
+
+    admission = ExperienceBuffer(max_size=16, max_staleness=0, prompts_per_step=2)
+    assert admission.try_admit(2) and not admission.try_admit(1)  # capacity (0 + 0 + 1) x 2 groups
+    admission.release(2)
+    assert admission.try_admit(2) and admission.stats()["admitted"] == 2
