@@ -116,7 +116,7 @@ def make_prompts(n: int, vocab: int, seed: int) -> PromptBatch:
 def bench_generation(model, spec: dict, n: int, T: int, rounds: int, budget_s: float = 60.0) -> dict:
     """Time both samplers; at least 3 rounds, at most `rounds`, stopping early once `budget_s` is spent."""
     prompts = make_prompts(n, spec["vocab"], seed=n)
-    engine = HFEngine(model, eos_token_id=spec["vocab"] + 100, pad_token_id=PAD, seed=0)
+    engine = HFEngine(model, stop_token_ids=spec["vocab"] + 100, pad_token_id=PAD, seed=0)
     sampling = SamplingParams(max_new_tokens=T, temperature=1.0, top_p=1.0, top_k=0)
     attention_mask = prompts.prompt_mask.long()
 

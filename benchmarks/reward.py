@@ -13,6 +13,16 @@ synthetic task's default reward) on the same batch, for reference.
     python benchmarks/reward.py            # table
     python benchmarks/reward.py --json     # one JSON object on stdout, nothing else
     python benchmarks/reward.py --quick    # fewer shapes and repeats
+    python benchmarks/reward.py --text     # also: GSM8K answers matched as TEXT (byte-level BPE), see below
+
+--text times, at B=256 L=1024 (and B=64 L=256), the configured `answer_after_marker` reward as training
+builds it (`build_reward_fn`, reward.match='text': tokens -> bytes on the device, last '####' however it
+was split, number normalised) against decode + GSM8K regex (ids to host, trim at the first stop token,
+`batch_decode(skip_special_tokens=True)` with the chat test model's byte-level BPE tokenizer, the number
+after the last '####' by regex, '$' ',' and a trailing '.' / '.0' removed, compared with the answer).
+Data: random tokens of that vocabulary, then '#### <answer>' written in a random form ('72', '$72', '72.',
+'7.0', '1,000') and a random tokenization (the encoder's, byte by byte, marker split '##' '##'), a wrong
+number in a quarter of the rows, then <|im_end|> and padding. Both must agree on every row.
 """
 
 from __future__ import annotations
@@ -35,6 +45,8 @@ from rlhf_core.reward import exact_match_reward, pack_patterns, tensor_native_re
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/machine.py, also when imported
 from machine import cpu_model  # noqa: E402
+
+from rlhf_core.reward.text import _gpt2_byte_decoder  # noqa: E402
 
 TARGETS = {"shape": {"B": 256, "L": 1024}, "speedup_vs_regex": 20.0, "speedup_vs_loop": 2.0}
 PAD, EOS, UNK = 0, 1, 2
@@ -108,6 +120,97 @@ def median_ms(fn, repeats: int, budget_s: float) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times) * 1e3
+
+
+GSM8K_NUMBER = re.compile(r"####\s*\$?\s*(-?[0-9][0-9,]*(?:\.[0-9]*)?)")
+
+
+def _gsm8k_canonical(s: str) -> str:
+    s = s.replace(",", "").rstrip(".")
+    if "." in s:
+        s = s.rstrip("0").rstrip(".")
+    return s
+
+
+def decode_gsm8k_reward(response_ids, answers, tokenizer, stop_ids):
+    """Decode + regex: ids to host, trim at the first stop, decode, the number after the LAST '####'."""
+    out = []
+    for row, answer in zip(response_ids.tolist(), answers):
+        cut = min([row.index(s) for s in stop_ids if s in row], default=len(row))
+        text = tokenizer.decode(row[:cut], skip_special_tokens=True)
+        found = GSM8K_NUMBER.findall(text)
+        out.append(1.0 if found and _gsm8k_canonical(found[-1]) == _gsm8k_canonical(answer) else 0.0)
+    return torch.tensor(out)
+
+
+def make_gsm8k_batch(tokenizer, B: int, L: int, seed: int):
+    """Random-token responses ending in '#### <answer>' in random forms and tokenizations; see --text."""
+    import random
+
+    rng = random.Random(seed)
+    vocab = tokenizer.get_vocab()
+    byte_char = {b: c for c, b in _gpt2_byte_decoder().items()}
+    specials = set(tokenizer.all_special_ids)
+    normal = [i for i in range(len(tokenizer)) if i not in specials]
+    im_end, pad = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.pad_token_id or 0
+    rows, answers = [], []
+    for b in range(B):
+        n = rng.randrange(1, 5000)
+        answer = str(n)
+        written = rng.choice([answer, "$" + answer, answer + ".", answer + ".0", f"{n:,}"])
+        if b % 4 == 3:
+            written = str(n + 1)
+        text = " #### " + written
+        form = rng.randrange(3)
+        if form == 0:
+            tail = tokenizer.encode(text, add_special_tokens=False)
+        elif form == 1:
+            tail = [vocab[byte_char[c]] for c in text.encode()]
+        else:
+            tail = [vocab[byte_char[32]], vocab["##"], vocab["##"]] + tokenizer.encode(
+                text[5:], add_special_tokens=False
+            )
+        body = rng.randrange(L // 8, L - len(tail) - 1)
+        row = [rng.choice(normal) for _ in range(body)] + tail + [im_end]
+        rows.append(row + [pad] * (L - len(row)))
+        answers.append(answer)
+    return torch.tensor(rows, dtype=torch.long), answers
+
+
+def run_text(quick: bool) -> list[dict]:
+    import tempfile
+
+    from rlhf_core.chat_model import build_chat_policy
+    from rlhf_core.config import RewardConfig
+    from rlhf_core.models import load_policy
+    from rlhf_core.reward import build_reward_fn, patterns_from_texts
+
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as d:
+        tokenizer = load_policy(build_chat_policy(d, style="instruct", layers=1, hidden=32, heads=2), "float32", "cpu")[
+            1
+        ]
+    stops = [tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")]
+    reward = build_reward_fn(RewardConfig(components={"answer_after_marker": 1.0}), tokenizer, stops, 1024)
+    repeats, budget = (5, 0.5) if quick else (21, 3.0)
+    results = []
+    for B, L in [(64, 256), (256, 1024)]:
+        ids, answers = make_gsm8k_batch(tokenizer, B, L, seed=B + L)
+        patterns = patterns_from_texts(tokenizer, answers)  # once per prompt batch, as the data layer does
+        ours = reward(ids, patterns)[0]
+        base = decode_gsm8k_reward(ids, answers, tokenizer, stops)
+        row = {
+            "B": B,
+            "L": L,
+            "vocab_size": len(tokenizer),
+            "match_rate": float(ours.mean()),
+            "agree_decode_regex": float((ours == base).float().mean()),
+            "text_ms": median_ms(lambda: reward(ids, patterns), repeats, budget),
+            "decode_regex_ms": median_ms(lambda: decode_gsm8k_reward(ids, answers, tokenizer, stops), repeats, budget),
+        }
+        row["speedup_vs_decode_regex"] = row["decode_regex_ms"] / row["text_ms"]
+        results.append(row)
+    return results
 
 
 def run(quick: bool) -> dict:
@@ -199,7 +302,32 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object of all figures, nothing else")
     parser.add_argument("--quick", action="store_true", help="two shapes, few repeats")
+    parser.add_argument("--text", action="store_true", help="only the GSM8K text-matching comparison")
     args = parser.parse_args(argv)
+    if args.text:
+        report = {
+            "benchmark": "reward_text",
+            "date": date.today().isoformat(),
+            "cpu": cpu_model(),
+            "torch": torch.__version__,
+        }
+        report["results"] = run_text(args.quick)
+        report["target_speedup_vs_decode_regex"] = TARGETS["speedup_vs_regex"]
+        if args.json:
+            print(json.dumps(report))
+        else:
+            print(
+                f"GSM8K answer_after_marker as text vs decode + regex, {report['cpu']}, 1 thread, "
+                f"torch {report['torch']}"
+            )
+            for r in report["results"]:
+                print(
+                    f"B={r['B']:>4} L={r['L']:>5} vocab {r['vocab_size']}: text {r['text_ms']:.2f} ms, decode+regex "
+                    f"{r['decode_regex_ms']:.1f} ms, x{r['speedup_vs_decode_regex']:.1f}, "
+                    f"agree {r['agree_decode_regex']:.0%}, "
+                    f"match rate {r['match_rate']:.2f}"
+                )
+        return
     report = run(args.quick)
     if args.json:
         print(json.dumps(report))

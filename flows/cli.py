@@ -2,6 +2,7 @@
 
     atrlhf train [--config PATH] [--set key=value ...] [--resume-from RUN_ID_OR_CHECKPOINT]
     atrlhf evaluate --checkpoint PATH_OR_RUN_ID [--config PATH] [--set key=value ...]
+    atrlhf score --input FILE.jsonl [--config PATH] [--set key=value ...] [--json]
 
 The config is validated before anything else is imported or started: a bad field exits with status 2 and
 a message naming it. Prefect, Ray and MLflow are imported inside the commands only, so a bad command line
@@ -13,12 +14,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Optional
 
-from rlhf_core.config import ConfigError, TrainConfig, load_config
+from rlhf_core.config import RUN_CONFIG_FILE, ConfigError, TrainConfig, load_config
 
 EXIT_CONFIG = 2
 EXIT_FAILED = 1
@@ -59,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Asynchronous RL fine-tuning of language models "
         "(PPO/GRPO/M2PO) on Ray, supervised by Prefect, tracked in MLflow.",
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,evaluate}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,evaluate,score}")
     t = sub.add_parser(
         "train",
         help="run the training flow locally (Prefect, Ray, MLflow)",
@@ -87,6 +90,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="checkpoint directory, exported model directory, or MLflow run id",
     )
     e.add_argument("--json", action="store_true", help="print one JSON object instead of a sentence")
+    s = sub.add_parser(
+        "score",
+        help="score responses by hand with the configured reward",
+        description="Score responses with the config's reward exactly as training does (the same tokenizer, stop "
+        "set, answer tokenization and reward components) and print every component per line and the means. "
+        "Each JSONL line holds the answer (under data.answer_key, default 'answer'; data.answer_after_marker "
+        "applies) and either 'response' (text, tokenized with the model's tokenizer with NO special tokens "
+        "added; special-token text such as <|im_end|> in it becomes that token) or 'response_ids' (token ids). "
+        "Responses are the generated tokens only, without the prompt.",
+    )
+    _add_config_args(s)
+    s.add_argument("--input", required=True, metavar="FILE.jsonl", help="responses and answers, one JSON object a line")
+    s.add_argument("--json", action="store_true", help="print one JSON object (rows and means) instead of a table")
     return parser
 
 
@@ -105,22 +121,52 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         os.environ.setdefault(key, value)
     if args.command == "train":
         return cmd_train(cfg, args.resume_from)
+    if args.command == "score":
+        return cmd_score(cfg, args.input, as_json=args.json)
+    run_config = _run_config_of(args.checkpoint) if args.config is None else None
+    if run_config is not None:  # the config the policy was trained with, unless the user names one
+        try:
+            cfg = load_config(run_config, _overrides(args.overrides))
+        except ConfigError as exc:
+            print(f"atrlhf: the run's own config {run_config} does not load ({exc}); pass --config", file=sys.stderr)
+            return EXIT_CONFIG
+        print(f"atrlhf: using the run's config {run_config} (pass --config to use another)", file=sys.stderr)
     return cmd_evaluate(cfg, args.checkpoint, as_json=args.json)
 
 
+def _run_config_of(target: str) -> Optional[Path]:
+    """train_config.yaml inside a checkpoint or exported policy directory, if there is one."""
+    candidate = Path(target).expanduser() / RUN_CONFIG_FILE
+    return candidate if candidate.is_file() else None
+
+
 # ------------------------------------------------------------------------------------------------ train
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def cmd_train(cfg: TrainConfig, resume_from: Optional[str]) -> int:
+    """Run the flow in this process. SIGTERM ends it like Ctrl-C: the runtime is torn down, the MLflow run
+    ends KILLED, and the temporary Prefect API (when no API is configured) is stopped last."""
+    from flows.local_api import local_prefect_api
     from flows.train import train  # imports prefect, mlflow (through tasks); ray is imported at launch
 
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
-        state = train(config=cfg, resume_from=resume_from, return_state=True)
-    except KeyboardInterrupt:
-        print("\natrlhf: interrupted; the runtime was torn down and the MLflow run ended KILLED.", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    flow_run_id = str(state.state_details.flow_run_id) if state.state_details.flow_run_id else None
-    result = state.result(raise_on_failure=False)
-    ok = state.is_completed() and isinstance(result, dict)
-    print(_train_summary(cfg, state, result if ok else None, flow_run_id))
+        with local_prefect_api() as temporary_api:
+            try:
+                state = train(config=cfg, resume_from=resume_from, return_state=True)
+            except KeyboardInterrupt:
+                print(
+                    "\natrlhf: interrupted; the runtime was torn down and the MLflow run ended KILLED.", file=sys.stderr
+                )
+                return EXIT_INTERRUPTED
+            flow_run_id = str(state.state_details.flow_run_id) if state.state_details.flow_run_id else None
+            result = state.result(raise_on_failure=False)
+            ok = state.is_completed() and isinstance(result, dict)
+            print(_train_summary(cfg, state, result if ok else None, flow_run_id, temporary_api is not None))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     if ok:
         return 0
     if state.is_cancelled():
@@ -130,13 +176,13 @@ def cmd_train(cfg: TrainConfig, resume_from: Optional[str]) -> int:
     return EXIT_FAILED
 
 
-def _prefect_location(flow_run_id: Optional[str]) -> tuple[str, str]:
+def _prefect_location(flow_run_id: Optional[str], temporary_api: bool = False) -> tuple[str, str]:
     """(where the records are, how to see them)."""
     from prefect.settings import get_current_settings
 
     settings = get_current_settings()
     api = settings.api.url
-    if api:
+    if api and not temporary_api:
         ui = (settings.ui_url or api.rsplit("/api", 1)[0]).rstrip("/")
         return f"the Prefect API at {api}", f"{ui}/runs/flow-run/{flow_run_id}" if flow_run_id else ui
     home = Path(str(settings.home)).expanduser()
@@ -146,10 +192,12 @@ def _prefect_location(flow_run_id: Optional[str]) -> tuple[str, str]:
     )
 
 
-def _train_summary(cfg: TrainConfig, state, result: Optional[dict], flow_run_id: Optional[str]) -> str:
+def _train_summary(
+    cfg: TrainConfig, state, result: Optional[dict], flow_run_id: Optional[str], temporary_api: bool = False
+) -> str:
     from tasks.tracking import resolve_tracking_uri, ui_command
 
-    where, see = _prefect_location(flow_run_id)
+    where, see = _prefect_location(flow_run_id, temporary_api)
     uri = (result or {}).get("mlflow_tracking_uri") or resolve_tracking_uri(cfg)
     lines = [
         "",
@@ -160,6 +208,12 @@ def _train_summary(cfg: TrainConfig, state, result: Optional[dict], flow_run_id:
         lines += [
             f"  held-out accuracy   {result['eval/accuracy_start']:.3f} at the start -> {result['eval/accuracy']:.3f} "
             f"after {result['steps']} steps",
+        ]
+        if "reward/mean" in result:  # what the training reward is made of: correctness apart from format
+            from tasks.supervision import reward_breakdown
+
+            lines.append(f"  train reward        {reward_breakdown(result)} at the last step")
+        lines += [
             f"  final checkpoint    {result['checkpoint']}",
             f"  exported policy     {result['export']}  (rlhf_core.models.load_policy loads it)",
             f"  MLflow run          {result['mlflow_run_id']}  (experiment '{cfg.tracking.experiment}', {uri})",
@@ -174,7 +228,7 @@ def _train_summary(cfg: TrainConfig, state, result: Optional[dict], flow_run_id:
 
 
 # --------------------------------------------------------------------------------------------- evaluate
-def resolve_policy(cfg: TrainConfig, target: str) -> tuple[Path, Optional[Path]]:
+def resolve_policy(cfg: TrainConfig, target: str, scratch: Optional[Path] = None) -> tuple[Path, Optional[Path]]:
     """(Hugging Face policy directory, checkpoint directory or None) for a path or an MLflow run id.
 
     A checkpoint holds weights only: its architecture comes from model.path, or for the tiny default
@@ -186,7 +240,7 @@ def resolve_policy(cfg: TrainConfig, target: str) -> tuple[Path, Optional[Path]]
     if path.is_dir() and (path / "config.json").is_file():
         return path, None
     if path.is_dir() and (path / "policy.safetensors").is_file():
-        beside = path.parent.parent / "tiny_policy"
+        beside = path.parent.parent / ("tiny_chat_policy" if cfg.model.tiny_kind == "chat" else "tiny_policy")
         if not cfg.model.path and (beside / "config.json").is_file():
             return beside, path
         return resolve_policy_dir(cfg), path
@@ -195,7 +249,7 @@ def resolve_policy(cfg: TrainConfig, target: str) -> tuple[Path, Optional[Path]]
 
         uri = resolve_tracking_uri(cfg)
         try:
-            return download_logged_policy(target, uri), None
+            return download_logged_policy(target, uri, scratch), None
         except Exception as exc:  # MlflowException and friends: name the run and the store
             raise FileNotFoundError(
                 f"--checkpoint {target!r}: no logged model for that MLflow run in {uri} "
@@ -216,7 +270,7 @@ def evaluate_policy(cfg: TrainConfig, policy_dir: Path, checkpoint: Optional[Pat
     if checkpoint is not None:
         load_checkpoint(checkpoint, model)
     _, heldout = build.build_prompts(cfg, tokenizer)
-    result = build.build_evaluator(cfg, model, tokenizer, heldout)()
+    result = build.build_evaluator(cfg, model, tokenizer, policy_dir, heldout)()
     result["eval/prompts"] = len(heldout)
     return result
 
@@ -226,8 +280,9 @@ def cmd_evaluate(cfg: TrainConfig, target: str, as_json: bool = False) -> int:
     from rlhf_core.models import ModelLoadError
 
     try:
-        policy_dir, checkpoint = resolve_policy(cfg, target)
-        result = evaluate_policy(cfg, policy_dir, checkpoint)
+        with tempfile.TemporaryDirectory(prefix="atrlhf-model-") as scratch:  # a downloaded policy goes with it
+            policy_dir, checkpoint = resolve_policy(cfg, target, scratch=Path(scratch))
+            result = evaluate_policy(cfg, policy_dir, checkpoint)
     except (FileNotFoundError, CheckpointError, ModelLoadError) as exc:
         print(f"atrlhf: {exc}", file=sys.stderr)
         return EXIT_FAILED
@@ -238,6 +293,69 @@ def cmd_evaluate(cfg: TrainConfig, target: str, as_json: bool = False) -> int:
             f"held-out accuracy {result['eval/accuracy']:.3f} (mean reward {result['eval/reward_mean']:.3f}) on "
             f"{result['eval/prompts']} {cfg.data.task} prompts — {checkpoint or policy_dir}"
         )
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------ score
+def read_score_input(path: str | Path, answer_key: str = "answer") -> list[dict]:
+    """[{'line', 'where', 'answer', 'response' or 'response_ids'}] of a score input file; DatasetError names
+    file:line (not UTF-8, invalid JSON, a missing key with the keys found, both or neither response form)."""
+    from rlhf_core.data import DatasetError, read_jsonl
+
+    rows = []
+    for lineno, where, row in read_jsonl(path):
+        if answer_key not in row:
+            raise DatasetError(
+                f"{where}: no {answer_key!r} key (the line has keys {sorted(row)}); write the answer under "
+                f"{answer_key!r} or set data.answer_key"
+            )
+        given = [k for k in ("response", "response_ids") if k in row]
+        if len(given) != 1:
+            raise DatasetError(
+                f"{where}: needs exactly one of 'response' (text) or 'response_ids' (token ids); the line has keys "
+                f"{sorted(row)}"
+            )
+        value = row[given[0]]
+        if given[0] == "response" and not isinstance(value, str):
+            raise DatasetError(f"{where}: 'response' must be a string, got {type(value).__name__}")
+        if given[0] == "response_ids" and not isinstance(value, list):
+            raise DatasetError(f"{where}: 'response_ids' must be a list of token ids, got {type(value).__name__}")
+        rows.append({"line": lineno, "where": where, "answer": row[answer_key], given[0]: value})
+    if not rows:
+        raise DatasetError(f"{path} has no lines to score")
+    return rows
+
+
+def cmd_score(cfg: TrainConfig, input_path: str, as_json: bool = False) -> int:
+    """Score the responses of `input_path` with cfg's reward (rlhf_core.reward.Scorer); 1 on bad input."""
+    from rlhf_core.data import DatasetError
+    from rlhf_core.models import ModelLoadError
+    from rlhf_core.reward import Scorer
+
+    try:
+        rows = read_score_input(input_path, cfg.data.answer_key)
+        scorer = Scorer(cfg)
+        ids = [scorer.tokenize(r["response"]) if "response" in r else r["response_ids"] for r in rows]
+        scores = scorer.score(ids, [r["answer"] for r in rows], where=[r["where"] for r in rows])
+    except (DatasetError, ModelLoadError, ValueError) as exc:
+        print(f"atrlhf: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    names = list(scores)  # "total", then the components in config order
+    means = {name: sum(values) / len(values) for name, values in scores.items()}
+    if as_json:
+        out_rows = [
+            {"line": r["line"], "tokens": len(t), **{name: scores[name][i] for name in names}}
+            for i, (r, t) in enumerate(zip(rows, ids))
+        ]
+        print(json.dumps({"input": str(input_path), "rows": out_rows, "mean": means, "count": len(rows)}))
+        return 0
+    weights = " + ".join(f"{w:g} x {name}" for name, w in cfg.reward.components.items())
+    print(f"{input_path}: {len(rows)} responses; total = {weights}")
+    width = max(len(n) for n in names)
+    print("  line  tokens  " + "  ".join(f"{n:>{width}}" for n in names))
+    for i, (r, t) in enumerate(zip(rows, ids)):
+        print(f"{r['line']:>6}  {len(t):>6}  " + "  ".join(f"{scores[n][i]:>{width}.3f}" for n in names))
+    print("  mean" + " " * 10 + "  ".join(f"{means[n]:>{width}.3f}" for n in names))
     return 0
 
 

@@ -33,9 +33,9 @@ from prefect.states import Cancelled
 
 from rlhf_core.config import TrainConfig, validate_config
 from rlhf_core.supervision import HealthEvent, Supervisor
-from tasks.checkpoints import ResumeTarget, export_policy, resolve_resume, save_checkpoint
-from tasks.cluster import evaluate_heldout, launch_runtime, teardown_runtime
-from tasks.supervision import CancelWatch, event_rows, progress_line
+from tasks.checkpoints import ResumeTarget, export_policy, record_checkpoint, resolve_resume, save_checkpoint
+from tasks.cluster import evaluate_heldout, launch_runtime, teardown_runtime, warm_start_policy
+from tasks.supervision import CancelWatch, event_rows, progress_line, reward_component_keys
 from tasks.tracking import MlflowTracker, log_model, log_plots, run_url, start_tracking, ui_command
 
 CANCEL_CHECK_INTERVAL_S = 1.0
@@ -48,7 +48,7 @@ def train(config: TrainConfig = TrainConfig(), resume_from: Optional[str] = None
 
     `config` is the whole run (rlhf_core.config.TrainConfig; a dict is validated the same way and a bad
     field fails the run before anything starts). `resume_from` is a checkpoint directory or an MLflow run
-    id (its newest checkpoint is downloaded, and logging continues in that MLflow run).
+    id (its newest complete checkpoint is downloaded; the resumed run is a new MLflow run that names it).
 
     Returns the final metrics, eval/accuracy_start and eval/accuracy, the MLflow run id, and the
     checkpoint and export paths.
@@ -65,6 +65,7 @@ def train(config: TrainConfig = TrainConfig(), resume_from: Optional[str] = None
             flow_run_id,
             resume.mlflow_run_id,
             tags={"prefect.flow_run_name": current_flow_run.name or "", "resumed_from": resume_from or ""},
+            resume_step=resume.step if resume.checkpoint else None,
         )
         _link_mlflow_run(resources.tracker, flow_run_id, logger)
         run = RunState(cfg, resources.runtime, resources.tracker, logger, step=info["step"])
@@ -163,6 +164,8 @@ def evaluate_at_start(run: RunState, resume: ResumeTarget) -> None:
     run.eval_start = first["eval/accuracy"]
     run.evals.append({**first, "step": run.step})
     run.tracker.log_metrics_at({**first, "eval/accuracy_start": run.eval_start}, run.step)
+    if run.cfg.trainer.warm_start_steps:
+        run.tracker.log_metrics_at(warm_start_policy(run.runtime, run.cfg.trainer.warm_start_steps), run.step)
 
 
 def supervise(run: RunState, cancel: CancelWatch) -> bool:
@@ -185,11 +188,15 @@ def supervise(run: RunState, cancel: CancelWatch) -> bool:
         cfg.algorithm.loss,
         cfg.rollout.num_workers,
     )
+    run.runtime.run_facts = run.checkpoint_facts  # the async trainer writes its own checkpoints with these
     run.runtime.start()
     while True:
         poll = supervisor.tick()
         _record(run, poll)
-        if checkpoints.due(run.step) and run.step < total:
+        if cfg.runtime.mode == "async":  # written by the trainer at exact multiples of checkpoint_every
+            for written in run.runtime.new_checkpoints():
+                record_checkpoint(run.tracker, written["path"], written["step"])
+        elif checkpoints.due(run.step) and run.step < total:  # lockstep: the step is exact already
             save_checkpoint(run.runtime, cfg, run.step, run.tracker, run=run.checkpoint_facts)
         if evaluations.due(run.step) and run.step < total:
             _evaluate(run)
@@ -214,6 +221,8 @@ def supervise(run: RunState, cancel: CancelWatch) -> bool:
 
     run.runtime.stop()
     _record(run, run.runtime.poll())
+    for written in run.runtime.new_checkpoints():  # written between the last poll and the stop
+        record_checkpoint(run.tracker, written["path"], written["step"])
     update_progress_artifact(artifact_id=progress_id, progress=100.0)
     return True
 
@@ -225,7 +234,7 @@ def finish(run: RunState) -> dict:
     checkpoint = save_checkpoint(run.runtime, cfg, run.step, tracker, run=run.checkpoint_facts)
     exported = export_policy(run.runtime, cfg)
     if cfg.tracking.log_model:
-        log_model(tracker, exported)
+        log_model(tracker, exported, step=run.step)
     log_plots(tracker, run.history, (run.final_poll.get("trainer") or {}).get("staleness_hist") or {}, run.evals)
     rows = event_rows(run.events)
     tracker.log_dict(rows, "health_events.json")
@@ -348,6 +357,7 @@ def _summary_markdown(cfg: TrainConfig, result: dict, tracker: MlflowTracker) ->
         "eval/accuracy",
         "eval/reward_mean",
         "reward/mean",
+        *reward_component_keys(result),  # what the reward is made of: correctness apart from format
         "loss/policy",
         "policy/entropy",
         "async/staleness_mean",
@@ -368,6 +378,15 @@ def _summary_markdown(cfg: TrainConfig, result: dict, tracker: MlflowTracker) ->
         "|---|---|",
         rows,
         "",
+    ]
+    if reward_component_keys(result):
+        weights = " + ".join(f"{w:g} x {name}" for name, w in cfg.reward.components.items())
+        lines += [
+            f"`reward/<component>`: each reward component's mean over the last step's batch, unweighted "
+            f"(`reward/mean` = {weights}).",
+            "",
+        ]
+    lines += [
         f"- MLflow run: `{tracker.run_id}` (experiment `{cfg.tracking.experiment}`, store `{tracker.uri}`): "
         f"[{url}]({url}) — open the UI with `{ui_command(tracker.uri)}`",
         f"- Final checkpoint: `{result['checkpoint']}`",

@@ -16,7 +16,7 @@ import torch
 from rlhf_core.config import TrainConfig
 from rlhf_core.data import Prompt, build_prompt_splits
 from rlhf_core.evaluation import Evaluator
-from rlhf_core.models import ensure_policy, load_policy, load_tokenizer
+from rlhf_core.models import ensure_policy, load_policy, load_tokenizer, stop_token_ids
 from rlhf_core.reward import build_reward_fn
 from rlhf_core.rollout import HFEngine, RolloutWorker, SamplingParams, build_engine
 from rlhf_core.trainer import Trainer
@@ -55,38 +55,47 @@ def build_policy(cfg: TrainConfig, policy_dir: str | Path):
 
 def build_prompts(cfg: TrainConfig, tokenizer) -> tuple[list[Prompt], list[Prompt]]:
     """(train, held-out) prompts, tokenized."""
-    return build_prompt_splits(cfg.data, tokenizer)
+    return build_prompt_splits(cfg.data, tokenizer, reward_cfg=cfg.reward)
 
 
-def build_reward(cfg: TrainConfig, tokenizer):
+def build_stop_ids(cfg: TrainConfig, tokenizer, policy_dir: str | Path) -> list[int]:
+    """The one stop set: generation_config.json's eos ids, the tokenizer's EOS and rollout.stop_token_ids.
+    Engines, rewards and evaluation all end a response at the first of these."""
+    return stop_token_ids(policy_dir, tokenizer, cfg.rollout.stop_token_ids)
+
+
+def build_reward(cfg: TrainConfig, tokenizer, stop_ids: list[int]):
     """The configured tensor-native reward: (response_ids, patterns) -> (total [N], components)."""
-    return build_reward_fn(cfg.reward, tokenizer, tokenizer.eos_token_id, cfg.rollout.max_new_tokens)
+    return build_reward_fn(cfg.reward, tokenizer, stop_ids, cfg.rollout.max_new_tokens)
 
 
 def build_rollout_worker(
     cfg: TrainConfig, model, tokenizer, policy_dir: str | Path, seed: int, reward_fn=None
 ) -> RolloutWorker:
-    """The configured engine over `model`, its reward and sampling settings."""
-    engine = build_engine(cfg, model, tokenizer, model_path=str(policy_dir), seed=seed)
+    """The configured engine over `model`, its reward and sampling settings, all with the one stop set."""
+    stop_ids = build_stop_ids(cfg, tokenizer, policy_dir)
+    engine = build_engine(cfg, model, tokenizer, model_path=str(policy_dir), seed=seed, stop_token_ids=stop_ids)
     return RolloutWorker(
         engine,
-        reward_fn or build_reward(cfg, tokenizer),
+        reward_fn or build_reward(cfg, tokenizer, stop_ids),
         SamplingParams.from_config(cfg.rollout),
         cfg.rollout.samples_per_prompt,
         tokenizer.pad_token_id,
         cfg.data.max_prompt_tokens,
+        component_names=list(cfg.reward.components),
     )
 
 
 def build_evaluator(
-    cfg: TrainConfig, model, tokenizer, heldout: list[Prompt], reward_fn=None, engine=None
+    cfg: TrainConfig, model, tokenizer, policy_dir: str | Path, heldout: list[Prompt], reward_fn=None, engine=None
 ) -> Evaluator:
     """Greedy held-out evaluation of `model` (through `engine` when given, else an HF engine over `model`)."""
-    engine = engine or HFEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id, seed=cfg.trainer.seed)
+    stop_ids = build_stop_ids(cfg, tokenizer, policy_dir)
+    engine = engine or HFEngine(model, stop_ids, tokenizer.pad_token_id, seed=cfg.trainer.seed)
     return Evaluator(
         engine,
         heldout,
-        reward_fn or build_reward(cfg, tokenizer),
+        reward_fn or build_reward(cfg, tokenizer, stop_ids),
         tokenizer.pad_token_id,
         cfg.rollout.max_new_tokens,
         cfg.data.max_prompt_tokens,

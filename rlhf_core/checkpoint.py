@@ -28,8 +28,9 @@ import numpy as np
 import torch
 import yaml
 
+from rlhf_core.config import RUN_CONFIG_FILE as CONFIG_FILE
+
 FORMAT_VERSION = 2
-CONFIG_FILE = "train_config.yaml"
 
 
 class CheckpointError(ValueError):
@@ -114,7 +115,7 @@ def save_checkpoint(path: str | Path, model, state: CheckpointState) -> Path:
     }
     (tmp / "meta.json").write_text(json.dumps(meta))
     if config is not None:
-        (tmp / CONFIG_FILE).write_text(yaml.safe_dump(config, sort_keys=False))
+        write_run_config(tmp, config)
     if final.exists():
         old = final.with_name(final.name + ".old")
         if old.exists():
@@ -216,6 +217,14 @@ def _is_tied(model, key: str, weights: dict) -> bool:
     sd = model.state_dict()
     ptr = sd[key].data_ptr()
     return any(sd[k].data_ptr() == ptr for k in weights if k in sd)
+
+
+def write_run_config(directory: str | Path, config: dict) -> Path:
+    """The run's config (TrainConfig.model_dump(mode="json")) as train_config.yaml in `directory`: every
+    checkpoint and every exported policy carries the config that produced it."""
+    path = Path(directory) / CONFIG_FILE
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
 
 
 def load_checkpoint(path: str | Path, model) -> CheckpointState:

@@ -9,17 +9,28 @@ Bad input fails with `ConfigError`, whose message names the dotted field path an
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+RUN_CONFIG_FILE = "train_config.yaml"  # the run's config, inside every checkpoint and exported policy
 
 
 class ConfigError(ValueError):
     """A configuration value is missing, unknown, of the wrong type or out of range."""
+
+
+MAX_LR = 1.0
+"""Largest trainer.lr accepted: above it AdamW diverges at once (1e38 overflows to inf in its update)."""
+MAX_SEQUENCE_TOKENS = 131072
+"""Largest rollout.max_new_tokens (and data.max_prompt_tokens) accepted before any model is loaded: the
+longest context of current open models. The model's own limit is checked at launch
+(rlhf_core.preflight.check_lengths)."""
 
 
 class _Section(BaseModel):
@@ -126,6 +137,11 @@ class RewardConfig(_Section):
         ge=0,
         description="Responses longer than this many tokens are penalised by the 'length_penalty' component (0 = max_new_tokens).",
     )
+    match: Literal["text", "tokens"] = Field(
+        "text",
+        description="How exact_match, contains, answer_after_marker and format compare: 'text' = as text on the "
+        "device, any tokenization, numbers normalised (docs/rewards.md); 'tokens' = the answers' token sequences.",
+    )
 
     @model_validator(mode="after")
     def _known_components(self) -> RewardConfig:
@@ -160,17 +176,25 @@ class ModelConfig(_Section):
     tiny_layers: int = Field(2, ge=1, description="Tiny default policy: number of transformer layers.")
     tiny_hidden: int = Field(128, ge=16, description="Tiny default policy: hidden width.")
     tiny_heads: int = Field(4, ge=1, description="Tiny default policy: attention heads.")
+    tiny_kind: Literal["word", "chat"] = Field(
+        "word",
+        description="Tiny default policy: 'word' (Llama, word-level tokenizer, synthetic tasks) or 'chat' (Qwen2, "
+        "byte-level BPE tokenizer trained locally, ChatML template, generation_config with two EOS ids).",
+    )
 
 
 class DataConfig(_Section):
     """Prompt source."""
 
-    task: Literal["max3", "sum2", "jsonl"] = Field(
-        "max3", description="Synthetic task ('max3': maximum of three digits; 'sum2': a+b) or a JSONL dataset."
+    task: Literal["max3", "sum2", "max3_chat", "jsonl"] = Field(
+        "max3",
+        description="Synthetic task ('max3': maximum of three digits; 'sum2': a+b; 'max3_chat': max3 in chat format, "
+        "answered after '####', for chat models) or a JSONL dataset.",
     )
     train_path: str = Field(
         "",
-        description="JSONL training prompts (task 'jsonl'): one object per line with 'prompt' or 'messages', and 'answer'.",
+        description="JSONL training prompts (task 'jsonl'): one UTF-8 object per line with 'prompt' or 'messages', "
+        "and 'answer' (key names: prompt_key, messages_key, answer_key).",
     )
     eval_path: str = Field(
         "", description="JSONL held-out prompts (task 'jsonl'); empty holds out eval_size rows of train_path."
@@ -181,6 +205,20 @@ class DataConfig(_Section):
     )
     max_prompt_tokens: int = Field(256, ge=1, description="Prompts longer than this are left-truncated.")
     system_prompt: str = Field("", description="System message for chat-template models (task 'jsonl').")
+    prompt_key: str = Field(
+        "prompt", min_length=1, description="JSONL: the key holding the prompt text (e.g. 'question' for raw GSM8K)."
+    )
+    messages_key: str = Field(
+        "messages",
+        min_length=1,
+        description="JSONL: the key holding chat messages [{role, content}] (used instead of prompt_key when present).",
+    )
+    answer_key: str = Field("answer", min_length=1, description="JSONL: the key holding the answer.")
+    answer_after_marker: bool = Field(
+        False,
+        description="The answer field holds a whole solution: score the text after its last reward.marker (raw "
+        "GSM8K lines {question, answer: '... #### 72'} load with prompt_key=question and this set).",
+    )
     seed: int = Field(0, description="Shuffling seed of the prompt source.")
 
 
@@ -197,6 +235,17 @@ class RolloutConfig(_Section):
     temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
     top_k: int = Field(0, ge=0, description="Top-k sampling (0 disables).")
+    min_p: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="Min-p sampling: drop tokens whose probability is below min_p x the most likely one's (0 disables).",
+    )
+    stop_token_ids: list[int] = Field(
+        default_factory=list,
+        description="Extra token ids that end a response, besides the tokenizer's EOS and every id of the model's "
+        "generation_config.json eos_token_id.",
+    )
     random_tokens_per_s: float = Field(
         0.0, ge=0, description="RandomEngine only: simulated generation rate (0 = as fast as possible)."
     )
@@ -215,7 +264,7 @@ class TrainerConfig(_Section):
     micro_batch_size: int = Field(
         64, ge=1, description="Sequences per forward/backward; gradients accumulate over micro-batches."
     )
-    lr: float = Field(3e-4, gt=0, description="AdamW peak learning rate.")
+    lr: float = Field(3e-4, gt=0, description=f"AdamW peak learning rate (at most {MAX_LR:g}).")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.99), description="AdamW betas.")
     grad_clip: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
@@ -223,9 +272,26 @@ class TrainerConfig(_Section):
     warmup_steps: int = Field(0, ge=0, description="Linear warmup steps.")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Cosine schedule floor as a fraction of lr.")
     warm_start_steps: int = Field(
-        0, ge=0, description="Supervised warm-start steps on training prompts before RL (reported openly; 0 = none)."
+        0,
+        ge=0,
+        description="Supervised steps that teach the answer format (not the task) before RL, on both runtimes "
+        "(reported as eval/accuracy_warm_start; 0 = none).",
+    )
+    warm_start_lr: Optional[float] = Field(
+        None, gt=0, le=1.0, description="AdamW learning rate of the warm start; None uses trainer.lr."
     )
     seed: int = Field(0, description="Seed for torch, sampling and initialisation.")
+
+    @field_validator("lr")
+    @classmethod
+    def _sane_lr(cls, lr: float) -> float:
+        # 1e38 passes gt=0 and then overflows inside AdamW; nothing above 1 is a learning rate anyone means
+        if not math.isfinite(lr) or lr > MAX_LR:
+            raise ValueError(
+                f"trainer.lr={lr:g} is not a usable learning rate: it must be at most {MAX_LR:g} "
+                "(RL fine-tuning uses about 1e-6 to 1e-4; the tiny demo 3e-4)"
+            )
+        return lr
 
 
 class RuntimeConfig(_Section):
@@ -264,6 +330,11 @@ class ClusterConfig(_Section):
     trainer_gpus: float = Field(0.0, ge=0, description="GPUs of the trainer (fractions allowed).")
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads per worker.")
     max_restarts: int = Field(3, ge=0, description="Times Ray restarts a rollout worker that died.")
+    dashboard: bool = Field(
+        False,
+        description="Local Ray instance only: start the Ray dashboard (on 127.0.0.1:8265). A local instance binds "
+        "every port to 127.0.0.1 either way; joining a cluster (address set) is unaffected.",
+    )
 
 
 class TrackingConfig(_Section):
@@ -274,7 +345,9 @@ class TrackingConfig(_Section):
         "",
         description="MLflow tracking URI; empty uses MLFLOW_TRACKING_URI or sqlite:///mlflow.db in the working directory.",
     )
-    run_name: str = Field("", description="MLflow run name; empty lets MLflow choose.")
+    run_name: str = Field(
+        "", description="MLflow run name; empty takes the Prefect flow run's name (MLflow picks one outside a flow)."
+    )
     checkpoint_every: int = Field(
         20, ge=0, description="Checkpoint every this many trainer steps (0 = only at the end)."
     )
@@ -290,7 +363,11 @@ class SupervisionConfig(_Section):
 
     supervise_interval_s: float = Field(2.0, gt=0, description="Seconds between polls of the actors' stats.")
     staleness_warn: float = Field(
-        0.8, gt=0, le=1, description="Warn and sync sooner when mean staleness exceeds this fraction of max_staleness."
+        0.8,
+        gt=0,
+        le=1,
+        description="Above this fraction of max_staleness, mean staleness is reported (info), weights are published "
+        "sooner where that helps, and after 3 polls the admission window narrows.",
     )
     nonfinite_limit: int = Field(
         5, ge=1, description="Fail after this many consecutive non-finite (skipped) trainer steps."
@@ -336,6 +413,47 @@ class TrainConfig(_Section):
             raise ValueError(
                 "model.path is required when data.task is 'jsonl' (the tiny model only speaks the synthetic tasks)"
             )
+        keys = {f"data.{k}": getattr(self.data, k) for k in ("prompt_key", "messages_key", "answer_key")}
+        if len(set(keys.values())) < len(keys):
+            raise ValueError(f"{', '.join(keys)} must name different keys (got {list(keys.values())})")
+        if self.data.answer_after_marker and not self.reward.marker.strip():
+            raise ValueError("data.answer_after_marker needs a non-empty reward.marker to split the answer at")
+        if self.data.task == "max3_chat" and not self.model.path and self.model.tiny_kind != "chat":
+            raise ValueError(
+                "data.task 'max3_chat' needs a chat model: set model.tiny_kind=chat (the small local chat model) "
+                "or model.path to a chat model"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _run_can_learn(self) -> TrainConfig:
+        """Settings that validate field by field but would crash, stall or learn nothing once the run started."""
+        for name, value in (
+            ("rollout.max_new_tokens", self.rollout.max_new_tokens),
+            ("data.max_prompt_tokens", self.data.max_prompt_tokens),
+        ):
+            if value > MAX_SEQUENCE_TOKENS:
+                raise ValueError(
+                    f"{name}={value} is above {MAX_SEQUENCE_TOKENS}, longer than any model's context (the KV cache "
+                    f"alone would not fit in memory). Set {name} to what the model supports: data.max_prompt_tokens "
+                    "+ rollout.max_new_tokens must fit its config.json max_position_embeddings"
+                )
+        if self.algorithm.advantage in ("grpo", "rloo") and self.rollout.samples_per_prompt < 2:
+            raise ValueError(
+                f"algorithm.advantage '{self.algorithm.advantage}' compares the completions of one prompt with "
+                f"each other; with rollout.samples_per_prompt={self.rollout.samples_per_prompt} every advantage is "
+                "zero and the run learns nothing. Set rollout.samples_per_prompt to 2 or more (8 is usual)"
+            )
+        window = self.trainer.prompts_per_step * (self.runtime.max_staleness + 1)
+        if self.runtime.mode == "async" and window < self.rollout.prompts_per_batch:
+            raise ValueError(
+                f"rollout.prompts_per_batch={self.rollout.prompts_per_batch} is more than trainer.prompts_per_step="
+                f"{self.trainer.prompts_per_step} x (runtime.max_staleness={self.runtime.max_staleness} + 1) = "
+                f"{window}: admission control only lets a worker start a batch that can be consumed within "
+                "runtime.max_staleness, so no batch would ever be admitted and the run would stall. Lower "
+                f"rollout.prompts_per_batch to at most {window}, or raise trainer.prompts_per_step or "
+                "runtime.max_staleness"
+            )
         return self
 
     @property
@@ -348,6 +466,9 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
     lines = []
     for e in err.errors():
         path = ".".join(str(p) for p in e["loc"] if p not in ("function-after",)) or "<root>"
+        if path == "<root>" and e["type"] == "value_error":  # a cross-field rule: its message names the fields
+            lines.append(str(e["msg"]).removeprefix("Value error, "))
+            continue
         value = e.get("input")
         shown = repr(value)
         if len(shown) > 80:

@@ -16,18 +16,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-import numpy as np
 import torch
 
 from rlhf_core import build
-from rlhf_core.checkpoint import CheckpointState, capture_rng, load_checkpoint, restore_rng, save_checkpoint
+from rlhf_core.checkpoint import (
+    CheckpointError,
+    CheckpointState,
+    capture_rng,
+    load_checkpoint,
+    restore_rng,
+    save_checkpoint,
+)
 from rlhf_core.config import TrainConfig
-from rlhf_core.data import Prompt, collate_prompts
+from rlhf_core.data import Prompt
 from rlhf_core.distributed.control import PromptQueue
 from rlhf_core.evaluation import Evaluator
+from rlhf_core.preflight import check_lengths, check_output_dir
 from rlhf_core.rollout import RolloutWorker
-from rlhf_core.trainer import Trainer, sequence_logprobs
+from rlhf_core.trainer import Trainer
 from rlhf_core.types import RolloutBatch, cat_rollouts
+from rlhf_core.warm_start import warm_start as run_warm_start
 
 log = logging.getLogger("rlhf_core")
 
@@ -61,16 +69,20 @@ def build_run(cfg: TrainConfig, share_weights: bool = True) -> RunParts:
     generates with the trainer's own model (lockstep on-policy: loading weights is free); otherwise the
     engine holds a copy that only `load_weights` updates."""
     build.setup_process(cfg, cfg.trainer.seed)
+    check_output_dir(cfg.run.output_dir)
     policy_dir = build.resolve_policy_dir(cfg)
     model, tokenizer = build.build_policy(cfg, policy_dir)
     train_prompts, heldout = build.build_prompts(cfg, tokenizer)
-    reward_fn = build.build_reward(cfg, tokenizer)
+    check_lengths(policy_dir, cfg, train_prompts + heldout)
+    reward_fn = build.build_reward(cfg, tokenizer, build.build_stop_ids(cfg, tokenizer, policy_dir))
     engine_model = model if share_weights else copy.deepcopy(model)
     worker = build.build_rollout_worker(
         cfg, engine_model, tokenizer, policy_dir, build.rollout_seed(cfg, None), reward_fn=reward_fn
     )
     trainer = build.build_trainer(cfg, model, tokenizer)
-    evaluator = build.build_evaluator(cfg, model, tokenizer, heldout, reward_fn=reward_fn, engine=worker.engine)
+    evaluator = build.build_evaluator(
+        cfg, model, tokenizer, policy_dir, heldout, reward_fn=reward_fn, engine=worker.engine
+    )
     return RunParts(
         cfg,
         policy_dir,
@@ -92,40 +104,12 @@ def evaluate_parts(parts: RunParts) -> dict:
 
 
 def warm_start(parts: RunParts, steps: int) -> dict:
-    """Optional supervised warm start that teaches the answer FORMAT, not the task.
-
-    Each training prompt is paired with an answer drawn uniformly from the set of distinct training
-    answers (not its own), followed by EOS, and the policy takes `steps` cross-entropy steps on them. The
-    policy learns to emit one well-formed answer and stop, so rewards are not all zero at the start of
-    RL, while its accuracy stays at chance (reported as eval/accuracy_warm_start).
-    """
-    cfg, tok, model = parts.cfg, parts.tokenizer, parts.model
-    rng = np.random.default_rng(cfg.trainer.seed + 1)
-    answers = sorted({tuple(p.answers[0]) for p in parts.train_prompts if p.answers})
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.trainer.lr)
-    n = cfg.trainer.prompts_per_step * cfg.rollout.samples_per_prompt
-    dev = next(model.parameters()).device
-    model.train()
-    for _ in range(steps):
-        idx = rng.integers(0, len(parts.train_prompts), n)
-        prompts = [parts.train_prompts[i] for i in idx]
-        pb = collate_prompts(prompts, tok.pad_token_id, cfg.data.max_prompt_tokens)
-        targets = [list(answers[j]) + [tok.eos_token_id] for j in rng.integers(0, len(answers), n)]
-        L = max(len(t) for t in targets)
-        resp = torch.full((n, L), tok.pad_token_id, dtype=torch.long)
-        rmask = torch.zeros((n, L), dtype=torch.bool)
-        for i, t in enumerate(targets):
-            resp[i, : len(t)] = torch.tensor(t)
-            rmask[i, : len(t)] = True
-        logprobs, _ = sequence_logprobs(
-            model, pb.prompt_ids.to(dev), pb.prompt_mask.to(dev), resp.to(dev), rmask.to(dev)
-        )
-        loss = -(logprobs * rmask.to(dev)).sum() / rmask.sum()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-    model.eval()
-    return {"eval/accuracy_warm_start": evaluate_parts(parts)["eval/accuracy"], "warm_start/steps": steps}
+    """The supervised format warm start (rlhf_core.warm_start) on the trainer's model, then its held-out
+    accuracy as eval/accuracy_warm_start."""
+    metrics = run_warm_start(parts.model, parts.tokenizer, parts.train_prompts, parts.cfg, steps)
+    if not parts.shares_weights:
+        parts.engine.load_weights(parts.trainer.state_dict_for_sync(), parts.trainer.version)
+    return {**metrics, "eval/accuracy_warm_start": evaluate_parts(parts)["eval/accuracy"]}
 
 
 def generate_step_batch(parts: RunParts) -> tuple[RolloutBatch, dict]:
@@ -169,7 +153,7 @@ def restore_run_checkpoint(parts: RunParts, path: str | Path) -> CheckpointState
         parts.engine.load_weights(parts.trainer.state_dict_for_sync(), parts.trainer.version)
     parts.engine.version = parts.trainer.version
     restore_rng(state.rng["trainer"])
-    if state.rng.get("rollout") and hasattr(parts.engine, "generator"):
+    if state.rng.get("rollout") and state.rng["rollout"][0] is not None and hasattr(parts.engine, "generator"):
         parts.engine.generator.set_state(state.rng["rollout"][0])
     return state
 
@@ -191,6 +175,11 @@ def run_sync(
     run_facts: dict = {}
     if resume_from:
         run_facts.update(restore_run_checkpoint(parts, resume_from).run)
+        if parts.trainer.step >= cfg.trainer.total_steps:
+            raise CheckpointError(
+                f"{resume_from} holds step {parts.trainer.step}, which already reaches trainer.total_steps="
+                f"{cfg.trainer.total_steps}: nothing to train; raise trainer.total_steps to continue"
+            )
     else:
         run_facts["eval_start"] = evaluate_parts(parts)["eval/accuracy"]
         if cfg.trainer.warm_start_steps:

@@ -8,6 +8,7 @@ Nothing is fetched from any hub.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Optional
 
@@ -55,9 +56,14 @@ def check_model_dir(path: str | Path) -> Path:
     if not cfg.is_file():
         raise ModelLoadError(f"model directory {p} has no config.json")
     try:
-        json.loads(cfg.read_text())
-    except json.JSONDecodeError as exc:
+        model_config = json.loads(cfg.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ModelLoadError(f"{cfg} is not valid JSON: {exc}") from exc
+    if not isinstance(model_config, dict) or not model_config.get("model_type"):
+        raise ModelLoadError(
+            f"{cfg} is not a Hugging Face model config (it has no 'model_type'); model.path must be a directory "
+            "written by save_pretrained (or downloaded from the Hub) with the model's own config.json"
+        )
     if not any(
         (p / name).is_file()
         for name in (
@@ -72,7 +78,55 @@ def check_model_dir(path: str | Path) -> Path:
         )
     if not any((p / name).is_file() for name in _TOKENIZER_FILES):
         raise ModelLoadError(f"model directory {p} has no tokenizer files (expected one of {list(_TOKENIZER_FILES)})")
+    _check_weight_files(p)
     return p
+
+
+def _check_weight_files(p: Path) -> None:
+    """Read the safetensors headers (a few KB, not the weights): a garbage, truncated or missing weight file is
+    named here, where transformers would say only 'Error while deserializing header'."""
+    index = p / "model.safetensors.index.json"
+    if (p / "model.safetensors").is_file():
+        shards = [p / "model.safetensors"]
+    elif index.is_file():
+        try:
+            weight_map = json.loads(index.read_text()).get("weight_map")
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:
+            raise ModelLoadError(f"{index} is not a valid safetensors index: {exc}") from exc
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ModelLoadError(f"{index} has no 'weight_map'; re-download or re-export the model")
+        shards = [p / name for name in sorted(set(map(str, weight_map.values())))]
+        missing = [s.name for s in shards if not s.is_file()]
+        if missing:
+            raise ModelLoadError(
+                f"{index} lists weight files that are not in {p}: {missing[:5]}"
+                f"{' ...' if len(missing) > 5 else ''}; the download is incomplete"
+            )
+    else:
+        return  # pytorch_model.bin (and its index): torch.load's own error is wrapped by load_policy
+    for shard in shards:
+        size = shard.stat().st_size
+        problem = None
+        with shard.open("rb") as fh:
+            head = fh.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if n <= 0 or n > min(size - 8, 100 * 2**20):
+                problem = "its header is unreadable"
+            else:
+                try:
+                    header = json.loads(fh.read(n))
+                    end = max((int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"), default=0)
+                except (json.JSONDecodeError, UnicodeDecodeError, AttributeError, KeyError, TypeError, ValueError):
+                    problem = "its header is not valid safetensors JSON"
+                else:
+                    if 8 + n + end > size:
+                        problem = f"it is truncated ({size} bytes, its header describes {8 + n + end})"
+        if problem:
+            raise ModelLoadError(
+                f"could not load the model from {p}: {shard} is not a usable safetensors weight file: {problem}. "
+                "Re-download or re-export the model "
+                "(save_pretrained) into the model directory"
+            )
 
 
 def load_policy(
@@ -120,6 +174,33 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
     return tokenizer
+
+
+def stop_token_ids(policy_dir: str | Path, tokenizer, extra: Sequence[int] = ()) -> list[int]:
+    """The ids at which a response ends: every id of `generation_config.json`'s eos_token_id (an int or a
+    list), the tokenizer's EOS, and `extra` (rollout.stop_token_ids). Sorted, without duplicates.
+
+    Chat models list several: Qwen2.5-Instruct ends a turn with <|im_end|> and a document with
+    <|endoftext|>. Generation, reward trimming and evaluation all stop at the same set."""
+    ids = {int(tokenizer.eos_token_id), *(int(i) for i in extra)}
+    generation = Path(policy_dir) / "generation_config.json"
+    if generation.is_file():
+        try:
+            eos = json.loads(generation.read_text()).get("eos_token_id")
+        except json.JSONDecodeError as exc:
+            raise ModelLoadError(f"{generation} is not valid JSON: {exc}") from exc
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, list):
+            ids.update(int(i) for i in eos)
+    vocab = len(tokenizer)
+    bad = sorted(i for i in ids if not 0 <= i < vocab)
+    if bad:
+        raise ModelLoadError(
+            f"stop token id(s) {bad} are outside the vocabulary of {policy_dir} ({vocab} tokens); "
+            "check rollout.stop_token_ids and generation_config.json"
+        )
+    return sorted(ids)
 
 
 def build_tiny_tokenizer():
@@ -186,17 +267,43 @@ def build_tiny_policy(
 
 
 def ensure_policy(model_cfg, task: str, output_dir: str | Path, seed: int = 0) -> Path:
-    """The policy directory a run uses: `model.path`, or the tiny default built once under output_dir."""
+    """The policy directory a run uses: `model.path`, or the tiny default built once under output_dir.
+
+    A tiny policy already under output_dir must have the shape the config asks for (model.tiny_layers,
+    tiny_hidden, tiny_heads): a different one is refused, never silently used."""
     if model_cfg.path:
         return check_model_dir(model_cfg.path)
-    tiny = Path(output_dir) / "tiny_policy"
-    if not (tiny / "config.json").is_file():
-        build_tiny_policy(
-            task,
-            tiny,
-            layers=model_cfg.tiny_layers,
-            hidden=model_cfg.tiny_hidden,
-            heads=model_cfg.tiny_heads,
-            seed=seed,
+    shape = {
+        "num_hidden_layers": model_cfg.tiny_layers,
+        "hidden_size": model_cfg.tiny_hidden,
+        "num_attention_heads": model_cfg.tiny_heads,
+    }
+    if getattr(model_cfg, "tiny_kind", "word") == "chat":
+        from rlhf_core.chat_model import build_chat_policy
+
+        tiny = Path(output_dir) / "tiny_chat_policy"
+        if not (tiny / "config.json").is_file():
+            build_chat_policy(
+                tiny, layers=model_cfg.tiny_layers, hidden=model_cfg.tiny_hidden, heads=model_cfg.tiny_heads, seed=seed
+            )
+    else:
+        tiny = Path(output_dir) / "tiny_policy"
+        if not (tiny / "config.json").is_file():
+            build_tiny_policy(
+                task,
+                tiny,
+                layers=model_cfg.tiny_layers,
+                hidden=model_cfg.tiny_hidden,
+                heads=model_cfg.tiny_heads,
+                seed=seed,
+            )
+    built = json.loads((tiny / "config.json").read_text())
+    differs = {k: (built.get(k), v) for k, v in shape.items() if built.get(k) != v}
+    if differs:
+        names = {"num_hidden_layers": "tiny_layers", "hidden_size": "tiny_hidden", "num_attention_heads": "tiny_heads"}
+        detail = ", ".join(f"model.{names[k]}={want} but it has {have}" for k, (have, want) in differs.items())
+        raise ModelLoadError(
+            f"the tiny policy already built in {tiny} has another shape ({detail}); use another "
+            "run.output_dir, delete that directory to rebuild it, or set the fields to match"
         )
     return tiny

@@ -74,7 +74,7 @@ def current_policy_engine(parts: RunParts) -> HFEngine:
     """A greedy-evaluation engine over the trainer's own model (its current weights)."""
     return HFEngine(
         parts.model,
-        parts.tokenizer.eos_token_id,
+        parts.engine.stop_token_ids,
         parts.tokenizer.pad_token_id,
         seed=parts.cfg.trainer.seed,
         version=parts.trainer.version,

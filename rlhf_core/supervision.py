@@ -9,7 +9,8 @@ Thresholds come from `cfg.supervision`. Plain Python: no Ray, no Prefect.
 
 Policies (the runtime enforces the hard bound max_staleness on its own; these keep the run healthy):
 
-- staleness: mean staleness above staleness_warn x max_staleness -> publish weights now (once per
+- staleness: mean staleness above staleness_warn x max_staleness -> an info event (staleness up to
+  max_staleness is the design working; only a mean above max_staleness is a warning), publish weights now (once per
   trainer version, when runtime.sync_every > 1 leaves workers behind the trainer); still high for 3 polls
   -> narrow the rollout admission window to floor(staleness_warn x max_staleness) versions for the rest
   of the run. Rollout then runs ahead of the trainer by fewer versions, so staleness settles at the
@@ -206,11 +207,13 @@ class HealthMonitor:
         behind = bool(loaded) and min(loaded) < version
         can_sync = self.cfg.runtime.sync_every > 1
         if not self.staleness_high:
+            # Staleness up to runtime.max_staleness is the design working (async rollout runs ahead by up to
+            # that many versions): reported as info. Only a mean above the hard bound is a real problem.
             self._event(
                 d,
                 step,
                 "staleness_high",
-                "warning",
+                "warning" if stale > max_tau else "info",
                 "publish weights now" if can_sync else "watch (weights are published every version)",
                 f"mean staleness {stale:.2f} > supervision.staleness_warn x runtime.max_staleness = {limit:.2f}",
             )
@@ -218,7 +221,9 @@ class HealthMonitor:
         if can_sync and behind and version > self.last_sync_version:
             d.request_sync = True
             self.last_sync_version = version
-        window = int(limit)
+        # never narrower than one prompts_per_batch of capacity, or admission could never grant a batch again
+        per_batch, per_step = self.cfg.rollout.prompts_per_batch, self.cfg.trainer.prompts_per_step
+        window = max(int(limit), -(-per_batch // per_step) - 1)
         if self.stale_polls >= STALENESS_POLLS_BEFORE_THROTTLE and self.admission_window is None and window < max_tau:
             self.admission_window = d.admission_window = window
             self._event(

@@ -49,6 +49,9 @@ class RolloutBatch:
     policy_version:    LongTensor [N] version of the weights that generated each row.
     rewards:           FloatTensor [N] or None until scored.
     prompt_uids:       LongTensor [N] globally unique prompt id (data position) of each row.
+    reward_components: FloatTensor [N, C] or None: each row's unweighted reward components, one column per
+                       configured component in the order of `reward.components` (set by the rollout
+                       worker; the trainer logs their means as reward/<component>).
     """
 
     prompt_ids: torch.Tensor
@@ -61,6 +64,7 @@ class RolloutBatch:
     policy_version: torch.Tensor
     rewards: Optional[torch.Tensor] = None
     prompt_uids: Optional[torch.Tensor] = None
+    reward_components: Optional[torch.Tensor] = None
 
     def __len__(self) -> int:
         return self.response_ids.shape[0]
@@ -149,4 +153,5 @@ def cat_rollouts(batches: list[RolloutBatch], pad_token_id: int) -> RolloutBatch
         policy_version=cat("policy_version", lambda t: t),
         rewards=cat("rewards", lambda t: t),
         prompt_uids=cat("prompt_uids", lambda t: t),
+        reward_components=cat("reward_components", lambda t: t),
     )

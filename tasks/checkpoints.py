@@ -1,9 +1,9 @@
 """Prefect tasks for checkpoints, the exported policy, and resolving `resume_from`.
 
 `resume_from` is either a checkpoint directory or an MLflow run id. For a run id, the newest checkpoint
-artifact (checkpoints/step_NNNNNN) is downloaded and the flow keeps logging into that MLflow run; a
-checkpoint directory written by a tracked run names its MLflow run too, and that run is reopened when the
-tracking store still has it. Either way the checkpoint is validated before anything starts.
+artifact (checkpoints/step_NNNNNN, complete uploads only) is downloaded; a checkpoint directory written by a
+tracked run names its MLflow run too. That run becomes the parent of the resumed run's new MLflow run.
+Either way the checkpoint is validated before anything starts.
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ from tasks import tracking
 @dataclass
 class ResumeTarget:
     checkpoint: Optional[str] = None  # local checkpoint directory to restore, or None for a fresh run
-    mlflow_run_id: Optional[str] = None  # MLflow run to keep logging into, or None for a new run
+    mlflow_run_id: Optional[str] = None  # the MLflow run this one resumes (its parent), if known
     eval_start: Optional[float] = None  # held-out accuracy recorded at the start of the original run
+    step: int = 0  # the trainer step the checkpoint holds
 
 
 def checkpoint_dir(cfg: TrainConfig, step: int) -> Path:
@@ -73,9 +74,16 @@ def resolve_resume(cfg: TrainConfig, resume_from: Optional[str]) -> ResumeTarget
         ckpt,
         state.step,
         state.version,
-        f", logging into MLflow run {run_id}" if run_id else "",
+        f", resuming MLflow run {run_id}" if run_id else "",
     )
-    return ResumeTarget(checkpoint=str(ckpt), mlflow_run_id=run_id, eval_start=state.run.get("eval_start"))
+    if state.step >= cfg.trainer.total_steps:
+        raise CheckpointError(
+            f"resume_from={resume_from!r} holds step {state.step}, which already reaches trainer.total_steps="
+            f"{cfg.trainer.total_steps}: nothing to train; raise trainer.total_steps to continue"
+        )
+    return ResumeTarget(
+        checkpoint=str(ckpt), mlflow_run_id=run_id, eval_start=state.run.get("eval_start"), step=state.step
+    )
 
 
 @task(name="checkpoint", cache_policy=NO_CACHE, persist_result=False)
@@ -83,6 +91,16 @@ def save_checkpoint(runtime, cfg: TrainConfig, step: int, tracker=None, run: Opt
     """A full resumable checkpoint under run.output_dir/checkpoints/, logged to MLflow as artifacts.
     `run`: facts of the run kept in the checkpoint (its MLflow run id, held-out accuracy at the start)."""
     path = runtime.checkpoint(str(checkpoint_dir(cfg, step)), run=run)
+    artifact = tracker.log_checkpoint(path) if tracker is not None else None
+    get_run_logger().info(
+        "checkpoint at step %d: %s%s", step, path, f" (MLflow artifact {artifact})" if artifact else ""
+    )
+    return str(path)
+
+
+@task(name="record-checkpoint", cache_policy=NO_CACHE, persist_result=False)
+def record_checkpoint(tracker, path: str, step: int) -> str:
+    """A checkpoint the trainer wrote at an exact step (async mode), logged to MLflow as artifacts."""
     artifact = tracker.log_checkpoint(path) if tracker is not None else None
     get_run_logger().info(
         "checkpoint at step %d: %s%s", step, path, f" (MLflow artifact {artifact})" if artifact else ""

@@ -76,6 +76,19 @@ def evaluate_heldout(runtime, step: int) -> dict:
     return result
 
 
+@task(name="warm-start", cache_policy=NO_CACHE, persist_result=False)
+def warm_start_policy(runtime, steps: int) -> dict:
+    """Supervised steps that teach the answer format (not the task) before RL; the weights are then published."""
+    result = dict(runtime.warm_start(steps))
+    get_run_logger().info(
+        "warm start: %d supervised format steps, held-out accuracy %.3f after it (loss %.3f)",
+        steps,
+        result["eval/accuracy_warm_start"],
+        result["warm_start/loss"],
+    )
+    return result
+
+
 @task(name="teardown-ray-runtime", cache_policy=NO_CACHE, persist_result=False)
 def teardown_runtime(runtime) -> None:
     """Stop the loops, kill exactly the actors this run created, shut Ray down if this run started it."""

@@ -15,11 +15,29 @@ def event_rows(events: list[HealthEvent]) -> list[dict]:
     return [e.row() for e in events]
 
 
+def reward_component_keys(metrics: dict) -> list[str]:
+    """The `reward/<component>` keys of a step's metrics (every configured reward component's batch mean,
+    unweighted), in the order logged; reward/mean and reward/std are not components."""
+    return [k for k in metrics if k.startswith("reward/") and k not in ("reward/mean", "reward/std")]
+
+
+def reward_breakdown(metrics: dict) -> str:
+    """The step's mean reward and, where the reward has several components, what it is made of:
+    "0.100 (answer_after_marker 0.000, format 1.000)" reads as no correct answers, all well formatted.
+    Component values are unweighted batch means (reward/mean is their weighted sum)."""
+    text = f"{metrics['reward/mean']:.3f}"
+    keys = reward_component_keys(metrics)
+    if len(keys) > 1:
+        text += " (" + ", ".join(f"{k[len('reward/') :]} {metrics[k]:.3f}" for k in keys) + ")"
+    return text
+
+
 def progress_line(step: int, total: int, metrics: dict, last_eval: Optional[dict], poll: dict) -> str:
-    """One compact terminal line: step/total, reward, held-out accuracy, staleness, throughput, buffer."""
+    """One compact terminal line: step/total, reward (and its components, when several), held-out accuracy,
+    staleness, throughput, buffer."""
     parts = [f"step {step}/{total}"]
     if "reward/mean" in metrics:
-        parts.append(f"reward {metrics['reward/mean']:.3f}")
+        parts.append(f"reward {reward_breakdown(metrics)}")
     if last_eval:
         parts.append(f"acc {last_eval['eval/accuracy']:.3f}@{last_eval['step']}")
     if "async/staleness_mean" in metrics:

@@ -1,18 +1,22 @@
 """MLflow tracking for one training run: params, per-step metrics, plots, checkpoints, the final model.
 
 One MLflow run per Prefect flow run, in experiment `cfg.tracking.experiment`. The MLflow run carries the
-tag `prefect.flow_run_id`; the flow puts the MLflow run id on the Prefect flow run (tag and artifact).
+tag `prefect.flow_run_id` and, unless tracking.run_name says otherwise, the flow run's name; the flow puts
+the MLflow run id on the Prefect flow run (tag and artifact). An experiment this module creates is tagged
+`mlflow.experimentKind = custom_model_development`, so that MLflow 3's UI opens it on its runs (model
+training) rather than on its GenAI traces view, where training runs do not show.
 
 The tracking URI is `cfg.tracking.tracking_uri` (which `validate_config` fills from MLFLOW_TRACKING_URI),
 else `sqlite:///<cwd>/mlflow.db`; with a SQLite store, artifacts go to `mlartifacts/` beside the database.
 
-The final policy is logged as a plain Hugging Face directory under the artifact path `model/`;
-`load_logged_policy(run_id)` downloads it and loads it with `rlhf_core.models.load_policy`.
+The final policy is logged as a plain Hugging Face directory twice over: as an MLflow 3 LoggedModel
+(named `policy`, output of the run: it shows under the run's "Logged models", `models:/<model_id>`) and
+under the run's artifact path `model/`. `load_logged_policy(run_id)` downloads it (from `model/`, else
+from the run's logged model) and loads it with `rlhf_core.models.load_policy`.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 import time
@@ -26,7 +30,14 @@ from prefect.cache_policies import NO_CACHE
 from rlhf_core.config import TrainConfig, flatten_config
 
 MODEL_ARTIFACT_PATH = "model"
+LOGGED_MODEL_NAME = "policy"
+LOGGED_MODEL_TYPE = "hf-causal-lm"
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"  # read by the MLflow 3 UI to pick the experiment's view
+EXPERIMENT_KIND = "custom_model_development"  # (the other values: genai_development, finetuning, ...)
 CHECKPOINT_ARTIFACT_PATH = "checkpoints"
+CHECKPOINT_COMPLETE = "COMPLETE"  # written last into an uploaded checkpoint
+RESUMED_FROM_RUN = "atrlhf.resumed_from_run"  # tags of a run that resumed another
+RESUMED_FROM_STEP = "atrlhf.resumed_from_step"
 PARAM_BATCH = 100  # MLflow accepts at most 100 params per log_batch call
 PARAM_VALUE_MAX = 6000  # and param values of at most 6000 characters
 METRIC_BATCH = 1000  # and at most 1000 metrics per call
@@ -89,12 +100,20 @@ def _numeric_metrics(metrics: dict) -> dict[str, float]:
 class MlflowTracker:
     """The MLflow side of one run. Every call goes through an explicit MlflowClient (no global active run)."""
 
-    def __init__(self, uri: str, run_id: str, experiment_id: str, resumed: bool):
+    def __init__(
+        self,
+        uri: str,
+        run_id: str,
+        experiment_id: str,
+        parent_run_id: Optional[str] = None,
+        resumed_from_step: Optional[int] = None,
+    ):
         self.uri = uri
         self.client = _client(uri)
         self.run_id = run_id
         self.experiment_id = experiment_id
-        self.resumed = resumed
+        self.parent_run_id = parent_run_id  # the run this one resumed, if any
+        self.resumed_from_step = resumed_from_step
         self.system_monitor = None
         self.ended: Optional[str] = None
 
@@ -106,22 +125,37 @@ class MlflowTracker:
         flow_run_id: Optional[str] = None,
         resume_run_id: Optional[str] = None,
         tags: Optional[dict[str, str]] = None,
+        run_name: Optional[str] = None,
+        resume_step: Optional[int] = None,
     ) -> MlflowTracker:
-        """Create the run (or reopen `resume_run_id`), log params and tags, start system metrics."""
+        """Create the run, log params and tags, start system metrics. With `resume_run_id` the new run resumes
+        that one at `resume_step`: it is tagged with both, and a parent left RUNNING by a dead driver is
+        marked FAILED.
+
+        The run is named cfg.tracking.run_name, else `run_name` (the Prefect flow run's name), else MLflow
+        picks a name."""
         from mlflow.entities import RunStatus
 
         uri = resolve_tracking_uri(cfg)
         client = _client(uri)
-        if resume_run_id:
-            run = client.get_run(resume_run_id)
-            experiment_id = run.info.experiment_id
-            client.update_run(resume_run_id, status=RunStatus.to_string(RunStatus.RUNNING))
-            tracker = cls(uri, resume_run_id, experiment_id, resumed=True)
-        else:
-            experiment_id = cls._experiment_id(client, cfg.tracking.experiment, uri)
-            run_tags = {"mlflow.source.name": "flows/train.py:train", "mlflow.source.type": "JOB"}
-            run = client.create_run(experiment_id, run_name=cfg.tracking.run_name or None, tags=run_tags)
-            tracker = cls(uri, run.info.run_id, experiment_id, resumed=False)
+        experiment_id = cls._experiment_id(client, cfg.tracking.experiment, uri)
+        run_tags = {"mlflow.source.name": "flows/train.py:train", "mlflow.source.type": "JOB"}
+        name = cfg.tracking.run_name or run_name or None
+        if resume_run_id:  # a resumed run is a run of its own that names its parent and the step it resumed at
+            parent = client.get_run(resume_run_id)
+            experiment_id = parent.info.experiment_id
+            run_tags.update({RESUMED_FROM_RUN: resume_run_id, RESUMED_FROM_STEP: str(int(resume_step or 0))})
+            name = name or f"{parent.info.run_name}-resumed-{int(resume_step or 0)}"
+            if parent.info.status == RunStatus.to_string(RunStatus.RUNNING):  # its driver died without ending it
+                client.set_tag(
+                    resume_run_id,
+                    "atrlhf.ended",
+                    "its driver stopped without ending the run; marked FAILED "
+                    f"when it was resumed at step {int(resume_step or 0)}",
+                )
+                client.set_terminated(resume_run_id, status="FAILED")
+        run = client.create_run(experiment_id, run_name=name, tags=run_tags)
+        tracker = cls(uri, run.info.run_id, experiment_id, parent_run_id=resume_run_id, resumed_from_step=resume_step)
         all_tags = dict(tags or {})
         if flow_run_id:
             all_tags["prefect.flow_run_id"] = str(flow_run_id)
@@ -137,13 +171,20 @@ class MlflowTracker:
 
         exp = client.get_experiment_by_name(name)
         if exp is not None:
+            if EXPERIMENT_KIND_TAG not in exp.tags:  # made before this tag was set; a kind chosen in the UI stays
+                try:
+                    client.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
+                except MlflowException:  # a read-only or restricted store: the UI's view is cosmetic
+                    pass
             return exp.experiment_id
         location = None
         db = _sqlite_path(uri)
         if db is not None:  # keep artifacts beside the database (what `mlflow ui` in that directory serves)
             location = (db.parent.resolve() / "mlartifacts" / name).as_uri()
         try:
-            return client.create_experiment(name, artifact_location=location)
+            return client.create_experiment(
+                name, artifact_location=location, tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND}
+            )
         except MlflowException:  # created concurrently by another run
             exp = client.get_experiment_by_name(name)
             if exp is None:
@@ -162,7 +203,7 @@ class MlflowTracker:
                 self.run_id,
                 sampling_interval=interval,
                 samples_before_logging=1,
-                resume_logging=self.resumed,
+                resume_logging=False,
                 tracking_uri=self.uri,
             )
             monitor.start()
@@ -199,17 +240,10 @@ class MlflowTracker:
             self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
 
     def log_params(self, cfg: TrainConfig) -> None:
-        """flatten_config(cfg) as params, ≤100 per call. On resume, values that changed (total_steps, say)
-        cannot be overwritten in MLflow: they are recorded in the tag `resume.changed_params` instead."""
+        """flatten_config(cfg) as params, ≤100 per call."""
         from mlflow.entities import Param
 
         params = {k: str(v)[:PARAM_VALUE_MAX] for k, v in flatten_config(cfg).items()}
-        if self.resumed:
-            existing = self.client.get_run(self.run_id).data.params
-            changed = {k: v for k, v in params.items() if k in existing and existing[k] != v}
-            params = {k: v for k, v in params.items() if k not in existing}
-            if changed:
-                self.set_tags({"resume.changed_params": json.dumps(changed)[:PARAM_VALUE_MAX]})
         items = sorted(params.items())
         for s in range(0, len(items), PARAM_BATCH):
             self.client.log_batch(self.run_id, params=[Param(k, v) for k, v in items[s : s + PARAM_BATCH]])
@@ -235,33 +269,99 @@ class MlflowTracker:
         self.client.log_dict(self.run_id, data, artifact_file)
 
     def log_checkpoint(self, local_dir: str | Path) -> str:
-        """A checkpoint directory as artifacts under checkpoints/<dir name>; returns the artifact path."""
+        """A checkpoint directory as artifacts under checkpoints/<dir name>, marked complete LAST (a file
+        COMPLETE), so that a driver killed mid-upload leaves a checkpoint that resume skips, never a half
+        one that it downloads; returns the artifact path."""
         name = Path(local_dir).name
         path = f"{CHECKPOINT_ARTIFACT_PATH}/{name}"
         self.client.log_artifacts(self.run_id, str(local_dir), path)
+        self.client.log_text(self.run_id, name, f"{path}/{CHECKPOINT_COMPLETE}")
         return path
 
-    def log_model(self, export_dir: str | Path) -> str:
-        """The exported Hugging Face directory as artifacts under model/ (load with load_logged_policy)."""
+    def lineage_history(self) -> tuple[list[dict], list[dict]]:
+        """The per-step reward/mean and the held-out evaluations of the runs this one resumed (each up to the
+        step its successor resumed from), oldest first: what plots prepend to show the whole lineage."""
+        segments = []
+        run_id, until = self.parent_run_id, self.resumed_from_step
+        while run_id and until is not None and len(segments) < 100:
+            rows = {}
+            for key in ("reward/mean", "eval/accuracy"):
+                for m in self.client.get_metric_history(run_id, key):
+                    if m.step <= until:
+                        rows.setdefault((key, m.step), m.value)
+            segments.append(rows)
+            tags = self.client.get_run(run_id).data.tags
+            run_id = tags.get(RESUMED_FROM_RUN)
+            until = int(tags[RESUMED_FROM_STEP]) if run_id and RESUMED_FROM_STEP in tags else None
+        history, evals = [], []
+        for rows in reversed(segments):
+            history += [
+                {"step": s, "reward/mean": v}
+                for (k, s), v in sorted(rows.items(), key=lambda x: x[0][1])
+                if k == "reward/mean"
+            ]
+            evals += [
+                {"step": s, "eval/accuracy": v}
+                for (k, s), v in sorted(rows.items(), key=lambda x: x[0][1])
+                if k == "eval/accuracy"
+            ]
+        return history, evals
+
+    def log_model(self, export_dir: str | Path, step: Optional[int] = None) -> str:
+        """The exported Hugging Face directory as an MLflow 3 LoggedModel output by this run (it shows under
+        the run's "Logged models") and as artifacts under model/. Load either with load_logged_policy(run_id).
+
+        Returns the artifact path model/; the LoggedModel's id is the run tag `model.id`."""
+        from mlflow.entities import LoggedModelOutput, LoggedModelStatus
+
+        load = f"tasks.tracking.load_logged_policy('{self.run_id}')"
+        model = self.client.create_logged_model(
+            experiment_id=self.experiment_id,
+            name=LOGGED_MODEL_NAME,
+            source_run_id=self.run_id,
+            tags={"format": "huggingface", "load": load},
+            model_type=LOGGED_MODEL_TYPE,
+        )
+        try:
+            self.client.log_model_artifacts(model.model_id, str(export_dir))
+        except BaseException:
+            self.client.finalize_logged_model(model.model_id, LoggedModelStatus.FAILED)
+            raise
+        self.client.finalize_logged_model(model.model_id, LoggedModelStatus.READY)
+        self.client.log_outputs(self.run_id, [LoggedModelOutput(model.model_id, step=int(step or 0))])
         self.client.log_artifacts(self.run_id, str(export_dir), MODEL_ARTIFACT_PATH)
         self.set_tags(
             {
                 "model.artifact_path": MODEL_ARTIFACT_PATH,
-                "model.load": f"tasks.tracking.load_logged_policy('{self.run_id}')",
+                "model.id": model.model_id,
+                "model.uri": f"models:/{model.model_id}",
+                "model.load": load,
             }
         )
         return MODEL_ARTIFACT_PATH
 
     def log_plots(self, history: list[dict], staleness_hist: dict, evals: list[dict]) -> list[str]:
-        """Reward curve (with held-out accuracy) and staleness histogram as PNG artifacts."""
+        """Reward curve (with held-out accuracy) and staleness histogram as PNG artifacts; the curve's data as
+        plots/reward_curve.json. A resumed run's curve starts with the runs it resumed (lineage_history)."""
         import matplotlib
 
         matplotlib.use("Agg", force=False)
         import matplotlib.pyplot as plt
 
+        earlier_history, earlier_evals = self.lineage_history()
+        history, evals = earlier_history + list(history), earlier_evals + list(evals)
         written = []
         steps = [m["step"] for m in history if "reward/mean" in m]
         rewards = [m["reward/mean"] for m in history if "reward/mean" in m]
+        self.client.log_dict(
+            self.run_id,
+            {
+                "reward/mean": {"step": steps, "value": rewards},
+                "eval/accuracy": {"step": [e["step"] for e in evals], "value": [e["eval/accuracy"] for e in evals]},
+            },
+            "plots/reward_curve.json",
+        )
+        written.append("plots/reward_curve.json")
         fig, ax = plt.subplots(figsize=(6, 3.5))
         ax.plot(steps, rewards, label="reward/mean (train)")
         if evals:
@@ -297,10 +397,18 @@ class MlflowTracker:
 
 
 def latest_checkpoint_artifact(run_id: str, uri: str) -> Optional[str]:
-    """The artifact path of the newest checkpoint of an MLflow run (checkpoints/step_NNNNNN), or None."""
+    """The artifact path of the newest COMPLETE checkpoint of an MLflow run (checkpoints/step_NNNNNN), or
+    None. A checkpoint whose upload never finished (no COMPLETE marker) is skipped."""
     client = _client(uri)
-    entries = [e.path for e in client.list_artifacts(run_id, CHECKPOINT_ARTIFACT_PATH) if e.is_dir]
-    return max(entries, key=lambda p: Path(p).name) if entries else None
+    entries = sorted(
+        (e.path for e in client.list_artifacts(run_id, CHECKPOINT_ARTIFACT_PATH) if e.is_dir),
+        key=lambda p: Path(p).name,
+        reverse=True,
+    )
+    for path in entries:
+        if any(Path(f.path).name == CHECKPOINT_COMPLETE for f in client.list_artifacts(run_id, path)):
+            return path
+    return None
 
 
 def download_artifact(run_id: str, artifact_path: str, uri: str, dst: str | Path) -> Path:
@@ -325,11 +433,35 @@ def run_exists(run_id: str, uri: str) -> bool:
         return False
 
 
+def logged_model_id(run_id: str, uri: str) -> Optional[str]:
+    """The id of the policy LoggedModel a run output (run tag `model.id`, else a search by source run), or None."""
+    client = _client(uri)
+    run = client.get_run(run_id)
+    if run.data.tags.get("model.id"):
+        return run.data.tags["model.id"]
+    found = client.search_logged_models(
+        experiment_ids=[run.info.experiment_id],
+        filter_string=f"source_run_id = '{run_id}' AND name = '{LOGGED_MODEL_NAME}'",
+        max_results=1,
+    )
+    return found[0].model_id if found else None
+
+
 def download_logged_policy(run_id: str, tracking_uri: Optional[str] = None, dst: Optional[str | Path] = None) -> Path:
-    """Download the `model/` artifact of a run; returns the local Hugging Face directory."""
+    """Download the policy a run logged (its `model/` artifact, else its LoggedModel) into `dst` (default: a new
+    temporary directory that the caller removes); returns the local Hugging Face directory."""
     uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path.cwd().resolve() / 'mlflow.db'}"
     dst = Path(dst) if dst else Path(tempfile.mkdtemp(prefix=f"atrlhf-model-{run_id[:8]}-"))
-    return download_artifact(run_id, MODEL_ARTIFACT_PATH, uri, dst)
+    if _client(uri).list_artifacts(run_id, MODEL_ARTIFACT_PATH):
+        return download_artifact(run_id, MODEL_ARTIFACT_PATH, uri, dst)
+    model_id = logged_model_id(run_id, uri)
+    if model_id is None:
+        raise FileNotFoundError(f"MLflow run {run_id} in {uri} logged no model (no model/ artifact, no LoggedModel)")
+    import mlflow.artifacts
+
+    location = _client(uri).get_logged_model(model_id).artifact_location
+    dst.mkdir(parents=True, exist_ok=True)
+    return Path(mlflow.artifacts.download_artifacts(artifact_uri=location, dst_path=str(dst), tracking_uri=uri))
 
 
 def load_logged_policy(run_id: str, tracking_uri: Optional[str] = None, dtype: str = "float32", device: str = "cpu"):
@@ -340,7 +472,8 @@ def load_logged_policy(run_id: str, tracking_uri: Optional[str] = None, dtype: s
     """
     from rlhf_core.models import load_policy
 
-    return load_policy(download_logged_policy(run_id, tracking_uri), dtype=dtype, device=device)
+    with tempfile.TemporaryDirectory(prefix=f"atrlhf-model-{run_id[:8]}-") as scratch:  # removed once loaded
+        return load_policy(download_logged_policy(run_id, tracking_uri, scratch), dtype=dtype, device=device)
 
 
 # ---------------------------------------------------------------------------------------- Prefect tasks
@@ -350,15 +483,26 @@ def start_tracking(
     flow_run_id: Optional[str],
     resume_run_id: Optional[str] = None,
     tags: Optional[dict[str, str]] = None,
+    run_name: Optional[str] = None,
+    resume_step: Optional[int] = None,
 ) -> MlflowTracker:
-    """Open the MLflow run of this flow run (a new one, or the resumed run) and log the config as params."""
-    return MlflowTracker.start(cfg, flow_run_id=flow_run_id, resume_run_id=resume_run_id, tags=tags)
+    """Open the MLflow run of this flow run and log the config as params. A resumed run is a new MLflow run
+    that names the run it resumed (`resume_run_id`) and the step (`resume_step`).
+
+    It is named cfg.tracking.run_name, else `run_name`, else this flow run's name."""
+    if not run_name:
+        from prefect.runtime import flow_run
+
+        run_name = flow_run.name or None
+    return MlflowTracker.start(
+        cfg, flow_run_id=flow_run_id, resume_run_id=resume_run_id, tags=tags, run_name=run_name, resume_step=resume_step
+    )
 
 
 @task(name="log-model", cache_policy=NO_CACHE, persist_result=False)
-def log_model(tracker: MlflowTracker, export_dir: str) -> str:
-    """Log the exported policy directory under model/ so that load_logged_policy can load it back."""
-    return tracker.log_model(export_dir)
+def log_model(tracker: MlflowTracker, export_dir: str, step: Optional[int] = None) -> str:
+    """Log the exported policy as the run's LoggedModel and under model/; load_logged_policy loads it back."""
+    return tracker.log_model(export_dir, step=step)
 
 
 @task(name="log-plots", cache_policy=NO_CACHE, persist_result=False)

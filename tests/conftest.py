@@ -40,6 +40,23 @@ def tiny_policy_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def chat_policy_dir(tmp_path_factory):
+    """A user's real model in miniature: Qwen2 architecture, byte-level BPE tokenizer trained locally, ChatML
+    chat template, generation_config.json listing <|im_end|> and <|endoftext|>; tokenizer EOS <|im_end|>."""
+    from rlhf_core.chat_model import build_chat_policy
+
+    return build_chat_policy(tmp_path_factory.mktemp("chat_policy"), style="instruct", layers=1, hidden=32, heads=2)
+
+
+@pytest.fixture(scope="session")
+def base_chat_policy_dir(tmp_path_factory):
+    """The same chat model with a base-style tokenizer: its EOS is <|endoftext|>, not the turn end <|im_end|>."""
+    from rlhf_core.chat_model import build_chat_policy
+
+    return build_chat_policy(tmp_path_factory.mktemp("base_chat_policy"), style="base", layers=1, hidden=32, heads=2)
+
+
+@pytest.fixture(scope="session")
 def tiny_tokenizer(tiny_policy_dir):
     from rlhf_core.models import load_policy
 

@@ -257,3 +257,9 @@ def test_a_state_without_the_layout_keys_is_refused(full_run, fresh_parts, tmp_p
     torch.save({"trainer": {"step": 2, "version": 2}}, path / "state.pt")
     with pytest.raises(CheckpointError, match=r"lacks \['data', 'rng'\]"):
         restore_run_checkpoint(fresh_parts, path)
+
+
+def test_resuming_a_finished_run_says_so_before_training(full_run, fresh_parts):
+    cfg, out, *_ = full_run
+    with pytest.raises(CheckpointError, match="raise trainer.total_steps to continue"):
+        run_sync(cfg, resume_from=str(out / "checkpoints" / "step_000004"), parts=fresh_parts)

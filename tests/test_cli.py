@@ -103,3 +103,74 @@ def test_evaluate_a_checkpoint_of_another_shape_fails_clearly(tiny_model, tmp_pa
 def test_evaluate_something_that_is_not_a_policy(tmp_path, capsys):
     assert main(["evaluate", "--checkpoint", str(tmp_path / "missing")]) == 1
     assert "is not a checkpoint directory" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------ score
+SCORE_CHAT = ["rollout.max_new_tokens=16", "reward.components={answer_after_marker: 1.0, exact_match: 0.5}"]
+
+
+def _lines(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def test_score_text_and_ids_per_line_and_means(chat_policy_dir, tmp_path, capsys):
+    from rlhf_core.models import load_tokenizer
+
+    tok = load_tokenizer(chat_policy_dir)
+    inp = _lines(
+        tmp_path / "responses.jsonl",
+        [
+            {"answer": "72", "response": "so #### 72<|im_end|>"},
+            {"answer": "72", "response_ids": tok.encode("72<|im_end|>", add_special_tokens=False)},
+            "",
+            {"answer": "72", "response": "#### 721<|im_end|>"},
+        ],
+    )
+    args = ["score", "--input", str(inp), "--set", f"model.path={chat_policy_dir}", *SCORE_CHAT]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "3 responses; total = 1 x answer_after_marker + 0.5 x exact_match" in out
+    table = [line.split() for line in out.splitlines()[2:]]
+    assert table[0][0] == "1" and table[0][2:] == ["1.000", "1.000", "0.000"]
+    assert table[1][0] == "2" and table[1][2:] == ["0.500", "0.000", "1.000"]
+    assert table[2][0] == "4" and table[2][2:] == ["0.000", "0.000", "0.000"]
+    assert table[3] == ["mean", "0.500", "0.333", "0.333"]
+
+    assert main([*args, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["count"] == 3 and [r["line"] for r in result["rows"]] == [1, 2, 4]
+    assert [r["answer_after_marker"] for r in result["rows"]] == [1.0, 0.0, 0.0]
+    assert result["rows"][1]["tokens"] == 3 and result["mean"]["total"] == 0.5
+
+
+def test_score_bad_input_names_file_and_line(chat_policy_dir, tmp_path, capsys):
+    base = ["--set", f"model.path={chat_policy_dir}", *SCORE_CHAT]
+    cases = [
+        ({"response": "#### 72"}, "no 'answer' key (the line has keys ['response'])"),
+        ({"answer": "72"}, "exactly one of 'response' (text) or 'response_ids'"),
+        ({"answer": "72", "response": "x", "response_ids": [1]}, "exactly one of"),
+        ({"answer": "72", "response_ids": [1, 10**6]}, "token id 1000000"),
+        ({"answer": "... #### 72", "response": "#### 72"}, "contains the reward marker '####'"),
+        ({"answer": "many", "response": "#### 72"}, "'many' is not a number"),
+        ('{"answer": "72", ', "invalid JSON"),
+    ]
+    for row, reason in cases:
+        inp = _lines(tmp_path / "in.jsonl", [{"answer": "72", "response": "#### 72"}, row])
+        assert main(["score", "--input", str(inp), *base]) == 1
+        err = capsys.readouterr().err
+        assert f"{inp}:2: " in err and reason in err, err
+    latin = tmp_path / "latin1.jsonl"
+    latin.write_bytes('{"answer": "72", "response": "caf\u00e9 #### 72"}\n'.encode("latin-1"))
+    assert main(["score", "--input", str(latin), *base]) == 1
+    assert f"{latin}:1: not UTF-8" in capsys.readouterr().err
+    assert main(["score", "--input", str(tmp_path / "missing.jsonl"), *base]) == 1
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_score_help_says_how_text_is_tokenized():
+    out = subprocess.run([ATRLHF, "score", "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0
+    assert "NO special tokens" in " ".join(out.stdout.split()) and "--input" in out.stdout
+    top = subprocess.run([ATRLHF, "--help"], capture_output=True, text=True, timeout=60)
+    assert "score" in top.stdout

@@ -220,3 +220,42 @@ def test_the_loop_and_the_ray_runtime_resume_from_each_others_checkpoints(ray_lo
         assert ray.get(run.queue.state_dict.remote()) == loop_state.data
         run.advance()
         assert run.poll()["step"] == 5
+
+
+def test_a_checkpoint_taken_while_a_worker_restarts_succeeds_and_the_run_recovers(ray_local, tmp_path):
+    from rlhf_core.checkpoint import read_checkpoint
+
+    cfg = tiny_cfg(tmp_path, "trainer.total_steps=20", "cluster.max_restarts=2")
+    with DistributedRun(cfg) as run:
+        run.launch()
+        run.start()
+        deadline = time.monotonic() + 240
+        while run.poll()["step"] < 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        run.workers[0].crash.remote()
+        time.sleep(0.2)
+        ckpt = run.checkpoint(tmp_path / "during_restart")          # never fails the run
+        state, _ = read_checkpoint(ckpt)
+        assert len(state.rng["rollout"]) == 1
+        assert (state.rng["rollout"][0] is None) == (state.run.get("rollout_rng_missing") == [0])
+        while not run.done:
+            assert time.monotonic() < deadline, "the run did not recover after the restart"
+            run.poll()
+            time.sleep(0.2)
+        assert run.restarts == [1]
+
+
+def test_async_checkpoints_are_taken_at_exact_multiples_and_named_by_the_step_they_hold(ray_local, tmp_path):
+    """The async trainer moves on while the flow polls: it checkpoints itself at each exact multiple."""
+    from rlhf_core.checkpoint import read_checkpoint
+
+    cfg = tiny_cfg(tmp_path, "trainer.total_steps=10", "tracking.checkpoint_every=3", "runtime.mode=async")
+    result = run_distributed(cfg, poll_interval_s=1.0)
+    assert result["steps"] == 10
+    names = sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*"))
+    assert names == ["step_000003", "step_000006", "step_000009"]
+    for name in names:
+        state, _ = read_checkpoint(tmp_path / "checkpoints" / name)
+        assert state.step == int(name.removeprefix("step_")) == state.version
+        assert state.run["eval_start"] == result["eval/accuracy_start"] and len(state.rng["rollout"]) == 1

@@ -6,7 +6,9 @@ already up and kills only its own actors); every run is the tiny demo for a few 
 
 from __future__ import annotations
 
+import json
 import os
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -175,7 +177,8 @@ def test_flow_completes_and_records_everything(straight_run, work):
     plots = {Path(a.path).name for a in client.list_artifacts(run.info.run_id, "plots")}
     assert plots == {"reward_curve.png", "staleness_histogram.png"}
 
-    # the logged model loads back, with the exported weights
+    # the logged model loads back, with the exported weights, and leaves no temporary directory behind
+    temps_before = set(Path(tempfile.gettempdir()).glob("atrlhf-model-*"))
     model, tokenizer = load_logged_policy(run.info.run_id, tracking_uri=cfg.tracking.tracking_uri)
     exported = load_file(str(Path(result["export"]) / "model.safetensors"))
     for key, value in model.state_dict().items():
@@ -197,6 +200,7 @@ def test_flow_completes_and_records_everything(straight_run, work):
         )
         == 0
     )
+    assert set(Path(tempfile.gettempdir()).glob("atrlhf-model-*")) == temps_before
 
     # the Prefect side: the MLflow run id on the flow run, summary / health / progress artifacts
     with get_client(sync_client=True) as pc:
@@ -211,7 +215,8 @@ def test_flow_completes_and_records_everything(straight_run, work):
 
 def test_resume_equals_straight_run(straight_run, work, capsys):
     """Sync mode, fixed seeds: 3 steps + resume (from the MLflow run id, through the CLI) + 3 steps gives
-    the parameters of 6 steps straight; the resumed run keeps logging into the same MLflow run."""
+    the parameters of 6 steps straight; the resumed run is its own MLflow run, naming its parent and the
+    step, and its reward curve shows the whole lineage."""
     _, straight, _ = straight_run
     assert straight.is_completed()
     base = ["train", "--config", str(REPO / "configs" / "tiny.yaml"), "--set", *overrides(work, "halves")]
@@ -223,11 +228,15 @@ def test_resume_equals_straight_run(straight_run, work, capsys):
     assert cli_main([*base, "trainer.total_steps=6", "--resume-from", first.info.run_id]) == 0
 
     client = mlflow_client(work)
-    run = client.get_run(first.info.run_id)
-    assert run.info.status == "FINISHED"
-    assert [m.step for m in client.get_metric_history(run.info.run_id, "reward/mean")] == [1, 2, 3, 4, 5, 6]
-    assert "trainer.total_steps" in run.data.tags["resume.changed_params"]
-    assert len(runs_named(work, "halves")) == 1
+    first, second = sorted(runs_named(work, "halves"), key=lambda r: r.info.start_time)
+    assert first.info.status == second.info.status == "FINISHED"
+    assert [m.step for m in client.get_metric_history(first.info.run_id, "reward/mean")] == [1, 2, 3]
+    assert [m.step for m in client.get_metric_history(second.info.run_id, "reward/mean")] == [4, 5, 6]
+    tags = second.data.tags
+    assert tags["atrlhf.resumed_from_run"] == first.info.run_id and tags["atrlhf.resumed_from_step"] == "3"
+    assert second.data.params["trainer.total_steps"] == "6"
+    curve = client.download_artifacts(second.info.run_id, "plots/reward_curve.json")
+    assert json.loads(Path(curve).read_text())["reward/mean"]["step"] == [1, 2, 3, 4, 5, 6]
 
     a = load_file(str(Path(straight.result()["export"]) / "model.safetensors"))
     b = load_file(str(work / "halves" / "policy" / "model.safetensors"))

@@ -304,3 +304,106 @@ def test_build_prompt_splits_jsonl_holds_out_rows(tiny_tokenizer, tmp_path):
     train, held = build_prompt_splits(cfg.data, tiny_tokenizer)
     assert len(held) == 3 and len(train) == 17
     assert held[0].meta["line"] == 1 and train[0].meta["line"] == 4
+
+
+def test_jsonl_raw_gsm8k_lines_load_as_they_are(chat_policy_dir, tmp_path):
+    """{question, answer: '... #### 72'} with prompt_key=question and answer_after_marker: the answer scored is
+    the number after the reward marker, and the prompt is the chat-templated question."""
+    from rlhf_core.config import load_config
+    from rlhf_core.models import load_tokenizer
+
+    tok = load_tokenizer(chat_policy_dir)
+    rows = [
+        {"question": f"Natalia sold clips to {i} friends. How many?", "answer": f"She sold {i} + {i} ...\n#### {2 * i}"}
+        for i in range(1, 7)
+    ]
+    rows[0]["answer"] = "It is 1,000.\n#### 1,000"
+    path = _write(tmp_path / "gsm8k.jsonl", rows)
+    overrides = ["data.task=jsonl", f"data.train_path={path}", f"model.path={chat_policy_dir}", "data.eval_size=2"]
+    overrides += [
+        "data.prompt_key=question",
+        "data.answer_after_marker=true",
+        "reward.components={answer_after_marker: 1}",
+    ]
+    cfg = load_config(None, overrides)
+    train, held = build_prompt_splits(cfg.data, tok, reward_cfg=cfg.reward)
+    assert len(held) == 1 and len(train) == 5  # eval_size capped at a fifth of 6 rows
+    assert held[0].answer_text == "1,000" and train[0].answer_text == "4"
+    assert tok.encode("1000", add_special_tokens=False) in held[0].answers  # number spellings, as ever
+    assert "Natalia sold clips to 2 friends" in train[0].text and train[0].text.startswith("<|im_start|>user")
+    assert train[0].meta == {"line": 2}  # the prompt and answer keys are not metadata
+
+
+@pytest.mark.parametrize(
+    "answer, options, reason",
+    [
+        ("She sold 48 + 24 = 72 clips.\n#### 72", {}, r"contains the reward marker '####'.*answer_after_marker=true"),
+        ("seventy-two", {"numeric": True}, r"'seventy-two' is not a number.*'answer_after_marker'"),
+        ("#### 72 clips", {"numeric": True, "after": True}, r"'72 clips' is not a number"),
+        ("the sum ####", {"after": True}, r"nothing follows the last '####'"),
+    ],
+)
+def test_jsonl_answers_that_cannot_score_fail_at_load(tiny_tokenizer, tmp_path, answer, options, reason):
+    from rlhf_core.config import RewardConfig
+
+    reward = RewardConfig(components={"answer_after_marker": 1.0}) if options.get("numeric") else None
+    path = _write(tmp_path / "d.jsonl", [{"prompt": "max 1 2 3 =", "answer": "3"}, {"prompt": "p", "answer": answer}])
+    with pytest.raises(DatasetError, match=reason) as exc:
+        load_jsonl_prompts(path, tiny_tokenizer, answer_after_marker=options.get("after", False), reward_cfg=reward)
+    assert f"{path}:2: " in str(exc.value)
+
+
+def test_jsonl_numbers_pass_the_numeric_check(tiny_tokenizer, tmp_path):
+    from rlhf_core.config import RewardConfig
+
+    reward = RewardConfig(components={"answer_after_marker": 1.0, "format": 0.1})
+    path = _write(tmp_path / "d.jsonl", [{"prompt": "p", "answer": a} for a in ("3", 7, "1,000", "-0.5", 2.5)])
+    rows = load_jsonl_prompts(path, tiny_tokenizer, reward_cfg=reward)
+    assert [r.answer_text for r in rows] == ["3", "7", "1,000", "-0.5", "2.5"]
+    # without a numeric component a text answer is fine
+    text = _write(tmp_path / "t.jsonl", [{"prompt": "p", "answer": "yes"}])
+    assert load_jsonl_prompts(text, tiny_tokenizer, reward_cfg=RewardConfig())[0].answer_text == "yes"
+
+
+def test_jsonl_custom_keys_and_missing_key_lists_the_keys_found(tiny_tokenizer, tmp_path):
+    path = _write(tmp_path / "d.jsonl", [{"q": "max 1 2 3 =", "label": "3", "id": 9}])
+    rows = load_jsonl_prompts(path, tiny_tokenizer, prompt_key="q", answer_key="label")
+    assert rows[0].text == "max 1 2 3 =" and rows[0].answer_text == "3" and rows[0].meta == {"line": 1, "id": 9}
+    conv = _write(tmp_path / "c.jsonl", [{"conv": [{"role": "user", "content": "sum 4 5 ="}], "answer": "9"}])
+    assert load_jsonl_prompts(conv, tiny_tokenizer, messages_key="conv")[0].text == "sum 4 5 ="
+
+    with pytest.raises(DatasetError) as exc:
+        load_jsonl_prompts(path, tiny_tokenizer)  # default keys: no 'answer'
+    msg = str(exc.value)
+    assert f"{path}:1: no 'answer' key" in msg and "['id', 'label', 'q']" in msg and "data.answer_key" in msg
+    with pytest.raises(DatasetError) as exc:
+        load_jsonl_prompts(path, tiny_tokenizer, answer_key="label")  # no 'prompt'
+    msg = str(exc.value)
+    assert f"{path}:1: " in msg and "'prompt'" in msg and "['id', 'label', 'q']" in msg and "data.prompt_key" in msg
+
+
+def test_jsonl_not_utf8_names_file_and_line(tiny_tokenizer, tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    good = json.dumps({"prompt": "max 1 2 3 =", "answer": "3"}).encode()
+    path.write_bytes(good + b"\n" + '{"prompt": "caf\u00e9", "answer": "3"}'.encode("latin-1") + b"\n")
+    with pytest.raises(DatasetError) as exc:
+        load_jsonl_prompts(path, tiny_tokenizer)
+    msg = str(exc.value)
+    assert f"{path}:2: not UTF-8" in msg and "0xe9" in msg and "iconv" in msg
+    # a UTF-8 byte-order mark is not an error
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b"\xef\xbb\xbf" + good + b"\n")
+    assert load_jsonl_prompts(bom, tiny_tokenizer)[0].answer_text == "3"
+
+
+def test_config_data_keys_must_differ_and_marker_split_needs_a_marker():
+    from rlhf_core.config import ConfigError, load_config
+
+    cfg = load_config(None, ["data.prompt_key=question", "data.answer_after_marker=true"])
+    assert (cfg.data.prompt_key, cfg.data.messages_key, cfg.data.answer_key) == ("question", "messages", "answer")
+    with pytest.raises(ConfigError, match="data.prompt_key, data.messages_key, data.answer_key must name different"):
+        load_config(None, ["data.prompt_key=answer"])
+    with pytest.raises(ConfigError, match="data.answer_after_marker needs a non-empty reward.marker"):
+        load_config(None, ["data.answer_after_marker=true", "reward.marker=''"])
+    with pytest.raises(ConfigError, match="data.answer_key"):
+        load_config(None, ["data.answer_key=''"])

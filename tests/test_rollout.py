@@ -164,7 +164,7 @@ def test_max_new_tokens_respected(engine, prompt_batch, max_new_tokens):
     assert batch.response_ids.shape[1] <= max_new_tokens
     assert int(batch.response_lengths.max()) <= max_new_tokens
     # with EOS made unreachable every row runs to exactly max_new_tokens
-    never = HFEngine(engine.model, eos_token_id=10_000, pad_token_id=PAD, seed=0)
+    never = HFEngine(engine.model, stop_token_ids=10_000, pad_token_id=PAD, seed=0)
     full = never.generate(prompt_batch, 2, SamplingParams(max_new_tokens=max_new_tokens))
     assert full.response_ids.shape == (12, max_new_tokens)
     assert bool((full.response_lengths == max_new_tokens).all())
@@ -175,7 +175,7 @@ def test_generation_stops_when_every_row_has_ended(engine, prompt_batch):
     first = engine.generate(prompt_batch, 1, greedy).response_ids[:, 0]
     # treat the first greedy token of prompt 0 as EOS: the greedy rows that emit it stop at once
     prompt0 = collate_prompts([Prompt(uid=0, prompt_ids=prompt_batch.prompt_ids[0].tolist(), answers=[[4]])], PAD)
-    stop = HFEngine(engine.model, eos_token_id=int(first[0]), pad_token_id=PAD, seed=0)
+    stop = HFEngine(engine.model, stop_token_ids=int(first[0]), pad_token_id=PAD, seed=0)
     out = stop.generate(prompt0, 3, greedy)
     assert out.response_ids.shape == (3, 1)
     assert bool(out.response_mask.all()) and out.response_lengths.tolist() == [1, 1, 1]
@@ -213,11 +213,15 @@ def test_same_seed_same_samples(tiny_model, prompt_batch):
 # ---------------------------------------------------------------------------------------------------
 
 
-def _reference_filtered_logprobs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """Independent per-row reference: temperature, keep the top-k, then the smallest prefix of the sorted
-    (renormalised) distribution whose mass reaches top_p; renormalise. logits [V] -> logprobs [V]."""
+def _reference_filtered_logprobs(
+    logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float = 0.0
+) -> torch.Tensor:
+    """Independent per-row reference: temperature, drop tokens below min_p x the top probability, keep the
+    top-k, then the smallest prefix of the sorted (renormalised) distribution whose mass reaches top_p;
+    renormalise. logits [V] -> logprobs [V]."""
     z = logits.double() / temperature
-    order = torch.argsort(z, descending=True).tolist()
+    full = torch.softmax(z, 0)
+    order = [t for t in torch.argsort(z, descending=True).tolist() if full[t] >= min_p * full.max()]
     keep = order[:top_k] if top_k else order
     probs = torch.softmax(z[keep], 0).tolist()
     kept, mass = [], 0.0
@@ -231,12 +235,22 @@ def _reference_filtered_logprobs(logits: torch.Tensor, temperature: float, top_k
     return out
 
 
-@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 3, 1.0), (1.0, 0, 0.6), (0.7, 5, 0.8), (1.3, 0, 0.3)])
-def test_top_k_top_p_sampling_and_logprobs(tiny_model, prompt_batch, temperature, top_k, top_p):
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p, min_p",
+    [
+        (1.0, 3, 1.0, 0.0),
+        (1.0, 0, 0.6, 0.0),
+        (0.7, 5, 0.8, 0.0),
+        (1.3, 0, 0.3, 0.0),
+        (1.0, 0, 1.0, 0.2),
+        (0.7, 4, 0.9, 0.1),
+    ],
+)
+def test_top_k_top_p_sampling_and_logprobs(tiny_model, prompt_batch, temperature, top_k, top_p, min_p):
     with torch.no_grad():  # sharpen the random model so that the filters bite
         tiny_model.model.embed_tokens.weight.mul_(4)
     engine = HFEngine(tiny_model, EOS, PAD, seed=1)
-    sampling = SamplingParams(max_new_tokens=5, temperature=temperature, top_k=top_k, top_p=top_p)
+    sampling = SamplingParams(max_new_tokens=5, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     batch = engine.generate(prompt_batch, 8, sampling)
     _check_batch_invariants(batch, 48, 5)
     P = batch.prompt_ids.shape[1]
@@ -248,7 +262,7 @@ def test_top_k_top_p_sampling_and_logprobs(tiny_model, prompt_batch, temperature
     allowed_sizes = []
     for n in range(len(batch)):
         for t in range(int(batch.response_lengths[n])):
-            ref = _reference_filtered_logprobs(logits[n, t], temperature, top_k, top_p)
+            ref = _reference_filtered_logprobs(logits[n, t], temperature, top_k, top_p, min_p)
             tok = int(batch.response_ids[n, t])
             assert math.isfinite(ref[tok]), f"row {n} step {t}: sampled token {tok} is outside the allowed set"
             assert abs(float(ref[tok]) - float(batch.behavior_logprobs[n, t])) < 1e-4
@@ -260,7 +274,7 @@ def test_top_k_top_p_sampling_and_logprobs(tiny_model, prompt_batch, temperature
     # the engine's filter agrees with the reference on whole distributions, too
     engine_lp = sampling_logprobs(logits[0, :3], sampling)
     for t in range(3):
-        ref = _reference_filtered_logprobs(logits[0, t], temperature, top_k, top_p)
+        ref = _reference_filtered_logprobs(logits[0, t], temperature, top_k, top_p, min_p)
         assert torch.equal(torch.isfinite(engine_lp[t]), torch.isfinite(ref))
         torch.testing.assert_close(
             engine_lp[t][torch.isfinite(ref)].double(), ref[torch.isfinite(ref)], atol=1e-5, rtol=0
@@ -411,3 +425,183 @@ def test_build_engine_by_config(tiny_model, tiny_tokenizer):
     hf = build_engine(load_config(None), tiny_model, tiny_tokenizer, seed=3)
     assert isinstance(hf, HFEngine) and hf.model is tiny_model
     assert (hf.eos_token_id, hf.pad_token_id, hf.version) == (EOS, PAD, 0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The stop set: chat models end a response at any of several ids
+# ---------------------------------------------------------------------------------------------------
+
+CHAT_STYLES = ["chat_policy_dir", "base_chat_policy_dir"]
+
+
+def _chat_parts(request, fixture, *overrides):
+    """(policy dir, model, tokenizer, cfg, the ids of <|im_end|> and <|endoftext|>) of a chat fixture."""
+    from rlhf_core.config import load_config
+    from rlhf_core.models import load_policy
+
+    policy_dir = request.getfixturevalue(fixture)
+    model, tok = load_policy(policy_dir, dtype="float32", device="cpu")
+    cfg = load_config(None, ["rollout.max_new_tokens=24", f"model.path={policy_dir}", *overrides])
+    ids = (tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>"))
+    return policy_dir, model, tok, cfg, ids
+
+
+def _favour(model, token_ids, bonus: float = 4.0):
+    """Add `bonus` to the logits of `token_ids` (a hook on the LM head), so that responses end soon and at each."""
+    bias = torch.zeros(model.config.vocab_size)
+    bias[list(token_ids)] = bonus
+    return model.lm_head.register_forward_hook(lambda _mod, _inp, out: out + bias)
+
+
+def _chat_prompts(tok, n=8):
+    texts = [
+        f"<|im_start|>user\nWhat is the maximum of {i}, {i + 3} and 2?<|im_end|>\n<|im_start|>assistant\n"
+        for i in range(n)
+    ]
+    return [
+        Prompt(uid=i, prompt_ids=tok(t)["input_ids"], answers=[tok(str(i + 3))["input_ids"]])
+        for i, t in enumerate(texts)
+    ]
+
+
+@pytest.mark.parametrize("fixture", CHAT_STYLES)
+def test_generation_stops_at_every_id_of_the_stop_set(request, fixture):
+    """Both chat styles: the stop set holds <|im_end|> and <|endoftext|> whichever the tokenizer's EOS is; a
+    response ends at the first of either, and its mask, length and padding end there."""
+    from rlhf_core import build
+
+    policy_dir, model, tok, cfg, (im_end, eot) = _chat_parts(request, fixture)
+    stops = build.build_stop_ids(cfg, tok, policy_dir)
+    assert stops == sorted({im_end, eot}) and tok.eos_token_id in stops
+    hook = _favour(model, stops)
+    try:
+        worker = build.build_rollout_worker(cfg, model, tok, policy_dir, seed=0)
+        assert isinstance(worker.engine, HFEngine) and worker.engine.stop_token_ids == stops
+        batch, _ = worker.rollout(_chat_prompts(tok))
+    finally:
+        hook.remove()
+    _check_batch_invariants(batch, 8 * cfg.rollout.samples_per_prompt, 24, eos=stops, pad=tok.pad_token_id)
+    ends = []
+    for row, n in zip(batch.response_ids.tolist(), batch.response_lengths.tolist()):
+        body = row[:n]
+        assert not set(body[:-1]) & set(stops), "a stop id inside a response: generation ran past it"
+        if body[-1] in stops:
+            ends.append(body[-1])
+    assert len(ends) > len(batch) // 2 and set(ends) == {im_end, eot}  # each id ended some rows
+    # the mask ends at the FIRST stop id, whichever: a row with both keeps only the first
+    rows = torch.tensor([[5, eot, im_end, 7], [im_end, 6, eot, 8], [5, 6, 7, 8]])
+    assert response_mask_from_eos(rows, stops).tolist() == [
+        [True, True, False, False],
+        [True, False, False, False],
+        [True] * 4,
+    ]
+
+
+@pytest.mark.parametrize("fixture", CHAT_STYLES)
+def test_engine_evaluator_and_reward_share_the_stop_set(request, fixture):
+    """build_rollout_worker and build_evaluator give engine and reward the same set; the reward ends a row at
+    whichever stop id comes first, as the engine does."""
+    from rlhf_core import build
+
+    policy_dir, model, tok, cfg, (im_end, eot) = _chat_parts(request, fixture)
+    stops = build.build_stop_ids(cfg, tok, policy_dir)
+    worker = build.build_rollout_worker(cfg, model, tok, policy_dir, seed=0)
+    evaluator = build.build_evaluator(cfg, model, tok, policy_dir, [])
+    assert worker.engine.stop_token_ids == evaluator.engine.stop_token_ids == stops
+    assert list(worker.reward_fn.stop_token_ids) == list(evaluator.reward_fn.stop_token_ids) == stops
+    prompt = _chat_prompts(tok, 1)[0]
+    pats = collate_prompts([prompt], tok.pad_token_id).patterns
+    answer = prompt.answers[0]
+    for stop in (im_end, eot):  # the answer, then either stop id, then junk: correct under both
+        junk = tok("and more words")["input_ids"]
+        total, parts = evaluator.reward_fn(torch.tensor([answer + [stop] + junk]), pats)
+        assert float(parts["exact_match"][0]) == 1.0, stop
+
+
+def test_extra_stop_token_ids_are_added_and_stop_generation(request):
+    from rlhf_core import build
+
+    policy_dir, model, tok, _, (im_end, eot) = _chat_parts(request, "chat_policy_dir")
+    extra = tok.convert_tokens_to_ids("<|im_start|>")
+    from rlhf_core.config import load_config
+
+    cfg = load_config(None, ["rollout.max_new_tokens=24", f"rollout.stop_token_ids=[{extra}]"])
+    stops = build.build_stop_ids(cfg, tok, policy_dir)
+    assert stops == sorted({im_end, eot, extra})
+    hook = _favour(model, [extra], bonus=5.0)
+    try:
+        worker = build.build_rollout_worker(cfg, model, tok, policy_dir, seed=0)
+        batch, _ = worker.rollout(_chat_prompts(tok))
+    finally:
+        hook.remove()
+    assert worker.engine.stop_token_ids == stops and list(worker.reward_fn.stop_token_ids) == stops
+    last = batch.response_ids.gather(1, (batch.response_lengths - 1).clamp(min=0)[:, None]).squeeze(1)
+    assert int((last == extra).sum()) > len(batch) // 2  # rows end at the extra id
+    assert torch.equal(batch.response_mask, response_mask_from_eos(batch.response_ids, stops))
+
+
+@pytest.mark.parametrize("bad", [100_000, -1])
+def test_stop_id_outside_the_vocabulary_fails_clearly(request, bad):
+    from rlhf_core import build
+    from rlhf_core.config import load_config
+    from rlhf_core.models import ModelLoadError
+
+    policy_dir, model, tok, _, _ = _chat_parts(request, "chat_policy_dir")
+    cfg = load_config(None, [f"rollout.stop_token_ids=[{bad}]"])
+    with pytest.raises(
+        ModelLoadError, match=rf"stop token id\(s\) \[{bad}\] are outside the vocabulary.*rollout.stop_token_ids"
+    ):
+        build.build_stop_ids(cfg, tok, policy_dir)
+    with pytest.raises(ModelLoadError, match="outside the vocabulary"):
+        build.build_rollout_worker(cfg, model, tok, policy_dir, seed=0)
+    with pytest.raises(ModelLoadError, match="outside the vocabulary"):
+        build.build_evaluator(cfg, model, tok, policy_dir, [])
+
+
+def test_random_engine_stops_at_every_stop_id(prompt_batch):
+    batch = RandomEngine(19, [EOS, 7], PAD, seed=0).generate(prompt_batch, 8, SamplingParams(max_new_tokens=12))
+    assert torch.equal(batch.response_mask, response_mask_from_eos(batch.response_ids, [EOS, 7]))
+    ends = {int(r[n - 1]) for r, n in zip(batch.response_ids, batch.response_lengths) if int(r[n - 1]) in (EOS, 7)}
+    assert ends == {EOS, 7}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Reward components travel with the batch (the Ray path logs them per trainer step)
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_reward_components_travel_with_groups(tiny_model, tiny_tokenizer, max3_prompts):
+    from rlhf_core.distributed.transport import pack_groups, unpack_groups
+    from rlhf_core.types import cat_rollouts
+
+    tok = tiny_tokenizer
+    cfg = RewardConfig(components={"length_penalty": 0.5, "exact_match": 1.0}, length_target=1)
+    reward_fn = build_reward_fn(cfg, tok, tok.eos_token_id, 4)
+    engine = HFEngine(tiny_model, tok.eos_token_id, tok.pad_token_id, seed=0)
+    worker = RolloutWorker(
+        engine, reward_fn, SamplingParams(max_new_tokens=4), 4, tok.pad_token_id, component_names=list(cfg.components)
+    )
+    batch, components = worker.rollout(max3_prompts[0][:6])
+    assert batch.reward_components.shape == (24, 2)
+    torch.testing.assert_close(batch.reward_components[:, 0], components["length_penalty"])
+    torch.testing.assert_close(batch.reward_components[:, 1], components["exact_match"])
+    torch.testing.assert_close(batch.rewards, batch.reward_components @ torch.tensor([0.5, 1.0]))
+    assert float(batch.reward_components[:, 0].min()) < 0  # the penalty bites: the columns are really distinct
+    groups = unpack_groups(pack_groups(worker.generate_groups(max3_prompts[0][6:10])))
+    assert all(g.batch.reward_components.shape == (4, 2) for g in groups)
+    whole = cat_rollouts([g.batch for g in groups], tok.pad_token_id)
+    assert whole.reward_components.shape == (16, 2)
+    torch.testing.assert_close(whole.rewards, whole.reward_components @ torch.tensor([0.5, 1.0]))
+
+
+def test_top_p_filter_in_chunks_is_the_same_filter(monkeypatch):
+    """The top-p sort runs in chunks of rows over large [..., V] logits (the trainer's): same set."""
+    import rlhf_core.rollout.base as base
+    from rlhf_core.rollout import removed_tokens
+
+    z = torch.randn(3, 7, 50) * 3
+    sp = SamplingParams(temperature=0.7, top_p=0.6, top_k=10, min_p=0.01)
+    whole = removed_tokens(z, sp)
+    monkeypatch.setattr(base, "TOP_P_CHUNK_ELEMENTS", 120)  # 2 rows at a time, the last chunk shorter
+    assert torch.equal(removed_tokens(z, sp), whole) and 0 < float(whole.float().mean()) < 1
+    assert removed_tokens(z, SamplingParams()) is None and removed_tokens(z, SamplingParams(temperature=0.5)) is None

@@ -12,6 +12,7 @@ def cfg(*extra):
         None,
         [
             "trainer.prompts_per_step=4",
+            "rollout.prompts_per_batch=4",
             "runtime.max_staleness=2",
             "supervision.staleness_warn=0.5",
             "supervision.nonfinite_limit=3",
@@ -52,6 +53,17 @@ def test_high_staleness_syncs_then_narrows_the_admission_window_once():
     assert m.check(poll(3, staleness=1.5, workers=behind), now=4).admission_window is None  # only once
     d = m.check(poll(4, staleness=0.5, workers=behind), now=5)
     assert d.throttle is None and [e.kind for e in d.events] == ["staleness_ok"]
+
+
+def test_staleness_within_the_bound_is_info_not_a_warning():
+    """A healthy async run sits near runtime.max_staleness by design: that is reported, not warned about."""
+    m = HealthMonitor(cfg(), now=0)  # staleness_warn 0.5 x max_staleness 2 = 1.0
+    d = m.check(poll(1, staleness=2.0), now=1)  # at the bound
+    assert [(e.kind, e.severity) for e in d.events] == [("staleness_high", "info")]
+    assert not [e for e in m.events if e.severity != "info"]
+    m = HealthMonitor(cfg(), now=0)
+    d = m.check(poll(1, staleness=2.5), now=1)  # above the hard bound: something is wrong
+    assert [(e.kind, e.severity) for e in d.events] == [("staleness_high", "warning")]
 
 
 def test_no_extra_sync_when_weights_are_published_every_version_or_workers_are_current():
@@ -117,3 +129,45 @@ def test_progress_line_is_compact():
         {},
     )
     assert line == "step 3/6 | reward 0.500 | acc 0.250@3 | staleness 1.00/2 | 120 samples/s | buffer 8"
+
+
+def test_progress_line_shows_what_the_reward_is_made_of():
+    """A reward that is all format bonus must not read like progress: the components show beside it."""
+    from tasks.supervision import reward_breakdown, reward_component_keys
+
+    metrics = {"reward/mean": 0.1, "reward/std": 0.0, "reward/answer_after_marker": 0.0, "reward/format": 1.0}
+    line = progress_line(7, 10, metrics, None, {})
+    assert line == "step 7/10 | reward 0.100 (answer_after_marker 0.000, format 1.000)"
+    assert reward_component_keys(metrics) == ["reward/answer_after_marker", "reward/format"]
+    # one component is the reward itself: nothing to add
+    assert reward_breakdown({"reward/mean": 0.5, "reward/exact_match": 0.5}) == "0.500"
+
+
+def test_run_summaries_show_the_reward_components():
+    """The flow's summary artifact and the CLI's final summary show correctness apart from format."""
+    from types import SimpleNamespace
+
+    from flows.cli import _train_summary
+    from flows.train import _summary_markdown
+
+    config = cfg("reward.components={answer_after_marker: 1.0, format: 0.1}")
+    result = {
+        "eval/accuracy_start": 0.0,
+        "eval/accuracy": 0.0,
+        "eval/reward_mean": 0.1,
+        "reward/mean": 0.1,
+        "reward/answer_after_marker": 0.0,
+        "reward/format": 1.0,
+        "steps": 5,
+        "checkpoint": "ckpt",
+        "export": "export",
+        "mlflow_run_id": "r" * 32,
+        "mlflow_tracking_uri": "file:///tmp/mlruns",
+    }
+    tracker = SimpleNamespace(uri="file:///tmp/mlruns", experiment_id="1", run_id="r" * 32)
+    md = _summary_markdown(config, result, tracker)
+    assert "| `reward/answer_after_marker` | 0 |" in md and "| `reward/format` | 1 |" in md
+    assert "1 x answer_after_marker + 0.1 x format" in md
+    state = SimpleNamespace(name="Completed", message=None)
+    text = _train_summary(config, state, result, None)
+    assert "train reward        0.100 (answer_after_marker 0.000, format 1.000) at the last step" in text

@@ -354,3 +354,156 @@ def test_trainer_state_dict_round_trip(tiny_model, batch):
     assert (other.version, other.step, other.skipped_steps) == (2, 2, 0)
     assert other.scheduler.get_last_lr() == trainer.scheduler.get_last_lr()
     assert other.optimizer.state_dict()["state"][0]["step"] == 2
+
+
+# ---------------------------------------------------------------------------------------------------
+# Sampling-consistent log-probs: the trainer's distribution is the one the engine sampled from
+# ---------------------------------------------------------------------------------------------------
+
+SAMPLING_SETTINGS = [
+    pytest.param(["rollout.temperature=0.7"], id="temperature0.7"),
+    pytest.param(["rollout.top_k=3"], id="top_k3"),
+    pytest.param(["rollout.top_p=0.5"], id="top_p0.5"),
+    pytest.param(["rollout.min_p=0.2"], id="min_p0.2"),
+    pytest.param(["rollout.temperature=0.7", "rollout.top_k=3", "rollout.top_p=0.5"], id="combined"),
+    pytest.param(
+        ["rollout.temperature=1.3", "rollout.top_k=5", "rollout.top_p=0.8", "rollout.min_p=0.05"], id="all_four"
+    ),
+]
+
+
+def _policy(which, tiny_policy_dir, chat_policy_dir):
+    from rlhf_core.models import load_policy
+
+    return load_policy(tiny_policy_dir if which == "tiny" else chat_policy_dir, dtype="float32", device="cpu")
+
+
+def _on_policy_batch(model, tok, cfg, seed=1):
+    """Prompts of different lengths (left padding exercised), G completions each, sampled as cfg.rollout says."""
+    from rlhf_core.data import Prompt
+
+    texts = ["max 1 2 3 =", "sum 4 5 =", "max 9 =", "sum 1 2 3 4 5 6 7 8 9 ="]
+    pb = collate_prompts(
+        [Prompt(uid=i, prompt_ids=tok(t)["input_ids"], answers=[[4]]) for i, t in enumerate(texts)], tok.pad_token_id
+    )
+    sampling = SamplingParams.from_config(cfg.rollout)
+    b = HFEngine(model, [tok.eos_token_id], tok.pad_token_id, seed=seed).generate(pb, G, sampling)
+    b.rewards = (torch.arange(len(b)) % 2).float()
+    return b
+
+
+@pytest.mark.parametrize("which", ["tiny", "chat"])
+@pytest.mark.parametrize("overrides", SAMPLING_SETTINGS)
+def test_on_policy_ratios_are_one_for_every_sampling_setting(which, overrides, tiny_policy_dir, chat_policy_dir):
+    """HFEngine samples with temperature / top-k / top-p / min-p; the Trainer's log-probs of those tokens under
+    the same weights equal the recorded behaviour log-probs, so every on-policy ratio is 1."""
+    model, tok = _policy(which, tiny_policy_dir, chat_policy_dir)
+    with torch.no_grad():  # sharpen the random model so that the filters bite
+        model.model.embed_tokens.weight.mul_(4)
+    cfg = make_cfg("rollout.max_new_tokens=10", *overrides)
+    b = _on_policy_batch(model, tok, cfg)
+    m = b.response_mask
+    assert int(m.sum()) > 40
+    trainer = Trainer(model, cfg, pad_token_id=tok.pad_token_id)
+    with torch.no_grad():
+        logprobs, entropy = trainer._logprobs(model, b, slice(None), with_entropy=True)
+    ratio = (logprobs - b.behavior_logprobs)[m].exp()
+    assert float((ratio - 1).abs().max()) <= 1e-4
+    assert bool(torch.isfinite(entropy[m]).all()) and float(entropy[m].min()) >= 0
+    if cfg.rollout.top_k or cfg.rollout.top_p < 1 or cfg.rollout.min_p:
+        # what the trainer computed before (temperature only) is a different distribution: the test bites
+        with torch.no_grad():
+            plain, _ = sequence_logprobs(
+                model, b.prompt_ids, b.prompt_mask, b.response_ids, m, temperature=cfg.rollout.temperature
+            )
+        assert float((plain - b.behavior_logprobs)[m].abs().max()) > 0.05
+    metrics = trainer.train_step(b)  # the step's own ratios (before its update) are 1 too
+    assert metrics["policy/ratio_mean"] == pytest.approx(1.0, abs=1e-4)
+    assert metrics["policy/ratio_max"] == pytest.approx(1.0, abs=1e-4)
+    assert metrics["policy/clip_frac"] == 0.0 and metrics["trainer/step_finite"] == 1.0
+
+
+def test_truncated_logprobs_renormalise_and_keep_the_sampled_token():
+    """processed_logits with `keep`: the truncation set is the engine's, renormalised; a kept token outside it
+    joins the set; gradients reach exactly the tokens of the set (and the kept one), nothing else."""
+    from rlhf_core.rollout import processed_logits, removed_tokens
+
+    torch.manual_seed(0)
+    logits = torch.randn(2, 3, 11, requires_grad=True)
+    sp = SamplingParams(temperature=0.7, top_k=4, top_p=0.6)
+    drop = removed_tokens(logits.detach() / 0.7, sp)
+    outside = drop.float().argmax(-1)  # a filtered-out token at every position
+    assert bool(drop.gather(-1, outside[..., None]).all())
+    lp = torch.log_softmax(processed_logits(logits, sp, keep=outside), -1)
+    chosen = lp.gather(-1, outside[..., None]).squeeze(-1)
+    assert bool(torch.isfinite(chosen).all())
+    # by hand: log-softmax of the temperature-scaled logits over the kept set plus the chosen token
+    support = ~drop.scatter(-1, outside[..., None], False)
+    z = (logits.detach() / 0.7).masked_fill(~support, float("-inf"))
+    torch.testing.assert_close(chosen.detach(), torch.log_softmax(z, -1).gather(-1, outside[..., None]).squeeze(-1))
+    chosen.sum().backward()
+    assert bool((logits.grad[~support] == 0).all()) and bool((logits.grad[support] != 0).all())
+    torch.testing.assert_close(logits.grad.sum(-1), torch.zeros(2, 3), atol=1e-6, rtol=0)  # softmax gradient
+
+
+def test_off_policy_token_outside_the_current_set_keeps_a_finite_loss(tiny_model, tiny_tokenizer, max3_prompts):
+    """Data sampled by other weights may hold tokens the current policy's top-k would filter out: their
+    log-probability stays finite (ratio < 1, not 0 or NaN) and the step is finite."""
+    tok = tiny_tokenizer
+    cfg = make_cfg("rollout.top_k=1", "rollout.max_new_tokens=6")
+    other = copy.deepcopy(tiny_model)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(torch.randn_like(p))
+    pb = collate_prompts(max3_prompts[0][:8], tok.pad_token_id)
+    b = HFEngine(other, 10_000, tok.pad_token_id, seed=0).generate(pb, G, SamplingParams(max_new_tokens=6))
+    b.rewards = (torch.arange(len(b)) % 2).float()
+    trainer = Trainer(tiny_model, cfg, pad_token_id=tok.pad_token_id)
+    with torch.no_grad():
+        current, entropy = trainer._logprobs(tiny_model, b, slice(None), with_entropy=True)
+        argmax_ok = sequence_logprobs(tiny_model, b.prompt_ids, b.prompt_mask, b.response_ids, b.response_mask)[0]
+    m = b.response_mask
+    assert bool(torch.isfinite(current[m]).all()) and bool((current[m] <= 0).all())
+    assert float(current[m].min()) < -0.1  # some sampled tokens are not the current argmax
+    assert bool((current[m] >= argmax_ok[m] - 1e-5).all())  # a set of two (argmax + token) is never less likely
+    assert bool(torch.isfinite(entropy[m]).all())
+    metrics = trainer.train_step(b)
+    assert metrics["trainer/step_finite"] == 1.0 and math.isfinite(metrics["loss/total"])
+
+
+def test_entropy_is_of_the_sampled_distribution(tiny_model, tiny_tokenizer, max3_prompts):
+    """policy/entropy measures the truncated, renormalised distribution sampled from: 0 with top_k=1,
+    below the temperature-only entropy with top_k=3, and equal to it without filters."""
+    tok = tiny_tokenizer
+    pb = collate_prompts(max3_prompts[0][:4], tok.pad_token_id)
+    b = HFEngine(tiny_model, 10_000, tok.pad_token_id, seed=0).generate(pb, G, SamplingParams(max_new_tokens=4))
+    args = (tiny_model, b.prompt_ids, b.prompt_mask, b.response_ids, b.response_mask)
+    m = b.response_mask
+    with torch.no_grad():
+        _, plain = sequence_logprobs(*args, with_entropy=True)
+        _, same = sequence_logprobs(*args, with_entropy=True, sampling=SamplingParams())
+        _, top3 = sequence_logprobs(*args, with_entropy=True, sampling=SamplingParams(top_k=3))
+        _, top1 = sequence_logprobs(*args, with_entropy=True, sampling=SamplingParams(temperature=0.5, top_k=1))
+    torch.testing.assert_close(same, plain)
+    # (these tokens were sampled without a filter: the response token joins the top 3 where it is not among them)
+    assert bool((top3[m] < plain[m]).all()) and bool((top3[m] <= math.log(4) + 1e-5).all())
+    # top_k=1 keeps the argmax and the response token: 0 where they coincide, at most log 2 elsewhere
+    assert bool((top1[m] <= math.log(2) + 1e-5).all()) and float(top1[m].min()) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_reward_components_are_step_metrics(tiny_model, batch):
+    """reward/<component>: the batch mean of each configured component, from the per-row values on the batch."""
+    cfg = make_cfg()
+    cfg = cfg.model_copy(
+        update={"reward": cfg.reward.model_copy(update={"components": {"format": 0.1, "exact_match": 1.0}})}
+    )
+    trainer = Trainer(tiny_model, cfg, pad_token_id=0)
+    fmt = torch.ones(len(batch))
+    correct = (torch.arange(len(batch)) % 4 == 0).float()
+    batch.reward_components = torch.stack([fmt, correct], -1)
+    batch.rewards = 0.1 * fmt + correct
+    m = trainer.train_step(batch)
+    assert m["reward/format"] == pytest.approx(1.0) and m["reward/exact_match"] == pytest.approx(0.25)
+    assert m["reward/mean"] == pytest.approx(0.35)
+    batch.reward_components = None  # a batch without them (an older producer) just logs none
+    assert not any(k in trainer.train_step(batch) for k in ("reward/format", "reward/exact_match"))

@@ -71,16 +71,19 @@ def vllm_engine(tiny_policy_dir, tiny_tokenizer):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 5, 0.8)])
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p, min_p",
+    [(1.0, 0, 1.0, 0.0), (0.7, 0, 1.0, 0.0), (1.0, 5, 0.8, 0.0), (0.7, 3, 0.5, 0.0), (1.0, 0, 1.0, 0.2)],
+)
 def test_vllm_logprobs_match_full_forward(
-    vllm_engine, tiny_policy_dir, max3_prompts, tiny_tokenizer, temperature, top_k, top_p
+    vllm_engine, tiny_policy_dir, max3_prompts, tiny_tokenizer, temperature, top_k, top_p, min_p
 ):
     from rlhf_core.models import load_policy
     from rlhf_core.rollout import sampling_logprobs
 
     model, _ = load_policy(tiny_policy_dir, dtype="float32", device="cuda")
     pb = collate_prompts(max3_prompts[0][:8], tiny_tokenizer.pad_token_id)
-    sampling = SamplingParams(max_new_tokens=6, temperature=temperature, top_k=top_k, top_p=top_p)
+    sampling = SamplingParams(max_new_tokens=6, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     batch = vllm_engine.generate(pb, 4, sampling)
     assert batch.response_ids.shape[0] == 32 and batch.response_ids.shape[1] <= 6
     assert torch.equal(batch.response_mask, response_mask_from_eos(batch.response_ids, tiny_tokenizer.eos_token_id))
@@ -96,9 +99,12 @@ def test_vllm_logprobs_match_full_forward(
         ref = ref.gather(-1, batch.response_ids.unsqueeze(-1)).squeeze(-1)
     assert bool(torch.isfinite(ref[m]).all())  # every sampled token is inside the filtered set
     torch.testing.assert_close(batch.behavior_logprobs[m], ref[m], atol=2e-3, rtol=0)
-    if top_k == 0 and top_p == 1.0:
-        plain, _ = sequence_logprobs(model, batch.prompt_ids, batch.prompt_mask, batch.response_ids, m, temperature)
-        torch.testing.assert_close(batch.behavior_logprobs[m], plain[m], atol=2e-3, rtol=0)
+    # the trainer's log-probs (same truncation, same weights) give on-policy ratios of 1
+    with torch.no_grad():
+        trainer_lp, _ = sequence_logprobs(
+            model, batch.prompt_ids, batch.prompt_mask, batch.response_ids, m, sampling=sampling
+        )
+    torch.testing.assert_close(batch.behavior_logprobs[m], trainer_lp[m], atol=2e-3, rtol=0)
 
 
 @pytest.mark.cuda
@@ -120,3 +126,94 @@ def test_vllm_load_weights_changes_outputs_and_version(vllm_engine, tiny_policy_
     hf = HFEngine(new.cuda(), tiny_tokenizer.eos_token_id, tiny_tokenizer.pad_token_id).generate(pb, 1, greedy)
     assert torch.equal(hf.response_ids.cpu(), after.response_ids.cpu())  # greedy agrees with the new weights
     vllm_engine.load_weights({k: v.detach() for k, v in model.named_parameters()}, version=4)  # restore for other tests
+
+
+# ---------------------------------------------------------------------------------------------------
+# What VLLMEngine asks of vLLM, checked against a stand-in module (runs where vLLM is not installed)
+# ---------------------------------------------------------------------------------------------------
+
+
+def _fake_vllm(monkeypatch, knows_logprobs_mode: bool = True, version: str = "0.11.0"):
+    """A `vllm` module whose LLM records its arguments and answers generate() with fixed completions."""
+    import sys
+    import types
+
+    record: dict = {"llm": None, "sampling": []}
+
+    class FakeSamplingParams:
+        def __init__(self, **kwargs):
+            self.kwargs = kwargs
+            record["sampling"].append(kwargs)
+
+    class FakeLLM:
+        def __init__(self, **kwargs):
+            if "logprobs_mode" in kwargs and not knows_logprobs_mode:
+                raise TypeError("__init__() got an unexpected keyword argument 'logprobs_mode'")
+            record["llm"] = kwargs
+
+        def generate(self, requests, params, use_tqdm=False):
+            Lp = types.SimpleNamespace
+            out = []
+            for _ in requests:
+                comps = [
+                    Lp(index=g, token_ids=[5, 2], logprobs=[{5: Lp(logprob=-0.5)}, {2: Lp(logprob=-0.25)}])
+                    for g in range(params.kwargs["n"])
+                ]
+                out.append(Lp(outputs=comps))
+            return out
+
+    fake = types.ModuleType("vllm")
+    fake.LLM, fake.SamplingParams, fake.__version__ = FakeLLM, FakeSamplingParams, version
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    for var in ("VLLM_USE_FLASHINFER_SAMPLER", "VLLM_ENABLE_V1_MULTIPROCESSING"):  # what the engine sets, undone after
+        monkeypatch.setenv(var, "")
+        monkeypatch.delenv(var)
+    return record
+
+
+def test_vllm_engine_asks_for_processed_logprobs_and_passes_the_stop_set(
+    monkeypatch, tiny_policy_dir, tiny_tokenizer, max3_prompts
+):
+    import os
+
+    from rlhf_core.rollout.vllm import VLLMEngine
+
+    record = _fake_vllm(monkeypatch)
+    cfg = load_config(None, ["rollout.engine=vllm"])
+    engine = VLLMEngine(tiny_policy_dir, cfg, tiny_tokenizer, seed=3, stop_token_ids=[2, 7])
+    assert record["llm"]["logprobs_mode"] == "processed_logprobs" and engine.processed_logprobs
+    assert os.environ["VLLM_USE_FLASHINFER_SAMPLER"] == "0"  # its sampler returns no processed logprobs
+    pb = collate_prompts(max3_prompts[0][:3], tiny_tokenizer.pad_token_id)
+    sampling = SamplingParams(max_new_tokens=5, temperature=0.7, top_k=3, top_p=0.5, min_p=0.1)
+    batch = engine.generate(pb, 2, sampling)
+    asked = record["sampling"][-1]
+    assert asked["stop_token_ids"] == [2, 7] and asked["n"] == 2 and asked["max_tokens"] == 5
+    assert (asked["temperature"], asked["top_k"], asked["top_p"], asked["min_p"], asked["logprobs"]) == (
+        0.7,
+        3,
+        0.5,
+        0.1,
+        0,
+    )
+    assert batch.response_ids.tolist() == [[5, 2]] * 6 and batch.behavior_logprobs[0].tolist() == [-0.5, -0.25]
+    engine.generate(pb, 1, SamplingParams(max_new_tokens=5))
+    assert record["sampling"][-1]["top_k"] == -1 and record["sampling"][-1]["min_p"] == 0.0  # vLLM's "off"
+    # build_engine hands it the run's stop set
+    monkeypatch.setattr(rollout, "vllm_available", lambda: True)
+    built = build_engine(cfg, None, tiny_tokenizer, model_path=str(tiny_policy_dir), stop_token_ids=[2, 9])
+    assert isinstance(built, VLLMEngine) and built.stop_token_ids == [2, 9]
+
+
+@pytest.mark.parametrize("truncation", [dict(top_k=3), dict(top_p=0.5), dict(min_p=0.1), dict(temperature=0.7)])
+def test_vllm_without_processed_logprobs_refuses_truncated_sampling(
+    monkeypatch, tiny_policy_dir, tiny_tokenizer, max3_prompts, truncation
+):
+    from rlhf_core.rollout.vllm import VLLMEngine
+
+    _fake_vllm(monkeypatch, knows_logprobs_mode=False, version="0.9.2")
+    engine = VLLMEngine(tiny_policy_dir, load_config(None), tiny_tokenizer, stop_token_ids=[2])
+    assert not engine.processed_logprobs
+    pb = collate_prompts(max3_prompts[0][:2], tiny_tokenizer.pad_token_id)
+    engine.generate(pb, 1, SamplingParams(max_new_tokens=3))  # temperature 1, no filter: raw == processed
+    with pytest.raises(RuntimeError, match="raw model distribution"):
+        engine.generate(pb, 1, SamplingParams(max_new_tokens=3, **truncation))

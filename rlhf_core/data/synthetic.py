@@ -13,6 +13,7 @@ import itertools
 
 import numpy as np
 
+from rlhf_core.data.answers import answer_patterns
 from rlhf_core.data.prompts import Prompt
 
 SYNTHETIC_TASKS = ("max3", "sum2")
@@ -42,12 +43,11 @@ def build_synthetic_task(
         for uid, i in enumerate(indices):
             text, answer = problems[int(i)]
             prompt_ids = tokenizer(text)["input_ids"]
-            answer_ids = tokenizer(answer, add_special_tokens=False)["input_ids"]
             out.append(
                 Prompt(
                     uid=uid,
                     prompt_ids=prompt_ids,
-                    answers=[answer_ids],
+                    answers=answer_patterns(tokenizer, answer, task),
                     text=text,
                     answer_text=answer,
                     meta={"task": task, "problem": int(i)},

@@ -23,7 +23,14 @@ import ray
 import torch
 
 from rlhf_core import build
-from rlhf_core.checkpoint import CheckpointState, capture_rng, load_checkpoint, restore_rng, save_checkpoint
+from rlhf_core.checkpoint import (
+    CheckpointState,
+    capture_rng,
+    load_checkpoint,
+    restore_rng,
+    save_checkpoint,
+    write_run_config,
+)
 from rlhf_core.data import Prompt
 from rlhf_core.distributed.control import busy_fraction
 from rlhf_core.distributed.transport import pack_groups, pack_state_dict, unpack_groups, unpack_state_dict
@@ -217,12 +224,13 @@ class RolloutActor:
 class TrainerActor:
     """The Trainer in its own process: takes whole batches of groups, steps, publishes weights."""
 
-    def __init__(self, cfg, policy_dir: str, heldout: list[Prompt], buffer, store):
+    def __init__(self, cfg, policy_dir: str, train_prompts: list[Prompt], heldout: list[Prompt], buffer, store):
         build.setup_process(cfg, cfg.trainer.seed)
         self.cfg, self.buffer, self.store = cfg, buffer, store
+        self.train_prompts = train_prompts  # for the warm start only
         self.model, self.tokenizer = build.build_policy(cfg, policy_dir)
         self.trainer = build.build_trainer(cfg, self.model, self.tokenizer)
-        self.evaluator = build.build_evaluator(cfg, self.model, self.tokenizer, heldout)
+        self.evaluator = build.build_evaluator(cfg, self.model, self.tokenizer, policy_dir, heldout)
         self.lock = threading.Lock()  # one of: train step, evaluation, checkpoint, export
         self.stop_event = threading.Event()
         self.metrics: list[dict] = []
@@ -232,6 +240,8 @@ class TrainerActor:
         self.error: Optional[str] = None
         self.staleness_hist: dict[int, int] = {}
         self.groups_trained = 0  # counted here, independently of the buffer's count (reconcile)
+        self.checkpoints_written: list[dict] = []
+        self.peers = None
         self.last_publish_s: Optional[float] = None
 
     def publish(self) -> float:
@@ -358,6 +368,7 @@ class TrainerActor:
                         if self.cfg.runtime.prefetch and self.trainer.step + 1 < total_steps:
                             nxt = take_pool.submit(self._take_batch, wait_s, self.trainer.version + 1)
                         self._train_on(groups, t0, shipper=ship)
+                        self._checkpoint_if_due(total_steps)
                 except BaseException:
                     self._settle(shipping, nxt, quiet=True)  # the loop's own error is the one to report
                     raise
@@ -406,6 +417,40 @@ class TrainerActor:
         with self.lock:
             return self.evaluator()
 
+    def set_checkpointing(self, queue, workers: list, run_facts: dict) -> None:
+        """Async mode: this trainer writes a checkpoint at every exact multiple of tracking.checkpoint_every
+        (before total_steps), named by the step it holds; it asks `queue` and `workers` for their state.
+        `run_facts` (held-out accuracy at the start, MLflow run id) go into each checkpoint."""
+        self.peers = (queue, list(workers))
+        self.run_facts = dict(run_facts)
+
+    def _checkpoint_if_due(self, total_steps: int) -> None:
+        every, step = self.cfg.tracking.checkpoint_every, self.trainer.step
+        if not every or step % every or step >= total_steps or getattr(self, "peers", None) is None:
+            return
+        queue, workers = self.peers
+        data = get_or_fail(queue.state_dict.remote(), self.timeout, "the prompt queue position")
+        rollout_rng = rollout_rng_states(workers)
+        facts = dict(self.run_facts)
+        missing = [i for i, s in enumerate(rollout_rng) if s is None]
+        if missing:
+            facts["rollout_rng_missing"] = missing
+        path = Path(self.cfg.run.output_dir) / "checkpoints" / f"step_{step:06d}"
+        self.checkpoint(str(path), data, rollout_rng, facts)
+        self.checkpoints_written.append({"step": step, "path": str(path), "rollout_rng_missing": missing})
+
+    def drain_checkpoints(self) -> list[dict]:
+        """Checkpoints the loop wrote since the last call: [{step, path, rollout_rng_missing}]."""
+        out, self.checkpoints_written = self.checkpoints_written, []
+        return out
+
+    def warm_start(self, steps: int) -> dict:
+        """The supervised format warm start on this trainer's model (before the first publish)."""
+        from rlhf_core.warm_start import warm_start
+
+        with self.lock:
+            return warm_start(self.model, self.tokenizer, self.train_prompts, self.cfg, steps)
+
     def checkpoint(self, path: str, data: dict, rollout_rng: list, run: dict) -> str:
         """The one checkpoint layout: this process's weights, optimizer, versions and RNG, plus what the
         runtime gathered from the others (prompt queue position, rollout engines' RNG, run facts)."""
@@ -433,6 +478,7 @@ class TrainerActor:
             out.mkdir(parents=True, exist_ok=True)
             self.model.save_pretrained(out)
             self.tokenizer.save_pretrained(out)
+            write_run_config(out, self.cfg.model_dump(mode="json"))
             return str(out)
 
     def stats(self) -> dict:
@@ -455,6 +501,29 @@ class TrainerActor:
     def crash(self) -> None:
         """Fault-injection hook: die the way a segfault or an OOM kill would."""
         _die()
+
+
+def rollout_rng_states(workers: list, retry_s: float = 10.0) -> list:
+    """Each rollout worker's sampling RNG state, or None for a worker that stays unavailable (Ray is
+    restarting it) for `retry_s`: calls to a restarting worker are retried with a bound, never fatal."""
+    states: list = []
+    for i, worker in enumerate(workers):
+        deadline = time.monotonic() + retry_s
+        while True:
+            try:
+                states.append(ray.get(worker.rng_state.remote(), timeout=max(1.0, deadline - time.monotonic())))
+                break
+            except (
+                ray.exceptions.ActorUnavailableError,
+                ray.exceptions.RayActorError,
+                ray.exceptions.GetTimeoutError,
+            ) as exc:
+                if time.monotonic() >= deadline:
+                    log.warning("rollout worker %d did not give its RNG state (%s)", i, type(exc).__name__)
+                    states.append(None)
+                    break
+                time.sleep(0.5)
+    return states
 
 
 def _die() -> None:

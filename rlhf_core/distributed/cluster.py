@@ -1,22 +1,28 @@
 """Ray bring-up and teardown: a local instance by default, an existing cluster when asked.
 
-`cluster.address` empty starts a local Ray instance sized from the config (dashboard off, usage stats
-off); "auto" or "ray://host:port" joins an existing cluster. Only what this run created is torn down,
-and Ray is shut down only if this run started it.
+`cluster.address` empty starts a local Ray instance sized from the config, reachable from this machine
+only: every Ray process (GCS, raylet, workers, agents) listens on 127.0.0.1, the dashboard is off unless
+`cluster.dashboard` asks for it (then on 127.0.0.1 too), usage stats are off. "auto" or "ray://host:port"
+joins an existing cluster, as that cluster is set up. Only what this run created is torn down, and Ray is
+shut down only if this run started it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Optional
 
 import ray
 
 log = logging.getLogger("rlhf_core.distributed")
+
+LOOPBACK = "127.0.0.1"
 
 
 class ClusterError(RuntimeError):
@@ -58,20 +64,73 @@ def connect(cluster_cfg) -> ClusterHandle:
         return ClusterHandle(address="(already connected)", started_ray=False)
     if not address:
         start = time.perf_counter()
-        ray.init(
-            num_cpus=cluster_cfg.num_cpus,
-            num_gpus=cluster_cfg.num_gpus,
-            include_dashboard=False,
-            log_to_driver=True,
-            configure_logging=False,
+        dashboard = bool(getattr(cluster_cfg, "dashboard", False))
+        if dashboard:
+            _check_dashboard_installed()
+        with _single_machine_ray():
+            ray.init(
+                num_cpus=cluster_cfg.num_cpus,
+                num_gpus=cluster_cfg.num_gpus,
+                include_dashboard=dashboard,
+                dashboard_host=LOOPBACK,
+                log_to_driver=True,
+                configure_logging=False,
+                _node_ip_address=LOOPBACK,
+            )
+        node_ip = ray.util.get_node_ip_address()
+        if node_ip != LOOPBACK:  # a Ray release that resolves the loopback address away again
+            log.warning(
+                "the local Ray instance runs on %s, not %s: its ports are reachable from the network", node_ip, LOOPBACK
+            )
+        log.info(
+            "started a local Ray instance on %s in %.1f s (dashboard %s)",
+            node_ip,
+            time.perf_counter() - start,
+            f"on http://{LOOPBACK}:8265" if dashboard else "off",
         )
-        log.info("started a local Ray instance in %.1f s", time.perf_counter() - start)
         return ClusterHandle(address="local", started_ray=True)
     try:
         ray.init(address=address, log_to_driver=True, configure_logging=False)
     except Exception as exc:  # ConnectionError, RuntimeError... name the address
         raise ClusterError(f"could not join the Ray cluster at cluster.address={address!r}: {exc}") from exc
     return ClusterHandle(address=address, started_ray=False)
+
+
+def _check_dashboard_installed() -> None:
+    """Ray's own error for a missing dashboard is 'Cannot include dashboard with missing packages'."""
+    try:
+        from ray._private.utils import get_dashboard_dependency_error
+    except ImportError:  # pragma: no cover - let ray.init decide
+        return
+    missing = get_dashboard_dependency_error()
+    if missing:
+        raise ClusterError(
+            f"cluster.dashboard is true but Ray's dashboard packages are not installed ({missing}); "
+            "install them with pip install 'ray[default]', or set cluster.dashboard=false"
+        )
+
+
+@contextlib.contextmanager
+def _single_machine_ray() -> Iterator[None]:
+    """Ray's single-machine mode, for the duration of a local `ray.init`: the node IP stays 127.0.0.1.
+
+    `ray.init(_node_ip_address="127.0.0.1")` alone is not enough: Ray resolves a loopback address to the
+    machine's routable IP (`services.resolve_ip_for_localhost`) unless `ray_constants.ENABLE_RAY_CLUSTER`
+    is false, as it is on macOS and Windows (`RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`; read once, at import).
+    The GCS, raylet, workers and agents bind the node IP, so with it every port of the instance listens on
+    loopback only. The flag is restored afterwards, so that a later join of a cluster in this process
+    resolves addresses as usual."""
+    try:
+        from ray._private import ray_constants
+    except ImportError:  # pragma: no cover - a Ray without the module: the warning in connect() tells
+        yield
+        return
+    saved = getattr(ray_constants, "ENABLE_RAY_CLUSTER", True)
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved
 
 
 def required_resources(cfg) -> dict[str, float]:

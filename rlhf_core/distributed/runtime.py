@@ -19,9 +19,10 @@ import ray
 from rlhf_core import build
 from rlhf_core.checkpoint import CheckpointState, read_checkpoint
 from rlhf_core.config import TrainConfig
-from rlhf_core.distributed.actors import RolloutActor, TrainerActor, get_or_fail
+from rlhf_core.distributed.actors import RolloutActor, TrainerActor, get_or_fail, rollout_rng_states
 from rlhf_core.distributed.cluster import ClusterHandle, check_resources, connect, gpu_placement_group, teardown
 from rlhf_core.distributed.control import ExperienceBuffer, PromptQueue, WeightStore
+from rlhf_core.preflight import check_lengths, check_output_dir
 from rlhf_core.supervision import Supervisor
 
 log = logging.getLogger("rlhf_core.distributed")
@@ -53,6 +54,7 @@ class DistributedRun:
         self.timeout = cfg.runtime.wait_timeout_s
         self.policy_dir: Optional[str] = None
         self.eval_start: Optional[float] = None
+        self.run_facts: dict = {}  # what every checkpoint records about the run (the flow adds its MLflow run id)
 
     # ------------------------------------------------------------------ bring-up
     def _get(self, ref, what: str):
@@ -67,9 +69,11 @@ class DistributedRun:
     def launch(self, resume_from: Optional[str] = None) -> dict:
         """Join or start Ray, check resources, create the actors, restore a checkpoint if given."""
         cfg = self.cfg
+        check_output_dir(cfg.run.output_dir)  # before anything starts, not at the first checkpoint
         self.policy_dir = str(build.resolve_policy_dir(cfg))
         # prompts are tokenized once here and shipped to the actors that need them
         train_prompts, heldout = build.build_prompts(cfg, build.build_tokenizer(cfg, self.policy_dir))
+        check_lengths(self.policy_dir, cfg, train_prompts + heldout)
         if resume_from:  # validate before starting anything (clear error, nothing half-started)
             read_checkpoint(resume_from)
 
@@ -97,7 +101,7 @@ class DistributedRun:
             self.store = _remote(WeightStore, num_cpus=0, max_concurrency=8).remote()
             self.trainer = _remote(
                 TrainerActor, num_cpus=c.trainer_cpus, num_gpus=c.trainer_gpus, max_concurrency=4, **placed(0)
-            ).remote(cfg, self.policy_dir, heldout, self.buffer, self.store)
+            ).remote(cfg, self.policy_dir, train_prompts, heldout, self.buffer, self.store)
             self.workers = [
                 _remote(
                     RolloutActor,
@@ -144,7 +148,8 @@ class DistributedRun:
         state: CheckpointState = self._get(self.trainer.restore.remote(path), "the checkpoint restore")
         self._get(self.queue.load_state_dict.remote(state.data), "the prompt queue to restore its position")
         for w, rng in zip(self.workers, state.rng.get("rollout", [])):
-            self._get(w.set_rng_state.remote(rng), "a rollout worker to restore its RNG")
+            if rng is not None:  # None: the worker was restarting when the checkpoint was taken
+                self._get(w.set_rng_state.remote(rng), "a rollout worker to restore its RNG")
         self.eval_start = state.run.get("eval_start")
 
     # ------------------------------------------------------------------ loops
@@ -152,6 +157,8 @@ class DistributedRun:
         """Async mode: start the rollout and trainer loops (non-blocking). Sync mode: nothing to start."""
         if self.cfg.runtime.mode != "async" or self.started:
             return
+        facts = {"eval_start": self.eval_start, **self.run_facts}
+        self._get(self.trainer.set_checkpointing.remote(self.queue, self.workers, facts), "the trainer's checkpointing")
         self.trainer_loop = self.trainer.run_loop.remote(self.cfg.trainer.total_steps)
         self.worker_loops = {i: w.run_loop.remote() for i, w in enumerate(self.workers)}
         self.started = True
@@ -301,13 +308,44 @@ class DistributedRun:
         """A full resumable checkpoint (rlhf_core.checkpoint's one layout): the trainer's state, the prompt
         queue's position, every rollout engine's RNG, and the run facts (`run`, plus eval_start)."""
         data = self._get(self.queue.state_dict.remote(), "the prompt queue position")
-        rollout_rng = self._get([w.rng_state.remote() for w in self.workers], "the rollout workers' RNG states")
+        rollout_rng = rollout_rng_states(self.workers)
         facts = {"eval_start": self.eval_start, **(run or {})}
+        missing = [i for i, s in enumerate(rollout_rng) if s is None]
+        if missing:  # a worker Ray is restarting: the checkpoint records what it can, and says so
+            facts["rollout_rng_missing"] = missing
+            self._event(
+                "checkpoint_partial",
+                f"rollout worker(s) {missing} were restarting: their sampling RNG is "
+                "not in this checkpoint (a resume seeds them afresh)",
+            )
         return get_or_fail(
             self.trainer.checkpoint.remote(str(path), data, rollout_rng, facts),
             max(self.timeout, 600),
             "the checkpoint write",
         )
+
+    def warm_start(self, steps: int) -> dict:
+        """The supervised format warm start in the trainer, then its weights published and loaded by every
+        rollout worker before the loops start; returns warm_start/* and eval/accuracy_warm_start."""
+        metrics = get_or_fail(self.trainer.warm_start.remote(steps), max(self.timeout, 600), "the warm start")
+        self.request_sync()
+        self._get([w.maybe_load_weights.remote() for w in self.workers], "the rollout workers to load weights")
+        return {**metrics, "eval/accuracy_warm_start": self.evaluate()["eval/accuracy"]}
+
+    def new_checkpoints(self) -> list[dict]:
+        """Checkpoints the async trainer wrote at exact multiples of tracking.checkpoint_every since the last
+        call ([{step, path, rollout_rng_missing}]); the flow uploads and reports them."""
+        if self.trainer is None:
+            return []
+        written = self._get(self.trainer.drain_checkpoints.remote(), "the trainer's new checkpoints")
+        for c in written:
+            if c["rollout_rng_missing"]:
+                self._event(
+                    "checkpoint_partial",
+                    f"checkpoint {c['path']}: rollout worker(s) {c['rollout_rng_missing']} "
+                    "were restarting; their sampling RNG is not in it (a resume seeds them afresh)",
+                )
+        return written
 
     def export(self, path: str | Path) -> str:
         return get_or_fail(self.trainer.export.remote(str(path)), max(self.timeout, 600), "the model export")
@@ -396,6 +434,8 @@ def run_distributed(
             on_launch(run)
         result["eval/accuracy_start"] = run.eval_start if resume_from else run.evaluate()["eval/accuracy"]
         run.eval_start = result["eval/accuracy_start"]
+        if cfg.trainer.warm_start_steps and not resume_from:
+            result.update(run.warm_start(cfg.trainer.warm_start_steps))
         supervisor = Supervisor(
             cfg,
             run,

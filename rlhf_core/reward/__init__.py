@@ -23,6 +23,7 @@ from rlhf_core.reward.components import (
     length_penalty,
     pack_shared,
 )
+from rlhf_core.reward.scoring import Scorer, score_responses  # noqa: F401  (score by hand, as training does)
 from rlhf_core.reward.tensor_native import pack_patterns, tensor_native_reward, valid_lengths, window_matches
 
 __all__ = [

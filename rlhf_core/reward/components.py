@@ -20,13 +20,16 @@ import torch
 from rlhf_core.reward.answers import answer_variants, continuation_token_ids, whitespace_token_ids
 from rlhf_core.reward.tensor_native import (
     PatternsLike,
+    _as_token_int32,
     _check_rows,
+    _first_eos_int32,
     _packed_on,
     pack_patterns,
     tensor_native_reward,
     valid_lengths,
     window_matches,
 )
+from rlhf_core.reward.text import TextMatcher
 from rlhf_core.types import PackedPatterns
 
 if TYPE_CHECKING:  # config imports this package lazily; no runtime import the other way
@@ -229,10 +232,16 @@ class ComposedReward:
     than the responses are moved there once per call (`.to`); the rollout path keeps them together.
     Build-time constants (marker, continuation, whitespace, format tokens) are copied to a device the
     first time it is seen and cached.
+
+    With `text` (a `TextMatcher`, the default of `build_reward_fn`: reward.match = 'text'), exact_match,
+    contains, answer_after_marker and format compare TEXT: responses and answers become bytes on the
+    device through the tokenizer's byte table, so any tokenization of the same text scores the same and
+    numbers are normalised (`rlhf_core.reward.text`, docs/rewards.md). Without it they compare tokens.
     """
 
     weights: dict[str, float]
     eos_token_id: int
+    stop_token_ids: list[int]
     marker_ids: list[torch.Tensor]
     continuation_ids: torch.Tensor
     whitespace_ids: torch.Tensor
@@ -240,10 +249,21 @@ class ComposedReward:
     length_target: int
     max_new_tokens: int
     _on_device: dict = field(default_factory=dict, repr=False)
+    text: TextMatcher | None = None
+
+    def _canonical_stops(self, response_ids: torch.Tensor) -> torch.Tensor:
+        """Every stop token replaced by eos_token_id (one batched op), so that every component ends a row at
+        its first stop token, whichever of the stop set it is."""
+        others = [i for i in self.stop_token_ids if i != self.eos_token_id]
+        if not others:
+            return response_ids
+        stops = self._constants(response_ids.device)["other_stops"]
+        return torch.where(_is_member(response_ids, stops), self.eos_token_id, response_ids)
 
     def _constants(self, device: torch.device) -> dict:
         if device not in self._on_device:
             self._on_device[device] = dict(
+                other_stops=torch.tensor([i for i in self.stop_token_ids if i != self.eos_token_id], device=device),
                 marker_ids=pack_shared(self.marker_ids, device),
                 continuation_ids=self.continuation_ids.to(device),
                 whitespace_ids=self.whitespace_ids.to(device),
@@ -265,28 +285,71 @@ class ComposedReward:
             return length_penalty(response_ids, eos, self.length_target, self.max_new_tokens)
         return REWARD_COMPONENTS[name](response_ids, patterns, eos)
 
+    def _text_parts(self, response_ids: torch.Tensor, patterns: PackedPatterns) -> dict[str, torch.Tensor]:
+        """All components, the matching ones on text: answers, the first stop and whole-row text computed once."""
+        text = self.text
+        N, L = response_ids.shape
+        ids32 = _as_token_int32(response_ids)
+        scratch = torch.empty_like(ids32)
+        n_valid = torch.full((N,), L, dtype=torch.long, device=response_ids.device)
+        for stop in self.stop_token_ids if L else []:  # the first stop of a row, whichever id: int32 passes per id
+            n_valid = torch.minimum(n_valid, _first_eos_int32(ids32, stop, scratch=scratch))
+        # ids outside the tokenizer (a padded embedding, -100 padding) read as a byte-less token
+        no_bytes = text.vocab.lengths.numel() - 1
+        response_ids = torch.where((response_ids < 0) | (response_ids > no_bytes), no_bytes, response_ids)
+        needs_answers = {"exact_match", "contains", "answer_after_marker"} & set(self.weights)
+        answers = text.answers(response_ids, patterns) if needs_answers else None
+        whole = text.text(response_ids, n_valid) if {"contains", "format"} & set(self.weights) else None
+        parts = {}
+        for name in self.weights:
+            if name == "answer_after_marker":
+                parts[name] = text.answer_after_marker(response_ids, n_valid, answers)
+            elif name == "exact_match":
+                parts[name] = text.exact_match(response_ids, n_valid, answers)
+            elif name == "contains":
+                parts[name] = text.contains(whole, answers)
+            elif name == "format":
+                parts[name] = text.format(whole)
+            elif name == "length_penalty":
+                length = (n_valid + 1).clamp(max=L)
+                over = (length - self.length_target).clamp(min=0).float()
+                parts[name] = -(over / max(1, self.max_new_tokens - self.length_target)).clamp(max=1.0)
+            else:
+                parts[name] = self.component(name, response_ids, patterns)
+        return parts
+
     def __call__(
         self, response_ids: torch.Tensor, patterns: PatternsLike
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         patterns = _packed_on(patterns, response_ids.device)
-        parts = {name: self.component(name, response_ids, patterns) for name in self.weights}
+        if self.text is not None:  # reads each row up to its first stop id itself
+            parts = self._text_parts(response_ids, patterns)
+        else:
+            response_ids = self._canonical_stops(response_ids)
+            parts = {name: self.component(name, response_ids, patterns) for name in self.weights}
         total = torch.zeros(response_ids.shape[0], device=response_ids.device)
         for name, weight in self.weights.items():
             total = total + weight * parts[name]
         return total, parts
 
 
-def build_reward_fn(cfg: RewardConfig, tokenizer, eos_token_id: int, max_new_tokens: int) -> ComposedReward:
+def build_reward_fn(
+    cfg: RewardConfig, tokenizer, stop_token_ids: int | Sequence[int], max_new_tokens: int
+) -> ComposedReward:
     """The configured reward: tokenizes marker, continuation chars and format texts once, here.
 
     cfg: RewardConfig (components name -> weight, marker, continuation_chars, format_sequences,
         length_target; 0 = max_new_tokens); tokenizer: a Hugging Face tokenizer (encode + get_vocab);
-    eos_token_id: int; max_new_tokens: response length budget (scale of the length penalty).
+    stop_token_ids: the ids at which a response ends (an int is a set of one; a row is read up to its first
+    stop token, whichever it is); max_new_tokens: response length budget (scale of the length penalty).
     The marker is matched in every tokenisation `answer_variants` gives (as is, stripped, leading space).
     """
     unknown = sorted(set(cfg.components) - set(REWARD_COMPONENTS))
     if unknown:
         raise ValueError(f"unknown reward component(s) {unknown}; known: {sorted(REWARD_COMPONENTS)}")
+    stops = [int(stop_token_ids)] if isinstance(stop_token_ids, int) else [int(i) for i in stop_token_ids]
+    if not stops:
+        raise ValueError("the stop set is empty: a response could never end")
     marker_ids = [torch.tensor(ids, dtype=torch.long) for ids in answer_variants(tokenizer, cfg.marker)]
     if "answer_after_marker" in cfg.components and not marker_ids:
         raise ValueError(f"reward.marker {cfg.marker!r} tokenizes to no tokens")
@@ -298,11 +361,15 @@ def build_reward_fn(cfg: RewardConfig, tokenizer, eos_token_id: int, max_new_tok
         format_sequences.append(torch.tensor(ids, dtype=torch.long))
     return ComposedReward(
         weights=dict(cfg.components),
-        eos_token_id=int(eos_token_id),
+        eos_token_id=stops[0],
+        stop_token_ids=stops,
         marker_ids=marker_ids,
         continuation_ids=continuation_token_ids(tokenizer, cfg.continuation_chars),
         whitespace_ids=whitespace_token_ids(tokenizer),
         format_sequences=format_sequences,
         length_target=cfg.length_target or max_new_tokens,
         max_new_tokens=max_new_tokens,
+        text=TextMatcher.build(tokenizer, cfg.marker, cfg.format_sequences)
+        if getattr(cfg, "match", "text") == "text"
+        else None,
     )

@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 
-from rlhf_core.rollout.base import RolloutEngine, SamplingParams, processed_logits, sampling_logprobs
+from rlhf_core.rollout.base import (
+    RolloutEngine,
+    SamplingParams,
+    processed_logits,
+    removed_tokens,
+    sampling_logprobs,
+)
 from rlhf_core.rollout.hf import HFEngine, response_mask_from_eos
 from rlhf_core.rollout.random_engine import RandomEngine
 from rlhf_core.rollout.worker import RolloutWorker, split_groups
@@ -17,6 +24,7 @@ __all__ = [
     "SamplingParams",
     "build_engine",
     "processed_logits",
+    "removed_tokens",
     "response_mask_from_eos",
     "sampling_logprobs",
     "split_groups",
@@ -34,15 +42,18 @@ def vllm_available() -> bool:
     return True
 
 
-def build_engine(cfg, model, tokenizer, model_path: str | None = None, seed: int = 0):
+def build_engine(
+    cfg, model, tokenizer, model_path: str | None = None, seed: int = 0, stop_token_ids: Sequence[int] | None = None
+):
     """The engine `cfg.rollout.engine` names; 'vllm' falls back to HFEngine (one warning) where vLLM is missing."""
     global _warned_vllm
+    stops = list(stop_token_ids) if stop_token_ids else [tokenizer.eos_token_id]
     kind = cfg.rollout.engine
     if kind == "vllm":
         if vllm_available():
             from rlhf_core.rollout.vllm import VLLMEngine
 
-            return VLLMEngine(model_path, cfg, tokenizer, seed=seed)
+            return VLLMEngine(model_path, cfg, tokenizer, seed=seed, stop_token_ids=stops)
         if not _warned_vllm:
             warnings.warn(
                 "rollout.engine is 'vllm' but vllm is not importable here; falling back to HFEngine "
@@ -55,9 +66,9 @@ def build_engine(cfg, model, tokenizer, model_path: str | None = None, seed: int
     if kind == "random":
         return RandomEngine(
             len(tokenizer),
-            tokenizer.eos_token_id,
+            stops,
             tokenizer.pad_token_id,
             tokens_per_s=cfg.rollout.random_tokens_per_s,
             seed=seed,
         )
-    return HFEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id, seed=seed)
+    return HFEngine(model, stops, tokenizer.pad_token_id, seed=seed)

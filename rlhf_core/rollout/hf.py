@@ -1,12 +1,14 @@
 """HFEngine: batched, left-padded generation with a KV cache on any transformers causal LM.
 
 Behaviour logprobs come from the generation's own logits (no second forward pass), under the
-distribution actually sampled from (temperature, top-k, top-p applied).
+distribution actually sampled from (temperature, min-p, top-k, top-p applied and renormalised:
+`rollout.base.processed_logits`, which the trainer applies too).
 """
 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 
 import torch
 
@@ -18,9 +20,10 @@ from rlhf_core.types import RolloutBatch
 class HFEngine:
     """Generate with a Hugging Face model held in this process."""
 
-    def __init__(self, model, eos_token_id: int, pad_token_id: int, seed: int = 0, version: int = 0):
+    def __init__(self, model, stop_token_ids: int | Sequence[int], pad_token_id: int, seed: int = 0, version: int = 0):
         self.model = model
-        self.eos_token_id = int(eos_token_id)
+        self.stop_token_ids = as_stop_ids(stop_token_ids)
+        self.eos_token_id = self.stop_token_ids[0]
         self.pad_token_id = int(pad_token_id)
         self.device = next(model.parameters()).device
         self.version = version
@@ -60,6 +63,7 @@ class HFEngine:
         prompt_mask = prompts.prompt_mask.to(dev).repeat_interleave(G, 0)
         N, P = prompt_ids.shape
         T = sampling.max_new_tokens
+        stops = torch.tensor(self.stop_token_ids, dtype=torch.long, device=dev)
         was_training = self.model.training
         self.model.eval()
 
@@ -100,7 +104,7 @@ class HFEngine:
                 tok = tok.squeeze(-1)
             tokens[:, t] = tok.masked_fill(finished, self.pad_token_id)
             logps[:, t] = tok_logp.masked_fill(finished, 0.0)
-            finished |= tok == self.eos_token_id
+            finished |= torch.isin(tok, stops)
             if t == T - 1 or ((t + 1) % check_every == 0 and bool(finished.all())):
                 break
             out = self.model(
@@ -116,7 +120,7 @@ class HFEngine:
         if was_training:
             self.model.train()
 
-        response_mask = response_mask_from_eos(tokens, self.eos_token_id)
+        response_mask = response_mask_from_eos(tokens, stops)
         lengths = response_mask.sum(-1)
         steps = max(1, int(lengths.max())) if N else 0  # columns past the longest response are all padding
         tokens, logps, response_mask = tokens[:, :steps], logps[:, :steps], response_mask[:, :steps]
@@ -142,7 +146,18 @@ class HFEngine:
         return cache if cache is not None else out.past_key_values
 
 
-def response_mask_from_eos(tokens: torch.Tensor, eos_token_id: int) -> torch.Tensor:
-    """True up to and including the first EOS of each row (all True where there is none). [N, L] -> [N, L]."""
-    is_eos = (tokens == eos_token_id).long()
+def as_stop_ids(stop_token_ids: int | Sequence[int]) -> list[int]:
+    """A stop set as a non-empty list of ints (one int is a set of one)."""
+    ids = [int(stop_token_ids)] if isinstance(stop_token_ids, int) else [int(i) for i in stop_token_ids]
+    if not ids:
+        raise ValueError("the stop set is empty: a response could never end")
+    return ids
+
+
+def response_mask_from_eos(tokens: torch.Tensor, stop_token_ids: int | Sequence[int] | torch.Tensor) -> torch.Tensor:
+    """True up to and including the first stop token of each row (all True where there is none).
+
+    tokens: LongTensor [N, L]; stop_token_ids: an id, a list of ids or a LongTensor of them. Returns [N, L]."""
+    stops = torch.as_tensor(stop_token_ids, dtype=tokens.dtype, device=tokens.device).reshape(-1)
+    is_eos = torch.isin(tokens, stops).long()
     return (is_eos.cumsum(-1) - is_eos) == 0  # no EOS strictly before this position

@@ -8,12 +8,13 @@ weight loads, so the runtime around it is exercised for real.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 import torch
 
 from rlhf_core.data.prompts import PromptBatch
 from rlhf_core.rollout.base import SamplingParams
-from rlhf_core.rollout.hf import response_mask_from_eos
+from rlhf_core.rollout.hf import as_stop_ids, response_mask_from_eos
 from rlhf_core.types import RolloutBatch
 
 
@@ -21,7 +22,7 @@ class RandomEngine:
     def __init__(
         self,
         vocab_size: int,
-        eos_token_id: int,
+        stop_token_ids: int | Sequence[int],
         pad_token_id: int,
         tokens_per_s: float = 0.0,
         seed: int = 0,
@@ -29,7 +30,8 @@ class RandomEngine:
         device: str | torch.device = "cpu",
     ):
         self.vocab_size = vocab_size
-        self.eos_token_id = eos_token_id
+        self.stop_token_ids = as_stop_ids(stop_token_ids)
+        self.eos_token_id = self.stop_token_ids[0]
         self.pad_token_id = pad_token_id
         self.tokens_per_s = tokens_per_s
         self.version = version
@@ -47,7 +49,7 @@ class RandomEngine:
         G, T = samples_per_prompt, sampling.max_new_tokens
         N = len(prompts) * G
         tokens = torch.randint(0, self.vocab_size, (N, T), generator=self.generator, device=self.device)
-        mask = response_mask_from_eos(tokens, self.eos_token_id)
+        mask = response_mask_from_eos(tokens, self.stop_token_ids)
         tokens = tokens.masked_fill(~mask, self.pad_token_id)
         logp = torch.full((N, T), -float(torch.log(torch.tensor(float(self.vocab_size)))), device=self.device)
         logp = logp.masked_fill(~mask, 0.0)

@@ -5,8 +5,8 @@ repository's CI, which has no GPU — see tests/test_vllm.py, which runs it wher
 
 - `LLM(model=path, tokenizer=path, dtype, seed, gpu_memory_utilization, max_model_len,
   logprobs_mode="processed_logprobs")`;
-- `LLM.generate([{"prompt_token_ids": ids}, ...], SamplingParams(n=G, temperature, top_p, top_k,
-  max_tokens, logprobs=0), use_tqdm=False)`: one RequestOutput per prompt, in order, each holding G
+- `LLM.generate([{"prompt_token_ids": ids}, ...], SamplingParams(n=G, temperature, top_p, top_k, min_p,
+  max_tokens, logprobs=0, stop_token_ids), use_tqdm=False)`: one RequestOutput per prompt, in order, each holding G
   CompletionOutputs with `token_ids` and `logprobs` (a dict per position that always contains the
   sampled token);
 - `LLM.apply_model(fn)` runs `fn(model)` on the model inside every worker (vLLM >= 0.9); the model's own
@@ -15,12 +15,17 @@ repository's CI, which has no GPU — see tests/test_vllm.py, which runs it wher
   `llm.llm_engine.model_executor.driver_worker.model_runner.model` (the path OpenRLHF used).
 
 Behaviour logprobs. The trainer's ratios compare against the distribution the rollout sampled from
-(temperature, top-k, top-p applied and renormalised). vLLM's V1 engine returns, by default, logprobs of
-the RAW model distribution ("raw_logprobs": before temperature and filtering); the engine argument
-`logprobs_mode="processed_logprobs"` makes it return the processed ones, which is what this engine
-asks for. Where the installed vLLM does not know that argument, the returned logprobs are raw, which
-equal the processed ones only for temperature 1 without top-k/top-p; `generate` then refuses any other
-sampling setting with an error saying so rather than return wrong logprobs. (vLLM's old V0 engine,
+(temperature, then min-p, top-k, top-p applied and renormalised: `rollout.base.processed_logits`, which
+follows vLLM's sampler in filters and order; the trainer computes its log-probs the same way, see
+`trainer.sequence_logprobs`). vLLM's V1 engine returns, by default, logprobs of the RAW model
+distribution ("raw_logprobs": before temperature and filtering); the engine argument
+`logprobs_mode="processed_logprobs"` makes it return the log-softmax of the logits after temperature,
+min-p and top-k/top-p, i.e. the log-probability of the sampled token within the truncated, renormalised
+distribution, which is what this engine asks for (and why it turns vLLM's FlashInfer sampler off, which
+returns no processed logprobs: VLLM_USE_FLASHINFER_SAMPLER=0 unless the user set it). Where the
+installed vLLM does not know that argument, the returned logprobs are raw, which equal the processed
+ones only for temperature 1 without min-p/top-k/top-p; `generate` then refuses any other sampling
+setting with an error saying so rather than return wrong logprobs. (vLLM's old V0 engine,
 < 0.8, returned processed logprobs by default and is treated as such.)
 
 Differences from HFEngine worth knowing: vLLM also stops on every EOS id of the model's generation
@@ -35,6 +40,7 @@ import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -105,16 +111,27 @@ def _vllm_version() -> tuple[int, ...]:
 class VLLMEngine:
     """Generate with vLLM on a CUDA device; weights are swapped in place by `load_weights`."""
 
-    def __init__(self, model_path: str | os.PathLike, cfg, tokenizer, seed: int = 0, version: int = 0):
+    def __init__(
+        self,
+        model_path: str | os.PathLike,
+        cfg,
+        tokenizer,
+        seed: int = 0,
+        version: int = 0,
+        stop_token_ids: Optional[Sequence[int]] = None,
+    ):
         # The engine core runs in this process, so that apply_model reaches the model without pickling
         # the weights through a pipe. Set only when the user has not chosen otherwise.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        # the FlashInfer top-k/top-p kernel samples without materialising the processed logprobs
+        os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
         from vllm import LLM
 
         if model_path is None:
             raise ValueError("VLLMEngine needs the policy's model directory (model_path)")
         self.model_path = str(model_path)
-        self.eos_token_id = int(tokenizer.eos_token_id)
+        self.stop_token_ids = [int(i) for i in (stop_token_ids or [tokenizer.eos_token_id])]
+        self.eos_token_id = self.stop_token_ids[0]
         self.pad_token_id = int(tokenizer.pad_token_id)
         self.version = int(version)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -166,21 +183,22 @@ class VLLMEngine:
     def _sampling_params(self, G: int, sampling: SamplingParams):
         from vllm import SamplingParams as VSamplingParams
 
-        plain = sampling.greedy or (sampling.temperature == 1.0 and sampling.top_p >= 1.0 and not sampling.top_k)
+        plain = sampling.greedy or (sampling.temperature == 1.0 and not sampling.truncates)
         if not self.processed_logprobs and not plain:
             raise RuntimeError(
                 "this vLLM returns logprobs of the raw model distribution (it has no logprobs_mode engine "
-                "argument), which are not the behaviour logprobs of temperature/top-k/top-p sampling; use "
-                "temperature 1 without top-k/top-p, upgrade vLLM, or use rollout.engine=hf"
+                "argument), which are not the behaviour logprobs of temperature/min-p/top-k/top-p sampling; use "
+                "temperature 1 without min-p/top-k/top-p, upgrade vLLM, or use rollout.engine=hf"
             )
         kwargs = dict(
             n=G,
             temperature=0.0 if sampling.greedy else sampling.temperature,
             top_p=sampling.top_p,
             top_k=sampling.top_k if sampling.top_k > 0 else -1,
+            min_p=sampling.min_p,
             max_tokens=sampling.max_new_tokens,
             logprobs=0,
-            stop_token_ids=[self.eos_token_id],
+            stop_token_ids=list(self.stop_token_ids),
         )
         try:
             return VSamplingParams(**kwargs, detokenize=False)  # token ids are all we need

@@ -26,6 +26,7 @@ class RolloutWorker:
         samples_per_prompt: int,
         pad_token_id: int,
         max_prompt_tokens: int | None = None,
+        component_names: Sequence[str] | None = None,
     ):
         self.engine = engine
         self.reward_fn = reward_fn
@@ -33,6 +34,8 @@ class RolloutWorker:
         self.samples_per_prompt = samples_per_prompt
         self.pad_token_id = pad_token_id
         self.max_prompt_tokens = max_prompt_tokens
+        # column order of batch.reward_components (reward.components' order); None: the reward's own order
+        self.component_names = list(component_names) if component_names is not None else None
         self.busy_s = 0.0
         self.idle_s = 0.0
         self.samples = 0
@@ -51,13 +54,18 @@ class RolloutWorker:
         return time.perf_counter() - start
 
     def rollout(self, prompts: Sequence[Prompt]) -> tuple[RolloutBatch, dict[str, torch.Tensor]]:
-        """Generate `samples_per_prompt` completions per prompt and score them; returns (batch, reward components)."""
+        """Generate `samples_per_prompt` completions per prompt and score them; returns (batch, reward components).
+
+        The batch carries its rewards and, as `reward_components` [N, C], the components' per-row values."""
         start = time.perf_counter()
         pb = collate_prompts(prompts, self.pad_token_id, self.max_prompt_tokens)
         batch = self.engine.generate(pb, self.samples_per_prompt, self.sampling)
         patterns = pb.patterns.to(batch.response_ids.device).repeat_interleave(self.samples_per_prompt)
         rewards, components = self.reward_fn(batch.response_ids, patterns)
         batch.rewards = rewards
+        names = self.component_names if self.component_names is not None else list(components)
+        if names and all(n in components for n in names):  # per row: they travel with the groups
+            batch.reward_components = torch.stack([components[n].float() for n in names], dim=-1)
         self.busy_s += time.perf_counter() - start
         self.samples += len(batch)
         self.tokens += batch.num_tokens

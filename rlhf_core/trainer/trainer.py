@@ -21,6 +21,7 @@ from rlhf_core.algorithms import (
     global_normalisers,
     step_keep_mask,
 )
+from rlhf_core.rollout.base import SamplingParams, processed_logits
 from rlhf_core.types import RolloutBatch
 
 
@@ -39,28 +40,46 @@ def build_lr_lambda(schedule: str, warmup_steps: int, total_steps: int, min_lr_r
 
 
 def sequence_logprobs(
-    model, prompt_ids, prompt_mask, response_ids, response_mask, temperature: float = 1.0, with_entropy: bool = False
+    model,
+    prompt_ids,
+    prompt_mask,
+    response_ids,
+    response_mask,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    sampling: Optional[SamplingParams] = None,
 ):
     """Per-token logprobs (and entropies) of `response_ids` given left-padded prompts, in one forward pass.
 
     prompt_ids/mask: [N, P]; response_ids/mask: [N, L]. Returns (logprobs [N, L], entropy [N, L] or None).
-    Logits are divided by the sampling temperature so that ratios compare the same distribution the
-    rollout sampled from.
+
+    The log-probabilities are those of the distribution the rollout samples from, so that a ratio compares
+    like with like: `sampling` (the run's SamplingParams; without it, `temperature` alone) is applied to the
+    current logits exactly as the engine applies it (`rollout.base.processed_logits`: temperature, then the
+    min-p / top-k / top-p set of the current logits, renormalised), except that each position's response
+    token always stays in the set. On-policy the token is inside the set anyway, so the result equals the
+    engine's behaviour logprob; off-policy a token the current policy would have filtered out keeps a finite
+    log-probability (its share of the set plus itself) instead of -inf. Gradients flow through the kept
+    logits and the renormalisation; the set itself is not differentiated. All positions are processed at
+    once (no loop over tokens).
+
+    entropy: of that same truncated, renormalised distribution (the one sampled from), without gradient.
     """
+    sampling = sampling or SamplingParams(temperature=temperature)
     P = prompt_ids.shape[1]
     L = response_ids.shape[1]
     input_ids = torch.cat([prompt_ids, response_ids], dim=1)
     attn = torch.cat([prompt_mask, response_mask], dim=1).long()
     positions = (attn.cumsum(-1) - 1).clamp_(min=0)
     logits = model(input_ids=input_ids, attention_mask=attn, position_ids=positions, use_cache=False).logits
-    logits = logits[:, P - 1 : P - 1 + L, :].float()
-    if temperature not in (0, 1.0):
-        logits = logits / temperature
+    logits = processed_logits(logits[:, P - 1 : P - 1 + L, :], sampling, keep=response_ids)
     logp_all = torch.log_softmax(logits, dim=-1)
     logprobs = logp_all.gather(-1, response_ids.unsqueeze(-1)).squeeze(-1)
     entropy = None
     if with_entropy:
-        entropy = -(logp_all.exp() * logp_all).sum(-1)
+        with torch.no_grad():  # a metric: filtered tokens (p = 0, log p = -inf) contribute 0
+            probs = logp_all.exp()
+            entropy = -torch.special.xlogy(probs, probs).sum(-1)
     return logprobs, entropy
 
 
@@ -75,6 +94,8 @@ class Trainer:
         self.pad_token_id = pad_token_id
         self.device = next(model.parameters()).device
         self.temperature = cfg.rollout.temperature
+        # the distribution the engines sample from: log-probs are computed under it (sequence_logprobs)
+        self.sampling = SamplingParams.from_config(cfg.rollout)
         self.version = 0
         self.step = 0
         self.skipped_steps = 0
@@ -118,8 +139,8 @@ class Trainer:
             batch.prompt_mask[idx],
             batch.response_ids[idx],
             batch.response_mask[idx],
-            self.temperature,
             with_entropy=with_entropy,
+            sampling=self.sampling,
         )
 
     def train_step(self, batch: RolloutBatch, advantages: Optional[torch.Tensor] = None) -> dict:
@@ -225,10 +246,21 @@ class Trainer:
                 "version": self.version,
             }
         )
+        metrics.update(self.reward_component_means(batch))
         staleness = consumer_version - batch.policy_version  # tau = trainer version - data version
         metrics["async/staleness_mean"] = float(staleness.float().mean())
         metrics["async/staleness_max"] = int(staleness.max())
         return metrics
+
+    def reward_component_means(self, batch: RolloutBatch) -> dict[str, float]:
+        """reward/<component>: the batch mean of each configured reward component (unweighted), from the
+        per-row values the rollout worker put on the batch; {} for a batch without them."""
+        comps = batch.reward_components
+        names = list(self.cfg.reward.components)
+        if comps is None or comps.ndim != 2 or comps.shape[1] != len(names):
+            return {}
+        means = comps.float().mean(0).tolist()
+        return {f"reward/{name}": float(v) for name, v in zip(names, means)}
 
     # ------------------------------------------------------------------ weights and state
     def state_dict_for_sync(self) -> dict[str, torch.Tensor]:

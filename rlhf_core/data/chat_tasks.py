@@ -1,0 +1,66 @@
+"""Synthetic tasks in chat format, for chat models (a local one built by rlhf_core.chat_model, or a real one).
+
+- "max3_chat": the user asks for the maximum of three digits and to end with '#### <number>'; the prompt
+  is the model's chat template with the generation prompt added. Answers are scored after the marker
+  (reward component answer_after_marker), the way GSM8K is. All 1,000 digit triples are enumerated and a
+  seeded `heldout_frac` of them is held out, as for the word-level "max3".
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+from rlhf_core.chat_model import max3_question
+from rlhf_core.data.answers import answer_patterns
+from rlhf_core.data.prompts import Prompt
+
+CHAT_TASKS = ("max3_chat",)
+
+
+def build_chat_task(
+    task: str,
+    tokenizer,
+    heldout_frac: float = 0.2,
+    seed: int = 0,
+    eval_size: int | None = None,
+    system_prompt: str = "",
+) -> tuple[list[Prompt], list[Prompt]]:
+    """(train, heldout) prompts of a chat-format synthetic task, split by a seeded permutation."""
+    if task not in CHAT_TASKS:
+        raise ValueError(f"unknown chat task {task!r}; known: {list(CHAT_TASKS)}")
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"data.task {task!r} needs a model with a chat template (model.tiny_kind: chat, or a chat "
+            "model in model.path)"
+        )
+    problems = list(itertools.product(range(10), repeat=3))
+    order = np.random.default_rng(seed).permutation(len(problems))
+    n_heldout = max(1, int(round(heldout_frac * len(problems))))
+    heldout_idx, train_idx = order[:n_heldout], order[n_heldout:]
+    if eval_size is not None:
+        heldout_idx = heldout_idx[:eval_size]
+
+    def make(indices) -> list[Prompt]:
+        out = []
+        for uid, i in enumerate(indices):
+            a, b, c = problems[int(i)]
+            messages = [{"role": "user", "content": max3_question(a, b, c)}]
+            if system_prompt:
+                messages.insert(0, {"role": "system", "content": system_prompt})
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            answer = str(max(a, b, c))
+            out.append(
+                Prompt(
+                    uid=uid,
+                    prompt_ids=tokenizer(text, add_special_tokens=False)["input_ids"],
+                    answers=answer_patterns(tokenizer, answer, task),
+                    text=text,
+                    answer_text=answer,
+                    meta={"task": task, "problem": int(i)},
+                )
+            )
+        return out
+
+    return make(train_idx), make(heldout_idx)

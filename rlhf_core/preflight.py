@@ -1,0 +1,114 @@
+"""Checks made at launch, once the model directory and the output directory are known, before anything starts.
+
+`load_config` already refuses what a config alone can show to be wrong. What depends on the machine or on
+the model is checked here, each failing with a `ConfigError` that names the field, the file and what to do:
+
+- `check_output_dir(path)`: run.output_dir can be created and written (not a file, not read-only);
+- `check_lengths(policy_dir, cfg, prompts)`: the longest prompt plus rollout.max_new_tokens fits the model's
+  context (config.json max_position_embeddings, or its equivalent).
+
+Plain Python: no torch, no transformers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, Optional
+
+from rlhf_core.config import ConfigError
+
+# config.json keys that hold a model's context length, by architecture family (the first present wins)
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
+_SCALING_TYPES = ("linear", "dynamic", "yarn", "longrope")
+
+
+def check_output_dir(path: str | os.PathLike, field: str = "run.output_dir") -> Path:
+    """Create `path` if needed and prove it writable (a file is written and removed); returns it resolved.
+
+    Raises ConfigError naming the field and the path when it is a file, lies under a file, or cannot be
+    written (permissions, a read-only file system, a full disk)."""
+    p = Path(path).expanduser()
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise ConfigError(
+            f"{field}={str(path)!r}: {p} exists and is not a directory; choose another {field} or move the file"
+        ) from None
+    except OSError as exc:
+        raise ConfigError(
+            f"{field}={str(path)!r}: cannot create {p} ({exc.strerror or exc}); choose a {field} you can write to"
+        ) from None
+    try:
+        with tempfile.NamedTemporaryFile(dir=p, prefix=".write-test-") as handle:
+            handle.write(b"ok")
+            handle.flush()
+            os.fsync(handle.fileno())
+    except OSError as exc:
+        raise ConfigError(
+            f"{field}={str(path)!r}: {p} cannot be written ({exc.strerror or exc}); checkpoints, the built tiny "
+            f"model and the exported policy go there. Fix its permissions or choose another {field}"
+        ) from None
+    return p.resolve()
+
+
+def model_context_length(policy_dir: str | os.PathLike) -> Optional[tuple[int, str]]:
+    """(context length, how it was read) from a model directory's config.json, or None when it names none."""
+    cfg_file = Path(policy_dir) / "config.json"
+    try:
+        config: Any = json.loads(cfg_file.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None  # check_model_dir reports a missing or broken config.json with its own message
+    if not isinstance(config, dict):
+        return None
+    for section in (config, config.get("text_config") or {}):  # multimodal models nest the language model's
+        if not isinstance(section, dict):
+            continue
+        for key in CONTEXT_KEYS:
+            value = section.get(key)
+            if isinstance(value, int) and value > 0:
+                scaling = section.get("rope_scaling") or {}
+                kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
+                factor = scaling.get("factor") if isinstance(scaling, dict) else None
+                if kind in _SCALING_TYPES and isinstance(factor, (int, float)) and factor > 1:
+                    base = scaling.get("original_max_position_embeddings") or value
+                    scaled = int(base * factor)
+                    if scaled > value:
+                        return scaled, f"{key}={value} with rope_scaling {kind} x{factor:g}"
+                return value, f"{key}={value}"
+    return None
+
+
+def check_lengths(policy_dir: str | os.PathLike, cfg, prompts: Optional[Iterable[Any]] = None) -> Optional[int]:
+    """Refuse a run whose prompts plus rollout.max_new_tokens do not fit the model's context.
+
+    `prompts` (Prompt objects, or token-id lists), when given, are the tokenized prompts the run will use
+    (already truncated to data.max_prompt_tokens): the longest one counts. Without them
+    data.max_prompt_tokens counts. Returns the model's context length (None when config.json names none:
+    nothing is checked then)."""
+    found = model_context_length(policy_dir)
+    if found is None:
+        return None
+    limit, source = found
+    prompt_budget, prompt_source = cfg.data.max_prompt_tokens, f"data.max_prompt_tokens={cfg.data.max_prompt_tokens}"
+    if prompts is not None:
+        lengths = [len(getattr(p, "prompt_ids", p)) for p in prompts]
+        if lengths:
+            longest = min(max(lengths), cfg.data.max_prompt_tokens)
+            prompt_budget, prompt_source = longest, f"the longest prompt ({longest} tokens)"
+    need = prompt_budget + cfg.rollout.max_new_tokens
+    if need > limit:
+        room = limit - prompt_budget
+        hint = (
+            f"lower rollout.max_new_tokens to at most {room}, or data.max_prompt_tokens"
+            if room > 0
+            else f"lower data.max_prompt_tokens below {limit} (prompts are left-truncated to it)"
+        )
+        raise ConfigError(
+            f"{prompt_source} + rollout.max_new_tokens={cfg.rollout.max_new_tokens} = {need} tokens do not fit "
+            f"the model's context of {limit} tokens ({source} in {Path(policy_dir) / 'config.json'}); {hint}"
+        )
+    return limit

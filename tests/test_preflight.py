@@ -1,0 +1,134 @@
+"""Launch-time checks that need the model or the machine: refused before anything starts, naming the field,
+the file and what to do (rlhf_core/preflight.py, rlhf_core.models.check_model_dir)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+
+from rlhf_core.config import ConfigError, load_config
+from rlhf_core.models import ModelLoadError, check_model_dir, load_policy
+from rlhf_core.preflight import check_lengths, check_output_dir, model_context_length
+
+
+def _copy(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+# ------------------------------------------------------------------------------------------ output_dir
+def test_a_writable_output_dir_is_created(tmp_path):
+    out = check_output_dir(tmp_path / "a" / "b")
+    assert out.is_dir() and out == (tmp_path / "a" / "b").resolve()
+    assert not list(out.iterdir())  # the write test leaves nothing behind
+
+
+def test_an_output_dir_that_is_a_file_or_under_one_is_refused(tmp_path):
+    f = tmp_path / "taken"
+    f.write_text("x")
+    with pytest.raises(ConfigError, match=r"run.output_dir=.*taken.*not a directory"):
+        check_output_dir(f)
+    with pytest.raises(ConfigError, match=r"run.output_dir=.*cannot create"):
+        check_output_dir(f / "sub")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes through any permission bits")
+def test_a_read_only_output_dir_is_refused(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        with pytest.raises(ConfigError, match=r"run.output_dir=.*cannot be written"):
+            check_output_dir(ro)
+    finally:
+        ro.chmod(0o700)
+
+
+def test_a_read_only_file_system_is_refused(tmp_path):
+    """Root ignores permission bits; /proc/self is writable by nobody."""
+    with pytest.raises(ConfigError, match=r"run.output_dir"):
+        check_output_dir("/proc/self/runs")
+
+
+# -------------------------------------------------------------------------------------------- lengths
+def test_prompt_plus_new_tokens_must_fit_the_models_context(tiny_policy_dir):
+    # the tiny policy has max_position_embeddings=128
+    cfg = load_config(None, ["data.max_prompt_tokens=100", "rollout.max_new_tokens=64"])
+    with pytest.raises(ConfigError) as exc:
+        check_lengths(tiny_policy_dir, cfg)
+    msg = str(exc.value)
+    assert "data.max_prompt_tokens=100" in msg and "rollout.max_new_tokens=64" in msg
+    assert "max_position_embeddings=128" in msg and str(tiny_policy_dir / "config.json") in msg
+    assert "at most 28" in msg  # what to do
+    assert check_lengths(tiny_policy_dir, load_config(None, ["data.max_prompt_tokens=100"])) == 128
+
+
+def test_the_longest_actual_prompt_counts_when_prompts_are_given(tiny_policy_dir):
+    cfg = load_config(None, ["rollout.max_new_tokens=64"])  # data.max_prompt_tokens=256 by default
+    assert check_lengths(tiny_policy_dir, cfg, [[1] * 10, [1] * 60]) == 128  # 60 + 64 fits
+    with pytest.raises(ConfigError, match=r"longest prompt \(70 tokens\)"):
+        check_lengths(tiny_policy_dir, cfg, [[1] * 70])
+
+
+def test_context_length_from_other_config_layouts(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_positions": 1024}))
+    assert model_context_length(tmp_path) == (1024, "n_positions=1024")
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "qwen2",
+                "max_position_embeddings": 32768,
+                "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
+            }
+        )
+    )
+    assert model_context_length(tmp_path)[0] == 131072
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "x"}))
+    assert model_context_length(tmp_path) is None
+    assert check_lengths(tmp_path, load_config(None)) is None  # nothing to check against
+
+
+# ----------------------------------------------------------------------------------- model directories
+def test_a_json_config_that_is_not_a_model_config_is_named(tiny_policy_dir, tmp_path):
+    d = _copy(tiny_policy_dir, tmp_path / "m")
+    for text in ('{"name": "my model"}', "[1, 2]"):
+        (d / "config.json").write_text(text)
+        with pytest.raises(ModelLoadError, match="model_type") as exc:
+            check_model_dir(d)
+        assert str(d / "config.json") in str(exc.value)
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [os.urandom(4096), b"\x00" * 64, b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all}"],
+    ids=["random", "zeros", "bad-header"],
+)
+def test_garbage_weights_name_the_file(tiny_policy_dir, tmp_path, garbage):
+    d = _copy(tiny_policy_dir, tmp_path / "m")
+    (d / "model.safetensors").write_bytes(garbage)
+    with pytest.raises(ModelLoadError) as exc:
+        load_policy(d, device="cpu")
+    msg = str(exc.value)
+    assert str(d / "model.safetensors") in msg and "Re-download or re-export" in msg
+
+
+def test_truncated_weights_name_the_file(tiny_policy_dir, tmp_path):
+    d = _copy(tiny_policy_dir, tmp_path / "m")
+    weights = d / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    with pytest.raises(ModelLoadError, match="truncated") as exc:
+        check_model_dir(d)
+    assert str(weights) in str(exc.value)
+
+
+def test_a_shard_missing_from_the_index_is_named(tiny_policy_dir, tmp_path):
+    d = _copy(tiny_policy_dir, tmp_path / "m")
+    (d / "model.safetensors").rename(d / "model-00001-of-00002.safetensors")
+    weight_map = {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(ModelLoadError, match="model-00002-of-00002.safetensors") as exc:
+        check_model_dir(d)
+    assert "incomplete" in str(exc.value)

@@ -1,0 +1,300 @@
+"""Rewards matched as TEXT (rlhf_core.reward.text): any tokenization of the same text scores the same.
+
+A table of cases (the text a grader sees, the answer, the expected score) is scored in several
+tokenizations (canonical, byte by byte, greedy longest-match, marker split, digits split / merged) with a
+word-level tokenizer and with the real byte-level BPE tokenizer of the chat test model.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_reward import ForbidHostSync
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from rlhf_core.config import RewardConfig
+from rlhf_core.reward import build_reward_fn, patterns_from_texts
+from rlhf_core.reward.text import _gpt2_byte_decoder, token_bytes
+
+BYTE_TO_CHAR = {b: c for c, b in _gpt2_byte_decoder().items()}
+ALL = {"answer_after_marker": 1.0, "exact_match": 1.0, "contains": 1.0, "format": 1.0}
+
+# (text a grader sees, answer, expected answer_after_marker score)
+MARKER_CASES = [
+    ("#### 72", "72", 1.0),
+    ("#### 72.", "72", 1.0),  # sentence period
+    ("#### $72", "72", 1.0),
+    ("#### $ 72", "72", 1.0),
+    ("#### 7.0", "7", 1.0),
+    ("#### 7.", "7", 1.0),
+    ("#### 72.00", "72", 1.0),
+    ("####72", "72", 1.0),
+    ("####   72 apples", "72", 1.0),
+    ("#### 1,000", "1000", 1.0),
+    ("#### 1000", "1,000", 1.0),
+    ("#### $1,000.00.", "1000", 1.0),
+    ("#### -7", "-7", 1.0),
+    ("First 3 + 4 = 7.\n#### 7", "7", 1.0),
+    ("#### 8 then #### 72", "72", 1.0),  # the LAST marker counts
+    ("#### 72 then #### 8", "72", 0.0),
+    ("#### 720", "72", 0.0),
+    ("#### 7.2", "72", 0.0),
+    ("#### 7", "72", 0.0),
+    ("#### 72", "7", 0.0),
+    ("#### -7", "7", 0.0),
+    ("#### 7", "-7", 0.0),
+    ("#### 7.5", "7", 0.0),
+    ("the answer is 72", "72", 0.0),  # no marker
+    ("### 72", "72", 0.0),  # not the marker
+    ("#### 7 5", "75", 0.0),  # the number right after the marker is 7, in every tokenization
+    ("#### 7 5", "7", 1.0),
+]
+
+EXACT_CASES = [
+    ("72", "72", 1.0),
+    (" 72 ", "72", 1.0),
+    ("$72.", "72", 1.0),
+    ("72.0", "72", 1.0),
+    ("1,000", "1000", 1.0),
+    ("720", "72", 0.0),
+    ("7.2", "72", 0.0),
+    ("-72", "72", 0.0),
+    ("72 72", "72", 0.0),
+    ("so 72", "72", 0.0),
+]
+
+CONTAINS_CASES = [
+    ("so it is 72 apples", "72", 1.0),
+    ("it costs $72.", "72", 1.0),
+    ("it is 72.0 now", "72", 1.0),
+    ("about 1,000 of them", "1000", 1.0),
+    ("it is 720 apples", "72", 0.0),
+    ("it is 7.2 apples", "72", 0.0),
+    ("it is -72", "72", 0.0),
+    ("it is 172", "72", 0.0),
+]
+
+
+def _byte_tokens(text: str) -> list[str]:
+    return [BYTE_TO_CHAR[b] for b in text.encode("utf-8")]
+
+
+def _greedy(text: str, vocab: dict) -> list[str]:
+    """Longest-match segmentation of the byte-level string over the vocabulary (another valid tokenization)."""
+    s, out = "".join(_byte_tokens(text)), []
+    while s:
+        n = max(k for k in range(1, len(s) + 1) if s[:k] in vocab)
+        out.append(s[:n])
+        s = s[n:]
+    return out
+
+
+def tokenizations(tokenizer, text: str) -> dict[str, list[int]]:
+    """Several token sequences of the same text: the encoder's, byte by byte, greedy longest match, the marker
+    split into '##' '##', and the encoder's on each space-separated piece (digits merged / split differently)."""
+    vocab = tokenizer.get_vocab()
+    ids = lambda toks: [vocab[t] for t in toks]  # noqa: E731
+    out = {
+        "canonical": tokenizer.encode(text, add_special_tokens=False),
+        "bytes": ids(_byte_tokens(text)),
+        "greedy": ids(_greedy(text, vocab)),
+    }
+    if "####" in text:
+        pieces = text.split("####")
+        split = []
+        for i, piece in enumerate(pieces):
+            if i:
+                split += ids(["##", "##"]) if "##" in vocab else ids(_byte_tokens("####"))
+            split += ids(_greedy(piece, vocab)) if piece else []
+        out["marker_split"] = split
+    words = text.split(" ")
+    out["pieces"] = [t for i, w in enumerate(words) for t in ids(_greedy((" " if i else "") + w, vocab))]
+    digits = []
+    for ch in _greedy(text, vocab):  # every multi-digit token split into single digits
+        digits += ids(list(ch)) if ch.isdigit() and len(ch) > 1 else [vocab[ch]]
+    out["digits_split"] = digits
+    for name, seq in out.items():
+        assert tokenizer.decode(seq) == text, (name, text, tokenizer.convert_ids_to_tokens(seq))
+    return out
+
+
+def score(reward, tokenizer, rows: list[list[int]], answers: list[str], stop: int) -> dict:
+    L = max(len(r) for r in rows) + 1
+    batch = torch.tensor([r + [stop] + [tokenizer.pad_token_id] * (L - len(r) - 1) for r in rows])
+    return reward(batch, patterns_from_texts(tokenizer, answers))[1]
+
+
+def word_level_tokenizer():
+    """WordLevel over byte-level pre-tokenized words: every byte, the marker and its pieces, digits and some
+    merged numbers with and without the leading 'Ġ' (space)."""
+    words = ["####", "###", "##", "72", "720", "1000", "000", "00", "75", "then", "apples", "answer", "the", "is"]
+    vocab = {"[PAD]": 0, "[EOS]": 1, "[UNK]": 2}
+    for c in BYTE_TO_CHAR.values():
+        vocab.setdefault(c, len(vocab))
+    for w in words:
+        vocab.setdefault(w, len(vocab))
+        vocab.setdefault("\u0120" + w, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="[EOS]", pad_token="[PAD]", unk_token="[UNK]")
+
+
+class _Greedy:
+    """Encodes by greedy longest match (the WordLevel model has no merges to split unknown words)."""
+
+    def __init__(self, tok):
+        self.tok = tok
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
+
+    def encode(self, text, add_special_tokens=False):
+        v = self.tok.get_vocab()
+        return [v[t] for t in _greedy(text, v)]
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": self.encode(text)}
+
+    def __len__(self):
+        return len(self.tok)
+
+
+@pytest.fixture(scope="module")
+def word_tok():
+    return _Greedy(word_level_tokenizer())
+
+
+@pytest.fixture(scope="module")
+def bpe_tok(chat_policy_dir):
+    from rlhf_core.models import load_policy
+
+    return load_policy(chat_policy_dir, dtype="float32", device="cpu")[1]
+
+
+@pytest.fixture(scope="module", params=["word_level", "byte_level_bpe"])
+def any_tok(request, word_tok, bpe_tok):
+    return word_tok if request.param == "word_level" else bpe_tok
+
+
+def _check_table(tokenizer, component, cases):
+    stop = tokenizer.eos_token_id
+    reward = build_reward_fn(RewardConfig(components={component: 1.0}), tokenizer, [stop], 64)
+    rows, answers, expected, labels = [], [], [], []
+    for text, answer, want in cases:
+        for name, seq in tokenizations(tokenizer, text).items():
+            rows.append(seq)
+            answers.append(answer)
+            expected.append(want)
+            labels.append((text, answer, name))
+    got = score(reward, tokenizer, rows, answers, stop)[component].tolist()
+    wrong = [(label, g, e) for label, g, e in zip(labels, got, expected) if g != e]
+    assert not wrong, wrong
+
+
+def test_table_answer_after_marker(any_tok):
+    _check_table(any_tok, "answer_after_marker", MARKER_CASES)
+
+
+def test_table_exact_match(any_tok):
+    _check_table(any_tok, "exact_match", EXACT_CASES)
+
+
+def test_table_contains(any_tok):
+    _check_table(any_tok, "contains", CONTAINS_CASES)
+
+
+def test_byte_table_decodes_like_the_tokenizer(bpe_tok):
+    table = token_bytes(bpe_tok)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        ids = torch.randint(3, len(bpe_tok), (30,), generator=g).tolist()
+        assert b"".join(table[i] for i in ids).decode("utf-8", "replace") == bpe_tok.decode(ids)
+    assert all(table[i] == b"" for i in bpe_tok.all_special_ids)
+
+
+# One test per false negative / false positive reported with the real tokenizer.
+@pytest.mark.parametrize(
+    "tokens, answer, want",
+    [
+        (["##", "##", "\u0120", "7", "2", "."], "72", 1.0),  # '#### 72.' sentence period
+        (["##", "##", "\u0120$", "7", "2"], "72", 1.0),  # '#### $72'
+        (["##", "##", "\u0120", "7", ".", "0"], "7", 1.0),  # '#### 7.0'
+        (["#", "#", "#", "#", "\u0120", "7", "2"], "72", 1.0),  # marker byte by byte
+        (["##", "##", "\u0120", "7", "2", "0"], "72", 0.0),  # 720
+        (["##", "##", "\u0120", "7", ".", "2"], "72", 0.0),  # 7.2
+        (["##", "##", "\u0120", "7"], "72", 0.0),  # 7
+        (["##", "##", "\u0120", "-", "7"], "7", 0.0),  # -7
+    ],
+)
+def test_reported_cases_bpe(bpe_tok, tokens, answer, want):
+    vocab = bpe_tok.get_vocab()
+    row = [vocab[t] for t in tokens]
+    reward = build_reward_fn(RewardConfig(components={"answer_after_marker": 1.0}), bpe_tok, [bpe_tok.eos_token_id], 16)
+    assert score(reward, bpe_tok, [row], [answer], bpe_tok.eos_token_id)["answer_after_marker"].tolist() == [want]
+
+
+def test_two_tokenizers_agree_on_the_same_text(word_tok, bpe_tok):
+    """'#### 7 5' used to score differently under two tokenizers; as text it is the number 7 after the marker."""
+    for tok in (word_tok, bpe_tok):
+        reward = build_reward_fn(RewardConfig(components={"answer_after_marker": 1.0}), tok, [tok.eos_token_id], 16)
+        rows = list(tokenizations(tok, "#### 7 5").values())
+        got = score(reward, tok, rows * 2, ["7"] * len(rows) + ["75"] * len(rows), tok.eos_token_id)
+        assert got["answer_after_marker"].tolist() == [1.0] * len(rows) + [0.0] * len(rows)
+
+
+def test_row_is_read_up_to_its_first_stop(base_chat_policy_dir):
+    """Tokenizer EOS <|endoftext|>, the turn ends at <|im_end|>: text after the first stop is never read."""
+    from rlhf_core.models import load_policy
+
+    tok = load_policy(base_chat_policy_dir, dtype="float32", device="cpu")[1]
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    assert tok.eos_token_id != im_end
+    reward = build_reward_fn(
+        RewardConfig(components=ALL, format_sequences=["####"]), tok, [tok.eos_token_id, im_end], 32
+    )
+    texts = ["#### 8<|im_end|>#### 7", "#### 7<|im_end|>#### 8", "#### 8<|endoftext|>#### 7", "8<|im_end|>7"]
+    rows = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    parts = score(reward, tok, rows, ["7"] * 4, tok.eos_token_id)
+    assert parts["answer_after_marker"].tolist() == [0.0, 1.0, 0.0, 0.0]
+    assert parts["contains"].tolist() == [0.0, 1.0, 0.0, 0.0]
+    assert parts["exact_match"].tolist() == [0.0, 0.0, 0.0, 0.0]
+    assert parts["format"].tolist() == [1.0, 1.0, 1.0, 0.0]
+
+
+def test_format_in_any_tokenization(bpe_tok):
+    reward = build_reward_fn(
+        RewardConfig(components={"format": 1.0}, format_sequences=["answer", "####"]),
+        bpe_tok,
+        [bpe_tok.eos_token_id],
+        32,
+    )
+    good = list(tokenizations(bpe_tok, "the answer is #### 7").values())
+    bad = list(tokenizations(bpe_tok, "#### 7 is the answer").values())
+    got = score(reward, bpe_tok, good + bad, ["7"] * (len(good) + len(bad)), bpe_tok.eos_token_id)["format"]
+    assert got.tolist() == [1.0] * len(good) + [0.0] * len(bad)
+
+
+def test_out_of_vocabulary_and_negative_ids_read_as_nothing(bpe_tok):
+    reward = build_reward_fn(RewardConfig(components=ALL), bpe_tok, [bpe_tok.eos_token_id], 16)
+    row = bpe_tok.encode("#### 7", add_special_tokens=False)
+    batch = torch.tensor([row + [len(bpe_tok) + 5, -100, bpe_tok.eos_token_id]])
+    _, parts = reward(batch, patterns_from_texts(bpe_tok, ["7"]))
+    assert parts["answer_after_marker"].tolist() == [1.0]
+
+
+def test_text_reward_makes_no_host_round_trip(bpe_tok):
+    cfg = RewardConfig(components={**ALL, "length_penalty": 0.1}, format_sequences=["####"])
+    reward = build_reward_fn(cfg, bpe_tok, [bpe_tok.eos_token_id, 0], 64)
+    batch = torch.randint(0, len(bpe_tok), (16, 64))
+    patterns = patterns_from_texts(bpe_tok, ["72"] * 16)
+    reward(batch, patterns)  # caches the tables on the device
+    with ForbidHostSync():
+        reward(batch, patterns)
+
+
+def test_token_mode_keeps_the_old_semantics(bpe_tok):
+    cfg = RewardConfig(components={"answer_after_marker": 1.0}, match="tokens")
+    reward = build_reward_fn(cfg, bpe_tok, [bpe_tok.eos_token_id], 16)
+    assert reward.text is None

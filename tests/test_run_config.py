@@ -1,0 +1,49 @@
+"""A run's own config travels with its checkpoints and exports, and a tiny policy of another shape is refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from flows.cli import main
+from rlhf_core.config import load_config
+from rlhf_core.loop import build_run, save_run_checkpoint
+from rlhf_core.models import ModelLoadError, ensure_policy
+
+
+def test_a_tiny_policy_of_another_shape_is_refused_not_ignored(tmp_path):
+    cfg = load_config(
+        None, [f"run.output_dir={tmp_path}", "model.tiny_hidden=32", "model.tiny_heads=2", "model.tiny_layers=1"]
+    )
+    ensure_policy(cfg.model, cfg.data.task, cfg.run.output_dir)
+    wider = load_config(
+        None, [f"run.output_dir={tmp_path}", "model.tiny_hidden=64", "model.tiny_heads=2", "model.tiny_layers=1"]
+    )
+    with pytest.raises(ModelLoadError, match=r"model.tiny_hidden=64 but it has 32"):
+        ensure_policy(wider.model, wider.data.task, wider.run.output_dir)
+
+
+def test_evaluate_uses_the_config_inside_the_checkpoint(tmp_path, capsys):
+    """Without --config, `atrlhf evaluate` scores a checkpoint on its own run's task and held-out size."""
+    cfg = load_config(
+        None,
+        [
+            f"run.output_dir={tmp_path}",
+            "model.tiny_hidden=32",
+            "model.tiny_heads=2",
+            "model.tiny_layers=1",
+            "data.task=sum2",
+            "data.eval_size=7",
+        ],
+    )
+    parts = build_run(cfg)
+    ckpt = save_run_checkpoint(parts, tmp_path / "checkpoints" / "step_000000")
+    assert main(["evaluate", "--checkpoint", str(ckpt), "--json"]) == 0
+    captured = capsys.readouterr()
+    assert "using the run's config" in captured.err
+    result = json.loads(captured.out)
+    assert result["eval/prompts"] == 7  # the run's data.eval_size, not the default 200
+    # --set still applies on top of the run's config
+    assert main(["evaluate", "--checkpoint", str(ckpt), "--json", "--set", "data.eval_size=3"]) == 0
+    assert json.loads(capsys.readouterr().out)["eval/prompts"] == 3

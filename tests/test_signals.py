@@ -1,0 +1,111 @@
+"""Ctrl-C in a terminal (SIGINT to the whole process group) and SIGTERM to the CLI end a real `atrlhf train`
+within seconds: every child process gone (Ray, the temporary Prefect API), the MLflow run KILLED, the
+last checkpoint intact."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[1]
+EXIT_WITHIN_S = 45.0
+
+
+def _start(tmp_path: Path) -> subprocess.Popen:
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(tmp_path / "prefect"),
+        "PREFECT_API_URL": "",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "PYTHONUNBUFFERED": "1",
+    }
+    env.pop("PREFECT_API_URL")
+    cmd = [
+        str(Path(sys.executable).parent / "atrlhf"),
+        "train",
+        "--config",
+        "configs/tiny.yaml",
+        "--set",
+        f"run.output_dir={tmp_path / 'run'}",
+        f"tracking.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+        "trainer.total_steps=100000",
+        "tracking.checkpoint_every=2",
+        "tracking.eval_every=0",
+        "model.tiny_hidden=32",
+        "model.tiny_heads=2",
+        "model.tiny_layers=1",
+        "data.eval_size=20",
+        "cluster.num_cpus=2",
+        "run.log_every=1",
+        "supervision.supervise_interval_s=0.5",
+        "tracking.log_system_metrics=false",
+    ]
+    # its own session: the test can signal its whole group the way a terminal does
+    return subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, text=True
+    )
+
+
+def _log(tmp_path: Path) -> str:
+    return (tmp_path / "train.log").read_text(errors="replace")
+
+
+def _wait_for_checkpoint(proc: subprocess.Popen, tmp_path: Path, timeout_s: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if list((tmp_path / "run" / "checkpoints").glob("step_*")):
+            return
+        assert proc.poll() is None, _log(tmp_path)[-4000:]
+        time.sleep(0.5)
+    raise AssertionError("no checkpoint within the time limit:\n" + _log(tmp_path)[-4000:])
+
+
+def _descendants(pid: int) -> list[psutil.Process]:
+    return psutil.Process(pid).children(recursive=True)
+
+
+def _mlflow_status(tmp_path: Path) -> str:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    runs = [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])]
+    assert len(runs) == 1
+    return runs[0].info.status
+
+
+@pytest.mark.parametrize("how", ["sigint_to_group", "sigterm_to_cli"])
+def test_a_signal_ends_the_run_cleanly(tmp_path, how):
+    from rlhf_core.checkpoint import read_checkpoint
+
+    proc = _start(tmp_path)
+    try:
+        _wait_for_checkpoint(proc, tmp_path)
+        children = _descendants(proc.pid)
+        assert children, "the run has no child processes (Ray, the Prefect API)"
+        sent = time.monotonic()
+        if how == "sigint_to_group":
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=EXIT_WITHIN_S)
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, _log(tmp_path)[-4000:]
+    assert took < EXIT_WITHIN_S
+    _, alive = psutil.wait_procs(children, timeout=15)
+    assert not alive, f"left running: {[(p.pid, p.name()) for p in alive]}"
+    assert _mlflow_status(tmp_path) == "KILLED"
+    newest = max((tmp_path / "run" / "checkpoints").glob("step_*"), key=lambda p: p.name)
+    state, _ = read_checkpoint(newest)  # the last checkpoint is complete and readable
+    assert state.step >= 2

@@ -1,0 +1,142 @@
+"""What a user sees in MLflow 3: the experiment opens on its runs, the run is named after the flow run, and
+the policy shows under the run's logged models and loads back. A SQLite store in tmp_path; no server."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("mlflow")
+
+from rlhf_core.config import load_config  # noqa: E402
+from tasks.tracking import (  # noqa: E402
+    EXPERIMENT_KIND,
+    EXPERIMENT_KIND_TAG,
+    LOGGED_MODEL_NAME,
+    MODEL_ARTIFACT_PATH,
+    MlflowTracker,
+    load_logged_policy,
+)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> Path:
+    """One SQLite store for the module (creating one takes seconds); each test uses its own experiment."""
+    return tmp_path_factory.mktemp("mlflow") / "mlflow.db"
+
+
+def tracking_cfg(store: Path, experiment: str, *overrides):
+    return load_config(
+        None,
+        [
+            f"tracking.tracking_uri=sqlite:///{store}",
+            f"tracking.experiment={experiment}",
+            "tracking.log_system_metrics=false",
+            *overrides,
+        ],
+    )
+
+
+def test_experiment_is_tagged_for_model_training_and_run_takes_the_flow_run_name(store):
+    cfg = tracking_cfg(store, "named")
+    tracker = MlflowTracker.start(cfg, flow_run_id="abc", run_name="crimson-otter")
+    try:
+        exp = tracker.client.get_experiment(tracker.experiment_id)
+        assert exp.tags[EXPERIMENT_KIND_TAG] == EXPERIMENT_KIND == "custom_model_development"
+        assert tracker.client.get_run(tracker.run_id).info.run_name == "crimson-otter"
+    finally:
+        tracker.end("FINISHED")
+    # an explicit tracking.run_name wins over the flow run's name
+    named = MlflowTracker.start(tracking_cfg(store, "named", "tracking.run_name=mine"), run_name="crimson-otter")
+    named.end("FINISHED")
+    assert named.client.get_run(named.run_id).info.run_name == "mine"
+
+
+def test_an_existing_untagged_experiment_gets_the_tag_but_a_chosen_kind_stays(store):
+    cfg = tracking_cfg(store, "old")
+    from tasks.tracking import _client, resolve_tracking_uri
+
+    client = _client(resolve_tracking_uri(cfg))
+    client.create_experiment("old")
+    client.create_experiment("genai", tags={EXPERIMENT_KIND_TAG: "genai_development"})
+    tracker = MlflowTracker.start(cfg)
+    tracker.end("FINISHED")
+    assert client.get_experiment_by_name("old").tags[EXPERIMENT_KIND_TAG] == EXPERIMENT_KIND
+    other = MlflowTracker.start(tracking_cfg(store, "genai"))
+    other.end("FINISHED")
+    assert client.get_experiment_by_name("genai").tags[EXPERIMENT_KIND_TAG] == "genai_development"
+
+
+def test_the_policy_is_a_logged_model_of_the_run_and_loads_back(store, tmp_path, tiny_policy_dir):
+    cfg = tracking_cfg(store, "model")
+    tracker = MlflowTracker.start(cfg)
+    assert tracker.log_model(tiny_policy_dir, step=6) == MODEL_ARTIFACT_PATH
+    tracker.end("FINISHED")
+    client = tracker.client
+    run = client.get_run(tracker.run_id)
+    # the run's "Logged models": an output of the run, READY, with the policy's files as its artifacts
+    outputs = run.outputs.model_outputs
+    assert [o.model_id for o in outputs] == [run.data.tags["model.id"]] and outputs[0].step == 6
+    model = client.get_logged_model(run.data.tags["model.id"])
+    assert model.name == LOGGED_MODEL_NAME and model.source_run_id == tracker.run_id
+    assert str(model.status) in ("READY", "LoggedModelStatus.READY")
+    found = client.search_logged_models([tracker.experiment_id], filter_string=f"source_run_id = '{tracker.run_id}'")
+    assert [m.model_id for m in found] == [model.model_id]
+    import mlflow.artifacts
+
+    local = mlflow.artifacts.download_artifacts(artifact_uri=model.artifact_location, dst_path=str(tmp_path / "lm"))
+    files = {p.name for p in Path(local).iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= files
+    # ... and load_logged_policy(run_id) still loads it
+    loaded, tokenizer = load_logged_policy(tracker.run_id, tracking_uri=cfg.tracking.tracking_uri)
+    assert loaded.config.model_type == "llama" and tokenizer.eos_token_id is not None
+
+
+def test_load_logged_policy_falls_back_to_the_logged_model(store, tiny_policy_dir):
+    """A run whose policy lives only in its LoggedModel (no model/ artifact) still loads by run id."""
+    import shutil
+    from urllib.parse import urlparse
+
+    cfg = tracking_cfg(store, "fallback")
+    tracker = MlflowTracker.start(cfg)
+    tracker.log_model(tiny_policy_dir)
+    tracker.end("FINISHED")
+    run_artifacts = urlparse(tracker.client.get_run(tracker.run_id).info.artifact_uri).path
+    shutil.rmtree(f"{run_artifacts}/{MODEL_ARTIFACT_PATH}")
+    assert not tracker.client.list_artifacts(tracker.run_id, MODEL_ARTIFACT_PATH)
+    loaded, _ = load_logged_policy(tracker.run_id, tracking_uri=cfg.tracking.tracking_uri)
+    assert loaded.config.model_type == "llama"
+
+
+def test_a_half_uploaded_checkpoint_is_skipped_and_a_dead_parent_is_marked(store, tmp_path):
+    """kill -9 during an upload leaves a checkpoint without its COMPLETE marker and the run RUNNING: resume
+    takes the newest complete checkpoint, and the new run names its parent, which is marked FAILED."""
+    from tasks.tracking import RESUMED_FROM_RUN, RESUMED_FROM_STEP, latest_checkpoint_artifact
+
+    cfg = tracking_cfg(store, "lineage")
+    parent = MlflowTracker.start(cfg)
+    for step in (2, 4):
+        ckpt = tmp_path / f"step_{step:06d}"
+        ckpt.mkdir()
+        (ckpt / "state.pt").write_bytes(b"x" * 10)
+        if step == 2:
+            parent.log_checkpoint(ckpt)
+        else:  # the upload a killed driver left behind: files, but no COMPLETE marker
+            parent.client.log_artifacts(parent.run_id, str(ckpt), f"checkpoints/{ckpt.name}")
+    uri = f"sqlite:///{store}"
+    assert latest_checkpoint_artifact(parent.run_id, uri) == "checkpoints/step_000002"
+    assert parent.client.get_run(parent.run_id).info.status == "RUNNING"  # its driver never ended it
+
+    child = MlflowTracker.start(cfg, resume_run_id=parent.run_id, resume_step=2)
+    assert child.run_id != parent.run_id
+    tags = child.client.get_run(child.run_id).data.tags
+    assert tags[RESUMED_FROM_RUN] == parent.run_id and tags[RESUMED_FROM_STEP] == "2"
+    old = child.client.get_run(parent.run_id)
+    assert old.info.status == "FAILED" and "driver" in old.data.tags["atrlhf.ended"]
+
+    parent.log_metrics([{"step": s, "reward/mean": s / 10} for s in (1, 2, 3)])  # step 3 was never kept
+    child.log_metrics([{"step": s, "reward/mean": s / 10} for s in (3, 4)])
+    history, _ = child.lineage_history()
+    assert [row["step"] for row in history] == [1, 2]
+    child.end("FINISHED")
