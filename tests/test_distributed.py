@@ -235,7 +235,7 @@ def test_a_checkpoint_taken_while_a_worker_restarts_succeeds_and_the_run_recover
             time.sleep(0.2)
         run.workers[0].crash.remote()
         time.sleep(0.2)
-        ckpt = run.checkpoint(tmp_path / "during_restart")          # never fails the run
+        ckpt = run.checkpoint(tmp_path / "during_restart")  # never fails the run
         state, _ = read_checkpoint(ckpt)
         assert len(state.rng["rollout"]) == 1
         assert (state.rng["rollout"][0] is None) == (state.run.get("rollout_rng_missing") == [0])
