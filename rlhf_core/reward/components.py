@@ -289,33 +289,30 @@ class ComposedReward:
         """All components, the matching ones on text: answers, the first stop and whole-row text computed once."""
         text = self.text
         N, L = response_ids.shape
-        ids32 = _as_token_int32(response_ids)
-        scratch = torch.empty_like(ids32)
-        n_valid = torch.full((N,), L, dtype=torch.long, device=response_ids.device)
-        for stop in self.stop_token_ids if L else []:  # the first stop of a row, whichever id: int32 passes per id
-            n_valid = torch.minimum(n_valid, _first_eos_int32(ids32, stop, scratch=scratch))
-        # ids outside the tokenizer (a padded embedding, -100 padding) read as a byte-less token
-        no_bytes = text.vocab.lengths.numel() - 1
-        response_ids = torch.where((response_ids < 0) | (response_ids > no_bytes), no_bytes, response_ids)
+        rows = text.rows(response_ids, self.stop_token_ids)  # one vocabulary lookup: codes and the first stop
+        n_valid = rows.n_valid
         needs_answers = {"exact_match", "contains", "answer_after_marker"} & set(self.weights)
         answers = text.answers(response_ids, patterns) if needs_answers else None
-        whole = text.text(response_ids, n_valid) if {"contains", "format"} & set(self.weights) else None
-        parts = {}
+        whole = text.text(rows) if {"contains", "format"} & set(self.weights) else None
+        parts, other_ids = {}, None
         for name in self.weights:
             if name == "answer_after_marker":
-                parts[name] = text.answer_after_marker(response_ids, n_valid, answers)
+                parts[name] = text.answer_after_marker(rows, answers)
             elif name == "exact_match":
-                parts[name] = text.exact_match(response_ids, n_valid, answers)
+                parts[name] = text.exact_match(rows, answers)
             elif name == "contains":
-                parts[name] = text.contains(whole, answers)
+                parts[name] = text.contains(rows, answers, whole)
             elif name == "format":
-                parts[name] = text.format(whole)
+                parts[name] = text.format(rows, whole)
             elif name == "length_penalty":
                 length = (n_valid + 1).clamp(max=L)
                 over = (length - self.length_target).clamp(min=0).float()
                 parts[name] = -(over / max(1, self.max_new_tokens - self.length_target)).clamp(max=1.0)
-            else:
-                parts[name] = self.component(name, response_ids, patterns)
+            else:  # other components: ids outside the tokenizer read as a byte-less token, as before
+                if other_ids is None:
+                    no_bytes = text.vocab.lengths.numel() - 1
+                    other_ids = torch.where((response_ids < 0) | (response_ids > no_bytes), no_bytes, response_ids)
+                parts[name] = self.component(name, other_ids, patterns)
         return parts
 
     def __call__(

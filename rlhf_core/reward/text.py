@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import re
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -246,122 +247,116 @@ class VocabBytes:
 # ----------------------------------------------------------------------------------------------------
 
 
+# Byte classes (one table lookup per byte, then bit tests): bits set for what a byte IS or IS NOT, so that
+# "the first byte that is not X" is one argmax over (class & NOT_X) (the first maximum; a zero sentinel byte
+# after every text has every NOT_ bit, so there is always one).
+_NOT_SKIP, _NOT_BODY, _NOT_SPACE, _C_DIGIT, _C_COMMA, _C_DOT, _C_MINUS, _C_ALNUM = 1, 2, 4, 8, 16, 32, 64, 128
+_DIGIT_SHIFT, _MINUS_SHIFT = 3, 6
+
+
+def _byte_classes() -> torch.Tensor:
+    cls = []
+    for b in range(256):
+        space = b in _SPACE
+        digit = _DIGIT0 <= b <= _DIGIT9
+        c = 0 if (space or b == _DOLLAR) else _NOT_SKIP
+        c |= 0 if (digit or b in (_COMMA, _DOT)) else _NOT_BODY
+        c |= 0 if space else _NOT_SPACE
+        c |= _C_DIGIT if digit else 0
+        c |= _C_COMMA if b == _COMMA else 0
+        c |= _C_DOT if b == _DOT else 0
+        c |= _C_MINUS if b == _MINUS else 0
+        c |= _C_ALNUM if (digit or 65 <= b <= 90 or 97 <= b <= 122 or b >= 128) else 0
+        cls.append(c)
+    return torch.tensor(cls, dtype=torch.long)
+
+
+_CLASSES = _byte_classes()
+_CHUNK = 18  # decimal digits per int64 chunk of a canonical number (10**18 < 2**63)
+_POW10 = torch.tensor([10**i for i in range(_CHUNK)], dtype=torch.long)
+
+
 def tokens_to_bytes(
     vb: VocabBytes, tok: torch.Tensor, n_tok: torch.Tensor, skip: torch.Tensor | None, width: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The text of token rows as bytes: (bytes LongTensor [R, width] (0 past the end), lengths LongTensor [R]).
+    """The text of token rows as bytes: (bytes LongTensor [R, width + 1] (0 past the end: the last column is
+    always 0, a sentinel), lengths LongTensor [R] (at most width)).
 
-    tok: LongTensor [R, A] token ids; n_tok: LongTensor [R] tokens of each row to read (the rest ignored);
-    skip: LongTensor [R] leading bytes to drop (or None); width: static byte width (longer text is cut).
-    A cumsum of the tokens' byte lengths gives where each token starts; each output byte finds its token
-    by a batched searchsorted and is gathered from the flat byte table.
+    tok: LongTensor [R, A] token ids in [-1, V) (-1 reads as the byte-less id); n_tok: LongTensor [R] tokens of
+    each row to read (the rest ignored); skip: LongTensor [R] leading bytes to drop (or None); width: static
+    byte width (longer text is cut). Each token's start byte comes from a cumsum of the tokens' byte lengths;
+    a scatter of the starts and a cumsum give each output byte's token, whose byte is gathered from the flat
+    table.
     """
     R, A = tok.shape
     device = tok.device
     if A == 0 or width == 0:
-        return torch.zeros(R, width, dtype=torch.long, device=device), torch.zeros(R, dtype=torch.long, device=device)
-    tok = tok.clamp(0, vb.lengths.numel() - 1)
+        return torch.zeros(R, width + 1, dtype=torch.long, device=device), torch.zeros(R, dtype=torch.long, device=device)
+    V = vb.lengths.numel()
+    tok = tok.clamp(-1, V - 1).remainder_(V)
     lens = vb.lengths.take(tok) * (torch.arange(A, device=device) < n_tok.unsqueeze(1))  # [R, A]
     ends = lens.cumsum(dim=1)
+    starts = ends - lens
     total = ends[:, -1]
-    j = torch.arange(width, device=device).expand(R, width)
     if skip is not None:
-        j = j + skip.unsqueeze(1)
+        starts -= skip.unsqueeze(1)
         total = total - skip
-    k = torch.searchsorted(ends, j.contiguous(), right=True).clamp_(max=A - 1)  # token holding byte j
-    start = ends.gather(1, k) - lens.gather(1, k)
-    src = vb.offsets.take(tok.gather(1, k)) + (j - start).clamp(min=0)
+    base = vb.offsets.take(tok) - starts  # flat index of byte j of the row in token t: base[t] + j
+    marks = torch.zeros(R, width + 2, dtype=torch.long, device=device)
+    marks.scatter_add_(1, starts.clamp(0, width + 1), torch.ones_like(starts))
+    k = marks[:, : width + 1].cumsum_(dim=1).sub_(1).clamp_(0, A - 1)  # the last token starting at or before j
+    j = torch.arange(width + 1, device=device)
     length = total.clamp(0, width)
-    inside = torch.arange(width, device=device) < length.unsqueeze(1)
-    out = vb.flat.take(src.clamp_(max=vb.flat.numel() - 1)).long() * inside
+    src = (base.gather(1, k) + j).clamp_(0, vb.flat.numel() - 1)
+    out = vb.flat.take(src).long() * (j < length.unsqueeze(1))
     return out, length
 
 
-def _is_space(x: torch.Tensor) -> torch.Tensor:
-    return (x == 32) | ((x >= 9) & (x <= 13))
+def _numbers(x: torch.Tensor, cls: torch.Tensor):
+    """The number at the start of each byte row, in canonical form. x: LongTensor [R, W] bytes, 0 past the end,
+    the last column 0; cls: _CLASSES of x.
 
-
-def _is_alnum(x: torch.Tensor) -> torch.Tensor:
-    return ((x >= 48) & (x <= 57)) | ((x | 32) >= 97) & ((x | 32) <= 122) | (x >= 128)
-
-
-def _compact(x: torch.Tensor, keep: torch.Tensor, first: torch.Tensor | None = None):
-    """Bytes of x where keep, packed to the left: (LongTensor [R, W], lengths [R]); `first` (optional
-    LongTensor [R], 0 = none) is put in front where non-zero."""
-    R, W = x.shape
-    lead = (first > 0).long() if first is not None else torch.zeros(R, dtype=torch.long, device=x.device)
-    dest = keep.long().cumsum(dim=1) - 1 + lead.unsqueeze(1)
-    dest = torch.where(keep, dest, W + 1)
-    out = torch.zeros(R, W + 2, dtype=torch.long, device=x.device)
-    out.scatter_(1, dest, x)
-    if first is not None:
-        out[:, 0] = torch.where(lead > 0, first, out[:, 0])
-    return out[:, :W], keep.sum(dim=1) + lead
-
-
-def _canonical_numbers(x: torch.Tensor, n: torch.Tensor):
-    """The number at the start of each byte row, canonical. x: LongTensor [R, W] bytes; n: LongTensor [R] lengths.
-
-    Skips leading whitespace and '$'; reads an optional '-', then a run of digits, ',' and '.' that starts
-    with a digit; drops trailing ',' / '.' (sentence punctuation), every ',' (thousands separators), leading
-    integer zeros, trailing fractional zeros and a bare '.'; '-0' is '0'. Returns (canon [R, W], canon_len [R],
-    is_number [R] (a digit was found and the run has at most one '.' with no ',' after it),
-    rest [R]: index just past the run, trailing punctuation included).
+    Skips leading whitespace and '$'; reads an optional '-', then a run of digits, ',' and '.' that starts with
+    a digit; drops trailing ',' / '.' (sentence punctuation), every ',' (thousands separators), leading integer
+    zeros, trailing fractional zeros and a bare '.'; '-0' is '0'. The canonical form is exact and compared as
+    int64 chunks: [negative, integer digits 0-17 from the right, fraction digits 1-18, integer digits 18-35,
+    fraction digits 19-36, ...], each chunk the digits' decimal value (the fraction's read from its end), so
+    leading integer zeros and trailing fraction zeros add nothing. Returns (canon LongTensor [R, 1 + 2C],
+    is_number BoolTensor [R] (a digit was found and the run has at most one '.' with no ',' after it),
+    rest LongTensor [R]: index just past the run, trailing punctuation included).
     """
     R, W = x.shape
-    device = x.device
-    pos = torch.arange(W, device=device).expand(R, W)
-    valid = pos < n.unsqueeze(1)
-    skip = (_is_space(x) | (x == _DOLLAR)) & valid
-    j0 = skip.long().cumprod(dim=1).sum(dim=1)  # first byte that is not skipped
-    at0 = x.gather(1, j0.clamp(max=W - 1).unsqueeze(1)).squeeze(1)
-    neg = (at0 == _MINUS) & (j0 < n)
-    j1 = j0 + neg.long()
-    digit = (x >= _DIGIT0) & (x <= _DIGIT9) & valid
-    body = (digit | (x == _COMMA) | (x == _DOT)) & valid
-    after = pos >= j1.unsqueeze(1)
-    run = (body | ~after).long().cumprod(dim=1).bool() & after  # the maximal run from j1
-    first_digit = digit.gather(1, j1.clamp(max=W - 1).unsqueeze(1)).squeeze(1) & (j1 < n)
-    rest = j1 + run.sum(dim=1)
-    last_digit = torch.where(run & digit, pos, -1).amax(dim=1)
-    end = last_digit + 1  # trailing ',' / '.' dropped
-    inside = run & (pos < end.unsqueeze(1))
-    dots = inside & (x == _DOT)
-    dot = torch.where(dots, pos, W).amin(dim=1)  # first '.', W = none
-    commas_after_dot = (inside & (x == _COMMA) & (pos > dot.unsqueeze(1))).any(dim=1)
-    is_number = first_digit & (dots.sum(dim=1) <= 1) & ~commas_after_dot
-    int_end = torch.minimum(dot, end)
-    nonzero = inside & digit & (x != _DIGIT0)
-    first_nz = torch.where(nonzero & (pos < int_end.unsqueeze(1)), pos, W).amin(dim=1)
-    int_start = torch.minimum(first_nz, int_end - 1)  # all zeros: keep the last one
-    last_nz_frac = torch.where(nonzero & (pos > dot.unsqueeze(1)), pos, -1).amax(dim=1)
-    num_end = torch.where(last_nz_frac > dot, last_nz_frac + 1, int_end)
-    keep = inside & (pos >= int_start.unsqueeze(1)) & (pos < num_end.unsqueeze(1)) & (x != _COMMA)
-    is_zero = (num_end == int_end) & (first_nz >= int_end)
-    minus = torch.where(neg & ~is_zero, _MINUS, 0)
-    canon, canon_len = _compact(x, keep, minus)
-    return canon, canon_len, is_number, rest
+    C = -(-W // _CHUNK)
+    pos = torch.arange(W, device=x.device)
+    j0 = (cls & _NOT_SKIP).argmax(dim=1, keepdim=True)  # first byte that is not a space or '$'
+    j1 = j0 + ((cls.gather(1, j0) >> _MINUS_SHIFT) & 1)  # after an optional '-'
+    after = pos >= j1
+    rest = ((cls & _NOT_BODY) * after).argmax(dim=1, keepdim=True)  # first byte past the run
+    digit = ((cls >> _DIGIT_SHIFT) & 1) * after * (pos < rest)  # int64 0 / 1: the run's digits
+    end = torch.where(digit > 0, pos, -1).amax(dim=1, keepdim=True) + 1  # trailing ',' / '.' dropped
+    inside = after & (pos < end)
+    dots = inside & ((cls & _C_DOT) > 0)
+    dot = torch.where(dots, pos, W).amin(dim=1, keepdim=True)  # first '.', W = none
+    bad = (inside & (pos > dot) & ((cls & _C_COMMA) > 0)).any(dim=1) | (dots.sum(dim=1) > 1)
+    is_number = ((cls.gather(1, j1) & _C_DIGIT) > 0).squeeze(1) & ~bad
+    cnt = digit.cumsum(dim=1)
+    r = cnt - (digit * (pos < dot)).sum(dim=1, keepdim=True)  # <= 0: integer digit, -r after it; > 0: fraction
+    frac = r > 0
+    q = torch.where(frac, r - 1, -r)
+    col = q // _CHUNK
+    val = (x - _DIGIT0) * _POW10.to(x.device).take(q - col * _CHUNK) * digit
+    col = (col * 2 + 1 + frac).clamp_(max=2 * C)
+    canon = torch.zeros(R, 1 + 2 * C, dtype=torch.long, device=x.device).scatter_add_(1, col, val)
+    canon[:, 0] = (cls.gather(1, j0).squeeze(1) & _C_MINUS).bool() & canon[:, 1:].ne(0).any(dim=1)
+    return canon, is_number, rest.squeeze(1)
 
 
-def _stripped(x: torch.Tensor, n: torch.Tensor):
-    """Each row without leading and trailing whitespace: (bytes [R, W], lengths [R])."""
-    R, W = x.shape
-    pos = torch.arange(W, device=x.device).expand(R, W)
-    valid = pos < n.unsqueeze(1)
-    lead = (_is_space(x) & valid | ~valid).long().cumprod(dim=1).sum(dim=1).clamp(max=W)
-    last = torch.where(valid & ~_is_space(x), pos, -1).amax(dim=1)
-    length = (last + 1 - lead).clamp(min=0)
-    src = (pos + lead.unsqueeze(1)).clamp(max=W - 1)
-    out = x.gather(1, src) * (pos < length.unsqueeze(1))
-    return out, length
-
-
-def _equal_prefix(a: torch.Tensor, a_len: torch.Tensor, b: torch.Tensor, b_len: torch.Tensor) -> torch.Tensor:
-    """Whether b (its first b_len bytes) is a prefix of a. a: [R, W], b: [R, K, Wb]; lengths [R], [R, K] -> [R, K]."""
-    w = min(a.shape[1], b.shape[2])
-    same = (a[:, None, :w] == b[:, :, :w]) | (torch.arange(w, device=a.device) >= b_len.unsqueeze(-1))
-    fits = (b_len <= a_len.unsqueeze(1)) & (b_len <= w)
-    return same.all(dim=-1) & fits
+def _same(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [R, Ca], b [R, K, Cb] canonical numbers (zero-padded to one width) -> equal BoolTensor [R, K]."""
+    w = max(a.shape[1], b.shape[2])
+    a = torch.nn.functional.pad(a, (0, w - a.shape[1]))
+    b = torch.nn.functional.pad(b, (0, w - b.shape[2]))
+    return (a.unsqueeze(1) == b).all(dim=-1)
 
 
 @dataclass
@@ -369,14 +364,13 @@ class AnswerText:
     """The answer alternatives of a batch as text, made from the packed token patterns on the device.
 
     lit [N, K, Wa] / lit_len [N, K]: each alternative's bytes without surrounding whitespace;
-    num [N, K, Wa] / num_len [N, K] / is_num [N, K]: its canonical number, where the whole stripped text is one
-    number (trailing '.' allowed). Length 0 = absent alternative (never matches).
+    canon [N, K, 1 + 2C] / is_num [N, K]: its canonical number (see `_numbers`), where the whole stripped text
+    is one number (trailing '.' allowed). Length 0 = absent alternative (never matches).
     """
 
     lit: torch.Tensor
     lit_len: torch.Tensor
-    num: torch.Tensor
-    num_len: torch.Tensor
+    canon: torch.Tensor
     is_num: torch.Tensor
 
     @property
@@ -391,44 +385,49 @@ def answer_text(
     bytes is dropped (length 0: it never matches)."""
     N, K, Q = tokens.shape
     width = max(1, min(Q * max(vb.max_len, 1), max_bytes))
-    flat_tok = tokens.reshape(N * K, Q).clamp(0, vb.lengths.numel() - 1)
-    b, b_len = tokens_to_bytes(vb, flat_tok, lengths.reshape(N * K), None, width + 1)
-    b, b_len = b[:, :width], b_len * (b_len <= width)
-    lit, lit_len = _stripped(b, b_len)
-    num, num_len, is_num, rest = _canonical_numbers(lit, lit_len)
-    is_num = is_num & (rest >= lit_len)
-    shape = (N, K)
-    return AnswerText(
-        lit.reshape(N, K, width),
-        lit_len.reshape(shape),
-        num.reshape(N, K, width),
-        num_len.reshape(shape),
-        is_num.reshape(shape),
-    )
+    b, b_len = tokens_to_bytes(vb, tokens.reshape(N * K, Q), lengths.reshape(N * K), None, width + 1)
+    fits = b_len <= width
+    x = b[:, : width + 1] * fits.unsqueeze(1)  # column `width` is 0 where it fits
+    cls = _CLASSES.to(x.device).take(x)
+    canon, is_num, rest = _numbers(x, cls)
+    pos = torch.arange(width + 1, device=x.device)
+    nonspace = ((cls & _NOT_SPACE) > 0) & (pos < b_len.unsqueeze(1))
+    lead = (cls & _NOT_SPACE).argmax(dim=1, keepdim=True)
+    last = torch.where(nonspace, pos, -1).amax(dim=1, keepdim=True)
+    lit_len = ((last + 1 - lead).clamp(min=0) * fits.unsqueeze(1)).squeeze(1)
+    lit = x.gather(1, (pos[:width] + lead).clamp(max=width)) * (pos[:width] < lit_len.unsqueeze(1))
+    is_num = is_num & (rest >= last.squeeze(1) + 1) & (lit_len > 0)
+    return AnswerText(lit.reshape(N, K, width), lit_len.reshape(N, K), canon.reshape(N, K, -1), is_num.reshape(N, K))
 
 
 def _matches_answer(x: torch.Tensor, n: torch.Tensor, ans: AnswerText, whole: bool) -> torch.Tensor:
-    """Whether the text x (bytes [N, W], lengths [N]) starts with (whole=False) / is (whole=True) an answer.
+    """Whether the text x (bytes [N, W], 0 past the end n [N], the last column 0) starts with (whole=False) /
+    is (whole=True) an answer.
 
     Number answers: the number at the start of x (after spaces and '$') has the answer's canonical form;
     whole: nothing but whitespace follows it. Text answers: x without leading whitespace starts with the
     answer text followed by a non-alphanumeric byte (or the end); whole: x stripped equals it.
     Returns BoolTensor [N] (any alternative).
     """
-    canon, canon_len, is_number, rest = _canonical_numbers(x, n)
-    num_hit = _equal_prefix(canon, canon_len, ans.num, ans.num_len) & (ans.num_len == canon_len.unsqueeze(1))
-    num_hit &= is_number.unsqueeze(1) & ans.is_num & (ans.num_len > 0)
-    lit, lit_len = _stripped(x, n)
-    lit_hit = _equal_prefix(lit, lit_len, ans.lit, ans.lit_len) & (ans.lit_len > 0) & ~ans.is_num
+    N, W = x.shape
+    cls = _CLASSES.to(x.device).take(x)
+    canon, is_number, rest = _numbers(x, cls)
+    num_hit = _same(canon, ans.canon) & (is_number.unsqueeze(1) & ans.is_num)
+    pos = torch.arange(W, device=x.device)
+    lead = (cls & _NOT_SPACE).argmax(dim=1, keepdim=True)  # first non-space (the sentinel when none)
+    Wa = min(ans.width, W)
+    lit = x.gather(1, (pos[: Wa + 1] + lead).clamp(max=W - 1))
+    same = (lit[:, None, :Wa] == ans.lit[:, :, :Wa]) | (pos[:Wa] >= ans.lit_len.unsqueeze(-1))
+    lit_hit = same.all(dim=-1) & (ans.lit_len > 0) & (ans.lit_len <= Wa) & ~ans.is_num
+    lit_hit &= ans.lit_len <= (n.unsqueeze(1) - lead)
     if whole:
-        W = x.shape[1]
-        pos = torch.arange(W, device=x.device)
-        tail = ~_is_space(x) & (pos >= rest.unsqueeze(1)) & (pos < n.unsqueeze(1))
+        tail = ((cls & _NOT_SPACE) > 0) & (pos >= rest.unsqueeze(1)) & (pos < n.unsqueeze(1))
         num_hit &= ~tail.any(dim=1).unsqueeze(1)
-        lit_hit &= ans.lit_len == lit_len.unsqueeze(1)
+        last = torch.where(((cls & _NOT_SPACE) > 0) & (pos < n.unsqueeze(1)), pos, -1).amax(dim=1, keepdim=True)
+        lit_hit &= ans.lit_len == (last + 1 - lead)
     else:
-        nxt = lit.gather(1, ans.lit_len.clamp(max=lit.shape[1] - 1))  # [N, K]: byte after the answer
-        lit_hit &= (ans.lit_len >= lit_len.unsqueeze(1)) | ~_is_alnum(nxt)
+        nxt = _CLASSES.to(x.device).take(lit.gather(1, ans.lit_len.clamp(max=Wa)))  # [N, K]: byte after the answer
+        lit_hit &= (nxt & _C_ALNUM) == 0
     return (num_hit | lit_hit).any(dim=1)
 
 
@@ -438,49 +437,85 @@ def first_stop(is_stop: torch.Tensor) -> torch.Tensor:
     return torch.where(is_stop, torch.arange(L, device=is_stop.device), L).amin(dim=1)
 
 
+_CAN_END, _STOP = 1, 2  # bits of the per-token codes of `scan`
+
+
+def _word_mask(bit: int) -> int:
+    """`bit` in each of the 8 bytes of an int64 word (as a signed int64)."""
+    w = int.from_bytes(bytes([bit]) * 8, "little")
+    return w - (1 << 64) if w >= 1 << 63 else w
+
+
+def scan(codes_table: torch.Tensor, ids: torch.Tensor, block: int = MARKER_BLOCK_TOKENS):
+    """The one [N, L] pass over the tokens: each id's code (uint8 bits _CAN_END, _STOP) by one vocabulary
+    lookup (ids outside [0, V) read as the byte-less last id). Returns (codes uint8 [N, Lp] (Lp = L rounded up
+    to a multiple of `block`, padding 0), n_valid LongTensor [N]: the first stop of each row, L when none).
+    The first stop is found on int64 words of 8 codes: the first word holding a stop bit, then its 8 bytes."""
+    N, L = ids.shape
+    V = codes_table.numel()
+    codes = codes_table.take(ids.clamp(-1, V - 1))  # take reads -1 as the last (byte-less) entry
+    Lp = -(-max(L, 1) // block) * block
+    if Lp != L:
+        codes = torch.nn.functional.pad(codes, (0, Lp - L))
+    words = codes.view(torch.int64)  # [N, Lp / 8]
+    nw = words.shape[1]
+    stop_w = (words & _word_mask(_STOP)) != 0
+    fw = torch.where(stop_w, torch.arange(nw, device=ids.device), nw - 1).amin(dim=1, keepdim=True)
+    in_word = codes.view(N, nw, 8).gather(1, fw.unsqueeze(-1).expand(N, 1, 8)).squeeze(1)  # [N, 8]
+    first = torch.where((in_word & _STOP) > 0, torch.arange(8, device=ids.device), 8).amin(dim=1, keepdim=True)
+    n_valid = (fw * 8 + first).clamp_(max=L).squeeze(1)
+    return codes, n_valid
+
+
 def last_marker(
     vb: VocabBytes,
     ids: torch.Tensor,
+    codes: torch.Tensor,
     n_valid: torch.Tensor,
     blocks: int = MARKER_BLOCKS,
     block: int = MARKER_BLOCK_TOKENS,
 ):
     """Where the LAST marker occurrence before the first stop ends, however the marker was tokenized.
 
-    ids: LongTensor [N, L] (non-negative); n_valid: LongTensor [N]. Returns (found BoolTensor [N], token
-    LongTensor [N]: the token holding the marker's last byte, offset LongTensor [N]: bytes of that token up to
-    the marker's end). Only tokens that can end an occurrence (`can_end`, one vocabulary lookup per token) are
-    candidates; the row is cut into blocks of `block` tokens and the last `blocks` blocks holding a candidate
-    are searched: for each token there, the automaton state before it is recomputed from the m - 1 tokens
-    before it (every non-special token has a byte, so they hold the m - 1 bytes the state depends on).
+    ids: LongTensor [N, L] (any values; outside [0, V) read as byte-less); codes, n_valid: from `scan`.
+    Returns (found BoolTensor [N], token LongTensor [N]: the token holding the marker's last byte, offset
+    LongTensor [N]: bytes of that token up to the marker's end). Only tokens that can end an occurrence
+    (`can_end`, the _CAN_END bit of the codes) are candidates; the row is cut into blocks of `block` tokens
+    and the last `blocks` blocks holding a candidate before the first stop are searched: for each token there,
+    the automaton state before it is recomputed from the m - 1 tokens before it (every non-special token has
+    a byte, so they hold the m - 1 bytes the state depends on).
     """
     N, L = ids.shape
     device = ids.device
+    V = vb.lengths.numel()
     m = max(len(vb.marker), 1)
-    nb = -(-L // block)
-    pos = torch.arange(L, dtype=torch.int32, device=device)
-    # key = position + 1 of a candidate before the first stop, else 0 (int32 arithmetic, no bool passes)
-    key = vb.can_end.take(ids)  # int32 0 / 1, a new tensor
-    key *= pos + 1
-    key *= ((n_valid.to(torch.int32).unsqueeze(1) - 1 - pos) >> 31) + 1
-    if nb * block != L:
-        key = torch.nn.functional.pad(key, (0, nb * block - L))
-    has = key.view(N, nb, block).amax(dim=-1) > 0  # [N, nb]
+    Lp = codes.shape[1]
+    nb = Lp // block
+    words = codes.view(torch.int64).view(N, nb, block // 8)
+    has = (words & _word_mask(_CAN_END)).amax(dim=-1) > 0  # [N, nb] (codes are < 128: words are >= 0 bitwise)
+    # the block holding the first stop: only its candidates before the stop count
+    sb = (n_valid // block).clamp(max=nb - 1).unsqueeze(1)
+    in_sb = codes.view(N, nb, block).gather(1, sb.unsqueeze(-1).expand(N, 1, block)).squeeze(1)
+    pos_sb = sb * block + torch.arange(block, device=device)
+    sb_has = (((in_sb & _CAN_END) > 0) & (pos_sb < n_valid.unsqueeze(1))).any(dim=1, keepdim=True)
+    bidx = torch.arange(nb, device=device)
+    has = torch.where(bidx == sb, sb_has, has & (bidx * block < n_valid.unsqueeze(1)))
     count = has.long().cumsum(dim=1)
     slot = count[:, -1:] - count  # 0 for the last block with a candidate
     k = min(blocks, nb)
     chosen = torch.full((N, k + 1), -1, dtype=torch.long, device=device)
-    chosen.scatter_(1, torch.where(has & (slot < k), slot, k), torch.arange(nb, device=device).expand(N, nb))
+    chosen.scatter_(1, torch.where(has & (slot < k), slot, k), bidx.expand(N, nb))
     chosen = chosen[:, :k]  # [N, k] block indices, -1 = none
     p = (chosen.unsqueeze(-1) * block + torch.arange(block, device=device)).flatten(1)  # [N, k * block]
     ok = (chosen.unsqueeze(-1) >= 0).expand(N, k, block).flatten(1) & (p < n_valid.unsqueeze(1))
-    p = p.clamp(0, L - 1)
+    # ids at p - (m - 1) .. p in one gather: [N, k * block, m]
+    q = p.unsqueeze(-1) - torch.arange(m - 1, -1, -1, device=device)
+    t = ids.gather(1, q.clamp(0, L - 1).flatten(1)).view(N, -1, m).clamp_(-1, V - 1).remainder_(V)
+    t = torch.where(q >= 0, t, V - 1)  # before the row: byte-less, the state stays 0
     state = torch.zeros_like(p)
-    for d in range(m - 1, 0, -1):
-        q = p - d
-        t = ids.gather(1, q.clamp(min=0))
-        state = torch.where(q >= 0, vb.next_state.take(t * m + state), 0)
-    end = vb.match_end.take(ids.gather(1, p) * m + state)
+    for d in range(m - 1):
+        state = vb.next_state.take(t[..., d] * m + state)
+    end = vb.match_end.take(t[..., m - 1] * m + state)
     stride = vb.max_len + 1
     best = torch.where(ok & (end >= 0), p * stride + end, -1).amax(dim=1)
     found = best >= 0
@@ -494,6 +529,10 @@ def full_text(vb: VocabBytes, ids: torch.Tensor, n_valid: torch.Tensor, bytes_pe
     L = ids.shape[1]
     width = L * max(1, min(vb.max_len, bytes_per_token))
     return tokens_to_bytes(vb, ids, n_valid, None, width)
+
+
+def _is_alnum(x: torch.Tensor) -> torch.Tensor:
+    return ((x >= 48) & (x <= 57)) | ((x | 32) >= 97) & ((x | 32) <= 122) | (x >= 128)
 
 
 def _find_all(x: torch.Tensor, n: torch.Tensor, pat: torch.Tensor, pat_len: torch.Tensor) -> torch.Tensor:
@@ -557,6 +596,16 @@ def format_text(x: torch.Tensor, n: torch.Tensor, sequences: list[torch.Tensor])
 
 
 @dataclass
+class Rows:
+    """Responses prepared for the text components by one `TextMatcher.rows` call: ids (as given), the per-token
+    codes of `scan` and the first stop of each row (n_valid)."""
+
+    ids: torch.Tensor
+    codes: torch.Tensor
+    n_valid: torch.Tensor
+
+
+@dataclass
 class TextMatcher:
     """The text components of one tokenizer and marker, tables cached per device. See the module docstring."""
 
@@ -564,6 +613,7 @@ class TextMatcher:
     format_bytes: list[bytes]
     answer_window_bytes: int = ANSWER_WINDOW_BYTES
     _on_device: dict = field(default_factory=dict, repr=False)
+    _answers: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def build(cls, tokenizer, marker: str, format_sequences=()) -> TextMatcher:
@@ -576,41 +626,74 @@ class TextMatcher:
             self._on_device[device] = (self.vocab.to(device), seqs)
         return self._on_device[device]
 
-    def answers(self, ids: torch.Tensor, patterns) -> AnswerText:
-        vb, _ = self.on(ids.device)
-        return answer_text(vb, patterns.tokens, patterns.lengths)
+    def _codes_table(self, device, stop_ids: tuple[int, ...]) -> torch.Tensor:
+        key = (torch.device(device), stop_ids)
+        if key not in self._on_device:
+            V = self.vocab.lengths.numel()
+            table = self.vocab.can_end.to(torch.uint8) * _CAN_END
+            for s in stop_ids:
+                if 0 <= s < V - 1:
+                    table[s] |= _STOP
+            self._on_device[key] = table.to(device)
+        return self._on_device[key]
 
-    def answer_after_marker(self, ids, n_valid, ans: AnswerText) -> torch.Tensor:
+    def rows(self, ids: torch.Tensor, stop_ids) -> Rows:
+        """The one pass over all tokens (`scan`): codes and the first stop of each row. Stop ids outside the
+        tokenizer are never found (ids there read as the byte-less token)."""
+        stop_ids = tuple(int(s) for s in stop_ids)
+        codes, n_valid = scan(self._codes_table(ids.device, stop_ids), ids)
+        return Rows(ids, codes, n_valid)
+
+    def answers(self, ids: torch.Tensor, patterns) -> AnswerText:
+        """AnswerText of the packed patterns, cached while the same pattern tensors (same version) are used."""
+        vb, _ = self.on(ids.device)
+        tokens, lengths = patterns.tokens, patterns.lengths
+        key = (id(tokens), id(lengths))
+        hit = self._answers.get(key)
+        if hit is not None:
+            t_ref, l_ref, versions, ans = hit
+            if t_ref() is tokens and l_ref() is lengths and versions == (tokens._version, lengths._version):
+                return ans
+        ans = answer_text(vb, tokens, lengths)
+        if len(self._answers) >= 8:
+            self._answers.pop(next(iter(self._answers)))
+        self._answers[key] = (weakref.ref(tokens), weakref.ref(lengths), (tokens._version, lengths._version), ans)
+        return ans
+
+    def answer_after_marker(self, rows: Rows, ans: AnswerText) -> torch.Tensor:
         """1.0 where the text right after the LAST marker (before the first stop) is an answer alternative."""
+        ids, n_valid = rows.ids, rows.n_valid
         vb, _ = self.on(ids.device)
         N, L = ids.shape
         if L == 0 or not vb.marker:
             return torch.zeros(N, device=ids.device)
-        found, tok, offset = last_marker(vb, ids, n_valid)
+        found, tok, offset = last_marker(vb, ids, rows.codes, n_valid)
         width = ans.width + self.answer_window_bytes
         A = min(width, L)
         idx = (tok.unsqueeze(1) + torch.arange(A, device=ids.device)).clamp(max=L - 1)
-        window = ids.clamp(min=0).gather(1, idx)
-        x, x_len = tokens_to_bytes(vb, window, (n_valid - tok).clamp(min=0), offset, width)
+        x, x_len = tokens_to_bytes(vb, ids.gather(1, idx), (n_valid - tok).clamp(min=0), offset, width)
         return (_matches_answer(x, x_len, ans, whole=False) & found).float()
 
-    def exact_match(self, ids, n_valid, ans: AnswerText) -> torch.Tensor:
+    def exact_match(self, rows: Rows, ans: AnswerText) -> torch.Tensor:
         """1.0 where the whole response (up to its first stop) is an answer alternative (see _matches_answer)."""
+        ids, n_valid = rows.ids, rows.n_valid
         vb, _ = self.on(ids.device)
         N, L = ids.shape
         width = ans.width + self.answer_window_bytes
         A = min(width, L)
-        x, x_len = tokens_to_bytes(vb, ids[:, :A].clamp(min=0), n_valid.clamp(max=A), None, width + 1)
+        x, x_len = tokens_to_bytes(vb, ids[:, :A], n_valid.clamp(max=A), None, width + 1)
         fits = (n_valid <= A) & (x_len <= width)
-        return (_matches_answer(x, x_len, ans, whole=True) & fits).float()
+        return (_matches_answer(x[:, : width + 1], x_len.clamp(max=width), ans, whole=True) & fits).float()
 
-    def text(self, ids, n_valid):
-        vb, _ = self.on(ids.device)
-        return full_text(vb, ids.clamp(min=0), n_valid)
+    def text(self, rows: Rows):
+        vb, _ = self.on(rows.ids.device)
+        return full_text(vb, rows.ids, rows.n_valid)
 
-    def contains(self, text, ans: AnswerText) -> torch.Tensor:
+    def contains(self, rows: Rows, ans: AnswerText, text=None) -> torch.Tensor:
+        text = self.text(rows) if text is None else text
         return contains_text(text[0], text[1], ans).float()
 
-    def format(self, text) -> torch.Tensor:
-        _, seqs = self.on(text[0].device)
+    def format(self, rows: Rows, text=None) -> torch.Tensor:
+        _, seqs = self.on(rows.ids.device)
+        text = self.text(rows) if text is None else text
         return format_text(text[0], text[1], seqs)
