@@ -298,3 +298,40 @@ def test_token_mode_keeps_the_old_semantics(bpe_tok):
     cfg = RewardConfig(components={"answer_after_marker": 1.0}, match="tokens")
     reward = build_reward_fn(cfg, bpe_tok, [bpe_tok.eos_token_id], 16)
     assert reward.text is None
+
+
+def test_long_numbers_compare_exactly(bpe_tok):
+    """Numbers are compared as int64 chunks of 18 digits: exact beyond 2**63, '-0' is '0'."""
+    big = "123456789012345678901234567890"
+    cases = [
+        (f"#### {big}", big, 1.0),
+        (f"#### {big}.000", big, 1.0),
+        (f"#### 9{big[1:]}", big, 0.0),
+        (f"#### {big}1", big, 0.0),
+        (f"#### 0.{big}", f"0.{big}0", 1.0),
+        (f"#### 0.{big}", f"0.{big}1", 0.0),
+        ("#### -0.0", "0", 1.0),
+        ("#### -1000000000000000000", "1000000000000000000", 0.0),
+    ]
+    _check_table(bpe_tok, "answer_after_marker", cases)
+
+
+def test_format_order_and_repeated_occurrences(bpe_tok):
+    reward = build_reward_fn(
+        RewardConfig(components={"format": 1.0}, format_sequences=["##", "####"]), bpe_tok, [bpe_tok.eos_token_id], 32
+    )
+    texts = ["######", "## x ####", "#### x ##", "####", "## ##"]
+    rows = [bpe_tok.encode(t, add_special_tokens=False) for t in texts]
+    got = score(reward, bpe_tok, rows, ["7"] * len(rows), bpe_tok.eos_token_id)["format"].tolist()
+    assert got == [1.0, 1.0, 0.0, 0.0, 0.0]
+
+
+def test_answer_text_cache_follows_the_pattern_tensors(bpe_tok):
+    reward = build_reward_fn(RewardConfig(components={"answer_after_marker": 1.0}), bpe_tok, [bpe_tok.eos_token_id], 16)
+    batch = torch.tensor([bpe_tok.encode("#### 7", add_special_tokens=False) + [bpe_tok.eos_token_id]])
+    patterns = patterns_from_texts(bpe_tok, ["7"])
+    assert reward(batch, patterns)[0].tolist() == [1.0]
+    eight = patterns_from_texts(bpe_tok, ["8"])
+    patterns.tokens.copy_(eight.tokens)  # same tensors, new contents: the cached answer text is not reused
+    patterns.lengths.copy_(eight.lengths)
+    assert reward(batch, patterns)[0].tolist() == [0.0]

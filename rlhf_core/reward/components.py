@@ -20,9 +20,7 @@ import torch
 from rlhf_core.reward.answers import answer_variants, continuation_token_ids, whitespace_token_ids
 from rlhf_core.reward.tensor_native import (
     PatternsLike,
-    _as_token_int32,
     _check_rows,
-    _first_eos_int32,
     _packed_on,
     pack_patterns,
     tensor_native_reward,
@@ -293,7 +291,7 @@ class ComposedReward:
         n_valid = rows.n_valid
         needs_answers = {"exact_match", "contains", "answer_after_marker"} & set(self.weights)
         answers = text.answers(response_ids, patterns) if needs_answers else None
-        whole = text.text(rows) if {"contains", "format"} & set(self.weights) else None
+        whole = text.text(rows) if "contains" in self.weights else None
         parts, other_ids = {}, None
         for name in self.weights:
             if name == "answer_after_marker":
@@ -303,7 +301,7 @@ class ComposedReward:
             elif name == "contains":
                 parts[name] = text.contains(rows, answers, whole)
             elif name == "format":
-                parts[name] = text.format(rows, whole)
+                parts[name] = text.format(rows)
             elif name == "length_penalty":
                 length = (n_valid + 1).clamp(max=L)
                 over = (length - self.length_target).clamp(min=0).float()

@@ -11,23 +11,29 @@ tokens -> no bytes), and match bytes:
   contains             the answer occurs in the response as a whole number / word;
   format               texts occur in order.
 
-Numbers are compared in a canonical form computed on the device (`_canonical_numbers`): leading spaces and
+Numbers are compared in a canonical form computed on the device (`_numbers`): leading spaces and
 '$' skipped, commas dropped, trailing sentence punctuation ('.' or ','), trailing fractional zeros and a
 bare '.' dropped, leading integer zeros dropped, so `$1,000.00`, `1000.` and `1000` are one number while
-`72` never equals `7`, `720`, `7.2` or `-72`. docs/rewards.md lists the accepted forms.
+`72` never equals `7`, `720`, `7.2` or `-72`. The form is a few int64 chunks of decimal digit values (no
+byte compaction), exact for any length. docs/rewards.md lists the accepted forms.
 
 Hot-path rules as in `tensor_native`: batched tensor code only (loops over static sizes: the marker
 length, a format text's length), no `.item()` / `.tolist()` / `bool(tensor)` / `nonzero()` / boolean
-indexing, no data-dependent shapes. The marker search reads only the last `MARKER_BLOCKS` blocks of
-tokens holding a token that can end a marker (one vocabulary lookup per token finds them) and converts
-only a window of tokens after the last marker to bytes; exact_match converts the first tokens of a row;
-contains and format convert whole responses (up to `BYTES_PER_TOKEN` bytes per token on average).
+indexing, no data-dependent shapes. Per call there is ONE pass over all [N, L] tokens for answer_after_marker
+(`scan`: one vocabulary lookup gives each token's stop / can-end-a-marker bits; the first stop and the
+candidate blocks come from int64 words of 8 such codes); the marker search then reads only the last
+`MARKER_BLOCKS` candidate blocks and converts only a window of tokens after the last marker to bytes;
+exact_match converts the first tokens of a row; format runs each text's byte automaton over the tokens
+(m - 1 shifted lookups per text, no bytes); contains still converts whole responses (up to
+`BYTES_PER_TOKEN` bytes per token on average) and is by far the slowest. The answers' text is computed once
+per PackedPatterns object (cached while the same tensors are passed again).
 """
 
 from __future__ import annotations
 
 import json
 import re
+import threading
 import weakref
 from dataclasses import dataclass, field
 
@@ -166,6 +172,34 @@ def _kmp_step(marker: bytes):
     return step
 
 
+def _automaton(table: list[bytes], seq: bytes):
+    """Per-token tables of the byte automaton of `seq` (m = len): (next_state, first_end, last_end), int64
+    [V * m] at v * m + s: the state after token v read from state s, and the byte offset in v just past the
+    first / last occurrence of `seq` that ends in it (-1 if none)."""
+    m = len(seq)
+    V = len(table)
+    next_state = torch.zeros(V, m, dtype=torch.long)
+    first_end = torch.full((V, m), -1, dtype=torch.long)
+    last_end = torch.full((V, m), -1, dtype=torch.long)
+    step = _kmp_step(seq)
+    seq_bytes = set(seq)
+    for v, b in enumerate(table):
+        if not b:
+            next_state[v] = torch.arange(m)
+            continue
+        if not seq_bytes.intersection(b):
+            continue
+        for s0 in range(m):
+            s, first, last = s0, -1, -1
+            for j, c in enumerate(b):
+                s, hit = step(s, c)
+                if hit:
+                    last = j + 1
+                    first = last if first < 0 else first
+            next_state[v, s0], first_end[v, s0], last_end[v, s0] = s, first, last
+    return next_state.flatten(), first_end.flatten(), last_end.flatten()
+
+
 @dataclass
 class VocabBytes:
     """The vocabulary as bytes, plus per-token lookups for one marker; built once per tokenizer (CPU tensors,
@@ -273,7 +307,19 @@ def _byte_classes() -> torch.Tensor:
 
 _CLASSES = _byte_classes()
 _CHUNK = 18  # decimal digits per int64 chunk of a canonical number (10**18 < 2**63)
-_POW10 = torch.tensor([10**i for i in range(_CHUNK)], dtype=torch.long)
+_DIGIT_POW10 = torch.tensor(  # [256 * _CHUNK]: byte b, exponent e -> digit value of b (0 if none) * 10**e
+    [(b - _DIGIT0) * 10**e if _DIGIT0 <= b <= _DIGIT9 else 0 for b in range(256) for e in range(_CHUNK)],
+    dtype=torch.long,
+)
+_CONSTS: dict = {}
+
+
+def _consts(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(_CLASSES, _DIGIT_POW10) on `device`, copied once."""
+    c = _CONSTS.get(device)
+    if c is None:
+        c = _CONSTS[device] = (_CLASSES.to(device), _DIGIT_POW10.to(device))
+    return c
 
 
 def tokens_to_bytes(
@@ -282,7 +328,7 @@ def tokens_to_bytes(
     """The text of token rows as bytes: (bytes LongTensor [R, width + 1] (0 past the end: the last column is
     always 0, a sentinel), lengths LongTensor [R] (at most width)).
 
-    tok: LongTensor [R, A] token ids in [-1, V) (-1 reads as the byte-less id); n_tok: LongTensor [R] tokens of
+    tok: LongTensor [R, A] token ids (outside [0, V) read as the byte-less last id); n_tok: LongTensor [R] tokens of
     each row to read (the rest ignored); skip: LongTensor [R] leading bytes to drop (or None); width: static
     byte width (longer text is cut). Each token's start byte comes from a cumsum of the tokens' byte lengths;
     a scatter of the starts and a cumsum give each output byte's token, whose byte is gathered from the flat
@@ -291,9 +337,9 @@ def tokens_to_bytes(
     R, A = tok.shape
     device = tok.device
     if A == 0 or width == 0:
-        return torch.zeros(R, width + 1, dtype=torch.long, device=device), torch.zeros(R, dtype=torch.long, device=device)
-    V = vb.lengths.numel()
-    tok = tok.clamp(-1, V - 1).remainder_(V)
+        zeros = torch.zeros(R, width + 1, dtype=torch.long, device=device)
+        return zeros, zeros[:, 0].clone()
+    tok = tok.clamp(-1, vb.lengths.numel() - 1)  # -1 wraps in `take` to the byte-less last id
     lens = vb.lengths.take(tok) * (torch.arange(A, device=device) < n_tok.unsqueeze(1))  # [R, A]
     ends = lens.cumsum(dim=1)
     starts = ends - lens
@@ -319,35 +365,33 @@ def _numbers(x: torch.Tensor, cls: torch.Tensor):
     Skips leading whitespace and '$'; reads an optional '-', then a run of digits, ',' and '.' that starts with
     a digit; drops trailing ',' / '.' (sentence punctuation), every ',' (thousands separators), leading integer
     zeros, trailing fractional zeros and a bare '.'; '-0' is '0'. The canonical form is exact and compared as
-    int64 chunks: [negative, integer digits 0-17 from the right, fraction digits 1-18, integer digits 18-35,
-    fraction digits 19-36, ...], each chunk the digits' decimal value (the fraction's read from its end), so
-    leading integer zeros and trailing fraction zeros add nothing. Returns (canon LongTensor [R, 1 + 2C],
-    is_number BoolTensor [R] (a digit was found and the run has at most one '.' with no ',' after it),
-    rest LongTensor [R]: index just past the run, trailing punctuation included).
+    int64 chunks: [integer digits 0-17 from the right, fraction digits 1-18, integer digits 18-35, fraction
+    digits 19-36, ...], each chunk the digits' decimal value (the fraction's read from its end), negated for a
+    negative number, so leading integer zeros and trailing fraction zeros add nothing and '-0' is '0'.
+    Returns (canon LongTensor [R, 2C], is_number BoolTensor [R] (a digit was found and the run has at most one
+    '.' with no ',' after it), rest LongTensor [R]: index just past the run, trailing punctuation included).
     """
     R, W = x.shape
     C = -(-W // _CHUNK)
     pos = torch.arange(W, device=x.device)
     j0 = (cls & _NOT_SKIP).argmax(dim=1, keepdim=True)  # first byte that is not a space or '$'
-    j1 = j0 + ((cls.gather(1, j0) >> _MINUS_SHIFT) & 1)  # after an optional '-'
+    neg = (cls.gather(1, j0) >> _MINUS_SHIFT) & 1  # [R, 1] 0 / 1
+    j1 = j0 + neg  # after an optional '-'
     after = pos >= j1
     rest = ((cls & _NOT_BODY) * after).argmax(dim=1, keepdim=True)  # first byte past the run
-    digit = ((cls >> _DIGIT_SHIFT) & 1) * after * (pos < rest)  # int64 0 / 1: the run's digits
-    end = torch.where(digit > 0, pos, -1).amax(dim=1, keepdim=True) + 1  # trailing ',' / '.' dropped
+    digit = ((cls & _C_DIGIT) > 0) & (pos < rest)  # the run's digits (no digit comes before j1)
+    end = torch.where(digit, pos, -1).amax(dim=1, keepdim=True) + 1  # trailing ',' / '.' dropped
     inside = after & (pos < end)
-    dots = inside & ((cls & _C_DOT) > 0)
-    dot = torch.where(dots, pos, W).amin(dim=1, keepdim=True)  # first '.', W = none
-    bad = (inside & (pos > dot) & ((cls & _C_COMMA) > 0)).any(dim=1) | (dots.sum(dim=1) > 1)
+    dot = torch.where(inside & ((cls & _C_DOT) > 0), pos, W).amin(dim=1, keepdim=True)  # first '.', W = none
+    bad = (inside & (pos > dot) & ((cls & (_C_DOT | _C_COMMA)) > 0)).any(dim=1)  # a second '.', a ',' after it
     is_number = ((cls.gather(1, j1) & _C_DIGIT) > 0).squeeze(1) & ~bad
     cnt = digit.cumsum(dim=1)
-    r = cnt - (digit * (pos < dot)).sum(dim=1, keepdim=True)  # <= 0: integer digit, -r after it; > 0: fraction
+    r = cnt - (digit & (pos < dot)).sum(dim=1, keepdim=True)  # <= 0: integer digit, -r after it; > 0: fraction
     frac = r > 0
     q = torch.where(frac, r - 1, -r)
-    col = q // _CHUNK
-    val = (x - _DIGIT0) * _POW10.to(x.device).take(q - col * _CHUNK) * digit
-    col = (col * 2 + 1 + frac).clamp_(max=2 * C)
-    canon = torch.zeros(R, 1 + 2 * C, dtype=torch.long, device=x.device).scatter_add_(1, col, val)
-    canon[:, 0] = (cls.gather(1, j0).squeeze(1) & _C_MINUS).bool() & canon[:, 1:].ne(0).any(dim=1)
+    val = _consts(x.device)[1].take(x * _CHUNK + q.remainder(_CHUNK)) * digit * (1 - 2 * neg)
+    col = (q // _CHUNK * 2 + frac).clamp_(max=2 * C - 1)
+    canon = torch.zeros(R, 2 * C, dtype=torch.long, device=x.device).scatter_add_(1, col, val)
     return canon, is_number, rest.squeeze(1)
 
 
@@ -364,7 +408,7 @@ class AnswerText:
     """The answer alternatives of a batch as text, made from the packed token patterns on the device.
 
     lit [N, K, Wa] / lit_len [N, K]: each alternative's bytes without surrounding whitespace;
-    canon [N, K, 1 + 2C] / is_num [N, K]: its canonical number (see `_numbers`), where the whole stripped text
+    canon [N, K, 2C] / is_num [N, K]: its canonical number (see `_numbers`), where the whole stripped text
     is one number (trailing '.' allowed). Length 0 = absent alternative (never matches).
     """
 
@@ -388,7 +432,7 @@ def answer_text(
     b, b_len = tokens_to_bytes(vb, tokens.reshape(N * K, Q), lengths.reshape(N * K), None, width + 1)
     fits = b_len <= width
     x = b[:, : width + 1] * fits.unsqueeze(1)  # column `width` is 0 where it fits
-    cls = _CLASSES.to(x.device).take(x)
+    cls = _consts(x.device)[0].take(x)
     canon, is_num, rest = _numbers(x, cls)
     pos = torch.arange(width + 1, device=x.device)
     nonspace = ((cls & _NOT_SPACE) > 0) & (pos < b_len.unsqueeze(1))
@@ -410,7 +454,7 @@ def _matches_answer(x: torch.Tensor, n: torch.Tensor, ans: AnswerText, whole: bo
     Returns BoolTensor [N] (any alternative).
     """
     N, W = x.shape
-    cls = _CLASSES.to(x.device).take(x)
+    cls = _consts(x.device)[0].take(x)
     canon, is_number, rest = _numbers(x, cls)
     num_hit = _same(canon, ans.canon) & (is_number.unsqueeze(1) & ans.is_num)
     pos = torch.arange(W, device=x.device)
@@ -426,7 +470,7 @@ def _matches_answer(x: torch.Tensor, n: torch.Tensor, ans: AnswerText, whole: bo
         last = torch.where(((cls & _NOT_SPACE) > 0) & (pos < n.unsqueeze(1)), pos, -1).amax(dim=1, keepdim=True)
         lit_hit &= ans.lit_len == (last + 1 - lead)
     else:
-        nxt = _CLASSES.to(x.device).take(lit.gather(1, ans.lit_len.clamp(max=Wa)))  # [N, K]: byte after the answer
+        nxt = _consts(x.device)[0].take(lit.gather(1, ans.lit_len.clamp(max=Wa)))  # [N, K]: byte after the answer
         lit_hit &= (nxt & _C_ALNUM) == 0
     return (num_hit | lit_hit).any(dim=1)
 
@@ -446,14 +490,17 @@ def _word_mask(bit: int) -> int:
     return w - (1 << 64) if w >= 1 << 63 else w
 
 
-def scan(codes_table: torch.Tensor, ids: torch.Tensor, block: int = MARKER_BLOCK_TOKENS):
+def scan(codes_table: torch.Tensor, ids: torch.Tensor, block: int = MARKER_BLOCK_TOKENS, scratch=None):
     """The one [N, L] pass over the tokens: each id's code (uint8 bits _CAN_END, _STOP) by one vocabulary
-    lookup (ids outside [0, V) read as the byte-less last id). Returns (codes uint8 [N, Lp] (Lp = L rounded up
-    to a multiple of `block`, padding 0), n_valid LongTensor [N]: the first stop of each row, L when none).
-    The first stop is found on int64 words of 8 codes: the first word holding a stop bit, then its 8 bytes."""
+    lookup. codes_table: uint8 [V + 1], entry 0 for ids outside [0, V) (the byte-less last id's code), entry
+    v + 1 for id v. Returns (codes uint8 [N, Lp] (Lp = L rounded up to a multiple of `block`, padding 0),
+    n_valid LongTensor [N]: the first stop of each row, L when none). The first stop is found on int64 words
+    of 8 codes: the first word holding a stop bit, then its 8 bytes. scratch: an optional int64 buffer of
+    ids' shape for the lookup index (a fresh multi-MB CPU buffer costs page faults on every call)."""
     N, L = ids.shape
-    V = codes_table.numel()
-    codes = codes_table.take(ids.clamp(-1, V - 1))  # take reads -1 as the last (byte-less) entry
+    V = codes_table.numel() - 1
+    idx = torch.clamp(ids, -1, V - 1, out=scratch).add_(1)  # -1 (and below) -> entry 0
+    codes = codes_table.index_select(0, idx.view(-1)).view(N, L)
     Lp = -(-max(L, 1) // block) * block
     if Lp != L:
         codes = torch.nn.functional.pad(codes, (0, Lp - L))
@@ -464,12 +511,12 @@ def scan(codes_table: torch.Tensor, ids: torch.Tensor, block: int = MARKER_BLOCK
     in_word = codes.view(N, nw, 8).gather(1, fw.unsqueeze(-1).expand(N, 1, 8)).squeeze(1)  # [N, 8]
     first = torch.where((in_word & _STOP) > 0, torch.arange(8, device=ids.device), 8).amin(dim=1, keepdim=True)
     n_valid = (fw * 8 + first).clamp_(max=L).squeeze(1)
-    return codes, n_valid
+    return codes, n_valid, idx
 
 
 def last_marker(
     vb: VocabBytes,
-    ids: torch.Tensor,
+    index: torch.Tensor,
     codes: torch.Tensor,
     n_valid: torch.Tensor,
     blocks: int = MARKER_BLOCKS,
@@ -477,45 +524,33 @@ def last_marker(
 ):
     """Where the LAST marker occurrence before the first stop ends, however the marker was tokenized.
 
-    ids: LongTensor [N, L] (any values; outside [0, V) read as byte-less); codes, n_valid: from `scan`.
-    Returns (found BoolTensor [N], token LongTensor [N]: the token holding the marker's last byte, offset
-    LongTensor [N]: bytes of that token up to the marker's end). Only tokens that can end an occurrence
-    (`can_end`, the _CAN_END bit of the codes) are candidates; the row is cut into blocks of `block` tokens
-    and the last `blocks` blocks holding a candidate before the first stop are searched: for each token there,
-    the automaton state before it is recomputed from the m - 1 tokens before it (every non-special token has
-    a byte, so they hold the m - 1 bytes the state depends on).
+    index: LongTensor [N, L] token id + 1 in [0, V] (0: outside the vocabulary, read as byte-less), codes,
+    n_valid: from `scan`. Returns (found BoolTensor [N], token LongTensor [N]: the token holding the marker's
+    last byte, offset LongTensor [N]: bytes of that token up to the marker's end). Only tokens that can end an
+    occurrence (`can_end`, the _CAN_END bit of the codes) are candidates; the row is cut into blocks of `block`
+    tokens and the last `blocks` blocks that start before the first stop and hold a candidate are searched
+    (candidates after the stop in the stop's own block count there, and are then ignored): for each token
+    there, the automaton state before it is recomputed from the m - 1 tokens before it (every non-special
+    token has a byte, so they hold the m - 1 bytes the state depends on).
     """
-    N, L = ids.shape
-    device = ids.device
-    V = vb.lengths.numel()
+    N, L = index.shape
+    device = index.device
     m = max(len(vb.marker), 1)
-    Lp = codes.shape[1]
-    nb = Lp // block
+    nb = codes.shape[1] // block
     words = codes.view(torch.int64).view(N, nb, block // 8)
-    has = (words & _word_mask(_CAN_END)).amax(dim=-1) > 0  # [N, nb] (codes are < 128: words are >= 0 bitwise)
-    # the block holding the first stop: only its candidates before the stop count
-    sb = (n_valid // block).clamp(max=nb - 1).unsqueeze(1)
-    in_sb = codes.view(N, nb, block).gather(1, sb.unsqueeze(-1).expand(N, 1, block)).squeeze(1)
-    pos_sb = sb * block + torch.arange(block, device=device)
-    sb_has = (((in_sb & _CAN_END) > 0) & (pos_sb < n_valid.unsqueeze(1))).any(dim=1, keepdim=True)
     bidx = torch.arange(nb, device=device)
-    has = torch.where(bidx == sb, sb_has, has & (bidx * block < n_valid.unsqueeze(1)))
-    count = has.long().cumsum(dim=1)
-    slot = count[:, -1:] - count  # 0 for the last block with a candidate
-    k = min(blocks, nb)
-    chosen = torch.full((N, k + 1), -1, dtype=torch.long, device=device)
-    chosen.scatter_(1, torch.where(has & (slot < k), slot, k), bidx.expand(N, nb))
-    chosen = chosen[:, :k]  # [N, k] block indices, -1 = none
+    has = ((words & _word_mask(_CAN_END)).amax(dim=-1) > 0) & (bidx * block < n_valid.unsqueeze(1))  # [N, nb]
+    chosen = torch.where(has, bidx, -1).topk(min(blocks, nb), dim=1, sorted=False).values  # [N, k], -1 = none
     p = (chosen.unsqueeze(-1) * block + torch.arange(block, device=device)).flatten(1)  # [N, k * block]
-    ok = (chosen.unsqueeze(-1) >= 0).expand(N, k, block).flatten(1) & (p < n_valid.unsqueeze(1))
-    # ids at p - (m - 1) .. p in one gather: [N, k * block, m]
-    q = p.unsqueeze(-1) - torch.arange(m - 1, -1, -1, device=device)
-    t = ids.gather(1, q.clamp(0, L - 1).flatten(1)).view(N, -1, m).clamp_(-1, V - 1).remainder_(V)
-    t = torch.where(q >= 0, t, V - 1)  # before the row: byte-less, the state stays 0
+    ok = (p >= 0) & (p < n_valid.unsqueeze(1))
+    # tokens p - (m - 1) .. p in one gather, as (id * m) row offsets into the tables: [N, m, k * block]; an id
+    # of -1 (before the row, outside the vocabulary) wraps in `take` to the byte-less last id
+    q = p.unsqueeze(1) - torch.arange(m - 1, -1, -1, device=device).unsqueeze(-1)
+    t = (index.gather(1, q.clamp(0, L - 1).flatten(1)).view(N, m, -1) * (q >= 0) - 1) * m
     state = torch.zeros_like(p)
     for d in range(m - 1):
-        state = vb.next_state.take(t[..., d] * m + state)
-    end = vb.match_end.take(t[..., m - 1] * m + state)
+        state = vb.next_state.take(t[:, d] + state)
+    end = vb.match_end.take(t[:, m - 1] + state)
     stride = vb.max_len + 1
     best = torch.where(ok & (end >= 0), p * stride + end, -1).amax(dim=1)
     found = best >= 0
@@ -579,20 +614,39 @@ def contains_text(x: torch.Tensor, n: torch.Tensor, ans: AnswerText) -> torch.Te
     return (hits & before_ok.unsqueeze(1) & after_ok).flatten(1).any(dim=1)
 
 
-def format_text(x: torch.Tensor, n: torch.Tensor, sequences: list[torch.Tensor]) -> torch.Tensor:
-    """Whether the byte strings `sequences` (1-D LongTensors) occur in order, non-overlapping. -> FloatTensor [N]."""
-    N, W = x.shape
-    sequences = [s for s in sequences if s.numel() > 0]
-    if not sequences:
-        return torch.ones(N, device=x.device)
-    pos = torch.arange(W, device=x.device)
-    prev_end = torch.zeros(N, dtype=torch.long, device=x.device)
-    for seq in sequences:
-        P = seq.numel()
-        hits = _find_all(x, n, seq.view(1, 1, P).expand(N, 1, P), torch.full((N, 1), P, device=x.device))[:, 0]
-        first = torch.where(hits & (pos >= prev_end.unsqueeze(1)), pos, W + 1).amin(dim=1)
-        prev_end = first + P
-    return (prev_end <= W).float()
+def format_tokens(vb: VocabBytes, index: torch.Tensor, n_valid: torch.Tensor, automata) -> torch.Tensor:
+    """Whether the format texts occur in order, non-overlapping, before the first stop. -> FloatTensor [N].
+
+    index: LongTensor [N, L] id + 1 (0: byte-less), from `scan`; automata: per text (next_state, first_end,
+    last_end, m) from `_automaton`. No bytes are made: for every token, the automaton state before it is
+    recomputed from the m - 1 tokens before it (m - 1 shifted lookups), the first / last occurrence ending in it
+    is looked up, and its byte position is the token's start (a cumsum of byte lengths) plus that offset. Text
+    i is then the earliest occurrence starting at or after the end of text i - 1 (of each token's first and
+    last occurrence: a token holding three or more occurrences offers only those two).
+    """
+    N, L = index.shape
+    if not automata:
+        return torch.ones(N, device=index.device)
+    if L == 0:
+        return torch.zeros(N, device=index.device)
+    big = 1 << 62
+    lens = vb.lengths.take(index - 1)  # -1 wraps to the byte-less last id
+    start = lens.cumsum(dim=1) - lens
+    live = torch.arange(L, device=index.device) < n_valid.unsqueeze(1)
+    prev_end = torch.zeros(N, 1, dtype=torch.long, device=index.device)
+    for next_state, first_end, last_end, m in automata:
+        state = torch.zeros_like(index)
+        for d in range(m - 1, 0, -1):  # the tokens at i - (m - 1) .. i - 1, in order, from state 0
+            t = torch.nn.functional.pad(index[:, : max(L - d, 0)], (min(d, L), 0))
+            state = next_state.take((t - 1) * m + state)
+        row = (index - 1) * m + state
+        ends = []
+        for table in (first_end, last_end):
+            e = table.take(row)
+            at = start + e
+            ends.append(torch.where((e >= 0) & (at - m >= prev_end) & live, at, big))
+        prev_end = torch.minimum(ends[0], ends[1]).amin(dim=1, keepdim=True)
+    return (prev_end < big).squeeze(1).float()
 
 
 @dataclass
@@ -603,6 +657,7 @@ class Rows:
     ids: torch.Tensor
     codes: torch.Tensor
     n_valid: torch.Tensor
+    index: torch.Tensor  # id + 1, 0 outside the vocabulary (on CPU a buffer reused by the next `rows` call)
 
 
 @dataclass
@@ -612,18 +667,25 @@ class TextMatcher:
     vocab: VocabBytes
     format_bytes: list[bytes]
     answer_window_bytes: int = ANSWER_WINDOW_BYTES
+    format_automata: list = field(default_factory=list, repr=False)
     _on_device: dict = field(default_factory=dict, repr=False)
     _answers: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def build(cls, tokenizer, marker: str, format_sequences=()) -> TextMatcher:
-        return cls(VocabBytes.build(tokenizer, marker), [s.encode("utf-8") for s in format_sequences])
+        vb = VocabBytes.build(tokenizer, marker)
+        flat = vb.flat.numpy().tobytes()
+        table = [flat[o : o + n] for o, n in zip(vb.offsets.tolist(), vb.lengths.tolist())]
+        fmt = [s.encode("utf-8") for s in format_sequences]
+        automata = [(*_automaton(table, b), len(b)) for b in fmt if b]
+        return cls(vb, fmt, format_automata=automata)
 
-    def on(self, device) -> tuple[VocabBytes, list[torch.Tensor]]:
+    def on(self, device) -> tuple[VocabBytes, list]:
+        """(VocabBytes, format automata) on `device`, copied once."""
         device = torch.device(device)
         if device not in self._on_device:
-            seqs = [torch.tensor(list(b), dtype=torch.long, device=device) for b in self.format_bytes]
-            self._on_device[device] = (self.vocab.to(device), seqs)
+            automata = [(*(t.to(device) for t in a[:3]), a[3]) for a in self.format_automata]
+            self._on_device[device] = (self.vocab.to(device), automata)
         return self._on_device[device]
 
     def _codes_table(self, device, stop_ids: tuple[int, ...]) -> torch.Tensor:
@@ -634,15 +696,21 @@ class TextMatcher:
             for s in stop_ids:
                 if 0 <= s < V - 1:
                     table[s] |= _STOP
-            self._on_device[key] = table.to(device)
+            self._on_device[key] = torch.cat([table[-1:], table]).to(device)  # entry 0: ids outside [0, V)
         return self._on_device[key]
 
     def rows(self, ids: torch.Tensor, stop_ids) -> Rows:
         """The one pass over all tokens (`scan`): codes and the first stop of each row. Stop ids outside the
         tokenizer are never found (ids there read as the byte-less token)."""
         stop_ids = tuple(int(s) for s in stop_ids)
-        codes, n_valid = scan(self._codes_table(ids.device, stop_ids), ids)
-        return Rows(ids, codes, n_valid)
+        scratch = None
+        if ids.device.type == "cpu":  # reuse the index buffer: page faults of a fresh one cost more than the pass
+            key = ("scratch", threading.get_ident(), tuple(ids.shape))
+            scratch = self._on_device.get(key)
+            if scratch is None:
+                scratch = self._on_device[key] = torch.empty(ids.shape, dtype=torch.long)
+        codes, n_valid, index = scan(self._codes_table(ids.device, stop_ids), ids.contiguous(), scratch=scratch)
+        return Rows(ids, codes, n_valid, index)
 
     def answers(self, ids: torch.Tensor, patterns) -> AnswerText:
         """AnswerText of the packed patterns, cached while the same pattern tensors (same version) are used."""
@@ -667,11 +735,12 @@ class TextMatcher:
         N, L = ids.shape
         if L == 0 or not vb.marker:
             return torch.zeros(N, device=ids.device)
-        found, tok, offset = last_marker(vb, ids, rows.codes, n_valid)
+        found, tok, offset = last_marker(vb, rows.index, rows.codes, n_valid)
         width = ans.width + self.answer_window_bytes
         A = min(width, L)
-        idx = (tok.unsqueeze(1) + torch.arange(A, device=ids.device)).clamp(max=L - 1)
-        x, x_len = tokens_to_bytes(vb, ids.gather(1, idx), (n_valid - tok).clamp(min=0), offset, width)
+        idx = (tok.unsqueeze(1) + torch.arange(A, device=ids.device)).clamp_(max=L - 1)
+        window = rows.index.gather(1, idx).sub_(1)  # ids in [-1, V)
+        x, x_len = tokens_to_bytes(vb, window, (n_valid - tok).clamp(min=0), offset, width)
         return (_matches_answer(x, x_len, ans, whole=False) & found).float()
 
     def exact_match(self, rows: Rows, ans: AnswerText) -> torch.Tensor:
@@ -693,7 +762,6 @@ class TextMatcher:
         text = self.text(rows) if text is None else text
         return contains_text(text[0], text[1], ans).float()
 
-    def format(self, rows: Rows, text=None) -> torch.Tensor:
-        _, seqs = self.on(rows.ids.device)
-        text = self.text(rows) if text is None else text
-        return format_text(text[0], text[1], seqs)
+    def format(self, rows: Rows) -> torch.Tensor:
+        vb, automata = self.on(rows.ids.device)
+        return format_tokens(vb, rows.index, rows.n_valid, automata)
