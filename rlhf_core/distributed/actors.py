@@ -15,6 +15,7 @@ import logging
 import os
 import threading
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
@@ -56,11 +57,13 @@ class RolloutActor:
     """A RolloutWorker in its own process: loads the newest weights between batches, asks admission,
     takes prompts, generates, scores, pushes groups. Restarted by Ray if it dies."""
 
-    def __init__(self, cfg, policy_dir: str, index: int, buffer, queue, store):
+    def __init__(self, cfg, policy_dir: str, index: int, peers: dict[str, str]):
+        # The buffer, prompt queue and weight store come by name, looked up here: a restartable actor whose
+        # constructor takes actor handles cannot be restarted safely by Ray (and Ray says so at creation).
         seed = build.rollout_seed(cfg, index)
         build.setup_process(cfg, seed)
         self.cfg, self.index = cfg, index
-        self.buffer, self.queue, self.store = buffer, queue, store
+        self.buffer, self.queue, self.store = (ray.get_actor(peers[k]) for k in ("buffer", "queue", "store"))
         model, tokenizer = build.build_policy(cfg, policy_dir)
         self.worker = build.build_rollout_worker(cfg, model, tokenizer, policy_dir, seed)
         self.stop_event = threading.Event()
@@ -72,7 +75,9 @@ class RolloutActor:
         # seconds outside generation, by phase (stats: per batch): where the rollout's cycle goes
         self.phase_s = {"weights": 0.0, "prompts": 0.0, "split": 0.0, "push": 0.0}
         self.work_started: Optional[float] = None  # wall clock of the first batch: busy_frac's denominator
-        self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        with warnings.catch_warnings():  # Ray's own property reads a deprecated one internally
+            warnings.simplefilter("ignore")
+            self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
         self.loop_running = False
 
     def ping(self) -> dict:

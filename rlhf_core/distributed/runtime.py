@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Optional
@@ -94,11 +95,15 @@ class DistributedRun:
                 }
 
             sync = cfg.runtime.mode == "sync"
-            self.queue = _remote(PromptQueue, num_cpus=0, max_concurrency=8).remote(train_prompts, cfg.data.seed)
-            self.buffer = _remote(ExperienceBuffer, num_cpus=0, max_concurrency=16).remote(
+            # named, so that rollout workers look them up instead of taking handles in their constructor
+            peers = {k: f"atrlhf-{k}-{uuid.uuid4().hex[:12]}" for k in ("queue", "buffer", "store")}
+            self.queue = _remote(PromptQueue, num_cpus=0, max_concurrency=8, name=peers["queue"]).remote(
+                train_prompts, cfg.data.seed
+            )
+            self.buffer = _remote(ExperienceBuffer, num_cpus=0, max_concurrency=16, name=peers["buffer"]).remote(
                 cfg.buffer.max_size, cfg.runtime.max_staleness, cfg.trainer.prompts_per_step, admission=not sync
             )
-            self.store = _remote(WeightStore, num_cpus=0, max_concurrency=8).remote()
+            self.store = _remote(WeightStore, num_cpus=0, max_concurrency=8, name=peers["store"]).remote()
             self.trainer = _remote(
                 TrainerActor, num_cpus=c.trainer_cpus, num_gpus=c.trainer_gpus, max_concurrency=4, **placed(0)
             ).remote(cfg, self.policy_dir, train_prompts, heldout, self.buffer, self.store)
@@ -111,7 +116,7 @@ class DistributedRun:
                     max_restarts=c.max_restarts,
                     max_task_retries=0,
                     **placed(i + 1),
-                ).remote(cfg, self.policy_dir, i, self.buffer, self.queue, self.store)
+                ).remote(cfg, self.policy_dir, i, peers)
                 for i in range(cfg.rollout.num_workers)
             ]
             self.handle.actors = [self.queue, self.buffer, self.store, self.trainer, *self.workers]
