@@ -236,9 +236,9 @@ def _train_summary(
             from tasks.supervision import reward_breakdown
 
             lines.append(f"  train reward        {reward_breakdown(result)} at the last step")
-        lines += [
         if result.get("run_dir"):
-            lines.append(f"  run directory       {result['run_dir']}  ({Path(cfg.run.output_dir) / 'latest'} points to it)")
+            latest = Path(cfg.run.output_dir) / "latest"
+            lines.append(f"  run directory       {result['run_dir']}  ({latest} points to it)")
         lines += [
             f"  final checkpoint    {result['checkpoint']}",
             f"  exported policy     {result['export']}  (rlhf_core.models.load_policy loads it)",

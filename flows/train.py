@@ -63,9 +63,9 @@ def train(config: TrainConfig = TrainConfig(), resume_from: Optional[str] = None
     flow_run_id = str(current_flow_run.id) if current_flow_run.id else ""
 
     with RunResources(logger) as resources:
+        resume = resolve_resume(cfg, resume_from)  # a bad checkpoint fails before the run directory exists
         resources.run_dir = claim_run_dir(cfg.run.output_dir, cfg.run.name)
         logger.info("run directory %s (%s points to it)", cfg.run.run_dir, Path(cfg.run.output_dir) / LATEST)
-        resume = resolve_resume(cfg, resume_from)
         resources.runtime, info = launch_runtime(cfg, resume.checkpoint)
         resources.tracker = start_tracking(
             cfg,

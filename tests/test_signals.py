@@ -50,9 +50,10 @@ def _start(tmp_path: Path) -> subprocess.Popen:
         "tracking.log_system_metrics=false",
     ]
     # its own session: the test can signal its whole group the way a terminal does
-    return subprocess.Popen(
-        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, text=True
-    )
+    with open(tmp_path / "train.log", "w") as log:  # a file, not a pipe: nobody reads a pipe, and a full one blocks
+        return subprocess.Popen(
+            cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, text=True
+        )
 
 
 def _log(tmp_path: Path) -> str:
