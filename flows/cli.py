@@ -145,12 +145,35 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+class _HideCompletedTaskRuns:
+    """Drops Prefect's per-task "Finished in state Completed()" lines from the terminal only: they would bury
+    the progress lines. Failed or crashed task runs still print (at ERROR); the Prefect UI keeps every line."""
+
+    def filter(self, record) -> bool:
+        return not (record.name == "prefect.task_runs" and str(record.msg).startswith("Finished in state Completed"))
+
+
+def _quiet_terminal() -> None:
+    import logging
+
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    seen = set()
+    for name in ("", "prefect", "prefect.task_runs"):  # the console handler sits on the root logger
+        for handler in logging.getLogger(name).handlers:
+            if isinstance(handler, PrefectConsoleHandler) and id(handler) not in seen:
+                seen.add(id(handler))
+                if not any(isinstance(f, _HideCompletedTaskRuns) for f in handler.filters):
+                    handler.addFilter(_HideCompletedTaskRuns())
+
+
 def cmd_train(cfg: TrainConfig, resume_from: Optional[str]) -> int:
     """Run the flow in this process. SIGTERM ends it like Ctrl-C: the runtime is torn down, the MLflow run
     ends KILLED, and the temporary Prefect API (when no API is configured) is stopped last."""
     from flows.local_api import local_prefect_api
     from flows.train import train  # imports prefect, mlflow (through tasks); ray is imported at launch
 
+    _quiet_terminal()
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         with local_prefect_api() as temporary_api:
@@ -213,6 +236,9 @@ def _train_summary(
             from tasks.supervision import reward_breakdown
 
             lines.append(f"  train reward        {reward_breakdown(result)} at the last step")
+        if result.get("run_dir"):
+            latest = Path(cfg.run.output_dir) / "latest"
+            lines.append(f"  run directory       {result['run_dir']}  ({latest} points to it)")
         lines += [
             f"  final checkpoint    {result['checkpoint']}",
             f"  exported policy     {result['export']}  (rlhf_core.models.load_policy loads it)",

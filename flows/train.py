@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
 from prefect import flow, get_run_logger
@@ -32,6 +33,7 @@ from prefect.runtime import flow_run as current_flow_run
 from prefect.states import Cancelled
 
 from rlhf_core.config import TrainConfig, validate_config
+from rlhf_core.preflight import LATEST, RunDirClaim, claim_run_dir, default_run_name
 from rlhf_core.supervision import HealthEvent, Supervisor
 from tasks.checkpoints import ResumeTarget, export_policy, record_checkpoint, resolve_resume, save_checkpoint
 from tasks.cluster import evaluate_heldout, launch_runtime, teardown_runtime, warm_start_policy
@@ -55,16 +57,25 @@ def train(config: TrainConfig = TrainConfig(), resume_from: Optional[str] = None
     """
     logger = get_run_logger()
     cfg = validate_config(config, " (flow parameter 'config')")
+    if not cfg.run.name:  # each run its own directory under run.output_dir
+        cfg = cfg.model_copy(deep=True)
+        cfg.run.name = default_run_name(current_flow_run.name or "")
     flow_run_id = str(current_flow_run.id) if current_flow_run.id else ""
-    resume = resolve_resume(cfg, resume_from)
 
     with RunResources(logger) as resources:
+        resume = resolve_resume(cfg, resume_from)  # a bad checkpoint fails before the run directory exists
+        resources.run_dir = claim_run_dir(cfg.run.output_dir, cfg.run.name)
+        logger.info("run directory %s (%s points to it)", cfg.run.run_dir, Path(cfg.run.output_dir) / LATEST)
         resources.runtime, info = launch_runtime(cfg, resume.checkpoint)
         resources.tracker = start_tracking(
             cfg,
             flow_run_id,
             resume.mlflow_run_id,
-            tags={"prefect.flow_run_name": current_flow_run.name or "", "resumed_from": resume_from or ""},
+            tags={
+                "prefect.flow_run_name": current_flow_run.name or "",
+                "resumed_from": resume_from or "",
+                "atrlhf.run_dir": str(resources.run_dir.path),
+            },
             resume_step=resume.step if resume.checkpoint else None,
         )
         _link_mlflow_run(resources.tracker, flow_run_id, logger)
@@ -79,6 +90,7 @@ def train(config: TrainConfig = TrainConfig(), resume_from: Optional[str] = None
         result = finish(run)
         teardown_runtime(run.runtime)
         result["flow_run_id"] = flow_run_id
+        result["run_dir"] = str(resources.run_dir.path)
         resources.status = "FINISHED"
         return result
 
@@ -114,6 +126,7 @@ class RunResources:
         self.logger = logger
         self.runtime = None
         self.tracker: Optional[MlflowTracker] = None
+        self.run_dir: Optional[RunDirClaim] = None  # this run's directory, locked until the body leaves
         self.status = "FAILED"  # until the body says otherwise
 
     def __enter__(self) -> RunResources:
@@ -137,6 +150,8 @@ class RunResources:
             _shielded(lambda: tracker.end(status), self.logger, "ending the MLflow run")
         if self.runtime is not None:
             _shielded(self.runtime.teardown, self.logger, "teardown")  # idempotent; a no-op after the teardown task
+        if self.run_dir is not None:
+            _shielded(self.run_dir.release, self.logger, "releasing the run directory")
         return False
 
 

@@ -382,9 +382,26 @@ class RunConfig(_Section):
     """Where outputs go."""
 
     output_dir: str = Field(
-        "runs/tiny", description="Directory for the built tiny model, checkpoints and the exported policy."
+        "runs/tiny",
+        description="Directory for the built tiny model and the runs: each flow run writes its checkpoints, export and resume downloads under output_dir/<run.name>/, and output_dir/latest points to the newest run.",
+    )
+    name: str = Field(
+        "",
+        description="This run's directory under run.output_dir. Empty: the flow names it <UTC time>-<flow run name> (the single-process loop writes to run.output_dir itself). Two live runs never share one: the second is refused at start.",
     )
     log_every: int = Field(5, ge=1, description="Print a progress line every this many trainer steps.")
+
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, v: str) -> str:
+        if v and (v in (".", "..", "latest") or "/" in v or "\\" in v or v != v.strip()):
+            raise ValueError(f"must be a plain directory name (no '/', not '.', '..' or 'latest'); got {v!r}")
+        return v
+
+    @property
+    def run_dir(self) -> Path:
+        """Where this run's checkpoints, export and downloads go: output_dir/name, or output_dir when unnamed."""
+        return Path(self.output_dir) / self.name if self.name else Path(self.output_dir)
 
 
 class TrainConfig(_Section):

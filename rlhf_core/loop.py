@@ -171,7 +171,7 @@ def run_sync(
     recorded at the start of the original run) and eval/accuracy (after training).
     """
     parts = parts or build_run(cfg, share_weights=True)
-    ckpt_dir = Path(checkpoint_dir or Path(cfg.run.output_dir) / "checkpoints")
+    ckpt_dir = Path(checkpoint_dir or cfg.run.run_dir / "checkpoints")
     run_facts: dict = {}
     if resume_from:
         run_facts.update(restore_run_checkpoint(parts, resume_from).run)

@@ -8,6 +8,9 @@ Nothing is fetched from any hub.
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Optional
@@ -266,6 +269,24 @@ def build_tiny_policy(
     return out
 
 
+def _build_once(target: Path, build) -> None:
+    """Build a model directory at `target` unless it exists: into a private temporary directory, then renamed
+    into place, so that two runs starting at once in one run.output_dir never see (or write) a half-built one."""
+    if (target / "config.json").is_file():
+        return
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        build(tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / "config.json").is_file():  # not lost to a concurrent builder: a real failure
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def ensure_policy(model_cfg, task: str, output_dir: str | Path, seed: int = 0) -> Path:
     """The policy directory a run uses: `model.path`, or the tiny default built once under output_dir.
 
@@ -278,25 +299,15 @@ def ensure_policy(model_cfg, task: str, output_dir: str | Path, seed: int = 0) -
         "hidden_size": model_cfg.tiny_hidden,
         "num_attention_heads": model_cfg.tiny_heads,
     }
+    size = {"layers": model_cfg.tiny_layers, "hidden": model_cfg.tiny_hidden, "heads": model_cfg.tiny_heads}
     if getattr(model_cfg, "tiny_kind", "word") == "chat":
         from rlhf_core.chat_model import build_chat_policy
 
         tiny = Path(output_dir) / "tiny_chat_policy"
-        if not (tiny / "config.json").is_file():
-            build_chat_policy(
-                tiny, layers=model_cfg.tiny_layers, hidden=model_cfg.tiny_hidden, heads=model_cfg.tiny_heads, seed=seed
-            )
+        _build_once(tiny, lambda out: build_chat_policy(out, seed=seed, **size))
     else:
         tiny = Path(output_dir) / "tiny_policy"
-        if not (tiny / "config.json").is_file():
-            build_tiny_policy(
-                task,
-                tiny,
-                layers=model_cfg.tiny_layers,
-                hidden=model_cfg.tiny_hidden,
-                heads=model_cfg.tiny_heads,
-                seed=seed,
-            )
+        _build_once(tiny, lambda out: build_tiny_policy(task, out, seed=seed, **size))
     built = json.loads((tiny / "config.json").read_text())
     differs = {k: (built.get(k), v) for k, v in shape.items() if built.get(k) != v}
     if differs:

@@ -5,7 +5,9 @@ the model is checked here, each failing with a `ConfigError` that names the fiel
 
 - `check_output_dir(path)`: run.output_dir can be created and written (not a file, not read-only);
 - `check_lengths(policy_dir, cfg, prompts)`: the longest prompt plus rollout.max_new_tokens fits the model's
-  context (config.json max_position_embeddings, or its equivalent).
+  context (config.json max_position_embeddings, or its equivalent);
+- `claim_run_dir(output_dir, name)`: this run's own directory under run.output_dir, locked while the run is
+  alive so that a second live run refuses it, and `output_dir/latest` pointed at it.
 
 Plain Python: no torch, no transformers.
 """
@@ -14,7 +16,9 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import tempfile
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Optional
@@ -112,3 +116,92 @@ def check_lengths(policy_dir: str | os.PathLike, cfg, prompts: Optional[Iterable
             f"the model's context of {limit} tokens ({source} in {Path(policy_dir) / 'config.json'}); {hint}"
         )
     return limit
+
+
+# ------------------------------------------------------------------------------------------- run directory
+LOCK_FILE = ".run.lock"
+LATEST = "latest"
+
+
+def default_run_name(flow_run_name: str = "") -> str:
+    """<UTC time>-<flow run name>: sorts by start time, and names the Prefect run it belongs to."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    tail = "".join(c if c.isalnum() or c in "-_." else "-" for c in flow_run_name).strip("-.") or f"pid{os.getpid()}"
+    return f"{stamp}-{tail}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+class RunDirClaim:
+    """A run's own directory, held through its lock file until `release()` (idempotent)."""
+
+    def __init__(self, path: Path, lock: Path):
+        self.path = path
+        self.lock = lock
+
+    def release(self) -> None:
+        try:
+            held = json.loads(self.lock.read_text())
+        except (OSError, ValueError):
+            return
+        if held.get("pid") == os.getpid() and held.get("host") == socket.gethostname():
+            self.lock.unlink(missing_ok=True)
+
+
+def claim_run_dir(output_dir: str | os.PathLike, name: str, field: str = "run.name") -> RunDirClaim:
+    """Create output_dir/name, lock it for this process and point output_dir/latest at it.
+
+    A directory locked by a live process (this host) refuses the claim with a ConfigError naming `field`, the
+    directory and the process holding it; a lock left by a dead process is taken over. Other hosts' locks are
+    respected (their liveness cannot be checked from here): remove the lock file once that run is gone."""
+    base = check_output_dir(output_dir)
+    run_dir = base / name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lock = run_dir / LOCK_FILE
+    me = {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    for _ in range(2):
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            try:
+                held = json.loads(lock.read_text())
+            except (OSError, ValueError):
+                held = {}
+            pid, host = held.get("pid"), held.get("host")
+            if isinstance(pid, int) and host == socket.gethostname() and not _pid_alive(pid):
+                lock.unlink(missing_ok=True)  # a dead run's lock: take the directory over
+                continue
+            raise ConfigError(
+                f"{field}={name!r}: {run_dir} is in use by another run (pid {pid} on {host}, started "
+                f"{held.get('started', '?')}); two live runs must not write one directory. Leave {field} empty "
+                f"(each run gets its own directory) or choose another; remove {lock} if that run is gone"
+            ) from None
+        with os.fdopen(fd, "w") as handle:
+            json.dump(me, handle)
+        break
+    point_latest(base, name)
+    return RunDirClaim(run_dir, lock)
+
+
+def point_latest(base: Path, name: str) -> None:
+    """base/latest -> name (a relative symlink, replaced atomically); `base/latest.txt` where links are not allowed."""
+    tmp = base / f".{LATEST}.{os.getpid()}"
+    try:
+        tmp.unlink(missing_ok=True)
+        os.symlink(name, tmp, target_is_directory=True)
+        os.replace(tmp, base / LATEST)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        (base / f"{LATEST}.txt").write_text(name + "\n")

@@ -29,11 +29,11 @@ class ResumeTarget:
 
 
 def checkpoint_dir(cfg: TrainConfig, step: int) -> Path:
-    return Path(cfg.run.output_dir) / "checkpoints" / f"step_{step:06d}"
+    return cfg.run.run_dir / "checkpoints" / f"step_{step:06d}"
 
 
 def export_dir(cfg: TrainConfig) -> Path:
-    return Path(cfg.run.output_dir) / "policy"
+    return cfg.run.run_dir / "policy"
 
 
 @task(name="resolve-resume", cache_policy=NO_CACHE, persist_result=False)
@@ -57,7 +57,7 @@ def resolve_resume(cfg: TrainConfig, resume_from: Optional[str]) -> ResumeTarget
                 f"resume_from={resume_from!r}: MLflow run {run_id} has no checkpoint artifacts "
                 f"under {tracking.CHECKPOINT_ARTIFACT_PATH}/"
             )
-        dst = Path(cfg.run.output_dir) / "resume" / run_id
+        dst = cfg.run.run_dir / "resume" / run_id
         ckpt = tracking.download_artifact(run_id, artifact, uri, dst)
         logger.info("downloaded checkpoint %s of MLflow run %s to %s", artifact, run_id, ckpt)
     else:
@@ -88,7 +88,7 @@ def resolve_resume(cfg: TrainConfig, resume_from: Optional[str]) -> ResumeTarget
 
 @task(name="checkpoint", cache_policy=NO_CACHE, persist_result=False)
 def save_checkpoint(runtime, cfg: TrainConfig, step: int, tracker=None, run: Optional[dict] = None) -> str:
-    """A full resumable checkpoint under run.output_dir/checkpoints/, logged to MLflow as artifacts.
+    """A full resumable checkpoint under the run directory's checkpoints/, logged to MLflow as artifacts.
     `run`: facts of the run kept in the checkpoint (its MLflow run id, held-out accuracy at the start)."""
     path = runtime.checkpoint(str(checkpoint_dir(cfg, step)), run=run)
     artifact = tracker.log_checkpoint(path) if tracker is not None else None

@@ -29,7 +29,7 @@ from prefect.cache_policies import NO_CACHE
 
 from rlhf_core.config import TrainConfig, flatten_config
 
-MODEL_ARTIFACT_PATH = "model"
+MODEL_ARTIFACT_PATH = "model"  # where runs of earlier versions also copied the policy; still read
 LOGGED_MODEL_NAME = "policy"
 LOGGED_MODEL_TYPE = "hf-causal-lm"
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"  # read by the MLflow 3 UI to pick the experiment's view
@@ -308,10 +308,11 @@ class MlflowTracker:
         return history, evals
 
     def log_model(self, export_dir: str | Path, step: Optional[int] = None) -> str:
-        """The exported Hugging Face directory as an MLflow 3 LoggedModel output by this run (it shows under
-        the run's "Logged models") and as artifacts under model/. Load either with load_logged_policy(run_id).
+        """The exported Hugging Face directory as an MLflow 3 LoggedModel output by this run: it shows under the
+        run's "Logged models", stored once (runs logged by earlier versions also hold a model/ copy among the
+        run's artifacts). Load it with load_logged_policy(run_id).
 
-        Returns the artifact path model/; the LoggedModel's id is the run tag `model.id`."""
+        Returns the model's URI, models:/<id>; the id is also the run tag `model.id`."""
         from mlflow.entities import LoggedModelOutput, LoggedModelStatus
 
         load = f"tasks.tracking.load_logged_policy('{self.run_id}')"
@@ -329,16 +330,9 @@ class MlflowTracker:
             raise
         self.client.finalize_logged_model(model.model_id, LoggedModelStatus.READY)
         self.client.log_outputs(self.run_id, [LoggedModelOutput(model.model_id, step=int(step or 0))])
-        self.client.log_artifacts(self.run_id, str(export_dir), MODEL_ARTIFACT_PATH)
-        self.set_tags(
-            {
-                "model.artifact_path": MODEL_ARTIFACT_PATH,
-                "model.id": model.model_id,
-                "model.uri": f"models:/{model.model_id}",
-                "model.load": load,
-            }
-        )
-        return MODEL_ARTIFACT_PATH
+        uri = f"models:/{model.model_id}"
+        self.set_tags({"model.id": model.model_id, "model.uri": uri, "model.load": load})
+        return uri
 
     def log_plots(self, history: list[dict], staleness_hist: dict, evals: list[dict]) -> list[str]:
         """Reward curve (with held-out accuracy) and staleness histogram as PNG artifacts; the curve's data as
@@ -465,7 +459,7 @@ def download_logged_policy(run_id: str, tracking_uri: Optional[str] = None, dst:
 
 
 def load_logged_policy(run_id: str, tracking_uri: Optional[str] = None, dtype: str = "float32", device: str = "cpu"):
-    """(model, tokenizer) of the policy a run logged under `model/`.
+    """(model, tokenizer) of the policy a run logged (its LoggedModel).
 
     >>> model, tokenizer = load_logged_policy("0123456789abcdef0123456789abcdef",
     ...                                       tracking_uri="sqlite:///mlflow.db")   # doctest: +SKIP
@@ -501,7 +495,7 @@ def start_tracking(
 
 @task(name="log-model", cache_policy=NO_CACHE, persist_result=False)
 def log_model(tracker: MlflowTracker, export_dir: str, step: Optional[int] = None) -> str:
-    """Log the exported policy as the run's LoggedModel and under model/; load_logged_policy loads it back."""
+    """Log the exported policy as the run's LoggedModel; load_logged_policy(run_id) loads it back."""
     return tracker.log_model(export_dir, step=step)
 
 

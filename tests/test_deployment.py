@@ -250,7 +250,7 @@ def test_deployment_run_completes(deployed, work, ray_address):
     client = MlflowClient(f"sqlite:///{work / 'mlflow.db'}")
     assert [m.step for m in client.get_metric_history(run.info.run_id, "reward/mean")] == [1, 2, 3, 4]
     assert any(k.startswith("system/") for k in run.data.metrics), "system metrics were on"
-    assert (work / "deployed" / "policy" / "config.json").is_file()
+    assert (work / "deployed" / "latest" / "policy" / "config.json").is_file()
     assert not alive_actors(), "the run left Ray actors behind"
     print(f"deployment run: {time.perf_counter() - start:.1f} s")
 

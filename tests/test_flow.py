@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -172,8 +174,9 @@ def test_flow_completes_and_records_everything(straight_run, work):
     # artifacts: checkpoints every 3 steps, the model, plots, health events
     ckpts = sorted(a.path for a in client.list_artifacts(run.info.run_id, "checkpoints"))
     assert ckpts == ["checkpoints/step_000003", "checkpoints/step_000006"]
-    model_files = {Path(a.path).name for a in client.list_artifacts(run.info.run_id, "model")}
+    model_files = {Path(a.path).name for a in client.list_logged_model_artifacts(run.data.tags["model.id"])}
     assert {"config.json", "model.safetensors"} <= model_files
+    assert not client.list_artifacts(run.info.run_id, "model")  # the policy is stored once, as the LoggedModel
     plots = {Path(a.path).name for a in client.list_artifacts(run.info.run_id, "plots")}
     assert plots == {"reward_curve.png", "reward_curve.json", "staleness_histogram.png"}
 
@@ -239,7 +242,13 @@ def test_resume_equals_straight_run(straight_run, work, capsys):
     assert json.loads(Path(curve).read_text())["reward/mean"]["step"] == [1, 2, 3, 4, 5, 6]
 
     a = load_file(str(Path(straight.result()["export"]) / "model.safetensors"))
-    b = load_file(str(work / "halves" / "policy" / "model.safetensors"))
+    # each run its own directory under run.output_dir; latest points to the resumed (newer) one
+    dirs = sorted(p.parent for p in (work / "halves").glob("*/checkpoints") if not p.parent.is_symlink())
+    assert len(dirs) == 2, dirs
+    assert (work / "halves" / "latest").resolve() == dirs[1].resolve()
+    assert second.data.tags["atrlhf.run_dir"] == str(dirs[1].resolve())
+    assert sorted(p.name for p in (dirs[0] / "checkpoints").glob("step_*")) == ["step_000003"]
+    b = load_file(str(work / "halves" / "latest" / "policy" / "model.safetensors"))
     assert a.keys() == b.keys()
     for key in a:
         assert (a[key] == b[key]).all(), f"{key} differs between the straight and the resumed run"
@@ -290,6 +299,32 @@ def test_bad_config_fails_fast_naming_the_field(prefect_api, work):
     assert "trainer.total_steps" in state.message
     assert time.perf_counter() - start < 30
     assert len(runs_named(work, "bad")) == before  # nothing was started or recorded
+
+
+def test_a_run_directory_in_use_by_a_live_run_is_refused_at_start(prefect_api, work):
+    """Two runs told to share one directory (an explicit run.name): the second refuses before anything starts,
+    naming the field and the process that holds it; the first one's files are untouched."""
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from rlhf_core.preflight import claim_run_dir; "
+            "claim_run_dir(sys.argv[1], 'shared'); print('claimed', flush=True); time.sleep(120)",
+            str(work / "clash"),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "claimed"
+        state = train(config=config(work, "clash", "run.name=shared"), return_state=True)
+        assert state.is_failed()
+        assert "run.name='shared'" in state.message and f"pid {holder.pid}" in state.message
+        assert not runs_named(work, "clash")
+        assert sorted(p.name for p in (work / "clash" / "shared").iterdir()) == [".run.lock"]
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 def test_corrupt_checkpoint_fails_before_anything_starts(prefect_api, ray_local, work):

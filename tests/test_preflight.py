@@ -6,12 +6,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 
 from rlhf_core.config import ConfigError, load_config
 from rlhf_core.models import ModelLoadError, check_model_dir, load_policy
-from rlhf_core.preflight import check_lengths, check_output_dir, model_context_length
+from rlhf_core.preflight import LATEST, LOCK_FILE, check_lengths, check_output_dir, claim_run_dir, model_context_length
 
 
 def _copy(src, dst):
@@ -132,3 +134,73 @@ def test_a_shard_missing_from_the_index_is_named(tiny_policy_dir, tmp_path):
     with pytest.raises(ModelLoadError, match="model-00002-of-00002.safetensors") as exc:
         check_model_dir(d)
     assert "incomplete" in str(exc.value)
+
+
+# ------------------------------------------------------------------------------------------ run directory
+HOLD = """
+import sys, time
+from rlhf_core.preflight import claim_run_dir
+claim_run_dir(sys.argv[1], sys.argv[2])
+print("claimed", flush=True)
+time.sleep(60)
+"""
+
+
+def test_each_run_claims_its_own_directory_and_latest_follows(tmp_path):
+    a = claim_run_dir(tmp_path / "out", "20261130-000001-first")
+    b = claim_run_dir(tmp_path / "out", "20261130-000002-second")
+    assert a.path.is_dir() and b.path.is_dir() and a.path != b.path
+    latest = tmp_path / "out" / LATEST
+    assert latest.is_symlink() and latest.resolve() == b.path.resolve()
+    assert os.readlink(latest) == "20261130-000002-second"  # relative: the tree can be moved or mounted elsewhere
+    a.release()
+    b.release()
+    assert not (a.path / LOCK_FILE).exists() and not (b.path / LOCK_FILE).exists()
+
+
+def test_a_directory_held_by_a_live_run_is_refused_then_free_once_it_ends(tmp_path):
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(tmp_path / "out"), "shared"], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout.readline().strip() == "claimed"
+        with pytest.raises(ConfigError, match=rf"run.name='shared'.*in use by another run \(pid {holder.pid}"):
+            claim_run_dir(tmp_path / "out", "shared")
+    finally:
+        holder.kill()
+        holder.wait()
+    # the holder died without releasing (kill -9): its stale lock is taken over
+    claim = claim_run_dir(tmp_path / "out", "shared")
+    assert json.loads((claim.path / LOCK_FILE).read_text())["pid"] == os.getpid()
+    claim.release()
+
+
+def test_run_name_must_be_a_plain_directory_name():
+    for bad in ("a/b", "..", "latest"):
+        with pytest.raises(ConfigError, match="run.name"):
+            load_config(None, [f"run.name={bad}"])
+    cfg = load_config(None, ["run.output_dir=/tmp/o", "run.name=exp-1"])
+    assert str(cfg.run.run_dir) == "/tmp/o/exp-1"
+    assert str(load_config(None, ["run.output_dir=/tmp/o"]).run.run_dir) == "/tmp/o"
+
+
+BUILD = """
+import sys
+from types import SimpleNamespace
+from rlhf_core.models import ensure_policy
+m = SimpleNamespace(path="", tiny_kind="word", tiny_layers=1, tiny_hidden=32, tiny_heads=2)
+print(ensure_policy(m, "max3", sys.argv[1]), flush=True)
+"""
+
+
+def test_two_runs_building_the_tiny_policy_at_once_both_get_a_whole_one(tmp_path):
+    """Two runs starting together in one run.output_dir: the tiny model is built aside and renamed into place."""
+    procs = [
+        subprocess.Popen([sys.executable, "-c", BUILD, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    outs = [p.communicate(timeout=300)[0].strip() for p in procs]
+    assert [p.returncode for p in procs] == [0, 0]
+    assert outs[0] == outs[1] == str(tmp_path / "tiny_policy")
+    assert (tmp_path / "tiny_policy" / "model.safetensors").is_file()
+    assert [p.name for p in tmp_path.iterdir()] == ["tiny_policy"]  # no temporary build left behind

@@ -50,9 +50,10 @@ def _start(tmp_path: Path) -> subprocess.Popen:
         "tracking.log_system_metrics=false",
     ]
     # its own session: the test can signal its whole group the way a terminal does
-    return subprocess.Popen(
-        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, text=True
-    )
+    with open(tmp_path / "train.log", "w") as log:  # a file, not a pipe: nobody reads a pipe, and a full one blocks
+        return subprocess.Popen(
+            cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, text=True
+        )
 
 
 def _log(tmp_path: Path) -> str:
@@ -62,7 +63,7 @@ def _log(tmp_path: Path) -> str:
 def _wait_for_checkpoint(proc: subprocess.Popen, tmp_path: Path, timeout_s: float = 300.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if list((tmp_path / "run" / "checkpoints").glob("step_*")):
+        if list((tmp_path / "run" / "latest" / "checkpoints").glob("step_*")):
             return
         assert proc.poll() is None, _log(tmp_path)[-4000:]
         time.sleep(0.5)
@@ -106,6 +107,9 @@ def test_a_signal_ends_the_run_cleanly(tmp_path, how):
     _, alive = psutil.wait_procs(children, timeout=15)
     assert not alive, f"left running: {[(p.pid, p.name()) for p in alive]}"
     assert _mlflow_status(tmp_path) == "KILLED"
-    newest = max((tmp_path / "run" / "checkpoints").glob("step_*"), key=lambda p: p.name)
+    log = _log(tmp_path)
+    assert "Task run '" in log and "step " in log  # task runs logged and progress was printed ...
+    assert "Finished in state Completed" not in log  # ... without a completion line per task run in between
+    newest = max((tmp_path / "run" / "latest" / "checkpoints").glob("step_*"), key=lambda p: p.name)
     state, _ = read_checkpoint(newest)  # the last checkpoint is complete and readable
     assert state.step >= 2

@@ -71,10 +71,12 @@ def test_an_existing_untagged_experiment_gets_the_tag_but_a_chosen_kind_stays(st
 def test_the_policy_is_a_logged_model_of_the_run_and_loads_back(store, tmp_path, tiny_policy_dir):
     cfg = tracking_cfg(store, "model")
     tracker = MlflowTracker.start(cfg)
-    assert tracker.log_model(tiny_policy_dir, step=6) == MODEL_ARTIFACT_PATH
+    uri = tracker.log_model(tiny_policy_dir, step=6)
     tracker.end("FINISHED")
     client = tracker.client
     run = client.get_run(tracker.run_id)
+    assert uri == f"models:/{run.data.tags['model.id']}"
+    assert not client.list_artifacts(tracker.run_id, MODEL_ARTIFACT_PATH)  # stored once: no model/ copy
     # the run's "Logged models": an output of the run, READY, with the policy's files as its artifacts
     outputs = run.outputs.model_outputs
     assert [o.model_id for o in outputs] == [run.data.tags["model.id"]] and outputs[0].step == 6
@@ -93,18 +95,13 @@ def test_the_policy_is_a_logged_model_of_the_run_and_loads_back(store, tmp_path,
     assert loaded.config.model_type == "llama" and tokenizer.eos_token_id is not None
 
 
-def test_load_logged_policy_falls_back_to_the_logged_model(store, tiny_policy_dir):
-    """A run whose policy lives only in its LoggedModel (no model/ artifact) still loads by run id."""
-    import shutil
-    from urllib.parse import urlparse
-
-    cfg = tracking_cfg(store, "fallback")
+def test_a_run_of_an_earlier_version_with_a_model_artifact_still_loads(store, tiny_policy_dir):
+    """Runs logged before the LoggedModel existed hold the policy under model/ only: load_logged_policy reads it."""
+    cfg = tracking_cfg(store, "older")
     tracker = MlflowTracker.start(cfg)
-    tracker.log_model(tiny_policy_dir)
+    tracker.client.log_artifacts(tracker.run_id, str(tiny_policy_dir), MODEL_ARTIFACT_PATH)
     tracker.end("FINISHED")
-    run_artifacts = urlparse(tracker.client.get_run(tracker.run_id).info.artifact_uri).path
-    shutil.rmtree(f"{run_artifacts}/{MODEL_ARTIFACT_PATH}")
-    assert not tracker.client.list_artifacts(tracker.run_id, MODEL_ARTIFACT_PATH)
+    assert "model.id" not in tracker.client.get_run(tracker.run_id).data.tags
     loaded, _ = load_logged_policy(tracker.run_id, tracking_uri=cfg.tracking.tracking_uri)
     assert loaded.config.model_type == "llama"
 

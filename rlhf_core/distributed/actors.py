@@ -440,7 +440,7 @@ class TrainerActor:
         missing = [i for i, s in enumerate(rollout_rng) if s is None]
         if missing:
             facts["rollout_rng_missing"] = missing
-        path = Path(self.cfg.run.output_dir) / "checkpoints" / f"step_{step:06d}"
+        path = self.cfg.run.run_dir / "checkpoints" / f"step_{step:06d}"
         self.checkpoint(str(path), data, rollout_rng, facts)
         self.checkpoints_written.append({"step": step, "path": str(path), "rollout_rng_missing": missing})
 
