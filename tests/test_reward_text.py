@@ -62,6 +62,12 @@ EXACT_CASES = [
     ("-72", "72", 0.0),
     ("72 72", "72", 0.0),
     ("so 72", "72", 0.0),
+    ("$1,000.00.", "1000", 1.0),
+    ("-7", "-7", 1.0),
+    ("7", "-7", 0.0),
+    ("72.5", "72", 0.0),
+    ("72 apples", "72", 0.0),
+    ("1000", "1,000", 1.0),
 ]
 
 CONTAINS_CASES = [
@@ -73,6 +79,19 @@ CONTAINS_CASES = [
     ("it is 7.2 apples", "72", 0.0),
     ("it is -72", "72", 0.0),
     ("it is 172", "72", 0.0),
+    ("72", "72", 1.0),  # the whole response
+    ("so 72, then 8", "72", 1.0),  # a comma after, not before a digit
+    ("it is 72.00 now", "72", 1.0),
+    ("costs $ 72 today", "72", 1.0),
+    ("first 7 then 72", "72", 1.0),  # an earlier candidate that does not match
+    ("it is 1000 now", "1,000", 1.0),
+    ("it is 72.5", "72", 0.0),
+    ("it is 72,5", "72", 0.0),  # reads 725
+    ("it is 72abc", "72", 0.0),
+    ("it is 7,200", "72", 0.0),
+    ("it is 0.72", "72", 0.0),
+    ("it is x72", "72", 0.0),
+    ("it is 7 2", "72", 0.0),
 ]
 
 
@@ -335,3 +354,41 @@ def test_answer_text_cache_follows_the_pattern_tensors(bpe_tok):
     patterns.tokens.copy_(eight.tokens)  # same tensors, new contents: the cached answer text is not reused
     patterns.lengths.copy_(eight.lengths)
     assert reward(batch, patterns)[0].tolist() == [0.0]
+
+
+def test_contains_finds_an_early_answer_among_later_numbers(bpe_tok):
+    """contains reads windows around the last candidates: an answer followed by other numbers is still found
+    while fewer than CONTAINS_WINDOWS candidates follow it; text without the answer never matches."""
+    from rlhf_core.reward.text import CONTAINS_WINDOWS
+
+    tail = " and ".join(str(n) for n in range(80, 80 + CONTAINS_WINDOWS - 2))  # other numbers, other first digits
+    texts = [f"so 72 then {tail}", f"so 720 then {tail}", "no numbers here at all"]
+    _check_table(bpe_tok, "contains", [(texts[0], "72", 1.0), (texts[1], "72", 0.0), (texts[2], "72", 0.0)])
+
+
+def test_format_windows_agree_with_reading_every_token(bpe_tok):
+    """The windowed format search (rare-ending texts) equals the full automaton pass on rows with a few stray
+    '#' tokens, and both equal a search of the decoded text."""
+    from rlhf_core.reward.text import TextMatcher, format_tokens, format_windows, token_bytes
+
+    tm = TextMatcher.build(bpe_tok, "####", ["##", "####"])
+    assert tm.format_windowed
+    g = torch.Generator().manual_seed(0)
+    vocab = bpe_tok.get_vocab()
+    hashes = torch.tensor([i for t, i in vocab.items() if "#" in t])
+    normal = torch.tensor([i for t, i in vocab.items() if "#" not in t and i not in bpe_tok.all_special_ids])
+    ids = normal[torch.randint(len(normal), (32, 96), generator=g)]
+    stray = torch.rand(ids.shape, generator=g) < 0.01
+    ids = torch.where(stray, hashes[torch.randint(len(hashes), ids.shape, generator=g)], ids)
+    rows = tm.rows(ids, [bpe_tok.eos_token_id])
+    vb, automata = tm.on(ids.device)
+    windowed = format_windows(vb, rows.index, rows.codes, rows.n_valid, automata)
+    full = format_tokens(vb, rows.index, rows.n_valid, automata)
+    table = token_bytes(bpe_tok)
+    want = []
+    for row in ids.tolist():
+        text = b"".join(table[i] for i in row)
+        first = text.find(b"##")
+        want.append(float(first >= 0 and text.find(b"####", first + 2) >= 0))
+    assert full.tolist() == want
+    assert windowed.tolist() == want

@@ -8,7 +8,7 @@ tokens -> no bytes), and match bytes:
 
   answer_after_marker  the number (or text) right after the LAST marker, however either was split;
   exact_match          the whole response (up to its first stop token) is the answer;
-  contains             the answer occurs in the response as a whole number / word;
+  contains             the answer occurs in the response as a whole number / word (windows around candidates);
   format               texts occur in order.
 
 Numbers are compared in a canonical form computed on the device (`_numbers`): leading spaces and
@@ -19,14 +19,17 @@ byte compaction), exact for any length. docs/rewards.md lists the accepted forms
 
 Hot-path rules as in `tensor_native`: batched tensor code only (loops over static sizes: the marker
 length, a format text's length), no `.item()` / `.tolist()` / `bool(tensor)` / `nonzero()` / boolean
-indexing, no data-dependent shapes. Per call there is ONE pass over all [N, L] tokens for answer_after_marker
-(`scan`: one vocabulary lookup gives each token's stop / can-end-a-marker bits; the first stop and the
-candidate blocks come from int64 words of 8 such codes); the marker search then reads only the last
-`MARKER_BLOCKS` candidate blocks and converts only a window of tokens after the last marker to bytes;
-exact_match converts the first tokens of a row; format runs each text's byte automaton over the tokens
-(m - 1 shifted lookups per text, no bytes); contains still converts whole responses (up to
-`BYTES_PER_TOKEN` bytes per token on average) and is by far the slowest. The answers' text is computed once
-per PackedPatterns object (cached while the same tensors are passed again).
+indexing, no data-dependent shapes. Per call there is ONE pass over all [N, L] tokens (`scan`: one vocabulary
+lookup gives each token's stop / can-end-a-marker / can-end-a-format-text bits; the first stop and candidate
+blocks come from int64 words of 8 such codes); then only windows are read, of fixed size:
+answer_after_marker reads the last `MARKER_BLOCKS` candidate blocks and converts a window of tokens after the
+last marker to bytes; exact_match converts the first tokens of a row; format runs each text's byte automaton
+over the first `FORMAT_BLOCKS` candidate blocks after the previous text (or over every token when a text's
+last byte is common, see FORMAT_WINDOW_MAX); contains looks up one more per-token code (the byte class of
+the token's first byte) and converts short windows around the last `CONTAINS_WINDOWS` candidates. Lookups
+use `index_select` on tables indexed by id + 1 (entry 0: ids outside the vocabulary), faster than `take` on
+CPU. The answers' text is computed once per PackedPatterns object (cached while the same tensors are passed
+again).
 """
 
 from __future__ import annotations
@@ -47,21 +50,21 @@ followed by that many more blocks with such tokens is not found."""
 FORMAT_BLOCKS = 4
 """The format search reads, for each text, the first FORMAT_BLOCKS blocks of MARKER_BLOCK_TOKENS tokens from the
 previous text's end that hold a token able to end the text (when every text qualifies: see FORMAT_WINDOW_MAX)."""
-FORMAT_WINDOW_MAX = (6, 0.05)
-"""Format texts are searched in windows when there are at most 6 of them and, for each, at most 5% of the
+FORMAT_WINDOW_MAX = (2, 0.05)
+"""Format texts are searched in windows when there are at most 2 of them and, for each, at most 5% of the
 vocabulary can end an occurrence (a rare last byte, as '#' or '>'); otherwise every token is read (slower)."""
-ANSWER_WINDOW_BYTES = 32
+ANSWER_WINDOW_BYTES = 16
 """Bytes read after the marker beyond the answer's own length (spaces, '$', separators, '.0', a period)."""
 ANSWER_MAX_BYTES = 64
 """Answer alternatives are read up to this many bytes (a longer text answer is cut, and cannot match)."""
-CONTAINS_BLOCKS, CONTAINS_WINDOWS = 4, 8
+CONTAINS_BLOCKS, CONTAINS_WINDOWS = 4, 6
 """contains reads the last CONTAINS_BLOCKS blocks of MARKER_BLOCK_TOKENS tokens (before the first stop) that hold
 a candidate token (its first byte that is not whitespace, or not whitespace / '$', may be the first byte of
 an answer alternative), and of those the last CONTAINS_WINDOWS candidates: an occurrence is looked for where
 such a token's text starts."""
-CONTAINS_MAX_BYTES = 32
+CONTAINS_MAX_BYTES = 24
 """contains compares alternatives of at most this many bytes (a longer alternative never matches there)."""
-CONTAINS_LEAD_BYTES, CONTAINS_TAIL_BYTES = 8, 8
+CONTAINS_LEAD_BYTES, CONTAINS_TAIL_BYTES = 4, 6
 """A candidate token's leading whitespace / '$' read (at most), and the bytes read after an occurrence (its
 end: a '.0…0' longer than this does not end a number)."""
 BYTES_PER_TOKEN = 8
@@ -554,7 +557,10 @@ def first_stop(is_stop: torch.Tensor) -> torch.Tensor:
     return torch.where(is_stop, torch.arange(L, device=is_stop.device), L).amin(dim=1)
 
 
-_CAN_END, _STOP, _FORMAT0 = 1, 2, 4  # bits of the per-token codes of `scan`; format text i: _FORMAT0 << i
+_CAN_END, _STOP, _FORMAT0 = 1, 2, 4  # bits of the per-token codes of `scan`; format text i: _FORMAT0 << 3 * i
+# For format text i, three bits from _FORMAT0 << 3 * i: CAN (the token ends an occurrence from some state),
+# WHOLE (from state 0), ADV (the token can leave a state >= 1, or has no bytes). A token can end an occurrence
+# only if WHOLE, or CAN and the token before it is ADV: a pair test on int64 words of 8 codes.
 
 
 def _word_mask(bit: int) -> int:
@@ -738,15 +744,18 @@ def contains_windows(
     K = ans.lit_len.shape[1]
     if L == 0 or K == 0:
         return torch.zeros(N, dtype=torch.bool, device=device)
-    cand = (first_table.index_select(0, index.view(-1)).view(N, L) & ans.first_mask.unsqueeze(1)) != 0
+    first = _at(first_table, index)  # int32 [N, L]
     Lp = -(-L // block) * block
-    c8 = cand.view(torch.uint8)
     if Lp != L:
-        c8 = torch.nn.functional.pad(c8, (0, Lp - L))
-    has = _blocks_with(c8, 1, block) & (torch.arange(Lp // block, device=device) * block < n_valid.unsqueeze(1))
+        first = torch.nn.functional.pad(first, (0, Lp - L))
+    mask = ans.first_mask.long() & 0xFFFFFFFF
+    # blocks holding a candidate, on int64 words of 2 codes
+    words = first.view(torch.int64).view(N, Lp // block, block // 2) & (mask | (mask << 32)).view(N, 1, 1)
+    has = (words.amax(dim=-1) != 0) & (torch.arange(Lp // block, device=device) * block < n_valid.unsqueeze(1))
     chosen = _pick_blocks(has, blocks, last=True)
     p = (chosen.unsqueeze(-1) * block + torch.arange(block, device=device)).flatten(1)  # [N, kb * block]
-    live = (p >= 0) & (p < n_valid.unsqueeze(1)) & (c8.gather(1, p.clamp(0, Lp - 1)) != 0)
+    hit_p = (first.gather(1, p.clamp(0, Lp - 1)) & ans.first_mask.unsqueeze(1)) != 0
+    live = (p >= 0) & (p < n_valid.unsqueeze(1)) & hit_p
     sel = _pick_blocks(live, windows, last=True)  # [N, C] columns of p, -1 = none
     c = p.gather(1, sel.clamp(min=0))
     C = c.shape[1]
@@ -765,7 +774,6 @@ def contains_windows(
     s2 = s1 + (x.gather(1, s1) == _DOLLAR)
     xr = x.view(N, C, W + 1)
     x8 = x.to(torch.uint8)
-    nz = torch.where(x != _DIGIT0, pos, W).flip(-1).cummin(dim=-1).values.flip(-1).view(N, C, W + 1)  # next non-'0'
     lit_len = ans.lit_len.unsqueeze(1)  # [N, 1, K]
     fit = (lit_len > 0) & (lit_len <= Wc)
     cls_of = lambda v: _at(consts[0], v)  # noqa: E731
@@ -779,10 +787,13 @@ def contains_windows(
         same = ((xw & ans.word_mask.unsqueeze(1)) == ans.words.unsqueeze(1)).all(dim=-1)  # [N, C, K]
         a = s.view(N, C, 1) + lit_len  # the byte after the occurrence
         nxt, nxt2 = xr.gather(2, a.clamp(max=W)), xr.gather(2, (a + 1).clamp(max=W))
-        zero_end = nz.gather(2, (a + 1).clamp(max=W))
-        after_zeros = xr.gather(2, zero_end)
         cn = cls_of(nxt)
-        dot_zeros = (nxt == _DOT) & (zero_end > a + 1) & ((cls_of(after_zeros) & _C_ALNUM) == 0)
+        # '.0…0' then a byte that is not alphanumeric (within the CONTAINS_TAIL_BYTES read)
+        dot_zeros, zeros = torch.zeros_like(same), (nxt == _DOT) & (nxt2 == _DIGIT0)
+        for j in range(2, CONTAINS_TAIL_BYTES):
+            b = xr.gather(2, (a + j).clamp(max=W))
+            dot_zeros |= zeros & ((cls_of(b) & _C_ALNUM) == 0)
+            zeros &= b == _DIGIT0
         after_ok = ((cn & _C_ALNUM) == 0) & ~(((cn & (_C_DOT | _C_COMMA)) > 0) & digit(nxt2)) | dot_zeros
         hit |= same & before_ok.view(N, C, 1) & after_ok & (a <= x_len.view(N, C, 1))
     return (hit & fit & (sel >= 0).unsqueeze(-1)).flatten(1).any(dim=1)
@@ -823,6 +834,17 @@ def format_tokens(vb: VocabBytes, index: torch.Tensor, n_valid: torch.Tensor, au
     return (prev_end < big).squeeze(1).float()
 
 
+def _format_blocks(codes: torch.Tensor, i: int, block: int) -> torch.Tensor:
+    """BoolTensor [N, Lp / block]: blocks holding a token that may end format text i (WHOLE, or CAN after an ADV
+    token), on int64 words of 8 codes; the first token of a word counts its predecessor as ADV (a superset)."""
+    can = _FORMAT0 << 3 * i
+    N = codes.shape[0]
+    w = codes.view(torch.int64)
+    prev_adv = ((w << 8) | (can << 2)) & _word_mask(can << 2)  # each byte: the ADV bit of the token before it
+    cand = (w & (prev_adv >> 2) & _word_mask(can)) | ((w & _word_mask(can << 1)) >> 1)  # CAN bits only: >= 0
+    return cand.view(N, -1, block // 8).amax(dim=-1) != 0
+
+
 def format_windows(
     vb: VocabBytes,
     index: torch.Tensor,
@@ -835,7 +857,7 @@ def format_windows(
     """`format_tokens` on windows: whether the format texts occur in order, non-overlapping, before the first
     stop. -> FloatTensor [N].
 
-    index, codes, n_valid: from `scan` (codes carry the bit _FORMAT0 << i on tokens that can end text i). For
+    index, codes, n_valid: from `scan` (codes carry text i's CAN / WHOLE / ADV bits, see _FORMAT0). For
     text i, the first `blocks` blocks of `block` tokens that hold such a token, start before the first stop
     and end at or after the token where text i - 1 ended are read: for each token there, the automaton state
     before it is recomputed from the m - 1 tokens before it, and its first / last occurrence is kept when at
@@ -855,7 +877,7 @@ def format_windows(
     bstart = torch.arange(codes.shape[1] // block, device=device) * block
     live = bstart < n_valid.unsqueeze(1)
     for i, (next_state, first_end, last_end, m) in enumerate(automata):
-        has = _blocks_with(codes, _FORMAT0 << i, block) & live & (bstart + (block - 1) >= p0)
+        has = _format_blocks(codes, i, block) & live & (bstart + (block - 1) >= p0)
         chosen = _pick_blocks(has, blocks, last=False)  # [N, k], -1 = none
         p = (chosen.unsqueeze(-1) * block + torch.arange(block, device=device)).flatten(1)  # [N, P]
         ok = (p >= 0) & (p < n_valid.unsqueeze(1)) & (p >= p0)
@@ -947,7 +969,12 @@ class TextMatcher:
             table = self.vocab.can_end.to(torch.uint8) * _CAN_END
             if self.format_windowed:
                 for i, a in enumerate(self.format_automata):
-                    table |= (a[1].view(V, -1) >= 0).any(dim=1).to(torch.uint8) * (_FORMAT0 << i)
+                    can, m = _FORMAT0 << 3 * i, a[3]
+                    ends = a[1].view(V, m) >= 0
+                    adv = (a[0].view(V, m) >= 1).any(dim=1) | (self.vocab.lengths == 0)
+                    table |= ends.any(dim=1).to(torch.uint8) * can
+                    table |= ends[:, 0].to(torch.uint8) * (can << 1)
+                    table |= adv.to(torch.uint8) * (can << 2)
             for s in stop_ids:
                 if 0 <= s < V - 1:
                     table[s] |= _STOP
