@@ -392,3 +392,32 @@ def test_format_windows_agree_with_reading_every_token(bpe_tok):
         want.append(float(first >= 0 and text.find(b"####", first + 2) >= 0))
     assert full.tolist() == want
     assert windowed.tolist() == want
+
+
+def test_contains_windows_equal_the_whole_row_search(bpe_tok):
+    """On rows with few numbers, contains in windows equals the search over whole rows converted to bytes."""
+    from rlhf_core.reward.components import _packed_on
+    from rlhf_core.reward.text import TextMatcher, contains_text
+
+    g = torch.Generator().manual_seed(1)
+    words = ["so", "the", "answer", "is", "apples", "then", "$", "it", "costs", "-", ".", ",", "x"]
+    numbers = ["72", "720", "7.2", "172", "72.0", "1,000", "1000", "7", "-72", "72.5"]
+    texts, answers = [], []
+    for _ in range(48):
+        parts = [words[int(i)] for i in torch.randint(len(words), (12,), generator=g)]
+        for _ in range(3):  # three numbers at random places
+            parts.insert(
+                int(torch.randint(len(parts) + 1, (1,), generator=g)),
+                numbers[int(torch.randint(10, (1,), generator=g))],
+            )
+        texts.append(" ".join(parts))
+        answers.append(["72", "1000", "7"][len(texts) % 3])
+    rows_ids = [bpe_tok.encode(t, add_special_tokens=False) for t in texts]
+    L = max(len(r) for r in rows_ids) + 1
+    ids = torch.tensor([r + [bpe_tok.eos_token_id] * (L - len(r)) for r in rows_ids])
+    tm = TextMatcher.build(bpe_tok, "####")
+    rows = tm.rows(ids, [bpe_tok.eos_token_id])
+    ans = tm.answers(ids, _packed_on(patterns_from_texts(bpe_tok, answers), ids.device))
+    whole = contains_text(*tm.text(rows), ans).float()
+    assert tm.contains(rows, ans).tolist() == whole.tolist()
+    assert 0 < whole.sum() < len(texts)
