@@ -421,3 +421,23 @@ def test_contains_windows_equal_the_whole_row_search(bpe_tok):
     whole = contains_text(*tm.text(rows), ans).float()
     assert tm.contains(rows, ans).tolist() == whole.tolist()
     assert 0 < whole.sum() < len(texts)
+
+
+def test_empty_batch_and_rows_shorter_than_a_block(bpe_tok):
+    """N = 0 gives empty scores; rows of 1..17 tokens (not a multiple of the 16-token block) score as text."""
+    from rlhf_core.reward.text import MARKER_BLOCK_TOKENS
+
+    cfg = RewardConfig(components=ALL, format_sequences=["####"])
+    reward = build_reward_fn(cfg, bpe_tok, [bpe_tok.eos_token_id], 16)
+    _, parts = reward(torch.zeros(0, 8, dtype=torch.long), patterns_from_texts(bpe_tok, []))
+    assert all(v.shape == (0,) for v in parts.values())
+    row = bpe_tok.encode("#### 72", add_special_tokens=False)
+    for L in (len(row), MARKER_BLOCK_TOKENS + 1):
+        batch = torch.tensor([row + [bpe_tok.eos_token_id] * (L - len(row))])
+        _, parts = reward(batch, patterns_from_texts(bpe_tok, ["72"]))
+        assert {k: v.tolist() for k, v in parts.items()} == {
+            "answer_after_marker": [1.0],
+            "exact_match": [0.0],
+            "contains": [1.0],
+            "format": [1.0],
+        }

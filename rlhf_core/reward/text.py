@@ -512,7 +512,7 @@ def answer_text(
     return AnswerText(
         lit,
         lit_len,
-        canon.reshape(N, K, -1),
+        canon.reshape(N, K, canon.shape[1]),
         is_num.reshape(N, K),
         first_mask,
         words.view(torch.int64),
@@ -597,7 +597,7 @@ def _blocks_with(codes: torch.Tensor, bit: int, block: int) -> torch.Tensor:
     """BoolTensor [N, Lp / block]: blocks of `block` codes (uint8 [N, Lp]) holding a code with `bit`, read as int64
     words of 8 codes."""
     N = codes.shape[0]
-    words = codes.view(torch.int64).view(N, -1, block // 8)
+    words = codes.view(torch.int64).view(N, codes.shape[1] // block, block // 8)
     return (words & _word_mask(bit)).amax(dim=-1) != 0
 
 
@@ -649,7 +649,7 @@ def last_marker(
     # tokens p - (m - 1) .. p in one gather, as (id * m) row offsets into the tables: [N, m, k * block]; an id
     # of -1 (before the row, outside the vocabulary) wraps in `take` to the byte-less last id
     q = p.unsqueeze(1) - torch.arange(m - 1, -1, -1, device=device).unsqueeze(-1)
-    t = index.gather(1, q.clamp(0, L - 1).flatten(1)).view(N, m, -1).mul_(q >= 0).mul_(m)  # (id + 1) * m
+    t = index.gather(1, q.clamp(0, L - 1).flatten(1)).view(q.shape).mul_(q >= 0).mul_(m)  # (id + 1) * m
     state = torch.zeros_like(p)
     for d in range(m - 1):
         state = _at(vb.next_state1, t[:, d] + state)
@@ -783,7 +783,7 @@ def contains_windows(
         b1, b2 = x.gather(1, (s - 1).clamp(min=0)) * (s >= 1), x.gather(1, (s - 2).clamp(min=0)) * (s >= 2)
         c1 = cls_of(b1)
         before_ok = ((c1 & (_C_ALNUM | _C_MINUS)) == 0) & ~(((c1 & (_C_DOT | _C_COMMA)) > 0) & digit(b2))
-        xw = x8.gather(1, (s + torch.arange(Wc, device=device)).clamp(max=W)).view(torch.int64).view(N, C, 1, -1)
+        xw = x8.gather(1, (s + torch.arange(Wc, device=device)).clamp(max=W)).view(torch.int64).view(N, C, 1, Wc // 8)
         same = ((xw & ans.word_mask.unsqueeze(1)) == ans.words.unsqueeze(1)).all(dim=-1)  # [N, C, K]
         a = s.view(N, C, 1) + lit_len  # the byte after the occurrence
         nxt, nxt2 = xr.gather(2, a.clamp(max=W)), xr.gather(2, (a + 1).clamp(max=W))
@@ -842,7 +842,7 @@ def _format_blocks(codes: torch.Tensor, i: int, block: int) -> torch.Tensor:
     w = codes.view(torch.int64)
     prev_adv = ((w << 8) | (can << 2)) & _word_mask(can << 2)  # each byte: the ADV bit of the token before it
     cand = (w & (prev_adv >> 2) & _word_mask(can)) | ((w & _word_mask(can << 1)) >> 1)  # CAN bits only: >= 0
-    return cand.view(N, -1, block // 8).amax(dim=-1) != 0
+    return cand.view(N, codes.shape[1] // block, block // 8).amax(dim=-1) != 0
 
 
 def format_windows(
@@ -882,7 +882,7 @@ def format_windows(
         p = (chosen.unsqueeze(-1) * block + torch.arange(block, device=device)).flatten(1)  # [N, P]
         ok = (p >= 0) & (p < n_valid.unsqueeze(1)) & (p >= p0)
         q = p.unsqueeze(1) - torch.arange(m - 1, -1, -1, device=device).unsqueeze(-1)  # [N, m, P]: p-(m-1) .. p
-        t = index.gather(1, q.clamp(0, L - 1).flatten(1)).view(N, m, -1).mul_(q >= 0)  # id + 1, 0 = none
+        t = index.gather(1, q.clamp(0, L - 1).flatten(1)).view(q.shape).mul_(q >= 0)  # id + 1, 0 = none
         tm = t * m  # automata rows by id + 1
         state = torch.zeros_like(p)
         for d in range(m - 1):
