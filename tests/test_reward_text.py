@@ -309,8 +309,10 @@ def test_text_reward_makes_no_host_round_trip(bpe_tok):
     batch = torch.randint(0, len(bpe_tok), (16, 64))
     patterns = patterns_from_texts(bpe_tok, ["72"] * 16)
     reward(batch, patterns)  # caches the tables on the device
+    fresh = patterns_from_texts(bpe_tok, ["1,000", "Paris", "-7", "7.5"] * 4)  # answers' text not cached yet
     with ForbidHostSync():
         reward(batch, patterns)
+        reward(batch, fresh)
 
 
 def test_token_mode_keeps_the_old_semantics(bpe_tok):
