@@ -15,23 +15,28 @@ synthetic task's default reward) on the same batch, for reference.
     python benchmarks/reward.py --quick    # fewer shapes and repeats
     python benchmarks/reward.py --text     # also: GSM8K answers matched as TEXT (byte-level BPE), see below
 
---text times, at B=256 L=1024 (and B=64 L=256), the configured `answer_after_marker` reward as training
-builds it (`build_reward_fn`, reward.match='text': tokens -> bytes on the device, last '####' however it
-was split, number normalised) against decode + GSM8K regex (ids to host, trim at the first stop token,
-`batch_decode(skip_special_tokens=True)` with the chat test model's byte-level BPE tokenizer, the number
-after the last '####' by regex, '$' ',' and a trailing '.' / '.0' removed, compared with the answer).
-Data: random tokens of that vocabulary, then '#### <answer>' written in a random form ('72', '$72', '72.',
-'7.0', '1,000') and a random tokenization (the encoder's, byte by byte, marker split '##' '##'), a wrong
-number in a quarter of the rows, then <|im_end|> and padding. Both must agree on every row. Reported: the
-median and the min of the repeats of each; `text_fresh_patterns_ms` with new PackedPatterns for every call
-(as training packs them per rollout batch, so the answers' text is not reused from the previous call); and,
-for reference, the `contains` and `format` (format_sequences ['####']) components alone on the same batch.
+--text times, at B=256 L=1024 (and B=64 L=256), each text-mode component (`answer_after_marker`,
+`exact_match`, `contains`, `format` with format_sequences ['####']) as training builds it (`build_reward_fn`,
+reward.match='text': on the device, tokens -> bytes only in windows) against decode + regex doing the same
+job (ids to host, trim at the first stop token, `decode(skip_special_tokens=True)` with the chat test model's
+byte-level BPE tokenizer, then: the number after the last '####' by regex, '$' ',' and a trailing '.' / '.0'
+removed, compared with the answer; the whole text as one such number; an answer spelling ('72', '1,000')
+as a whole number / word; '####' in the text). Data: random tokens of that vocabulary, then '#### <answer>'
+written in a random form ('72', '$72', '72.', '7.0', '1,000') and a random tokenization (the encoder's, byte
+by byte, marker split '##' '##'), a wrong number in a quarter of the rows, then <|im_end|> and padding.
+Agreement with decode + regex is reported per component. Timing: the repeats of ours and of decode + regex
+are interleaved in one process, each timed by wall clock and by the thread's CPU time (time.thread_time:
+what a loaded, shared machine does not inflate as much); the ratio of the medians of each is reported.
+`text_fresh_patterns_ms`: answer_after_marker with new PackedPatterns for every call (as training packs them
+per rollout batch, so the answers' text is not reused from the previous call). `--stages` also prints the
+CPU time of each stage (the one pass over the tokens, the answers' text, each component's own work).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import re
 import statistics
@@ -142,12 +147,54 @@ def _gsm8k_canonical(s: str) -> str:
 def decode_gsm8k_reward(response_ids, answers, tokenizer, stop_ids):
     """Decode + regex: ids to host, trim at the first stop, decode, the number after the LAST '####'."""
     out = []
-    for row, answer in zip(response_ids.tolist(), answers):
-        cut = min([row.index(s) for s in stop_ids if s in row], default=len(row))
-        text = tokenizer.decode(row[:cut], skip_special_tokens=True)
+    for text, answer in zip(_decode_rows(response_ids, tokenizer, stop_ids), answers):
         found = GSM8K_NUMBER.findall(text)
         out.append(1.0 if found and _gsm8k_canonical(found[-1]) == _gsm8k_canonical(answer) else 0.0)
     return torch.tensor(out)
+
+
+def _decode_rows(response_ids, tokenizer, stop_ids) -> list[str]:
+    """Ids to host, each row trimmed at its first stop and decoded (special tokens skipped)."""
+    out = []
+    for row in response_ids.tolist():
+        cut = min([row.index(s) for s in stop_ids if s in row], default=len(row))
+        out.append(tokenizer.decode(row[:cut], skip_special_tokens=True))
+    return out
+
+
+_NUMBER_TEXT = re.compile(r"\s*\$?\s*(-?[0-9][0-9,]*(?:\.[0-9]*)?)\s*")
+_WORD = r"[A-Za-z0-9]|[^\x00-\x7f]"
+
+
+def decode_exact_reward(response_ids, answers, tokenizer, stop_ids):
+    """Decode + regex exact_match: the whole text is one number (spaces, '$', a trailing period) equal to the answer."""
+    out = []
+    for text, answer in zip(_decode_rows(response_ids, tokenizer, stop_ids), answers):
+        m = _NUMBER_TEXT.fullmatch(text)
+        out.append(1.0 if m and _gsm8k_canonical(m.group(1)) == _gsm8k_canonical(answer) else 0.0)
+    return torch.tensor(out)
+
+
+def contains_regexes(answers):
+    """Per answer: a regex for its spellings ('1000', '1,000') as a whole number / word (docs/rewards.md)."""
+    from rlhf_core.reward.answers import text_variants
+
+    out = []
+    for answer in answers:
+        alts = "|".join(re.escape(v) for v in dict.fromkeys(t.strip() for t in text_variants(answer)) if v)
+        before = rf"(?<!{_WORD})(?<!-)(?<![0-9][.,])"
+        after = rf"(?:\.0+(?!{_WORD})|(?!{_WORD})(?![.,][0-9]))"
+        out.append(re.compile(before + "(?:" + alts + ")" + after))
+    return out
+
+
+def decode_contains_reward(response_ids, regexes, tokenizer, stop_ids):
+    texts = _decode_rows(response_ids, tokenizer, stop_ids)
+    return torch.tensor([1.0 if rx.search(t) else 0.0 for t, rx in zip(texts, regexes)])
+
+
+def decode_format_reward(response_ids, tokenizer, stop_ids, sequence="####"):
+    return torch.tensor([1.0 if sequence in t else 0.0 for t in _decode_rows(response_ids, tokenizer, stop_ids)])
 
 
 def make_gsm8k_batch(tokenizer, B: int, L: int, seed: int):
@@ -184,7 +231,51 @@ def make_gsm8k_batch(tokenizer, B: int, L: int, seed: int):
     return torch.tensor(rows, dtype=torch.long), answers
 
 
-def run_text(quick: bool) -> list[dict]:
+def interleaved(fns: dict, repeats: int, budget_s: float) -> dict:
+    """Runs every fn once per round (after one warm-up round), `repeats` rounds (at least 3; fewer past the
+    budget); returns {name: {"wall": [ms], "cpu": [ms]}} (wall clock and the thread's CPU time)."""
+    for fn in fns.values():
+        fn()
+    out = {name: {"wall": [], "cpu": []} for name in fns}
+    start = time.perf_counter()
+    for r in range(repeats):
+        if r >= 3 and time.perf_counter() - start > budget_s:
+            break
+        for name, fn in fns.items():
+            w0, c0 = time.perf_counter(), time.thread_time()
+            fn()
+            c1, w1 = time.thread_time(), time.perf_counter()
+            out[name]["wall"].append((w1 - w0) * 1e3)
+            out[name]["cpu"].append((c1 - c0) * 1e3)
+    return out
+
+
+def stage_times(reward, ids, patterns, repeats: int) -> dict:
+    """CPU time (median ms) of each stage of the text components, called one by one on the same batch."""
+    from rlhf_core.reward.components import _packed_on
+    from rlhf_core.reward.text import answer_text
+
+    tm = reward.text
+    p = _packed_on(patterns, ids.device)
+    vb, _ = tm.on(ids.device)
+    rows = tm.rows(ids, reward.stop_token_ids)
+    ans = tm.answers(ids, p)
+    stages = {
+        "scan (one pass: codes, first stop)": lambda: tm.rows(ids, reward.stop_token_ids),
+        "answers' text (fresh patterns)": lambda: answer_text(vb, p.tokens, p.lengths),
+        "answer_after_marker (after scan)": lambda: tm.answer_after_marker(rows, ans),
+        "exact_match (after scan)": lambda: tm.exact_match(rows, ans),
+        "contains (after scan)": lambda: tm.contains(rows, ans),
+        "format (after scan)": lambda: tm.format(rows),
+    }
+    times = interleaved(stages, repeats, 30.0)
+    return {name: statistics.median(t["cpu"]) for name, t in times.items()}
+
+
+COMPONENTS = ("answer_after_marker", "exact_match", "contains", "format")
+
+
+def run_text(quick: bool, stages: bool = False) -> list[dict]:
     import tempfile
 
     from rlhf_core.chat_model import build_chat_policy
@@ -198,39 +289,50 @@ def run_text(quick: bool) -> list[dict]:
             1
         ]
     stops = [tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")]
-    reward = build_reward_fn(RewardConfig(components={"answer_after_marker": 1.0}), tokenizer, stops, 1024)
-    others = {
+    rewards = {
         name: build_reward_fn(RewardConfig(components={name: 1.0}, format_sequences=["####"]), tokenizer, stops, 1024)
-        for name in ("contains", "format")
+        for name in COMPONENTS
     }
-    repeats, budget = (5, 0.5) if quick else (21, 3.0)
+    repeats, budget = (5, 5.0) if quick else (15, 60.0)
     results = []
     for B, L in [(64, 256), (256, 1024)]:
         ids, answers = make_gsm8k_batch(tokenizer, B, L, seed=B + L)
         patterns = patterns_from_texts(tokenizer, answers)  # once per prompt batch, as the data layer does
-        ours = reward(ids, patterns)[0]
-        base = decode_gsm8k_reward(ids, answers, tokenizer, stops)
-        text = timings_ms(lambda: reward(ids, patterns), repeats, budget)
-        regex = timings_ms(lambda: decode_gsm8k_reward(ids, answers, tokenizer, stops), repeats, budget)
-        # training packs fresh patterns for every rollout batch: the answers' text is not cached across calls
-        fresh = [type(patterns)(patterns.tokens.clone(), patterns.lengths.clone()) for _ in range(repeats + 1)]
-        fresh_iter = iter(fresh * 2)
-        row = {
-            "B": B,
-            "L": L,
-            "vocab_size": len(tokenizer),
-            "match_rate": float(ours.mean()),
-            "agree_decode_regex": float((ours == base).float().mean()),
-            "text_ms": statistics.median(text),
-            "text_min_ms": min(text),
-            "text_fresh_patterns_ms": median_ms(lambda: reward(ids, next(fresh_iter)), repeats, budget),
-            "decode_regex_ms": statistics.median(regex),
-            "decode_regex_min_ms": min(regex),
+        regexes = contains_regexes(answers)
+        baselines = {
+            "answer_after_marker": lambda: decode_gsm8k_reward(ids, answers, tokenizer, stops),
+            "exact_match": lambda: decode_exact_reward(ids, answers, tokenizer, stops),
+            "contains": lambda: decode_contains_reward(ids, regexes, tokenizer, stops),
+            "format": lambda: decode_format_reward(ids, tokenizer, stops),
         }
-        for name, fn in others.items():  # whole-response components, fewer repeats
-            row[f"{name}_ms"] = median_ms(lambda: fn(ids, patterns), 3 if quick else 5, budget)
-        row["speedup_vs_decode_regex"] = row["decode_regex_ms"] / row["text_ms"]
-        row["speedup_min_vs_min"] = row["decode_regex_min_ms"] / row["text_min_ms"]
+        # training packs fresh patterns for every rollout batch: the answers' text is not cached across calls
+        fresh = [type(patterns)(patterns.tokens.clone(), patterns.lengths.clone()) for _ in range(repeats + 2)]
+        fresh_iter = iter(fresh * 2)
+        fns = {}
+        for name in COMPONENTS:
+            fns[name] = (lambda f: lambda: f(ids, patterns))(rewards[name])
+            fns[name + "_decode_regex"] = baselines[name]
+        fns["answer_after_marker_fresh_patterns"] = lambda: rewards["answer_after_marker"](ids, next(fresh_iter))
+        times = interleaved(fns, repeats, budget)
+        med = {name: {k: statistics.median(v) for k, v in t.items()} for name, t in times.items()}
+        row = {"B": B, "L": L, "vocab_size": len(tokenizer), "repeats": len(times["format"]["cpu"]), "components": {}}
+        for name in COMPONENTS:
+            ours = rewards[name](ids, patterns)[0]
+            base = baselines[name]()
+            row["components"][name] = {
+                "match_rate": float(ours.mean()),
+                "agree_decode_regex": float((ours == base).float().mean()),
+                "ms": med[name]["wall"],
+                "cpu_ms": med[name]["cpu"],
+                "decode_regex_ms": med[name + "_decode_regex"]["wall"],
+                "decode_regex_cpu_ms": med[name + "_decode_regex"]["cpu"],
+                "speedup": med[name + "_decode_regex"]["wall"] / med[name]["wall"],
+                "speedup_cpu": med[name + "_decode_regex"]["cpu"] / med[name]["cpu"],
+            }
+        row["text_fresh_patterns_ms"] = med["answer_after_marker_fresh_patterns"]["wall"]
+        row["text_fresh_patterns_cpu_ms"] = med["answer_after_marker_fresh_patterns"]["cpu"]
+        if stages:
+            row["stages_cpu_ms"] = stage_times(rewards["answer_after_marker"], ids, patterns, repeats)
         results.append(row)
     return results
 
@@ -325,6 +427,7 @@ def main(argv=None) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object of all figures, nothing else")
     parser.add_argument("--quick", action="store_true", help="two shapes, few repeats")
     parser.add_argument("--text", action="store_true", help="only the GSM8K text-matching comparison")
+    parser.add_argument("--stages", action="store_true", help="with --text: CPU time of each stage too")
     args = parser.parse_args(argv)
     if args.text:
         report = {
@@ -333,24 +436,30 @@ def main(argv=None) -> None:
             "cpu": cpu_model(),
             "torch": torch.__version__,
         }
-        report["results"] = run_text(args.quick)
+        report["results"] = run_text(args.quick, args.stages)
         report["target_speedup_vs_decode_regex"] = TARGETS["speedup_vs_regex"]
+        report["load_average"] = list(os.getloadavg())
         if args.json:
             print(json.dumps(report))
         else:
-            print(
-                f"GSM8K answer_after_marker as text vs decode + regex, {report['cpu']}, 1 thread, "
-                f"torch {report['torch']}"
-            )
+            print(f"text components vs decode + regex, {report['cpu']}, 1 thread, torch {report['torch']}")
+            print(f"load average {report['load_average']} (ratios: medians of interleaved repeats)")
             for r in report["results"]:
+                print(f"B={r['B']} L={r['L']} vocab {r['vocab_size']}, {r['repeats']} repeats")
+                for name, c in r["components"].items():
+                    met = "met" if c["speedup_cpu"] >= TARGETS["speedup_vs_regex"] else "NOT met"
+                    print(
+                        f"  {name:20s} ours {c['ms']:7.2f} ms (cpu {c['cpu_ms']:6.2f}), decode+regex "
+                        f"{c['decode_regex_ms']:7.1f} ms (cpu {c['decode_regex_cpu_ms']:6.1f}): x{c['speedup']:.1f} "
+                        f"(cpu x{c['speedup_cpu']:.1f}, {met}), agree {c['agree_decode_regex']:.1%}, "
+                        f"match rate {c['match_rate']:.2f}"
+                    )
                 print(
-                    f"B={r['B']:>4} L={r['L']:>5} vocab {r['vocab_size']}: text {r['text_ms']:.2f} ms "
-                    f"(min {r['text_min_ms']:.2f}, fresh patterns {r['text_fresh_patterns_ms']:.2f}), decode+regex "
-                    f"{r['decode_regex_ms']:.1f} ms (min {r['decode_regex_min_ms']:.1f}), "
-                    f"x{r['speedup_vs_decode_regex']:.1f} (min/min x{r['speedup_min_vs_min']:.1f}), "
-                    f"agree {r['agree_decode_regex']:.0%}, match rate {r['match_rate']:.2f}; "
-                    f"contains {r['contains_ms']:.1f} ms, format {r['format_ms']:.1f} ms"
+                    f"  answer_after_marker with fresh patterns {r['text_fresh_patterns_ms']:.2f} ms "
+                    f"(cpu {r['text_fresh_patterns_cpu_ms']:.2f})"
                 )
+                for stage, ms in r.get("stages_cpu_ms", {}).items():
+                    print(f"  stage {stage:40s} cpu {ms:7.2f} ms")
         return
     report = run(args.quick)
     if args.json:

@@ -62,6 +62,12 @@ EXACT_CASES = [
     ("-72", "72", 0.0),
     ("72 72", "72", 0.0),
     ("so 72", "72", 0.0),
+    ("$1,000.00.", "1000", 1.0),
+    ("-7", "-7", 1.0),
+    ("7", "-7", 0.0),
+    ("72.5", "72", 0.0),
+    ("72 apples", "72", 0.0),
+    ("1000", "1,000", 1.0),
 ]
 
 CONTAINS_CASES = [
@@ -73,6 +79,19 @@ CONTAINS_CASES = [
     ("it is 7.2 apples", "72", 0.0),
     ("it is -72", "72", 0.0),
     ("it is 172", "72", 0.0),
+    ("72", "72", 1.0),  # the whole response
+    ("so 72, then 8", "72", 1.0),  # a comma after, not before a digit
+    ("it is 72.00 now", "72", 1.0),
+    ("costs $ 72 today", "72", 1.0),
+    ("first 7 then 72", "72", 1.0),  # an earlier candidate that does not match
+    ("it is 1000 now", "1,000", 1.0),
+    ("it is 72.5", "72", 0.0),
+    ("it is 72,5", "72", 0.0),  # reads 725
+    ("it is 72abc", "72", 0.0),
+    ("it is 7,200", "72", 0.0),
+    ("it is 0.72", "72", 0.0),
+    ("it is x72", "72", 0.0),
+    ("it is 7 2", "72", 0.0),
 ]
 
 
@@ -290,8 +309,10 @@ def test_text_reward_makes_no_host_round_trip(bpe_tok):
     batch = torch.randint(0, len(bpe_tok), (16, 64))
     patterns = patterns_from_texts(bpe_tok, ["72"] * 16)
     reward(batch, patterns)  # caches the tables on the device
+    fresh = patterns_from_texts(bpe_tok, ["1,000", "Paris", "-7", "7.5"] * 4)  # answers' text not cached yet
     with ForbidHostSync():
         reward(batch, patterns)
+        reward(batch, fresh)
 
 
 def test_token_mode_keeps_the_old_semantics(bpe_tok):
@@ -335,3 +356,90 @@ def test_answer_text_cache_follows_the_pattern_tensors(bpe_tok):
     patterns.tokens.copy_(eight.tokens)  # same tensors, new contents: the cached answer text is not reused
     patterns.lengths.copy_(eight.lengths)
     assert reward(batch, patterns)[0].tolist() == [0.0]
+
+
+def test_contains_finds_an_early_answer_among_later_numbers(bpe_tok):
+    """contains reads windows around the last candidates: an answer followed by other numbers is still found
+    while fewer than CONTAINS_WINDOWS candidates follow it; text without the answer never matches."""
+    from rlhf_core.reward.text import CONTAINS_WINDOWS
+
+    tail = " and ".join(str(n) for n in range(80, 80 + CONTAINS_WINDOWS - 2))  # other numbers, other first digits
+    texts = [f"so 72 then {tail}", f"so 720 then {tail}", "no numbers here at all"]
+    _check_table(bpe_tok, "contains", [(texts[0], "72", 1.0), (texts[1], "72", 0.0), (texts[2], "72", 0.0)])
+
+
+def test_format_windows_agree_with_reading_every_token(bpe_tok):
+    """The windowed format search (rare-ending texts) equals the full automaton pass on rows with a few stray
+    '#' tokens, and both equal a search of the decoded text."""
+    from rlhf_core.reward.text import TextMatcher, format_tokens, format_windows, token_bytes
+
+    tm = TextMatcher.build(bpe_tok, "####", ["##", "####"])
+    assert tm.format_windowed
+    g = torch.Generator().manual_seed(0)
+    vocab = bpe_tok.get_vocab()
+    hashes = torch.tensor([i for t, i in vocab.items() if "#" in t])
+    normal = torch.tensor([i for t, i in vocab.items() if "#" not in t and i not in bpe_tok.all_special_ids])
+    ids = normal[torch.randint(len(normal), (32, 96), generator=g)]
+    stray = torch.rand(ids.shape, generator=g) < 0.01
+    ids = torch.where(stray, hashes[torch.randint(len(hashes), ids.shape, generator=g)], ids)
+    rows = tm.rows(ids, [bpe_tok.eos_token_id])
+    vb, automata = tm.on(ids.device)
+    windowed = format_windows(vb, rows.index, rows.codes, rows.n_valid, automata)
+    full = format_tokens(vb, rows.index, rows.n_valid, automata)
+    table = token_bytes(bpe_tok)
+    want = []
+    for row in ids.tolist():
+        text = b"".join(table[i] for i in row)
+        first = text.find(b"##")
+        want.append(float(first >= 0 and text.find(b"####", first + 2) >= 0))
+    assert full.tolist() == want
+    assert windowed.tolist() == want
+
+
+def test_contains_windows_equal_the_whole_row_search(bpe_tok):
+    """On rows with few numbers, contains in windows equals the search over whole rows converted to bytes."""
+    from rlhf_core.reward.components import _packed_on
+    from rlhf_core.reward.text import TextMatcher, contains_text
+
+    g = torch.Generator().manual_seed(1)
+    words = ["so", "the", "answer", "is", "apples", "then", "$", "it", "costs", "-", ".", ",", "x"]
+    numbers = ["72", "720", "7.2", "172", "72.0", "1,000", "1000", "7", "-72", "72.5"]
+    texts, answers = [], []
+    for _ in range(48):
+        parts = [words[int(i)] for i in torch.randint(len(words), (12,), generator=g)]
+        for _ in range(3):  # three numbers at random places
+            parts.insert(
+                int(torch.randint(len(parts) + 1, (1,), generator=g)),
+                numbers[int(torch.randint(10, (1,), generator=g))],
+            )
+        texts.append(" ".join(parts))
+        answers.append(["72", "1000", "7"][len(texts) % 3])
+    rows_ids = [bpe_tok.encode(t, add_special_tokens=False) for t in texts]
+    L = max(len(r) for r in rows_ids) + 1
+    ids = torch.tensor([r + [bpe_tok.eos_token_id] * (L - len(r)) for r in rows_ids])
+    tm = TextMatcher.build(bpe_tok, "####")
+    rows = tm.rows(ids, [bpe_tok.eos_token_id])
+    ans = tm.answers(ids, _packed_on(patterns_from_texts(bpe_tok, answers), ids.device))
+    whole = contains_text(*tm.text(rows), ans).float()
+    assert tm.contains(rows, ans).tolist() == whole.tolist()
+    assert 0 < whole.sum() < len(texts)
+
+
+def test_empty_batch_and_rows_shorter_than_a_block(bpe_tok):
+    """N = 0 gives empty scores; rows of 1..17 tokens (not a multiple of the 16-token block) score as text."""
+    from rlhf_core.reward.text import MARKER_BLOCK_TOKENS
+
+    cfg = RewardConfig(components=ALL, format_sequences=["####"])
+    reward = build_reward_fn(cfg, bpe_tok, [bpe_tok.eos_token_id], 16)
+    _, parts = reward(torch.zeros(0, 8, dtype=torch.long), patterns_from_texts(bpe_tok, []))
+    assert all(v.shape == (0,) for v in parts.values())
+    row = bpe_tok.encode("#### 72", add_special_tokens=False)
+    for L in (len(row), MARKER_BLOCK_TOKENS + 1):
+        batch = torch.tensor([row + [bpe_tok.eos_token_id] * (L - len(row))])
+        _, parts = reward(batch, patterns_from_texts(bpe_tok, ["72"]))
+        assert {k: v.tolist() for k, v in parts.items()} == {
+            "answer_after_marker": [1.0],
+            "exact_match": [0.0],
+            "contains": [1.0],
+            "format": [1.0],
+        }

@@ -284,14 +284,13 @@ class ComposedReward:
         return REWARD_COMPONENTS[name](response_ids, patterns, eos)
 
     def _text_parts(self, response_ids: torch.Tensor, patterns: PackedPatterns) -> dict[str, torch.Tensor]:
-        """All components, the matching ones on text: answers, the first stop and whole-row text computed once."""
+        """All components, the matching ones on text: answers and the first stop computed once."""
         text = self.text
         N, L = response_ids.shape
         rows = text.rows(response_ids, self.stop_token_ids)  # one vocabulary lookup: codes and the first stop
         n_valid = rows.n_valid
         needs_answers = {"exact_match", "contains", "answer_after_marker"} & set(self.weights)
         answers = text.answers(response_ids, patterns) if needs_answers else None
-        whole = text.text(rows) if "contains" in self.weights else None
         parts, other_ids = {}, None
         for name in self.weights:
             if name == "answer_after_marker":
@@ -299,7 +298,7 @@ class ComposedReward:
             elif name == "exact_match":
                 parts[name] = text.exact_match(rows, answers)
             elif name == "contains":
-                parts[name] = text.contains(rows, answers, whole)
+                parts[name] = text.contains(rows, answers)
             elif name == "format":
                 parts[name] = text.format(rows)
             elif name == "length_penalty":

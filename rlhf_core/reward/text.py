@@ -8,7 +8,7 @@ tokens -> no bytes), and match bytes:
 
   answer_after_marker  the number (or text) right after the LAST marker, however either was split;
   exact_match          the whole response (up to its first stop token) is the answer;
-  contains             the answer occurs in the response as a whole number / word;
+  contains             the answer occurs in the response as a whole number / word (windows around candidates);
   format               texts occur in order.
 
 Numbers are compared in a canonical form computed on the device (`_numbers`): leading spaces and
@@ -19,14 +19,17 @@ byte compaction), exact for any length. docs/rewards.md lists the accepted forms
 
 Hot-path rules as in `tensor_native`: batched tensor code only (loops over static sizes: the marker
 length, a format text's length), no `.item()` / `.tolist()` / `bool(tensor)` / `nonzero()` / boolean
-indexing, no data-dependent shapes. Per call there is ONE pass over all [N, L] tokens for answer_after_marker
-(`scan`: one vocabulary lookup gives each token's stop / can-end-a-marker bits; the first stop and the
-candidate blocks come from int64 words of 8 such codes); the marker search then reads only the last
-`MARKER_BLOCKS` candidate blocks and converts only a window of tokens after the last marker to bytes;
-exact_match converts the first tokens of a row; format runs each text's byte automaton over the tokens
-(m - 1 shifted lookups per text, no bytes); contains still converts whole responses (up to
-`BYTES_PER_TOKEN` bytes per token on average) and is by far the slowest. The answers' text is computed once
-per PackedPatterns object (cached while the same tensors are passed again).
+indexing, no data-dependent shapes. Per call there is ONE pass over all [N, L] tokens (`scan`: one vocabulary
+lookup gives each token's stop / can-end-a-marker / can-end-a-format-text bits; the first stop and candidate
+blocks come from int64 words of 8 such codes); then only windows are read, of fixed size:
+answer_after_marker reads the last `MARKER_BLOCKS` candidate blocks and converts a window of tokens after the
+last marker to bytes; exact_match converts the first tokens of a row; format runs each text's byte automaton
+over the first `FORMAT_BLOCKS` candidate blocks after the previous text (or over every token when a text's
+last byte is common, see FORMAT_WINDOW_MAX); contains looks up one more per-token code (the byte class of
+the token's first byte) and converts short windows around the last `CONTAINS_WINDOWS` candidates. Lookups
+use `index_select` on tables indexed by id + 1 (entry 0: ids outside the vocabulary), faster than `take` on
+CPU. The answers' text is computed once per PackedPatterns object (cached while the same tensors are passed
+again).
 """
 
 from __future__ import annotations
@@ -44,12 +47,28 @@ MARKER_BLOCKS = 4
 """The marker search cuts a row into blocks of MARKER_BLOCK_TOKENS tokens and reads the last MARKER_BLOCKS
 blocks that hold a token able to end a marker occurrence (a token containing '#' for '####'): a marker
 followed by that many more blocks with such tokens is not found."""
-ANSWER_WINDOW_BYTES = 32
+FORMAT_BLOCKS = 4
+"""The format search reads, for each text, the first FORMAT_BLOCKS blocks of MARKER_BLOCK_TOKENS tokens from the
+previous text's end that hold a token able to end the text (when every text qualifies: see FORMAT_WINDOW_MAX)."""
+FORMAT_WINDOW_MAX = (2, 0.05)
+"""Format texts are searched in windows when there are at most 2 of them and, for each, at most 5% of the
+vocabulary can end an occurrence (a rare last byte, as '#' or '>'); otherwise every token is read (slower)."""
+ANSWER_WINDOW_BYTES = 16
 """Bytes read after the marker beyond the answer's own length (spaces, '$', separators, '.0', a period)."""
 ANSWER_MAX_BYTES = 64
 """Answer alternatives are read up to this many bytes (a longer text answer is cut, and cannot match)."""
+CONTAINS_BLOCKS, CONTAINS_WINDOWS = 4, 6
+"""contains reads the last CONTAINS_BLOCKS blocks of MARKER_BLOCK_TOKENS tokens (before the first stop) that hold
+a candidate token (its first byte that is not whitespace, or not whitespace / '$', may be the first byte of
+an answer alternative), and of those the last CONTAINS_WINDOWS candidates: an occurrence is looked for where
+such a token's text starts."""
+CONTAINS_MAX_BYTES = 24
+"""contains compares alternatives of at most this many bytes (a longer alternative never matches there)."""
+CONTAINS_LEAD_BYTES, CONTAINS_TAIL_BYTES = 4, 6
+"""A candidate token's leading whitespace / '$' read (at most), and the bytes read after an occurrence (its
+end: a '.0…0' longer than this does not end a number)."""
 BYTES_PER_TOKEN = 8
-"""Whole-response conversion (contains, format) keeps at most L * this many bytes of a row."""
+"""Whole-response conversion (`full_text`) keeps at most L * this many bytes of a row."""
 
 _SPACE = (32, 9, 10, 13, 11, 12)  # ' ', \t, \n, \r, \v, \f
 _DIGIT0, _DIGIT9, _DOT, _COMMA, _MINUS, _DOLLAR = 48, 57, 46, 44, 45, 36
@@ -222,6 +241,16 @@ class VocabBytes:
     match_end: torch.Tensor
     can_end: torch.Tensor
 
+    @property
+    def V(self) -> int:
+        return self.lengths.numel()
+
+    def shifted(self, name: str) -> torch.Tensor:
+        """Table `name` indexed by id + 1 (`scan`'s index): the byte-less last id's entries (rows) first."""
+        t = getattr(self, name)
+        n = t.numel() // self.V
+        return torch.cat([t[-n:], t])
+
     @classmethod
     def build(cls, tokenizer, marker: str) -> VocabBytes:
         table = token_bytes(tokenizer) + [b""]  # one more, byte-less id: where out-of-vocabulary ids are read
@@ -264,7 +293,7 @@ class VocabBytes:
         )
 
     def to(self, device) -> VocabBytes:
-        return VocabBytes(
+        vb = VocabBytes(
             flat=self.flat.to(device),
             offsets=self.offsets.to(device),
             lengths=self.lengths.to(device),
@@ -274,6 +303,10 @@ class VocabBytes:
             match_end=self.match_end.to(device),
             can_end=self.can_end.to(device),
         )
+        # tables by id + 1 (index 0: outside the vocabulary), for index_select on non-negative indices
+        vb.lengths1, vb.offsets1 = vb.shifted("lengths"), vb.shifted("offsets")
+        vb.next_state1, vb.match_end1 = vb.shifted("next_state"), vb.shifted("match_end")
+        return vb
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -306,6 +339,23 @@ def _byte_classes() -> torch.Tensor:
 
 
 _CLASSES = _byte_classes()
+
+
+def _byte_bucket(b: int) -> int:
+    """One of 31 buckets of a byte (a bit of int32 candidate masks): digits, '-' and '$' their own, letters by
+    their lower case, other bytes shared."""
+    if _DIGIT0 <= b <= _DIGIT9:
+        return b - _DIGIT0
+    if b == _MINUS:
+        return 10
+    if b == _DOLLAR:
+        return 11
+    if 65 <= b <= 90 or 97 <= b <= 122:
+        return 12 + ((b | 32) - 97) % 19
+    return 12 + b % 19
+
+
+_BUCKETS = torch.tensor([1 << _byte_bucket(b) for b in range(256)], dtype=torch.int32)
 _CHUNK = 18  # decimal digits per int64 chunk of a canonical number (10**18 < 2**63)
 _DIGIT_POW10 = torch.tensor(  # [256 * _CHUNK]: byte b, exponent e -> digit value of b (0 if none) * 10**e
     [(b - _DIGIT0) * 10**e if _DIGIT0 <= b <= _DIGIT9 else 0 for b in range(256) for e in range(_CHUNK)],
@@ -314,12 +364,17 @@ _DIGIT_POW10 = torch.tensor(  # [256 * _CHUNK]: byte b, exponent e -> digit valu
 _CONSTS: dict = {}
 
 
-def _consts(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(_CLASSES, _DIGIT_POW10) on `device`, copied once."""
+def _consts(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(_CLASSES, _DIGIT_POW10, _BUCKETS) on `device`, copied once."""
     c = _CONSTS.get(device)
     if c is None:
-        c = _CONSTS[device] = (_CLASSES.to(device), _DIGIT_POW10.to(device))
+        c = _CONSTS[device] = (_CLASSES.to(device), _DIGIT_POW10.to(device), _BUCKETS.to(device))
     return c
+
+
+def _at(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """table[idx] for a 1-D table and non-negative idx of any shape (index_select: faster than take on CPU)."""
+    return table.index_select(0, idx.reshape(-1)).view(idx.shape)
 
 
 def tokens_to_bytes(
@@ -339,22 +394,22 @@ def tokens_to_bytes(
     if A == 0 or width == 0:
         zeros = torch.zeros(R, width + 1, dtype=torch.long, device=device)
         return zeros, zeros[:, 0].clone()
-    tok = tok.clamp(-1, vb.lengths.numel() - 1)  # -1 wraps in `take` to the byte-less last id
-    lens = vb.lengths.take(tok) * (torch.arange(A, device=device) < n_tok.unsqueeze(1))  # [R, A]
+    tok = tok.clamp(-1, vb.V - 1).add_(1)  # id + 1: 0 reads the byte-less last id
+    lens = _at(vb.lengths1, tok) * (torch.arange(A, device=device) < n_tok.unsqueeze(1))  # [R, A]
     ends = lens.cumsum(dim=1)
     starts = ends - lens
     total = ends[:, -1]
     if skip is not None:
         starts -= skip.unsqueeze(1)
         total = total - skip
-    base = vb.offsets.take(tok) - starts  # flat index of byte j of the row in token t: base[t] + j
+    base = _at(vb.offsets1, tok) - starts  # flat index of byte j of the row in token t: base[t] + j
     marks = torch.zeros(R, width + 2, dtype=torch.long, device=device)
     marks.scatter_add_(1, starts.clamp(0, width + 1), torch.ones_like(starts))
     k = marks[:, : width + 1].cumsum_(dim=1).sub_(1).clamp_(0, A - 1)  # the last token starting at or before j
     j = torch.arange(width + 1, device=device)
     length = total.clamp(0, width)
     src = (base.gather(1, k) + j).clamp_(0, vb.flat.numel() - 1)
-    out = vb.flat.take(src).long() * (j < length.unsqueeze(1))
+    out = _at(vb.flat, src).long() * (j < length.unsqueeze(1))
     return out, length
 
 
@@ -389,7 +444,7 @@ def _numbers(x: torch.Tensor, cls: torch.Tensor):
     r = cnt - (digit & (pos < dot)).sum(dim=1, keepdim=True)  # <= 0: integer digit, -r after it; > 0: fraction
     frac = r > 0
     q = torch.where(frac, r - 1, -r)
-    val = _consts(x.device)[1].take(x * _CHUNK + q.remainder(_CHUNK)) * digit * (1 - 2 * neg)
+    val = _at(_consts(x.device)[1], x * _CHUNK + q.remainder(_CHUNK)) * digit * (1 - 2 * neg)
     col = (q // _CHUNK * 2 + frac).clamp_(max=2 * C - 1)
     canon = torch.zeros(R, 2 * C, dtype=torch.long, device=x.device).scatter_add_(1, col, val)
     return canon, is_number, rest.squeeze(1)
@@ -416,6 +471,9 @@ class AnswerText:
     lit_len: torch.Tensor
     canon: torch.Tensor
     is_num: torch.Tensor
+    first_mask: torch.Tensor | None = None  # int32 [N]: _byte_bucket bits of the alternatives' first bytes
+    words: torch.Tensor | None = None  # int64 [N, K, Wc / 8]: lit (first Wc bytes) as int64 words (contains)
+    word_mask: torch.Tensor | None = None  # int64 [N, K, Wc / 8]: 0xFF on lit's bytes, 0 past lit_len
 
     @property
     def width(self) -> int:
@@ -432,7 +490,7 @@ def answer_text(
     b, b_len = tokens_to_bytes(vb, tokens.reshape(N * K, Q), lengths.reshape(N * K), None, width + 1)
     fits = b_len <= width
     x = b[:, : width + 1] * fits.unsqueeze(1)  # column `width` is 0 where it fits
-    cls = _consts(x.device)[0].take(x)
+    cls = _at(_consts(x.device)[0], x)
     canon, is_num, rest = _numbers(x, cls)
     pos = torch.arange(width + 1, device=x.device)
     nonspace = ((cls & _NOT_SPACE) > 0) & (pos < b_len.unsqueeze(1))
@@ -441,7 +499,25 @@ def answer_text(
     lit_len = ((last + 1 - lead).clamp(min=0) * fits.unsqueeze(1)).squeeze(1)
     lit = x.gather(1, (pos[:width] + lead).clamp(max=width)) * (pos[:width] < lit_len.unsqueeze(1))
     is_num = is_num & (rest >= last.squeeze(1) + 1) & (lit_len > 0)
-    return AnswerText(lit.reshape(N, K, width), lit_len.reshape(N, K), canon.reshape(N, K, -1), is_num.reshape(N, K))
+    lit = lit.reshape(N, K, width)
+    lit_len = lit_len.reshape(N, K)
+    buckets = _consts(x.device)[2]
+    first = torch.where(lit_len > 0, _at(buckets, lit[:, :, 0]), 0)  # [N, K]
+    first_mask = first[:, 0]
+    for k in range(1, K):
+        first_mask = first_mask | first[:, k]
+    wc = -(-min(width, CONTAINS_MAX_BYTES) // 8) * 8
+    words = torch.nn.functional.pad(lit[:, :, :wc], (0, wc - min(width, wc))).to(torch.uint8).contiguous()
+    mask = ((torch.arange(wc, device=x.device) < lit_len.unsqueeze(-1)) * 255).to(torch.uint8)
+    return AnswerText(
+        lit,
+        lit_len,
+        canon.reshape(N, K, canon.shape[1]),
+        is_num.reshape(N, K),
+        first_mask,
+        words.view(torch.int64),
+        mask.view(torch.int64),
+    )
 
 
 def _matches_answer(x: torch.Tensor, n: torch.Tensor, ans: AnswerText, whole: bool) -> torch.Tensor:
@@ -454,7 +530,7 @@ def _matches_answer(x: torch.Tensor, n: torch.Tensor, ans: AnswerText, whole: bo
     Returns BoolTensor [N] (any alternative).
     """
     N, W = x.shape
-    cls = _consts(x.device)[0].take(x)
+    cls = _at(_consts(x.device)[0], x)
     canon, is_number, rest = _numbers(x, cls)
     num_hit = _same(canon, ans.canon) & (is_number.unsqueeze(1) & ans.is_num)
     pos = torch.arange(W, device=x.device)
@@ -470,7 +546,7 @@ def _matches_answer(x: torch.Tensor, n: torch.Tensor, ans: AnswerText, whole: bo
         last = torch.where(((cls & _NOT_SPACE) > 0) & (pos < n.unsqueeze(1)), pos, -1).amax(dim=1, keepdim=True)
         lit_hit &= ans.lit_len == (last + 1 - lead)
     else:
-        nxt = _consts(x.device)[0].take(lit.gather(1, ans.lit_len.clamp(max=Wa)))  # [N, K]: byte after the answer
+        nxt = _at(_consts(x.device)[0], lit.gather(1, ans.lit_len.clamp(max=Wa)))  # [N, K]: byte after the answer
         lit_hit &= (nxt & _C_ALNUM) == 0
     return (num_hit | lit_hit).any(dim=1)
 
@@ -481,7 +557,10 @@ def first_stop(is_stop: torch.Tensor) -> torch.Tensor:
     return torch.where(is_stop, torch.arange(L, device=is_stop.device), L).amin(dim=1)
 
 
-_CAN_END, _STOP = 1, 2  # bits of the per-token codes of `scan`
+_CAN_END, _STOP, _FORMAT0 = 1, 2, 4  # bits of the per-token codes of `scan`; format text i: _FORMAT0 << 3 * i
+# For format text i, three bits from _FORMAT0 << 3 * i: CAN (the token ends an occurrence from some state),
+# WHOLE (from state 0), ADV (the token can leave a state >= 1, or has no bytes). A token can end an occurrence
+# only if WHOLE, or CAN and the token before it is ADV: a pair test on int64 words of 8 codes.
 
 
 def _word_mask(bit: int) -> int:
@@ -514,6 +593,31 @@ def scan(codes_table: torch.Tensor, ids: torch.Tensor, block: int = MARKER_BLOCK
     return codes, n_valid, idx
 
 
+def _blocks_with(codes: torch.Tensor, bit: int, block: int) -> torch.Tensor:
+    """BoolTensor [N, Lp / block]: blocks of `block` codes (uint8 [N, Lp]) holding a code with `bit`, read as int64
+    words of 8 codes."""
+    N = codes.shape[0]
+    words = codes.view(torch.int64).view(N, codes.shape[1] // block, block // 8)
+    return (words & _word_mask(bit)).amax(dim=-1) != 0
+
+
+def _pick_blocks(has: torch.Tensor, k: int, last: bool) -> torch.Tensor:
+    """The indices of the first / last `k` True columns of each row in ascending order, LongTensor [N, k] (-1 where
+    a row has fewer: at the end for first, at the start for last): a rank by cumsum, then a scatter into k
+    slots (plus one slot for the rest); no sort."""
+    N, nb = has.shape
+    k = min(k, nb)
+    h = has.long()
+    if last:  # rank from the end, slot k - 1 - rank: the chosen stay in ascending order
+        rank = h.flip(1).cumsum(1).flip(1) - 1
+        slot = torch.where(has & (rank < k), k - 1 - rank, k)
+    else:
+        rank = h.cumsum(1) - 1
+        slot = torch.where(has & (rank < k), rank, k)
+    bidx = torch.arange(nb, device=has.device).expand(N, nb)
+    return torch.full((N, k + 1), -1, dtype=torch.long, device=has.device).scatter_(1, slot, bidx)[:, :k]
+
+
 def last_marker(
     vb: VocabBytes,
     index: torch.Tensor,
@@ -536,21 +640,20 @@ def last_marker(
     N, L = index.shape
     device = index.device
     m = max(len(vb.marker), 1)
-    nb = codes.shape[1] // block
-    words = codes.view(torch.int64).view(N, nb, block // 8)
-    bidx = torch.arange(nb, device=device)
-    has = ((words & _word_mask(_CAN_END)).amax(dim=-1) > 0) & (bidx * block < n_valid.unsqueeze(1))  # [N, nb]
-    chosen = torch.where(has, bidx, -1).topk(min(blocks, nb), dim=1, sorted=False).values  # [N, k], -1 = none
+    has = _blocks_with(codes, _CAN_END, block) & (
+        torch.arange(codes.shape[1] // block, device=device) * block < n_valid.unsqueeze(1)
+    )
+    chosen = _pick_blocks(has, blocks, last=True)  # [N, k], -1 = none
     p = (chosen.unsqueeze(-1) * block + torch.arange(block, device=device)).flatten(1)  # [N, k * block]
     ok = (p >= 0) & (p < n_valid.unsqueeze(1))
     # tokens p - (m - 1) .. p in one gather, as (id * m) row offsets into the tables: [N, m, k * block]; an id
     # of -1 (before the row, outside the vocabulary) wraps in `take` to the byte-less last id
     q = p.unsqueeze(1) - torch.arange(m - 1, -1, -1, device=device).unsqueeze(-1)
-    t = (index.gather(1, q.clamp(0, L - 1).flatten(1)).view(N, m, -1) * (q >= 0) - 1) * m
+    t = index.gather(1, q.clamp(0, L - 1).flatten(1)).view(q.shape).mul_(q >= 0).mul_(m)  # (id + 1) * m
     state = torch.zeros_like(p)
     for d in range(m - 1):
-        state = vb.next_state.take(t[:, d] + state)
-    end = vb.match_end.take(t[:, m - 1] + state)
+        state = _at(vb.next_state1, t[:, d] + state)
+    end = _at(vb.match_end1, t[:, m - 1] + state)
     stride = vb.max_len + 1
     best = torch.where(ok & (end >= 0), p * stride + end, -1).amax(dim=1)
     found = best >= 0
@@ -614,6 +717,88 @@ def contains_text(x: torch.Tensor, n: torch.Tensor, ans: AnswerText) -> torch.Te
     return (hits & before_ok.unsqueeze(1) & after_ok).flatten(1).any(dim=1)
 
 
+def contains_windows(
+    vb: VocabBytes,
+    first_table: torch.Tensor,
+    index: torch.Tensor,
+    n_valid: torch.Tensor,
+    ans: AnswerText,
+    blocks: int = CONTAINS_BLOCKS,
+    windows: int = CONTAINS_WINDOWS,
+    block: int = MARKER_BLOCK_TOKENS,
+) -> torch.Tensor:
+    """Whether an answer alternative occurs in the row (before its first stop) as a whole number / word, read
+    in windows around candidate tokens. -> BoolTensor [N].
+
+    first_table: int32 [V + 1] (entry 0 for ids outside the vocabulary, v + 1 for id v): the _byte_bucket bits
+    of the token's first byte that is not whitespace and of its first that is not whitespace or '$'; index,
+    n_valid: from `scan`. A token is a candidate when those bits meet the row's answers' first bytes
+    (ans.first_mask). The last `windows` candidates of the last `blocks` blocks of `block` tokens holding one
+    are read: each window is the text from 2 bytes before the candidate token, and an occurrence is looked for
+    where the token's text starts, after its leading whitespace (and after a '$' there). It counts when the
+    byte before it is not alphanumeric, '-', or a ',' / '.' after a digit, and the byte after it is not
+    alphanumeric and not a ',' / '.' before a digit, except a '.0…0' that ends the number.
+    """
+    N, L = index.shape
+    device = index.device
+    K = ans.lit_len.shape[1]
+    if L == 0 or K == 0:
+        return torch.zeros(N, dtype=torch.bool, device=device)
+    first = _at(first_table, index)  # int32 [N, L]
+    Lp = -(-L // block) * block
+    if Lp != L:
+        first = torch.nn.functional.pad(first, (0, Lp - L))
+    mask = ans.first_mask.long() & 0xFFFFFFFF
+    # blocks holding a candidate, on int64 words of 2 codes
+    words = first.view(torch.int64).view(N, Lp // block, block // 2) & (mask | (mask << 32)).view(N, 1, 1)
+    has = (words.amax(dim=-1) != 0) & (torch.arange(Lp // block, device=device) * block < n_valid.unsqueeze(1))
+    chosen = _pick_blocks(has, blocks, last=True)
+    p = (chosen.unsqueeze(-1) * block + torch.arange(block, device=device)).flatten(1)  # [N, kb * block]
+    hit_p = (first.gather(1, p.clamp(0, Lp - 1)) & ans.first_mask.unsqueeze(1)) != 0
+    live = (p >= 0) & (p < n_valid.unsqueeze(1)) & hit_p
+    sel = _pick_blocks(live, windows, last=True)  # [N, C] columns of p, -1 = none
+    c = p.gather(1, sel.clamp(min=0))
+    C = c.shape[1]
+    Wc = ans.words.shape[2] * 8
+    W = 2 + CONTAINS_LEAD_BYTES + Wc + CONTAINS_TAIL_BYTES
+    A = min(W, L + 2)
+    q = c.unsqueeze(-1) - 2 + torch.arange(A, device=device)  # [N, C, A]: tokens c - 2 ..
+    tok = torch.where(q >= 0, index.gather(1, q.clamp(0, L - 1).flatten(1)).view(N, C, A) - 1, -1)
+    pre = _at(vb.lengths1, tok[:, :, :2] + 1).sum(-1)  # bytes of the two tokens before the candidate
+    n_tok = (n_valid.unsqueeze(1) - c + 2).clamp(min=0)
+    x, x_len = tokens_to_bytes(vb, tok.view(N * C, A), n_tok.view(-1), (pre - 2).clamp(min=0).view(-1), W)
+    consts = _consts(device)
+    cls = _at(consts[0], x)  # [R, W + 1]
+    pos = torch.arange(W + 1, device=device)
+    s1 = ((cls & _NOT_SPACE) * (pos >= pre.clamp(max=2).view(-1, 1))).argmax(dim=1, keepdim=True)
+    s2 = s1 + (x.gather(1, s1) == _DOLLAR)
+    xr = x.view(N, C, W + 1)
+    x8 = x.to(torch.uint8)
+    lit_len = ans.lit_len.unsqueeze(1)  # [N, 1, K]
+    fit = (lit_len > 0) & (lit_len <= Wc)
+    cls_of = lambda v: _at(consts[0], v)  # noqa: E731
+    digit = lambda v: (cls_of(v) & _C_DIGIT) > 0  # noqa: E731
+    hit = torch.zeros(N, C, K, dtype=torch.bool, device=device)
+    for s in (s1, s2):
+        b1, b2 = x.gather(1, (s - 1).clamp(min=0)) * (s >= 1), x.gather(1, (s - 2).clamp(min=0)) * (s >= 2)
+        c1 = cls_of(b1)
+        before_ok = ((c1 & (_C_ALNUM | _C_MINUS)) == 0) & ~(((c1 & (_C_DOT | _C_COMMA)) > 0) & digit(b2))
+        xw = x8.gather(1, (s + torch.arange(Wc, device=device)).clamp(max=W)).view(torch.int64).view(N, C, 1, Wc // 8)
+        same = ((xw & ans.word_mask.unsqueeze(1)) == ans.words.unsqueeze(1)).all(dim=-1)  # [N, C, K]
+        a = s.view(N, C, 1) + lit_len  # the byte after the occurrence
+        nxt, nxt2 = xr.gather(2, a.clamp(max=W)), xr.gather(2, (a + 1).clamp(max=W))
+        cn = cls_of(nxt)
+        # '.0…0' then a byte that is not alphanumeric (within the CONTAINS_TAIL_BYTES read)
+        dot_zeros, zeros = torch.zeros_like(same), (nxt == _DOT) & (nxt2 == _DIGIT0)
+        for j in range(2, CONTAINS_TAIL_BYTES):
+            b = xr.gather(2, (a + j).clamp(max=W))
+            dot_zeros |= zeros & ((cls_of(b) & _C_ALNUM) == 0)
+            zeros &= b == _DIGIT0
+        after_ok = ((cn & _C_ALNUM) == 0) & ~(((cn & (_C_DOT | _C_COMMA)) > 0) & digit(nxt2)) | dot_zeros
+        hit |= same & before_ok.view(N, C, 1) & after_ok & (a <= x_len.view(N, C, 1))
+    return (hit & fit & (sel >= 0).unsqueeze(-1)).flatten(1).any(dim=1)
+
+
 def format_tokens(vb: VocabBytes, index: torch.Tensor, n_valid: torch.Tensor, automata) -> torch.Tensor:
     """Whether the format texts occur in order, non-overlapping, before the first stop. -> FloatTensor [N].
 
@@ -630,7 +815,7 @@ def format_tokens(vb: VocabBytes, index: torch.Tensor, n_valid: torch.Tensor, au
     if L == 0:
         return torch.zeros(N, device=index.device)
     big = 1 << 62
-    lens = vb.lengths.take(index - 1)  # -1 wraps to the byte-less last id
+    lens = _at(vb.lengths1, index)
     start = lens.cumsum(dim=1) - lens
     live = torch.arange(L, device=index.device) < n_valid.unsqueeze(1)
     prev_end = torch.zeros(N, 1, dtype=torch.long, device=index.device)
@@ -638,15 +823,84 @@ def format_tokens(vb: VocabBytes, index: torch.Tensor, n_valid: torch.Tensor, au
         state = torch.zeros_like(index)
         for d in range(m - 1, 0, -1):  # the tokens at i - (m - 1) .. i - 1, in order, from state 0
             t = torch.nn.functional.pad(index[:, : max(L - d, 0)], (min(d, L), 0))
-            state = next_state.take((t - 1) * m + state)
-        row = (index - 1) * m + state
+            state = _at(next_state, t * m + state)
+        row = index * m + state
         ends = []
         for table in (first_end, last_end):
-            e = table.take(row)
+            e = _at(table, row)
             at = start + e
             ends.append(torch.where((e >= 0) & (at - m >= prev_end) & live, at, big))
         prev_end = torch.minimum(ends[0], ends[1]).amin(dim=1, keepdim=True)
     return (prev_end < big).squeeze(1).float()
+
+
+def _format_blocks(codes: torch.Tensor, i: int, block: int) -> torch.Tensor:
+    """BoolTensor [N, Lp / block]: blocks holding a token that may end format text i (WHOLE, or CAN after an ADV
+    token), on int64 words of 8 codes; the first token of a word counts its predecessor as ADV (a superset)."""
+    can = _FORMAT0 << 3 * i
+    N = codes.shape[0]
+    w = codes.view(torch.int64)
+    prev_adv = ((w << 8) | (can << 2)) & _word_mask(can << 2)  # each byte: the ADV bit of the token before it
+    cand = (w & (prev_adv >> 2) & _word_mask(can)) | ((w & _word_mask(can << 1)) >> 1)  # CAN bits only: >= 0
+    return cand.view(N, codes.shape[1] // block, block // 8).amax(dim=-1) != 0
+
+
+def format_windows(
+    vb: VocabBytes,
+    index: torch.Tensor,
+    codes: torch.Tensor,
+    n_valid: torch.Tensor,
+    automata,
+    blocks: int = FORMAT_BLOCKS,
+    block: int = MARKER_BLOCK_TOKENS,
+) -> torch.Tensor:
+    """`format_tokens` on windows: whether the format texts occur in order, non-overlapping, before the first
+    stop. -> FloatTensor [N].
+
+    index, codes, n_valid: from `scan` (codes carry text i's CAN / WHOLE / ADV bits, see _FORMAT0). For
+    text i, the first `blocks` blocks of `block` tokens that hold such a token, start before the first stop
+    and end at or after the token where text i - 1 ended are read: for each token there, the automaton state
+    before it is recomputed from the m - 1 tokens before it, and its first / last occurrence is kept when at
+    least m bytes lie between the previous text's end and the occurrence's end (the byte lengths of those
+    m - 1 tokens). An occurrence's end is (token, byte offset in it), compared as token * stride + offset.
+    """
+    N, L = index.shape
+    device = index.device
+    if not automata:
+        return torch.ones(N, device=device)
+    if L == 0:
+        return torch.zeros(N, device=device)
+    big = 1 << 40
+    stride = vb.max_len + 1
+    p0 = torch.full((N, 1), -big, dtype=torch.long, device=device)  # token of the previous text's end
+    e0 = torch.zeros(N, 1, dtype=torch.long, device=device)  # and the byte offset in it just past that end
+    bstart = torch.arange(codes.shape[1] // block, device=device) * block
+    live = bstart < n_valid.unsqueeze(1)
+    for i, (next_state, first_end, last_end, m) in enumerate(automata):
+        has = _format_blocks(codes, i, block) & live & (bstart + (block - 1) >= p0)
+        chosen = _pick_blocks(has, blocks, last=False)  # [N, k], -1 = none
+        p = (chosen.unsqueeze(-1) * block + torch.arange(block, device=device)).flatten(1)  # [N, P]
+        ok = (p >= 0) & (p < n_valid.unsqueeze(1)) & (p >= p0)
+        q = p.unsqueeze(1) - torch.arange(m - 1, -1, -1, device=device).unsqueeze(-1)  # [N, m, P]: p-(m-1) .. p
+        t = index.gather(1, q.clamp(0, L - 1).flatten(1)).view(q.shape).mul_(q >= 0)  # id + 1, 0 = none
+        tm = t * m  # automata rows by id + 1
+        state = torch.zeros_like(p)
+        for d in range(m - 1):
+            state = _at(next_state, tm[:, d] + state)
+        row = tm[:, m - 1] + state
+        # bytes of tokens p - 1 .. p - j (j = 0 .. m - 1): those between the previous end and token p
+        cum = torch.nn.functional.pad(_at(vb.lengths1, t[:, : m - 1]).flip(1).cumsum(1), (0, 0, 1, 0))
+        d = p - p0
+        between = cum.gather(1, d.clamp(0, m - 1).unsqueeze(1)).squeeze(1) - e0  # for d < m
+        best = torch.full((N, 1), big, dtype=torch.long, device=device)
+        for table in (first_end, last_end):
+            e = _at(table, row)
+            good = ok & (e >= 0) & ((d >= m) | (e + between >= m))
+            best = torch.minimum(best, torch.where(good, p * stride + e, big).amin(dim=1, keepdim=True))
+        found = best < big
+        p0 = torch.where(found, best // stride, big)
+        e0 = best % stride
+    return (p0 < big).squeeze(1).float()
 
 
 @dataclass
@@ -668,6 +922,8 @@ class TextMatcher:
     format_bytes: list[bytes]
     answer_window_bytes: int = ANSWER_WINDOW_BYTES
     format_automata: list = field(default_factory=list, repr=False)
+    format_windowed: bool = False
+    first_table: torch.Tensor | None = field(default=None, repr=False)  # int32 [V]: see contains_windows
     _on_device: dict = field(default_factory=dict, repr=False)
     _answers: dict = field(default_factory=dict, repr=False)
 
@@ -678,13 +934,31 @@ class TextMatcher:
         table = [flat[o : o + n] for o, n in zip(vb.offsets.tolist(), vb.lengths.tolist())]
         fmt = [s.encode("utf-8") for s in format_sequences]
         automata = [(*_automaton(table, b), len(b)) for b in fmt if b]
-        return cls(vb, fmt, format_automata=automata)
+        V = len(table)
+        windowed = len(automata) <= FORMAT_WINDOW_MAX[0] and all(
+            int((a[1].view(V, -1) >= 0).any(dim=1).sum()) <= FORMAT_WINDOW_MAX[1] * V for a in automata
+        )
+        first = []
+        for b in table:
+            lead = b.lstrip(b" \t\n\r\x0b\x0c")
+            money = lead[1:].lstrip(b" \t\n\r\x0b\x0c") if lead[:1] == b"$" else lead
+            first.append(
+                int(_BUCKETS[lead[0]]) | int(_BUCKETS[money[0]]) if money else (int(_BUCKETS[lead[0]]) if lead else 0)
+            )
+        return cls(
+            vb,
+            fmt,
+            format_automata=automata,
+            format_windowed=windowed,
+            first_table=torch.tensor(first, dtype=torch.int32),
+        )
 
     def on(self, device) -> tuple[VocabBytes, list]:
-        """(VocabBytes, format automata) on `device`, copied once."""
+        """(VocabBytes, format automata) on `device`, copied once; the automata tables by id + 1 (the byte-less
+        last id's rows first, for `scan`'s index)."""
         device = torch.device(device)
         if device not in self._on_device:
-            automata = [(*(t.to(device) for t in a[:3]), a[3]) for a in self.format_automata]
+            automata = [(*(torch.cat([t[-a[3] :], t]).to(device) for t in a[:3]), a[3]) for a in self.format_automata]
             self._on_device[device] = (self.vocab.to(device), automata)
         return self._on_device[device]
 
@@ -693,6 +967,14 @@ class TextMatcher:
         if key not in self._on_device:
             V = self.vocab.lengths.numel()
             table = self.vocab.can_end.to(torch.uint8) * _CAN_END
+            if self.format_windowed:
+                for i, a in enumerate(self.format_automata):
+                    can, m = _FORMAT0 << 3 * i, a[3]
+                    ends = a[1].view(V, m) >= 0
+                    adv = (a[0].view(V, m) >= 1).any(dim=1) | (self.vocab.lengths == 0)
+                    table |= ends.any(dim=1).to(torch.uint8) * can
+                    table |= ends[:, 0].to(torch.uint8) * (can << 1)
+                    table |= adv.to(torch.uint8) * (can << 2)
             for s in stop_ids:
                 if 0 <= s < V - 1:
                     table[s] |= _STOP
@@ -755,13 +1037,21 @@ class TextMatcher:
         return (_matches_answer(x[:, : width + 1], x_len.clamp(max=width), ans, whole=True) & fits).float()
 
     def text(self, rows: Rows):
+        """Whole rows as bytes (`full_text`): slow, for reference (contains reads windows instead)."""
         vb, _ = self.on(rows.ids.device)
         return full_text(vb, rows.ids, rows.n_valid)
 
-    def contains(self, rows: Rows, ans: AnswerText, text=None) -> torch.Tensor:
-        text = self.text(rows) if text is None else text
-        return contains_text(text[0], text[1], ans).float()
+    def contains(self, rows: Rows, ans: AnswerText) -> torch.Tensor:
+        """1.0 where an answer alternative occurs in the response as a whole number / word (`contains_windows`)."""
+        vb, _ = self.on(rows.ids.device)
+        key = (rows.ids.device, "first")
+        if key not in self._on_device:
+            t = self.first_table
+            self._on_device[key] = torch.cat([t[-1:], t]).to(rows.ids.device)  # entry 0: ids outside [0, V)
+        return contains_windows(vb, self._on_device[key], rows.index, rows.n_valid, ans).float()
 
     def format(self, rows: Rows) -> torch.Tensor:
         vb, automata = self.on(rows.ids.device)
+        if self.format_windowed:
+            return format_windows(vb, rows.index, rows.codes, rows.n_valid, automata)
         return format_tokens(vb, rows.index, rows.n_valid, automata)
