@@ -24,3 +24,26 @@ def test_chat_model_is_a_real_qwen2_with_byte_level_bpe_and_chatml(chat_policy_d
 
     _, base = load_policy(base_chat_policy_dir, dtype="float32", device="cpu")
     assert base.eos_token == ENDOFTEXT  # base style: the turn end is not EOS
+
+
+def test_max3_chat_prompts_keep_digits_apart_and_warm_start_teaches_only_the_format(chat_policy_dir):
+    """What the chat smoke task looks like to the model (docs/benchmarks.md, chat-format diagnosis): every
+    prompt has the same length (no padding), each of the three digits is its own token, the same token id
+    the answer uses, and the warm start's targets are '#### d' + EOS for every digit, not the prompt's answer."""
+    from rlhf_core.config import load_config
+    from rlhf_core.data import build_chat_task
+    from rlhf_core.warm_start import warm_start_targets
+
+    _, tok = load_policy(chat_policy_dir, dtype="float32", device="cpu")
+    train, heldout = build_chat_task("max3_chat", tok, eval_size=50)
+    assert len({len(p.prompt_ids) for p in train + heldout}) == 1
+    for p in heldout[:20]:
+        a, b, c = (p.meta["problem"] // 10**k % 10 for k in (2, 1, 0))  # triples are enumerated in order
+        tokens = tok.convert_ids_to_tokens(p.prompt_ids)
+        assert [t for t in tokens if t.isdigit()] == [str(a), str(b), str(c)]
+        assert [tok.convert_ids_to_tokens(x) for x in p.answers[0]] == [str(max(a, b, c))]
+    cfg = load_config("configs/chat-smoke.yaml", [])
+    targets = warm_start_targets(cfg, tok, train)
+    texts = [tok.decode(t[:-1]) for t in targets]
+    assert texts == [f"#### {d}" for d in range(10)]
+    assert all(t[-1] == tok.eos_token_id for t in targets)
