@@ -209,6 +209,11 @@ def _train_summary(
             f"  held-out accuracy   {result['eval/accuracy_start']:.3f} at the start -> {result['eval/accuracy']:.3f} "
             f"after {result['steps']} steps",
         ]
+        if "eval/pass@k" in result:
+            lines.append(
+                f"  sampled held-out    pass@{cfg.eval.k} {result['eval/pass@k']:.3f}, mean@{cfg.eval.k} "
+                f"{result['eval/mean@k']:.3f} ({cfg.eval.n_samples} samples per prompt)"
+            )
         if "reward/mean" in result:  # what the training reward is made of: correctness apart from format
             from tasks.supervision import reward_breakdown
 
@@ -261,7 +266,8 @@ def resolve_policy(cfg: TrainConfig, target: str, scratch: Optional[Path] = None
 
 
 def evaluate_policy(cfg: TrainConfig, policy_dir: Path, checkpoint: Optional[Path] = None) -> dict:
-    """Greedy accuracy and mean reward on cfg's held-out prompts (the same scoring as eval/accuracy)."""
+    """Greedy accuracy and mean reward on cfg's held-out prompts (the same scoring as eval/accuracy), and
+    eval/pass@k and eval/mean@k when eval.n_samples > 0."""
     from rlhf_core import build
     from rlhf_core.checkpoint import load_checkpoint
 
@@ -293,6 +299,12 @@ def cmd_evaluate(cfg: TrainConfig, target: str, as_json: bool = False) -> int:
             f"held-out accuracy {result['eval/accuracy']:.3f} (mean reward {result['eval/reward_mean']:.3f}) on "
             f"{result['eval/prompts']} {cfg.data.task} prompts — {checkpoint or policy_dir}"
         )
+        if "eval/pass@k" in result:
+            print(
+                f"sampled: pass@{cfg.eval.k} {result['eval/pass@k']:.3f}, "
+                f"mean@{cfg.eval.k} {result['eval/mean@k']:.3f} ({cfg.eval.n_samples} samples per prompt, "
+                f"temperature {cfg.eval.temperature:g})"
+            )
     return 0
 
 
