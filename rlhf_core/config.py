@@ -253,15 +253,6 @@ class EvalConfig(_Section):
         description="k of eval/pass@k (unbiased estimator, Chen et al. 2021) and eval/mean@k; at most n_samples.",
     )
 
-    @model_validator(mode="after")
-    def _k_within_samples(self) -> EvalConfig:
-        if self.n_samples and self.k > self.n_samples:
-            raise ValueError(
-                f"eval.k={self.k} is more than eval.n_samples={self.n_samples}: pass@k needs at least k samples per "
-                f"prompt. Set eval.n_samples to {self.k} or more, or lower eval.k"
-            )
-        return self
-
 
 class RolloutConfig(_Section):
     """Generation."""
@@ -459,6 +450,11 @@ class TrainConfig(_Section):
         keys = {f"data.{k}": getattr(self.data, k) for k in ("prompt_key", "messages_key", "answer_key")}
         if len(set(keys.values())) < len(keys):
             raise ValueError(f"{', '.join(keys)} must name different keys (got {list(keys.values())})")
+        if self.eval.n_samples and self.eval.k > self.eval.n_samples:
+            raise ValueError(
+                f"eval.k={self.eval.k} is more than eval.n_samples={self.eval.n_samples}: pass@k needs at least k "
+                f"samples per prompt. Set eval.n_samples to {self.eval.k} or more, or lower eval.k"
+            )
         if self.data.answer_after_marker and not self.reward.marker.strip():
             raise ValueError("data.answer_after_marker needs a non-empty reward.marker to split the answer at")
         if self.data.task == "max3_chat" and not self.model.path and self.model.tiny_kind != "chat":
