@@ -312,11 +312,12 @@ def cmd_evaluate(cfg: TrainConfig, target: str, as_json: bool = False) -> int:
 def read_score_input(path: str | Path, answer_key: str = "answer") -> list[dict]:
     """[{'line', 'where', 'answer', 'response' or 'response_ids'}] of a score input file; DatasetError names
     file:line (not UTF-8, invalid JSON, a missing key with the keys found, both or neither response form)."""
-    from rlhf_core.data import DatasetError, read_jsonl
+    from rlhf_core.data import DatasetError, get_field, read_jsonl
 
     rows = []
     for lineno, where, row in read_jsonl(path):
-        if answer_key not in row:
+        answer = get_field(row, answer_key, None)  # dotted keys reach nested objects, as in the datasets
+        if answer is None:
             raise DatasetError(
                 f"{where}: no {answer_key!r} key (the line has keys {sorted(row)}); write the answer under "
                 f"{answer_key!r} or set data.answer_key"
@@ -332,7 +333,7 @@ def read_score_input(path: str | Path, answer_key: str = "answer") -> list[dict]
             raise DatasetError(f"{where}: 'response' must be a string, got {type(value).__name__}")
         if given[0] == "response_ids" and not isinstance(value, list):
             raise DatasetError(f"{where}: 'response_ids' must be a list of token ids, got {type(value).__name__}")
-        rows.append({"line": lineno, "where": where, "answer": row[answer_key], given[0]: value})
+        rows.append({"line": lineno, "where": where, "answer": answer, given[0]: value})
     if not rows:
         raise DatasetError(f"{path} has no lines to score")
     return rows
