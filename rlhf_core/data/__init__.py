@@ -1,6 +1,8 @@
 """Prompt data: synthetic tasks, JSONL and `datasets` tables (parquet, JSON, saved directories, the hub), and the
 resumable prompt source."""
 
+from typing import Optional
+
 from rlhf_core.data.answers import answer_patterns, prepare_answer
 from rlhf_core.data.chat_tasks import CHAT_TASKS, build_chat_task
 from rlhf_core.data.dataset import load_dataset_prompts, read_dataset
@@ -47,19 +49,13 @@ def build_prompt_splits(data_cfg, tokenizer, reward_cfg=None) -> tuple[list[Prom
     if data_cfg.task in SYNTHETIC_TASKS:
         return build_synthetic_task(data_cfg.task, tokenizer, data_cfg.heldout_frac, data_cfg.seed, data_cfg.eval_size)
     keys = RowKeys.from_config(data_cfg, reward_cfg)
-    args = (tokenizer, data_cfg.system_prompt, data_cfg.max_prompt_tokens)
+    common = (tokenizer, data_cfg.system_prompt, data_cfg.max_prompt_tokens)
 
-    def load(path: str, split: str, limit=None) -> list[Prompt]:
+    def load(path: str, split: str, limit: Optional[int] = None) -> list[Prompt]:
         if data_cfg.task == "dataset":
-            return load_dataset_prompts(path, tokenizer, keys, *args[1:], split=split, limit=limit)
-        options = dict(
-            prompt_key=keys.prompt_key,
-            messages_key=keys.messages_key,
-            answer_key=keys.answer_key,
-            answer_after_marker=keys.answer_after_marker,
-            reward_cfg=reward_cfg,
-        )
-        return load_jsonl_prompts(path, *args, **options)[:limit]
+            return load_dataset_prompts(path, common[0], keys, *common[1:], split=split, limit=limit)
+        options = {k: getattr(keys, k) for k in ("prompt_key", "messages_key", "answer_key", "answer_after_marker")}
+        return load_jsonl_prompts(path, *common, **options, reward_cfg=reward_cfg)[:limit]
 
     train = load(data_cfg.train_path, data_cfg.train_split)
     if data_cfg.eval_path:
