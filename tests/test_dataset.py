@@ -137,6 +137,9 @@ def test_unreadable_inputs_fail_naming_the_path(chat_tok, tmp_path):
     broken.write_bytes(b"not parquet at all")
     with pytest.raises(DatasetError, match=r"broken.parquet: `datasets` could not read it"):
         load_dataset_prompts(broken, chat_tok, RowKeys())
+    # a hub id is looked up on the hub (offline here: the error names the id and the offline mode)
+    with pytest.raises(DatasetError, match=r"nobody-here/no-such-dataset: `datasets` could not read it.*Hub"):
+        load_dataset_prompts("nobody-here/no-such-dataset", chat_tok, RowKeys())
     empty = write_parquet(tmp_path / "empty.parquet", [{"prompt": "x", "answer": "1"}])
     with pytest.raises(DatasetError, match="no usable rows"):
         load_dataset_prompts(empty, chat_tok, RowKeys(), limit=0)
