@@ -232,6 +232,11 @@ def _train_summary(
             f"  held-out accuracy   {result['eval/accuracy_start']:.3f} at the start -> {result['eval/accuracy']:.3f} "
             f"after {result['steps']} steps",
         ]
+        if "eval/pass@k" in result:
+            lines.append(
+                f"  sampled held-out    pass@{cfg.eval.k} {result['eval/pass@k']:.3f}, mean@{cfg.eval.k} "
+                f"{result['eval/mean@k']:.3f} ({cfg.eval.n_samples} samples per prompt)"
+            )
         if "reward/mean" in result:  # what the training reward is made of: correctness apart from format
             from tasks.supervision import reward_breakdown
 
@@ -287,7 +292,8 @@ def resolve_policy(cfg: TrainConfig, target: str, scratch: Optional[Path] = None
 
 
 def evaluate_policy(cfg: TrainConfig, policy_dir: Path, checkpoint: Optional[Path] = None) -> dict:
-    """Greedy accuracy and mean reward on cfg's held-out prompts (the same scoring as eval/accuracy)."""
+    """Greedy accuracy and mean reward on cfg's held-out prompts (the same scoring as eval/accuracy), and
+    eval/pass@k and eval/mean@k when eval.n_samples > 0."""
     from rlhf_core import build
     from rlhf_core.checkpoint import load_checkpoint
 
@@ -319,6 +325,12 @@ def cmd_evaluate(cfg: TrainConfig, target: str, as_json: bool = False) -> int:
             f"held-out accuracy {result['eval/accuracy']:.3f} (mean reward {result['eval/reward_mean']:.3f}) on "
             f"{result['eval/prompts']} {cfg.data.task} prompts — {checkpoint or policy_dir}"
         )
+        if "eval/pass@k" in result:
+            print(
+                f"sampled: pass@{cfg.eval.k} {result['eval/pass@k']:.3f}, "
+                f"mean@{cfg.eval.k} {result['eval/mean@k']:.3f} ({cfg.eval.n_samples} samples per prompt, "
+                f"temperature {cfg.eval.temperature:g})"
+            )
     return 0
 
 
@@ -326,11 +338,12 @@ def cmd_evaluate(cfg: TrainConfig, target: str, as_json: bool = False) -> int:
 def read_score_input(path: str | Path, answer_key: str = "answer") -> list[dict]:
     """[{'line', 'where', 'answer', 'response' or 'response_ids'}] of a score input file; DatasetError names
     file:line (not UTF-8, invalid JSON, a missing key with the keys found, both or neither response form)."""
-    from rlhf_core.data import DatasetError, read_jsonl
+    from rlhf_core.data import DatasetError, get_field, read_jsonl
 
     rows = []
     for lineno, where, row in read_jsonl(path):
-        if answer_key not in row:
+        answer = get_field(row, answer_key, None)  # dotted keys reach nested objects, as in the datasets
+        if answer is None:
             raise DatasetError(
                 f"{where}: no {answer_key!r} key (the line has keys {sorted(row)}); write the answer under "
                 f"{answer_key!r} or set data.answer_key"
@@ -346,7 +359,7 @@ def read_score_input(path: str | Path, answer_key: str = "answer") -> list[dict]
             raise DatasetError(f"{where}: 'response' must be a string, got {type(value).__name__}")
         if given[0] == "response_ids" and not isinstance(value, list):
             raise DatasetError(f"{where}: 'response_ids' must be a list of token ids, got {type(value).__name__}")
-        rows.append({"line": lineno, "where": where, "answer": row[answer_key], given[0]: value})
+        rows.append({"line": lineno, "where": where, "answer": answer, given[0]: value})
     if not rows:
         raise DatasetError(f"{path} has no lines to score")
     return rows

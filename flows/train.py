@@ -371,6 +371,8 @@ def _summary_markdown(cfg: TrainConfig, result: dict, tracker: MlflowTracker) ->
         "eval/accuracy_start",
         "eval/accuracy",
         "eval/reward_mean",
+        "eval/pass@k",
+        "eval/mean@k",
         "reward/mean",
         *reward_component_keys(result),  # what the reward is made of: correctness apart from format
         "loss/policy",
@@ -399,6 +401,13 @@ def _summary_markdown(cfg: TrainConfig, result: dict, tracker: MlflowTracker) ->
         lines += [
             f"`reward/<component>`: each reward component's mean over the last step's batch, unweighted "
             f"(`reward/mean` = {weights}).",
+            "",
+        ]
+    if "eval/pass@k" in result:
+        lines += [
+            f"`eval/pass@k`, `eval/mean@k`: k = {cfg.eval.k} of {cfg.eval.n_samples} samples per held-out prompt "
+            f"(temperature {cfg.eval.temperature:g}, top_p {cfg.eval.top_p:g}); in MLflow `eval/pass_at_k`, "
+            "`eval/mean_at_k` (MLflow refuses '@').",
             "",
         ]
     lines += [

@@ -89,7 +89,8 @@ def build_rollout_worker(
 def build_evaluator(
     cfg: TrainConfig, model, tokenizer, policy_dir: str | Path, heldout: list[Prompt], reward_fn=None, engine=None
 ) -> Evaluator:
-    """Greedy held-out evaluation of `model` (through `engine` when given, else an HF engine over `model`)."""
+    """Held-out evaluation of `model` (through `engine` when given, else an HF engine over `model`): greedy
+    eval/accuracy, and eval/pass@k and eval/mean@k when cfg.eval.n_samples > 0."""
     stop_ids = build_stop_ids(cfg, tokenizer, policy_dir)
     engine = engine or HFEngine(model, stop_ids, tokenizer.pad_token_id, seed=cfg.trainer.seed)
     return Evaluator(
@@ -99,6 +100,8 @@ def build_evaluator(
         tokenizer.pad_token_id,
         cfg.rollout.max_new_tokens,
         cfg.data.max_prompt_tokens,
+        eval_cfg=cfg.eval,
+        seed=cfg.trainer.seed,
     )
 
 

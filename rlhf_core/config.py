@@ -186,40 +186,72 @@ class ModelConfig(_Section):
 class DataConfig(_Section):
     """Prompt source."""
 
-    task: Literal["max3", "sum2", "max3_chat", "jsonl"] = Field(
+    task: Literal["max3", "sum2", "max3_chat", "jsonl", "dataset"] = Field(
         "max3",
         description="Synthetic task ('max3': maximum of three digits; 'sum2': a+b; 'max3_chat': max3 in chat format, "
-        "answered after '####', for chat models) or a JSONL dataset.",
+        "answered after '####', for chat models), a JSONL file ('jsonl'), or any table the `datasets` library reads "
+        "('dataset': parquet, JSON, JSONL, a save_to_disk directory or a hub id; verl's parquet schema as it is).",
     )
     train_path: str = Field(
         "",
-        description="JSONL training prompts (task 'jsonl'): one UTF-8 object per line with 'prompt' or 'messages', "
-        "and 'answer' (key names: prompt_key, messages_key, answer_key).",
+        description="Training prompts (task 'jsonl' or 'dataset'): rows with 'prompt' (text or chat list) or "
+        "'messages', and 'answer' or verl's reward_model.ground_truth (key names: prompt_key, messages_key, answer_key).",
     )
     eval_path: str = Field(
-        "", description="JSONL held-out prompts (task 'jsonl'); empty holds out eval_size rows of train_path."
+        "", description="Held-out prompts (task 'jsonl' or 'dataset'); empty holds out eval_size rows of train_path."
+    )
+    train_split: str = Field(
+        "train",
+        min_length=1,
+        description="Task 'dataset': split of train_path read from a hub id or a saved DatasetDict.",
+    )
+    eval_split: str = Field(
+        "test",
+        min_length=1,
+        description="Task 'dataset': split of eval_path read from a hub id or a saved DatasetDict.",
     )
     eval_size: int = Field(200, ge=1, description="Held-out prompts used for eval/accuracy.")
     heldout_frac: float = Field(
         0.2, gt=0, lt=1, description="Synthetic tasks: fraction of all problems held out from training."
     )
     max_prompt_tokens: int = Field(256, ge=1, description="Prompts longer than this are left-truncated.")
-    system_prompt: str = Field("", description="System message for chat-template models (task 'jsonl').")
+    system_prompt: str = Field("", description="System message for chat-template models (task 'jsonl' or 'dataset').")
     prompt_key: str = Field(
-        "prompt", min_length=1, description="JSONL: the key holding the prompt text (e.g. 'question' for raw GSM8K)."
+        "prompt",
+        min_length=1,
+        description="The key holding the prompt: text or a chat list (e.g. 'question' for raw GSM8K); dotted for nested keys.",
     )
     messages_key: str = Field(
         "messages",
         min_length=1,
-        description="JSONL: the key holding chat messages [{role, content}] (used instead of prompt_key when present).",
+        description="The key holding chat messages [{role, content}] (used instead of prompt_key when present).",
     )
-    answer_key: str = Field("answer", min_length=1, description="JSONL: the key holding the answer.")
+    answer_key: str = Field(
+        "answer",
+        min_length=1,
+        description="The key holding the answer, dotted for nested keys; with 'answer', rows without it use verl's reward_model.ground_truth.",
+    )
     answer_after_marker: bool = Field(
         False,
         description="The answer field holds a whole solution: score the text after its last reward.marker (raw "
         "GSM8K lines {question, answer: '... #### 72'} load with prompt_key=question and this set).",
     )
     seed: int = Field(0, description="Shuffling seed of the prompt source.")
+
+
+class EvalConfig(_Section):
+    """Sampled held-out evaluation beside greedy eval/accuracy: eval/pass@k and eval/mean@k."""
+
+    n_samples: int = Field(
+        0, ge=0, description="Samples per held-out prompt for eval/pass@k and eval/mean@k (0 = greedy accuracy only)."
+    )
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature of the sampled evaluation.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass of the sampled evaluation.")
+    k: int = Field(
+        1,
+        ge=1,
+        description="k of eval/pass@k (unbiased estimator, Chen et al. 2021) and eval/mean@k; at most n_samples.",
+    )
 
 
 class RolloutConfig(_Section):
@@ -419,20 +451,27 @@ class TrainConfig(_Section):
     )
     cluster: ClusterConfig = Field(default_factory=ClusterConfig, description="Ray placement.")
     tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="MLflow, checkpoints, evaluation.")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="Sampled held-out evaluation (pass@k, mean@k).")
     supervision: SupervisionConfig = Field(default_factory=SupervisionConfig, description="Flow health checks.")
     run: RunConfig = Field(default_factory=RunConfig, description="Outputs.")
 
     @model_validator(mode="after")
     def _cross_field(self) -> TrainConfig:
-        if self.data.task == "jsonl" and not self.data.train_path:
-            raise ValueError("data.train_path is required when data.task is 'jsonl'")
-        if self.data.task == "jsonl" and not self.model.path:
+        if self.data.task in ("jsonl", "dataset") and not self.data.train_path:
+            raise ValueError(f"data.train_path is required when data.task is '{self.data.task}'")
+        if self.data.task in ("jsonl", "dataset") and not self.model.path:
             raise ValueError(
-                "model.path is required when data.task is 'jsonl' (the tiny model only speaks the synthetic tasks)"
+                f"model.path is required when data.task is '{self.data.task}' (the tiny model only speaks the "
+                "synthetic tasks)"
             )
         keys = {f"data.{k}": getattr(self.data, k) for k in ("prompt_key", "messages_key", "answer_key")}
         if len(set(keys.values())) < len(keys):
             raise ValueError(f"{', '.join(keys)} must name different keys (got {list(keys.values())})")
+        if self.eval.n_samples and self.eval.k > self.eval.n_samples:
+            raise ValueError(
+                f"eval.k={self.eval.k} is more than eval.n_samples={self.eval.n_samples}: pass@k needs at least k "
+                f"samples per prompt. Set eval.n_samples to {self.eval.k} or more, or lower eval.k"
+            )
         if self.data.answer_after_marker and not self.reward.marker.strip():
             raise ValueError("data.answer_after_marker needs a non-empty reward.marker to split the answer at")
         if self.data.task == "max3_chat" and not self.model.path and self.model.tiny_kind != "chat":

@@ -1,12 +1,22 @@
-"""Held-out evaluation: greedy decoding on prompts never trained on, scored by the run's own reward.
+"""Held-out evaluation: greedy decoding on prompts never trained on, scored by the run's own reward, and
+optionally n sampled answers per prompt (eval.n_samples) for pass@k and mean@k.
 
 `eval/accuracy` is the fraction of held-out prompts whose greedy answer the reward calls correct: the
 first answer-checking component configured (exact_match, answer_after_marker, contains), else a total
 reward above 0. `eval/reward_mean` is the mean total reward of those answers.
+
+With eval.n_samples = n > 0, every held-out prompt is also answered n times by sampling (eval.temperature,
+eval.top_p), each answer judged by the same correctness; with c correct out of n, `eval/pass@k` is the mean
+over prompts of the unbiased estimator 1 - C(n-c, k) / C(n, k) (Chen et al., 2021: the chance that at least
+one of k answers drawn from the n is correct) and `eval/mean@k` the mean of c / n (the expected fraction of
+k sampled answers that are correct; unbiased for any k <= n). The literal keys are `eval/pass@k` and
+`eval/mean@k`; k is eval.k (a run parameter). Sampling draws from its own seeded random stream, so it
+neither perturbs nor depends on the rollout engine's sampling (HF engine).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional
@@ -28,6 +38,43 @@ def accuracy_from_components(total: torch.Tensor, components: dict[str, torch.Te
     return (total > 0).float()
 
 
+PASS_AT_K = "eval/pass@k"
+MEAN_AT_K = "eval/mean@k"
+
+
+def pass_at_k(n: int, correct: torch.Tensor, k: int) -> torch.Tensor:
+    """Unbiased pass@k per prompt (Chen et al., 2021): 1 - C(n - c, k) / C(n, k), float64 [P].
+
+    n: samples per prompt; correct: correct samples per prompt c, integer-valued [P], 0 <= c <= n; k <= n.
+    Computed as 1 - prod_{i = n-c+1}^{n} (1 - k / i), which never forms a binomial coefficient (no overflow
+    for large n); when n - c < k one factor is 1 - k/k = 0, so pass@k is exactly 1.
+    """
+    if not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 1 <= k <= n, got k={k}, n={n}")
+    c = correct.to(torch.float64).reshape(-1, 1)
+    if bool(((c < 0) | (c > n)).any()):
+        raise ValueError(f"correct counts must lie in [0, {n}], got {correct.tolist()}")
+    i = torch.arange(1, n + 1, dtype=torch.float64, device=c.device)  # [n]
+    factors = torch.where(i > n - c, 1.0 - k / i, torch.ones((), dtype=torch.float64, device=c.device))  # [P, n]
+    return 1.0 - factors.prod(dim=1)
+
+
+@contextlib.contextmanager
+def _own_random_stream(engine, seed: int):
+    """Sample from a generator seeded with `seed`, then give the engine back its own stream untouched (engines
+    without a `generator`, e.g. vLLM, sample from theirs)."""
+    generator = getattr(engine, "generator", None)
+    if not isinstance(generator, torch.Generator):
+        yield
+        return
+    saved = generator.get_state()
+    generator.manual_seed(seed)
+    try:
+        yield
+    finally:
+        generator.set_state(saved)
+
+
 @torch.no_grad()
 def evaluate(
     engine,
@@ -37,10 +84,20 @@ def evaluate(
     max_new_tokens: int,
     batch_size: int = 256,
     max_prompt_tokens: Optional[int] = None,
+    eval_cfg=None,
+    seed: int = 0,
 ) -> dict:
-    """Greedy decoding on `prompts` with `engine`: eval/accuracy and eval/reward_mean."""
+    """Greedy decoding on `prompts` with `engine`: eval/accuracy and eval/reward_mean; with an EvalConfig
+    whose n_samples > 0 also eval/pass@k and eval/mean@k from n_samples sampled answers per prompt."""
     greedy = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
+    n_samples = eval_cfg.n_samples if eval_cfg is not None else 0
+    sampled = SamplingParams(
+        max_new_tokens=max_new_tokens,
+        temperature=eval_cfg.temperature if n_samples else 1.0,
+        top_p=eval_cfg.top_p if n_samples else 1.0,
+    )
     correct, reward_sum, n = 0.0, 0.0, 0
+    per_prompt: list[torch.Tensor] = []  # correct samples per prompt [P] per batch
     for s in range(0, len(prompts), batch_size):
         pb = collate_prompts(prompts[s : s + batch_size], pad_token_id, max_prompt_tokens)
         batch = engine.generate(pb, 1, greedy)
@@ -48,7 +105,18 @@ def evaluate(
         correct += float(accuracy_from_components(total, components).sum())
         reward_sum += float(total.sum())
         n += len(pb)
-    return {"eval/accuracy": correct / max(1, n), "eval/reward_mean": reward_sum / max(1, n)}
+        if n_samples:
+            with _own_random_stream(engine, seed + s):
+                batch = engine.generate(pb, n_samples, sampled)  # rows grouped by prompt: [P * n]
+            patterns = pb.patterns.to(batch.response_ids.device).repeat_interleave(n_samples)
+            total, components = reward_fn(batch.response_ids, patterns)
+            per_prompt.append(accuracy_from_components(total, components).view(len(pb), n_samples).sum(1).cpu())
+    result = {"eval/accuracy": correct / max(1, n), "eval/reward_mean": reward_sum / max(1, n)}
+    if n_samples and per_prompt:
+        c = torch.cat(per_prompt)
+        result[PASS_AT_K] = float(pass_at_k(n_samples, c, eval_cfg.k).mean())
+        result[MEAN_AT_K] = float((c.double() / n_samples).mean())
+    return result
 
 
 @dataclass
@@ -61,6 +129,8 @@ class Evaluator:
     pad_token_id: int
     max_new_tokens: int
     max_prompt_tokens: Optional[int] = None
+    eval_cfg: object = None  # EvalConfig: sampled pass@k / mean@k when its n_samples > 0
+    seed: int = 0  # seed of the sampled evaluation's random stream
 
     def __call__(self) -> dict:
         return evaluate(
@@ -70,4 +140,6 @@ class Evaluator:
             self.pad_token_id,
             self.max_new_tokens,
             max_prompt_tokens=self.max_prompt_tokens,
+            eval_cfg=self.eval_cfg,
+            seed=self.seed,
         )

@@ -18,6 +18,7 @@ from the run's logged model) and loads it with `rlhf_core.models.load_policy`.
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 import time
 from collections.abc import Iterable
@@ -87,13 +88,23 @@ def looks_like_run_id(text: str) -> bool:
     return len(text) == 32 and all(c in "0123456789abcdef" for c in text.lower())
 
 
+_MLFLOW_ILLEGAL = re.compile(r"[^/\w.\- :]")
+
+
+def mlflow_metric_name(key: str) -> str:
+    """The name a metric is stored under in MLflow, which refuses '@' and most punctuation: '@' becomes '_at_'
+    (MLflow's own autologging spelling: eval/pass@k -> eval/pass_at_k), anything else illegal '_'."""
+    return _MLFLOW_ILLEGAL.sub("_", key.replace("@", "_at_"))
+
+
 def _numeric_metrics(metrics: dict) -> dict[str, float]:
+    """The numeric values of a metrics row, under their MLflow names (`mlflow_metric_name`)."""
     out = {}
     for key, value in metrics.items():
         if isinstance(value, bool):
             value = float(value)
         if isinstance(value, (int, float)) and key not in ("step",):
-            out[key] = float(value)
+            out[mlflow_metric_name(key)] = float(value)
     return out
 
 

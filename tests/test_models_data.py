@@ -257,7 +257,8 @@ def test_jsonl_loads_prompt_and_messages_forms(tiny_tokenizer, tmp_path):
     assert len(rows) == 2
     assert rows[0].prompt_ids == tok("max 1 2 3 =")["input_ids"]
     assert rows[0].answer_text == "3" and [tok.convert_tokens_to_ids("3")] in rows[0].answers
-    assert rows[0].meta == {"line": 1, "id": "a"}
+    assert rows[0].meta == {"line": 1, "answer": "3", "id": "a"}  # every key but the prompt's
+    assert rows[0].messages is None and rows[1].messages == [{"role": "user", "content": "sum 4 5 ="}]
     assert rows[1].text == "sum 4 5 =" and rows[1].answer_text == "9" and rows[1].meta["line"] == 3
     assert [r.uid for r in rows] == [0, 1]
 
@@ -331,7 +332,7 @@ def test_jsonl_raw_gsm8k_lines_load_as_they_are(chat_policy_dir, tmp_path):
     assert held[0].answer_text == "1,000" and train[0].answer_text == "4"
     assert tok.encode("1000", add_special_tokens=False) in held[0].answers  # number spellings, as ever
     assert "Natalia sold clips to 2 friends" in train[0].text and train[0].text.startswith("<|im_start|>user")
-    assert train[0].meta == {"line": 2}  # the prompt and answer keys are not metadata
+    assert train[0].meta == {"line": 2, "answer": rows[1]["answer"]}  # every key but the prompt is metadata
 
 
 @pytest.mark.parametrize(
@@ -368,7 +369,8 @@ def test_jsonl_numbers_pass_the_numeric_check(tiny_tokenizer, tmp_path):
 def test_jsonl_custom_keys_and_missing_key_lists_the_keys_found(tiny_tokenizer, tmp_path):
     path = _write(tmp_path / "d.jsonl", [{"q": "max 1 2 3 =", "label": "3", "id": 9}])
     rows = load_jsonl_prompts(path, tiny_tokenizer, prompt_key="q", answer_key="label")
-    assert rows[0].text == "max 1 2 3 =" and rows[0].answer_text == "3" and rows[0].meta == {"line": 1, "id": 9}
+    assert rows[0].text == "max 1 2 3 =" and rows[0].answer_text == "3"
+    assert rows[0].meta == {"line": 1, "label": "3", "id": 9}
     conv = _write(tmp_path / "c.jsonl", [{"conv": [{"role": "user", "content": "sum 4 5 ="}], "answer": "9"}])
     assert load_jsonl_prompts(conv, tiny_tokenizer, messages_key="conv")[0].text == "sum 4 5 ="
 

@@ -5,7 +5,8 @@ data.answer_after_marker a whole worked solution ('... #### 72') is reduced to t
 reward marker, so raw GSM8K lines ({"question", "answer"}) load as they are. The tokenizer's chat template
 is applied when the model has one; answers become token-pattern variants (`rlhf_core.data.answer_patterns`)
 so that matching in token space survives tokenizer quirks. Every refusal names `file:line` and what to do,
-including answers the configured reward could never score (`rlhf_core.data.answers.prepare_answer`).
+including answers the configured reward could never score (`rlhf_core.data.answers.prepare_answer`). The
+row -> Prompt logic is shared with `data.task: dataset` (`rlhf_core.data.rows`).
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Optional
 
-from rlhf_core.data.answers import answer_patterns, prepare_answer
 from rlhf_core.data.errors import DatasetError
 from rlhf_core.data.prompts import Prompt
+from rlhf_core.data.rows import RowKeys, prompts_from_rows
 
 __all__ = ["DatasetError", "load_jsonl_prompts", "read_jsonl"]
 
@@ -53,32 +54,6 @@ def read_jsonl(path: str | Path) -> Iterator[tuple[int, str, dict]]:
             yield lineno, where, row
 
 
-def _prompt_text(
-    row: dict, where: str, tokenizer, system_prompt: str, prompt_key: str = "prompt", messages_key: str = "messages"
-) -> str:
-    if messages_key in row:
-        messages = row[messages_key]
-        if not isinstance(messages, list) or not all(
-            isinstance(m, dict) and "role" in m and "content" in m for m in messages
-        ):
-            raise DatasetError(f"{where}: {messages_key!r} must be a list of {{'role', 'content'}} objects")
-    elif prompt_key in row:
-        if not isinstance(row[prompt_key], str) or not row[prompt_key].strip():
-            raise DatasetError(f"{where}: {prompt_key!r} must be a non-empty string")
-        messages = [{"role": "user", "content": row[prompt_key]}]
-    else:
-        raise DatasetError(
-            f"{where}: no prompt: needs a {prompt_key!r} string or a {messages_key!r} list, and the line has keys "
-            f"{sorted(row)}; set data.prompt_key (or data.messages_key) to the key that holds it"
-        )
-    if system_prompt and not any(m["role"] == "system" for m in messages):
-        messages = [{"role": "system", "content": system_prompt}] + messages
-    if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    # No chat template: plain concatenation of the contents, the way base models are prompted.
-    return "\n\n".join(m["content"] for m in messages)
-
-
 def load_jsonl_prompts(
     path: str | Path,
     tokenizer,
@@ -94,40 +69,11 @@ def load_jsonl_prompts(
     """Read and tokenize a JSONL dataset. A malformed line fails with `file:line` and the reason.
 
     prompt_key / messages_key / answer_key: where each line keeps its prompt text, its chat messages (used
-    when present) and its answer; answer_after_marker and reward_cfg (the RewardConfig that will score the
-    run; None = its defaults) are handed to `prepare_answer`, which refuses answers that cannot score.
+    when present) and its answer, dotted for nested keys; answer_after_marker and reward_cfg (the
+    RewardConfig that will score the run; None = its defaults) are handed to `prepare_answer`, which
+    refuses answers that cannot score. Rows become Prompts through `rlhf_core.data.rows.row_to_prompt`
+    (meta: the line number and every key but the prompt's).
     """
-    prompts: list[Prompt] = []
-    for lineno, where, row in read_jsonl(path):
-        if answer_key not in row:
-            raise DatasetError(
-                f"{where}: no {answer_key!r} key (the line has keys {sorted(row)}); set data.answer_key to the key "
-                "that holds the answer"
-            )
-        answer = prepare_answer(
-            row[answer_key], where, key=answer_key, answer_after_marker=answer_after_marker, reward_cfg=reward_cfg
-        )
-        text = _prompt_text(row, where, tokenizer, system_prompt, prompt_key, messages_key)
-        add_special = not getattr(tokenizer, "chat_template", None)
-        ids = tokenizer(text, add_special_tokens=add_special)["input_ids"]
-        if max_prompt_tokens:
-            ids = ids[-max_prompt_tokens:]
-        variants = answer_patterns(tokenizer, answer)
-        if not variants:
-            raise DatasetError(f"{where}: answer {answer!r} tokenizes to nothing")
-        prompts.append(
-            Prompt(
-                uid=len(prompts),
-                prompt_ids=ids,
-                answers=variants,
-                text=text,
-                answer_text=answer,
-                meta={
-                    "line": lineno,
-                    **{k: v for k, v in row.items() if k not in (prompt_key, messages_key, answer_key)},
-                },
-            )
-        )
-    if not prompts:
-        raise DatasetError(f"dataset file {Path(path)} has no usable rows")
-    return prompts
+    keys = RowKeys(prompt_key, messages_key, answer_key, answer_after_marker, reward_cfg)
+    rows = ((where, row, {"line": lineno}) for lineno, where, row in read_jsonl(path))
+    return prompts_from_rows(rows, f"file {Path(path)}", tokenizer, keys, system_prompt, max_prompt_tokens)

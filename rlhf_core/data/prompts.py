@@ -19,6 +19,12 @@ class Prompt:
     uid:        stable integer id (index into its split).
     prompt_ids: token ids of the prompt, special tokens / chat template already applied.
     answers:    alternative token-id sequences of the answer (any of them scores).
+    text:       the rendered prompt text (chat template applied), as the model sees it.
+    answer_text: the ground truth the answers were made from (verl: reward_model.ground_truth).
+    meta:       the dataset row's other columns by name (verl: data_source, ability, reward_model,
+                extra_info), for reward functions; a JSONL line also its 'line' number.
+    messages:   the chat messages rendered (system prompt included) when the row's prompt was a
+                conversation; None for a plain-text prompt.
     """
 
     uid: int
@@ -27,6 +33,7 @@ class Prompt:
     text: str = ""
     answer_text: str = ""
     meta: dict = field(default_factory=dict)
+    messages: Optional[list[dict]] = None
 
 
 @dataclass
