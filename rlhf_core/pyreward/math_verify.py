@@ -45,8 +45,8 @@ def math_verify(prompts, completions, completion_ids=None, answer=None, **column
         if not gold_text.strip():
             out.append(None)
             continue
-        if "$" not in gold_text and "\\" not in gold_text:
-            gold_text = f"${gold_text}$"  # plain answers ('72', '1/2') parse as LaTeX math
+        if "$" not in gold_text and "\\boxed" not in gold_text:
+            gold_text = f"${gold_text}$"  # bare answers ('72', '1/2', '\\sqrt{8}') parse as LaTeX math
         gold = parse(gold_text, parsing_timeout=None)
         if not gold:
             out.append(None)

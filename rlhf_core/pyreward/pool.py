@@ -142,12 +142,19 @@ def _run_verl(fn, accepted, timeout_s: float, rows: list[dict]) -> list[Row]:
 def _serve(conn, functions: list[tuple[str, str, str]], timeout_s: float) -> None:
     """A pool process: import the functions once, then answer calls until the pipe closes."""
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # its "timeout disabled": ours is in place
-    try:
-        loaded = [load_function(path, name, where) for path, name, where in functions]
-        accepted = [_accepts(fn) for fn, _ in loaded]
-    except BaseException as exc:  # noqa: BLE001
-        conn.send(("load_error", str(exc) if isinstance(exc, ValueError) else _error_text(exc)))
-        return
+    loaded = []
+    for path, name, where in functions:
+        try:
+            loaded.append(load_function(path, name, where))
+        except BaseException as exc:  # noqa: BLE001 - importing user code may raise anything
+            text = (
+                str(exc)
+                if isinstance(exc, ValueError)
+                else f"{where}: importing {name} from {path or 'built-ins'} failed: {_error_text(exc)}"
+            )
+            conn.send(("load_error", text))
+            return
+    accepted = [_accepts(fn) for fn, _ in loaded]
     conn.send(("ready", [kind for _, kind in loaded]))
     while True:
         try:
