@@ -74,6 +74,7 @@ def train(tmp_path: Path, name: str, functions: str, *extra: str) -> tuple[subpr
 
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     exp = client.get_experiment_by_name("asynctensorrlhf")
+    assert exp is not None, f"no MLflow experiment; atrlhf train said:\n{out.stdout[-4000:]}\n{out.stderr[-4000:]}"
     (run,) = client.search_runs([exp.experiment_id], filter_string=f"tags.`mlflow.runName` = '{name}'")
     return out, (client, run)
 
