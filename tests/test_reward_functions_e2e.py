@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 ATRLHF = str(Path(sys.executable).with_name("atrlhf"))
 
-HELPERS = '''
+HELPERS = """
 import time
 
 
@@ -31,7 +31,7 @@ def sleeps(prompts, completions, **columns):
 
 def raises(data_source, solution_str, ground_truth, extra_info=None):
     raise ValueError(f"cannot score {solution_str!r}")
-'''
+"""
 
 
 def train(tmp_path: Path, name: str, functions: str, *extra: str) -> tuple[subprocess.CompletedProcess, object]:
@@ -83,7 +83,7 @@ def test_trl_and_verl_examples_and_a_timeout_through_atrlhf_train(tmp_path):
     (tmp_path / "helpers.py").write_text(HELPERS)
     functions = (
         "[{path: examples/rewards/trl_style.py, name: last_number_matches, weight: 0.5}, "
-        "{path: examples/rewards/verl_style.py, name: compute_score, label: verl_score, weight: 1.0, metrics: [length]}, "
+        "{path: examples/rewards/verl_style.py, name: compute_score, label: verl_score, metrics: [length]}, "
         f"{{path: {tmp_path / 'helpers.py'}, name: sleeps, weight: 1.0}}]"
     )
     out, (client, run) = train(
