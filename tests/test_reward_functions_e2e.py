@@ -35,9 +35,10 @@ def raises(data_source, solution_str, ground_truth, extra_info=None):
 
 
 def train(tmp_path: Path, name: str, functions: str, *extra: str) -> tuple[subprocess.CompletedProcess, object]:
+    # the user's PREFECT_HOME, as a real `atrlhf train` (a fresh one's database migrations can take longer
+    # than the temporary API's 120 s start-up limit on a loaded machine)
     env = {
         **os.environ,
-        "PREFECT_HOME": str(tmp_path / "prefect"),
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "RAY_USAGE_STATS_ENABLED": "0",
         "PYTHONUNBUFFERED": "1",
