@@ -107,7 +107,7 @@ def test_trl_and_verl_examples_and_a_timeout_through_atrlhf_train(tmp_path):
     }
     assert all(len(v) == 3 for v in history.values()), history  # one value per trainer step
     assert all(0 <= v <= 1 for v in history["reward/last_number_matches"] + history["reward/verl_score"])
-    assert all(v >= 1 for v in history["reward/verl_score/length"])  # every response has a word
+    assert all(0 <= v <= 4 for v in history["reward/verl_score/length"])  # words of <= max_new_tokens tokens
     assert history["reward/last_number_matches/failed"] == [0.0] * 3
     assert history["reward/sleeps/failed"] == [1.0] * 3 and history["reward/sleeps"] == [0.0] * 3  # timed out: 0
     for s, mean in enumerate(history["reward/mean"]):  # the total adds up by weight (a failed call adds 0)
