@@ -14,6 +14,7 @@ synthetic task's default reward) on the same batch, for reference.
     python benchmarks/reward.py --json     # one JSON object on stdout, nothing else
     python benchmarks/reward.py --quick    # fewer shapes and repeats
     python benchmarks/reward.py --text     # also: GSM8K answers matched as TEXT (byte-level BPE), see below
+    python benchmarks/reward.py --functions  # Python reward functions (reward.functions) per 1,000 samples
 
 --text times, at B=256 L=1024 (and B=64 L=256), each text-mode component (`answer_after_marker`,
 `exact_match`, `contains`, `format` with format_sequences ['####']) as training builds it (`build_reward_fn`,
@@ -30,6 +31,13 @@ what a loaded, shared machine does not inflate as much); the ratio of the median
 `text_fresh_patterns_ms`: answer_after_marker with new PackedPatterns for every call (as training packs them
 per rollout batch, so the answers' text is not reused from the previous call). `--stages` also prints the
 CPU time of each stage (the one pass over the tokens, the answers' text, each component's own work).
+
+--functions times the cost per 1,000 samples of scoring the --text GSM8K batch (B=256, L=256) with Python
+reward functions as a rollout worker does (`PythonFunctionRewards.score`: trim at the first stop, decode,
+the calls in the process pool of reward.function_workers processes, tensors back), next to the configured
+tensor-native `answer_after_marker` reward on the same batch: the GSM8K check as a TRL function (one call
+per chunk of rows), as a verl function (one call per row), and a TRL function that does nothing (decode and
+pool overhead only), with 1 and 2 pool processes. All GSM8K scorers must agree on every row.
 """
 
 from __future__ import annotations
@@ -337,6 +345,62 @@ def run_text(quick: bool, stages: bool = False) -> list[dict]:
     return results
 
 
+def run_functions(quick: bool) -> dict:
+    import tempfile
+
+    from rlhf_core.chat_model import build_chat_policy
+    from rlhf_core.config import RewardConfig
+    from rlhf_core.data import Prompt
+    from rlhf_core.models import load_policy
+    from rlhf_core.reward import build_reward_fn, patterns_from_texts
+    from rlhf_core.reward.functions import PythonFunctionRewards
+    from rlhf_core.types import RolloutBatch
+
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as d:
+        tokenizer = load_policy(build_chat_policy(d, style="instruct", layers=1, hidden=32, heads=2), "float32", "cpu")[
+            1
+        ]
+    stops = [tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")]
+    B, L = 256, 256
+    ids, answers = make_gsm8k_batch(tokenizer, B, L, seed=B + L)
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    zeros = torch.zeros(B, dtype=torch.long)
+    batch = RolloutBatch(ids[:, :1], mask[:, :1], ids, mask, torch.zeros(B, L), zeros + L, zeros, zeros)
+    prompts = [Prompt(uid=i, prompt_ids=[], answers=[], answer_text=a) for i, a in enumerate(answers)]
+    reward = build_reward_fn(RewardConfig(components={"answer_after_marker": 1.0}), tokenizer, stops, L)
+    patterns = patterns_from_texts(tokenizer, answers)
+    repeats, budget = (5, 1.0) if quick else (15, 4.0)
+    tensor_ms = median_ms(lambda: reward(ids, patterns), repeats, budget)
+    expected = reward(ids, patterns)[0]
+    fns = str(Path(__file__).resolve().with_name("reward_fns.py"))
+    rows = [{"scorer": "tensor-native answer_after_marker", "workers": 0, "ms_per_1k": tensor_ms * 1000 / B}]
+    for name in ("gsm8k_trl", "gsm8k_verl", "nothing_trl"):
+        for workers in (1, 2):
+            cfg = RewardConfig(functions=[{"path": fns, "name": name}], function_workers=workers)
+            scorer = PythonFunctionRewards(cfg, tokenizer, stops)
+            try:
+                out = scorer.score(prompts, batch)[name]
+                ms = median_ms(lambda: scorer.score(prompts, batch), repeats, budget)
+            finally:
+                scorer.close()
+            row = {"scorer": name, "workers": workers, "ms_per_1k": ms * 1000 / B}
+            if name != "nothing_trl":
+                row["agree_tensor_native"] = float((out == expected).float().mean())
+            rows.append(row)
+    for row in rows:
+        row["x_tensor_native"] = row["ms_per_1k"] / rows[0]["ms_per_1k"]
+    return {
+        "benchmark": "reward_functions",
+        "date": date.today().isoformat(),
+        "cpu": cpu_model(),
+        "torch": torch.__version__,
+        "B": B,
+        "L": L,
+        "results": rows,
+    }
+
+
 def run(quick: bool) -> dict:
     torch.set_num_threads(1)
     tokenizer = build_tokenizer()
@@ -428,7 +492,25 @@ def main(argv=None) -> None:
     parser.add_argument("--quick", action="store_true", help="two shapes, few repeats")
     parser.add_argument("--text", action="store_true", help="only the GSM8K text-matching comparison")
     parser.add_argument("--stages", action="store_true", help="with --text: CPU time of each stage too")
+    parser.add_argument("--functions", action="store_true", help="only Python reward functions vs tensor-native")
     args = parser.parse_args(argv)
+    if args.functions:
+        report = run_functions(args.quick)
+        if args.json:
+            print(json.dumps(report))
+        else:
+            print(
+                f"Python reward functions vs tensor-native, GSM8K batch B={report['B']} L={report['L']}, "
+                f"{report['cpu']}, torch {report['torch']}"
+            )
+            print(f"{'scorer':<36} {'processes':>9} {'ms / 1,000':>11} {'x tensor':>9} {'agree':>6}")
+            for r in report["results"]:
+                agree = f"{r['agree_tensor_native']:.0%}" if "agree_tensor_native" in r else "-"
+                print(
+                    f"{r['scorer']:<36} {r['workers']:>9} {r['ms_per_1k']:>11.2f} {r['x_tensor_native']:>9.1f} "
+                    f"{agree:>6}"
+                )
+        return
     if args.text:
         report = {
             "benchmark": "reward_text",

@@ -397,7 +397,8 @@ def _summary_markdown(cfg: TrainConfig, result: dict, tracker: MlflowTracker) ->
         "",
     ]
     if reward_component_keys(result):
-        weights = " + ".join(f"{w:g} x {name}" for name, w in cfg.reward.components.items())
+        terms = [*cfg.reward.components.items(), *((f.metric_name, f.weight) for f in cfg.reward.functions)]
+        weights = " + ".join(f"{w:g} x {name}" for name, w in terms)
         lines += [
             f"`reward/<component>`: each reward component's mean over the last step's batch, unweighted "
             f"(`reward/mean` = {weights}).",

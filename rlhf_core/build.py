@@ -69,10 +69,21 @@ def build_reward(cfg: TrainConfig, tokenizer, stop_ids: list[int]):
     return build_reward_fn(cfg.reward, tokenizer, stop_ids, cfg.rollout.max_new_tokens)
 
 
+def build_external_rewards(cfg: TrainConfig, tokenizer, stop_ids: list[int]) -> list:
+    """The rewards scored beside the tensor-native one, on the rollout side: reward.functions (Python
+    functions in a process pool, rlhf_core.reward.functions). Each has `weights` and `score(prompts, batch)`."""
+    external = []
+    if cfg.reward.functions:
+        from rlhf_core.reward.functions import PythonFunctionRewards
+
+        external.append(PythonFunctionRewards(cfg.reward, tokenizer, stop_ids))
+    return external
+
+
 def build_rollout_worker(
     cfg: TrainConfig, model, tokenizer, policy_dir: str | Path, seed: int, reward_fn=None
 ) -> RolloutWorker:
-    """The configured engine over `model`, its reward and sampling settings, all with the one stop set."""
+    """The configured engine over `model`, its rewards and sampling settings, all with the one stop set."""
     stop_ids = build_stop_ids(cfg, tokenizer, policy_dir)
     engine = build_engine(cfg, model, tokenizer, model_path=str(policy_dir), seed=seed, stop_token_ids=stop_ids)
     return RolloutWorker(
@@ -82,7 +93,8 @@ def build_rollout_worker(
         cfg.rollout.samples_per_prompt,
         tokenizer.pad_token_id,
         cfg.data.max_prompt_tokens,
-        component_names=list(cfg.reward.components),
+        component_names=cfg.reward.column_names(),
+        external=build_external_rewards(cfg, tokenizer, stop_ids),
     )
 
 

@@ -115,8 +115,30 @@ REWARD_COMPONENT_NAMES: tuple[str, ...] = ("exact_match", "contains", "answer_af
 the keys of rlhf_core.reward.REWARD_COMPONENTS; tests/test_config.py checks the two agree)."""
 
 
+class RewardFunctionConfig(_Section):
+    """A Python reward function (TRL's or verl's signature), run in the rollout worker's process pool."""
+
+    path: str = Field(
+        "",
+        description="A .py file (relative to the working directory) or an importable module; empty for a built-in (math_verify).",
+    )
+    name: str = Field(
+        ..., min_length=1, description="The function's name in that file or module (verl's is usually compute_score)."
+    )
+    weight: float = Field(1.0, description="Weight of the function's score in the total reward.")
+    label: str = Field("", description="Metric name: logged as reward/<label>; empty uses `name`.")
+    metrics: list[str] = Field(
+        default_factory=list,
+        description="Keys of a verl function's returned dict (besides 'score') to log as reward/<label>/<key> means.",
+    )
+
+    @property
+    def metric_name(self) -> str:
+        return self.label or self.name
+
+
 class RewardConfig(_Section):
-    """Tensor-native reward: a weighted sum of named components, scored in token space."""
+    """Reward: a weighted sum of tensor-native components (token space) and Python reward functions."""
 
     components: dict[str, float] = Field(
         default_factory=lambda: {"exact_match": 1.0},
@@ -143,6 +165,22 @@ class RewardConfig(_Section):
         "device, any tokenization, numbers normalised (docs/rewards.md); 'tokens' = the answers' token sequences.",
     )
 
+    functions: list[RewardFunctionConfig] = Field(
+        default_factory=list,
+        description="Python reward functions [{path, name, weight}], TRL or verl signature, added to the total by weight (docs/rewards.md).",
+    )
+    function_timeout_s: float = Field(
+        30.0, gt=0, description="Longest one call of a Python reward function may run; past it the call fails."
+    )
+    function_workers: int = Field(
+        2, ge=1, description="Processes per rollout worker that run the Python reward functions."
+    )
+    max_consecutive_failures: int = Field(
+        20,
+        ge=1,
+        description="Stop the run when a Python reward function fails (raises or times out) this many calls in a row.",
+    )
+
     @model_validator(mode="after")
     def _known_components(self) -> RewardConfig:
         unknown = sorted(set(self.components) - set(REWARD_COMPONENT_NAMES))
@@ -151,6 +189,51 @@ class RewardConfig(_Section):
         if not self.components:
             raise ValueError("at least one reward component is required")
         return self
+
+    @model_validator(mode="after")
+    def _functions_exist(self) -> RewardConfig:
+        """Each function's file or module exists, defines the function, with TRL's or verl's signature (read
+        from the source: nothing is imported or run here), and its metric names are free."""
+        import importlib.util
+
+        from rlhf_core.pyreward.spec import check_source, is_file_path
+
+        seen = set(self.components)
+        for i, fn in enumerate(self.functions):
+            where = f"reward.functions[{i}]"
+            kind = check_source(fn.path, fn.name, where)
+            label = fn.metric_name
+            if label in seen or "/" in label:
+                raise ValueError(
+                    f"{where}: metric name {label!r} is already a reward component or function, or has a '/'; "
+                    f"give this function a unique `label`"
+                )
+            seen.add(label)
+            if fn.metrics and kind != "verl":
+                raise ValueError(
+                    f"{where}: metrics {fn.metrics} are the keys of a verl function's dict; {fn.name} is TRL-style"
+                )
+            if "failed" in fn.metrics or len(set(fn.metrics)) < len(fn.metrics):
+                raise ValueError(
+                    f"{where}: metrics must be distinct and not 'failed' (reward/<label>/failed is logged always)"
+                )
+            if is_file_path(fn.path):  # absolute: Ray workers need not share the working directory
+                fn.path = str(Path(fn.path).resolve())
+            if not fn.path and fn.name == "math_verify":
+                if importlib.util.find_spec("math_verify") is None:
+                    raise ValueError(
+                        f'{where}: the built-in math_verify needs the math-verify package: pip install -e ".[math]"'
+                    )
+        return self
+
+    def column_names(self) -> list[str]:
+        """The per-row reward columns a rollout batch carries (`RolloutBatch.reward_components`), logged as
+        reward/<column>: the components, then per function its score, <label>/failed (1 where the call
+        failed) and <label>/<key> for each declared verl metric."""
+        names = list(self.components)
+        for fn in self.functions:
+            names += [fn.metric_name, f"{fn.metric_name}/failed", *(f"{fn.metric_name}/{k}" for k in fn.metrics)]
+        return names
 
 
 class BufferConfig(_Section):
@@ -440,7 +523,9 @@ class TrainConfig(_Section):
     """Everything a run needs. Load with `load_config`."""
 
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="Policy loss and advantages.")
-    reward: RewardConfig = Field(default_factory=RewardConfig, description="Tensor-native reward.")
+    reward: RewardConfig = Field(
+        default_factory=RewardConfig, description="Reward: tensor-native components and Python reward functions."
+    )
     buffer: BufferConfig = Field(default_factory=BufferConfig, description="Replay buffer.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="Policy model.")
     data: DataConfig = Field(default_factory=DataConfig, description="Prompt source.")

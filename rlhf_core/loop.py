@@ -116,14 +116,15 @@ def generate_step_batch(parts: RunParts) -> tuple[RolloutBatch, dict]:
     """prompts_per_step prompts, generated in chunks of prompts_per_batch, scored; returns (batch, reward stats)."""
     prompts = parts.prompts.get(parts.cfg.trainer.prompts_per_step)
     chunk = parts.cfg.rollout.prompts_per_batch
-    batches, comp_sums = [], {}
+    batches, comp_sums, comp_rows = [], {}, {}
     for s in range(0, len(prompts), chunk):
         batch, components = parts.worker.rollout(prompts[s : s + chunk])
         batches.append(batch)
-        for k, v in components.items():
-            comp_sums[k] = comp_sums.get(k, 0.0) + float(v.sum())
+        for k, v in components.items():  # NaN: an external score that does not apply to the row
+            comp_sums[k] = comp_sums.get(k, 0.0) + float(v.float().nansum())
+            comp_rows[k] = comp_rows.get(k, 0) + int((~v.float().isnan()).sum())
     batch = cat_rollouts(batches, parts.tokenizer.pad_token_id)
-    return batch, {f"reward/{k}": v / len(batch) for k, v in comp_sums.items()}
+    return batch, {f"reward/{k}": v / comp_rows[k] for k, v in comp_sums.items() if comp_rows[k]}
 
 
 def save_run_checkpoint(parts: RunParts, path: str | Path, run: Optional[dict] = None) -> Path:

@@ -26,7 +26,7 @@ def reward_breakdown(metrics: dict) -> str:
     "0.100 (answer_after_marker 0.000, format 1.000)" reads as no correct answers, all well formatted.
     Component values are unweighted batch means (reward/mean is their weighted sum)."""
     text = f"{metrics['reward/mean']:.3f}"
-    keys = reward_component_keys(metrics)
+    keys = [k for k in reward_component_keys(metrics) if "/" not in k[len("reward/") :]]  # not <fn>/failed etc.
     if len(keys) > 1:
         text += " (" + ", ".join(f"{k[len('reward/') :]} {metrics[k]:.3f}" for k in keys) + ")"
     return text

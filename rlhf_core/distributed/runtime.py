@@ -29,6 +29,12 @@ from rlhf_core.supervision import Supervisor
 log = logging.getLogger("rlhf_core.distributed")
 
 
+def _task_error(exc: ray.exceptions.RayTaskError) -> str:
+    """'Type: message' of the exception an actor method raised (without Ray's remote traceback)."""
+    cause = getattr(exc, "cause", None) or exc
+    return f"{type(cause).__name__}: {cause}"
+
+
 class RunFailed(RuntimeError):
     """The run cannot go on (trainer failure, worker restart limit, stall); the message names the cause."""
 
@@ -174,11 +180,15 @@ class DistributedRun:
             return
         n = self.cfg.trainer.prompts_per_step
         shares = [n // len(self.workers) + (1 if i < n % len(self.workers) else 0) for i in range(len(self.workers))]
-        get_or_fail(
-            [w.generate_once.remote(s) for w, s in zip(self.workers, shares) if s],
-            self.timeout,
-            "the rollout workers to generate a batch",
-        )
+        try:
+            get_or_fail(
+                [w.generate_once.remote(s) for w, s in zip(self.workers, shares) if s],
+                self.timeout,
+                "the rollout workers to generate a batch",
+            )
+        except ray.exceptions.RayTaskError as exc:
+            self.failed = f"a rollout worker failed: {_task_error(exc)}"
+            raise RunFailed(self.failed) from exc
         m = get_or_fail(self.trainer.train_once.remote(self.timeout), self.timeout + 10, "the trainer step")
         if m is None:
             raise RunFailed("the trainer found no complete batch after the rollout workers generated one")
@@ -198,6 +208,9 @@ class DistributedRun:
             try:
                 ray.get(ref)
                 continue  # the loop ended normally (stop)
+            except ray.exceptions.RayTaskError as exc:  # the loop raised (e.g. a reward function kept failing)
+                self.failed = f"rollout worker {i} failed: {_task_error(exc)}"
+                raise RunFailed(self.failed) from exc
             except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
                 self.restarts[i] += 1
                 self._event(

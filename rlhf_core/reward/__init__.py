@@ -3,6 +3,8 @@
 Responses are scored where they were generated (same device, batched, no decode, no host round trip).
 `tensor_native` holds the matching primitives, `components` the named reward components and the
 configured weighted sum (`build_reward_fn`), `answers` the build-time tokenisation of answer texts.
+User Python reward functions (`reward.functions`) are decoded and scored beside them, on the rollout side,
+by `functions.PythonFunctionRewards` (imported where it is built, not here).
 """
 
 from rlhf_core.reward.answers import (

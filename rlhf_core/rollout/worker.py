@@ -13,7 +13,8 @@ from rlhf_core.types import Experience, RolloutBatch
 
 
 class RolloutWorker:
-    """Generates with an engine, scores with a tensor-native reward on the engine's device, splits by prompt.
+    """Generates with an engine, scores with a tensor-native reward on the engine's device (plus any external
+    rewards: Python reward functions in a process pool), splits by prompt.
 
     Keeps busy and idle seconds, samples and tokens generated (`stats()`).
     """
@@ -27,6 +28,7 @@ class RolloutWorker:
         pad_token_id: int,
         max_prompt_tokens: int | None = None,
         component_names: Sequence[str] | None = None,
+        external: Sequence = (),
     ):
         self.engine = engine
         self.reward_fn = reward_fn
@@ -36,6 +38,9 @@ class RolloutWorker:
         self.max_prompt_tokens = max_prompt_tokens
         # column order of batch.reward_components (reward.components' order); None: the reward's own order
         self.component_names = list(component_names) if component_names is not None else None
+        # external rewards (Python functions, a reward model): each has `weights` {name: weight} and
+        # score(prompts, batch) -> {name: FloatTensor [N]}; NaN marks a row a score does not apply to
+        self.external = list(external)
         self.busy_s = 0.0
         self.idle_s = 0.0
         self.samples = 0
@@ -56,12 +61,24 @@ class RolloutWorker:
     def rollout(self, prompts: Sequence[Prompt]) -> tuple[RolloutBatch, dict[str, torch.Tensor]]:
         """Generate `samples_per_prompt` completions per prompt and score them; returns (batch, reward components).
 
-        The batch carries its rewards and, as `reward_components` [N, C], the components' per-row values."""
+        The batch carries its rewards (the tensor-native reward plus each external reward's weighted scores)
+        and, as `reward_components` [N, C], the per-row values of the components and external columns (NaN
+        where an external score does not apply to the row)."""
         start = time.perf_counter()
         pb = collate_prompts(prompts, self.pad_token_id, self.max_prompt_tokens)
         batch = self.engine.generate(pb, self.samples_per_prompt, self.sampling)
         patterns = pb.patterns.to(batch.response_ids.device).repeat_interleave(self.samples_per_prompt)
         rewards, components = self.reward_fn(batch.response_ids, patterns)
+        if self.external:
+            rows = [p for p in prompts for _ in range(self.samples_per_prompt)]  # row-aligned with the batch
+            components = dict(components)
+            for source in self.external:
+                for name, values in source.score(rows, batch).items():
+                    values = values.to(rewards.device, torch.float32)
+                    weight = source.weights.get(name)
+                    if weight:  # a row the score does not apply to (NaN) adds 0
+                        rewards = rewards + weight * torch.nan_to_num(values, nan=0.0)
+                    components[name] = values
         batch.rewards = rewards
         names = self.component_names if self.component_names is not None else list(components)
         if names and all(n in components for n in names):  # per row: they travel with the groups
@@ -77,6 +94,12 @@ class RolloutWorker:
         """`rollout`, then one Experience per prompt (its G completions), on CPU for transport."""
         batch, _ = self.rollout(prompts)
         return split_groups(batch.to("cpu"), self.samples_per_prompt)
+
+    def close(self) -> None:
+        """Stop what the external rewards hold (the reward-function processes)."""
+        for source in self.external:
+            if hasattr(source, "close"):
+                source.close()
 
     def add_idle(self, seconds: float) -> None:
         self.idle_s += seconds

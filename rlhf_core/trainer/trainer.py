@@ -253,14 +253,16 @@ class Trainer:
         return metrics
 
     def reward_component_means(self, batch: RolloutBatch) -> dict[str, float]:
-        """reward/<component>: the batch mean of each configured reward component (unweighted), from the
-        per-row values the rollout worker put on the batch; {} for a batch without them."""
+        """reward/<column>: the batch mean of each reward column (unweighted: components, Python functions and
+        their extra metrics, `RewardConfig.column_names`), from the per-row values the rollout worker put on
+        the batch; rows a function did not apply to (NaN) are left out of its mean, and a column with no row
+        is not logged. {} for a batch without them."""
         comps = batch.reward_components
-        names = list(self.cfg.reward.components)
+        names = self.cfg.reward.column_names()
         if comps is None or comps.ndim != 2 or comps.shape[1] != len(names):
             return {}
-        means = comps.float().mean(0).tolist()
-        return {f"reward/{name}": float(v) for name, v in zip(names, means)}
+        means = comps.float().nanmean(0).tolist()
+        return {f"reward/{name}": float(v) for name, v in zip(names, means) if v == v}
 
     # ------------------------------------------------------------------ weights and state
     def state_dict_for_sync(self) -> dict[str, torch.Tensor]:

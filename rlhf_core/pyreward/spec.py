@@ -1,0 +1,119 @@
+"""Where a reward function lives and which signature it has (no torch; nothing executed at config time).
+
+Two signatures, told apart by their parameter names:
+  TRL   f(prompts, completions, completion_ids, **columns) -> list[float | None]   (plain or async)
+  verl  compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | dict
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.util
+import inspect
+import sys
+from pathlib import Path
+from typing import Literal, Optional
+
+Kind = Literal["trl", "verl"]
+
+BUILTIN_FUNCTIONS = {"math_verify": "rlhf_core.pyreward.math_verify"}
+"""Functions given by name alone (path empty): name -> the module that defines it."""
+
+VERL_PARAMS = ("data_source", "solution_str", "ground_truth")
+SIGNATURES = (
+    "TRL's f(prompts, completions, completion_ids, **columns) (a parameter named 'completions') or verl's "
+    "compute_score(data_source, solution_str, ground_truth, extra_info=None)"
+)
+
+
+def classify(params: list[str], has_var_kw: bool) -> Optional[Kind]:
+    """'verl' when the first parameters are verl's, 'trl' when one is named 'completions', else None."""
+    if tuple(params[:3]) == VERL_PARAMS:
+        return "verl"
+    if "completions" in params:
+        return "trl"
+    return None
+
+
+def is_file_path(path: str) -> bool:
+    return path.endswith(".py") or "/" in path
+
+
+def module_source(path: str) -> Optional[Path]:
+    """The source file of a `path` entry (a .py file, or an importable module), or None if there is none."""
+    if is_file_path(path):
+        return Path(path) if Path(path).is_file() else None
+    try:
+        found = importlib.util.find_spec(path)
+    except (ImportError, ValueError):
+        return None
+    origin = getattr(found, "origin", None)
+    return Path(origin) if origin and origin.endswith(".py") else None
+
+
+def check_source(path: str, name: str, where: str) -> Kind:
+    """Config-time check, by reading the source only: the file or module exists, defines `name` as a
+    function, and its signature is TRL's or verl's. Raises ValueError naming `where`."""
+    if not path:
+        if name not in BUILTIN_FUNCTIONS:
+            raise ValueError(
+                f"{where}: path is empty and {name!r} is not a built-in function (built-ins: "
+                f"{sorted(BUILTIN_FUNCTIONS)}); give path: a .py file or an importable module"
+            )
+        path = BUILTIN_FUNCTIONS[name]
+    source = module_source(path)
+    if source is None:
+        raise ValueError(
+            f"{where}: {path!r} is neither an existing .py file nor an importable module (relative paths are "
+            "read from the working directory)"
+        )
+    try:
+        tree = ast.parse(source.read_text(encoding="utf-8"), filename=str(source))
+    except (OSError, SyntaxError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{where}: cannot read {source}: {exc}") from None
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
+            a = node.args
+            params = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs]
+            kind = classify(params, a.kwarg is not None)
+            if kind is None:
+                raise ValueError(f"{where}: {name}({', '.join(params)}) in {source} is not {SIGNATURES}")
+            return kind
+        if isinstance(node, (ast.Assign, ast.AnnAssign, ast.ImportFrom, ast.Import)):
+            targets = (
+                [t.id for t in node.targets if isinstance(t, ast.Name)]
+                if isinstance(node, ast.Assign)
+                else [node.target.id]
+                if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                else [(n.asname or n.name).split(".")[0] for n in getattr(node, "names", [])]
+            )
+            if name in targets:
+                return "trl"  # bound another way (assigned, imported): the pool checks the real signature
+    raise ValueError(f"{where}: {source} defines no function named {name!r}")
+
+
+def load_function(path: str, name: str, where: str):
+    """Import the function (a .py file is loaded as a module of its own) and return (function, kind)."""
+    if not path:
+        path = BUILTIN_FUNCTIONS.get(name, "")
+    if is_file_path(path):
+        file = Path(path).resolve()
+        if not file.is_file():
+            raise ValueError(f"{where}: reward function file {file} does not exist")
+        module_name = f"atrlhf_reward_{abs(hash(str(file)))}"
+        spec = importlib.util.spec_from_file_location(module_name, file)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module  # pickling and dataclasses look modules up here
+        spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(path)
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise ValueError(f"{where}: {path} has no function named {name!r}")
+    sig = inspect.signature(fn)
+    params = [p.name for p in sig.parameters.values() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    kind = classify(params, any(p.kind == p.VAR_KEYWORD for p in sig.parameters.values()))
+    if kind is None:
+        raise ValueError(f"{where}: {name}{sig} in {path} is not {SIGNATURES}")
+    return fn, kind

@@ -1,0 +1,136 @@
+"""Python reward functions end to end: real `atrlhf train` processes (their own Prefect API, a local Ray,
+MLflow on SQLite) on the tiny task, with the example functions of examples/rewards/.
+
+- a run with the TRL-style and the verl-style example and a function that sleeps past its timeout
+  completes, and MLflow holds reward/<label> for each, the verl metric, and the timeouts as failures;
+- a run with a function that raises stops with the function's error (not a restart loop), and the MLflow
+  run is FAILED with that error in its tags.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[1]
+ATRLHF = str(Path(sys.executable).with_name("atrlhf"))
+
+HELPERS = """
+import time
+
+
+def sleeps(prompts, completions, **columns):
+    time.sleep(30)
+    return [1.0] * len(completions)
+
+
+def raises(data_source, solution_str, ground_truth, extra_info=None):
+    raise ValueError(f"cannot score {solution_str!r}")
+"""
+
+
+def train(tmp_path: Path, name: str, functions: str, *extra: str) -> tuple[subprocess.CompletedProcess, object]:
+    # the user's PREFECT_HOME, as a real `atrlhf train` (a fresh one's database migrations can take longer
+    # than the temporary API's 120 s start-up limit on a loaded machine)
+    env = {
+        **os.environ,
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "PYTHONUNBUFFERED": "1",
+    }
+    env.pop("PREFECT_API_URL", None)
+    cmd = [
+        ATRLHF,
+        "train",
+        "--config",
+        "configs/tiny.yaml",
+        "--set",
+        f"run.output_dir={tmp_path / name}",
+        f"tracking.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+        f"tracking.run_name={name}",
+        "trainer.total_steps=3",
+        "tracking.eval_every=0",
+        "tracking.checkpoint_every=0",
+        "tracking.log_model=false",
+        "tracking.log_system_metrics=false",
+        "model.tiny_hidden=32",
+        "model.tiny_heads=2",
+        "model.tiny_layers=1",
+        "data.eval_size=20",
+        "cluster.num_cpus=2",
+        "rollout.prompts_per_batch=4",
+        "trainer.prompts_per_step=4",
+        "rollout.samples_per_prompt=4",
+        "supervision.supervise_interval_s=0.5",
+        f"reward.functions={functions}",
+        *extra,
+    ]
+    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("asynctensorrlhf")
+    assert exp is not None, f"no MLflow experiment; atrlhf train said:\n{out.stdout[-4000:]}\n{out.stderr[-4000:]}"
+    (run,) = client.search_runs([exp.experiment_id], filter_string=f"tags.`mlflow.runName` = '{name}'")
+    return out, (client, run)
+
+
+def test_trl_and_verl_examples_and_a_timeout_through_atrlhf_train(tmp_path):
+    (tmp_path / "helpers.py").write_text(HELPERS)
+    functions = (
+        "[{path: examples/rewards/trl_style.py, name: last_number_matches, weight: 0.5}, "
+        "{path: examples/rewards/verl_style.py, name: compute_score, label: verl_score, metrics: [length]}, "
+        f"{{path: {tmp_path / 'helpers.py'}, name: sleeps, weight: 1.0}}]"
+    )
+    out, (client, run) = train(
+        tmp_path, "functions", functions, "reward.function_timeout_s=0.5", "reward.max_consecutive_failures=1000"
+    )
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    assert run.info.status == "FINISHED"
+    history = {
+        key: [m.value for m in client.get_metric_history(run.info.run_id, key)]
+        for key in [
+            "reward/mean",
+            "reward/exact_match",
+            "reward/last_number_matches",
+            "reward/last_number_matches/failed",
+            "reward/verl_score",
+            "reward/verl_score/length",
+            "reward/sleeps",
+            "reward/sleeps/failed",
+        ]
+    }
+    assert all(len(v) == 3 for v in history.values()), history  # one value per trainer step
+    assert all(0 <= v <= 1 for v in history["reward/last_number_matches"] + history["reward/verl_score"])
+    assert all(0 <= v <= 4 for v in history["reward/verl_score/length"])  # words of <= max_new_tokens tokens
+    assert history["reward/last_number_matches/failed"] == [0.0] * 3
+    assert history["reward/sleeps/failed"] == [1.0] * 3 and history["reward/sleeps"] == [0.0] * 3  # timed out: 0
+    for s, mean in enumerate(history["reward/mean"]):  # the total adds up by weight (a failed call adds 0)
+        expected = (
+            history["reward/exact_match"][s]
+            + 0.5 * history["reward/last_number_matches"][s]
+            + history["reward/verl_score"][s]
+        )
+        assert mean == pytest.approx(expected, abs=1e-5)
+    assert "timed out after 0.5 s (reward.function_timeout_s)" in out.stdout + out.stderr
+
+
+def test_a_raising_function_stops_the_run_with_its_error(tmp_path):
+    (tmp_path / "helpers.py").write_text(HELPERS)
+    out, (_, run) = train(
+        tmp_path,
+        "raising",
+        f"[{{path: {tmp_path / 'helpers.py'}, name: raises}}]",
+        "reward.max_consecutive_failures=3",
+    )
+    text = out.stdout + out.stderr
+    assert out.returncode != 0
+    assert "RewardFunctionError" in text and "failed 3 calls in a row" in text and "cannot score" in text
+    assert "rollout_worker_restarted" not in text  # failed once, not restarted
+    assert run.info.status == "FAILED"
+    assert "reward.functions[0]" in run.data.tags["error"] and "ValueError: cannot score" in run.data.tags["error"]
