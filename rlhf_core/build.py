@@ -69,10 +69,25 @@ def build_reward(cfg: TrainConfig, tokenizer, stop_ids: list[int]):
     return build_reward_fn(cfg.reward, tokenizer, stop_ids, cfg.rollout.max_new_tokens)
 
 
+def build_external_rewards(cfg: TrainConfig, tokenizer, stop_ids: list[int], reward_model=None) -> list:
+    """The external rewards the rollout worker adds to the tensor-native one (`RolloutWorker`'s contract):
+    the reward model when reward.model.path is set, scored in this process, or through `reward_model` (an
+    external reward over the same scorer elsewhere: the Ray runtime's reward-model actor)."""
+    external = []
+    if cfg.reward.model.path:
+        if reward_model is None:
+            from rlhf_core.reward.model import LocalRewardModel, RewardModelScorer
+
+            reward_model = LocalRewardModel(RewardModelScorer(cfg.reward.model, tokenizer, stop_ids))
+        external.append(reward_model)
+    return external
+
+
 def build_rollout_worker(
-    cfg: TrainConfig, model, tokenizer, policy_dir: str | Path, seed: int, reward_fn=None
+    cfg: TrainConfig, model, tokenizer, policy_dir: str | Path, seed: int, reward_fn=None, external=None
 ) -> RolloutWorker:
-    """The configured engine over `model`, its reward and sampling settings, all with the one stop set."""
+    """The configured engine over `model`, its reward and sampling settings, all with the one stop set.
+    `external`: the external rewards (None: `build_external_rewards` builds them in this process)."""
     stop_ids = build_stop_ids(cfg, tokenizer, policy_dir)
     engine = build_engine(cfg, model, tokenizer, model_path=str(policy_dir), seed=seed, stop_token_ids=stop_ids)
     return RolloutWorker(
@@ -83,6 +98,7 @@ def build_rollout_worker(
         tokenizer.pad_token_id,
         cfg.data.max_prompt_tokens,
         component_names=list(cfg.reward.components),
+        external=build_external_rewards(cfg, tokenizer, stop_ids) if external is None else external,
     )
 
 

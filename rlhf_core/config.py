@@ -115,6 +115,33 @@ REWARD_COMPONENT_NAMES: tuple[str, ...] = ("exact_match", "contains", "answer_af
 the keys of rlhf_core.reward.REWARD_COMPONENTS; tests/test_config.py checks the two agree)."""
 
 
+class RewardModelConfig(_Section):
+    """A learned reward model: a local sequence-classification model giving one score per sequence."""
+
+    path: str = Field(
+        "",
+        description="Local Hugging Face AutoModelForSequenceClassification directory (num_labels=1); empty = no "
+        "reward model.",
+    )
+    weight: float = Field(1.0, description="Weight of the reward model's score in the total reward.")
+    batch_size: int = Field(64, ge=1, description="Sequences per reward-model forward pass.")
+    max_length: int = Field(
+        1024, ge=2, description="Longest scored sequence in RM tokens; longer ones keep their last max_length tokens."
+    )
+    normalize: Literal["none", "running"] = Field(
+        "none",
+        description="'running': scores are standardised by the running mean and std of all scores so far; "
+        "'none': raw scores.",
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "float32", description="Reward model parameter dtype; 'auto' takes the checkpoint's."
+    )
+    device: str = Field(
+        "auto", description="'auto' (CUDA when its process has one, else CPU), 'cpu', 'cuda' or 'cuda:N'."
+    )
+    trust_remote_code: bool = Field(False, description="Allow model code shipped inside the RM directory to run.")
+
+
 class RewardConfig(_Section):
     """Tensor-native reward: a weighted sum of named components, scored in token space."""
 
@@ -142,6 +169,15 @@ class RewardConfig(_Section):
         description="How exact_match, contains, answer_after_marker and format compare: 'text' = as text on the "
         "device, any tokenization, numbers normalised (docs/rewards.md); 'tokens' = the answers' token sequences.",
     )
+    model: RewardModelConfig = Field(
+        default_factory=RewardModelConfig,
+        description="A learned reward model scored beside the components (logged as reward/reward_model).",
+    )
+
+    @property
+    def column_names(self) -> list[str]:
+        """Names of the columns of a batch's reward_components: the components, then the external rewards."""
+        return list(self.components) + (["reward_model"] if self.model.path else [])
 
     @model_validator(mode="after")
     def _known_components(self) -> RewardConfig:
@@ -328,6 +364,10 @@ class ClusterConfig(_Section):
     rollout_gpus: float = Field(0.0, ge=0, description="GPUs per rollout worker (fractions allowed).")
     trainer_cpus: float = Field(1.0, ge=0, description="CPUs of the trainer.")
     trainer_gpus: float = Field(0.0, ge=0, description="GPUs of the trainer (fractions allowed).")
+    reward_cpus: float = Field(1.0, ge=0, description="CPUs of the reward-model actor (when reward.model.path is set).")
+    reward_gpus: float = Field(
+        0.0, ge=0, description="GPUs of the reward-model actor (when reward.model.path is set; fractions allowed)."
+    )
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads per worker.")
     max_restarts: int = Field(3, ge=0, description="Times Ray restarts a rollout worker that died.")
     dashboard: bool = Field(
@@ -391,7 +431,9 @@ class TrainConfig(_Section):
     """Everything a run needs. Load with `load_config`."""
 
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="Policy loss and advantages.")
-    reward: RewardConfig = Field(default_factory=RewardConfig, description="Tensor-native reward.")
+    reward: RewardConfig = Field(
+        default_factory=RewardConfig, description="Rewards: tensor-native components and a learned reward model."
+    )
     buffer: BufferConfig = Field(default_factory=BufferConfig, description="Replay buffer.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="Policy model.")
     data: DataConfig = Field(default_factory=DataConfig, description="Prompt source.")

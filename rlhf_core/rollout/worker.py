@@ -15,7 +15,10 @@ from rlhf_core.types import Experience, RolloutBatch
 class RolloutWorker:
     """Generates with an engine, scores with a tensor-native reward on the engine's device, splits by prompt.
 
-    Keeps busy and idle seconds, samples and tokens generated (`stats()`).
+    External rewards (a reward model, Python functions) each have `weights: dict[str, float]` and
+    `score(prompts, batch) -> dict[str, FloatTensor[N]]` (prompts repeated per completion, row-aligned with
+    the batch); Σ weight × score is added to the rewards and each name becomes an extra reward component,
+    after the tensor-native ones. Keeps busy and idle seconds, samples and tokens generated (`stats()`).
     """
 
     def __init__(
@@ -27,6 +30,7 @@ class RolloutWorker:
         pad_token_id: int,
         max_prompt_tokens: int | None = None,
         component_names: Sequence[str] | None = None,
+        external: Sequence = (),
     ):
         self.engine = engine
         self.reward_fn = reward_fn
@@ -36,6 +40,7 @@ class RolloutWorker:
         self.max_prompt_tokens = max_prompt_tokens
         # column order of batch.reward_components (reward.components' order); None: the reward's own order
         self.component_names = list(component_names) if component_names is not None else None
+        self.external = list(external)
         self.busy_s = 0.0
         self.idle_s = 0.0
         self.samples = 0
@@ -62,8 +67,17 @@ class RolloutWorker:
         batch = self.engine.generate(pb, self.samples_per_prompt, self.sampling)
         patterns = pb.patterns.to(batch.response_ids.device).repeat_interleave(self.samples_per_prompt)
         rewards, components = self.reward_fn(batch.response_ids, patterns)
-        batch.rewards = rewards
         names = self.component_names if self.component_names is not None else list(components)
+        if self.external:
+            row_prompts = [p for p in prompts for _ in range(self.samples_per_prompt)]
+            components = dict(components)
+            for reward in self.external:
+                scores = reward.score(row_prompts, batch)
+                for name, weight in reward.weights.items():
+                    components[name] = scores[name].to(rewards.device, torch.float32)
+                    rewards = rewards + weight * components[name]
+                    names = [*names, name]
+        batch.rewards = rewards
         if names and all(n in components for n in names):  # per row: they travel with the groups
             batch.reward_components = torch.stack([components[n].float() for n in names], dim=-1)
         self.busy_s += time.perf_counter() - start

@@ -253,10 +253,10 @@ class Trainer:
         return metrics
 
     def reward_component_means(self, batch: RolloutBatch) -> dict[str, float]:
-        """reward/<component>: the batch mean of each configured reward component (unweighted), from the
-        per-row values the rollout worker put on the batch; {} for a batch without them."""
+        """reward/<component>: the batch mean of each configured reward component and external reward
+        (unweighted), from the per-row values the rollout worker put on the batch; {} for a batch without them."""
         comps = batch.reward_components
-        names = list(self.cfg.reward.components)
+        names = self.cfg.reward.column_names
         if comps is None or comps.ndim != 2 or comps.shape[1] != len(names):
             return {}
         means = comps.float().mean(0).tolist()
