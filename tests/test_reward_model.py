@@ -200,3 +200,21 @@ def test_sync_loop_with_a_bad_reward_model_path_fails_naming_it(tmp_path, tiny_p
 
     with pytest.raises(ConfigError, match=r"reward\.model\.path="):
         build_run(small_cfg(tmp_path, tiny_policy_dir))
+
+
+def test_atrlhf_train_refuses_a_bad_reward_model_path_before_starting_anything(tmp_path, tiny_policy_dir):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    atrlhf = str(Path(sys.executable).with_name("atrlhf"))
+    for path, reason in ((tmp_path / "nope", "does not exist"), (tiny_policy_dir, "not a sequence-classification")):
+        out = subprocess.run(
+            [atrlhf, "train", "--set", f"reward.model.path={path}", f"run.output_dir={tmp_path / 'run'}"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert out.returncode == 2, out.stderr
+        assert f"reward.model.path='{path}'" in out.stderr and reason in out.stderr
+        assert not (tmp_path / "run").exists()  # nothing started, nothing written

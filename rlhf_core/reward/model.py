@@ -34,33 +34,20 @@ import torch
 
 from rlhf_core.config import ConfigError, RewardModelConfig
 from rlhf_core.models import ModelLoadError, check_model_dir, load_tokenizer, resolve_device, resolve_dtype
+from rlhf_core.preflight import check_reward_model_config
 
 REWARD_MODEL_NAME = "reward_model"  # the component name: logged as reward/reward_model
 FIELD = "reward.model.path"
 
 
 def check_reward_model_dir(path: str | Path) -> Path:
-    """The RM directory is a loadable sequence-classification model with one label; ConfigError naming
-    reward.model.path otherwise (read from config.json and the weight headers: nothing is loaded)."""
+    """The RM directory is a sequence-classification model with one label (`preflight.check_reward_model_config`)
+    whose weights and tokenizer files are there and readable; ConfigError naming reward.model.path otherwise."""
+    check_reward_model_config(path)
     try:
-        p = check_model_dir(path)
+        return check_model_dir(path)
     except ModelLoadError as exc:
         raise ConfigError(f"{FIELD}={str(path)!r}: {exc}") from None
-    config = json.loads((p / "config.json").read_text())
-    archs = config.get("architectures") or []
-    if not any(str(a).endswith("ForSequenceClassification") for a in archs):
-        raise ConfigError(
-            f"{FIELD}={str(path)!r}: {p / 'config.json'} names architectures {archs}, not a sequence-classification "
-            "model; a reward model must be saved from AutoModelForSequenceClassification (e.g. "
-            "LlamaForSequenceClassification) with num_labels=1"
-        )
-    num_labels = len(config["id2label"]) if isinstance(config.get("id2label"), dict) else config.get("num_labels", 2)
-    if num_labels != 1:
-        raise ConfigError(
-            f"{FIELD}={str(path)!r}: the model has {num_labels} labels (config.json id2label); a reward model gives "
-            "one score per sequence: num_labels must be 1"
-        )
-    return p
 
 
 def vocab_fingerprint(tokenizer) -> str:
