@@ -1,37 +1,39 @@
-"""`atrlhf train` with a learned reward model, end to end: the real console script (its own temporary Prefect
-API, a local Ray with the reward-model actor, MLflow on SQLite), a few async steps of the tiny task with the
-tiny sequence-classification RM; reward/reward_model must reach MLflow at every step."""
+"""`atrlhf train` with a learned reward model, end to end, in-process (as tests/test_flow.py runs it): the CLI's
+train command under a Prefect test server, a local Ray started by the run with the reward-model actor, MLflow
+on SQLite; a few async steps of the tiny task with the tiny sequence-classification RM. reward/reward_model
+must reach MLflow at every step."""
 
 from __future__ import annotations
 
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+for _key, _value in {
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "DO_NOT_TRACK": "1",
+    "MLFLOW_DISABLE_TELEMETRY": "true",
+}.items():
+    os.environ.setdefault(_key, _value)
+
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
-ATRLHF = str(Path(sys.executable).with_name("atrlhf"))
 
 
 def test_atrlhf_train_with_a_reward_model_logs_it_to_mlflow(tmp_path, tiny_reward_model_dir):
-    env = {
-        **os.environ,
-        "PREFECT_HOME": str(tmp_path / "prefect"),
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "RAY_USAGE_STATS_ENABLED": "0",
-        "MLFLOW_DISABLE_TELEMETRY": "true",
-    }
-    env.pop("PREFECT_API_URL", None)
+    from mlflow.tracking import MlflowClient
+    from prefect.testing.utilities import prefect_test_harness
+
+    from flows.cli import main as cli_main
+
     steps = 3
-    cmd = [
-        ATRLHF,
+    args = [
         "train",
         "--config",
-        "configs/tiny.yaml",
+        str(REPO / "configs" / "tiny.yaml"),
         "--set",
         f"run.output_dir={tmp_path / 'run'}",
         f"tracking.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
@@ -53,11 +55,8 @@ def test_atrlhf_train_with_a_reward_model_logs_it_to_mlflow(tmp_path, tiny_rewar
         "reward.model.weight=0.5",
         "reward.model.batch_size=8",
     ]
-    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, (out.stdout + out.stderr)[-6000:]
-
-    from mlflow.tracking import MlflowClient
-
+    with prefect_test_harness(server_startup_timeout=600):
+        assert cli_main(args) == 0
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     (run,) = [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])]
     assert run.info.status == "FINISHED"
