@@ -381,6 +381,8 @@ def _summary_markdown(cfg: TrainConfig, result: dict, tracker: MlflowTracker) ->
     ]
     if reward_component_keys(result):
         weights = " + ".join(f"{w:g} x {name}" for name, w in cfg.reward.components.items())
+        if cfg.reward.model.path:
+            weights += f" + {cfg.reward.model.weight:g} x reward_model"
         lines += [
             f"`reward/<component>`: each reward component's mean over the last step's batch, unweighted "
             f"(`reward/mean` = {weights}).",
