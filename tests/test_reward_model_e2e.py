@@ -66,3 +66,51 @@ def test_atrlhf_train_with_a_reward_model_logs_it_to_mlflow(tmp_path, tiny_rewar
     assert all(math.isfinite(m.value) for m in history)
     assert any(m.value != 0 for m in history)  # a random RM's score is not 0
     assert len(client.get_metric_history(run.info.run_id, "reward/exact_match")) == steps
+
+
+def test_reward_model_actor_scores_as_the_in_process_scorer(ray_local, tmp_path, chat_reward_model_dir, max3_prompts):
+    """Through Ray (the RewardModelActor found by name, rows and prompt messages sent as numpy arrays and
+    lists), an RM with its own tokenizer scores a rollout batch exactly as the in-process scorer does; its
+    resources count in the cluster check."""
+    import ray
+    import torch
+
+    from rlhf_core import build
+    from rlhf_core.config import load_config
+    from rlhf_core.distributed.actors import RemoteRewardModel, RewardModelActor
+    from rlhf_core.distributed.cluster import required_resources
+    from rlhf_core.loop import build_run
+    from rlhf_core.reward.model import REWARD_MODEL_NAME
+
+    cfg = load_config(
+        None,
+        [
+            f"run.output_dir={tmp_path}",
+            "model.tiny_hidden=32",
+            "model.tiny_layers=1",
+            "model.tiny_heads=2",
+            "data.eval_size=4",
+            f"reward.model.path={chat_reward_model_dir}",
+            "reward.model.batch_size=5",
+            "cluster.reward_cpus=0.5",
+        ],
+    )
+    assert required_resources(cfg)["CPU"] == cfg.rollout.num_workers * cfg.cluster.rollout_cpus + 1.0 + 0.5
+    parts = build_run(cfg)
+    (local,) = parts.worker.external
+    prompts = parts.train_prompts[:3]
+    batch, _ = parts.worker.rollout(prompts)
+    row_prompts = [p for p in prompts for _ in range(cfg.rollout.samples_per_prompt)]
+    expected = local.score(row_prompts, batch)[REWARD_MODEL_NAME]
+
+    name = "atrlhf-reward_model-test"
+    actor = ray.remote(RewardModelActor).options(name=name, num_cpus=0).remote(cfg, str(parts.policy_dir))
+    try:
+        remote = RemoteRewardModel(ray.get_actor(name), cfg, build.build_tokenizer(cfg, parts.policy_dir))
+        assert remote.shares_tokenizer is False and remote.weights == {REWARD_MODEL_NAME: 1.0}
+        got = remote.score(row_prompts, batch)[REWARD_MODEL_NAME]
+        assert got.dtype == torch.float32 and got.shape == (len(batch),)
+        assert torch.allclose(got, expected, atol=1e-5)
+        assert ray.get(actor.stats.remote())["rows"] == len(batch)
+    finally:
+        ray.kill(actor)

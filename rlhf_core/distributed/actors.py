@@ -70,7 +70,8 @@ class RewardModelActor:
 
     def score(self, inputs: dict):
         """Scores (a numpy float32 [N]) of rows sent as numpy arrays (`RemoteRewardModel.score`)."""
-        tensors = {k: torch.from_numpy(v) if k != "messages" else v for k, v in inputs.items()}
+        # arrays from Ray's object store are read-only: copy them (a few KB) rather than alias them
+        tensors = {k: torch.from_numpy(v.copy()) if k != "messages" else v for k, v in inputs.items()}
         return self.scorer.score(**tensors).numpy()
 
     def stats(self) -> dict:
@@ -95,7 +96,7 @@ class RemoteRewardModel:
         inputs = reward_model_inputs(prompts, batch, self.policy_tokenizer, not self.shares_tokenizer)
         payload = {k: v.numpy() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
         scores = get_or_fail(self.actor.score.remote(payload), self.timeout, "the reward model to score a batch")
-        return {self.name: torch.from_numpy(scores)}
+        return {self.name: torch.from_numpy(scores.copy())}
 
 
 # --------------------------------------------------------------------------------------------- rollout
