@@ -75,6 +75,19 @@ def test_long_rows_keep_their_last_max_length_tokens(tiny_reward_model_dir, tiny
     assert scores.tolist() == pytest.approx(expected, abs=1e-5)
 
 
+def test_rows_longer_than_the_rm_context_keep_their_last_tokens(tiny_reward_model_dir, tiny_tokenizer):
+    """reward.model.max_length above the RM's max_position_embeddings (128 here) is capped at it."""
+    tok = tiny_tokenizer
+    scorer = RewardModelScorer(RewardModelConfig(path=str(tiny_reward_model_dir)), tok, [tok.eos_token_id])
+    assert scorer.max_length == 128
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(4, len(tok), (n,), generator=g).tolist() for n in (150, 20)]
+    responses = [[5, 6, tok.eos_token_id], [7]]
+    scores = scorer.score(*rollout_rows(prompts, responses, tok.pad_token_id))
+    expected = [own_forward(scorer, (p + r)[-128:]) for p, r in zip(prompts, responses)]
+    assert scores.tolist() == pytest.approx(expected, abs=1e-5)
+
+
 def test_pack_token_rows_is_the_real_tokens_in_order():
     ids = torch.tensor([[0, 0, 5, 6, 7, 0], [0, 8, 9, 10, 11, 12]])
     mask = ids != 0

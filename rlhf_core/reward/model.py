@@ -13,10 +13,11 @@ and scores rollout rows in batches of `reward.model.batch_size`:
   stop set) and re-tokenized with the RM's own chat template (a user turn, an assistant turn), or as plain
   prompt text + response text when the RM has no template.
 
-Sequences longer than `reward.model.max_length` keep their last tokens (the response's end is what the head
-reads). `reward.model.normalize: running` standardises scores by the running mean and std of every score
-so far. `LocalRewardModel` is the in-process external reward the rollout worker calls (the single-process
-loop); the Ray runtime runs the same scorer in its own actor (`rlhf_core.distributed.actors.RewardModelActor`).
+Sequences longer than `reward.model.max_length` (or the RM's context, if shorter) keep their last tokens
+(the response's end is what the head reads). `reward.model.normalize: running` standardises scores by the
+running mean and std of every score so far. `LocalRewardModel` is the in-process external reward the rollout
+worker calls (the single-process loop); the Ray runtime runs the same scorer in its own actor
+(`rlhf_core.distributed.actors.RewardModelActor`).
 `build_tiny_reward_model` builds a small random RM from a policy directory (tests, benchmark, README demo).
 """
 
@@ -34,7 +35,7 @@ import torch
 
 from rlhf_core.config import ConfigError, RewardModelConfig
 from rlhf_core.models import ModelLoadError, check_model_dir, load_tokenizer, resolve_device, resolve_dtype
-from rlhf_core.preflight import check_reward_model_config
+from rlhf_core.preflight import check_reward_model_config, model_context_length
 
 REWARD_MODEL_NAME = "reward_model"  # the component name: logged as reward/reward_model
 FIELD = "reward.model.path"
@@ -139,6 +140,8 @@ class RewardModelScorer:
         self.stop_ids = torch.tensor(sorted(set(int(i) for i in stop_ids)), dtype=torch.long)
         self.shares_tokenizer = vocab_fingerprint(policy_tokenizer) == vocab_fingerprint(self.tokenizer)
         self.pad_id = int(self.tokenizer.pad_token_id)
+        context = model_context_length(p)  # rows never exceed what the RM's positions cover
+        self.max_length = min(cfg.max_length, context[0]) if context else cfg.max_length
         # decoder RMs (Llama, Qwen2, Mistral, Gemma, GPT-2...) have a `score` head over the backbone's hidden
         # states: read it at each row's last real token ourselves; other heads pool as the model does
         self.backbone = getattr(self.model, getattr(self.model, "base_model_prefix", ""), None)
@@ -172,7 +175,7 @@ class RewardModelScorer:
         """RM rows from the policy's token ids as they are: prompt then response (its stop token included)."""
         ids = torch.cat([prompt_ids, response_ids], dim=1)
         mask = torch.cat([prompt_mask, response_mask], dim=1).bool()
-        return pack_token_rows(ids, mask, self.cfg.max_length, self.pad_id)
+        return pack_token_rows(ids, mask, self.max_length, self.pad_id)
 
     def response_texts(self, response_ids: torch.Tensor, response_mask: torch.Tensor) -> list[str]:
         """Responses decoded with the policy's tokenizer, up to (without) the stop token, special tokens skipped."""
@@ -193,7 +196,7 @@ class RewardModelScorer:
         """RM rows of texts tokenized by the RM's own tokenizer (its template already holds the specials)."""
         add_special = not getattr(self.tokenizer, "chat_template", None)
         encoded = self.tokenizer(list(texts), add_special_tokens=add_special)["input_ids"]
-        rows = [r[-self.cfg.max_length :] for r in encoded]
+        rows = [r[-self.max_length :] for r in encoded]
         lengths = torch.tensor([len(r) for r in rows], dtype=torch.long)
         ids = torch.full((len(rows), max(int(lengths.max()), 1) if rows else 1), self.pad_id, dtype=torch.long)
         for i, r in enumerate(rows):
