@@ -126,7 +126,10 @@ class RewardModelConfig(_Section):
     weight: float = Field(1.0, description="Weight of the reward model's score in the total reward.")
     batch_size: int = Field(64, ge=1, description="Sequences per reward-model forward pass.")
     max_length: int = Field(
-        1024, ge=2, description="Longest scored sequence in RM tokens; longer ones keep their last max_length tokens."
+        1024,
+        ge=2,
+        description="Longest scored sequence in RM tokens (capped at the RM's context); longer ones keep their "
+        "last max_length tokens.",
     )
     normalize: Literal["none", "running"] = Field(
         "none",
