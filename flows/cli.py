@@ -120,6 +120,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for key, value in _QUIET_ENV.items():
         os.environ.setdefault(key, value)
     if args.command == "train":
+        if cfg.reward.model.path:  # before the Prefect API, Ray or MLflow start
+            from rlhf_core.preflight import check_reward_model_config
+
+            try:
+                check_reward_model_config(cfg.reward.model.path)
+            except ConfigError as exc:
+                print(f"atrlhf: {exc}", file=sys.stderr)
+                return EXIT_CONFIG
         return cmd_train(cfg, args.resume_from)
     if args.command == "score":
         return cmd_score(cfg, args.input, as_json=args.json)

@@ -399,6 +399,8 @@ def _summary_markdown(cfg: TrainConfig, result: dict, tracker: MlflowTracker) ->
     if reward_component_keys(result):
         terms = [*cfg.reward.components.items(), *((f.metric_name, f.weight) for f in cfg.reward.functions)]
         weights = " + ".join(f"{w:g} x {name}" for name, w in terms)
+        if cfg.reward.model.path:
+            weights += f" + {cfg.reward.model.weight:g} x reward_model"
         lines += [
             f"`reward/<component>`: each reward component's mean over the last step's batch, unweighted "
             f"(`reward/mean` = {weights}).",

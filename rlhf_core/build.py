@@ -69,21 +69,32 @@ def build_reward(cfg: TrainConfig, tokenizer, stop_ids: list[int]):
     return build_reward_fn(cfg.reward, tokenizer, stop_ids, cfg.rollout.max_new_tokens)
 
 
-def build_external_rewards(cfg: TrainConfig, tokenizer, stop_ids: list[int]) -> list:
-    """The rewards scored beside the tensor-native one, on the rollout side: reward.functions (Python
-    functions in a process pool, rlhf_core.reward.functions). Each has `weights` and `score(prompts, batch)`."""
+def build_external_rewards(cfg: TrainConfig, tokenizer, stop_ids: list[int], reward_model=None) -> list:
+    """The rewards scored beside the tensor-native one, on the rollout side (`RolloutWorker`'s contract), in
+    the column order of `RewardConfig.column_names()`: reward.functions (Python functions in a process pool,
+    rlhf_core.reward.functions), then the reward model when reward.model.path is set, scored in this process
+    or through `reward_model` (an external reward over the same scorer elsewhere: the Ray runtime's
+    reward-model actor). Each has `weights` and `score(prompts, batch)`."""
     external = []
     if cfg.reward.functions:
         from rlhf_core.reward.functions import PythonFunctionRewards
 
         external.append(PythonFunctionRewards(cfg.reward, tokenizer, stop_ids))
+    if cfg.reward.model.path:
+        if reward_model is None:
+            from rlhf_core.reward.model import LocalRewardModel, RewardModelScorer
+
+            reward_model = LocalRewardModel(RewardModelScorer(cfg.reward.model, tokenizer, stop_ids))
+        external.append(reward_model)
     return external
 
 
 def build_rollout_worker(
-    cfg: TrainConfig, model, tokenizer, policy_dir: str | Path, seed: int, reward_fn=None
+    cfg: TrainConfig, model, tokenizer, policy_dir: str | Path, seed: int, reward_fn=None, reward_model=None
 ) -> RolloutWorker:
-    """The configured engine over `model`, its rewards and sampling settings, all with the one stop set."""
+    """The configured engine over `model`, its rewards and sampling settings, all with the one stop set.
+    `reward_model`: the reward model as an external reward scored elsewhere (the Ray runtime's actor); None
+    scores it in this process when reward.model.path is set."""
     stop_ids = build_stop_ids(cfg, tokenizer, policy_dir)
     engine = build_engine(cfg, model, tokenizer, model_path=str(policy_dir), seed=seed, stop_token_ids=stop_ids)
     return RolloutWorker(
@@ -94,7 +105,7 @@ def build_rollout_worker(
         tokenizer.pad_token_id,
         cfg.data.max_prompt_tokens,
         component_names=cfg.reward.column_names(),
-        external=build_external_rewards(cfg, tokenizer, stop_ids),
+        external=build_external_rewards(cfg, tokenizer, stop_ids, reward_model=reward_model),
     )
 
 

@@ -137,6 +137,36 @@ class RewardFunctionConfig(_Section):
         return self.label or self.name
 
 
+class RewardModelConfig(_Section):
+    """A learned reward model: a local sequence-classification model giving one score per sequence."""
+
+    path: str = Field(
+        "",
+        description="Local Hugging Face AutoModelForSequenceClassification directory (num_labels=1); empty = no "
+        "reward model.",
+    )
+    weight: float = Field(1.0, description="Weight of the reward model's score in the total reward.")
+    batch_size: int = Field(64, ge=1, description="Sequences per reward-model forward pass.")
+    max_length: int = Field(
+        1024,
+        ge=2,
+        description="Longest scored sequence in RM tokens (capped at the RM's context); longer ones keep their "
+        "last max_length tokens.",
+    )
+    normalize: Literal["none", "running"] = Field(
+        "none",
+        description="'running': scores are standardised by the running mean and std of all scores so far; "
+        "'none': raw scores.",
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "float32", description="Reward model parameter dtype; 'auto' takes the checkpoint's."
+    )
+    device: str = Field(
+        "auto", description="'auto' (CUDA when its process has one, else CPU), 'cpu', 'cuda' or 'cuda:N'."
+    )
+    trust_remote_code: bool = Field(False, description="Allow model code shipped inside the RM directory to run.")
+
+
 class RewardConfig(_Section):
     """Reward: a weighted sum of tensor-native components (token space) and Python reward functions."""
 
@@ -163,6 +193,10 @@ class RewardConfig(_Section):
         "text",
         description="How exact_match, contains, answer_after_marker and format compare: 'text' = as text on the "
         "device, any tokenization, numbers normalised (docs/rewards.md); 'tokens' = the answers' token sequences.",
+    )
+    model: RewardModelConfig = Field(
+        default_factory=RewardModelConfig,
+        description="A learned reward model scored beside the components (logged as reward/reward_model).",
     )
 
     functions: list[RewardFunctionConfig] = Field(
@@ -229,8 +263,14 @@ class RewardConfig(_Section):
     def column_names(self) -> list[str]:
         """The per-row reward columns a rollout batch carries (`RolloutBatch.reward_components`), logged as
         reward/<column>: the components, then per function its score, <label>/failed (1 where the call
-        failed) and <label>/<key> for each declared verl metric."""
-        names = list(self.components)
+        failed) and <label>/<key> for each declared verl metric; then reward_model when reward.model.path is
+        set."""
+        return list(self.components) + self.function_column_names() + (["reward_model"] if self.model.path else [])
+
+    def function_column_names(self) -> list[str]:
+        """The Python reward functions' columns, in order: per function its score, <label>/failed and
+        <label>/<key> for each declared verl metric."""
+        names = []
         for fn in self.functions:
             names += [fn.metric_name, f"{fn.metric_name}/failed", *(f"{fn.metric_name}/{k}" for k in fn.metrics)]
         return names
@@ -443,6 +483,10 @@ class ClusterConfig(_Section):
     rollout_gpus: float = Field(0.0, ge=0, description="GPUs per rollout worker (fractions allowed).")
     trainer_cpus: float = Field(1.0, ge=0, description="CPUs of the trainer.")
     trainer_gpus: float = Field(0.0, ge=0, description="GPUs of the trainer (fractions allowed).")
+    reward_cpus: float = Field(1.0, ge=0, description="CPUs of the reward-model actor (when reward.model.path is set).")
+    reward_gpus: float = Field(
+        0.0, ge=0, description="GPUs of the reward-model actor (when reward.model.path is set; fractions allowed)."
+    )
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads per worker.")
     max_restarts: int = Field(3, ge=0, description="Times Ray restarts a rollout worker that died.")
     dashboard: bool = Field(
@@ -524,7 +568,8 @@ class TrainConfig(_Section):
 
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="Policy loss and advantages.")
     reward: RewardConfig = Field(
-        default_factory=RewardConfig, description="Reward: tensor-native components and Python reward functions."
+        default_factory=RewardConfig,
+        description="Rewards: tensor-native components, Python reward functions and a learned reward model.",
     )
     buffer: BufferConfig = Field(default_factory=BufferConfig, description="Replay buffer.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="Policy model.")

@@ -8,6 +8,8 @@ the model is checked here, each failing with a `ConfigError` that names the fiel
   context (config.json max_position_embeddings, or its equivalent);
 - `claim_run_dir(output_dir, name)`: this run's own directory under run.output_dir, locked while the run is
   alive so that a second live run refuses it, and `output_dir/latest` pointed at it.
+- `check_reward_model_config(path)`: reward.model.path is a model directory whose config.json describes a
+  sequence-classification model with one label (its weights and tokenizer are checked when it loads).
 
 Plain Python: no torch, no transformers.
 """
@@ -205,3 +207,37 @@ def point_latest(base: Path, name: str) -> None:
     except OSError:
         tmp.unlink(missing_ok=True)
         (base / f"{LATEST}.txt").write_text(name + "\n")
+
+
+def check_reward_model_config(path: str | os.PathLike, field: str = "reward.model.path") -> Path:
+    """reward.model.path is a directory whose config.json names a *ForSequenceClassification architecture
+    with one label (num_labels=1: one score per sequence); ConfigError naming the field otherwise."""
+    p = Path(path).expanduser()
+    where = f"{field}={str(path)!r}"
+    if not p.is_dir():
+        raise ConfigError(
+            f"{where}: {p} {'is not a directory' if p.exists() else 'does not exist'}; it must be a local "
+            "directory saved from AutoModelForSequenceClassification (save_pretrained)"
+        )
+    cfg_file = p / "config.json"
+    try:
+        config: Any = json.loads(cfg_file.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{where}: the reward model directory {p} has no config.json") from None
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{where}: {cfg_file} is not valid JSON: {exc}") from None
+    archs = (config.get("architectures") if isinstance(config, dict) else None) or []
+    if not any(str(a).endswith("ForSequenceClassification") for a in archs):
+        raise ConfigError(
+            f"{where}: {cfg_file} names architectures {archs}, not a sequence-classification model; a reward "
+            "model must be saved from AutoModelForSequenceClassification (e.g. LlamaForSequenceClassification) "
+            "with num_labels=1"
+        )
+    labels = config.get("id2label")
+    num_labels = len(labels) if isinstance(labels, dict) else config.get("num_labels", 2)
+    if num_labels != 1:
+        raise ConfigError(
+            f"{where}: the model has {num_labels} labels (id2label in {cfg_file}); a reward model gives one score "
+            "per sequence: num_labels must be 1"
+        )
+    return p

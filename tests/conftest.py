@@ -57,6 +57,24 @@ def base_chat_policy_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_reward_model_dir(tiny_policy_dir, tmp_path_factory):
+    """A sequence-classification reward model (LlamaForSequenceClassification, one label, random weights) with
+    the tiny policy's architecture and word-level tokenizer: it shares the tiny policy's tokenizer."""
+    from rlhf_core.reward.model import build_tiny_reward_model
+
+    return build_tiny_reward_model(tiny_policy_dir, tmp_path_factory.mktemp("tiny_reward_model"), seed=1)
+
+
+@pytest.fixture(scope="session")
+def chat_reward_model_dir(chat_policy_dir, tmp_path_factory):
+    """A Qwen2ForSequenceClassification reward model with the chat fixture's byte-level BPE tokenizer and ChatML
+    template: for the tiny (word-level) policy it has its own tokenizer."""
+    from rlhf_core.reward.model import build_tiny_reward_model
+
+    return build_tiny_reward_model(chat_policy_dir, tmp_path_factory.mktemp("chat_reward_model"), seed=2)
+
+
+@pytest.fixture(scope="session")
 def tiny_tokenizer(tiny_policy_dir):
     from rlhf_core.models import load_policy
 

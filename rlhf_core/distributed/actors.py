@@ -1,4 +1,4 @@
-"""The rollout and trainer actors: core workers in their own processes, talking through Ray.
+"""The rollout, trainer and reward-model actors: core workers in their own processes, talking through Ray.
 
 Their parts are built by `rlhf_core.build` (as the single-process loop's are); the prompt queue, the
 experience buffer and the weight store are the plain control objects of `control.py`, each wrapped in a
@@ -52,6 +52,53 @@ def get_or_fail(ref, timeout_s: float, what: str):
         raise WaitTimeout(f"timed out after {timeout_s:g} s waiting for {what} (runtime.wait_timeout_s)") from None
 
 
+# --------------------------------------------------------------------------------------------- reward model
+class RewardModelActor:
+    """The reward model (`rlhf_core.reward.model.RewardModelScorer`) in its own process, with its own
+    resources (cluster.reward_cpus / reward_gpus); rollout workers find it by name and send it their rows.
+    Calls run one at a time (the actor's default concurrency): one model, one set of running moments."""
+
+    def __init__(self, cfg, policy_dir: str):
+        from rlhf_core.reward.model import RewardModelScorer
+
+        build.setup_process(cfg, cfg.trainer.seed)
+        tokenizer = build.build_tokenizer(cfg, policy_dir)
+        self.scorer = RewardModelScorer(cfg.reward.model, tokenizer, build.build_stop_ids(cfg, tokenizer, policy_dir))
+
+    def shares_tokenizer(self) -> bool:
+        return self.scorer.shares_tokenizer
+
+    def score(self, inputs: dict):
+        """Scores (a numpy float32 [N]) of rows sent as numpy arrays (`RemoteRewardModel.score`)."""
+        # arrays from Ray's object store are read-only: copy them (a few KB) rather than alias them
+        tensors = {k: torch.from_numpy(v.copy()) if k != "messages" else v for k, v in inputs.items()}
+        return self.scorer.score(**tensors).numpy()
+
+    def stats(self) -> dict:
+        return self.scorer.stats()
+
+
+class RemoteRewardModel:
+    """An external reward of a rollout worker (RolloutWorker's contract) scored by the RewardModelActor."""
+
+    def __init__(self, actor, cfg, policy_tokenizer):
+        from rlhf_core.reward.model import REWARD_MODEL_NAME
+
+        self.actor, self.name = actor, REWARD_MODEL_NAME
+        self.weights = {REWARD_MODEL_NAME: cfg.reward.model.weight}
+        self.policy_tokenizer = policy_tokenizer
+        self.timeout = cfg.runtime.wait_timeout_s
+        self.shares_tokenizer = get_or_fail(actor.shares_tokenizer.remote(), self.timeout, "the reward model actor")
+
+    def score(self, prompts, batch) -> dict[str, torch.Tensor]:
+        from rlhf_core.reward.model import reward_model_inputs
+
+        inputs = reward_model_inputs(prompts, batch, self.policy_tokenizer, not self.shares_tokenizer)
+        payload = {k: v.numpy() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+        scores = get_or_fail(self.actor.score.remote(payload), self.timeout, "the reward model to score a batch")
+        return {self.name: torch.from_numpy(scores.copy())}
+
+
 # --------------------------------------------------------------------------------------------- rollout
 class RolloutActor:
     """A RolloutWorker in its own process: loads the newest weights between batches, asks admission,
@@ -65,7 +112,10 @@ class RolloutActor:
         self.cfg, self.index = cfg, index
         self.buffer, self.queue, self.store = (ray.get_actor(peers[k]) for k in ("buffer", "queue", "store"))
         model, tokenizer = build.build_policy(cfg, policy_dir)
-        self.worker = build.build_rollout_worker(cfg, model, tokenizer, policy_dir, seed)
+        remote = None  # the reward model, when there is one, is scored by its own actor
+        if "reward_model" in peers:
+            remote = RemoteRewardModel(ray.get_actor(peers["reward_model"]), cfg, tokenizer)
+        self.worker = build.build_rollout_worker(cfg, model, tokenizer, policy_dir, seed, reward_model=remote)
         self.stop_event = threading.Event()
         self.timeout = cfg.runtime.wait_timeout_s
         self.syncs: list[dict] = []

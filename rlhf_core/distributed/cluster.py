@@ -136,7 +136,11 @@ def _single_machine_ray() -> Iterator[None]:
 def required_resources(cfg) -> dict[str, float]:
     c = cfg.cluster
     n = cfg.rollout.num_workers
-    return {"CPU": n * c.rollout_cpus + c.trainer_cpus, "GPU": n * c.rollout_gpus + c.trainer_gpus}
+    rm = 1 if cfg.reward.model.path else 0  # the reward-model actor
+    return {
+        "CPU": n * c.rollout_cpus + c.trainer_cpus + rm * c.reward_cpus,
+        "GPU": n * c.rollout_gpus + c.trainer_gpus + rm * c.reward_gpus,
+    }
 
 
 def check_resources(cfg) -> None:
@@ -150,20 +154,26 @@ def check_resources(cfg) -> None:
         raise ClusterError(
             f"not enough resources for the requested roles ({detail}); roles: {cfg.rollout.num_workers} rollout "
             f"worker(s) x (cpus={c.rollout_cpus:g}, gpus={c.rollout_gpus:g}) + trainer (cpus={c.trainer_cpus:g}, "
-            f"gpus={c.trainer_gpus:g}). Lower rollout.num_workers / cluster.*_cpus / cluster.*_gpus or add nodes."
+            f"gpus={c.trainer_gpus:g})"
+            + (f" + reward model (cpus={c.reward_cpus:g}, gpus={c.reward_gpus:g})" if cfg.reward.model.path else "")
+            + ". Lower rollout.num_workers / cluster.*_cpus / cluster.*_gpus or add nodes."
         )
 
 
 def gpu_placement_group(cfg, timeout_s: float):
-    """A placement group (one bundle per role) when any role asks for GPUs; None otherwise."""
+    """A placement group (one bundle per role: trainer, rollout workers, reward model) when any role asks for
+    GPUs; None otherwise."""
     c = cfg.cluster
-    if c.rollout_gpus == 0 and c.trainer_gpus == 0:
+    rm = bool(cfg.reward.model.path)
+    if c.rollout_gpus == 0 and c.trainer_gpus == 0 and not (rm and c.reward_gpus > 0):
         return None
     from ray.util.placement_group import placement_group
 
     bundles = [{"CPU": c.trainer_cpus, "GPU": c.trainer_gpus}] + [
         {"CPU": c.rollout_cpus, "GPU": c.rollout_gpus} for _ in range(cfg.rollout.num_workers)
     ]
+    if rm:  # the reward-model actor's bundle, last
+        bundles.append({"CPU": c.reward_cpus, "GPU": c.reward_gpus})
     bundles = [{k: v for k, v in b.items() if v > 0} or {"CPU": 0.01} for b in bundles]
     pg = placement_group(bundles, strategy="PACK")
     try:

@@ -20,7 +20,13 @@ import ray
 from rlhf_core import build
 from rlhf_core.checkpoint import CheckpointState, read_checkpoint
 from rlhf_core.config import TrainConfig
-from rlhf_core.distributed.actors import RolloutActor, TrainerActor, get_or_fail, rollout_rng_states
+from rlhf_core.distributed.actors import (
+    RewardModelActor,
+    RolloutActor,
+    TrainerActor,
+    get_or_fail,
+    rollout_rng_states,
+)
 from rlhf_core.distributed.cluster import ClusterHandle, check_resources, connect, gpu_placement_group, teardown
 from rlhf_core.distributed.control import ExperienceBuffer, PromptQueue, WeightStore
 from rlhf_core.preflight import check_lengths, check_output_dir
@@ -47,7 +53,7 @@ class DistributedRun:
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
         self.handle: Optional[ClusterHandle] = None
-        self.buffer = self.queue = self.store = self.trainer = None
+        self.buffer = self.queue = self.store = self.trainer = self.reward_model = None
         self.workers: list = []
         self.worker_loops: dict[int, object] = {}
         self.trainer_loop = None
@@ -81,6 +87,10 @@ class DistributedRun:
         # prompts are tokenized once here and shipped to the actors that need them
         train_prompts, heldout = build.build_prompts(cfg, build.build_tokenizer(cfg, self.policy_dir))
         check_lengths(self.policy_dir, cfg, train_prompts + heldout)
+        if cfg.reward.model.path:
+            from rlhf_core.reward.model import check_reward_model_dir
+
+            check_reward_model_dir(cfg.reward.model.path)
         if resume_from:  # validate before starting anything (clear error, nothing half-started)
             read_checkpoint(resume_from)
 
@@ -110,6 +120,15 @@ class DistributedRun:
                 cfg.buffer.max_size, cfg.runtime.max_staleness, cfg.trainer.prompts_per_step, admission=not sync
             )
             self.store = _remote(WeightStore, num_cpus=0, max_concurrency=8, name=peers["store"]).remote()
+            if cfg.reward.model.path:  # its own process and resources; the last bundle of the placement group
+                peers["reward_model"] = f"atrlhf-reward_model-{uuid.uuid4().hex[:12]}"
+                self.reward_model = _remote(
+                    RewardModelActor,
+                    num_cpus=c.reward_cpus,
+                    num_gpus=c.reward_gpus,
+                    name=peers["reward_model"],
+                    **placed(cfg.rollout.num_workers + 1),
+                ).remote(cfg, self.policy_dir)
             self.trainer = _remote(
                 TrainerActor, num_cpus=c.trainer_cpus, num_gpus=c.trainer_gpus, max_concurrency=4, **placed(0)
             ).remote(cfg, self.policy_dir, train_prompts, heldout, self.buffer, self.store)
@@ -126,6 +145,8 @@ class DistributedRun:
                 for i in range(cfg.rollout.num_workers)
             ]
             self.handle.actors = [self.queue, self.buffer, self.store, self.trainer, *self.workers]
+            if self.reward_model is not None:
+                self.handle.actors.append(self.reward_model)
             get_or_fail(
                 [w.ping.remote() for w in self.workers] + [self.trainer.version.remote()],
                 max(self.timeout, 300),

@@ -62,7 +62,7 @@ class PythonFunctionRewards:
         self.specs = list(reward_cfg.functions)
         self.labels = [f.metric_name for f in self.specs]
         self.weights = {f.metric_name: float(f.weight) for f in self.specs}
-        self.columns = reward_cfg.column_names()[len(reward_cfg.components) :]
+        self.columns = reward_cfg.function_column_names()
         self.workers = reward_cfg.function_workers
         self.pool = FunctionPool(
             [(f.path, f.name, f"reward.functions[{i}] ({f.metric_name})") for i, f in enumerate(self.specs)],

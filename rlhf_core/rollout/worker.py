@@ -16,7 +16,10 @@ class RolloutWorker:
     """Generates with an engine, scores with a tensor-native reward on the engine's device (plus any external
     rewards: Python reward functions in a process pool), splits by prompt.
 
-    Keeps busy and idle seconds, samples and tokens generated (`stats()`).
+    External rewards (a reward model, Python functions) each have `weights: dict[str, float]` and
+    `score(prompts, batch) -> dict[str, FloatTensor[N]]` (prompts repeated per completion, row-aligned with
+    the batch); Σ weight × score is added to the rewards and each name becomes an extra reward component,
+    after the tensor-native ones. Keeps busy and idle seconds, samples and tokens generated (`stats()`).
     """
 
     def __init__(
