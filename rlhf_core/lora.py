@@ -77,16 +77,12 @@ def adapters_disabled(model):
 
 def adapter_state_dict(model) -> dict[str, torch.Tensor]:
     """Contiguous CPU copies of the adapter tensors under peft's saved names (no adapter name)."""
-    from peft import get_peft_model_state_dict
-
     with torch.no_grad():
-        return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in get_peft_model_state_dict(model).items()}
+        return {k: p.detach().to("cpu", copy=True).contiguous() for k, p in _adapter_params(model).items()}
 
 
 def adapter_shapes(model) -> dict[str, list[int]]:
-    from peft import get_peft_model_state_dict
-
-    return {k: list(v.shape) for k, v in get_peft_model_state_dict(model).items()}
+    return {k: list(p.shape) for k, p in _adapter_params(model).items()}
 
 
 def load_adapter_state_dict(model, state_dict: dict[str, torch.Tensor]) -> None:
@@ -106,7 +102,8 @@ def load_adapter_state_dict(model, state_dict: dict[str, torch.Tensor]) -> None:
 
 
 def _adapter_params(model) -> dict[str, torch.Tensor]:
-    """peft's saved name -> the live parameter (cached on the model: names never change)."""
+    """peft's saved name (as in get_peft_model_state_dict and adapter_model.safetensors) -> the live
+    parameter; cached on the model (names never change), so a sync does not walk the whole state dict."""
     cached = getattr(model, "_atrlhf_adapter_params", None)
     if cached is None:
         adapter = model.active_adapter

@@ -4,6 +4,7 @@ syncs, exact engine logits after a sync, checkpoints and resume, export (PEFT ad
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -254,3 +255,35 @@ def test_evaluate_a_lora_checkpoint(lora_run, capsys):
     assert main(["evaluate", "--checkpoint", str(out / "checkpoints" / "step_000004"), "--json"]) == 0
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert json.loads(line)["eval/accuracy"] == pytest.approx(result["eval/accuracy"])
+
+
+# ---------------------------------------------------------------------------------------------- Ray
+@pytest.mark.slow
+def test_lora_on_the_ray_runtime_checkpoints_resumes_and_exports(ray_local, tmp_path):
+    """The Ray runtime with LoRA: the trainer publishes adapters, a checkpoint holds them, the loop and a new
+    Ray run both resume it, and the export loads in transformers."""
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_core.distributed import DistributedRun
+
+    overrides = ["cluster.num_cpus=2", "runtime.wait_timeout_s=60", "supervision.supervise_interval_s=0.2"]
+    cfg = small_cfg(tmp_path, *overrides)
+    with DistributedRun(cfg) as run:
+        run.launch()
+        while run.poll()["step"] < 2:
+            run.advance()
+        ckpt = Path(run.checkpoint(tmp_path / "ray_ckpt", run={}))
+        exported = run.export(tmp_path / "policy")
+    state, _ = read_checkpoint(ckpt)
+    assert state.step == 2 and state.lora["r"] == 4 and (ckpt / "adapter" / "adapter_model.safetensors").is_file()
+    merged = AutoModelForCausalLM.from_pretrained(exported)
+    assert not is_lora(merged)
+
+    result = run_sync(cfg, resume_from=str(ckpt), checkpoint_dir=tmp_path / "loop_ckpts")
+    assert result["steps"] == 4
+    more = small_cfg(tmp_path, *overrides, "trainer.total_steps=5")
+    with DistributedRun(more) as run:
+        info = run.launch(resume_from=str(tmp_path / "loop_ckpts" / "step_000004"))
+        assert (info["step"], info["version"]) == (4, 4)
+        run.advance()
+        assert run.poll()["step"] == 5
