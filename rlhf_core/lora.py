@@ -124,7 +124,8 @@ def peft_config_dict(model) -> dict:
 def save_adapter(model, directory: str | Path) -> Path:
     """The adapter in PEFT format (adapter_config.json + adapter_model.safetensors) in `directory`."""
     out = Path(directory)
-    model.save_pretrained(str(out))
+    # the base (embeddings included, even when a tied lm_head is adapted) is frozen: adapters only
+    model.save_pretrained(str(out), save_embedding_layers=False)
     return out
 
 

@@ -287,3 +287,19 @@ def test_lora_on_the_ray_runtime_checkpoints_resumes_and_exports(ray_local, tmp_
         assert (info["step"], info["version"]) == (4, 4)
         run.advance()
         assert run.poll()["step"] == 5
+
+
+def test_a_tied_lm_head_adapter_checkpoints_adapters_only(tmp_path, tiny_policy_dir):
+    """Adapting the tied lm_head: peft would save the (frozen) embeddings too; the checkpoint holds the
+    adapters only and reads back into the same model."""
+    from safetensors.torch import load_file
+
+    from rlhf_core.checkpoint import CheckpointState, save_checkpoint
+
+    cfg = load_config(None, ["model.device=cpu", "model.lora.r=4", "model.lora.target_modules=[q_proj,lm_head]"])
+    model, _ = build.build_policy(cfg, tiny_policy_dir)
+    path = save_checkpoint(tmp_path / "ckpt", model, CheckpointState(trainer={}, data={}, rng={}))
+    saved = load_file(str(path / "adapter" / "adapter_model.safetensors"))
+    assert saved and all("lora_" in k for k in saved)
+    state, weights = read_checkpoint(path, model)
+    assert weights.keys() == saved.keys() and state.lora["target_modules"] == ["lm_head", "q_proj"]
