@@ -133,6 +133,16 @@ def save_merged(model, directory: str | Path) -> Path:
     """The adapters merged into a copy of the base weights (W = W0 + alpha/r · B·A), saved as a plain
     Hugging Face model that transformers and `atrlhf evaluate` load without peft. The live model is untouched."""
     out = Path(directory)
-    merged = copy.deepcopy(model).merge_and_unload()
+    work = copy.deepcopy(model)
+    base = work.get_base_model()
+    head = base.get_output_embeddings()
+    head = getattr(head, "base_layer", head)  # the adapted lm_head's frozen Linear
+    embeddings = base.get_input_embeddings()
+    if head is not None and embeddings is not None and head.weight is embeddings.weight:
+        # A tied lm_head that has an adapter: merging would move the input embeddings too. Untie first, so
+        # the merged model's embeddings stay the base's and only its output layer takes B·A.
+        head.weight = torch.nn.Parameter(head.weight.detach().clone(), requires_grad=False)
+        base.config.tie_word_embeddings = False
+    merged = work.merge_and_unload()
     merged.save_pretrained(str(out))
     return out

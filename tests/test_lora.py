@@ -303,3 +303,16 @@ def test_a_tied_lm_head_adapter_checkpoints_adapters_only(tmp_path, tiny_policy_
     assert saved and all("lora_" in k for k in saved)
     state, weights = read_checkpoint(path, model)
     assert weights.keys() == saved.keys() and state.lora["target_modules"] == ["lm_head", "q_proj"]
+    # the merged export of a tied, adapted lm_head: embeddings stay the base's, logits are the peft model's
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_core.lora import save_merged
+
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.3)
+    merged = AutoModelForCausalLM.from_pretrained(str(save_merged(model, tmp_path / "merged")))
+    ids = torch.tensor([[3, 4, 5, 6, 7]])
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, model(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
