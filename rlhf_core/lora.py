@@ -44,7 +44,12 @@ def apply_lora(model, lora_cfg):
     Adapters start at B = 0, so the wrapped model computes exactly what the base model does. The seed of the
     process decides A's initialisation; every process's A is replaced by the trainer's at the first sync.
     """
-    from peft import LoraConfig, get_peft_model
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        raise LoraConfigError(
+            "model.lora is set but peft is not installed: pip install 'asynctensorrlhf[lora]' (or unset model.lora)"
+        ) from None
 
     linear = linear_module_names(model)
     unknown = [t for t in lora_cfg.target_modules if t not in linear]
