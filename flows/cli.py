@@ -278,7 +278,12 @@ def resolve_policy(cfg: TrainConfig, target: str, scratch: Optional[Path] = None
     path = Path(target).expanduser()
     if path.is_dir() and (path / "config.json").is_file():
         return path, None
-    if path.is_dir() and (path / "policy.safetensors").is_file():
+    if path.is_dir() and (path / "adapter" / "adapter_config.json").is_file() and not (path / "meta.json").is_file():
+        raise FileNotFoundError(
+            f"--checkpoint {target!r} holds a LoRA adapter only (PEFT format, in adapter/): export with "
+            "model.lora.export_merged=true for a merged model to evaluate, or load the adapter with peft"
+        )
+    if path.is_dir() and (path / "meta.json").is_file():
         beside = path.parent.parent / ("tiny_chat_policy" if cfg.model.tiny_kind == "chat" else "tiny_policy")
         if not cfg.model.path and (beside / "config.json").is_file():
             return beside, path
@@ -306,7 +311,8 @@ def evaluate_policy(cfg: TrainConfig, policy_dir: Path, checkpoint: Optional[Pat
     from rlhf_core.checkpoint import load_checkpoint
 
     build.setup_process(cfg, cfg.trainer.seed)
-    model, tokenizer = build.build_policy(cfg, policy_dir)
+    # LoRA adapters (model.lora) come from a checkpoint; an exported policy has them merged already
+    model, tokenizer = build.build_policy(cfg, policy_dir, adapters=checkpoint is not None)
     if checkpoint is not None:
         load_checkpoint(checkpoint, model)
     _, heldout = build.build_prompts(cfg, tokenizer)

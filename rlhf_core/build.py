@@ -13,9 +13,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from rlhf_core.checkpoint import export_policy
 from rlhf_core.config import TrainConfig
 from rlhf_core.data import Prompt, build_prompt_splits
 from rlhf_core.evaluation import Evaluator
+from rlhf_core.lora import apply_lora
 from rlhf_core.models import ensure_policy, load_policy, load_tokenizer, stop_token_ids
 from rlhf_core.reward import build_reward_fn
 from rlhf_core.rollout import HFEngine, RolloutWorker, SamplingParams, build_engine
@@ -46,11 +48,16 @@ def build_tokenizer(cfg: TrainConfig, policy_dir: str | Path):
     return load_tokenizer(policy_dir, trust_remote_code=cfg.model.trust_remote_code)
 
 
-def build_policy(cfg: TrainConfig, policy_dir: str | Path):
-    """(model, tokenizer) from the policy directory, with the config's dtype and device."""
-    return load_policy(
+def build_policy(cfg: TrainConfig, policy_dir: str | Path, adapters: bool = True):
+    """(model, tokenizer) from the policy directory, with the config's dtype and device; with model.lora (and
+    `adapters`) wrapped with its LoRA adapters (rlhf_core.lora), the same in every process so that adapter
+    names agree between the trainer, the rollout engines and checkpoints."""
+    model, tokenizer = load_policy(
         policy_dir, dtype=cfg.model.dtype, device=cfg.model.device, trust_remote_code=cfg.model.trust_remote_code
     )
+    if adapters and cfg.model.lora is not None:
+        model = apply_lora(model, cfg.model.lora)
+    return model, tokenizer
 
 
 def build_prompts(cfg: TrainConfig, tokenizer) -> tuple[list[Prompt], list[Prompt]]:
@@ -130,3 +137,10 @@ def build_evaluator(
 
 def build_trainer(cfg: TrainConfig, model, tokenizer) -> Trainer:
     return Trainer(model, cfg, tokenizer.pad_token_id)
+
+
+def export_run_policy(cfg: TrainConfig, model, tokenizer, path: str | Path) -> Path:
+    """The trained policy exported to `path` (rlhf_core.checkpoint.export_policy): a Hugging Face model
+    directory; with LoRA the PEFT adapter under adapter/ and, when model.lora.export_merged, the merged model."""
+    merged = cfg.model.lora is None or cfg.model.lora.export_merged
+    return export_policy(model, tokenizer, cfg.model_dump(mode="json"), path, merged=merged)

@@ -1,6 +1,8 @@
 """Checkpoints: one layout for every kind of run, written and read by this module only.
 
-    <dir>/policy.safetensors   policy weights (safetensors; shared/tied tensors handled)
+    <dir>/policy.safetensors   policy weights (safetensors; shared/tied tensors handled); or, for a LoRA
+                               run, <dir>/adapter/ instead: the adapters in PEFT format (adapter_config.json,
+                               adapter_model.safetensors), and meta.json and the state say `lora`
     <dir>/state.pt             CheckpointState: trainer (optimizer, scheduler, version, step), data position
                                (prompt source and queued prompts), RNG states (trainer process and each
                                rollout engine), run facts (held-out accuracy at the start, MLflow run id)
@@ -29,6 +31,16 @@ import torch
 import yaml
 
 from rlhf_core.config import RUN_CONFIG_FILE as CONFIG_FILE
+from rlhf_core.lora import (
+    ADAPTER_DIR,
+    ADAPTER_WEIGHTS,
+    adapter_shapes,
+    is_lora,
+    load_adapter_state_dict,
+    peft_config_dict,
+    save_adapter,
+    save_merged,
+)
 
 FORMAT_VERSION = 2
 
@@ -46,6 +58,7 @@ class CheckpointState:
     rng: dict  # {"trainer": capture_rng(), "rollout": [engine generator states]}
     run: dict = field(default_factory=dict)  # eval_start, mlflow_run_id, ...: facts of the run so far
     config: Optional[dict] = None  # the TrainConfig (model_dump(mode="json")) that wrote it
+    lora: Optional[dict] = None  # a LoRA checkpoint: {r, alpha, dropout, target_modules}; None: full weights
 
     @property
     def step(self) -> int:
@@ -91,7 +104,23 @@ def restore_rng(state: dict, extra_generators: Optional[dict[str, torch.Generato
 
 
 def _param_shapes(model) -> dict[str, list[int]]:
+    """Names and shapes of what a checkpoint of `model` holds: every tensor, or with LoRA the adapters only."""
+    if is_lora(model):
+        return adapter_shapes(model)
     return {k: list(v.shape) for k, v in model.state_dict().items()}
+
+
+def lora_facts(model) -> Optional[dict]:
+    """{r, alpha, dropout, target_modules} of a LoRA model's adapters (plain types), None for a full model."""
+    if not is_lora(model):
+        return None
+    c = peft_config_dict(model)
+    return {
+        "r": int(c["r"]),
+        "alpha": float(c["lora_alpha"]),
+        "dropout": float(c["lora_dropout"]),
+        "target_modules": sorted(c["target_modules"]),
+    }
 
 
 def save_checkpoint(path: str | Path, model, state: CheckpointState) -> Path:
@@ -103,7 +132,11 @@ def save_checkpoint(path: str | Path, model, state: CheckpointState) -> Path:
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    save_model(model, str(tmp / "policy.safetensors"))
+    state.lora = lora_facts(model)
+    if state.lora is not None:
+        save_adapter(model, tmp / ADAPTER_DIR)
+    else:
+        save_model(model, str(tmp / "policy.safetensors"))
     body = asdict(state)
     config = body.pop("config")
     torch.save(body, tmp / "state.pt")
@@ -112,6 +145,7 @@ def save_checkpoint(path: str | Path, model, state: CheckpointState) -> Path:
         "step": state.step,
         "version": state.version,
         "params": _param_shapes(model),
+        "lora": state.lora,
     }
     (tmp / "meta.json").write_text(json.dumps(meta))
     if config is not None:
@@ -141,13 +175,17 @@ def read_checkpoint(path: str | Path, model=None) -> tuple[CheckpointState, Opti
     p = Path(path)
     if not p.is_dir():
         raise CheckpointError(f"checkpoint {p} does not exist or is not a directory")
-    for name in ("policy.safetensors", "state.pt", "meta.json"):
+    for name in ("state.pt", "meta.json"):
         if not (p / name).is_file():
             raise CheckpointError(f"checkpoint {p} is missing {name}")
     try:
         meta = json.loads((p / "meta.json").read_text())
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"{p / 'meta.json'} is corrupt: {exc}") from exc
+    saved_lora = meta.get("lora") if isinstance(meta, dict) else None
+    weights_file = p / ADAPTER_DIR / ADAPTER_WEIGHTS if saved_lora else p / "policy.safetensors"
+    if not weights_file.is_file():
+        raise CheckpointError(f"checkpoint {p} is missing {weights_file.relative_to(p)}")
     layout = meta.get("format_version")
     if isinstance(layout, int) and layout < FORMAT_VERSION:
         raise CheckpointError(
@@ -171,10 +209,24 @@ def read_checkpoint(path: str | Path, model=None) -> tuple[CheckpointState, Opti
         except yaml.YAMLError as exc:
             raise CheckpointError(f"{p / CONFIG_FILE} is corrupt: {exc}") from exc
     state = CheckpointState(
-        trainer=body["trainer"], data=body["data"], rng=body["rng"], run=body.get("run") or {}, config=config
+        trainer=body["trainer"],
+        data=body["data"],
+        rng=body["rng"],
+        run=body.get("run") or {},
+        config=config,
+        lora=body.get("lora"),
     )
     weights = None
     if model is not None:
+        live_lora = lora_facts(model)
+        if bool(saved_lora) != bool(live_lora):
+            raise CheckpointError(
+                f"checkpoint {p} holds LoRA adapters {saved_lora} but the model has none: set model.lora as the "
+                "run that wrote it did (its train_config.yaml)"
+                if saved_lora
+                else f"checkpoint {p} holds full weights but the model has LoRA adapters {live_lora}: unset "
+                "model.lora to resume it"
+            )
         expected = _param_shapes(model)
         if meta.get("params") != expected:
             saved = meta.get("params") or {}
@@ -186,23 +238,30 @@ def read_checkpoint(path: str | Path, model=None) -> tuple[CheckpointState, Opti
                 f"different shapes {shape}"
             )
         try:
-            weights = load_file(str(p / "policy.safetensors"), device="cpu")
+            weights = load_file(str(weights_file), device="cpu")
         except (SafetensorError, OSError, Exception) as exc:
-            raise CheckpointError(f"{p / 'policy.safetensors'} is corrupt: {exc}") from exc
+            raise CheckpointError(f"{weights_file} is corrupt: {exc}") from exc
         # meta.json can agree with the model while the weights file does not (swapped or edited file):
         # check the tensors themselves, so that nothing is half-copied later.
         bad = [k for k, v in weights.items() if list(v.shape) != expected.get(k)]
-        missing = [k for k in expected if k not in weights and not _is_tied(model, k, weights)]
+        missing = [k for k in expected if k not in weights and (live_lora or not _is_tied(model, k, weights))]
         if bad or missing:
             raise CheckpointError(
-                f"{p / 'policy.safetensors'} does not match the model: unexpected or differently "
+                f"{weights_file} does not match the model: unexpected or differently "
                 f"shaped tensors {bad[:3]}, missing {missing[:3]}"
             )
     return state, weights
 
 
 def load_weights_into(model, weights: dict[str, torch.Tensor]) -> None:
-    """Copy validated weights into the model in place (tied parameters share storage and get one copy)."""
+    """Copy validated weights into the model in place (tied parameters share storage and get one copy); a
+    LoRA model takes its adapter tensors."""
+    if is_lora(model):
+        try:
+            load_adapter_state_dict(model, weights)
+        except KeyError as exc:
+            raise CheckpointError(str(exc)) from None
+        return
     missing, unexpected = model.load_state_dict(weights, strict=False)
     tied = set(getattr(model, "_tied_weights_keys", None) or [])
     real_missing = [k for k in missing if k not in tied and not _is_tied(model, k, weights)]
@@ -225,6 +284,24 @@ def write_run_config(directory: str | Path, config: dict) -> Path:
     path = Path(directory) / CONFIG_FILE
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
+
+
+def export_policy(model, tokenizer, config: dict, path: str | Path, merged: bool = True) -> Path:
+    """The trained policy for use outside training, in directory `path`, with its tokenizer and the run's
+    config. A full model: a Hugging Face model directory. A LoRA model: the adapter in PEFT format under
+    `path/adapter/`, and with `merged` the adapters merged into the base weights as a plain Hugging Face
+    model at `path` itself (what transformers, `atrlhf evaluate` and the MLflow logged model load)."""
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    if is_lora(model):
+        save_adapter(model, out / ADAPTER_DIR)
+        if merged:
+            save_merged(model, out)
+    else:
+        model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    write_run_config(out, config)
+    return out
 
 
 def load_checkpoint(path: str | Path, model) -> CheckpointState:

@@ -284,6 +284,22 @@ class BufferConfig(_Section):
     )
 
 
+class LoraConfig(_Section):
+    """LoRA adapters (peft): the trainer optimises them only; the base weights stay frozen."""
+
+    r: int = Field(8, ge=1, description="LoRA rank of every adapted linear layer (at least 1).")
+    alpha: float = Field(16.0, gt=0, description="LoRA alpha: the adapter's update is scaled by alpha / r.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapters' input while training.")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        min_length=1,
+        description="Linear modules that get adapters, by name suffix (peft's target_modules); must match some.",
+    )
+    export_merged: bool = Field(
+        True, description="At export, also write the adapters merged into the base weights as a plain HF model."
+    )
+
+
 class ModelConfig(_Section):
     """Policy model. `path` empty builds the tiny default model for the synthetic task."""
 
@@ -304,6 +320,14 @@ class ModelConfig(_Section):
         description="Tiny default policy: 'word' (Llama, word-level tokenizer, synthetic tasks) or 'chat' (Qwen2, "
         "byte-level BPE tokenizer trained locally, ChatML template, generation_config with two EOS ids).",
     )
+    lora: Optional[LoraConfig] = Field(
+        None, description="LoRA adapters {r, alpha, dropout, target_modules}; empty or null is full fine-tuning."
+    )
+
+    @field_validator("lora", mode="before")
+    @classmethod
+    def _empty_lora_is_full(cls, v: Any) -> Any:
+        return None if v in ({}, "", False) else v
 
 
 class DataConfig(_Section):

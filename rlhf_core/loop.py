@@ -142,6 +142,11 @@ def save_run_checkpoint(parts: RunParts, path: str | Path, run: Optional[dict] =
     return save_checkpoint(path, parts.model, state)
 
 
+def export_run(parts: RunParts, path: str | Path) -> Path:
+    """The trained policy exported as the Ray runtime exports it (build.export_run_policy)."""
+    return build.export_run_policy(parts.cfg, parts.model, parts.tokenizer, path)
+
+
 def restore_run_checkpoint(parts: RunParts, path: str | Path) -> CheckpointState:
     """Validate the whole checkpoint first, then restore weights, optimizer, versions, data and RNG.
 

@@ -138,7 +138,7 @@ def _fake_vllm(monkeypatch, knows_logprobs_mode: bool = True, version: str = "0.
     import sys
     import types
 
-    record: dict = {"llm": None, "sampling": []}
+    record: dict = {"llm": None, "sampling": [], "generate": [], "removed": []}
 
     class FakeSamplingParams:
         def __init__(self, **kwargs):
@@ -150,8 +150,10 @@ def _fake_vllm(monkeypatch, knows_logprobs_mode: bool = True, version: str = "0.
             if "logprobs_mode" in kwargs and not knows_logprobs_mode:
                 raise TypeError("__init__() got an unexpected keyword argument 'logprobs_mode'")
             record["llm"] = kwargs
+            self.llm_engine = types.SimpleNamespace(remove_lora=record["removed"].append)
 
-        def generate(self, requests, params, use_tqdm=False):
+        def generate(self, requests, params, use_tqdm=False, **kwargs):
+            record["generate"].append(kwargs)
             Lp = types.SimpleNamespace
             out = []
             for _ in requests:
@@ -165,6 +167,15 @@ def _fake_vllm(monkeypatch, knows_logprobs_mode: bool = True, version: str = "0.
     fake = types.ModuleType("vllm")
     fake.LLM, fake.SamplingParams, fake.__version__ = FakeLLM, FakeSamplingParams, version
     monkeypatch.setitem(sys.modules, "vllm", fake)
+
+    class FakeLoRARequest:
+        def __init__(self, lora_name, lora_int_id, lora_path):
+            self.lora_name, self.lora_int_id, self.lora_path = lora_name, lora_int_id, lora_path
+
+    lora_pkg, request_mod = types.ModuleType("vllm.lora"), types.ModuleType("vllm.lora.request")
+    request_mod.LoRARequest = FakeLoRARequest
+    monkeypatch.setitem(sys.modules, "vllm.lora", lora_pkg)
+    monkeypatch.setitem(sys.modules, "vllm.lora.request", request_mod)
     for var in ("VLLM_USE_FLASHINFER_SAMPLER", "VLLM_ENABLE_V1_MULTIPROCESSING"):  # what the engine sets, undone after
         monkeypatch.setenv(var, "")
         monkeypatch.delenv(var)
@@ -217,3 +228,84 @@ def test_vllm_without_processed_logprobs_refuses_truncated_sampling(
     engine.generate(pb, 1, SamplingParams(max_new_tokens=3))  # temperature 1, no filter: raw == processed
     with pytest.raises(RuntimeError, match="raw model distribution"):
         engine.generate(pb, 1, SamplingParams(max_new_tokens=3, **truncation))
+
+
+def test_vllm_engine_with_lora_loads_adapters_through_lora_requests(
+    monkeypatch, tiny_policy_dir, tiny_tokenizer, max3_prompts
+):
+    """model.lora: the engine enables vLLM's LoRA, a sync writes a PEFT adapter directory, and generation
+    names it in a LoRARequest (a new id per version; the previous one is removed)."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from rlhf_core import build
+    from rlhf_core.lora import adapter_state_dict
+    from rlhf_core.rollout.vllm import VLLMEngine
+
+    record = _fake_vllm(monkeypatch)
+    cfg = load_config(None, ["rollout.engine=vllm", "model.lora.r=4", "model.lora.target_modules=[q_proj,v_proj]"])
+    engine = VLLMEngine(tiny_policy_dir, cfg, tiny_tokenizer, seed=0, stop_token_ids=[2])
+    assert record["llm"]["enable_lora"] is True and record["llm"]["max_lora_rank"] == 8  # vLLM's smallest >= 4
+    assert record["llm"]["max_loras"] == 1
+    pb = collate_prompts(max3_prompts[0][:2], tiny_tokenizer.pad_token_id)
+    engine.generate(pb, 1, SamplingParams(max_new_tokens=3))
+    assert record["generate"][-1] == {}  # no adapter before the first sync: fresh adapters are zero
+
+    model, _ = build.build_policy(cfg, tiny_policy_dir)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_()
+    payload = adapter_state_dict(model)
+    engine.load_weights(payload, version=3)
+    engine.generate(pb, 1, SamplingParams(max_new_tokens=3))
+    request = record["generate"][-1]["lora_request"]
+    assert request.lora_int_id == 4 and engine.version == 3
+    written = load_file(str(Path(request.lora_path) / "adapter_model.safetensors"))
+    assert written.keys() == payload.keys() and all(torch.equal(written[k], payload[k]) for k in payload)
+    adapter_cfg = json.loads((Path(request.lora_path) / "adapter_config.json").read_text())
+    assert adapter_cfg["r"] == 4 and adapter_cfg["target_modules"] == ["q_proj", "v_proj"]
+    assert adapter_cfg["peft_type"] == "LORA" and adapter_cfg["base_model_name_or_path"] == str(tiny_policy_dir)
+
+    engine.load_weights(payload, version=4)
+    assert engine.lora_request.lora_int_id == 5 and record["removed"] == [4]
+    assert not Path(request.lora_path).exists()  # the previous version's directory is gone
+
+
+@pytest.mark.cuda
+def test_vllm_lora_adapter_matches_the_peft_model(tiny_policy_dir, tiny_tokenizer, max3_prompts):
+    """Where vLLM and CUDA exist: after a LoRA sync, vLLM's greedy outputs and logprobs are the peft model's."""
+    pytest.importorskip("vllm")
+    if not torch.cuda.is_available():
+        pytest.skip("vLLM needs a CUDA device")
+    from rlhf_core import build
+    from rlhf_core.lora import adapter_state_dict
+    from rlhf_core.rollout.vllm import VLLMEngine
+
+    cfg = load_config(
+        None,
+        [
+            "rollout.engine=vllm",
+            "model.dtype=float32",
+            "rollout.vllm_gpu_memory_utilization=0.2",
+            "model.lora.r=8",
+            "model.lora.target_modules=[q_proj,k_proj,v_proj,o_proj]",
+        ],
+    )
+    engine = VLLMEngine(tiny_policy_dir, cfg, tiny_tokenizer, seed=0)
+    model, _ = build.build_policy(cfg, tiny_policy_dir)
+    model = model.cuda()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.3)
+    engine.load_weights(adapter_state_dict(model), version=1)
+    pb = collate_prompts(max3_prompts[0][:8], tiny_tokenizer.pad_token_id)
+    greedy = SamplingParams(max_new_tokens=4, temperature=0.0)
+    out = engine.generate(pb, 1, greedy)
+    hf = HFEngine(model, tiny_tokenizer.eos_token_id, tiny_tokenizer.pad_token_id).generate(pb, 1, greedy)
+    assert torch.equal(hf.response_ids.cpu(), out.response_ids.cpu())
+    m = out.response_mask
+    torch.testing.assert_close(out.behavior_logprobs[m].cpu(), hf.behavior_logprobs.cpu()[m.cpu()], atol=2e-3, rtol=0)

@@ -17,20 +17,19 @@ import threading
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Optional
 
 import ray
 import torch
 
 from rlhf_core import build
+from rlhf_core.build import export_run_policy
 from rlhf_core.checkpoint import (
     CheckpointState,
     capture_rng,
     load_checkpoint,
     restore_rng,
     save_checkpoint,
-    write_run_config,
 )
 from rlhf_core.data import Prompt
 from rlhf_core.distributed.control import busy_fraction
@@ -528,13 +527,10 @@ class TrainerActor:
         return state
 
     def export(self, path: str) -> str:
+        """The policy as a Hugging Face directory (with LoRA: the PEFT adapter, plus the merged model when
+        model.lora.export_merged), with its tokenizer and the run's config."""
         with self.lock:
-            out = Path(path)
-            out.mkdir(parents=True, exist_ok=True)
-            self.model.save_pretrained(out)
-            self.tokenizer.save_pretrained(out)
-            write_run_config(out, self.cfg.model_dump(mode="json"))
-            return str(out)
+            return str(export_run_policy(self.cfg, self.model, self.tokenizer, path))
 
     def stats(self) -> dict:
         s = self.trainer.stats()

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from rlhf_core.data.prompts import PromptBatch
+from rlhf_core.lora import is_lora, load_adapter_state_dict
 from rlhf_core.rollout.base import SamplingParams, processed_logits
 from rlhf_core.types import RolloutBatch
 
@@ -30,7 +31,9 @@ class HFEngine:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
         # transformers 5 renamed the KV-cache argument from `past_key_values` to `cache`
-        params = inspect.signature(model.forward).parameters
+        # (a peft model's forward passes keyword arguments through to its base model's)
+        base = model.get_base_model() if is_lora(model) else model
+        params = inspect.signature(base.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         # the prompt pass needs logits at the last position only (saves N x P x V of work, as generate() does)
         self._last_logits_only = (
@@ -42,8 +45,11 @@ class HFEngine:
         )
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """Copy new weights into the model in place (no reallocation) and adopt their version."""
-        if state_dict is not None:
+        """Copy new weights into the model in place (no reallocation) and adopt their version. A LoRA model
+        takes adapter tensors (rlhf_core.lora names) and keeps its base weights."""
+        if state_dict is not None and is_lora(self.model):
+            load_adapter_state_dict(self.model, state_dict)
+        elif state_dict is not None:
             # remove_duplicate=False: a full state_dict names tied weights twice (lm_head + embeddings)
             params = dict(self.model.named_parameters(remove_duplicate=False))
             params.update(dict(self.model.named_buffers(remove_duplicate=False)))

@@ -14,6 +14,15 @@ repository's CI, which has no GPU — see tests/test_vllm.py, which runs it wher
   layers. Older versions reach the model through
   `llm.llm_engine.model_executor.driver_worker.model_runner.model` (the path OpenRLHF used).
 
+LoRA (`model.lora`). The engine is built with `enable_lora=True, max_loras=1, max_lora_rank` (the smallest
+rank vLLM accepts that is >= r); a weight sync carries the adapter tensors only (peft's saved names,
+`rlhf_core.lora`), which `load_weights` writes as a PEFT adapter directory (adapter_model.safetensors +
+adapter_config.json) and every later `generate` passes as `lora_request=LoRARequest(name, int_id, path)`,
+with a new int id per version so that vLLM loads it afresh (the previous one is removed where the engine
+offers `remove_lora`). Before the first sync no adapter is used: fresh adapters are zero (B = 0).
+vLLM does not adapt every module peft can (lm_head, for one, depends on the version): keep
+model.lora.target_modules to the attention and MLP projections with this engine.
+
 Behaviour logprobs. The trainer's ratios compare against the distribution the rollout sampled from
 (temperature, then min-p, top-k, top-p applied and renormalised: `rollout.base.processed_logits`, which
 follows vLLM's sampler in filters and order; the trainer computes its log-probs the same way, see
@@ -38,6 +47,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Optional
@@ -45,6 +56,7 @@ from typing import Optional
 import torch
 
 from rlhf_core.data.prompts import PromptBatch
+from rlhf_core.lora import ADAPTER_WEIGHTS
 from rlhf_core.rollout.base import SamplingParams
 from rlhf_core.types import RolloutBatch
 
@@ -96,6 +108,35 @@ def pack_completions(
         prompt_uids=prompts.uids.repeat_interleave(G),
     )
     return batch.to(device)
+
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # max_lora_rank values vLLM accepts
+
+
+def vllm_lora_rank(r: int) -> int:
+    """The smallest max_lora_rank vLLM accepts that holds rank r."""
+    for rank in VLLM_LORA_RANKS:
+        if rank >= r:
+            return rank
+    raise ValueError(f"model.lora.r={r} exceeds vLLM's largest LoRA rank {VLLM_LORA_RANKS[-1]}")
+
+
+def adapter_config_json(lora_cfg, base_model_path: str) -> dict:
+    """adapter_config.json of a PEFT LoRA adapter for `lora_cfg` (rlhf_core.config.LoraConfig)."""
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": str(base_model_path),
+        "r": int(lora_cfg.r),
+        "lora_alpha": float(lora_cfg.alpha),
+        "lora_dropout": float(lora_cfg.dropout),
+        "target_modules": list(lora_cfg.target_modules),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "modules_to_save": None,
+        "use_rslora": False,
+        "use_dora": False,
+    }
 
 
 def _vllm_version() -> tuple[int, ...]:
@@ -151,6 +192,12 @@ class VLLMEngine:
             gpu_memory_utilization=cfg.rollout.vllm_gpu_memory_utilization,
             max_model_len=max_len,
         )
+        self.lora_cfg = cfg.model.lora
+        self.lora_request = None
+        self._adapter_root: Optional[tempfile.TemporaryDirectory] = None
+        if self.lora_cfg is not None:
+            kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=vllm_lora_rank(self.lora_cfg.r))
+            self._adapter_root = tempfile.TemporaryDirectory(prefix="atrlhf-vllm-lora-")
         try:
             self.llm = LLM(**kwargs, logprobs_mode="processed_logprobs")
             self.processed_logprobs = True
@@ -162,8 +209,11 @@ class VLLMEngine:
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, state_dict: dict[str, torch.Tensor] | None, version: int) -> None:
-        """Load Hugging Face-named weights into the running engine and adopt their version."""
-        if state_dict is not None:
+        """Load Hugging Face-named weights into the running engine and adopt their version; with LoRA, the
+        adapter tensors become the adapter every later generation uses (a LoRARequest)."""
+        if state_dict is not None and self.lora_cfg is not None:
+            self._load_adapter(state_dict, int(version))
+        elif state_dict is not None:
             weights = [(k, v) for k, v in state_dict.items() if not k.endswith(_SKIPPED_WEIGHTS)]
 
             def load(model):
@@ -178,6 +228,27 @@ class VLLMEngine:
             if hasattr(self.llm, "reset_prefix_cache"):
                 self.llm.reset_prefix_cache()
         self.version = int(version)
+
+    def _load_adapter(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Write the adapter as a PEFT directory and make it the one generation uses (vLLM's LoRA API)."""
+        from safetensors.torch import save_file
+        from vllm.lora.request import LoRARequest
+
+        path = Path(self._adapter_root.name) / f"v{version:08d}"
+        path.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in state_dict.items()}, str(path / ADAPTER_WEIGHTS))
+        (path / "adapter_config.json").write_text(json.dumps(adapter_config_json(self.lora_cfg, self.model_path)))
+        previous = self.lora_request
+        # a new int id per version: vLLM caches adapters by id, the same id would keep the old tensors
+        self.lora_request = LoRARequest(f"policy-v{version}", version + 1, str(path))
+        if previous is not None:
+            remove = getattr(getattr(self.llm, "llm_engine", None), "remove_lora", None)
+            if remove is not None:
+                try:
+                    remove(previous.lora_int_id)
+                except Exception:  # not loaded yet, or a version without removal: the LRU evicts it
+                    pass
+            shutil.rmtree(previous.lora_path, ignore_errors=True)
 
     # ------------------------------------------------------------------ generation
     def _sampling_params(self, G: int, sampling: SamplingParams):
@@ -211,7 +282,8 @@ class VLLMEngine:
             {"prompt_token_ids": row[mask].tolist()}
             for row, mask in zip(prompts.prompt_ids.cpu(), prompts.prompt_mask.cpu())
         ]
-        outputs = self.llm.generate(requests, self._sampling_params(G, sampling), use_tqdm=False)
+        extra = {"lora_request": self.lora_request} if self.lora_request is not None else {}
+        outputs = self.llm.generate(requests, self._sampling_params(G, sampling), use_tqdm=False, **extra)
         completions = []
         for out in outputs:
             per_prompt = []

@@ -21,6 +21,7 @@ from rlhf_core.algorithms import (
     global_normalisers,
     step_keep_mask,
 )
+from rlhf_core.lora import adapter_state_dict, adapters_disabled, is_lora
 from rlhf_core.rollout.base import SamplingParams, processed_logits
 from rlhf_core.types import RolloutBatch
 
@@ -103,10 +104,15 @@ class Trainer:
         self.busy_s = 0.0
         self.samples = 0
         self.tokens = 0
+        self.lora = is_lora(model)
         if cfg.model.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
             model.gradient_checkpointing_enable()
+            if self.lora:  # frozen embeddings: checkpointed blocks need an input that requires grad
+                model.enable_input_require_grads()
         self.ref_model = ref_model
-        if self.algo.kl_coef > 0 and self.ref_model is None:
+        # With LoRA the KL reference is the same model with its adapters disabled (the frozen base): no copy.
+        self.ref_is_base = self.lora and self.algo.kl_coef > 0 and ref_model is None
+        if self.algo.kl_coef > 0 and self.ref_model is None and not self.ref_is_base:
             self.ref_model = copy.deepcopy(model).eval()
             for p in self.ref_model.parameters():
                 p.requires_grad_(False)
@@ -142,6 +148,22 @@ class Trainer:
             with_entropy=with_entropy,
             sampling=self.sampling,
         )
+
+    def reference_logprobs(self, batch: RolloutBatch, idx: slice = slice(None)) -> Optional[torch.Tensor]:
+        """Log-probs of the KL reference (no gradient): the reference model, or with LoRA this model with its
+        adapters disabled, in eval mode as a separate reference model would be; None without a KL term."""
+        if self.ref_model is not None:
+            with torch.no_grad():
+                return self._logprobs(self.ref_model, batch, idx)[0]
+        if not self.ref_is_base:
+            return None
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad(), adapters_disabled(self.model):
+                return self._logprobs(self.model, batch, idx)[0]
+        finally:
+            self.model.train(was_training)
 
     def train_step(self, batch: RolloutBatch, advantages: Optional[torch.Tensor] = None) -> dict:
         """One optimizer step on a batch of complete groups. Returns metrics (floats) under contract names.
@@ -186,10 +208,7 @@ class Trainer:
         for idx in micro:
             mask = step_mask[idx]
             logprobs, entropy = self._logprobs(self.model, batch, idx, with_entropy=True)
-            ref_logprobs = None
-            if self.ref_model is not None:
-                with torch.no_grad():
-                    ref_logprobs, _ = self._logprobs(self.ref_model, batch, idx)
+            ref_logprobs = self.reference_logprobs(batch, idx)
             if keep is not None:
                 loss_kwargs["keep_mask"] = keep[idx]
             loss, stats = compute_policy_loss(
@@ -266,7 +285,10 @@ class Trainer:
 
     # ------------------------------------------------------------------ weights and state
     def state_dict_for_sync(self) -> dict[str, torch.Tensor]:
-        """Contiguous CPU copies of every parameter and buffer, ready to ship to rollout engines."""
+        """Contiguous CPU copies of every parameter and buffer, ready to ship to rollout engines; with LoRA,
+        of the adapter tensors only (peft's saved names: the base weights never change)."""
+        if self.lora:
+            return adapter_state_dict(self.model)
         out = {}
         with torch.no_grad():
             for name, t in list(self.model.named_parameters()) + list(self.model.named_buffers()):

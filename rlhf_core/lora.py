@@ -1,0 +1,153 @@
+"""LoRA adapters (peft) on the policy: wrap, validate, move adapter tensors, merge for export.
+
+With `model.lora` set, `build.build_policy` wraps every process's policy (trainer, rollout workers,
+`atrlhf evaluate` of a checkpoint) with the same peft adapters, so parameter names agree everywhere:
+
+- the trainer optimises the adapters only (peft freezes the base weights);
+- the KL reference is the same model with its adapters disabled (`adapters_disabled`), no second copy;
+- a weight sync and a checkpoint carry the adapter tensors only, under peft's saved names
+  (`adapter_state_dict`: `...q_proj.lora_A.weight`, the PEFT file format vLLM's LoRA loader reads too);
+- an HF rollout engine holds the same peft model and copies the adapters in (`load_adapter_state_dict`),
+  so its logits are the trainer's exactly; export writes the adapter (PEFT format) and, on request, the
+  adapters merged into the base weights as a plain Hugging Face model (`save_merged`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from pathlib import Path
+
+import torch
+
+ADAPTER_DIR = "adapter"  # the PEFT adapter inside an export or a checkpoint directory
+ADAPTER_WEIGHTS = "adapter_model.safetensors"  # peft's weights file name in it
+
+
+class LoraConfigError(ValueError):
+    """model.lora does not fit the model (target_modules that match no linear layer)."""
+
+
+def is_lora(model) -> bool:
+    """Whether `model` is a peft model with adapters."""
+    return hasattr(model, "peft_config") and hasattr(model, "disable_adapter")
+
+
+def linear_module_names(model) -> list[str]:
+    """The distinct last names of the model's linear layers (what target_modules can name)."""
+    return sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+
+
+def apply_lora(model, lora_cfg):
+    """Wrap `model` with LoRA adapters of `lora_cfg` (rlhf_core.config.LoraConfig); base weights frozen.
+
+    Adapters start at B = 0, so the wrapped model computes exactly what the base model does. The seed of the
+    process decides A's initialisation; every process's A is replaced by the trainer's at the first sync.
+    """
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        raise LoraConfigError(
+            "model.lora is set but peft is not installed: pip install 'asynctensorrlhf[lora]' (or unset model.lora)"
+        ) from None
+
+    linear = linear_module_names(model)
+    unknown = [t for t in lora_cfg.target_modules if t not in linear]
+    if unknown:
+        raise LoraConfigError(
+            f"model.lora.target_modules: {unknown} match no linear layer of the model; its linear modules are "
+            f"{linear} (name some of these)"
+        )
+    targets = list(lora_cfg.target_modules)
+    peft_cfg = LoraConfig(
+        r=lora_cfg.r,
+        lora_alpha=lora_cfg.alpha,
+        lora_dropout=lora_cfg.dropout,
+        target_modules=targets,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    was_training = model.training
+    wrapped = get_peft_model(model, peft_cfg)
+    wrapped.train(was_training)
+    return wrapped
+
+
+@contextlib.contextmanager
+def adapters_disabled(model):
+    """The base model (adapters off) for the duration: the KL reference without a second copy."""
+    with model.disable_adapter():
+        yield model
+
+
+def adapter_state_dict(model) -> dict[str, torch.Tensor]:
+    """Contiguous CPU copies of the adapter tensors under peft's saved names (no adapter name)."""
+    with torch.no_grad():
+        return {k: p.detach().to("cpu", copy=True).contiguous() for k, p in _adapter_params(model).items()}
+
+
+def adapter_shapes(model) -> dict[str, list[int]]:
+    return {k: list(p.shape) for k, p in _adapter_params(model).items()}
+
+
+def load_adapter_state_dict(model, state_dict: dict[str, torch.Tensor]) -> None:
+    """Copy adapter tensors (peft's saved names) into the model's adapters in place; unknown or missing
+    names raise KeyError before anything is copied."""
+    params = _adapter_params(model)
+    unknown = [k for k in state_dict if k not in params]
+    missing = [k for k in params if k not in state_dict]
+    if unknown or missing:
+        raise KeyError(
+            f"adapter tensors do not fit the model's adapters: unknown {unknown[:3]}, missing {missing[:3]} "
+            "(is model.lora the same as the run's that wrote them?)"
+        )
+    with torch.no_grad():
+        for name, tensor in state_dict.items():
+            params[name].copy_(tensor, non_blocking=True)
+
+
+def _adapter_params(model) -> dict[str, torch.Tensor]:
+    """peft's saved name (as in get_peft_model_state_dict and adapter_model.safetensors) -> the live
+    parameter; cached on the model (names never change), so a sync does not walk the whole state dict."""
+    cached = getattr(model, "_atrlhf_adapter_params", None)
+    if cached is None:
+        adapter = model.active_adapter
+        cached = {}
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                cached[name.replace(f".{adapter}.", ".")] = p
+        model._atrlhf_adapter_params = cached
+    return cached
+
+
+def peft_config_dict(model) -> dict:
+    """The active adapter's peft config as JSON-safe dict (adapter_config.json's content)."""
+    cfg = model.peft_config[model.active_adapter].to_dict()
+    return {k: (sorted(v) if isinstance(v, set) else v) for k, v in cfg.items()}
+
+
+def save_adapter(model, directory: str | Path) -> Path:
+    """The adapter in PEFT format (adapter_config.json + adapter_model.safetensors) in `directory`."""
+    out = Path(directory)
+    # the base (embeddings included, even when a tied lm_head is adapted) is frozen: adapters only
+    model.save_pretrained(str(out), save_embedding_layers=False)
+    return out
+
+
+def save_merged(model, directory: str | Path) -> Path:
+    """The adapters merged into a copy of the base weights (W = W0 + alpha/r · B·A), saved as a plain
+    Hugging Face model that transformers and `atrlhf evaluate` load without peft. The live model is untouched."""
+    out = Path(directory)
+    work = copy.deepcopy(model)
+    base = work.get_base_model()
+    head = base.get_output_embeddings()
+    head = getattr(head, "base_layer", head)  # the adapted lm_head's frozen Linear
+    embeddings = base.get_input_embeddings()
+    if head is not None and embeddings is not None and head.weight is embeddings.weight:
+        # A tied lm_head that has an adapter: merging would move the input embeddings too. Untie first, so
+        # the merged model's embeddings stay the base's and only its output layer takes B·A.
+        head.weight = torch.nn.Parameter(head.weight.detach().clone(), requires_grad=False)
+        base.config.tie_word_embeddings = False
+    merged = work.merge_and_unload()
+    merged.save_pretrained(str(out))
+    return out
