@@ -93,3 +93,24 @@ def warm_start_policy(runtime, steps: int) -> dict:
 def teardown_runtime(runtime) -> None:
     """Stop the loops, kill exactly the actors this run created, shut Ray down if this run started it."""
     runtime.teardown()
+
+
+@contextlib.contextmanager
+def shared_ray(cfg: TrainConfig, slots: int):
+    """For a sweep: one local Ray instance with room for `slots` runs of `cfg` at once, that the runs of the
+    block join (a run that finds Ray up reuses it and leaves it up), shut down when the block leaves. Nothing
+    happens when cfg.cluster.address names a cluster or this process already joined Ray."""
+    from rlhf_core.distributed.cluster import connect, required_resources, teardown
+
+    if cfg.cluster.address:
+        yield None
+        return
+    need = required_resources(cfg)["CPU"]
+    per_run = max(cfg.cluster.num_cpus or 0, need, 1)
+    cluster = cfg.cluster.model_copy(update={"num_cpus": int(-(-per_run * slots // 1))})
+    with _keep_sigterm_handler():
+        handle = connect(cluster)
+    try:
+        yield handle
+    finally:
+        teardown(handle)
