@@ -29,6 +29,13 @@ reach it are counted, not averaged), the variance over steps of the pre-clip gra
     python benchmarks/staleness.py --taus 0 32 64 --losses ppo_clip0.2 --seeds 0 1 2
 
 Progress lines go to stderr. Runs are spread over --workers processes, one torch thread each.
+
+This is the single-process, controlled-staleness harness. The same question on the real asynchronous
+runtime (losses x runtime.max_staleness x seeds, each a supervised atrlhf-train run) is a sweep, compared
+in the Prefect and MLflow UIs (docs/benchmarks.md, "The staleness study as a sweep"):
+
+    atrlhf sweep --config configs/staleness_sweep.yaml \
+        --grid algorithm.loss=grpo,m2po --grid runtime.max_staleness=1,4 --seeds 2
 """
 
 from __future__ import annotations

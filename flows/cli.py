@@ -3,6 +3,8 @@
     atrlhf train [--config PATH] [--set key=value ...] [--resume-from RUN_ID_OR_CHECKPOINT]
     atrlhf evaluate --checkpoint PATH_OR_RUN_ID [--config PATH] [--set key=value ...]
     atrlhf score --input FILE.jsonl [--config PATH] [--set key=value ...] [--json]
+    atrlhf sweep [--config PATH] [--set key=value ...] --grid key=v1,v2 [--grid ...] [--seeds N]
+                 [--max-parallel N] [--metric NAME] [--target ACC] [--sweep-id ID]
 
 The config is validated before anything else is imported or started: a bad field exits with status 2 and
 a message naming it. Prefect, Ray and MLflow are imported inside the commands only, so a bad command line
@@ -21,7 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Optional
 
-from rlhf_core.config import RUN_CONFIG_FILE, ConfigError, TrainConfig, load_config
+from rlhf_core.config import RUN_CONFIG_FILE, ConfigError, TrainConfig, load_config, parse_grid_item
 
 EXIT_CONFIG = 2
 EXIT_FAILED = 1
@@ -62,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Asynchronous RL fine-tuning of language models "
         "(PPO/GRPO/M2PO) on Ray, supervised by Prefect, tracked in MLflow.",
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,evaluate,score}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,evaluate,score,sweep}")
     t = sub.add_parser(
         "train",
         help="run the training flow locally (Prefect, Ray, MLflow)",
@@ -103,6 +105,27 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(s)
     s.add_argument("--input", required=True, metavar="FILE.jsonl", help="responses and answers, one JSON object a line")
     s.add_argument("--json", action="store_true", help="print one JSON object (rows and means) instead of a table")
+    w = sub.add_parser(
+        "sweep",
+        help="run a grid of training runs and compare them (Prefect child flow runs, MLflow parent/child)",
+        description="Run every point of the grid (times the seeds) as a child flow run of atrlhf-train, at most "
+        "--max-parallel at once; one MLflow parent run with a child run per point; a comparison table and plot "
+        "in both UIs. --set applies to every point. Rerunning the same sweep skips the points already finished. "
+        "Exits 1 when a point failed (the others still run).",
+    )
+    _add_config_args(w)
+    w.add_argument(
+        "--grid",
+        action="append",
+        required=True,
+        metavar="KEY=V1,V2",
+        help="a varied config key and its values (parsed like --set values), e.g. --grid algorithm.loss=grpo,m2po",
+    )
+    w.add_argument("--seeds", type=int, default=1, help="seeds per point: trainer.seed, +1, ... (default 1)")
+    w.add_argument("--max-parallel", type=int, default=1, help="points run at once (default 1)")
+    w.add_argument("--metric", default="eval/accuracy", help="the metric plotted against steps (default eval/accuracy)")
+    w.add_argument("--target", type=float, default=0.9, help="the accuracy of 'time to target' (default 0.9)")
+    w.add_argument("--sweep-id", help="name the sweep (default: a hash of the base config, grid and seeds)")
     return parser
 
 
@@ -131,6 +154,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return cmd_train(cfg, args.resume_from)
     if args.command == "score":
         return cmd_score(cfg, args.input, as_json=args.json)
+    if args.command == "sweep":
+        try:
+            grid = parse_grid(args.grid)
+        except ConfigError as exc:
+            print(f"atrlhf: {exc}", file=sys.stderr)
+            return EXIT_CONFIG
+        if args.seeds < 1 or args.max_parallel < 1:
+            print("atrlhf: --seeds and --max-parallel must be at least 1", file=sys.stderr)
+            return EXIT_CONFIG
+        return cmd_sweep(cfg, grid, args.seeds, args.max_parallel, args.metric, args.target, args.sweep_id)
     run_config = _run_config_of(args.checkpoint) if args.config is None else None
     if run_config is not None:  # the config the policy was trained with, unless the user names one
         try:
@@ -264,6 +297,79 @@ def _train_summary(
         "=" * 78,
     ]
     return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------ sweep
+def parse_grid(items: Sequence[str]) -> dict[str, list]:
+    """--grid arguments -> {dotted key: [values]}; a key given twice is an error."""
+    grid: dict[str, list] = {}
+    for item in items:
+        key, values = parse_grid_item(item)
+        if key in grid:
+            raise ConfigError(f"--grid {key} is given twice; list all its values in one --grid")
+        grid[key] = values
+    return grid
+
+
+def cmd_sweep(
+    cfg: TrainConfig,
+    grid: dict[str, list],
+    seeds: int,
+    max_parallel: int,
+    metric: str,
+    target: float,
+    sweep_id: Optional[str],
+) -> int:
+    """Run the sweep flow in this process (against a temporary Prefect API when none is configured)."""
+    from flows.local_api import local_prefect_api
+    from flows.sweep import sweep
+    from tasks.sweep import table_markdown
+    from tasks.tracking import ui_command
+
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        with local_prefect_api() as temporary_api:
+            try:
+                state = sweep(
+                    base_config=cfg,
+                    grid=grid,
+                    seeds=seeds,
+                    max_parallel=max_parallel,
+                    metric=metric,
+                    target=target,
+                    sweep_id=sweep_id,
+                    return_state=True,
+                )
+            except KeyboardInterrupt:
+                print("\natrlhf: interrupted; the sweep stopped.", file=sys.stderr)
+                return EXIT_INTERRUPTED
+            flow_run_id = str(state.state_details.flow_run_id) if state.state_details.flow_run_id else None
+            result = state.result(raise_on_failure=False)
+            ok = state.is_completed() and isinstance(result, dict)
+            where, see = _prefect_location(flow_run_id, temporary_api is not None)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if not ok:
+        print(f"atrlhf: the sweep failed: {type(result).__name__}: {result}", file=sys.stderr)
+        return EXIT_CONFIG if isinstance(result, ConfigError) else EXIT_FAILED
+    lines = [
+        "",
+        "=" * 78,
+        f"atrlhf sweep {result['sweep_id']}: {result['points']} point(s), {result['ran']} ran, "
+        f"{result['skipped']} skipped (finished before), {result['failed']} failed",
+        "",
+        table_markdown(result["rows"], target),
+        f"  MLflow parent run   {result['mlflow_parent_run_id']}  ({result['mlflow_tracking_uri']})",
+        f"  MLflow UI           {ui_command(result['mlflow_tracking_uri'])}  -> http://127.0.0.1:5000",
+        f"  Prefect flow run    {flow_run_id}  (in {where})",
+        f"  Prefect UI          {see}",
+        "=" * 78,
+    ]
+    print("\n".join(lines))
+    for row in result["rows"]:
+        if row["error"]:
+            print(f"atrlhf: point {row['point']} failed: {row['error']}", file=sys.stderr)
+    return EXIT_FAILED if result["failed"] else 0
 
 
 # --------------------------------------------------------------------------------------------- evaluate

@@ -45,7 +45,12 @@ HEARTBEAT_S = 30.0
 
 
 @flow(name="atrlhf-train", validate_parameters=False, log_prints=True)
-def train(config: TrainConfig = TrainConfig(), resume_from: Optional[str] = None) -> dict:
+def train(
+    config: TrainConfig = TrainConfig(),
+    resume_from: Optional[str] = None,
+    mlflow_parent_run_id: Optional[str] = None,
+    mlflow_tags: Optional[dict[str, str]] = None,
+) -> dict:
     """Asynchronous (or lockstep) RL fine-tuning of a language model on Ray, supervised by Prefect.
 
     `config` is the whole run (rlhf_core.config.TrainConfig; a dict is validated the same way and a bad
@@ -75,8 +80,10 @@ def train(config: TrainConfig = TrainConfig(), resume_from: Optional[str] = None
                 "prefect.flow_run_name": current_flow_run.name or "",
                 "resumed_from": resume_from or "",
                 "atrlhf.run_dir": str(resources.run_dir.path),
+                **(mlflow_tags or {}),
             },
             resume_step=resume.step if resume.checkpoint else None,
+            parent_run_id=mlflow_parent_run_id,
         )
         _link_mlflow_run(resources.tracker, flow_run_id, logger)
         run = RunState(cfg, resources.runtime, resources.tracker, logger, step=info["step"])

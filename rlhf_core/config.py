@@ -722,6 +722,24 @@ def apply_overrides(data: dict, overrides: Iterable[str]) -> dict:
     return data
 
 
+def parse_grid_item(item: str) -> tuple[str, list[Any]]:
+    """`dotted.key=v1,v2,...` (or `dotted.key=[v1, v2]`) -> (key, values), each value parsed like an override
+    value. Values are not validated here: a sweep validates each point on its own.
+
+    >>> parse_grid_item("runtime.max_staleness=1,4,16")
+    ('runtime.max_staleness', [1, 4, 16])
+    """
+    parts, whole = _parse_override(item)
+    key, raw = ".".join(parts), item.split("=", 1)[1].strip()
+    if isinstance(whole, list):
+        values = whole
+    else:
+        values = [_parse_override(f"{key}={piece}")[1] for piece in raw.split(",")]
+    if not values or any(v == "" for v in values):
+        raise ConfigError(f"grid {item!r}: expected dotted.key=value1,value2,... with no empty value")
+    return key, values
+
+
 def load_config(path: str | os.PathLike | None = None, overrides: Iterable[str] = ()) -> TrainConfig:
     """Read a YAML config (or the defaults when `path` is None), apply dotted overrides, validate.
 

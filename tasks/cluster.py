@@ -7,6 +7,7 @@ step an observable task run in the flow. Nothing here does math.
 from __future__ import annotations
 
 import contextlib
+import math
 import signal
 import threading
 from typing import Optional
@@ -93,3 +94,22 @@ def warm_start_policy(runtime, steps: int) -> dict:
 def teardown_runtime(runtime) -> None:
     """Stop the loops, kill exactly the actors this run created, shut Ray down if this run started it."""
     runtime.teardown()
+
+
+@contextlib.contextmanager
+def shared_ray(cfg: TrainConfig, slots: int):
+    """For a sweep: join Ray once for all the runs of the block (a run that finds Ray joined reuses it and
+    leaves it up; parallel runs never race to start or shut it down). Without cluster.address, a local
+    instance with room for `slots` runs of `cfg` at once, shut down when the block leaves."""
+    from rlhf_core.distributed.cluster import connect, required_resources, teardown
+
+    cluster = cfg.cluster
+    if not cluster.address:
+        per_run = max(cluster.num_cpus or 0, required_resources(cfg)["CPU"], 1)
+        cluster = cluster.model_copy(update={"num_cpus": math.ceil(per_run * slots)})
+    with _keep_sigterm_handler():
+        handle = connect(cluster)
+    try:
+        yield handle
+    finally:
+        teardown(handle)

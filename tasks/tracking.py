@@ -39,6 +39,7 @@ CHECKPOINT_ARTIFACT_PATH = "checkpoints"
 CHECKPOINT_COMPLETE = "COMPLETE"  # written last into an uploaded checkpoint
 RESUMED_FROM_RUN = "atrlhf.resumed_from_run"  # tags of a run that resumed another
 RESUMED_FROM_STEP = "atrlhf.resumed_from_step"
+MLFLOW_PARENT_RUN = "mlflow.parentRunId"  # MLflow's own tag: the UI nests a run under this parent
 PARAM_BATCH = 100  # MLflow accepts at most 100 params per log_batch call
 PARAM_VALUE_MAX = 6000  # and param values of at most 6000 characters
 METRIC_BATCH = 1000  # and at most 1000 metrics per call
@@ -138,10 +139,12 @@ class MlflowTracker:
         tags: Optional[dict[str, str]] = None,
         run_name: Optional[str] = None,
         resume_step: Optional[int] = None,
+        parent_run_id: Optional[str] = None,
     ) -> MlflowTracker:
         """Create the run, log params and tags, start system metrics. With `resume_run_id` the new run resumes
         that one at `resume_step`: it is tagged with both, and a parent left RUNNING by a dead driver is
-        marked FAILED.
+        marked FAILED. With `parent_run_id` (a sweep's parent run) the run is its child (`mlflow.parentRunId`,
+        in the parent's experiment), which MLflow's UI nests under it.
 
         The run is named cfg.tracking.run_name, else `run_name` (the Prefect flow run's name), else MLflow
         picks a name."""
@@ -165,6 +168,9 @@ class MlflowTracker:
                     f"when it was resumed at step {int(resume_step or 0)}",
                 )
                 client.set_terminated(resume_run_id, status="FAILED")
+        if parent_run_id:
+            experiment_id = client.get_run(parent_run_id).info.experiment_id
+            run_tags[MLFLOW_PARENT_RUN] = parent_run_id
         run = client.create_run(experiment_id, run_name=name, tags=run_tags)
         tracker = cls(uri, run.info.run_id, experiment_id, parent_run_id=resume_run_id, resumed_from_step=resume_step)
         all_tags = dict(tags or {})
@@ -490,9 +496,11 @@ def start_tracking(
     tags: Optional[dict[str, str]] = None,
     run_name: Optional[str] = None,
     resume_step: Optional[int] = None,
+    parent_run_id: Optional[str] = None,
 ) -> MlflowTracker:
     """Open the MLflow run of this flow run and log the config as params. A resumed run is a new MLflow run
-    that names the run it resumed (`resume_run_id`) and the step (`resume_step`).
+    that names the run it resumed (`resume_run_id`) and the step (`resume_step`). With `parent_run_id` it is
+    a child of that run (a sweep's parent).
 
     It is named cfg.tracking.run_name, else `run_name`, else this flow run's name."""
     if not run_name:
@@ -500,7 +508,13 @@ def start_tracking(
 
         run_name = flow_run.name or None
     return MlflowTracker.start(
-        cfg, flow_run_id=flow_run_id, resume_run_id=resume_run_id, tags=tags, run_name=run_name, resume_step=resume_step
+        cfg,
+        flow_run_id=flow_run_id,
+        resume_run_id=resume_run_id,
+        tags=tags,
+        run_name=run_name,
+        resume_step=resume_step,
+        parent_run_id=parent_run_id,
     )
 
 

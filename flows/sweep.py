@@ -1,0 +1,205 @@
+"""The sweep flow: a grid of training runs as child flow runs of `atrlhf-train`, compared in Prefect and MLflow.
+
+    validate the base config and the grid's shape -> name the sweep (hash of base, grid, seeds, or given)
+    -> open (or, on a rerun, reopen) the MLflow parent run -> skip the points a child already FINISHED
+    -> run the rest, at most `max_parallel` at once, each as a child flow run of atrlhf-train whose MLflow
+       run is a child of the parent (a failing point fails only its child) -> comparison table and plot
+       as Prefect artifacts and as the parent's MLflow artifacts.
+
+Points run in this process, on one Ray instance the sweep starts (unless cluster.address names one) with
+room for `max_parallel` runs, so that parallel children neither fight over Ray's CPUs nor shut Ray down
+under each other. Each child writes under `<run.output_dir>/<sweep id>/<point>`.
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Any, Optional, Union
+
+from prefect import flow, get_run_logger, task
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.cache_policies import NO_CACHE
+from prefect.runtime import flow_run as current_flow_run
+from prefect.task_runners import ThreadPoolTaskRunner
+
+from flows.train import train
+from rlhf_core.config import ConfigError, TrainConfig, validate_config
+from tasks.cluster import shared_ray
+from tasks.sweep import (
+    SweepPoint,
+    SweepRecord,
+    check_grid,
+    comparison_plot,
+    comparison_row,
+    expand_grid,
+    plot_name,
+    point_config,
+    read_child,
+    seed_list,
+    table_markdown,
+)
+from tasks.sweep import (
+    sweep_id as make_sweep_id,
+)
+from tasks.tracking import run_url, ui_command
+
+
+@flow(name="atrlhf-sweep", validate_parameters=False, log_prints=True)
+def sweep(
+    base_config: TrainConfig = TrainConfig(),
+    grid: Optional[dict[str, list]] = None,
+    seeds: Union[int, list[int]] = 1,
+    max_parallel: int = 1,
+    metric: str = "eval/accuracy",
+    target: float = 0.9,
+    sweep_id: Optional[str] = None,
+) -> dict:
+    """Run every point of `grid` (dotted config keys to lists of values) times `seeds` (a count from the base
+    trainer.seed, or a list) as a child flow run of atrlhf-train, at most `max_parallel` at once.
+
+    MLflow: one parent run per sweep (tag atrlhf.sweep_id; the grid as params) with one child run per point
+    (the varied keys as params and tags). A rerun with the same base config, grid and seeds (or the same
+    `sweep_id`) reuses the parent and skips the points already finished. The comparison (final and best
+    eval/accuracy, seconds to `target` accuracy, mean staleness, samples/s, status; a plot of `metric`
+    against steps, mean and spread over seeds) is a Prefect table and markdown artifact and the parent's
+    MLflow artifacts under comparison/.
+
+    Returns the sweep id, the MLflow parent run id, the table rows and the counts (ran, skipped, failed).
+    """
+    logger = get_run_logger()
+    cfg = validate_config(base_config, " (sweep parameter 'base_config')")
+    grid = check_grid(dict(grid or {}))
+    if isinstance(max_parallel, bool) or not isinstance(max_parallel, int) or max_parallel < 1:
+        raise ConfigError(f"sweep max_parallel: expected an integer >= 1, got {max_parallel!r}")
+    seeds_used = seed_list(cfg, seeds)
+    points = expand_grid(grid, seeds_used)
+    sid = sweep_id or make_sweep_id(cfg, grid, seeds_used)
+    flow_run_id = str(current_flow_run.id) if current_flow_run.id else ""
+
+    record = SweepRecord(cfg, sid)
+    params: dict[str, Any] = {f"grid.{k}": v for k, v in grid.items()}
+    params.update(
+        {"sweep_id": sid, "seeds": seeds_used, "max_parallel": max_parallel, "metric": metric, "target": target}
+    )
+    params["points"] = len(points)
+    parent = record.open(params, flow_run_id)
+    if not record.resumed:
+        record.client.log_dict(parent, cfg.model_dump(mode="json"), "base_config.json")
+    done = record.finished_points()
+    todo = [p for p in points if p.name not in done]
+    logger.info(
+        "sweep %s: %d point(s) (%s x %d seed(s)), %d already finished, %d to run, at most %d at once; MLflow parent %s",
+        sid,
+        len(points),
+        " x ".join(f"{k}[{len(v)}]" for k, v in grid.items()) or "base",
+        len(seeds_used),
+        len(points) - len(todo),
+        len(todo),
+        max_parallel,
+        parent,
+    )
+
+    outcomes: dict[str, dict] = {}
+    status = "FAILED"
+    try:
+        if todo:
+            with shared_ray(cfg, max_parallel), ThreadPoolTaskRunner(max_workers=max_parallel) as runner:
+                futures = [
+                    (
+                        p,
+                        runner.submit(
+                            run_point, parameters={"point": p, "config": cfg, "sweep": sid, "parent_run_id": parent}
+                        ),
+                    )
+                    for p in todo
+                ]
+                for point, future in futures:
+                    outcomes[point.name] = outcome = future.result()
+                    logger.info("point %s: %s %s", point.name, outcome["state"], outcome["message"] or "")
+        children = []
+        for point in points:
+            outcome = outcomes.get(point.name)
+            if outcome is None:
+                children.append(read_child(record, point, metric, note="done earlier"))
+                continue
+            if outcome["state"] != "COMPLETED" and record.child_of(point) is None:
+                record.record_failed_point(point, outcome["message"], outcome["flow_run_id"])
+            error = outcome["message"] if outcome["state"] != "COMPLETED" else ""
+            children.append(read_child(record, point, metric, error=error))
+        rows = [comparison_row(c, target) for c in children]
+        failed = sum(1 for c in children if c.status != "FINISHED")
+        publish_comparison(record, rows, children, metric, target)
+        status = "FINISHED"
+    finally:
+        if status != "FINISHED":
+            record.client.set_terminated(parent, status="FAILED")
+    record.end(failed=failed, skipped=len(points) - len(todo), total=len(points))
+    logger.info(
+        "sweep %s done: %d ran, %d skipped (finished before), %d failed; MLflow parent %s",
+        sid,
+        len(todo),
+        len(points) - len(todo),
+        failed,
+        parent,
+    )
+    return {
+        "sweep_id": sid,
+        "mlflow_parent_run_id": parent,
+        "mlflow_experiment_id": record.experiment_id,
+        "mlflow_tracking_uri": record.uri,
+        "rows": rows,
+        "points": len(points),
+        "ran": len(todo),
+        "skipped": len(points) - len(todo),
+        "failed": failed,
+    }
+
+
+@task(name="sweep-point", cache_policy=NO_CACHE, persist_result=False, task_run_name="{point.name}")
+def run_point(point: SweepPoint, config: TrainConfig, sweep: str, parent_run_id: str) -> dict:
+    """One point as a child flow run of atrlhf-train. Never raises: a point that fails (a bad value, a failed
+    run) is an outcome {state, message, flow_run_id} that the sweep reports."""
+    try:
+        child_config = point_config(config, point, sweep)
+    except ConfigError as exc:  # a grid key that is not a path into the config
+        return {"state": "FAILED", "message": f"ConfigError: {exc}", "flow_run_id": ""}
+    state = train.with_options(flow_run_name=f"{sweep}/{point.name}")(
+        config=child_config,
+        mlflow_parent_run_id=parent_run_id,
+        mlflow_tags=point.tags(sweep),
+        return_state=True,
+    )
+    flow_run_id = str(state.state_details.flow_run_id) if state.state_details.flow_run_id else ""
+    message = (state.message or "").removeprefix("Flow run encountered an exception: ")
+    return {"state": state.type.value, "message": message, "flow_run_id": flow_run_id}
+
+
+def publish_comparison(record: SweepRecord, rows: list[dict], children: list, metric: str, target: float) -> None:
+    """The comparison table and plot as Prefect artifacts (table + markdown with the plot inline) and as the
+    MLflow parent's artifacts (comparison/comparison.csv, .md, .json and the PNG)."""
+    png = comparison_plot(children, metric)
+    url = run_url(record.uri, record.experiment_id, record.run_id)
+    table = table_markdown(rows, target)
+    markdown = "\n".join(
+        [
+            f"# Sweep {record.sweep}",
+            "",
+            table,
+            f"Time to target: seconds from the child's start to its first `eval/accuracy` ≥ {target:g} (— never). "
+            "Mean staleness and samples/s: means over the run's steps.",
+            "",
+            f"MLflow parent run `{record.run_id}`: [{url}]({url}) — open the UI with `{ui_command(record.uri)}`; "
+            f"the plot is `comparison/{plot_name(metric)}`.",
+            "",
+        ]
+    )
+    record.log_comparison(rows, markdown, png, metric)
+    if png is not None:
+        markdown += f"\n![{metric} against steps](data:image/png;base64,{base64.b64encode(png).decode()})\n"
+    create_table_artifact(
+        table=[{k: v for k, v in r.items()} for r in rows],
+        key="atrlhf-sweep-comparison",
+        description=f"Sweep {record.sweep}: one row per point",
+    )
+    create_markdown_artifact(markdown=markdown, key="atrlhf-sweep-summary", description=f"Sweep {record.sweep}")
+    print(table)

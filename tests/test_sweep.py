@@ -1,0 +1,271 @@
+"""Sweeps (flows/sweep.py, tasks/sweep.py, `atrlhf sweep`): grid parsing, points, ids, per-point configs, the
+comparison table and plot; and, slow, a sweep of the tiny task through the CLI with one bad grid value and a
+rerun that skips the finished points (real Prefect, real local Ray, MLflow on SQLite in a temp dir).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from flows.cli import main, parse_grid
+from flows.deployment import load_sweep_parameters
+from rlhf_core.config import ConfigError, TrainConfig, load_config, parse_grid_item, validate_config
+from tasks.sweep import (
+    ChildHistory,
+    SweepPoint,
+    check_grid,
+    comparison_plot,
+    comparison_row,
+    expand_grid,
+    point_config,
+    read_child,
+    seed_list,
+    sweep_id,
+    table_csv,
+    table_markdown,
+)
+
+SMALL = [
+    "trainer.total_steps=4",
+    "data.eval_size=20",
+    "model.tiny_hidden=32",
+    "model.tiny_heads=2",
+    "model.tiny_layers=1",
+    "rollout.prompts_per_batch=4",
+    "trainer.prompts_per_step=4",
+    "rollout.samples_per_prompt=4",
+    "cluster.num_cpus=2",
+    "supervision.supervise_interval_s=0.2",
+    "tracking.eval_every=2",
+    "tracking.checkpoint_every=2",
+    "tracking.log_system_metrics=false",
+    "tracking.log_model=false",
+]
+
+
+def test_grid_values_parse_like_set_values():
+    assert parse_grid_item("runtime.max_staleness=1,4,16") == ("runtime.max_staleness", [1, 4, 16])
+    assert parse_grid_item("algorithm.loss=grpo,m2po") == ("algorithm.loss", ["grpo", "m2po"])
+    assert parse_grid_item("trainer.lr=[0.0001, 0.0003]") == ("trainer.lr", [0.0001, 0.0003])
+    assert parse_grid(["algorithm.loss=ppo", "runtime.prefetch=true,false"]) == {
+        "algorithm.loss": ["ppo"],
+        "runtime.prefetch": [True, False],
+    }
+    with pytest.raises(ConfigError, match="given twice"):
+        parse_grid(["algorithm.loss=grpo", "algorithm.loss=m2po"])
+    for bad in ("algorithm.loss", "a..b=1", "runtime.max_staleness=1,,4"):
+        with pytest.raises(ConfigError):
+            parse_grid_item(bad)
+
+
+def test_cli_rejects_a_bad_grid_before_starting_anything(capsys):
+    assert main(["sweep", "--grid", "algorithm.loss"]) == 2
+    assert "dotted.key=value" in capsys.readouterr().err
+    assert main(["sweep", "--grid", "algorithm.loss=grpo", "--seeds", "0"]) == 2
+    assert main(["sweep", "--set", "trainer.total_steps=0", "--grid", "algorithm.loss=grpo"]) == 2
+    assert "trainer.total_steps" in capsys.readouterr().err
+
+
+def test_points_are_the_grid_times_the_seeds():
+    base = load_config(None, ["trainer.seed=7"])
+    seeds = seed_list(base, 2)
+    assert seeds == [7, 8] and seed_list(base, [1, 5]) == [1, 5]
+    points = expand_grid({"algorithm.loss": ["grpo", "m2po"], "runtime.max_staleness": [1, 4]}, seeds)
+    assert len(points) == 8 and len({p.name for p in points}) == 8 and len({p.dirname for p in points}) == 8
+    assert points[0].name == "algorithm.loss=grpo,runtime.max_staleness=1,seed=7"
+    assert points[1].group == points[0].group != points[2].group
+    assert points[3].tags("s") == {
+        "atrlhf.sweep_id": "s",
+        "atrlhf.sweep_role": "child",
+        "atrlhf.sweep_point": "algorithm.loss=grpo,runtime.max_staleness=4,seed=8",
+        "algorithm.loss": "grpo",
+        "runtime.max_staleness": "4",
+        "trainer.seed": "8",
+    }
+    for bad in ({"trainer.seed": [1, 2]}, {"algorithm.loss": []}, {"a..b": [1]}, ["algorithm.loss"]):
+        with pytest.raises(ConfigError):
+            check_grid(bad)
+    for bad in (0, [], [1.5], True):
+        with pytest.raises(ConfigError, match="seeds"):
+            seed_list(base, bad)
+
+
+def test_sweep_id_is_a_hash_of_base_grid_and_seeds():
+    base = TrainConfig()
+    grid = {"algorithm.loss": ["grpo", "m2po"]}
+    assert sweep_id(base, grid, [0, 1]) == sweep_id(TrainConfig(), {"algorithm.loss": ["grpo", "m2po"]}, [0, 1])
+    assert sweep_id(base, grid, [0, 1]) != sweep_id(base, grid, [0])
+    assert sweep_id(base, grid, [0]) != sweep_id(base, {"algorithm.loss": ["grpo"]}, [0])
+    assert sweep_id(base, grid, [0]) != sweep_id(load_config(None, ["trainer.lr=0.0001"]), grid, [0])
+
+
+def test_a_point_config_has_its_own_dir_and_seed_and_is_validated_by_the_child():
+    base = load_config(None, ["run.output_dir=/tmp/out"])
+    good, bad = expand_grid({"algorithm.loss": ["m2po", "nosuch"]}, [3])
+    data = point_config(base, good, "sweep-x")
+    cfg = validate_config(data)
+    assert cfg.algorithm.loss == "m2po" and cfg.trainer.seed == 3
+    assert cfg.run.output_dir == "/tmp/out/sweep-x/algorithm.loss-m2po_seed-3"
+    assert cfg.tracking.run_name == "sweep-x/algorithm.loss=m2po,seed=3"
+    data = point_config(base, bad, "sweep-x")  # not validated here: only its child fails
+    with pytest.raises(ConfigError, match="algorithm.loss"):
+        validate_config(data)
+    (not_a_section,) = expand_grid({"trainer.lr.x": [1]}, [0])
+    with pytest.raises(ConfigError, match="not a section"):
+        point_config(base, not_a_section, "sweep-x")
+
+
+def _child(values, seed, accuracies, status="FINISHED", error=""):
+    point = SweepPoint(tuple(values.items()), seed)
+    start = 1_000_000
+    return ChildHistory(
+        point,
+        status,
+        error=error,
+        run_id="r" * 32,
+        start_ms=start,
+        histories={
+            "eval/accuracy": [(s, a, start + 1000 * s) for s, a in accuracies],
+            "async/staleness_mean": [(1, 0.5, 0), (2, 1.5, 0)],
+            "throughput/samples_per_s": [(1, 100.0, 0), (2, 300.0, 0)],
+        },
+    )
+
+
+def test_comparison_row_table_and_plot():
+    children = [
+        _child({"runtime.max_staleness": 1}, 0, [(0, 0.0), (10, 0.92), (20, 0.9)]),
+        _child({"runtime.max_staleness": 1}, 1, [(0, 0.0), (10, 0.5), (20, 0.8)]),
+        _child({"runtime.max_staleness": 4}, 0, [], status="FAILED", error="ConfigError: bad | value"),
+    ]
+    rows = [comparison_row(c, target=0.9) for c in children]
+    assert rows[0]["final eval/accuracy"] == 0.9 and rows[0]["best eval/accuracy"] == 0.92
+    assert rows[0]["time to target (s)"] == 10.0  # the first evaluation >= 0.9: step 10, 10 s after the start
+    assert rows[1]["time to target (s)"] is None
+    assert rows[0]["mean staleness"] == 1.0 and rows[0]["samples/s"] == 200.0 and rows[0]["steps"] == 20
+    assert rows[2]["status"] == "FAILED" and rows[2]["final eval/accuracy"] is None
+    md = table_markdown(rows, 0.9)
+    assert md.splitlines()[0].startswith("| runtime.max_staleness | trainer.seed | final eval/accuracy")
+    assert "time to acc ≥ 0.9 (s)" in md and "bad \\| value" in md and len(md.splitlines()) == 5
+    csv_text = table_csv(rows)
+    assert csv_text.splitlines()[0].startswith("point,runtime.max_staleness,trainer.seed,")
+    png = comparison_plot(children, "eval/accuracy")
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    assert comparison_plot(children, "no/such_metric") is None
+
+
+def test_the_sweep_deployment_parameters(tmp_path):
+    params = load_sweep_parameters("deployments/staleness_sweep.yaml")
+    assert params["grid"] == {"algorithm.loss": ["grpo", "m2po"], "runtime.max_staleness": [1, 4]}
+    assert params["seeds"] == 2 and params["max_parallel"] == 1
+    assert validate_config(params["base_config"]).runtime.mode == "async"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("config_file: configs/staleness_sweep.yaml\ngrid: {algorithm.loss: []}\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml: grid.algorithm.loss"):
+        load_sweep_parameters(str(bad))
+    bad.write_text("config_file: configs/staleness_sweep.yaml\ngrid: {algorithm.loss: grpo,m2po}\nseed: 3\n")
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) \['seed'\]"):
+        load_sweep_parameters(str(bad))
+
+
+def test_the_mlflow_parent_is_reopened_and_knows_the_finished_points(tmp_path):
+    """No training: the parent run, children made as a training run makes them (MlflowTracker.start with the
+    parent and the point's tags), a failed point recorded by the sweep, and a second attempt."""
+    from tasks.sweep import SweepRecord
+    from tasks.tracking import MlflowTracker
+
+    base = load_config(
+        None, [f"tracking.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}", "tracking.log_system_metrics=false"]
+    )
+    done, failed, bad = expand_grid({"runtime.max_staleness": [1, 4, "x"]}, [0])
+    record = SweepRecord(base, "sweep-t")
+    parent = record.open({"grid.runtime.max_staleness": [1, 4, "x"], "seeds": [0]}, "flow-1")
+    assert not record.resumed
+    for point, status in ((done, "FINISHED"), (failed, "FAILED")):
+        child = MlflowTracker.start(
+            validate_config(point_config(base, point, "sweep-t")), tags=point.tags("sweep-t"), parent_run_id=parent
+        )
+        child.log_metrics([{"step": 5, "eval/accuracy": 0.5}])
+        child.end(status)
+    record.record_failed_point(bad, "ConfigError: runtime.max_staleness", "flow-2")
+    assert record.finished_points() == {done.name: record.child_of(done).info.run_id}
+    assert record.child_of(bad).data.tags["error"] == "ConfigError: runtime.max_staleness"
+    row = comparison_row(read_child(record, done, "eval/accuracy"), 0.9)
+    assert row["final eval/accuracy"] == 0.5 and row["status"] == "FINISHED" and row["runtime.max_staleness"] == 1
+    record.end(failed=2, skipped=0, total=3)
+
+    again = SweepRecord(base, "sweep-t")
+    assert again.open({}, "flow-3") == parent and again.resumed
+    assert set(again.finished_points()) == {done.name}
+    run = again.client.get_run(parent)
+    assert run.info.status == "RUNNING" and run.data.params["grid.runtime.max_staleness"] == '[1, 4, "x"]'
+    assert run.data.tags["prefect.flow_run_id"] == "flow-3" and run.data.tags["atrlhf.sweep_failed_points"] == "2"
+    assert SweepRecord(base, "sweep-other").open({}, "") != parent
+
+
+# ------------------------------------------------------------------------------------------ end to end
+def _sweep_runs(db):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{db}")
+    exp = client.get_experiment_by_name("asynctensorrlhf")
+    (parent,) = client.search_runs([exp.experiment_id], filter_string="tags.`atrlhf.sweep_role` = 'parent'")
+    children = client.search_runs(
+        [exp.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'"
+    )
+    return client, parent, children
+
+
+@pytest.mark.slow
+def test_cli_sweep_reports_a_bad_point_and_a_rerun_skips_the_finished(tmp_path, capsys):
+    """2 x 2 x 1 seed, two points with a bad loss: the two good points finish (two at once, on the one Ray
+    the sweep starts), the bad ones fail alone and are reported; the MLflow parent shows four children with
+    the varied keys as params and tags, and the comparison artifacts; a rerun skips the two finished."""
+    db = tmp_path / "mlflow.db"
+    argv = [
+        "sweep",
+        "--set",
+        *SMALL,
+        f"run.output_dir={tmp_path / 'runs'}",
+        f"tracking.tracking_uri=sqlite:///{db}",
+        "--grid",
+        "algorithm.loss=m2po,nosuch",
+        "--grid",
+        "runtime.max_staleness=1,4",
+        "--max-parallel",
+        "2",
+    ]
+    assert main(argv) == 1, "a failed point makes the command exit 1"
+    out, err = capsys.readouterr()
+    assert "4 point(s), 4 ran, 0 skipped (finished before), 2 failed" in out
+    assert "point algorithm.loss=nosuch,runtime.max_staleness=1,seed=0 failed" in err and "algorithm.loss" in err
+
+    client, parent, children = _sweep_runs(db)
+    sid = parent.data.tags["atrlhf.sweep_id"]
+    assert parent.info.status == "FAILED" and parent.data.tags["atrlhf.sweep_failed_points"] == "2"
+    assert parent.data.params["grid.algorithm.loss"] == '["m2po", "nosuch"]'
+    assert parent.data.params["grid.runtime.max_staleness"] == "[1, 4]"
+    assert len(children) == 4
+    by_point = {c.data.tags["atrlhf.sweep_point"]: c for c in children}
+    for staleness in (1, 4):
+        good = by_point[f"algorithm.loss=m2po,runtime.max_staleness={staleness},seed=0"]
+        assert good.info.status == "FINISHED" and good.data.tags["atrlhf.sweep_id"] == sid
+        assert good.data.params["runtime.max_staleness"] == good.data.tags["runtime.max_staleness"] == str(staleness)
+        assert good.data.params["algorithm.loss"] == good.data.tags["algorithm.loss"] == "m2po"
+        assert [m.step for m in client.get_metric_history(good.info.run_id, "reward/mean")] == [1, 2, 3, 4]
+        assert (tmp_path / "runs" / sid / f"algorithm.loss-m2po_runtime.max_staleness-{staleness}_seed-0").is_dir()
+        bad = by_point[f"algorithm.loss=nosuch,runtime.max_staleness={staleness},seed=0"]
+        assert bad.info.status == "FAILED" and "algorithm.loss" in bad.data.tags["error"]
+    artifacts = {a.path for a in client.list_artifacts(parent.info.run_id, "comparison")}
+    assert {"comparison/comparison.csv", "comparison/comparison.md", "comparison/sweep_eval_accuracy.png"} <= artifacts
+    csv_text = client.download_artifacts(parent.info.run_id, "comparison/comparison.csv", str(tmp_path))
+    lines = open(csv_text).read().splitlines()
+    assert len(lines) == 5 and sum("FINISHED" in line for line in lines) == 2
+
+    assert main(argv) == 1  # the bad points fail again; the finished ones are not run again
+    out, _ = capsys.readouterr()
+    assert "4 point(s), 2 ran, 2 skipped (finished before), 2 failed" in out
+    assert "FINISHED (done earlier)" in out
+    _, parent_again, children = _sweep_runs(db)
+    assert parent_again.info.run_id == parent.info.run_id
+    assert sum(c.info.status == "FINISHED" for c in children) == 2 and len(children) == 6
