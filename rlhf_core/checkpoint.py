@@ -11,8 +11,12 @@
     <dir>/train_config.yaml    the full TrainConfig of the run that wrote it
 
 The single-process loop and the Ray runtime write the same layout, so either resumes from the other's
-checkpoint. A checkpoint is written to a temporary sibling directory and renamed into place, so a crash
-mid-write never leaves a half checkpoint under the final name. Loading validates every file and the
+checkpoint; so does a sharded trainer group (FSDP2, `trainer.sharding`): it writes whole tensors gathered
+from its ranks (`Trainer.full_weights`, and an optimizer state of whole tensors), and loads a checkpoint by
+keeping each rank's shard, so a run saved with N trainer ranks resumes with any other N.
+
+A checkpoint is written to a temporary sibling directory and renamed into place, so a crash mid-write never
+leaves a half checkpoint under the final name. Loading validates every file and the
 parameter names and shapes against the model BEFORE anything is overwritten; a checkpoint of an older
 layout fails with a message that says so.
 """
@@ -41,6 +45,7 @@ from rlhf_core.lora import (
     save_adapter,
     save_merged,
 )
+from rlhf_core.trainer.sharding import is_dtensor, shard_like
 
 FORMAT_VERSION = 2
 
@@ -123,9 +128,14 @@ def lora_facts(model) -> Optional[dict]:
     }
 
 
-def save_checkpoint(path: str | Path, model, state: CheckpointState) -> Path:
-    """Write the weights and `state` atomically to directory `path` (replacing what is there)."""
-    from safetensors.torch import save_model
+def save_checkpoint(
+    path: str | Path, model, state: CheckpointState, weights: Optional[dict[str, torch.Tensor]] = None
+) -> Path:
+    """Write the weights and `state` atomically to directory `path` (replacing what is there).
+
+    weights: the model's whole tensors when the model itself holds shards (`Trainer.full_weights()` of a
+    sharded trainer, gathered by every rank and written by one); None: taken from `model`."""
+    from safetensors.torch import save_file, save_model
 
     final = Path(path)
     tmp = final.with_name(final.name + ".tmp")
@@ -135,6 +145,8 @@ def save_checkpoint(path: str | Path, model, state: CheckpointState) -> Path:
     state.lora = lora_facts(model)
     if state.lora is not None:
         save_adapter(model, tmp / ADAPTER_DIR)
+    elif weights is not None:
+        save_file(weights, str(tmp / "policy.safetensors"))
     else:
         save_model(model, str(tmp / "policy.safetensors"))
     body = asdict(state)
@@ -262,6 +274,9 @@ def load_weights_into(model, weights: dict[str, torch.Tensor]) -> None:
         except KeyError as exc:
             raise CheckpointError(str(exc)) from None
         return
+    live = model.state_dict()
+    # a sharded model (FSDP2) takes each rank's shard of the whole tensors
+    weights = {k: shard_like(v, live[k]) if k in live else v for k, v in weights.items()}
     missing, unexpected = model.load_state_dict(weights, strict=False)
     tied = set(getattr(model, "_tied_weights_keys", None) or [])
     real_missing = [k for k in missing if k not in tied and not _is_tied(model, k, weights)]
@@ -273,7 +288,7 @@ def load_weights_into(model, weights: dict[str, torch.Tensor]) -> None:
 
 def _is_tied(model, key: str, weights: dict) -> bool:
     """A missing key is fine when its tensor shares storage with one that was loaded (tied embeddings)."""
-    sd = model.state_dict()
+    sd = {k: v.to_local() if is_dtensor(v) else v for k, v in model.state_dict().items()}
     ptr = sd[key].data_ptr()
     return any(sd[k].data_ptr() == ptr for k in weights if k in sd)
 

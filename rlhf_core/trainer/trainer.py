@@ -23,6 +23,18 @@ from rlhf_core.algorithms import (
 )
 from rlhf_core.lora import adapter_state_dict, adapters_disabled, is_lora
 from rlhf_core.rollout.base import SamplingParams, processed_logits
+from rlhf_core.trainer.sharding import (
+    full_tensor,
+    gather_rows,
+    global_grad_norm,
+    is_dtensor,
+    micro_slices,
+    rank_rows,
+    reduce_metrics,
+    shard_like,
+    shard_model,
+    world,
+)
 from rlhf_core.types import RolloutBatch
 
 
@@ -85,10 +97,16 @@ def sequence_logprobs(
 
 
 class Trainer:
-    """Owns the policy being optimised, its optimizer and scheduler, and the policy version counter."""
+    """Owns the policy being optimised, its optimizer and scheduler, and the policy version counter.
 
-    def __init__(self, model, cfg, pad_token_id: int, ref_model=None):
+    group: a torch.distributed process group of N trainer ranks (`sharding`): every rank builds its Trainer
+    from the same model and config, the model (and the KL reference) is sharded with FSDP2, and every rank
+    calls `train_step` with the same whole batch, training on its own slice of rows; the update is that of
+    one Trainer on the whole batch. None: one process, no sharding."""
+
+    def __init__(self, model, cfg, pad_token_id: int, ref_model=None, group=None):
         self.model = model
+        self.group = group
         self.cfg = cfg
         self.algo = cfg.algorithm
         self.tcfg = cfg.trainer
@@ -105,6 +123,8 @@ class Trainer:
         self.samples = 0
         self.tokens = 0
         self.lora = is_lora(model)
+        if group is not None and self.lora:
+            raise ValueError("a sharded trainer group (FSDP2) does not support LoRA yet: use one trainer worker")
         if cfg.model.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
             model.gradient_checkpointing_enable()
             if self.lora:  # frozen embeddings: checkpointed blocks need an input that requires grad
@@ -116,6 +136,10 @@ class Trainer:
             self.ref_model = copy.deepcopy(model).eval()
             for p in self.ref_model.parameters():
                 p.requires_grad_(False)
+        if group is not None:  # after the reference copy: that is taken of the whole model
+            shard_model(model, group, self.device.type)
+            if self.ref_model is not None:
+                shard_model(self.ref_model, group, self.device.type)
         params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             params, lr=self.tcfg.lr, betas=tuple(self.tcfg.betas), weight_decay=self.tcfg.weight_decay
@@ -180,6 +204,13 @@ class Trainer:
         reference model is used; unweighted), loss/total (what is backpropagated: policy + kl_coef·KL),
         each the full-batch value. policy/ratio_max is the maximum over the batch; the other policy/*,
         m2po/* and tis/* statistics are means over the batch's valid tokens.
+
+        Sharded (a `group` of N ranks): every rank gets the whole batch and trains on its rows
+        (`rank_rows`), in the same number of micro-batches on every rank (FSDP's forward and backward are
+        collectives). The denominators are the whole batch's, as for micro-batches; M2PO's mask is computed
+        on every row's current log-probs, gathered from the ranks; gradients are summed across ranks, the
+        clipping norm is the global one, and the metrics are reduced across ranks: the metrics, the
+        gradients and the update are those of one process on the whole batch.
         """
         start = time.perf_counter()
         consumer_version = self.version
@@ -188,16 +219,19 @@ class Trainer:
         if advantages is None:
             advantages = self.advantages(batch)
         N = len(batch)
-        mb = self.tcfg.micro_batch_size
-        micro = [slice(s, min(N, s + mb)) for s in range(0, N, mb)]
+        rank, size = world(self.group)
+        rows = rank_rows(N, rank, size)
+        widest = rank_rows(N, 0, size)  # every rank runs as many micro-batches as the widest slice needs
+        micro = micro_slices(rows, max(1, math.ceil((widest.stop - widest.start) / self.tcfg.micro_batch_size)))
         step_mask = batch.response_mask
         total_tokens = step_mask.sum().clamp(min=1)
         loss_kwargs: dict = {"norm_len": self.cfg.rollout.max_new_tokens, "global_norm": global_normalisers(step_mask)}
         keep = None
-        if self.algo.loss in STEP_MASK_LOSSES and len(micro) > 1:
+        if self.algo.loss in STEP_MASK_LOSSES and (len(micro) > 1 or size > 1):
             # One micro-batch is the whole step: the loss then computes its mask from its own rows.
             with torch.no_grad():
                 current = torch.cat([self._logprobs(self.model, batch, idx)[0] for idx in micro])
+            current = gather_rows(current, N, self.group)
             keep, loss_kwargs["kept_norm"] = step_keep_mask(
                 self.algo, current, batch.behavior_logprobs, advantages, step_mask
             )
@@ -232,8 +266,13 @@ class Trainer:
                     sums[k] = torch.maximum(sums[k], v) if k in sums else v
                 else:  # means over this micro-batch's valid tokens
                     sums[k] = sums[k] + v * token_share if k in sums else v * token_share
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.tcfg.grad_clip)
-        finite = bool(torch.isfinite(loss_sum)) and bool(torch.isfinite(grad_norm))
+        sums["loss/total"] = loss_sum
+        sums["policy/entropy"] = entropy_sum / total_tokens
+        sums = reduce_metrics(sums, self.group)  # this rank's shares and maxima → the whole batch's
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        grad_norm = global_grad_norm(params)
+        torch.nn.utils.clip_grads_with_norm_(params, self.tcfg.grad_clip, grad_norm)
+        finite = bool(torch.isfinite(sums["loss/total"])) and bool(torch.isfinite(grad_norm))
         if finite:
             self.optimizer.step()
             self.scheduler.step()
@@ -253,8 +292,6 @@ class Trainer:
         metrics = {k: float(v) for k, v in sums.items()}
         metrics.update(
             {
-                "loss/total": float(loss_sum),
-                "policy/entropy": float(entropy_sum / total_tokens),
                 "policy/grad_norm": float(grad_norm),
                 "policy/lr": self.scheduler.get_last_lr()[0],
                 "trainer/skipped_steps": self.skipped_steps,
@@ -286,19 +323,59 @@ class Trainer:
     # ------------------------------------------------------------------ weights and state
     def state_dict_for_sync(self) -> dict[str, torch.Tensor]:
         """Contiguous CPU copies of every parameter and buffer, ready to ship to rollout engines; with LoRA,
-        of the adapter tensors only (peft's saved names: the base weights never change)."""
+        of the adapter tensors only (peft's saved names: the base weights never change).
+        Sharded: the whole tensors, gathered one at a time; every rank must call it (a collective) and gets
+        the same dict."""
         if self.lora:
             return adapter_state_dict(self.model)
         out = {}
         with torch.no_grad():
             for name, t in list(self.model.named_parameters()) + list(self.model.named_buffers()):
-                out[name] = t.detach().to("cpu", copy=True).contiguous()
+                out[name] = full_tensor(t.detach()).to("cpu", copy=True).contiguous()
         return out
 
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        """The model's state dict as whole CPU tensors (a tensor tied to an earlier name is left out), for a
+        checkpoint's policy.safetensors. Sharded: gathered; every rank must call it (a collective)."""
+        out, seen = {}, set()
+        with torch.no_grad():
+            for name, t in self.model.state_dict(keep_vars=True).items():
+                if id(t) in seen:
+                    continue
+                seen.add(id(t))
+                out[name] = full_tensor(t.detach()).to("cpu", copy=True).contiguous()
+        return out
+
+    def _optimizer_state(self) -> dict:
+        """optimizer.state_dict() with whole tensors: the same for N ranks as for one process (a collective
+        when sharded)."""
+        state = self.optimizer.state_dict()
+        if self.group is not None:
+            state["state"] = {
+                i: {k: full_tensor(v).cpu() if is_dtensor(v) else v for k, v in s.items()}
+                for i, s in state["state"].items()
+            }
+        return state
+
+    def _load_optimizer_state(self, state: dict) -> None:
+        """Load a whole-tensor optimizer state; sharded, each rank keeps its shard of every parameter's state."""
+        if self.group is not None:
+            params = [p for g in self.optimizer.param_groups for p in g["params"]]
+            state = dict(state)
+            state["state"] = {
+                i: {
+                    k: shard_like(v, params[int(i)]) if torch.is_tensor(v) and v.shape == params[int(i)].shape else v
+                    for k, v in s.items()
+                }
+                for i, s in state["state"].items()
+            }
+        self.optimizer.load_state_dict(state)
+
     def state_dict(self) -> dict:
-        """Everything but the weights: optimizer, scheduler, counters (weights go to safetensors)."""
+        """Everything but the weights: optimizer, scheduler, counters (weights go to safetensors). Sharded:
+        whole tensors, the same layout as one process (a collective)."""
         return {
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": self._optimizer_state(),
             "scheduler": self.scheduler.state_dict(),
             "version": self.version,
             "step": self.step,
@@ -306,7 +383,7 @@ class Trainer:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
+        self._load_optimizer_state(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.version = int(state["version"])
         self.step = int(state["step"])

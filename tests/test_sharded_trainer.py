@@ -1,0 +1,230 @@
+"""A sharded trainer group (FSDP2 over 2 gloo ranks, real torch.distributed) makes exactly the update of one
+Trainer on the whole batch, for every loss; its weight sync and checkpoints are those of one process, and a
+checkpoint saved with 2 ranks resumes with 1 and the other way round.
+
+The two ranks run once per module (one spawn: every case in turn), each with the whole batch, training on its
+half of the rows in 3 micro-batches of 8; the reference is one plain Trainer (no FSDP) with the whole batch in
+one micro-batch. The batch is stale (ratios != 1), of rows of different lengths and three rows without valid
+tokens (unevenly spread over the ranks: the seq-mean denominators are not row counts), and the gradient is
+clipped (the global norm is over the clip). Tolerance: float32, the same arithmetic up to summation order
+(matmuls over 24 rows instead of 48, reductions across ranks): metrics agree to rel 1e-5 / abs 1e-6 and the
+weights after 3 AdamW steps to atol 1e-6 (measured: ~2e-8), while the steps move the weights by ~3e-4.
+"""
+
+from __future__ import annotations
+
+import copy
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from rlhf_core.checkpoint import CheckpointState, load_checkpoint, read_checkpoint, save_checkpoint
+from rlhf_core.config import load_config
+from rlhf_core.data import collate_prompts
+from rlhf_core.models import load_policy
+from rlhf_core.rollout import HFEngine, SamplingParams
+from rlhf_core.trainer import Trainer
+
+RANKS = 2
+STEPS = 3
+G = 4
+BASE = [
+    f"rollout.samples_per_prompt={G}",
+    "trainer.prompts_per_step=12",
+    "rollout.max_new_tokens=8",
+    "trainer.lr=1e-4",
+    "trainer.grad_clip=0.2",
+]
+CASES = {
+    "grpo": ["algorithm.loss=grpo"],
+    "grpo-kl-seq-mean-token-mean": [
+        "algorithm.loss=grpo",
+        "algorithm.kl_coef=0.05",
+        "algorithm.agg=seq-mean-token-mean",
+    ],
+    "ppo-seq-mean-token-sum-norm": ["algorithm.loss=ppo", "algorithm.agg=seq-mean-token-sum-norm"],
+    "m2po-trust_region-kl": [
+        "algorithm.loss=m2po",
+        "algorithm.masking=trust_region",
+        "algorithm.clip_eps=null",
+        "algorithm.kl_coef=0.05",
+    ],
+    "m2po-ratio_sq": ["algorithm.loss=m2po", "algorithm.masking=ratio_sq", "algorithm.agg=seq-mean-token-sum"],
+}
+RESUME_CASE = "m2po-ratio_sq"  # no KL: a resumed run's reference is its resumed weights, with N ranks or one
+SHARDED_MICRO = "trainer.micro_batch_size=8"  # 24 rows per rank: 3 micro-batches
+SINGLE_MICRO = "trainer.micro_batch_size=128"  # the whole batch at once
+METRICS = (
+    "loss/total",
+    "loss/policy",
+    "loss/kl",
+    "policy/grad_norm",
+    "policy/entropy",
+    "policy/ratio_mean",
+    "policy/ratio_max",
+    "policy/clip_frac",
+    "policy/approx_kl",
+    "m2po/m2",
+    "m2po/masked_frac",
+    "trainer/step_finite",
+    "version",
+)
+WEIGHT_ATOL = 1e-6
+
+
+def make_cfg(case: str, micro: str):
+    return load_config(None, [*BASE, *CASES[case], micro])
+
+
+def fresh_policy(policy_dir):
+    return load_policy(policy_dir, dtype="float32", device="cpu")[0]
+
+
+def _rank_main(rank: int, port: int, policy_dir: str, work: str) -> None:
+    """One trainer rank: every case for STEPS steps, then the two checkpoint round trips."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=RANKS)
+    group = dist.group.WORLD
+    try:
+        batch = torch.load(f"{work}/batch.pt", weights_only=False)
+        out: dict = {}
+        for case in CASES:
+            trainer = Trainer(fresh_policy(policy_dir), make_cfg(case, SHARDED_MICRO), 0, group=group)
+            metrics = [trainer.train_step(batch) for _ in range(STEPS)]
+            weights, sync = trainer.full_weights(), trainer.state_dict_for_sync()  # collectives: every rank
+            out[case] = {"metrics": metrics, "weights": weights, "sync": sync}
+        # saved with 2 ranks after STEPS - 1 steps (the parent resumes it with one process)
+        trainer = Trainer(fresh_policy(policy_dir), make_cfg(RESUME_CASE, SHARDED_MICRO), 0, group=group)
+        for _ in range(STEPS - 1):
+            trainer.train_step(batch)
+        state, weights = trainer.state_dict(), trainer.full_weights()
+        if rank == 0:
+            save_checkpoint(f"{work}/saved_by_2", trainer.model, CheckpointState(state, {}, {}), weights=weights)
+        # saved by one process after STEPS - 1 steps, resumed here with 2 ranks for the last step
+        trainer = Trainer(fresh_policy(policy_dir), make_cfg(RESUME_CASE, SHARDED_MICRO), 0, group=group)
+        trainer.load_state_dict(load_checkpoint(f"{work}/saved_by_1", trainer.model).trainer)
+        out["resumed_by_2"] = {"metrics": [trainer.train_step(batch)], "weights": trainer.full_weights()}
+        if rank == 0:
+            torch.save(out, f"{work}/sharded.pt")
+        dist.barrier(group)
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def batch(tiny_policy_dir, tiny_tokenizer, max3_prompts):
+    """48 rows (12 prompts x G) of different lengths, behaviour log-probs ~0.5 nats off the policy, rows 5,
+    20 (rank 0) and 41 (rank 1) without a valid token, rewards 1 on every third row."""
+    tok = tiny_tokenizer
+    engine = HFEngine(fresh_policy(tiny_policy_dir), tok.eos_token_id, tok.pad_token_id, seed=3)
+    b = engine.generate(collate_prompts(max3_prompts[0][8:20], tok.pad_token_id), G, SamplingParams(max_new_tokens=8))
+    assert b.response_lengths.min() < b.response_lengths.max()
+    b.rewards = (torch.arange(len(b)) % 3 == 0).float()
+    noise = 0.5 * torch.randn(b.behavior_logprobs.shape, generator=torch.Generator().manual_seed(0))
+    b.behavior_logprobs = torch.where(b.response_mask, b.behavior_logprobs + noise, b.behavior_logprobs)
+    b.response_mask = b.response_mask.clone()
+    b.response_mask[[5, 20, 41]] = False
+    b.response_lengths = b.response_mask.sum(-1)
+    return b
+
+
+@pytest.fixture(scope="module")
+def single(tiny_policy_dir, batch):
+    """The reference: per case, one plain Trainer's metrics of each step, weights and sync dict after STEPS."""
+    out = {}
+    for case in CASES:
+        trainer = Trainer(fresh_policy(tiny_policy_dir), make_cfg(case, SINGLE_MICRO), 0)
+        metrics = []
+        for step in range(STEPS):
+            metrics.append(trainer.train_step(batch))
+            if case == RESUME_CASE and step == STEPS - 2:
+                out["state_before_last"] = copy.deepcopy(trainer.state_dict())
+                out["model_before_last"] = copy.deepcopy(trainer.model)
+        out[case] = {"metrics": metrics, "weights": trainer.full_weights(), "sync": trainer.state_dict_for_sync()}
+    return out
+
+
+@pytest.fixture(scope="module")
+def sharded(tiny_policy_dir, batch, single, tmp_path_factory):
+    """The same cases on 2 FSDP2 ranks (one spawn), and their checkpoint round trips."""
+    work = tmp_path_factory.mktemp("sharded")
+    torch.save(batch, work / "batch.pt")
+    save_checkpoint(
+        work / "saved_by_1", single["model_before_last"], CheckpointState(single["state_before_last"], {}, {})
+    )
+    mp.spawn(_rank_main, args=(_free_port(), str(tiny_policy_dir), str(work)), nprocs=RANKS, join=True)
+    out = torch.load(work / "sharded.pt", weights_only=False)
+    out["work"] = work
+    return out
+
+
+def assert_same_metrics(got: dict, want: dict, step: int) -> None:
+    for key in METRICS:
+        assert (key in got) == (key in want), key
+        if key in want:
+            assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), f"step {step + 1}: {key}"
+
+
+def assert_same_weights(got: dict, want: dict) -> None:
+    assert sorted(got) == sorted(want)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=WEIGHT_ATOL, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_two_ranks_make_the_update_of_one(case, sharded, single, tiny_policy_dir):
+    got, want = sharded[case], single[case]
+    for step, (g, w) in enumerate(zip(got["metrics"], want["metrics"])):
+        assert_same_metrics(g, w, step)
+    assert want["metrics"][0]["policy/grad_norm"] > 0.2  # the clip is active: the norm must be the global one
+    if case.startswith("m2po"):
+        assert want["metrics"][-1]["m2po/masked_frac"] > 0  # the batch-wide mask is active
+    if "kl" in case:
+        assert want["metrics"][-1]["loss/kl"] > 0
+    assert_same_weights(got["weights"], want["weights"])
+    # the weights moved by far more than the tolerance: agreement is not that of two untouched models
+    start = fresh_policy(tiny_policy_dir).state_dict()
+    moved = max(float((want["weights"][k] - start[k]).abs().max()) for k in want["weights"])
+    assert moved > 100 * WEIGHT_ATOL
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_weight_sync_of_a_sharded_trainer_is_whole(case, sharded, single):
+    """Every rank gathers the whole tensors: the names, shapes and values one process ships."""
+    got, want = sharded[case]["sync"], single[case]["sync"]
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert got[name].shape == want[name].shape and got[name].is_contiguous()
+        torch.testing.assert_close(got[name], want[name], atol=WEIGHT_ATOL, rtol=0)
+
+
+def test_checkpoint_saved_by_two_ranks_resumes_with_one(sharded, single, batch, tiny_policy_dir):
+    path = sharded["work"] / "saved_by_2"
+    state, weights = read_checkpoint(path, fresh_policy(tiny_policy_dir))
+    # the same layout as one process writes: whole tensors, the optimizer state of one process
+    want_opt = single["state_before_last"]["optimizer"]
+    assert state.trainer["optimizer"]["param_groups"] == want_opt["param_groups"]
+    assert sorted(state.trainer["optimizer"]["state"]) == sorted(want_opt["state"])
+    for i, s in want_opt["state"].items():
+        for k, v in s.items():
+            torch.testing.assert_close(state.trainer["optimizer"]["state"][i][k], v, atol=WEIGHT_ATOL, rtol=0)
+    assert (state.version, state.step) == (STEPS - 1, STEPS - 1)
+    trainer = Trainer(fresh_policy(tiny_policy_dir), make_cfg(RESUME_CASE, SINGLE_MICRO), 0)
+    trainer.load_state_dict(load_checkpoint(path, trainer.model).trainer)
+    assert_same_metrics(trainer.train_step(batch), single[RESUME_CASE]["metrics"][-1], STEPS - 1)
+    assert_same_weights(trainer.full_weights(), single[RESUME_CASE]["weights"])
+
+
+def test_checkpoint_saved_by_one_process_resumes_with_two_ranks(sharded, single):
+    got = sharded["resumed_by_2"]
+    assert_same_metrics(got["metrics"][0], single[RESUME_CASE]["metrics"][-1], STEPS - 1)
+    assert_same_weights(got["weights"], single[RESUME_CASE]["weights"])
