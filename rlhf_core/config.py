@@ -505,8 +505,15 @@ class ClusterConfig(_Section):
     num_gpus: Optional[int] = Field(None, ge=0, description="GPUs of a local Ray instance (None = detected).")
     rollout_cpus: float = Field(1.0, ge=0, description="CPUs per rollout worker.")
     rollout_gpus: float = Field(0.0, ge=0, description="GPUs per rollout worker (fractions allowed).")
-    trainer_cpus: float = Field(1.0, ge=0, description="CPUs of the trainer.")
-    trainer_gpus: float = Field(0.0, ge=0, description="GPUs of the trainer (fractions allowed).")
+    trainer_workers: int = Field(
+        1,
+        ge=1,
+        description="Trainer ranks: N > 1 starts N trainer actors in one placement group that form a torch.distributed "
+        "group (gloo on CPU, NCCL on GPU), shard the policy with FSDP2 and each train on a slice of every step's "
+        "batch, with the update of one process; 1 keeps the single trainer actor.",
+    )
+    trainer_cpus: float = Field(1.0, ge=0, description="CPUs of each trainer rank.")
+    trainer_gpus: float = Field(0.0, ge=0, description="GPUs of each trainer rank (fractions allowed).")
     reward_cpus: float = Field(1.0, ge=0, description="CPUs of the reward-model actor (when reward.model.path is set).")
     reward_gpus: float = Field(
         0.0, ge=0, description="GPUs of the reward-model actor (when reward.model.path is set; fractions allowed)."

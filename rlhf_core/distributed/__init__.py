@@ -3,7 +3,7 @@
     control.py    prompt queue, experience buffer with admission control, weight-store bookkeeping
                   (plain Python, no Ray import; the runtime wraps each in a Ray actor)
     transport.py  experience and weights packed for Ray's object store (no Ray import)
-    actors.py     the rollout and trainer actors
+    actors.py     the rollout and trainer actors, and ranks 1..N-1 of a sharded trainer group (FSDP2)
     cluster.py    joining or starting Ray, resources, placement groups, teardown
     runtime.py    DistributedRun: launch, loops, poll, sync, checkpoint, teardown; run_distributed
 

@@ -28,12 +28,14 @@ from rlhf_core.checkpoint import (
     CheckpointState,
     capture_rng,
     load_checkpoint,
+    load_weights_into,
     restore_rng,
     save_checkpoint,
 )
 from rlhf_core.data import Prompt
 from rlhf_core.distributed.control import busy_fraction
 from rlhf_core.distributed.transport import pack_groups, pack_state_dict, unpack_groups, unpack_state_dict
+from rlhf_core.trainer import Trainer
 from rlhf_core.types import Experience, cat_rollouts
 
 log = logging.getLogger("rlhf_core.distributed")
@@ -275,15 +277,83 @@ class RolloutActor:
 
 
 # --------------------------------------------------------------------------------------------- trainer
+# --------------------------------------------------------------------------------------------- trainer group
+def _group_address() -> str:
+    """tcp://<this node's IP>:<a free port>: where rank 0 of a trainer group meets the others."""
+    import socket
+
+    ip = ray.util.get_node_ip_address()
+    with socket.socket() as s:
+        s.bind((ip, 0))
+        return f"tcp://{ip}:{s.getsockname()[1]}"
+
+
+def _join_trainer_group(cfg, model, tokenizer, address: str, rank: int):
+    """Join the torch.distributed group of cluster.trainer_workers ranks (NCCL on GPU, gloo on CPU; collectives
+    time out after runtime.wait_timeout_s) and build this rank's sharded Trainer of `model`."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    on_gpu = next(model.parameters()).device.type == "cuda"
+    dist.init_process_group(
+        "nccl" if on_gpu else "gloo",
+        init_method=address,
+        rank=rank,
+        world_size=cfg.cluster.trainer_workers,
+        timeout=timedelta(seconds=cfg.runtime.wait_timeout_s),
+    )
+    return Trainer(model, cfg, tokenizer.pad_token_id, group=dist.group.WORLD)
+
+
+class TrainerRankActor:
+    """Rank r > 0 of a sharded trainer group (cluster.trainer_workers > 1): holds its shard of the policy,
+    gradients and optimizer state, and runs each collective operation rank 0 (the TrainerActor) asks for, in
+    rank 0's order, on the same arguments. It talks to nothing else."""
+
+    def __init__(self, cfg, policy_dir: str, rank: int, address: str):
+        build.setup_process(cfg, cfg.trainer.seed)
+        self.rank = rank
+        model, tokenizer = build.build_policy(cfg, policy_dir)
+        self.trainer = _join_trainer_group(cfg, model, tokenizer, address, rank)
+
+    def call(self, name: str, *args) -> None:
+        """Run Trainer.<name>(*args) here (rank 0 runs it at the same time); the result stays here."""
+        getattr(self.trainer, name)(*args)
+
+    def restore(self, path: str) -> None:
+        """This rank's shard of a checkpoint's weights and optimizer state, its versions and RNG."""
+        state = load_checkpoint(path, self.trainer.model)
+        self.trainer.load_state_dict(state.trainer)
+        restore_rng(state.rng["trainer"])
+
+    def ping(self) -> int:
+        return self.rank
+
+    def crash(self) -> None:
+        """Fault-injection hook: die the way a segfault or an OOM kill would."""
+        _die()
+
+
 class TrainerActor:
-    """The Trainer in its own process: takes whole batches of groups, steps, publishes weights."""
+    """The Trainer in its own process: takes whole batches of groups, steps, publishes weights.
+
+    With cluster.trainer_workers = N > 1 it is rank 0 of a sharded trainer group: after `join_group` (the
+    runtime starts ranks 1..N-1 as TrainerRankActors) every step, weight snapshot and checkpoint is run on
+    all ranks at once (`_on_all`), each rank training on its slice of the batch; rank 0 alone talks to the
+    buffer and the weight store. It keeps an unsharded copy of the policy (`self.model`) for evaluation,
+    export and the warm start, refreshed from the gathered weights when those need it. A rank that dies
+    fails the step with a message naming the rank and the step."""
 
     def __init__(self, cfg, policy_dir: str, train_prompts: list[Prompt], heldout: list[Prompt], buffer, store):
         build.setup_process(cfg, cfg.trainer.seed)
         self.cfg, self.buffer, self.store = cfg, buffer, store
         self.train_prompts = train_prompts  # for the warm start only
         self.model, self.tokenizer = build.build_policy(cfg, policy_dir)
-        self.trainer = build.build_trainer(cfg, self.model, self.tokenizer)
+        self.followers: list = []  # ranks 1..N-1 of a sharded trainer group
+        self.sharded = cfg.cluster.trainer_workers > 1
+        self.trainer = None if self.sharded else build.build_trainer(cfg, self.model, self.tokenizer)
+        self.address = _group_address() if self.sharded else None
         self.evaluator = build.build_evaluator(cfg, self.model, self.tokenizer, policy_dir, heldout)
         self.lock = threading.Lock()  # one of: train step, evaluation, checkpoint, export
         self.stop_event = threading.Event()
@@ -298,12 +368,55 @@ class TrainerActor:
         self.peers = None
         self.last_publish_s: Optional[float] = None
 
+    # ------------------------------------------------------------------ a sharded trainer group
+    def group_address(self) -> Optional[str]:
+        """Where ranks 1..N-1 meet this one (None for a single trainer)."""
+        return self.address
+
+    def join_group(self, followers: list) -> int:
+        """Rank 0 joins the group the `followers` (ranks 1..N-1, starting meanwhile) join, and builds its sharded
+        Trainer from a copy of the policy (this actor keeps the unsharded one). Returns the world size."""
+        import copy
+
+        self.followers = list(followers)
+        self.trainer = _join_trainer_group(self.cfg, copy.deepcopy(self.model), self.tokenizer, self.address, 0)
+        return 1 + len(self.followers)
+
+    def _on_all(self, name: str, *args):
+        """Trainer.<name>(*args) on every rank at once (a collective with N ranks), rank 0's result. A rank
+        that died (or failed) fails the call with a message naming it and the step."""
+        refs = [f.call.remote(name, *args) for f in self.followers]
+        try:
+            out = getattr(self.trainer, name)(*args)
+        except Exception as exc:
+            self._check_ranks(refs, name, timeout_s=10.0)  # a dead peer is why rank 0's collective failed
+            raise RuntimeError(f"trainer rank 0 failed in {name} at step {self.trainer.step + 1}: {exc}") from exc
+        self._check_ranks(refs, name, self.timeout)
+        return out
+
+    def _check_ranks(self, refs: list, name: str, timeout_s: float) -> None:
+        n = 1 + len(self.followers)
+        for rank, ref in enumerate(refs, start=1):
+            try:
+                get_or_fail(ref, timeout_s, f"trainer rank {rank} of {n} to finish {name}")
+            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
+                died = isinstance(exc, ray.exceptions.RayActorError)
+                raise RuntimeError(
+                    f"trainer rank {rank} of {n} {'died' if died else 'failed'} in {name} at step "
+                    f"{self.trainer.step + 1}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                ) from None
+
+    def _refresh_model(self) -> None:
+        """The unsharded copy of a sharded trainer gets the current weights (gathered from the ranks)."""
+        if self.sharded:
+            load_weights_into(self.model, self._on_all("full_weights"))
+
     def publish(self) -> float:
         """Publish the current weights now (the flow's "sync sooner"); returns seconds. Waits for a
         running step to finish, so the snapshot is never torn."""
         start = time.perf_counter()
         with self.lock:
-            snapshot, version = self.trainer.state_dict_for_sync(), self.trainer.version
+            snapshot, version = self._on_all("state_dict_for_sync"), self.trainer.version
         self._ship(version, snapshot, published=True)
         return time.perf_counter() - start
 
@@ -360,12 +473,12 @@ class TrainerActor:
                 raise RuntimeError(f"staleness bound violated: tau={int(staleness.max())} > max_staleness")
             for tau, count in zip(*torch.unique(staleness, return_counts=True)):
                 self.staleness_hist[int(tau)] = self.staleness_hist.get(int(tau), 0) + int(count)
-            m = self.trainer.train_step(batch)
+            m = self._on_all("train_step", batch)
             self.groups_trained += len(groups)
             version = self.trainer.version
             due = bool(m["trainer/step_finite"]) and version % self.cfg.runtime.sync_every == 0
             # copied now, under the lock: the next optimizer step changes the weights in place
-            snapshot = self.trainer.state_dict_for_sync() if due else None
+            snapshot = self._on_all("state_dict_for_sync") if due else None
         (shipper or self._ship)(version, snapshot, due)
         if due and self.last_publish_s is not None:
             m["sync/latency_s"] = self.last_publish_s  # in async mode: the latest publish that has completed
@@ -469,6 +582,7 @@ class TrainerActor:
 
     def evaluate(self) -> dict:
         with self.lock:
+            self._refresh_model()
             return self.evaluator()
 
     def set_checkpointing(self, queue, workers: list, run_facts: dict) -> None:
@@ -503,33 +617,42 @@ class TrainerActor:
         from rlhf_core.warm_start import warm_start
 
         with self.lock:
-            return warm_start(self.model, self.tokenizer, self.train_prompts, self.cfg, steps)
+            out = warm_start(self.model, self.tokenizer, self.train_prompts, self.cfg, steps)
+            if self.sharded:  # trained on the unsharded copy: every rank takes its shard of the result
+                self._on_all("load_full_weights", {k: v.detach().cpu() for k, v in self.model.state_dict().items()})
+            return out
 
     def checkpoint(self, path: str, data: dict, rollout_rng: list, run: dict) -> str:
         """The one checkpoint layout: this process's weights, optimizer, versions and RNG, plus what the
         runtime gathered from the others (prompt queue position, rollout engines' RNG, run facts)."""
         with self.lock:
             state = CheckpointState(
-                trainer=self.trainer.state_dict(),
+                trainer=self._on_all("state_dict"),
                 data=data,
                 rng={"trainer": capture_rng(), "rollout": list(rollout_rng)},
                 run=dict(run),
                 config=self.cfg.model_dump(mode="json"),
             )
-            return str(save_checkpoint(path, self.model, state))
+            if not self.sharded:
+                return str(save_checkpoint(path, self.model, state))
+            weights = self._on_all("full_weights")  # gathered: the same file one trainer writes
+            return str(save_checkpoint(path, self.trainer.model, state, weights=weights))
 
     def restore(self, path: str) -> CheckpointState:
         """Validate, then restore weights, optimizer, versions and RNG; returns the state for the others."""
         with self.lock:
-            state = load_checkpoint(path, self.model)
+            refs = [f.restore.remote(path) for f in self.followers]  # each rank reads its shard
+            state = load_checkpoint(path, self.trainer.model)
             self.trainer.load_state_dict(state.trainer)
             restore_rng(state.rng["trainer"])
+            self._check_ranks(refs, "restore", self.timeout)
         return state
 
     def export(self, path: str) -> str:
         """The policy as a Hugging Face directory (with LoRA: the PEFT adapter, plus the merged model when
         model.lora.export_merged), with its tokenizer and the run's config."""
         with self.lock:
+            self._refresh_model()
             return str(export_run_policy(self.cfg, self.model, self.tokenizer, path))
 
     def stats(self) -> dict:

@@ -137,9 +137,10 @@ def required_resources(cfg) -> dict[str, float]:
     c = cfg.cluster
     n = cfg.rollout.num_workers
     rm = 1 if cfg.reward.model.path else 0  # the reward-model actor
+    t = c.trainer_workers
     return {
-        "CPU": n * c.rollout_cpus + c.trainer_cpus + rm * c.reward_cpus,
-        "GPU": n * c.rollout_gpus + c.trainer_gpus + rm * c.reward_gpus,
+        "CPU": n * c.rollout_cpus + t * c.trainer_cpus + rm * c.reward_cpus,
+        "GPU": n * c.rollout_gpus + t * c.trainer_gpus + rm * c.reward_gpus,
     }
 
 
@@ -153,23 +154,23 @@ def check_resources(cfg) -> None:
         detail = ", ".join(f"{k}: need {v:g}, cluster has {h:g}" for k, (v, h) in short.items())
         raise ClusterError(
             f"not enough resources for the requested roles ({detail}); roles: {cfg.rollout.num_workers} rollout "
-            f"worker(s) x (cpus={c.rollout_cpus:g}, gpus={c.rollout_gpus:g}) + trainer (cpus={c.trainer_cpus:g}, "
-            f"gpus={c.trainer_gpus:g})"
+            f"worker(s) x (cpus={c.rollout_cpus:g}, gpus={c.rollout_gpus:g}) + {c.trainer_workers} trainer rank(s) x "
+            f"(cpus={c.trainer_cpus:g}, gpus={c.trainer_gpus:g})"
             + (f" + reward model (cpus={c.reward_cpus:g}, gpus={c.reward_gpus:g})" if cfg.reward.model.path else "")
             + ". Lower rollout.num_workers / cluster.*_cpus / cluster.*_gpus or add nodes."
         )
 
 
 def gpu_placement_group(cfg, timeout_s: float):
-    """A placement group (one bundle per role: trainer, rollout workers, reward model) when any role asks for
-    GPUs; None otherwise."""
+    """A placement group (one bundle per role: each trainer rank, rollout workers, reward model; in that
+    order, PACKed) when any role asks for GPUs or the trainer has several ranks; None otherwise."""
     c = cfg.cluster
     rm = bool(cfg.reward.model.path)
-    if c.rollout_gpus == 0 and c.trainer_gpus == 0 and not (rm and c.reward_gpus > 0):
+    if c.rollout_gpus == 0 and c.trainer_gpus == 0 and not (rm and c.reward_gpus > 0) and c.trainer_workers == 1:
         return None
     from ray.util.placement_group import placement_group
 
-    bundles = [{"CPU": c.trainer_cpus, "GPU": c.trainer_gpus}] + [
+    bundles = [{"CPU": c.trainer_cpus, "GPU": c.trainer_gpus} for _ in range(c.trainer_workers)] + [
         {"CPU": c.rollout_cpus, "GPU": c.rollout_gpus} for _ in range(cfg.rollout.num_workers)
     ]
     if rm:  # the reward-model actor's bundle, last
@@ -181,7 +182,7 @@ def gpu_placement_group(cfg, timeout_s: float):
     except ray.exceptions.GetTimeoutError:
         ray.util.remove_placement_group(pg)
         raise ClusterError(
-            f"the GPU placement group {bundles} was not ready within {timeout_s:g} s "
+            f"the placement group {bundles} was not ready within {timeout_s:g} s "
             "(runtime.wait_timeout_s); the cluster lacks free GPUs for these roles"
         ) from None
     return pg

@@ -24,6 +24,7 @@ from rlhf_core.distributed.actors import (
     RewardModelActor,
     RolloutActor,
     TrainerActor,
+    TrainerRankActor,
     get_or_fail,
     rollout_rng_states,
 )
@@ -55,6 +56,7 @@ class DistributedRun:
         self.handle: Optional[ClusterHandle] = None
         self.buffer = self.queue = self.store = self.trainer = self.reward_model = None
         self.workers: list = []
+        self.trainer_ranks: list = []  # ranks 1..N-1 of a sharded trainer group (cluster.trainer_workers)
         self.worker_loops: dict[int, object] = {}
         self.trainer_loop = None
         self.restarts = [0] * cfg.rollout.num_workers
@@ -127,11 +129,20 @@ class DistributedRun:
                     num_cpus=c.reward_cpus,
                     num_gpus=c.reward_gpus,
                     name=peers["reward_model"],
-                    **placed(cfg.rollout.num_workers + 1),
+                    **placed(cfg.rollout.num_workers + c.trainer_workers),
                 ).remote(cfg, self.policy_dir)
             self.trainer = _remote(
                 TrainerActor, num_cpus=c.trainer_cpus, num_gpus=c.trainer_gpus, max_concurrency=4, **placed(0)
             ).remote(cfg, self.policy_dir, train_prompts, heldout, self.buffer, self.store)
+            ranks = c.trainer_workers  # bundles 0..ranks-1 of the placement group: the trainer group
+            if ranks > 1:
+                address = self._get(self.trainer.group_address.remote(), "the trainer's group address")
+                self.trainer_ranks = [
+                    _remote(TrainerRankActor, num_cpus=c.trainer_cpus, num_gpus=c.trainer_gpus, **placed(r)).remote(
+                        cfg, self.policy_dir, r, address
+                    )
+                    for r in range(1, ranks)
+                ]
             self.workers = [
                 _remote(
                     RolloutActor,
@@ -140,13 +151,19 @@ class DistributedRun:
                     max_concurrency=4,
                     max_restarts=c.max_restarts,
                     max_task_retries=0,
-                    **placed(i + 1),
+                    **placed(i + ranks),
                 ).remote(cfg, self.policy_dir, i, peers)
                 for i in range(cfg.rollout.num_workers)
             ]
-            self.handle.actors = [self.queue, self.buffer, self.store, self.trainer, *self.workers]
+            self.handle.actors = [self.queue, self.buffer, self.store, self.trainer, *self.trainer_ranks, *self.workers]
             if self.reward_model is not None:
                 self.handle.actors.append(self.reward_model)
+            if self.trainer_ranks:  # the ranks meet (each builds its shard) before anything asks the trainer
+                get_or_fail(
+                    self.trainer.join_group.remote(self.trainer_ranks),
+                    max(self.timeout, 300),
+                    f"the {c.trainer_workers} trainer ranks to form their group",
+                )
             get_or_fail(
                 [w.ping.remote() for w in self.workers] + [self.trainer.version.remote()],
                 max(self.timeout, 300),

@@ -346,6 +346,13 @@ class Trainer:
                 out[name] = full_tensor(t.detach()).to("cpu", copy=True).contiguous()
         return out
 
+    def load_full_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Copy whole tensors (a state dict, as `full_weights` gives) into the model; sharded, each rank keeps
+        its shard (no communication)."""
+        from rlhf_core.checkpoint import load_weights_into  # checkpoint imports this package
+
+        load_weights_into(self.model, weights)
+
     def _optimizer_state(self) -> dict:
         """optimizer.state_dict() with whole tensors: the same for N ranks as for one process (a collective
         when sharded)."""

@@ -1,0 +1,90 @@
+"""cluster.trainer_workers = 2 on a real local Ray instance (2 CPUs): two trainer actors form a gloo group and
+shard the policy with FSDP2; the run takes the steps one trainer takes, its checkpoint resumes with one trainer,
+and a rank that dies fails the run with a message naming it."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+ray = pytest.importorskip("ray")
+
+from rlhf_core.config import load_config  # noqa: E402
+from rlhf_core.distributed import DistributedRun, RunFailed  # noqa: E402
+
+pytestmark = pytest.mark.slow  # starts a local Ray instance
+
+
+def group_cfg(tmp_path, workers: int, *overrides):
+    return load_config(
+        "configs/tiny.yaml",
+        [
+            f"run.output_dir={tmp_path}",
+            "cluster.num_cpus=2",
+            f"cluster.trainer_workers={workers}",
+            "cluster.trainer_cpus=0.5",  # 1 rollout worker + 2 trainer ranks on 2 CPUs
+            "runtime.wait_timeout_s=60",
+            "runtime.mode=sync",
+            "tracking.eval_every=0",
+            "data.eval_size=20",
+            "trainer.prompts_per_step=4",
+            "rollout.prompts_per_batch=4",
+            "rollout.samples_per_prompt=4",
+            "trainer.micro_batch_size=4",
+            *overrides,
+        ],
+    )
+
+
+def sync_losses(cfg, steps: int, checkpoint_at=None, path=None) -> list[dict]:
+    with DistributedRun(cfg) as run:
+        run.launch()
+        metrics = []
+        while len(metrics) < steps:
+            run.advance()
+            metrics.extend(run.poll()["metrics"])
+            if checkpoint_at is not None and len(metrics) == checkpoint_at:
+                run.checkpoint(path)
+        return metrics
+
+
+def test_two_trainer_ranks_take_the_steps_of_one_and_their_checkpoint_resumes_with_one(ray_local, tmp_path):
+    """Sync mode, one rollout worker, the same seeds: the same batches reach both runs, so the losses and
+    gradient norms of 2 ranks and of 1 agree step by step (float32 tolerance, see test_sharded_trainer)."""
+    from rlhf_core.checkpoint import read_checkpoint
+
+    steps = 3
+    two = sync_losses(group_cfg(tmp_path / "two", 2, "trainer.total_steps=3"), steps, 2, tmp_path / "ckpt2")
+    one = sync_losses(group_cfg(tmp_path / "one", 1, "trainer.total_steps=3"), steps)
+    assert [m["step"] for m in two] == [1, 2, 3]
+    for a, b in zip(two, one):
+        for key in ("loss/total", "policy/grad_norm", "policy/entropy", "reward/mean"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key)
+    state, _ = read_checkpoint(tmp_path / "ckpt2")
+    assert state.step == 2
+    resumed = group_cfg(tmp_path / "resumed", 1, "trainer.total_steps=3")
+    with DistributedRun(resumed) as run:
+        info = run.launch(resume_from=str(tmp_path / "ckpt2"))
+        assert (info["step"], info["version"]) == (2, 2)
+        run.advance()
+        last = run.poll()["metrics"][-1]
+    assert last["step"] == 3
+    assert last["loss/total"] == pytest.approx(one[-1]["loss/total"], rel=1e-4, abs=1e-6)
+
+
+def test_a_dead_trainer_rank_fails_the_run_naming_it(ray_local, tmp_path):
+    cfg = group_cfg(tmp_path, 2, "trainer.total_steps=500", "runtime.mode=async")
+    with DistributedRun(cfg) as run:
+        run.launch()
+        run.start()
+        while run.poll()["step"] < 2:
+            time.sleep(0.1)
+        run.trainer_ranks[0].crash.remote()
+        with pytest.raises(RunFailed, match=r"trainer failed: .*trainer rank 1 of 2 died in train_step at step \d+"):
+            deadline = time.monotonic() + 90
+            while time.monotonic() < deadline:
+                run.poll()
+                time.sleep(0.2)
