@@ -76,15 +76,23 @@ def test_two_trainer_ranks_take_the_steps_of_one_and_their_checkpoint_resumes_wi
 
 
 def test_a_dead_trainer_rank_fails_the_run_naming_it(ray_local, tmp_path):
+    """As a trainer failure is reported today (RunFailed "trainer failed: ..."), with the rank and the step;
+    the checkpoint written before stays intact."""
+    from rlhf_core.checkpoint import read_checkpoint
+
     cfg = group_cfg(tmp_path, 2, "trainer.total_steps=500", "runtime.mode=async")
     with DistributedRun(cfg) as run:
         run.launch()
         run.start()
         while run.poll()["step"] < 2:
             time.sleep(0.1)
+        ckpt = run.checkpoint(tmp_path / "ckpt")
         run.trainer_ranks[0].crash.remote()
-        with pytest.raises(RunFailed, match=r"trainer failed: .*trainer rank 1 of 2 died in train_step at step \d+"):
+        failed = r"(?s)trainer failed: .*trainer rank 1 of 2 died in train_step at step \d+"
+        with pytest.raises(RunFailed, match=failed):
             deadline = time.monotonic() + 90
             while time.monotonic() < deadline:
                 run.poll()
                 time.sleep(0.2)
+    state, _ = read_checkpoint(ckpt)
+    assert state.step >= 2

@@ -324,26 +324,33 @@ class Trainer:
     def state_dict_for_sync(self) -> dict[str, torch.Tensor]:
         """Contiguous CPU copies of every parameter and buffer, ready to ship to rollout engines; with LoRA,
         of the adapter tensors only (peft's saved names: the base weights never change).
-        Sharded: the whole tensors, gathered one at a time; every rank must call it (a collective) and gets
-        the same dict."""
+        Sharded: the whole tensors, gathered one at a time; every rank must call it (a collective), rank 0
+        gets the dict and the others {} (they hold no CPU copy)."""
         if self.lora:
             return adapter_state_dict(self.model)
         out = {}
+        keep = world(self.group)[0] == 0
         with torch.no_grad():
             for name, t in list(self.model.named_parameters()) + list(self.model.named_buffers()):
-                out[name] = full_tensor(t.detach()).to("cpu", copy=True).contiguous()
+                whole = full_tensor(t.detach())
+                if keep:
+                    out[name] = whole.to("cpu", copy=True).contiguous()
         return out
 
     def full_weights(self) -> dict[str, torch.Tensor]:
         """The model's state dict as whole CPU tensors (a tensor tied to an earlier name is left out), for a
-        checkpoint's policy.safetensors. Sharded: gathered; every rank must call it (a collective)."""
+        checkpoint's policy.safetensors. Sharded: gathered; every rank must call it (a collective), rank 0
+        gets the dict and the others {}."""
         out, seen = {}, set()
+        keep = world(self.group)[0] == 0
         with torch.no_grad():
             for name, t in self.model.state_dict(keep_vars=True).items():
                 if id(t) in seen:
                     continue
                 seen.add(id(t))
-                out[name] = full_tensor(t.detach()).to("cpu", copy=True).contiguous()
+                whole = full_tensor(t.detach())
+                if keep:
+                    out[name] = whole.to("cpu", copy=True).contiguous()
         return out
 
     def load_full_weights(self, weights: dict[str, torch.Tensor]) -> None:
