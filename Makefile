@@ -29,7 +29,7 @@ $(STAMP): $(PY) pyproject.toml $(LOCK)
 ifneq ($(HAS_GPU),1)
 	$(PIP) install --quiet -c $(LOCK) torch==2.13.0
 endif
-	$(PIP) install --quiet -c $(LOCK) -e ".[test]"
+	PYTHONWARNINGS=ignore $(PIP) install --quiet -c $(LOCK) -e ".[test]"  # (quiet: setuptools' editable-install notice)
 	@rm -f $(VENV)/.installed-* && touch $(STAMP)
 
 install: $(STAMP)

@@ -122,7 +122,7 @@ def sweep(
             if outcome is None:
                 children.append(read_child(record, point, metric, note="done earlier"))
                 continue
-            if outcome["state"] != "COMPLETED" and record.child_of(point) is None:
+            if outcome["state"] != "COMPLETED" and not record.opened_by(point, outcome["flow_run_id"]):
                 record.record_failed_point(point, outcome["message"], outcome["flow_run_id"])
             error = outcome["message"] if outcome["state"] != "COMPLETED" else ""
             children.append(read_child(record, point, metric, error=error))

@@ -210,6 +210,14 @@ class SweepRecord:
         done = [r for r in runs if r.info.status == "FINISHED"]
         return (done or runs or [None])[-1]
 
+    def opened_by(self, point: SweepPoint, flow_run_id: str) -> bool:
+        """Whether this attempt's child flow run opened an MLflow run for the point (else the flow records a
+        FAILED one, so that every attempt at a point shows in the parent)."""
+        return any(
+            r.data.tags.get(SWEEP_POINT_TAG) == point.name and r.data.tags.get("prefect.flow_run_id") == flow_run_id
+            for r in self.children()
+        )
+
     def record_failed_point(self, point: SweepPoint, error: str, flow_run_id: str) -> str:
         """A FAILED child run for a point that failed before its training run opened one (a bad value): the
         parent shows every point."""
@@ -310,7 +318,7 @@ def comparison_row(child: ChildHistory, target: float) -> dict:
             "samples/s": _mean([v for _, v, _ in child.histories.get("throughput/samples_per_s", [])]),
             "steps": max(steps) if steps else 0,
             "status": child.status + (f" ({child.note})" if child.note else ""),
-            "error": child.error,
+            "error": " ".join(child.error.split()),  # one line: a CSV row per point
             "mlflow_run_id": child.run_id,
         }
     )
