@@ -512,7 +512,12 @@ class ClusterConfig(_Section):
         "group (gloo on CPU, NCCL on GPU), shard the policy with FSDP2 and each train on a slice of every step's "
         "batch, with the update of one process; 1 keeps the single trainer actor.",
     )
-    trainer_cpus: float = Field(1.0, ge=0, description="CPUs of each trainer rank.")
+    trainer_cpus: float = Field(
+        1.0,
+        ge=0,
+        description="CPUs of the trainer role, split evenly across its cluster.trainer_workers ranks (Ray's logical "
+        "CPUs: a 2-core machine runs one rollout worker and 2 trainer ranks as they are).",
+    )
     trainer_gpus: float = Field(0.0, ge=0, description="GPUs of each trainer rank (fractions allowed).")
     reward_cpus: float = Field(1.0, ge=0, description="CPUs of the reward-model actor (when reward.model.path is set).")
     reward_gpus: float = Field(
@@ -525,6 +530,11 @@ class ClusterConfig(_Section):
         description="Local Ray instance only: start the Ray dashboard (on 127.0.0.1:8265). A local instance binds "
         "every port to 127.0.0.1 either way; joining a cluster (address set) is unaffected.",
     )
+
+    @property
+    def trainer_rank_cpus(self) -> float:
+        """Ray CPUs of each trainer rank: trainer_cpus split across the trainer_workers ranks."""
+        return self.trainer_cpus / self.trainer_workers
 
 
 class TrackingConfig(_Section):

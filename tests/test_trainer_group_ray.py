@@ -25,7 +25,6 @@ def group_cfg(tmp_path, workers: int, *overrides):
             f"run.output_dir={tmp_path}",
             "cluster.num_cpus=2",
             f"cluster.trainer_workers={workers}",
-            "cluster.trainer_cpus=0.5",  # 1 rollout worker + 2 trainer ranks on 2 CPUs
             "runtime.wait_timeout_s=60",
             "runtime.mode=sync",
             "tracking.eval_every=0",

@@ -481,8 +481,12 @@ class TrainerActor:
             version = self.trainer.version
             due = bool(m["trainer/step_finite"]) and version % self.cfg.runtime.sync_every == 0
             # copied now, under the lock: the next optimizer step changes the weights in place
+            snap_start = time.perf_counter()
             snapshot = self._on_all("state_dict_for_sync") if due else None
+            snapshot_s = time.perf_counter() - snap_start
         (shipper or self._ship)(version, snapshot, due)
+        if due:  # the CPU copy of the weights (with N trainer ranks: gathered from the shards)
+            m["sync/snapshot_s"] = snapshot_s
         if due and self.last_publish_s is not None:
             m["sync/latency_s"] = self.last_publish_s  # in async mode: the latest publish that has completed
         t2 = time.perf_counter()

@@ -139,7 +139,7 @@ def required_resources(cfg) -> dict[str, float]:
     rm = 1 if cfg.reward.model.path else 0  # the reward-model actor
     t = c.trainer_workers
     return {
-        "CPU": n * c.rollout_cpus + t * c.trainer_cpus + rm * c.reward_cpus,
+        "CPU": n * c.rollout_cpus + t * c.trainer_rank_cpus + rm * c.reward_cpus,
         "GPU": n * c.rollout_gpus + t * c.trainer_gpus + rm * c.reward_gpus,
     }
 
@@ -155,7 +155,7 @@ def check_resources(cfg) -> None:
         raise ClusterError(
             f"not enough resources for the requested roles ({detail}); roles: {cfg.rollout.num_workers} rollout "
             f"worker(s) x (cpus={c.rollout_cpus:g}, gpus={c.rollout_gpus:g}) + {c.trainer_workers} trainer rank(s) x "
-            f"(cpus={c.trainer_cpus:g}, gpus={c.trainer_gpus:g})"
+            f"(cpus={c.trainer_rank_cpus:g}, gpus={c.trainer_gpus:g})"
             + (f" + reward model (cpus={c.reward_cpus:g}, gpus={c.reward_gpus:g})" if cfg.reward.model.path else "")
             + ". Lower rollout.num_workers / cluster.*_cpus / cluster.*_gpus or add nodes."
         )
@@ -170,7 +170,7 @@ def gpu_placement_group(cfg, timeout_s: float):
         return None
     from ray.util.placement_group import placement_group
 
-    bundles = [{"CPU": c.trainer_cpus, "GPU": c.trainer_gpus} for _ in range(c.trainer_workers)] + [
+    bundles = [{"CPU": c.trainer_rank_cpus, "GPU": c.trainer_gpus} for _ in range(c.trainer_workers)] + [
         {"CPU": c.rollout_cpus, "GPU": c.rollout_gpus} for _ in range(cfg.rollout.num_workers)
     ]
     if rm:  # the reward-model actor's bundle, last

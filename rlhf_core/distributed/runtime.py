@@ -132,15 +132,15 @@ class DistributedRun:
                     **placed(cfg.rollout.num_workers + c.trainer_workers),
                 ).remote(cfg, self.policy_dir)
             self.trainer = _remote(
-                TrainerActor, num_cpus=c.trainer_cpus, num_gpus=c.trainer_gpus, max_concurrency=4, **placed(0)
+                TrainerActor, num_cpus=c.trainer_rank_cpus, num_gpus=c.trainer_gpus, max_concurrency=4, **placed(0)
             ).remote(cfg, self.policy_dir, train_prompts, heldout, self.buffer, self.store)
             ranks = c.trainer_workers  # bundles 0..ranks-1 of the placement group: the trainer group
             if ranks > 1:
                 address = self._get(self.trainer.group_address.remote(), "the trainer's group address")
                 self.trainer_ranks = [
-                    _remote(TrainerRankActor, num_cpus=c.trainer_cpus, num_gpus=c.trainer_gpus, **placed(r)).remote(
-                        cfg, self.policy_dir, r, address
-                    )
+                    _remote(
+                        TrainerRankActor, num_cpus=c.trainer_rank_cpus, num_gpus=c.trainer_gpus, **placed(r)
+                    ).remote(cfg, self.policy_dir, r, address)
                     for r in range(1, ranks)
                 ]
             self.workers = [
