@@ -10,6 +10,7 @@ shut down only if this run started it.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import socket
@@ -205,4 +206,7 @@ def teardown(handle: ClusterHandle) -> None:
             pass
         handle.placement_group = None
     if handle.started_ray:
+        # Release the handles and object refs that only garbage cycles still hold while Ray is up: one
+        # collected after the shutdown reaches a core worker that is gone, and Ray then exits the process.
+        gc.collect()
         ray.shutdown()
