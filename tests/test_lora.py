@@ -15,33 +15,14 @@ from rlhf_core.config import ConfigError, load_config
 from rlhf_core.loop import build_run, export_run, generate_step_batch, run_sync
 from rlhf_core.lora import LoraConfigError, adapter_state_dict, is_lora
 from rlhf_core.trainer.trainer import sequence_logprobs
+from tests.test_checkpoint import small_cfg as checkpoint_cfg
 
 LORA = ["model.lora.r=4", "model.lora.alpha=8"]
 
 
 def small_cfg(output_dir, *overrides):
-    return load_config(
-        None,
-        [
-            f"run.output_dir={output_dir}",
-            "model.tiny_hidden=32",
-            "model.tiny_layers=1",
-            "model.tiny_heads=2",
-            "trainer.total_steps=4",
-            "trainer.prompts_per_step=4",
-            "rollout.samples_per_prompt=4",
-            "rollout.prompts_per_batch=4",
-            "data.eval_size=20",
-            "tracking.eval_every=0",
-            "tracking.checkpoint_every=2",
-            "trainer.lr=3e-2",
-            "trainer.lr_schedule=cosine",
-            "trainer.warmup_steps=1",
-            "runtime.mode=sync",
-            *LORA,
-            *overrides,
-        ],
-    )
+    """test_checkpoint's small run, with LoRA adapters, a higher lr and the sync loop."""
+    return checkpoint_cfg(output_dir, "trainer.lr=3e-2", "runtime.mode=sync", *LORA, *overrides)
 
 
 def adapter_names(model) -> set[str]:
