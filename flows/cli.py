@@ -345,7 +345,7 @@ def cmd_sweep(
                 return EXIT_INTERRUPTED
             flow_run_id = str(state.state_details.flow_run_id) if state.state_details.flow_run_id else None
             result = state.result(raise_on_failure=False)
-            ok = state.is_completed() and isinstance(result, dict)
+            ok = isinstance(result, dict)  # a Failed sweep with failed points still carries its table
             where, see = _prefect_location(flow_run_id, temporary_api is not None)
     finally:
         signal.signal(signal.SIGTERM, previous)
@@ -361,7 +361,7 @@ def cmd_sweep(
         table_markdown(result["rows"], target),
         f"  MLflow parent run   {result['mlflow_parent_run_id']}  ({result['mlflow_tracking_uri']})",
         f"  MLflow UI           {ui_command(result['mlflow_tracking_uri'])}  -> http://127.0.0.1:5000",
-        f"  Prefect flow run    {flow_run_id}  (in {where})",
+        f"  Prefect flow run    {flow_run_id}  ({state.name}, in {where})",
         f"  Prefect UI          {see}",
         "=" * 78,
     ]

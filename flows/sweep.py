@@ -20,6 +20,7 @@ from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run as current_flow_run
+from prefect.states import Failed, State
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.train import train
@@ -53,7 +54,7 @@ def sweep(
     metric: str = "eval/accuracy",
     target: float = 0.9,
     sweep_id: Optional[str] = None,
-) -> dict:
+) -> dict | State:
     """Run every point of `grid` (dotted config keys to lists of values) times `seeds` (a count from the base
     trainer.seed, or a list) as a child flow run of atrlhf-train, at most `max_parallel` at once.
 
@@ -65,6 +66,8 @@ def sweep(
     MLflow artifacts under comparison/.
 
     Returns the sweep id, the MLflow parent run id, the table rows and the counts (ran, skipped, failed).
+    When a point failed (the others still run), the flow run ends Failed with that dict as its result and a
+    message naming the failed points.
     """
     logger = get_run_logger()
     cfg = validate_config(base_config, " (sweep parameter 'base_config')")
@@ -142,7 +145,7 @@ def sweep(
         failed,
         parent,
     )
-    return {
+    result = {
         "sweep_id": sid,
         "mlflow_parent_run_id": parent,
         "mlflow_experiment_id": record.experiment_id,
@@ -153,6 +156,16 @@ def sweep(
         "skipped": len(points) - len(todo),
         "failed": failed,
     }
+    if failed:
+        # every other point finished; the sweep's flow run ends Failed (red in the UI, a non-zero exit for the
+        # CLI) and still carries the table
+        names = [c.point.name for c in children if c.status != "FINISHED"]
+        return Failed(
+            message=f"{failed} of {len(points)} sweep point(s) failed ({', '.join(names[:5])}"
+            f"{', ...' if len(names) > 5 else ''}); the others finished: see the comparison table",
+            data=result,
+        )
+    return result
 
 
 @task(name="sweep-point", cache_policy=NO_CACHE, persist_result=False, task_run_name="{point.name}")

@@ -43,6 +43,7 @@ from rlhf_core.lora import (
     load_adapter_state_dict,
     peft_config_dict,
     save_adapter,
+    save_adapter_weights,
     save_merged,
 )
 from rlhf_core.trainer.sharding import is_dtensor, shard_like
@@ -134,7 +135,8 @@ def save_checkpoint(
     """Write the weights and `state` atomically to directory `path` (replacing what is there).
 
     weights: the model's whole tensors when the model itself holds shards (`Trainer.full_weights()` of a
-    sharded trainer, gathered by every rank and written by one); None: taken from `model`."""
+    sharded trainer, gathered by every rank and written by one: with LoRA, the adapter tensors); None: taken
+    from `model`."""
     from safetensors.torch import save_file, save_model
 
     final = Path(path)
@@ -143,7 +145,9 @@ def save_checkpoint(
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     state.lora = lora_facts(model)
-    if state.lora is not None:
+    if state.lora is not None and weights is not None:
+        save_adapter_weights(model, weights, tmp / ADAPTER_DIR)
+    elif state.lora is not None:
         save_adapter(model, tmp / ADAPTER_DIR)
     elif weights is not None:
         save_file(weights, str(tmp / "policy.safetensors"))

@@ -80,10 +80,20 @@ def adapters_disabled(model):
         yield model
 
 
-def adapter_state_dict(model) -> dict[str, torch.Tensor]:
-    """Contiguous CPU copies of the adapter tensors under peft's saved names (no adapter name)."""
+def adapter_state_dict(model, keep: bool = True) -> dict[str, torch.Tensor]:
+    """Contiguous CPU copies of the adapter tensors under peft's saved names (no adapter name).
+
+    A model sharded by FSDP2 (a trainer group) holds DTensor shards: each adapter tensor is gathered whole,
+    one at a time, so every rank must call this (a collective); ranks with keep=False get {}."""
+    from rlhf_core.trainer.sharding import full_tensor  # the trainer package imports this module
+
+    out = {}
     with torch.no_grad():
-        return {k: p.detach().to("cpu", copy=True).contiguous() for k, p in _adapter_params(model).items()}
+        for name, p in _adapter_params(model).items():
+            whole = full_tensor(p.detach())
+            if keep:
+                out[name] = whole.to("cpu", copy=True).contiguous()
+    return out
 
 
 def adapter_shapes(model) -> dict[str, list[int]]:
@@ -101,9 +111,12 @@ def load_adapter_state_dict(model, state_dict: dict[str, torch.Tensor]) -> None:
             f"adapter tensors do not fit the model's adapters: unknown {unknown[:3]}, missing {missing[:3]} "
             "(is model.lora the same as the run's that wrote them?)"
         )
+    from rlhf_core.trainer.sharding import shard_like
+
     with torch.no_grad():
         for name, tensor in state_dict.items():
-            params[name].copy_(tensor, non_blocking=True)
+            # a sharded (FSDP2) model: this rank's shard of the whole tensor, cut locally
+            params[name].copy_(shard_like(tensor, params[name]), non_blocking=True)
 
 
 def _adapter_params(model) -> dict[str, torch.Tensor]:
@@ -131,6 +144,18 @@ def save_adapter(model, directory: str | Path) -> Path:
     out = Path(directory)
     # the base (embeddings included, even when a tied lm_head is adapted) is frozen: adapters only
     model.save_pretrained(str(out), save_embedding_layers=False)
+    return out
+
+
+def save_adapter_weights(model, weights: dict[str, torch.Tensor], directory: str | Path) -> Path:
+    """The PEFT adapter of `save_adapter` written from whole adapter tensors (`adapter_state_dict` of a model
+    sharded across ranks, gathered by every rank and written by one) and `model`'s peft config."""
+    from safetensors.torch import save_file
+
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    model.peft_config[model.active_adapter].save_pretrained(str(out))
+    save_file(weights, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     return out
 
 

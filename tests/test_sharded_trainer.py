@@ -1,6 +1,8 @@
 """A sharded trainer group (FSDP2 over 2 gloo ranks, real torch.distributed) makes exactly the update of one
 Trainer on the whole batch, for every loss; its weight sync and checkpoints are those of one process, and a
-checkpoint saved with 2 ranks resumes with 1 and the other way round.
+checkpoint saved with 2 ranks resumes with 1 and the other way round. With LoRA too: a frozen sharded base, the
+adapters sharded and trained, the KL reference the same model with its adapters disabled, the adapters alone
+synced and checkpointed (PEFT format).
 
 The two ranks run once per module (one spawn: every case in turn), each with the whole batch, training on its
 half of the rows in 3 micro-batches of 8; the reference is one plain Trainer (no FSDP) with the whole batch in
@@ -24,6 +26,7 @@ import torch.multiprocessing as mp
 from rlhf_core.checkpoint import CheckpointState, load_checkpoint, read_checkpoint, save_checkpoint
 from rlhf_core.config import load_config
 from rlhf_core.data import collate_prompts
+from rlhf_core.lora import ADAPTER_DIR, adapter_state_dict, apply_lora
 from rlhf_core.models import load_policy
 from rlhf_core.rollout import HFEngine, SamplingParams
 from rlhf_core.trainer import Trainer
@@ -55,8 +58,27 @@ CASES = {  # GRPO and PPO share their code: GRPO with a KL term, PPO without one
         "algorithm.kl_coef=0.05",
     ],
     "m2po-ratio_sq": ["algorithm.loss=m2po", "algorithm.masking=ratio_sq", "algorithm.agg=seq-mean-token-sum"],
+    # LoRA on a sharded base (frozen base shards, trainable adapter shards); the KL reference is the same
+    # sharded model with its adapters disabled. Adapters on every linear layer, lm_head (tied) included.
+    "lora-grpo-kl": [
+        "algorithm.loss=grpo",
+        "algorithm.kl_coef=0.05",
+        "model.lora.r=4",
+        "model.lora.alpha=8",
+        "model.lora.target_modules=[q_proj,v_proj,down_proj,lm_head]",
+        "trainer.lr=1e-3",
+        "trainer.grad_clip=0.05",  # the adapters' gradient is smaller (B starts at 0): the clip stays active
+    ],
+    "lora-m2po": [
+        "algorithm.loss=m2po",
+        "model.lora.r=4",
+        "model.lora.alpha=8",
+        "trainer.lr=1e-3",
+        "trainer.grad_clip=0.05",
+    ],
 }
-RESUME_CASE = "m2po-ratio_sq"  # no KL: a resumed run's reference is its resumed weights, with N ranks or one
+# no KL: a resumed run's reference is its resumed weights, with N ranks or one; full weights and LoRA adapters
+RESUME_CASES = ("m2po-ratio_sq", "lora-m2po")
 SHARDED_MICRO = "trainer.micro_batch_size=8"  # 24 rows per rank: 3 micro-batches
 SINGLE_MICRO = "trainer.micro_batch_size=128"  # the whole batch at once
 METRICS = (
@@ -81,8 +103,18 @@ def make_cfg(case: str, micro: str):
     return load_config(None, [*BASE, *CASES[case], micro])
 
 
-def fresh_policy(policy_dir):
-    return load_policy(policy_dir, dtype="float32", device="cpu")[0]
+def fresh_policy(policy_dir, cfg=None):
+    """The tiny policy; with cfg.model.lora its adapters, initialised alike in every process (seed 0)."""
+    model = load_policy(policy_dir, dtype="float32", device="cpu")[0]
+    if cfg is not None and cfg.model.lora is not None:
+        torch.manual_seed(0)
+        model = apply_lora(model, cfg.model.lora)
+    return model
+
+
+def trainer_for(policy_dir, case: str, micro: str, group=None) -> Trainer:
+    cfg = make_cfg(case, micro)
+    return Trainer(fresh_policy(policy_dir, cfg), cfg, 0, group=group)
 
 
 def _rank_main(rank: int, port: int, policy_dir: str, work: str) -> None:
@@ -94,21 +126,23 @@ def _rank_main(rank: int, port: int, policy_dir: str, work: str) -> None:
         batch = torch.load(f"{work}/batch.pt", weights_only=False)
         out: dict = {}
         for case in CASES:
-            trainer = Trainer(fresh_policy(policy_dir), make_cfg(case, SHARDED_MICRO), 0, group=group)
+            trainer = trainer_for(policy_dir, case, SHARDED_MICRO, group)
             metrics = [trainer.train_step(batch) for _ in range(STEPS)]
             weights, sync = trainer.full_weights(), trainer.state_dict_for_sync()  # collectives: every rank
             out[case] = {"metrics": metrics, "weights": weights, "sync": sync}
-        # saved with 2 ranks after STEPS - 1 steps (the parent resumes it with one process)
-        trainer = Trainer(fresh_policy(policy_dir), make_cfg(RESUME_CASE, SHARDED_MICRO), 0, group=group)
-        for _ in range(STEPS - 1):
-            trainer.train_step(batch)
-        state, weights = trainer.state_dict(), trainer.full_weights()
-        if rank == 0:
-            save_checkpoint(f"{work}/saved_by_2", trainer.model, CheckpointState(state, {}, {}), weights=weights)
-        # saved by one process after STEPS - 1 steps, resumed here with 2 ranks for the last step
-        trainer = Trainer(fresh_policy(policy_dir), make_cfg(RESUME_CASE, SHARDED_MICRO), 0, group=group)
-        trainer.load_state_dict(load_checkpoint(f"{work}/saved_by_1", trainer.model).trainer)
-        out["resumed_by_2"] = {"metrics": [trainer.train_step(batch)], "weights": trainer.full_weights()}
+        for case in RESUME_CASES:
+            # saved with 2 ranks after STEPS - 1 steps (the parent resumes it with one process)
+            trainer = trainer_for(policy_dir, case, SHARDED_MICRO, group)
+            for _ in range(STEPS - 1):
+                trainer.train_step(batch)
+            state, weights = trainer.state_dict(), trainer.full_weights()
+            if rank == 0:
+                saved = f"{work}/saved_by_2_{case}"
+                save_checkpoint(saved, trainer.model, CheckpointState(state, {}, {}), weights=weights)
+            # saved by one process after STEPS - 1 steps, resumed here with 2 ranks for the last step
+            trainer = trainer_for(policy_dir, case, SHARDED_MICRO, group)
+            trainer.load_state_dict(load_checkpoint(f"{work}/saved_by_1_{case}", trainer.model).trainer)
+            out[f"resumed_by_2_{case}"] = {"metrics": [trainer.train_step(batch)], "weights": trainer.full_weights()}
         if rank == 0:
             torch.save(out, f"{work}/sharded.pt")
         dist.barrier(group)
@@ -144,13 +178,13 @@ def single(tiny_policy_dir, batch):
     """The reference: per case, one plain Trainer's metrics of each step, weights and sync dict after STEPS."""
     out = {}
     for case in CASES:
-        trainer = Trainer(fresh_policy(tiny_policy_dir), make_cfg(case, SINGLE_MICRO), 0)
+        trainer = trainer_for(tiny_policy_dir, case, SINGLE_MICRO)
         metrics = []
         for step in range(STEPS):
             metrics.append(trainer.train_step(batch))
-            if case == RESUME_CASE and step == STEPS - 2:
-                out["state_before_last"] = copy.deepcopy(trainer.state_dict())
-                out["model_before_last"] = copy.deepcopy(trainer.model)
+            if case in RESUME_CASES and step == STEPS - 2:
+                out[f"state_before_last_{case}"] = copy.deepcopy(trainer.state_dict())
+                out[f"model_before_last_{case}"] = copy.deepcopy(trainer.model)
         out[case] = {"metrics": metrics, "weights": trainer.full_weights(), "sync": trainer.state_dict_for_sync()}
     return out
 
@@ -160,9 +194,9 @@ def sharded(tiny_policy_dir, batch, single, tmp_path_factory):
     """The same cases on 2 FSDP2 ranks (one spawn), and their checkpoint round trips."""
     work = tmp_path_factory.mktemp("sharded")
     torch.save(batch, work / "batch.pt")
-    save_checkpoint(
-        work / "saved_by_1", single["model_before_last"], CheckpointState(single["state_before_last"], {}, {})
-    )
+    for case in RESUME_CASES:
+        state = CheckpointState(single[f"state_before_last_{case}"], {}, {})
+        save_checkpoint(work / f"saved_by_1_{case}", single[f"model_before_last_{case}"], state)
     mp.spawn(_rank_main, args=(_free_port(), str(tiny_policy_dir), str(work)), nprocs=RANKS, join=True)
     out = torch.load(work / "sharded.pt", weights_only=False)
     out["work"] = work
@@ -187,14 +221,16 @@ def test_two_ranks_make_the_update_of_one(case, sharded, single, tiny_policy_dir
     got, want = sharded[case], single[case]
     for step, (g, w) in enumerate(zip(got["metrics"], want["metrics"])):
         assert_same_metrics(g, w, step)
-    assert want["metrics"][0]["policy/grad_norm"] > 0.2  # the clip is active: the norm must be the global one
+    cfg = make_cfg(case, SINGLE_MICRO)
+    assert want["metrics"][0]["policy/grad_norm"] > cfg.trainer.grad_clip  # the clip is active: the norm is global
     if case.startswith("m2po"):
         assert want["metrics"][-1]["m2po/masked_frac"] > 0  # the batch-wide mask is active
     if "kl" in case:
         assert want["metrics"][-1]["loss/kl"] > 0
     assert_same_weights(got["weights"], want["weights"])
     # the weights moved by far more than the tolerance: agreement is not that of two untouched models
-    start = fresh_policy(tiny_policy_dir).state_dict()
+    start = fresh_policy(tiny_policy_dir, cfg)
+    start = adapter_state_dict(start) if cfg.model.lora else start.state_dict()  # LoRA: the adapters only
     moved = max(float((want["weights"][k] - start[k]).abs().max()) for k in want["weights"])
     assert moved > 100 * WEIGHT_ATOL
 
@@ -209,24 +245,29 @@ def test_weight_sync_of_a_sharded_trainer_is_whole(case, sharded, single):
         torch.testing.assert_close(got[name], want[name], atol=WEIGHT_ATOL, rtol=0)
 
 
-def test_checkpoint_saved_by_two_ranks_resumes_with_one(sharded, single, batch, tiny_policy_dir):
-    path = sharded["work"] / "saved_by_2"
-    state, weights = read_checkpoint(path, fresh_policy(tiny_policy_dir))
+@pytest.mark.parametrize("case", RESUME_CASES)
+def test_checkpoint_saved_by_two_ranks_resumes_with_one(case, sharded, single, batch, tiny_policy_dir):
+    path = sharded["work"] / f"saved_by_2_{case}"
+    state, weights = read_checkpoint(path, fresh_policy(tiny_policy_dir, make_cfg(case, SINGLE_MICRO)))
+    if "lora" in case:  # the PEFT adapter, as one process writes it
+        assert (path / ADAPTER_DIR / "adapter_config.json").is_file() and not (path / "policy.safetensors").exists()
+        assert state.lora["r"] == 4 and all("lora_" in k for k in weights)
     # the same layout as one process writes: whole tensors, the optimizer state of one process
-    want_opt = single["state_before_last"]["optimizer"]
+    want_opt = single[f"state_before_last_{case}"]["optimizer"]
     assert state.trainer["optimizer"]["param_groups"] == want_opt["param_groups"]
     assert sorted(state.trainer["optimizer"]["state"]) == sorted(want_opt["state"])
     for i, s in want_opt["state"].items():
         for k, v in s.items():
             torch.testing.assert_close(state.trainer["optimizer"]["state"][i][k], v, atol=WEIGHT_ATOL, rtol=0)
     assert (state.version, state.step) == (STEPS - 1, STEPS - 1)
-    trainer = Trainer(fresh_policy(tiny_policy_dir), make_cfg(RESUME_CASE, SINGLE_MICRO), 0)
+    trainer = trainer_for(tiny_policy_dir, case, SINGLE_MICRO)
     trainer.load_state_dict(load_checkpoint(path, trainer.model).trainer)
-    assert_same_metrics(trainer.train_step(batch), single[RESUME_CASE]["metrics"][-1], STEPS - 1)
-    assert_same_weights(trainer.full_weights(), single[RESUME_CASE]["weights"])
+    assert_same_metrics(trainer.train_step(batch), single[case]["metrics"][-1], STEPS - 1)
+    assert_same_weights(trainer.full_weights(), single[case]["weights"])
 
 
-def test_checkpoint_saved_by_one_process_resumes_with_two_ranks(sharded, single):
-    got = sharded["resumed_by_2"]
-    assert_same_metrics(got["metrics"][0], single[RESUME_CASE]["metrics"][-1], STEPS - 1)
-    assert_same_weights(got["weights"], single[RESUME_CASE]["weights"])
+@pytest.mark.parametrize("case", RESUME_CASES)
+def test_checkpoint_saved_by_one_process_resumes_with_two_ranks(case, sharded, single):
+    got = sharded[f"resumed_by_2_{case}"]
+    assert_same_metrics(got["metrics"][0], single[case]["metrics"][-1], STEPS - 1)
+    assert_same_weights(got["weights"], single[case]["weights"])

@@ -238,6 +238,7 @@ def test_cli_sweep_reports_a_bad_point_and_a_rerun_skips_the_finished(tmp_path, 
     assert main(argv) == 1, "a failed point makes the command exit 1"
     out, err = capsys.readouterr()
     assert "4 point(s), 4 ran, 0 skipped (finished before), 2 failed" in out
+    assert "(Failed, in " in out, "the sweep's flow run ends Failed when a point failed"
     assert "point algorithm.loss=nosuch,runtime.max_staleness=1,seed=0 failed" in err and "algorithm.loss" in err
 
     client, parent, children = _sweep_runs(db)
@@ -265,6 +266,7 @@ def test_cli_sweep_reports_a_bad_point_and_a_rerun_skips_the_finished(tmp_path, 
     assert main(argv) == 1  # the bad points fail again; the finished ones are not run again
     out, _ = capsys.readouterr()
     assert "4 point(s), 2 ran, 2 skipped (finished before), 2 failed" in out
+    assert "(Failed, in " in out
     assert "FINISHED (done earlier)" in out
     _, parent_again, children = _sweep_runs(db)
     assert parent_again.info.run_id == parent.info.run_id

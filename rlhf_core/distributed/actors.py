@@ -35,6 +35,7 @@ from rlhf_core.checkpoint import (
 from rlhf_core.data import Prompt
 from rlhf_core.distributed.control import busy_fraction
 from rlhf_core.distributed.transport import pack_groups, pack_state_dict, unpack_groups, unpack_state_dict
+from rlhf_core.lora import adapter_state_dict, is_lora
 from rlhf_core.trainer import Trainer
 from rlhf_core.types import Experience, cat_rollouts
 
@@ -626,7 +627,12 @@ class TrainerActor:
         with self.lock:
             out = warm_start(self.model, self.tokenizer, self.train_prompts, self.cfg, steps)
             if self.sharded:  # trained on the unsharded copy: every rank takes its shard of the result
-                self._on_all("load_full_weights", {k: v.detach().cpu() for k, v in self.model.state_dict().items()})
+                weights = (
+                    adapter_state_dict(self.model)  # with LoRA only the adapters trained
+                    if is_lora(self.model)
+                    else {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+                )
+                self._on_all("load_full_weights", weights)
             return out
 
     def checkpoint(self, path: str, data: dict, rollout_rng: list, run: dict) -> str:

@@ -87,6 +87,31 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if is_dtensor(t) else t
 
 
+def iter_whole_parameters(model: torch.nn.Module):
+    """(name, whole tensor) of every parameter of `model` (tied ones once, `named_parameters`' names).
+
+    A model sharded by `shard_model` is gathered one FSDP module at a time: `unshard()` (one all-gather of
+    all that module's parameters, not one collective per tensor), its parameters yielded, `reshard()`. Every
+    rank must iterate it to the end (a collective), and each yielded tensor is valid only until the next
+    one is requested: copy what you keep. An unsharded model yields its parameters as they are."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(model, FSDPModule):
+        yield from model.named_parameters()
+        return
+    seen: set[str] = set()
+    fsdp = [(prefix, m) for prefix, m in model.named_modules() if isinstance(m, FSDPModule)]
+    for prefix, module in reversed(fsdp):  # inner modules (decoder layers) first, the root last
+        module.unshard()
+        try:
+            for name, p in module.named_parameters(prefix=prefix):
+                if name not in seen:  # the root's walk reaches the layers' (resharded) parameters again
+                    seen.add(name)
+                    yield name, p
+        finally:
+            module.reshard()
+
+
 def shard_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """`full` laid out as `like` (a DTensor: this rank's shard of it, cut locally; no communication), or
     `full` itself when `like` is a plain tensor."""

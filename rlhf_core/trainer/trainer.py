@@ -28,6 +28,7 @@ from rlhf_core.trainer.sharding import (
     gather_rows,
     global_grad_norm,
     is_dtensor,
+    iter_whole_parameters,
     micro_slices,
     rank_rows,
     reduce_metrics,
@@ -123,8 +124,6 @@ class Trainer:
         self.samples = 0
         self.tokens = 0
         self.lora = is_lora(model)
-        if group is not None and self.lora:
-            raise ValueError("a sharded trainer group (FSDP2) does not support LoRA yet: use one trainer worker")
         if cfg.model.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
             model.gradient_checkpointing_enable()
             if self.lora:  # frozen embeddings: checkpointed blocks need an input that requires grad
@@ -326,15 +325,17 @@ class Trainer:
         of the adapter tensors only (peft's saved names: the base weights never change).
         Sharded: the whole tensors, gathered one at a time; every rank must call it (a collective), rank 0
         gets the dict and the others {} (they hold no CPU copy)."""
-        if self.lora:
-            return adapter_state_dict(self.model)
-        out = {}
         keep = world(self.group)[0] == 0
+        if self.lora:
+            return adapter_state_dict(self.model, keep=keep)
+        out = {}
         with torch.no_grad():
-            for name, t in list(self.model.named_parameters()) + list(self.model.named_buffers()):
-                whole = full_tensor(t.detach())
+            for name, whole in iter_whole_parameters(self.model):  # one all-gather per sharded module
                 if keep:
-                    out[name] = whole.to("cpu", copy=True).contiguous()
+                    out[name] = whole.detach().to("cpu", copy=True).contiguous()
+            for name, t in self.model.named_buffers():  # buffers are not sharded
+                if keep:
+                    out[name] = t.detach().to("cpu", copy=True).contiguous()
         return out
 
     def full_weights(self) -> dict[str, torch.Tensor]:
@@ -343,6 +344,8 @@ class Trainer:
         gets the dict and the others {}."""
         out, seen = {}, set()
         keep = world(self.group)[0] == 0
+        if self.lora:  # the base weights never change: a LoRA checkpoint holds the adapters only
+            return adapter_state_dict(self.model, keep=keep)
         with torch.no_grad():
             for name, t in self.model.state_dict(keep_vars=True).items():
                 if id(t) in seen:
