@@ -22,6 +22,7 @@ LoRA: alpha = 2r, dropout 0, on q/k/v/o/gate/up/down projections (the config's d
     python benchmarks/lora_sync.py            # table
     python benchmarks/lora_sync.py --json     # one JSON object on stdout, nothing else
     python benchmarks/lora_sync.py --models llama-512x4 --rounds 3
+    python benchmarks/lora_sync.py --device cuda --json  # on a GPU (scripts/gpu_checks.sh)
 """
 
 from __future__ import annotations
@@ -86,10 +87,15 @@ def nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def bench(name: str, mode: str, rounds: int) -> dict:
-    model = BUILDERS[name]()
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def bench(name: str, mode: str, rounds: int, device: str = "cpu") -> dict:
+    model = BUILDERS[name]().to(device)
     r = MODES[mode]
-    overrides = ["model.device=cpu", "trainer.lr=1e-4"]
+    overrides = [f"model.device={device}", "trainer.lr=1e-4"]
     if r is not None:
         model = apply_lora(model, LoraConfig(r=r, alpha=2 * r))
         overrides.append(f"model.lora.r={r}")
@@ -105,6 +111,7 @@ def bench(name: str, mode: str, rounds: int) -> dict:
         packed = pack_state_dict(payload)
         t2 = time.perf_counter()
         engine.load_weights(unpack_state_dict(packed), 1)
+        _sync(device)
         t3 = time.perf_counter()
         snap.append(t1 - t0)
         pack.append(t2 - t1)
@@ -118,7 +125,7 @@ def bench(name: str, mode: str, rounds: int) -> dict:
 
     # one real optimizer step: gradients and AdamW state come into existence
     vocab = model.config.vocab_size
-    ids = torch.randint(2, vocab, (2, 16), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(2, vocab, (2, 16), generator=torch.Generator().manual_seed(0)).to(device)
     model.train()
     loss = model(input_ids=ids, labels=ids, use_cache=False).loss
     loss.backward()
@@ -149,18 +156,19 @@ def bench(name: str, mode: str, rounds: int) -> dict:
     return out
 
 
-def run(models: list[str], rounds: int) -> dict:
+def run(models: list[str], rounds: int, device: str = "cpu") -> dict:
     torch.set_num_threads(1)
     rows = []
     for name in models:
         for mode in MODES:
             print(f"# {name} {mode} ...", file=sys.stderr, flush=True)
-            rows.append(bench(name, mode, rounds))
+            rows.append(bench(name, mode, rounds, device))
     return {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "load_avg": os.getloadavg(),
         "torch": torch.__version__,
         "threads": 1,
+        "device": torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu",
         "rounds": rounds,
         "rows": rows,
     }
@@ -187,13 +195,14 @@ def main(argv=None) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object of all figures, nothing else")
     parser.add_argument("--models", default=",".join(BUILDERS), help=f"comma-separated subset of {list(BUILDERS)}")
     parser.add_argument("--rounds", type=int, default=5, help="sync rounds per model and mode (best is reported)")
+    parser.add_argument("--device", default="cpu", help="where the trainer and the engine hold the model (cuda)")
     args = parser.parse_args(argv)
     models = [m for m in args.models.split(",") if m]
     unknown = [m for m in models if m not in BUILDERS]
     if unknown:
         parser.error(f"--models: unknown {unknown}; choose from {list(BUILDERS)}")
     with contextlib.redirect_stdout(sys.stderr if args.json else sys.stdout):
-        report = run(models, args.rounds)
+        report = run(models, args.rounds, args.device)
     if args.json:
         print(json.dumps(report))
     else:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import warnings
 from pathlib import Path
 
 import torch
@@ -68,7 +69,12 @@ def apply_lora(model, lora_cfg):
         task_type="CAUSAL_LM",
     )
     was_training = model.training
-    wrapped = get_peft_model(model, peft_cfg)
+    with warnings.catch_warnings():
+        # a tied lm_head with an adapter is intended: the adapter sits on the output layer only, and
+        # save_merged unties before merging; and peft's own call of a transformers name deprecated in v5
+        warnings.filterwarnings("ignore", message=".*tied layer is part of the adapter.*")
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*is deprecated.*")
+        wrapped = get_peft_model(model, peft_cfg)
     wrapped.train(was_training)
     return wrapped
 
@@ -83,14 +89,18 @@ def adapters_disabled(model):
 def adapter_state_dict(model, keep: bool = True) -> dict[str, torch.Tensor]:
     """Contiguous CPU copies of the adapter tensors under peft's saved names (no adapter name).
 
-    A model sharded by FSDP2 (a trainer group) holds DTensor shards: each adapter tensor is gathered whole,
-    one at a time, so every rank must call this (a collective); ranks with keep=False get {}."""
-    from rlhf_core.trainer.sharding import full_tensor  # the trainer package imports this module
+    A model sharded by FSDP2 (a trainer group) holds DTensor shards: the adapters are gathered whole, many
+    per all-gather (`iter_full_tensors`), so every rank must call this (a collective); ranks with keep=False
+    get {}."""
+    from rlhf_core.trainer.sharding import iter_full_tensors  # the trainer package imports this module
 
     out = {}
+    params = [(name, p.detach()) for name, p in _adapter_params(model).items()]
+    group = None
+    if params and hasattr(params[0][1], "device_mesh"):  # sharded: gather in buckets over the mesh's group
+        group = params[0][1].device_mesh.get_group()
     with torch.no_grad():
-        for name, p in _adapter_params(model).items():
-            whole = full_tensor(p.detach())
+        for name, whole in iter_full_tensors(params, group):
             if keep:
                 out[name] = whole.to("cpu", copy=True).contiguous()
     return out

@@ -5,8 +5,9 @@
 #
 # Writes under $OUT: nvidia-smi.txt, verify_gpu.txt + verify_gpu.json (scripts/verify_gpu.py: device report,
 # reward timings with CUDA events, the no-host-sync check, losses, buffers, closed loop, VRAM),
-# pytest_cuda.txt (the CUDA tests of rewards and losses), pytest_vllm.txt (skips unless vllm is importable)
-# and summary.txt. Exit status: non-zero if verify_gpu or the CUDA tests failed.
+# pytest_cuda.txt (the CUDA tests of rewards and losses), pytest_vllm.txt (skips unless vllm is importable),
+# pytest_nccl.txt (the sharded trainer, N = 2 over NCCL vs N = 1; skips with fewer than 2 GPUs), lora_sync.json
+# (weight sync bytes and seconds, full vs LoRA, on the GPU) and summary.txt. Exit status: non-zero if verify_gpu or the CUDA tests failed.
 #
 # The machine needs torch (CUDA), transformers, tokenizers, safetensors, pyyaml, numpy, pytest and
 # hypothesis, plus pydantic. A machine that cannot reach PyPI gets the missing ones as wheels in .whl/
@@ -41,10 +42,21 @@ cuda_rc=$?
 "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_vllm.py > "$OUT/pytest_vllm.txt" 2>&1
 vllm_rc=$?
 
+# the sharded trainer over NCCL, N = 2 (one rank per GPU) vs N = 1 on one GPU; skips with fewer than 2 GPUs
+"$PY" -m pytest -q -rs -p no:cacheprovider tests/test_sharded_trainer.py -k nccl > "$OUT/pytest_nccl.txt" 2>&1
+nccl_rc=$?
+[ $nccl_rc -eq 0 ] || status=1
+
+# weight sync bytes and seconds, full vs LoRA r = 8 / 64, with the model on the GPU (figures, no target)
+"$PY" benchmarks/lora_sync.py --device cuda --rounds 3 --json > "$OUT/lora_sync.json" 2> "$OUT/lora_sync.txt"
+lora_rc=$?
+
 {
     echo "verify_gpu.py exit status: $verify_rc"
     echo "CUDA tests exit status:    $cuda_rc ($(tail -n 1 "$OUT/pytest_cuda.txt"))"
     echo "vLLM tests exit status:    $vllm_rc ($(tail -n 1 "$OUT/pytest_vllm.txt"))"
+    echo "NCCL N=2 vs N=1 status:    $nccl_rc ($(tail -n 1 "$OUT/pytest_nccl.txt"))"
+    echo "LoRA sync figures status:  $lora_rc (lora_sync.json)"
     echo "overall:                   $([ $status -eq 0 ] && echo PASSED || echo FAILED)"
 } | tee "$OUT/summary.txt"
 exit $status

@@ -30,6 +30,7 @@ from rlhf_core.lora import ADAPTER_DIR, adapter_state_dict, apply_lora
 from rlhf_core.models import load_policy
 from rlhf_core.rollout import HFEngine, SamplingParams
 from rlhf_core.trainer import Trainer
+from rlhf_core.trainer.sharding import iter_full_tensors
 
 # ~40 s on 2 shared cores (two spawned ranks import torch and transformers): over the unit tier's budget
 pytestmark = pytest.mark.slow
@@ -143,11 +144,37 @@ def _rank_main(rank: int, port: int, policy_dir: str, work: str) -> None:
             trainer = trainer_for(policy_dir, case, SHARDED_MICRO, group)
             trainer.load_state_dict(load_checkpoint(f"{work}/saved_by_1_{case}", trainer.model).trainer)
             out[f"resumed_by_2_{case}"] = {"metrics": [trainer.train_step(batch)], "weights": trainer.full_weights()}
+        out["gathered"] = dict(_gather_odd_shapes(group))
         if rank == 0:
             torch.save(out, f"{work}/sharded.pt")
         dist.barrier(group)
     finally:
         dist.destroy_process_group()
+
+
+def odd_tensors() -> dict[str, torch.Tensor]:
+    """Shapes whose dim 0 does not split evenly over 2 ranks (1 row: one rank's shard is empty), two dtypes,
+    and one tensor over the packing threshold."""
+    g = torch.Generator().manual_seed(5)
+    return {
+        "one_row": torch.randn(1, 3, generator=g),
+        "odd_rows": torch.randn(5, 2, generator=g),
+        "vector": torch.randn(7, generator=g),
+        "double": torch.randn(3, 4, generator=g, dtype=torch.float64),
+        "big": torch.randn(64, 64, generator=g),
+        "after_big": torch.randn(3, 2, generator=g),
+    }
+
+
+def _gather_odd_shapes(group):
+    """`iter_full_tensors` of `odd_tensors` sharded on dim 0 (FSDP2's layout), with tiny packing limits so
+    that they are cut into several buckets and "big" goes alone."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = DeviceMesh.from_group(group, "cpu")
+    named = [(k, distribute_tensor(v, mesh, [Shard(0)])) for k, v in odd_tensors().items()]
+    return iter_full_tensors(named, group, small_bytes=8 << 10, bucket_bytes=64)
 
 
 def _free_port() -> int:
@@ -271,3 +298,61 @@ def test_checkpoint_saved_by_one_process_resumes_with_two_ranks(case, sharded, s
     got = sharded[f"resumed_by_2_{case}"]
     assert_same_metrics(got["metrics"][0], single[case]["metrics"][-1], STEPS - 1)
     assert_same_weights(got["weights"], single[case]["weights"])
+
+
+def test_shards_of_any_shape_and_dtype_gather_whole(sharded):
+    """Packed small shards (several buckets, uneven and empty shards, two dtypes) and a large one alone come
+    back as the tensors that were sharded."""
+    got, want = sharded["gathered"], odd_tensors()
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape, name
+        torch.testing.assert_close(got[name], tensor, atol=0, rtol=0)
+
+
+# ------------------------------------------------------------------------------------- NCCL (2 CUDA devices)
+NCCL_CASES = ("grpo-kl-seq-mean-token-mean", "m2po-trust_region-kl", "lora-grpo-kl")
+NCCL_WEIGHT_ATOL = 1e-5  # CUDA kernels sum in a different order for 24 rows than for 48
+
+
+def _nccl_rank_main(rank: int, port: int, policy_dir: str, work: str) -> None:
+    """One CUDA rank of an NCCL group: NCCL_CASES for STEPS steps each."""
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=RANKS)
+    try:
+        batch = torch.load(f"{work}/batch.pt", weights_only=False)
+        out = {}
+        for case in NCCL_CASES:
+            cfg = make_cfg(case, SHARDED_MICRO)
+            trainer = Trainer(fresh_policy(policy_dir, cfg).to(f"cuda:{rank}"), cfg, 0, group=dist.group.WORLD)
+            metrics = [trainer.train_step(batch) for _ in range(STEPS)]
+            out[case] = {"metrics": metrics, "weights": trainer.full_weights(), "sync": trainer.state_dict_for_sync()}
+        if rank == 0:
+            torch.save(out, f"{work}/nccl.pt")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="an NCCL group of 2 ranks needs two CUDA devices")
+def test_two_cuda_ranks_over_nccl_make_the_update_of_one_gpu(tiny_policy_dir, batch, tmp_path):
+    """N = 2 over NCCL (one rank per GPU) against N = 1 on one GPU: the same metrics and weights
+    (scripts/gpu_checks.sh runs this where two GPUs are present)."""
+    want = {}
+    for case in NCCL_CASES:
+        cfg = make_cfg(case, SINGLE_MICRO)
+        trainer = Trainer(fresh_policy(tiny_policy_dir, cfg).to("cuda:0"), cfg, 0)
+        metrics = [trainer.train_step(batch) for _ in range(STEPS)]
+        want[case] = {"metrics": metrics, "weights": trainer.full_weights(), "sync": trainer.state_dict_for_sync()}
+    torch.save(batch, tmp_path / "batch.pt")
+    mp.spawn(_nccl_rank_main, args=(_free_port(), str(tiny_policy_dir), str(tmp_path)), nprocs=RANKS, join=True)
+    got = torch.load(tmp_path / "nccl.pt", weights_only=False)
+    for case in NCCL_CASES:
+        for step, (g, w) in enumerate(zip(got[case]["metrics"], want[case]["metrics"])):
+            for key in METRICS:
+                if key in w:
+                    assert g[key] == pytest.approx(w[key], rel=1e-4, abs=1e-5), f"{case} step {step + 1}: {key}"
+        for part in ("weights", "sync"):
+            assert sorted(got[case][part]) == sorted(want[case][part])
+            for name, tensor in want[case][part].items():
+                torch.testing.assert_close(got[case][part][name], tensor, atol=NCCL_WEIGHT_ATOL, rtol=0)

@@ -17,6 +17,8 @@ the root). `full_tensor` gathers one whole tensor; every rank must call it (a co
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -87,29 +89,69 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if is_dtensor(t) else t
 
 
-def iter_whole_parameters(model: torch.nn.Module):
-    """(name, whole tensor) of every parameter of `model` (tied ones once, `named_parameters`' names).
+def iter_full_tensors(named, group, small_bytes: int = 1 << 20, bucket_bytes: int = 32 << 20):
+    """(name, whole tensor) for each (name, tensor) of `named` (not in that order), DTensor shards gathered:
+    shards under `small_bytes` (norms, biases, LoRA adapters) are packed, up to `bucket_bytes` of one dtype,
+    into one flat buffer and all-gathered at once, so many small tensors cost one collective, not one each;
+    larger ones are all-gathered one by one (`full_tensor`: packing them costs more copying than it saves,
+    benchmarks/sharded_sync.py). Every rank must call it with the same names in the same order (a
+    collective). Plain tensors, and any DTensor not sharded on dim 0 alone, go through `full_tensor`."""
+    from torch.distributed.tensor import Shard
 
-    A model sharded by `shard_model` is gathered one FSDP module at a time: `unshard()` (one all-gather of
-    all that module's parameters, not one collective per tensor), its parameters yielded, `reshard()`. Every
-    rank must iterate it to the end (a collective), and each yielded tensor is valid only until the next
-    one is requested: copy what you keep. An unsharded model yields its parameters as they are."""
-    from torch.distributed.fsdp import FSDPModule
+    _, size = world(group)
+    bucket: list = []
+    bucket_dtype, filled = None, 0
 
-    if not isinstance(model, FSDPModule):
-        yield from model.named_parameters()
-        return
-    seen: set[str] = set()
-    fsdp = [(prefix, m) for prefix, m in model.named_modules() if isinstance(m, FSDPModule)]
-    for prefix, module in reversed(fsdp):  # inner modules (decoder layers) first, the root last
-        module.unshard()
-        try:
-            for name, p in module.named_parameters(prefix=prefix):
-                if name not in seen:  # the root's walk reaches the layers' (resharded) parameters again
-                    seen.add(name)
-                    yield name, p
-        finally:
-            module.reshard()
+    def flush():
+        yield from _gather_bucket(bucket, group, size)
+        bucket.clear()
+
+    for name, t in named:
+        flat_ok = (
+            group is not None
+            and is_dtensor(t)
+            and len(t.placements) == 1
+            and isinstance(t.placements[0], Shard)
+            and t.placements[0].dim == 0
+        )
+        nbytes = -(-t.shape[0] // size) * (t.numel() // max(1, t.shape[0])) * t.element_size() if flat_ok else 0
+        if not flat_ok or nbytes >= small_bytes:
+            yield name, full_tensor(t)
+            continue
+        if bucket and (t.dtype != bucket_dtype or filled + nbytes > bucket_bytes):
+            yield from flush()
+            filled = 0
+        bucket.append((name, t))
+        bucket_dtype, filled = t.dtype, filled + nbytes
+    if bucket:
+        yield from flush()
+
+
+# torch >= 2.12 names it all_gather_single and deprecates the old name; older releases have the old one only
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _gather_bucket(bucket: list, group, size: int):
+    """One all-gather of the padded dim-0 shards of `bucket`'s DTensors; yields (name, whole tensor)."""
+    pieces, layout = [], []
+    for name, t in bucket:
+        rows = t.shape[0]
+        chunk = -(-rows // size)  # torch.chunk's sizes, as DTensor shards dim 0
+        local = t.to_local()
+        padded = local.new_zeros((chunk, *t.shape[1:]))
+        padded[: local.shape[0]] = local
+        pieces.append(padded.reshape(-1))
+        layout.append((name, t.shape, chunk, [max(0, min(chunk, rows - r * chunk)) for r in range(size)]))
+    flat = torch.cat(pieces)
+    out = flat.new_empty(size * flat.numel())
+    _all_gather_flat(out, flat, group=group)
+    out = out.view(size, flat.numel())
+    offset = 0
+    for name, shape, chunk, counts in layout:
+        n = chunk * (math.prod(shape[1:]) if len(shape) > 1 else 1)
+        parts = out[:, offset : offset + n].reshape(size, chunk, *shape[1:])
+        yield name, torch.cat([parts[r, :c] for r, c in enumerate(counts)])
+        offset += n
 
 
 def shard_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

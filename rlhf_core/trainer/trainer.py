@@ -28,7 +28,7 @@ from rlhf_core.trainer.sharding import (
     gather_rows,
     global_grad_norm,
     is_dtensor,
-    iter_whole_parameters,
+    iter_full_tensors,
     micro_slices,
     rank_rows,
     reduce_metrics,
@@ -323,35 +323,33 @@ class Trainer:
     def state_dict_for_sync(self) -> dict[str, torch.Tensor]:
         """Contiguous CPU copies of every parameter and buffer, ready to ship to rollout engines; with LoRA,
         of the adapter tensors only (peft's saved names: the base weights never change).
-        Sharded: the whole tensors, gathered one at a time; every rank must call it (a collective), rank 0
-        gets the dict and the others {} (they hold no CPU copy)."""
+        Sharded: the whole tensors, gathered (`iter_full_tensors`: small ones many per all-gather); every rank
+        must call it (a collective), rank 0 gets the dict and the others {} (they hold no CPU copy)."""
         keep = world(self.group)[0] == 0
         if self.lora:
             return adapter_state_dict(self.model, keep=keep)
-        out = {}
-        with torch.no_grad():
-            for name, whole in iter_whole_parameters(self.model):  # one all-gather per sharded module
-                if keep:
-                    out[name] = whole.detach().to("cpu", copy=True).contiguous()
-            for name, t in self.model.named_buffers():  # buffers are not sharded
-                if keep:
-                    out[name] = t.detach().to("cpu", copy=True).contiguous()
-        return out
+        return self._whole_cpu_copies(list(self.model.named_parameters()) + list(self.model.named_buffers()), keep)
 
     def full_weights(self) -> dict[str, torch.Tensor]:
         """The model's state dict as whole CPU tensors (a tensor tied to an earlier name is left out), for a
         checkpoint's policy.safetensors. Sharded: gathered; every rank must call it (a collective), rank 0
         gets the dict and the others {}."""
-        out, seen = {}, set()
         keep = world(self.group)[0] == 0
         if self.lora:  # the base weights never change: a LoRA checkpoint holds the adapters only
             return adapter_state_dict(self.model, keep=keep)
-        with torch.no_grad():
-            for name, t in self.model.state_dict(keep_vars=True).items():
-                if id(t) in seen:
-                    continue
+        named, seen = [], set()
+        for name, t in self.model.state_dict(keep_vars=True).items():
+            if id(t) not in seen:
                 seen.add(id(t))
-                whole = full_tensor(t.detach())
+                named.append((name, t))
+        return self._whole_cpu_copies(named, keep)
+
+    def _whole_cpu_copies(self, named: list, keep: bool) -> dict[str, torch.Tensor]:
+        """Contiguous CPU copies of the whole tensors of `named` (gathered when sharded: a collective) on the
+        ranks that keep them; {} on the others."""
+        out = {}
+        with torch.no_grad():
+            for name, whole in iter_full_tensors([(n, t.detach()) for n, t in named], self.group):
                 if keep:
                     out[name] = whole.to("cpu", copy=True).contiguous()
         return out
