@@ -459,6 +459,13 @@ class TrainerConfig(_Section):
     warm_start_lr: Optional[float] = Field(
         None, gt=0, le=1.0, description="AdamW learning rate of the warm start; None uses trainer.lr."
     )
+    warm_start_targets: Literal["any_answer", "prompt_number"] = Field(
+        "any_answer",
+        description="What the warm start imitates, in the reward's format: any_answer, a training answer drawn "
+        "uniformly regardless of the prompt; prompt_number, a number quoted in the prompt's own question "
+        "(drawn uniformly among them; the right one only by chance), so that the policy learns to answer "
+        "with a number from the question, as an instruct model does, and RL learns which.",
+    )
     seed: int = Field(0, description="Seed for torch, sampling and initialisation.")
 
     @field_validator("lr")

@@ -11,6 +11,8 @@ RL, while its accuracy stays near chance (reported as eval/accuracy_warm_start).
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import torch
 
@@ -28,21 +30,62 @@ def warm_start_targets(cfg: TrainConfig, tokenizer, train_prompts: list[Prompt])
     return [list(a) + [eos] for a in sorted({tuple(p.answers[0]) for p in train_prompts if p.answers})]
 
 
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def question_numbers(prompt: Prompt) -> list[str]:
+    """The numbers quoted in a prompt's question: its last user message, or its text without a chat."""
+    text = prompt.text
+    if prompt.messages:
+        users = [m.get("content", "") for m in prompt.messages if m.get("role") == "user"]
+        text = users[-1] if users else text
+    return _NUMBER.findall(str(text))
+
+
+def prompt_number_targets(cfg: TrainConfig, tokenizer, train_prompts: list[Prompt]) -> dict[int, list[list[int]]]:
+    """Per training prompt (by position), '<marker> <n>' + EOS for every number n its question quotes."""
+    eos = int(tokenizer.eos_token_id)
+    out = {}
+    for i, p in enumerate(train_prompts):
+        nums = list(dict.fromkeys(question_numbers(p)))
+        if nums:
+            out[i] = [
+                tokenizer(f"{cfg.reward.marker} {n}", add_special_tokens=False)["input_ids"] + [eos] for n in nums
+            ]
+    return out
+
+
 def warm_start(model, tokenizer, train_prompts: list[Prompt], cfg: TrainConfig, steps: int) -> dict:
     """`steps` supervised steps on format targets, in place; returns warm_start/* metrics."""
     rng = np.random.default_rng(cfg.trainer.seed + 1)
-    targets = warm_start_targets(cfg, tokenizer, train_prompts)
-    if not targets:
-        raise ValueError("trainer.warm_start_steps > 0 but the training prompts have no answers to imitate")
+    per_prompt = None
+    if cfg.trainer.warm_start_targets == "prompt_number":
+        per_prompt = prompt_number_targets(cfg, tokenizer, train_prompts)
+        if not per_prompt:
+            raise ValueError(
+                "trainer.warm_start_targets=prompt_number but no training prompt quotes a number in its question: "
+                "use any_answer"
+            )
+        pool = sorted(per_prompt)  # only prompts with numbers to quote
+        targets = []
+    else:
+        targets = warm_start_targets(cfg, tokenizer, train_prompts)
+        pool = list(range(len(train_prompts)))
+        if not targets:
+            raise ValueError("trainer.warm_start_steps > 0 but the training prompts have no answers to imitate")
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.trainer.warm_start_lr or cfg.trainer.lr)
     n = cfg.trainer.prompts_per_step * cfg.rollout.samples_per_prompt
     dev = next(model.parameters()).device
     loss = torch.zeros(())
     model.train()
     for _ in range(steps):
-        prompts = [train_prompts[i] for i in rng.integers(0, len(train_prompts), n)]
+        picked = [pool[k] for k in rng.integers(0, len(pool), n)]
+        prompts = [train_prompts[i] for i in picked]
         pb = collate_prompts(prompts, tokenizer.pad_token_id, cfg.data.max_prompt_tokens)
-        chosen = [targets[j] for j in rng.integers(0, len(targets), n)]
+        if per_prompt is not None:
+            chosen = [per_prompt[i][rng.integers(0, len(per_prompt[i]))] for i in picked]
+        else:
+            chosen = [targets[j] for j in rng.integers(0, len(targets), n)]
         L = max(len(t) for t in chosen)
         resp = torch.full((n, L), tokenizer.pad_token_id, dtype=torch.long)
         rmask = torch.zeros((n, L), dtype=torch.bool)

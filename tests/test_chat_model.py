@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 from rlhf_core.chat_model import ENDOFTEXT, IM_END, max3_question
@@ -42,8 +43,36 @@ def test_max3_chat_prompts_keep_digits_apart_and_warm_start_teaches_only_the_for
         tokens = tok.convert_ids_to_tokens(p.prompt_ids)
         assert [t for t in tokens if t.isdigit()] == [str(a), str(b), str(c)]
         assert [tok.convert_ids_to_tokens(x) for x in p.answers[0]] == [str(max(a, b, c))]
-    cfg = load_config("configs/chat-smoke.yaml", [])
+    cfg = load_config("configs/chat-smoke.yaml", ["trainer.warm_start_targets=any_answer"])
     targets = warm_start_targets(cfg, tok, train)
     texts = [tok.decode(t[:-1]) for t in targets]
     assert texts == [f"#### {d}" for d in range(10)]
     assert all(t[-1] == tok.eos_token_id for t in targets)
+
+
+def test_prompt_number_warm_start_quotes_the_questions_own_numbers(chat_policy_dir):
+    """trainer.warm_start_targets=prompt_number: per prompt, '#### n' + EOS for each distinct number its
+    question quotes (the chat template's text around it quotes none); a task whose questions quote no number
+    is refused, naming the option."""
+    import pytest
+
+    from rlhf_core.config import load_config
+    from rlhf_core.data import build_chat_task
+    from rlhf_core.warm_start import prompt_number_targets, warm_start
+
+    model, tok = load_policy(chat_policy_dir, dtype="float32", device="cpu")
+    train, _ = build_chat_task("max3_chat", tok, eval_size=10)
+    cfg = load_config("configs/chat-smoke.yaml", ["trainer.warm_start_targets=prompt_number"])
+    per_prompt = prompt_number_targets(cfg, tok, train)
+    assert sorted(per_prompt) == list(range(len(train)))
+    for i, p in enumerate(train[:30]):
+        a, b, c = (p.meta["problem"] // 10**k % 10 for k in (2, 1, 0))
+        want = [f"#### {d}" for d in dict.fromkeys((a, b, c))]
+        assert [tok.decode(t[:-1]) for t in per_prompt[i]] == want
+        assert all(t[-1] == tok.eos_token_id for t in per_prompt[i])
+    out = warm_start(model, tok, train, cfg, 2)
+    assert out["warm_start/steps"] == 2 and out["warm_start/loss"] > 0
+
+    wordy = [dataclasses.replace(p, text="the largest of a, b and c?", messages=None) for p in train[:5]]
+    with pytest.raises(ValueError, match="warm_start_targets=prompt_number"):
+        warm_start(model, tok, wordy, cfg, 1)
