@@ -35,7 +35,7 @@ endif
 install: $(STAMP)
 
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 # The unit tests: everything not marked `slow` (no Ray cluster, Prefect server or long training runs).
 test-fast: install
