@@ -16,7 +16,10 @@ import pytest
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
-EXIT_WITHIN_S = 45.0
+# 16 s measured on a quiet machine; one full-suite run at load ~4 (2026-12-01) needed more than 45 s for the
+# SIGINT-to-group case, so the bound leaves room for a loaded CI machine: the test is about a clean exit
+# with nothing left running, not its speed (docs/benchmarks.md has the timing)
+EXIT_WITHIN_S = 90.0
 
 
 def _start(tmp_path: Path) -> subprocess.Popen:
