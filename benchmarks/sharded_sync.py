@@ -24,23 +24,19 @@ import statistics
 import sys
 import tempfile
 import time
-import warnings
 from datetime import datetime, timezone
 from pathlib import Path
-
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-warnings.filterwarnings("ignore")
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from lora_sync import BUILDERS, MODES, nbytes  # noqa: E402
+# lora_sync first: it sets the offline / quiet environment before torch and transformers load (here and in
+# every spawned rank, which imports this module again)
+from lora_sync import BUILDERS, MODES, nbytes  # noqa: E402, I001
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
 
 from rlhf_core.config import LoraConfig, load_config  # noqa: E402
 from rlhf_core.lora import apply_lora  # noqa: E402

@@ -42,8 +42,9 @@ def linear_module_names(model) -> list[str]:
 def apply_lora(model, lora_cfg):
     """Wrap `model` with LoRA adapters of `lora_cfg` (rlhf_core.config.LoraConfig); base weights frozen.
 
-    Adapters start at B = 0, so the wrapped model computes exactly what the base model does. The seed of the
-    process decides A's initialisation; every process's A is replaced by the trainer's at the first sync.
+    Adapters start at B = 0, so the wrapped model computes exactly what the base model does. The random
+    state of each process (set from trainer.seed) decides A's initialisation; every process's A is replaced by
+    the trainer's at the first sync.
     """
     try:
         from peft import LoraConfig, get_peft_model

@@ -67,7 +67,6 @@ def warm_start(model, tokenizer, train_prompts: list[Prompt], cfg: TrainConfig, 
                 "use any_answer"
             )
         pool = sorted(per_prompt)  # only prompts with numbers to quote
-        targets = []
     else:
         targets = warm_start_targets(cfg, tokenizer, train_prompts)
         pool = list(range(len(train_prompts)))

@@ -53,7 +53,7 @@ TABLE_COLUMNS = (
 
 @dataclass(frozen=True)
 class SweepPoint:
-    """One training run of a sweep: the varied values (grid order) and the seed."""
+    """One training run of a sweep: the varied values (grid order) and its trainer.seed."""
 
     values: tuple[tuple[str, Any], ...]
     seed: int
