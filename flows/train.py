@@ -15,6 +15,8 @@ ends FINISHED, FAILED or KILLED to match the flow run.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +37,7 @@ from prefect.states import Cancelled
 from rlhf_core.config import TrainConfig, validate_config
 from rlhf_core.preflight import LATEST, RunDirClaim, claim_run_dir, default_run_name
 from rlhf_core.supervision import HealthEvent, Supervisor
+from tasks import held as held_resources
 from tasks.checkpoints import ResumeTarget, export_policy, record_checkpoint, resolve_resume, save_checkpoint
 from tasks.cluster import evaluate_heldout, launch_runtime, teardown_runtime, warm_start_policy
 from tasks.supervision import CancelWatch, event_rows, progress_line, reward_component_keys
@@ -67,7 +70,7 @@ def train(
         cfg.run.name = default_run_name(current_flow_run.name or "")
     flow_run_id = str(current_flow_run.id) if current_flow_run.id else ""
 
-    with RunResources(logger) as resources:
+    with RunResources(logger, flow_run_id) as resources:
         resume = resolve_resume(cfg, resume_from)  # a bad checkpoint fails before the run directory exists
         resources.run_dir = claim_run_dir(cfg.run.output_dir, cfg.run.name)
         logger.info("run directory %s (%s points to it)", cfg.run.run_dir, Path(cfg.run.output_dir) / LATEST)
@@ -126,54 +129,76 @@ class RunState:
 
 class RunResources:
     """The flow's one cleanup mechanism: the runtime and the MLflow run it started are released when the
-    flow body leaves, however it leaves. The MLflow status is written first (one quick write): a worker
-    kills the process if teardown outlasts its grace period."""
+    flow body leaves, however it leaves, including what a task acquired for this flow run but had not handed
+    over yet when a signal landed (`tasks.held`). The MLflow status is written first (one quick write): a
+    worker kills the process if teardown outlasts its grace period.
 
-    def __init__(self, logger):
+    Every cleanup step runs to completion even when a signal lands in the middle of cleanup: a terminal's
+    Ctrl-C reaches the whole process group, so the flow may be leaving on an error that the same signal
+    caused elsewhere (a child that died of it) with the interrupt still pending. A signal that lands before
+    the MLflow run is ended makes it KILLED, and the interrupt is raised again once everything is released."""
+
+    def __init__(self, logger, flow_run_id: str = ""):
         self.logger = logger
+        self.flow_run_id = flow_run_id
         self.runtime = None
         self.tracker: Optional[MlflowTracker] = None
         self.run_dir: Optional[RunDirClaim] = None  # this run's directory, locked until the body leaves
         self.status = "FAILED"  # until the body says otherwise
+        self.interrupted = False  # a signal landed during cleanup
 
     def __enter__(self) -> RunResources:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        if exc_type is not None and issubclass(exc_type, (KeyboardInterrupt, TerminationSignal, SystemExit)):
+        interrupt = (KeyboardInterrupt, TerminationSignal, SystemExit)
+        if exc_type is not None and issubclass(exc_type, interrupt):
             self.status = "KILLED"
-            self.logger.warning("interrupted: tearing down the runtime and ending the MLflow run as KILLED")
+            message = "interrupted: tearing down the runtime and ending the MLflow run as KILLED"
+            self._shielded(lambda: self.logger.warning(message), "logging")
         elif exc_type is not None:
             self.status = "FAILED"
-            self.logger.error("run failed: %s: %s", exc_type.__name__, exc)
-            if self.tracker is not None:
-                _shielded(
-                    lambda: self.tracker.set_tags({"error": f"{exc_type.__name__}: {exc}"[:5000]}),
-                    self.logger,
+            self._shielded(lambda: self.logger.error("run failed: %s: %s", exc_type.__name__, exc), "logging")
+        trackers = [self.tracker] if self.tracker is not None else []
+        runtimes = [self.runtime] if self.runtime is not None else []
+        if self.flow_run_id:
+            trackers += [t for t in held_resources.held(self.flow_run_id, "tracker") if t is not self.tracker]
+            runtimes += [r for r in held_resources.held(self.flow_run_id, "runtime") if r is not self.runtime]
+        for tracker in trackers:
+            if self.status == "FAILED" and exc_type is not None and not self.interrupted:
+                self._shielded(
+                    lambda t=tracker: t.set_tags({"error": f"{exc_type.__name__}: {exc}"[:5000]}),
                     "tagging the MLflow run with the error",
                 )
-        if self.tracker is not None:
-            tracker, status = self.tracker, self.status
-            _shielded(lambda: tracker.end(status), self.logger, "ending the MLflow run")
-        if self.runtime is not None:
-            _shielded(self.runtime.teardown, self.logger, "teardown")  # idempotent; a no-op after the teardown task
+            self._shielded(functools.partial(self._end_tracker, tracker), "ending the MLflow run")
+        for runtime in runtimes:  # teardown is idempotent: a no-op after the teardown task
+            self._shielded(runtime.teardown, "teardown")
+            if self.flow_run_id:
+                held_resources.release(self.flow_run_id, "runtime", runtime)
         if self.run_dir is not None:
-            _shielded(self.run_dir.release, self.logger, "releasing the run directory")
+            self._shielded(self.run_dir.release, "releasing the run directory")
+        if self.interrupted and self.status != "FINISHED" and not (exc_type and issubclass(exc_type, interrupt)):
+            raise KeyboardInterrupt("interrupted while the run was ending") from exc
         return False
 
+    def _end_tracker(self, tracker: MlflowTracker) -> None:
+        tracker.end("KILLED" if self.interrupted and self.status != "FINISHED" else self.status)
 
-def _shielded(fn, logger, what: str, attempts: int = 3) -> None:
-    """Run a cleanup step to completion even if a second SIGTERM (TerminationSignal) or Ctrl-C lands in it:
-    a worker cancelling the run may signal while the flow is already tearing down on its own."""
-    for _ in range(attempts):
-        try:
-            fn()
-            return
-        except (KeyboardInterrupt, TerminationSignal, SystemExit):
-            logger.warning("%s interrupted by a signal; finishing it", what)
-        except Exception as exc:
-            logger.error("%s failed: %s: %s", what, type(exc).__name__, exc)
-            return
+    def _shielded(self, fn, what: str, attempts: int = 3) -> None:
+        """Run a cleanup step to completion even if a signal (Ctrl-C, a worker's SIGTERM) lands in it; a
+        failing step is logged and the next one runs."""
+        for _ in range(attempts):
+            try:
+                fn()
+                return
+            except (KeyboardInterrupt, TerminationSignal, SystemExit):
+                self.interrupted = True
+                with contextlib.suppress(BaseException):
+                    self.logger.warning("%s interrupted by a signal; finishing it", what)
+            except Exception as exc:
+                with contextlib.suppress(BaseException):
+                    self.logger.error("%s failed: %s: %s", what, type(exc).__name__, exc)
+                return
 
 
 # ------------------------------------------------------------------------------------------- the run

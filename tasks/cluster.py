@@ -16,6 +16,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from rlhf_core.config import TrainConfig
+from tasks import held
 
 
 @contextlib.contextmanager
@@ -44,13 +45,20 @@ def launch_runtime(cfg: TrainConfig, resume_from: Optional[str] = None):
 
     Returns (runtime, launch info). On any failure the runtime tears down what it created before raising.
     """
+    from prefect.runtime import flow_run
+
     logger = get_run_logger()
     runtime = make_runtime(cfg)
+    flow_run_id = str(flow_run.id or "")
+    if flow_run_id:  # the flow's cleanup tears it down even if a signal lands before the flow holds it
+        held.hold(flow_run_id, "runtime", runtime)
     with _keep_sigterm_handler():
         try:
             info = runtime.launch(resume_from=resume_from)
         except BaseException:
             runtime.teardown()
+            if flow_run_id:
+                held.release(flow_run_id, "runtime", runtime)
             raise
     logger.info(
         "Ray runtime up: address=%s (started here: %s), %d rollout worker(s), policy %s, step %d, version %d",

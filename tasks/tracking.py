@@ -29,6 +29,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from rlhf_core.config import TrainConfig, flatten_config
+from tasks import held as held_resources
 
 MODEL_ARTIFACT_PATH = "model"  # where runs of earlier versions also copied the policy; still read
 LOGGED_MODEL_NAME = "policy"
@@ -128,6 +129,7 @@ class MlflowTracker:
         self.resumed_from_step = resumed_from_step
         self.system_monitor = None
         self.ended: Optional[str] = None
+        self.flow_run_id: Optional[str] = None  # the Prefect flow run that started it (held until it ends)
 
     # ------------------------------------------------------------------ lifecycle
     @classmethod
@@ -173,13 +175,20 @@ class MlflowTracker:
             run_tags[MLFLOW_PARENT_RUN] = parent_run_id
         run = client.create_run(experiment_id, run_name=name, tags=run_tags)
         tracker = cls(uri, run.info.run_id, experiment_id, parent_run_id=resume_run_id, resumed_from_step=resume_step)
-        all_tags = dict(tags or {})
-        if flow_run_id:
-            all_tags["prefect.flow_run_id"] = str(flow_run_id)
-        tracker.set_tags(all_tags)
-        tracker.log_params(cfg)
-        if cfg.tracking.log_system_metrics:
-            tracker._start_system_metrics(cfg)
+        tracker.flow_run_id = str(flow_run_id) if flow_run_id else None
+        if tracker.flow_run_id:  # the flow's cleanup ends it even if a signal lands before the flow holds it
+            held_resources.hold(tracker.flow_run_id, "tracker", tracker)
+        try:
+            all_tags = dict(tags or {})
+            if flow_run_id:
+                all_tags["prefect.flow_run_id"] = str(flow_run_id)
+            tracker.set_tags(all_tags)
+            tracker.log_params(cfg)
+            if cfg.tracking.log_system_metrics:
+                tracker._start_system_metrics(cfg)
+        except BaseException as exc:  # a run created here is never left RUNNING
+            tracker.end("FAILED" if isinstance(exc, Exception) else "KILLED")
+            raise
         return tracker
 
     @staticmethod
@@ -248,6 +257,8 @@ class MlflowTracker:
                 pass
         self.client.set_terminated(self.run_id, status=status)
         self.ended = status
+        if self.flow_run_id:
+            held_resources.release(self.flow_run_id, "tracker", self)
 
     # ------------------------------------------------------------------ logging
     def set_tags(self, tags: dict[str, Any]) -> None:

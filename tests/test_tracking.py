@@ -137,3 +137,70 @@ def test_a_half_uploaded_checkpoint_is_skipped_and_a_dead_parent_is_marked(store
     history, _ = child.lineage_history()
     assert [row["step"] for row in history] == [1, 2]
     child.end("FINISHED")
+
+
+def _status(tracker: MlflowTracker) -> str:
+    return tracker.client.get_run(tracker.run_id).info.status
+
+
+def test_a_signal_while_the_run_is_being_opened_ends_it_killed(store, monkeypatch):
+    """Ctrl-C after MLflow created the run but before `start` returned: the run ends KILLED, not RUNNING."""
+    from mlflow.tracking import MlflowClient
+
+    def interrupted(self, cfg):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(MlflowTracker, "log_params", interrupted)
+    cfg = tracking_cfg(store, "interrupted-start")
+    with pytest.raises(KeyboardInterrupt):
+        MlflowTracker.start(cfg, flow_run_id="flow-a")
+    client = MlflowClient(f"sqlite:///{store}")
+    [run] = client.search_runs([client.get_experiment_by_name("interrupted-start").experiment_id])
+    assert run.info.status == "KILLED"
+    from tasks import held
+
+    assert held.held("flow-a", "tracker") == []  # ended, so no longer held for the flow
+
+
+def test_the_flow_cleanup_ends_a_run_it_was_never_handed(store):
+    """A signal between the task creating the MLflow run and the flow holding it (Prefect records the task's
+    state in between): RunResources finds the run under its flow run id and ends it KILLED."""
+    import logging
+
+    from flows.train import RunResources
+    from tasks import held
+
+    tracker = MlflowTracker.start(tracking_cfg(store, "handover"), flow_run_id="flow-b")
+    assert held.held("flow-b", "tracker") == [tracker]
+    with pytest.raises(KeyboardInterrupt):
+        with RunResources(logging.getLogger("test"), "flow-b"):
+            raise KeyboardInterrupt
+    assert _status(tracker) == "KILLED"
+    assert held.held("flow-b", "tracker") == []
+
+
+def test_a_signal_during_failure_cleanup_still_ends_everything_and_is_raised_again(store):
+    """Ctrl-C reaches the whole process group: the flow may be leaving on an error the same signal caused in
+    a child, with its own interrupt landing in the cleanup. Every step still runs, the run ends KILLED (it
+    was interrupted, not a failure of its own) and the interrupt goes on to the caller."""
+    from flows.train import RunResources
+
+    tracker = MlflowTracker.start(tracking_cfg(store, "cleanup-interrupted"), flow_run_id="flow-c")
+
+    class SignalOnFirstLog:
+        calls = 0
+
+        def error(self, *args):
+            SignalOnFirstLog.calls += 1
+            if SignalOnFirstLog.calls == 1:
+                raise KeyboardInterrupt
+
+        warning = error
+
+    resources = RunResources(SignalOnFirstLog(), "flow-c")
+    resources.tracker = tracker
+    with pytest.raises(KeyboardInterrupt) as raised:
+        with resources:
+            raise RuntimeError("a rollout worker died")
+    assert isinstance(raised.value.__cause__, RuntimeError)
+    assert _status(tracker) == "KILLED"
