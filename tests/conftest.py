@@ -3,6 +3,13 @@
 from __future__ import annotations
 
 import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
 
 # Set before transformers / ray / prefect are imported anywhere in the test session.
 for _key, _value in {
@@ -119,3 +126,133 @@ def ray_local():
     yield
     if started:
         ray.shutdown()
+
+
+# ---------------------------------------------------------------------------------------- Prefect server
+PREFECT = str(Path(sys.executable).with_name("prefect"))
+POOL = "atrlhf-local"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stop(proc: subprocess.Popen, grace_s: float = 15) -> None:
+    """Stop a process we started in its own session: SIGINT (graceful for prefect), then SIGKILL its group."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGINT)
+            proc.wait(timeout=grace_s)
+        except (subprocess.TimeoutExpired, ProcessLookupError):
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=30)
+
+
+def _prefect(args: list[str], env: dict, timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [PREFECT, *args],
+        env=env,
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.fixture(scope="session")
+def prefect_server(tmp_path_factory):
+    """ONE real Prefect server on 127.0.0.1 (free port, temp PREFECT_HOME) for the whole session: starting one
+    (database migrations) costs 15-30 s on this machine, once instead of once per module. Tests that need an
+    API take `prefect_api` (this server as the test process's API for a module) or pass `env` to the commands
+    they start. Each test filters what it reads by its own flow run, deployment or run directory."""
+    home = tmp_path_factory.mktemp("prefect_home")
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}/api"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(
+        {
+            "PREFECT_HOME": str(home),
+            "PREFECT_API_URL": url,
+            "PREFECT_UI_ENABLED": "false",
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            "PREFECT_WORKER_QUERY_SECONDS": "1",
+            "PREFECT_WORKER_PREFETCH_SECONDS": "1",
+            "PREFECT_LOGGING_LEVEL": "INFO",
+            # flows join a Ray started by a test: a driver joining a local cluster needs token mode to present
+            # the cluster's token (~/.ray/auth_token)
+            "RAY_AUTH_MODE": "token",
+        }
+    )
+    log = open(home / "server.log", "w")
+    proc = subprocess.Popen(
+        [PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        env=env,
+        cwd=home,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert proc.poll() is None, (home / "server.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the Prefect server did not become healthy in 300 s"
+            time.sleep(0.5)
+        yield {"url": url, "env": env, "home": home}
+    finally:
+        _stop(proc)
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def prefect_api(prefect_server):
+    """The session's Prefect server as this process's API for one module (`temporary_settings`)."""
+    import contextlib
+
+    import prefect.context
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(temporary_settings({PREFECT_API_URL: prefect_server["url"]}))
+        # also as the process-global settings context, as prefect_test_harness does: a flow run in a thread
+        # (the cancel tests) starts from that, not from this thread's context
+        stack.enter_context(prefect.context._temporary_global_settings_context(prefect.context.get_settings_context()))
+        yield prefect_server
+
+
+@pytest.fixture(scope="session")
+def prefect_deployed(prefect_server, tmp_path_factory):
+    """`prefect work-pool create` + `prefect deploy --all` from prefect.yaml on the session's server, and a
+    `process` worker, once for the session (tests/test_deployment.py, tests/test_sweep_deployment.py)."""
+    env = prefect_server["env"]
+    created = _prefect(["work-pool", "create", POOL, "--type", "process"], env)
+    assert created.returncode == 0, created.stdout + created.stderr
+    deploy = _prefect(["--no-prompt", "deploy", "--all"], env)
+    assert deploy.returncode == 0, deploy.stdout[-3000:] + deploy.stderr[-3000:]
+    logdir = tmp_path_factory.mktemp("worker")
+    log = open(logdir / "worker.log", "w")
+    worker = subprocess.Popen(
+        [PREFECT, "worker", "start", "--pool", POOL, "--type", "process"],
+        env=env,
+        cwd=logdir,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        yield {"worker_log": logdir / "worker.log"}
+    finally:
+        _stop(worker)
+        log.close()

@@ -23,7 +23,6 @@ datasets = pytest.importorskip("datasets")
 from mlflow.tracking import MlflowClient  # noqa: E402
 from prefect.client.orchestration import get_client  # noqa: E402
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId  # noqa: E402
-from prefect.testing.utilities import prefect_test_harness  # noqa: E402
 
 from flows.cli import main as cli_main  # noqa: E402
 from tasks.tracking import mlflow_metric_name  # noqa: E402
@@ -46,7 +45,7 @@ def verl_parquet(path, start: int, n: int):
     return path
 
 
-def test_atrlhf_train_on_verl_parquet_logs_pass_at_k(chat_policy_dir, ray_local, tmp_path, capsys):
+def test_atrlhf_train_on_verl_parquet_logs_pass_at_k(prefect_api, chat_policy_dir, ray_local, tmp_path, capsys):
     assert mlflow_metric_name("eval/pass@k") == "eval/pass_at_k"
     train, test = verl_parquet(tmp_path / "train.parquet", 0, 12), verl_parquet(tmp_path / "test.parquet", 50, 4)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -77,29 +76,28 @@ def test_atrlhf_train_on_verl_parquet_logs_pass_at_k(chat_policy_dir, ray_local,
         "tracking.run_name=verl-parquet",
         f"run.output_dir={tmp_path / 'run'}",
     ]
-    with prefect_test_harness(server_startup_timeout=300):
-        assert cli_main(["train", "--set", *overrides]) == 0
-        out = capsys.readouterr().out
-        assert "sampled held-out    pass@2" in out
+    assert cli_main(["train", "--set", *overrides]) == 0
+    out = capsys.readouterr().out
+    assert "sampled held-out    pass@2" in out
 
-        client = MlflowClient(uri)
-        (run,) = client.search_runs([client.get_experiment_by_name("asynctensorrlhf").experiment_id])
-        assert run.info.status == "FINISHED"
-        params = run.data.params
-        assert (params["data.task"], params["eval.k"], params["eval.n_samples"]) == ("dataset", "2", "3")
-        for key in ("eval/pass@k", "eval/mean@k"):
-            history = client.get_metric_history(run.info.run_id, mlflow_metric_name(key))
-            assert [m.step for m in history] == [0, 2]  # at the start and the final evaluation
-            assert all(0.0 <= m.value <= 1.0 for m in history)
-        passes = client.get_metric_history(run.info.run_id, "eval/pass_at_k")
-        means = client.get_metric_history(run.info.run_id, "eval/mean_at_k")
-        assert all(p.value >= m.value - 1e-12 for p, m in zip(passes, means))  # pass@2 >= pass@1 = mean
-        assert len(client.get_metric_history(run.info.run_id, "reward/mean")) == 2
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("asynctensorrlhf").experiment_id])
+    assert run.info.status == "FINISHED"
+    params = run.data.params
+    assert (params["data.task"], params["eval.k"], params["eval.n_samples"]) == ("dataset", "2", "3")
+    for key in ("eval/pass@k", "eval/mean@k"):
+        history = client.get_metric_history(run.info.run_id, mlflow_metric_name(key))
+        assert [m.step for m in history] == [0, 2]  # at the start and the final evaluation
+        assert all(0.0 <= m.value <= 1.0 for m in history)
+    passes = client.get_metric_history(run.info.run_id, "eval/pass_at_k")
+    means = client.get_metric_history(run.info.run_id, "eval/mean_at_k")
+    assert all(p.value >= m.value - 1e-12 for p, m in zip(passes, means))  # pass@2 >= pass@1 = mean
+    assert len(client.get_metric_history(run.info.run_id, "reward/mean")) == 2
 
-        with get_client(sync_client=True) as prefect:
-            flow_run_id = run.data.tags["prefect.flow_run_id"]
-            arts = prefect.read_artifacts(
-                artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]))
-            )
-        summary = next(a for a in arts if a.key == "atrlhf-summary").data
-        assert "| `eval/pass@k` |" in summary and "| `eval/mean@k` |" in summary and "k = 2 of 3" in summary
+    with get_client(sync_client=True) as prefect:
+        flow_run_id = run.data.tags["prefect.flow_run_id"]
+        arts = prefect.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]))
+        )
+    summary = next(a for a in arts if a.key == "atrlhf-summary").data
+    assert "| `eval/pass@k` |" in summary and "| `eval/mean@k` |" in summary and "k = 2 of 3" in summary

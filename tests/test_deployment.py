@@ -10,12 +10,7 @@ from __future__ import annotations
 
 import copy
 import os
-import signal
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -29,18 +24,16 @@ for _key, _value in {
 }.items():
     os.environ.setdefault(_key, _value)
 
+from conftest import POOL, _prefect  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 from prefect.client.orchestration import get_client  # noqa: E402
 from prefect.deployments import run_deployment  # noqa: E402
-from prefect.settings import PREFECT_API_URL, temporary_settings  # noqa: E402
 from prefect.states import Cancelling, StateType  # noqa: E402
 
 from rlhf_core.config import apply_overrides  # noqa: E402
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
-PREFECT = str(Path(sys.executable).with_name("prefect"))
-POOL = "atrlhf-local"
 SMALL = [
     "trainer.total_steps=4",
     "data.eval_size=20",
@@ -58,103 +51,16 @@ SMALL = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _stop(proc: subprocess.Popen, grace_s: float = 15) -> None:
-    """Stop a process we started in its own session: SIGINT (graceful for prefect), then SIGKILL its group."""
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGINT)
-            proc.wait(timeout=grace_s)
-        except (subprocess.TimeoutExpired, ProcessLookupError):
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait(timeout=30)
-
-
-def _prefect(args: list[str], env: dict, timeout: float = 180) -> subprocess.CompletedProcess:
-    return subprocess.run([PREFECT, *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+@pytest.fixture(scope="module")
+def server(prefect_api):
+    """The session's Prefect server (tests/conftest.py), the API of this module's process."""
+    return prefect_api
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """A Prefect server on 127.0.0.1 (free port, temp PREFECT_HOME); the test process talks to it too."""
-    home = tmp_path_factory.mktemp("prefect_home")
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}/api"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-    env.update(
-        {
-            "PREFECT_HOME": str(home),
-            "PREFECT_API_URL": url,
-            "PREFECT_UI_ENABLED": "false",
-            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-            "PREFECT_WORKER_QUERY_SECONDS": "1",
-            "PREFECT_WORKER_PREFETCH_SECONDS": "1",
-            "PREFECT_LOGGING_LEVEL": "INFO",
-            # flows join the Ray started by this module: a driver joining a local cluster needs token mode
-            # to present the cluster's token (~/.ray/auth_token)
-            "RAY_AUTH_MODE": "token",
-        }
-    )
-    log = open(home / "server.log", "w")
-    proc = subprocess.Popen(
-        [PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-        env=env,
-        cwd=home,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            assert proc.poll() is None, (home / "server.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "the Prefect server did not become healthy in 180 s"
-            time.sleep(0.5)
-        with temporary_settings({PREFECT_API_URL: url}):
-            yield {"url": url, "env": env, "home": home}
-    finally:
-        _stop(proc)
-        log.close()
-
-
-@pytest.fixture(scope="module")
-def deployed(server, tmp_path_factory):
-    """`prefect work-pool create` + `prefect deploy --all` from prefect.yaml, and a process worker."""
-    env = server["env"]
-    created = _prefect(["work-pool", "create", POOL, "--type", "process"], env)
-    assert created.returncode == 0, created.stdout + created.stderr
-    deploy = _prefect(["--no-prompt", "deploy", "--all"], env)
-    assert deploy.returncode == 0, deploy.stdout[-3000:] + deploy.stderr[-3000:]
-    logdir = tmp_path_factory.mktemp("worker")
-    log = open(logdir / "worker.log", "w")
-    worker = subprocess.Popen(
-        [PREFECT, "worker", "start", "--pool", POOL, "--type", "process"],
-        env=env,
-        cwd=logdir,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    try:
-        yield {"worker_log": logdir / "worker.log"}
-    finally:
-        _stop(worker)
-        log.close()
+def deployed(server, prefect_deployed):
+    """The session's deployments and worker, with the server as this module's API."""
+    return prefect_deployed
 
 
 @pytest.fixture(scope="module")

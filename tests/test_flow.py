@@ -31,7 +31,6 @@ from mlflow.tracking import MlflowClient  # noqa: E402
 from prefect.client.orchestration import get_client  # noqa: E402
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId  # noqa: E402
 from prefect.states import Cancelling, StateType  # noqa: E402
-from prefect.testing.utilities import prefect_test_harness  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from flows.cli import main as cli_main  # noqa: E402
@@ -83,12 +82,6 @@ CONTRACT_PER_STEP = [
     "sync/latency_s",
     "version",
 ]
-
-
-@pytest.fixture(scope="module")
-def prefect_api():
-    with prefect_test_harness(server_startup_timeout=180):
-        yield
 
 
 @pytest.fixture(scope="module")

@@ -34,16 +34,18 @@ def raises(data_source, solution_str, ground_truth, extra_info=None):
 """
 
 
-def train(tmp_path: Path, name: str, functions: str, *extra: str) -> tuple[subprocess.CompletedProcess, object]:
-    # the user's PREFECT_HOME, as a real `atrlhf train` (a fresh one's database migrations can take longer
-    # than the temporary API's 120 s start-up limit on a loaded machine)
+def train(
+    api: dict, tmp_path: Path, name: str, functions: str, *extra: str
+) -> tuple[subprocess.CompletedProcess, object]:
+    """`atrlhf train` in a subprocess against the session's Prefect server (`api`: the prefect_server fixture;
+    the temporary API a run starts without one is covered in tests/test_signals.py)."""
     env = {
         **os.environ,
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "RAY_USAGE_STATS_ENABLED": "0",
         "PYTHONUNBUFFERED": "1",
+        "PREFECT_API_URL": api["url"],
     }
-    env.pop("PREFECT_API_URL", None)
     cmd = [
         ATRLHF,
         "train",
@@ -80,7 +82,7 @@ def train(tmp_path: Path, name: str, functions: str, *extra: str) -> tuple[subpr
     return out, (client, run)
 
 
-def test_trl_and_verl_examples_and_a_timeout_through_atrlhf_train(tmp_path):
+def test_trl_and_verl_examples_and_a_timeout_through_atrlhf_train(prefect_server, tmp_path):
     (tmp_path / "helpers.py").write_text(HELPERS)
     functions = (
         "[{path: examples/rewards/trl_style.py, name: last_number_matches, weight: 0.5}, "
@@ -88,7 +90,12 @@ def test_trl_and_verl_examples_and_a_timeout_through_atrlhf_train(tmp_path):
         f"{{path: {tmp_path / 'helpers.py'}, name: sleeps, weight: 1.0}}]"
     )
     out, (client, run) = train(
-        tmp_path, "functions", functions, "reward.function_timeout_s=0.5", "reward.max_consecutive_failures=1000"
+        prefect_server,
+        tmp_path,
+        "functions",
+        functions,
+        "reward.function_timeout_s=0.5",
+        "reward.max_consecutive_failures=1000",
     )
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     assert run.info.status == "FINISHED"
@@ -120,9 +127,10 @@ def test_trl_and_verl_examples_and_a_timeout_through_atrlhf_train(tmp_path):
     assert "timed out after 0.5 s (reward.function_timeout_s)" in out.stdout + out.stderr
 
 
-def test_a_raising_function_stops_the_run_with_its_error(tmp_path):
+def test_a_raising_function_stops_the_run_with_its_error(prefect_server, tmp_path):
     (tmp_path / "helpers.py").write_text(HELPERS)
     out, (_, run) = train(
+        prefect_server,
         tmp_path,
         "raising",
         f"[{{path: {tmp_path / 'helpers.py'}, name: raises}}]",

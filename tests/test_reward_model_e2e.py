@@ -23,9 +23,8 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_atrlhf_train_with_a_reward_model_logs_it_to_mlflow(tmp_path, tiny_reward_model_dir):
+def test_atrlhf_train_with_a_reward_model_logs_it_to_mlflow(prefect_api, tmp_path, tiny_reward_model_dir):
     from mlflow.tracking import MlflowClient
-    from prefect.testing.utilities import prefect_test_harness
 
     from flows.cli import main as cli_main
 
@@ -55,8 +54,7 @@ def test_atrlhf_train_with_a_reward_model_logs_it_to_mlflow(tmp_path, tiny_rewar
         "reward.model.weight=0.5",
         "reward.model.batch_size=8",
     ]
-    with prefect_test_harness(server_startup_timeout=600):
-        assert cli_main(args) == 0
+    assert cli_main(args) == 0
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     (run,) = [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])]
     assert run.info.status == "FINISHED"
