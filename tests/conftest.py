@@ -228,7 +228,9 @@ def prefect_api(prefect_server):
         stack.enter_context(temporary_settings({PREFECT_API_URL: prefect_server["url"]}))
         # also as the process-global settings context, as prefect_test_harness does: a flow run in a thread
         # (the cancel tests) starts from that, not from this thread's context
-        stack.enter_context(prefect.context._temporary_global_settings_context(prefect.context.get_settings_context()))
+        global_context = getattr(prefect.context, "_temporary_global_settings_context", None)  # private in 3.x
+        if global_context is not None:
+            stack.enter_context(global_context(prefect.context.get_settings_context()))
         yield prefect_server
 
 
