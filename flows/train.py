@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -127,16 +129,25 @@ class RunState:
         return {"eval_start": self.eval_start, "mlflow_run_id": self.tracker.run_id}
 
 
+class _StopCleanup(KeyboardInterrupt):
+    """Signals kept coming during cleanup (RunResources.FORCE_AFTER of them): stop waiting for it."""
+
+
 class RunResources:
     """The flow's one cleanup mechanism: the runtime and the MLflow run it started are released when the
     flow body leaves, however it leaves, including what a task acquired for this flow run but had not handed
     over yet when a signal landed (`tasks.held`). The MLflow status is written first (one quick write): a
     worker kills the process if teardown outlasts its grace period.
 
-    Every cleanup step runs to completion even when a signal lands in the middle of cleanup: a terminal's
-    Ctrl-C reaches the whole process group, so the flow may be leaving on an error that the same signal
-    caused elsewhere (a child that died of it) with the interrupt still pending. A signal that lands before
-    the MLflow run is ended makes it KILLED, and the interrupt is raised again once everything is released."""
+    Cleanup runs to completion even when a signal lands in the middle of it: a terminal's Ctrl-C reaches the
+    whole process group, so the flow may be leaving on an error that the same signal caused elsewhere (a child
+    that died of it) with the interrupt still pending. While cleanup runs (in the main thread) SIGINT and
+    SIGTERM are recorded instead of raised; a third one stops waiting and raises at once. A signal that lands
+    before the MLflow run is ended makes it KILLED. When the body left on an error, a recorded signal is then
+    delivered to the handler it would have reached (the CLI exits 130; under a worker, Prefect's SIGTERM
+    handling); when the body returned (finished, or cancelled) the run's own outcome stands."""
+
+    FORCE_AFTER = 3  # signals during cleanup: this many stop waiting for it
 
     def __init__(self, logger, flow_run_id: str = ""):
         self.logger = logger
@@ -152,12 +163,24 @@ class RunResources:
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         interrupt = (KeyboardInterrupt, TerminationSignal, SystemExit)
-        if exc_type is not None and issubclass(exc_type, interrupt):
+        left_on_error = exc_type is not None and not issubclass(exc_type, interrupt)
+        if exc_type is not None and not left_on_error:
             self.status = "KILLED"
+        elif left_on_error:
+            self.status = "FAILED"
+        with self._signals_deferred() as pending:
+            self._release(exc_type, exc)
+        if left_on_error and pending:  # as if it had arrived now: the handler it would have reached raises
+            signal.raise_signal(pending[0])
+        elif left_on_error and self.interrupted:  # an interrupt raised in a cleanup step (not a signal)
+            raise KeyboardInterrupt("interrupted while the run was ending") from exc
+        return False
+
+    def _release(self, exc_type, exc) -> None:
+        if self.status == "KILLED":
             message = "interrupted: tearing down the runtime and ending the MLflow run as KILLED"
             self._shielded(lambda: self.logger.warning(message), "logging")
         elif exc_type is not None:
-            self.status = "FAILED"
             self._shielded(lambda: self.logger.error("run failed: %s: %s", exc_type.__name__, exc), "logging")
         trackers = [self.tracker] if self.tracker is not None else []
         runtimes = [self.runtime] if self.runtime is not None else []
@@ -171,30 +194,55 @@ class RunResources:
                     "tagging the MLflow run with the error",
                 )
             self._shielded(functools.partial(self._end_tracker, tracker), "ending the MLflow run")
+            if self.flow_run_id:  # released even if ending it failed: the registry does not grow in a sweep
+                held_resources.release(self.flow_run_id, "tracker", tracker)
         for runtime in runtimes:  # teardown is idempotent: a no-op after the teardown task
             self._shielded(runtime.teardown, "teardown")
             if self.flow_run_id:
                 held_resources.release(self.flow_run_id, "runtime", runtime)
         if self.run_dir is not None:
             self._shielded(self.run_dir.release, "releasing the run directory")
-        if self.interrupted and self.status != "FINISHED" and not (exc_type and issubclass(exc_type, interrupt)):
-            raise KeyboardInterrupt("interrupted while the run was ending") from exc
-        return False
+
+    @contextlib.contextmanager
+    def _signals_deferred(self):
+        """SIGINT / SIGTERM recorded (yielded list of signal numbers) instead of raised, in the main thread;
+        the previous handlers are back on exit. The FORCE_AFTER-th signal raises KeyboardInterrupt at once."""
+        pending: list[int] = []
+        if threading.current_thread() is not threading.main_thread():
+            yield pending  # signals reach only the main thread
+            return
+
+        def record(signum, frame):
+            pending.append(signum)
+            self.interrupted = True
+            if len(pending) >= self.FORCE_AFTER:
+                raise _StopCleanup(f"{len(pending)} signals during cleanup: stopped waiting for it")
+
+        previous = {}
+        try:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                previous[sig] = signal.signal(sig, record)
+            yield pending
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
     def _end_tracker(self, tracker: MlflowTracker) -> None:
         tracker.end("KILLED" if self.interrupted and self.status != "FINISHED" else self.status)
 
     def _shielded(self, fn, what: str, attempts: int = 3) -> None:
-        """Run a cleanup step to completion even if a signal (Ctrl-C, a worker's SIGTERM) lands in it; a
-        failing step is logged and the next one runs."""
+        """Run a cleanup step to completion even if an interrupt is raised in it; a failing step is logged and
+        the next one runs."""
         for _ in range(attempts):
             try:
                 fn()
                 return
+            except _StopCleanup:
+                raise
             except (KeyboardInterrupt, TerminationSignal, SystemExit):
                 self.interrupted = True
                 with contextlib.suppress(BaseException):
-                    self.logger.warning("%s interrupted by a signal; finishing it", what)
+                    self.logger.warning("%s interrupted; finishing it", what)
             except Exception as exc:
                 with contextlib.suppress(BaseException):
                     self.logger.error("%s failed: %s: %s", what, type(exc).__name__, exc)

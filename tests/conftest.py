@@ -212,6 +212,9 @@ def prefect_server(tmp_path_factory):
             time.sleep(0.5)
         yield {"url": url, "env": env, "home": home}
     finally:
+        from flows.local_api import _drain_prefect_workers
+
+        _drain_prefect_workers()  # send what Prefect still holds while the server answers, not at exit
         _stop(proc)
         log.close()
 

@@ -12,7 +12,13 @@ import copy
 import pytest
 from mlflow.tracking import MlflowClient
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowRunFilterParentFlowRunId
+from prefect.client.schemas.filters import (
+    ArtifactFilter,
+    ArtifactFilterFlowRunId,
+    FlowRunFilter,
+    FlowRunFilterId,
+    FlowRunFilterParentFlowRunId,
+)
 from prefect.deployments import run_deployment
 from prefect.states import StateType
 from test_deployment import SMALL, deployed, server, wait_final, work  # noqa: F401 - fixtures
@@ -52,7 +58,12 @@ def test_sweep_deployment_run_by_a_worker(deployed, work):  # noqa: F811 - fixtu
         children = client.read_flow_runs(
             flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run.id]))
         )
-        artifacts = {a.key for a in client.read_artifacts() if a.flow_run_id == flow_run.id}
+        artifacts = {
+            a.key
+            for a in client.read_artifacts(
+                artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run.id]))
+            )
+        }
     assert len(point_tasks) == 2
     assert sorted(c.name.split("/", 1)[1] for c in children) == [
         "runtime.max_staleness=1,seed=0",

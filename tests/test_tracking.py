@@ -204,3 +204,75 @@ def test_a_signal_during_failure_cleanup_still_ends_everything_and_is_raised_aga
             raise RuntimeError("a rollout worker died")
     assert isinstance(raised.value.__cause__, RuntimeError)
     assert _status(tracker) == "KILLED"
+
+
+class _SignalsItself:
+    """A logger whose error / warning sends this process `count` SIGINTs the first time it is called."""
+
+    def __init__(self, count: int = 1):
+        self.count, self.calls = count, 0
+
+    def error(self, *args):
+        import os
+        import signal
+
+        self.calls += 1
+        if self.calls == 1:
+            for _ in range(self.count):
+                os.kill(os.getpid(), signal.SIGINT)
+
+    warning = error
+
+
+def test_a_real_signal_during_failure_cleanup_is_held_until_cleanup_is_done(store):
+    """SIGINT while cleanup runs: it is recorded, not raised, so no step is cut short; the run ends KILLED;
+    then it reaches the handler it would have reached (Python's: KeyboardInterrupt), which is back in place."""
+    import signal
+
+    from flows.train import RunResources
+
+    before = signal.getsignal(signal.SIGINT)
+    tracker = MlflowTracker.start(tracking_cfg(store, "real-signal"), flow_run_id="flow-d")
+    resources = RunResources(_SignalsItself(), "flow-d")
+    resources.tracker = tracker
+    with pytest.raises(KeyboardInterrupt):
+        with resources:
+            raise RuntimeError("a rollout worker died")
+    assert _status(tracker) == "KILLED"
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_a_signal_while_a_finished_run_cleans_up_leaves_it_finished(store):
+    from flows.train import RunResources
+
+    tracker = MlflowTracker.start(tracking_cfg(store, "finished-signal"), flow_run_id="flow-e")
+
+    resources = RunResources(_SignalsItself(), "flow-e")
+    resources.tracker = tracker
+    original_end = tracker.end
+
+    def end_with_a_signal(status):
+        resources.logger.error("ending")  # sends SIGINT while the run is being ended
+        original_end(status)
+
+    tracker.end = end_with_a_signal
+    with resources:
+        resources.status = "FINISHED"
+    assert _status(tracker) == "FINISHED"  # the work finished; the signal came after it
+
+
+def test_signals_that_keep_coming_stop_the_cleanup(store):
+    """A third signal during cleanup stops waiting for it (a hung teardown can still be left with Ctrl-C)."""
+    import signal
+
+    from flows.train import RunResources
+
+    before = signal.getsignal(signal.SIGINT)
+    tracker = MlflowTracker.start(tracking_cfg(store, "forced"), flow_run_id="flow-f")
+    resources = RunResources(_SignalsItself(count=RunResources.FORCE_AFTER), "flow-f")
+    resources.tracker = tracker
+    with pytest.raises(KeyboardInterrupt, match="stopped waiting"):
+        with resources:
+            raise RuntimeError("a rollout worker died")
+    assert signal.getsignal(signal.SIGINT) is before
+    tracker.end("KILLED")
