@@ -177,7 +177,7 @@ class RunResources:
         return False
 
     def _release(self, exc_type, exc) -> None:
-        if self.status == "KILLED":
+        if exc_type is not None and self.status == "KILLED":  # (a cancelled body returned: no exception)
             message = "interrupted: tearing down the runtime and ending the MLflow run as KILLED"
             self._shielded(lambda: self.logger.warning(message), "logging")
         elif exc_type is not None:
