@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 # Set before transformers / ray / prefect are imported anywhere in the test session.
@@ -133,10 +130,11 @@ PREFECT = str(Path(sys.executable).with_name("prefect"))
 POOL = "atrlhf-local"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _start_in_session(cmd: list[str], env: dict, cwd: Path, log_path: Path):
+    """A `prefect` command in its own session (so `_stop` can signal its whole group), output to log_path.
+    Returns (process, the open log file)."""
+    log = open(log_path, "w")
+    return subprocess.Popen(cmd, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True), log
 
 
 def _stop(proc: subprocess.Popen, grace_s: float = 15) -> None:
@@ -171,6 +169,8 @@ def prefect_server(tmp_path_factory):
     (database migrations) costs 15-30 s on this machine, once instead of once per module. Tests that need an
     API take `prefect_api` (this server as the test process's API for a module) or pass `env` to the commands
     they start. Each test filters what it reads by its own flow run, deployment or run directory."""
+    from flows.local_api import _free_port, _wait_healthy
+
     home = tmp_path_factory.mktemp("prefect_home")
     port = _free_port()
     url = f"http://127.0.0.1:{port}/api"
@@ -189,27 +189,14 @@ def prefect_server(tmp_path_factory):
             "RAY_AUTH_MODE": "token",
         }
     )
-    log = open(home / "server.log", "w")
-    proc = subprocess.Popen(
-        [PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-        env=env,
-        cwd=home,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
+    proc, log = _start_in_session(
+        [PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)], env, home, home / "server.log"
     )
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            assert proc.poll() is None, (home / "server.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "the Prefect server did not become healthy in 300 s"
-            time.sleep(0.5)
+        try:  # healthy within 300 s, the process alive meanwhile (the CLI's temporary API uses the same wait)
+            _wait_healthy(url, proc, 300)
+        except RuntimeError as exc:
+            raise AssertionError(f"{exc}\n{(home / 'server.log').read_text()[-3000:]}") from None
         yield {"url": url, "env": env, "home": home}
     finally:
         from flows.local_api import _drain_prefect_workers
@@ -247,14 +234,8 @@ def prefect_deployed(prefect_server, tmp_path_factory):
     deploy = _prefect(["--no-prompt", "deploy", "--all"], env)
     assert deploy.returncode == 0, deploy.stdout[-3000:] + deploy.stderr[-3000:]
     logdir = tmp_path_factory.mktemp("worker")
-    log = open(logdir / "worker.log", "w")
-    worker = subprocess.Popen(
-        [PREFECT, "worker", "start", "--pool", POOL, "--type", "process"],
-        env=env,
-        cwd=logdir,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
+    worker, log = _start_in_session(
+        [PREFECT, "worker", "start", "--pool", POOL, "--type", "process"], env, logdir, logdir / "worker.log"
     )
     try:
         yield {"worker_log": logdir / "worker.log"}
