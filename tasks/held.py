@@ -24,12 +24,13 @@ def hold(flow_run_id: str, kind: str, obj: Any) -> None:
 
 def release(flow_run_id: str, kind: str, obj: Any) -> None:
     """Forget `obj` (it was ended, or the flow's cleanup took it over)."""
+    key = (str(flow_run_id), kind)
     with _lock:
-        objs = _held.get((str(flow_run_id), kind), [])
-        if any(o is obj for o in objs):
-            objs[:] = [o for o in objs if o is not obj]
-        if not objs:
-            _held.pop((str(flow_run_id), kind), None)
+        objs = [o for o in _held.get(key, []) if o is not obj]
+        if objs:
+            _held[key] = objs
+        else:
+            _held.pop(key, None)
 
 
 def held(flow_run_id: str, kind: str) -> list[Any]:
