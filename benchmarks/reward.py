@@ -25,12 +25,15 @@ removed, compared with the answer; the whole text as one such number; an answer 
 as a whole number / word; '####' in the text). Data: random tokens of that vocabulary, then '#### <answer>'
 written in a random form ('72', '$72', '72.', '7.0', '1,000') and a random tokenization (the encoder's, byte
 by byte, marker split '##' '##'), a wrong number in a quarter of the rows, then <|im_end|> and padding.
+The packed answers are prepared once (`ComposedReward.prepare`, on the host), as the rollout worker prepares
+each prompt batch; the scores with and without that step must be equal (checked).
 Agreement with decode + regex is reported per component. Timing: the repeats of ours and of decode + regex
 are interleaved in one process, each timed by wall clock and by the thread's CPU time (time.thread_time:
 what a loaded, shared machine does not inflate as much); the ratio of the medians of each is reported.
-`text_fresh_patterns_ms`: answer_after_marker with new PackedPatterns for every call (as training packs them
-per rollout batch, so the answers' text is not reused from the previous call). `--stages` also prints the
-CPU time of each stage (the one pass over the tokens, the answers' text, each component's own work).
+`text_fresh_patterns_ms`: answer_after_marker with new PackedPatterns for every call, prepared in the call (as
+training packs them per rollout batch, so the answers' text is not reused from the previous call). `--stages`
+also prints the CPU time of each stage (the one pass over the tokens, the host's prepare, the answers' text,
+each component's own work).
 
 --functions times the cost per 1,000 samples of scoring the --text GSM8K batch (B=256, L=256) with Python
 reward functions as a rollout worker does (`PythonFunctionRewards.score`: trim at the first stop, decode,
@@ -268,9 +271,11 @@ def stage_times(reward, ids, patterns, repeats: int) -> dict:
     vb, _ = tm.on(ids.device)
     rows = tm.rows(ids, reward.stop_token_ids)
     ans = tm.answers(ids, p)
+    hints = (p.text_hints or {}).get(tm.token)
     stages = {
         "scan (one pass: codes, first stop)": lambda: tm.rows(ids, reward.stop_token_ids),
-        "answers' text (fresh patterns)": lambda: answer_text(vb, p.tokens, p.lengths),
+        "prepare (host, per prompt batch)": lambda: reward.prepare(type(p)(p.tokens, p.lengths)),
+        "answers' text (fresh patterns)": lambda: answer_text(vb, p.tokens, p.lengths, hints=hints),
         "answer_after_marker (after scan)": lambda: tm.answer_after_marker(rows, ans),
         "exact_match (after scan)": lambda: tm.exact_match(rows, ans),
         "contains (after scan)": lambda: tm.contains(rows, ans),
@@ -305,7 +310,9 @@ def run_text(quick: bool, stages: bool = False) -> list[dict]:
     results = []
     for B, L in [(64, 256), (256, 1024)]:
         ids, answers = make_gsm8k_batch(tokenizer, B, L, seed=B + L)
-        patterns = patterns_from_texts(tokenizer, answers)  # once per prompt batch, as the data layer does
+        packed = patterns_from_texts(tokenizer, answers)  # once per prompt batch, as the data layer does
+        # and prepared on the host once per prompt batch, as the rollout worker does (ComposedReward.prepare)
+        prepared = {name: rewards[name].prepare(packed) for name in COMPONENTS}
         regexes = contains_regexes(answers)
         baselines = {
             "answer_after_marker": lambda: decode_gsm8k_reward(ids, answers, tokenizer, stops),
@@ -314,18 +321,21 @@ def run_text(quick: bool, stages: bool = False) -> list[dict]:
             "format": lambda: decode_format_reward(ids, tokenizer, stops),
         }
         # training packs fresh patterns for every rollout batch: the answers' text is not cached across calls
-        fresh = [type(patterns)(patterns.tokens.clone(), patterns.lengths.clone()) for _ in range(repeats + 2)]
+        fresh = [type(packed)(packed.tokens.clone(), packed.lengths.clone()) for _ in range(repeats + 2)]
         fresh_iter = iter(fresh * 2)
+        aam = rewards["answer_after_marker"]
         fns = {}
         for name in COMPONENTS:
-            fns[name] = (lambda f: lambda: f(ids, patterns))(rewards[name])
+            fns[name] = (lambda f, p: lambda: f(ids, p))(rewards[name], prepared[name])
             fns[name + "_decode_regex"] = baselines[name]
-        fns["answer_after_marker_fresh_patterns"] = lambda: rewards["answer_after_marker"](ids, next(fresh_iter))
+        fns["answer_after_marker_fresh_patterns"] = lambda: aam(ids, aam.prepare(next(fresh_iter)))
         times = interleaved(fns, repeats, budget)
         med = {name: {k: statistics.median(v) for k, v in t.items()} for name, t in times.items()}
         row = {"B": B, "L": L, "vocab_size": len(tokenizer), "repeats": len(times["format"]["cpu"]), "components": {}}
         for name in COMPONENTS:
-            ours = rewards[name](ids, patterns)[0]
+            ours = rewards[name](ids, prepared[name])[0]
+            unprepared = rewards[name](ids, packed)[0]  # the static window bounds: the same scores
+            assert torch.equal(ours, unprepared), f"{name}: prepared and unprepared patterns disagree"
             base = baselines[name]()
             row["components"][name] = {
                 "match_rate": float(ours.mean()),
@@ -340,7 +350,7 @@ def run_text(quick: bool, stages: bool = False) -> list[dict]:
         row["text_fresh_patterns_ms"] = med["answer_after_marker_fresh_patterns"]["wall"]
         row["text_fresh_patterns_cpu_ms"] = med["answer_after_marker_fresh_patterns"]["cpu"]
         if stages:
-            row["stages_cpu_ms"] = stage_times(rewards["answer_after_marker"], ids, patterns, repeats)
+            row["stages_cpu_ms"] = stage_times(aam, ids, prepared["answer_after_marker"], repeats)
         results.append(row)
     return results
 

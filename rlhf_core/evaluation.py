@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 
 from rlhf_core.data import Prompt, collate_prompts
+from rlhf_core.reward.components import prepare_patterns
 from rlhf_core.rollout import SamplingParams
 
 # Reward components that say whether the answer is right, in order of preference, for eval/accuracy.
@@ -101,14 +102,15 @@ def evaluate(
     for s in range(0, len(prompts), batch_size):
         pb = collate_prompts(prompts[s : s + batch_size], pad_token_id, max_prompt_tokens)
         batch = engine.generate(pb, 1, greedy)
-        total, components = reward_fn(batch.response_ids, pb.patterns.to(batch.response_ids.device))
+        prepared = prepare_patterns(reward_fn, pb.patterns)  # on the host, once per prompt batch
+        total, components = reward_fn(batch.response_ids, prepared.to(batch.response_ids.device))
         correct += float(accuracy_from_components(total, components).sum())
         reward_sum += float(total.sum())
         n += len(pb)
         if n_samples:
             with _own_random_stream(engine, seed + s):
                 batch = engine.generate(pb, n_samples, sampled)  # rows grouped by prompt: [P * n]
-            patterns = pb.patterns.to(batch.response_ids.device).repeat_interleave(n_samples)
+            patterns = prepared.to(batch.response_ids.device).repeat_interleave(n_samples)
             total, components = reward_fn(batch.response_ids, patterns)
             per_prompt.append(accuracy_from_components(total, components).view(len(pb), n_samples).sum(1).cpu())
     result = {"eval/accuracy": correct / max(1, n), "eval/reward_mean": reward_sum / max(1, n)}

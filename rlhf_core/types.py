@@ -18,16 +18,21 @@ class PackedPatterns:
 
     tokens:  LongTensor [N, K, Q] pattern token ids, padded with any value past `lengths`.
     lengths: LongTensor [N, K] number of valid tokens of each alternative; 0 = no such alternative.
+    text_hints: what a text-matching reward read of the answers on the host when they were packed
+             (`ComposedReward.prepare`); kept by `to` and `repeat_interleave`. None: nothing read.
     """
 
     tokens: torch.Tensor
     lengths: torch.Tensor
+    text_hints: Optional[dict] = None  # host facts of the answers' text, by reward (`ComposedReward.prepare`)
 
     def to(self, device: torch.device | str) -> PackedPatterns:
-        return PackedPatterns(self.tokens.to(device), self.lengths.to(device))
+        return PackedPatterns(self.tokens.to(device), self.lengths.to(device), self.text_hints)
 
     def repeat_interleave(self, repeats: int) -> PackedPatterns:
-        return PackedPatterns(self.tokens.repeat_interleave(repeats, 0), self.lengths.repeat_interleave(repeats, 0))
+        return PackedPatterns(
+            self.tokens.repeat_interleave(repeats, 0), self.lengths.repeat_interleave(repeats, 0), self.text_hints
+        )
 
     def __len__(self) -> int:
         return self.tokens.shape[0]

@@ -139,9 +139,15 @@ def tokenizations(tokenizer, text: str) -> dict[str, list[int]]:
 
 
 def score(reward, tokenizer, rows: list[list[int]], answers: list[str], stop: int) -> dict:
+    """The components' scores, with the answers prepared on the host (as the rollout worker does); they must
+    equal the scores of the unprepared patterns (the static window bounds)."""
     L = max(len(r) for r in rows) + 1
     batch = torch.tensor([r + [stop] + [tokenizer.pad_token_id] * (L - len(r) - 1) for r in rows])
-    return reward(batch, patterns_from_texts(tokenizer, answers))[1]
+    packed = patterns_from_texts(tokenizer, answers)
+    parts = reward(batch, reward.prepare(packed))[1]
+    unprepared = reward(batch, packed)[1]
+    assert {k: v.tolist() for k, v in parts.items()} == {k: v.tolist() for k, v in unprepared.items()}
+    return parts
 
 
 def word_level_tokenizer():
@@ -313,6 +319,35 @@ def test_text_reward_makes_no_host_round_trip(bpe_tok):
     with ForbidHostSync():
         reward(batch, patterns)
         reward(batch, fresh)
+
+
+def test_prepared_patterns_carry_the_answers_width_on_the_host(bpe_tok):
+    """prepare reads, on the host, the byte width of the longest alternative and whether any is a number / a
+    text; to() and repeat_interleave keep it; another reward's hints are not used; scoring stays sync-free."""
+    from rlhf_core.reward.text import ANSWER_MAX_BYTES
+
+    cfg = RewardConfig(components=ALL, format_sequences=["####"])
+    reward = build_reward_fn(cfg, bpe_tok, [bpe_tok.eos_token_id], 64)
+    other = build_reward_fn(cfg, bpe_tok, [bpe_tok.eos_token_id], 64)
+    numbers = reward.prepare(patterns_from_texts(bpe_tok, ["72", "1,000"]))
+    hints = numbers.text_hints[reward.text.token]
+    assert (hints.width, hints.any_num, hints.any_text) == (len(" 1,000"), True, False)
+    mixed = reward.prepare(patterns_from_texts(bpe_tok, ["Paris", "x" * (ANSWER_MAX_BYTES + 5)]))
+    hints = mixed.text_hints[reward.text.token]
+    assert (hints.width, hints.any_num, hints.any_text) == (ANSWER_MAX_BYTES, False, True)
+    moved = numbers.to("cpu").repeat_interleave(3)
+    assert moved.text_hints == numbers.text_hints and moved.tokens.shape[0] == 6
+    texts = ["so #### 72", "72", "#### 71", "#### 1000.", "1,000", "the 100 apples"]  # answers 72 x 3, 1,000 x 3
+    encoded = [bpe_tok.encode(t, add_special_tokens=False) for t in texts]
+    batch = torch.tensor([r + [bpe_tok.eos_token_id] * (12 - len(r)) for r in encoded])
+    with ForbidHostSync():
+        _, parts = reward(batch, moved)
+        _, unprepared = other(batch, moved)  # hints of another reward: the static bounds
+    assert other.text.answers(batch, moved).width > reward.text.answers(batch, moved).width == len(" 1,000")
+    assert {k: v.tolist() for k, v in parts.items()} == {k: v.tolist() for k, v in unprepared.items()}
+    assert parts["answer_after_marker"].tolist() == [1.0, 0.0, 0.0, 1.0, 0.0, 0.0]
+    assert parts["exact_match"].tolist() == [0.0, 1.0, 0.0, 0.0, 1.0, 0.0]
+    assert parts["contains"].tolist() == [1.0, 1.0, 0.0, 1.0, 1.0, 0.0]
 
 
 def test_token_mode_keeps_the_old_semantics(bpe_tok):

@@ -24,6 +24,7 @@ from rlhf_core.reward.components import (
     format_reward,
     length_penalty,
     pack_shared,
+    prepare_patterns,
 )
 from rlhf_core.reward.scoring import Scorer, score_responses  # noqa: F401  (score by hand, as training does)
 from rlhf_core.reward.tensor_native import pack_patterns, tensor_native_reward, valid_lengths, window_matches
@@ -42,6 +43,7 @@ __all__ = [
     "pack_patterns",
     "pack_shared",
     "patterns_from_texts",
+    "prepare_patterns",
     "tensor_native_reward",
     "text_variants",
     "valid_lengths",

@@ -312,6 +312,17 @@ class ComposedReward:
                 parts[name] = self.component(name, other_ids, patterns)
         return parts
 
+    def prepare(self, patterns: PatternsLike) -> PackedPatterns:
+        """The packed patterns, with what the text components read of the answers on the host attached (their
+        byte width, whether any is a number / a text): call where patterns are packed, once per prompt batch,
+        before they go to the device. Prepared answers are read in windows as wide as the longest answer (plus
+        ANSWER_WINDOW_BYTES), unprepared ones up to a static bound: scores differ only where more than that
+        many bytes lie between the marker and the number (docs/rewards.md)."""
+        packed = pack_patterns(patterns)
+        if self.text is None or not {"exact_match", "contains", "answer_after_marker"} & set(self.weights):
+            return packed
+        return self.text.prepare(packed)
+
     def __call__(
         self, response_ids: torch.Tensor, patterns: PatternsLike
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -325,6 +336,12 @@ class ComposedReward:
         for name, weight in self.weights.items():
             total = total + weight * parts[name]
         return total, parts
+
+
+def prepare_patterns(reward_fn, patterns: PackedPatterns) -> PackedPatterns:
+    """`reward_fn.prepare(patterns)` where the reward has one (a `ComposedReward`), else the patterns as they are."""
+    prepare = getattr(reward_fn, "prepare", None)
+    return prepare(patterns) if prepare is not None else patterns
 
 
 def build_reward_fn(

@@ -68,6 +68,7 @@ class Scorer:
         where: a label per row for error messages (e.g. 'file.jsonl:3'); default 'row i'.
         """
         from rlhf_core.data import DatasetError, Prompt, answer_patterns, collate_prompts, prepare_answer
+        from rlhf_core.reward.components import prepare_patterns
 
         if len(response_ids) != len(answers):
             raise ValueError(f"{len(response_ids)} responses but {len(answers)} answers: give one answer per response")
@@ -96,7 +97,7 @@ class Scorer:
             responses = torch.full((len(idx), width), pad, dtype=torch.long)
             for j, i in enumerate(idx):
                 responses[j, : len(rows[i])] = torch.tensor(rows[i], dtype=torch.long)
-            patterns = collate_prompts([prompts[i] for i in idx], pad).patterns
+            patterns = prepare_patterns(self.reward, collate_prompts([prompts[i] for i in idx], pad).patterns)
             total, parts = self.reward(responses, patterns)
             for name, values in [("total", total), *parts.items()]:
                 for j, v in zip(idx, values.tolist()):

@@ -29,16 +29,19 @@ last byte is common, see FORMAT_WINDOW_MAX); contains looks up one more per-toke
 the token's first byte) and converts short windows around the last `CONTAINS_WINDOWS` candidates. Lookups
 use `index_select` on tables indexed by id + 1 (entry 0: ids outside the vocabulary), faster than `take` on
 CPU. The answers' text is computed once per PackedPatterns object (cached while the same tensors are passed
-again).
+again), in windows as wide as the batch's longest answer when the host prepared the patterns
+(`TextMatcher.prepare`: AnswerHints read where they are packed, so the device never syncs for them), else
+as wide as a static bound.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import threading
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -461,6 +464,17 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.unsqueeze(1) == b).all(dim=-1)
 
 
+@dataclass(frozen=True)
+class AnswerHints:
+    """What the host knows of a batch's answer alternatives when it packs them (`TextMatcher.prepare`), so that
+    the device needs no sync for it: the bytes of the longest alternative (as `tokens_to_bytes` writes them; an
+    alternative longer than ANSWER_MAX_BYTES counts as that), and whether any alternative is a number / a text."""
+
+    width: int
+    any_num: bool
+    any_text: bool
+
+
 @dataclass
 class AnswerText:
     """The answer alternatives of a batch as text, made from the packed token patterns on the device.
@@ -479,6 +493,8 @@ class AnswerText:
     word_mask: torch.Tensor | None = None  # int64 [N, K, Wc / 8]: 0xFF on lit's bytes, 0 past lit_len
     lit_words: torch.Tensor | None = None  # int64 [N, K, ceil(Wa / 8)]: all of lit as int64 words
     lit_mask: torch.Tensor | None = None  # int64, the same shape: 0xFF on lit's bytes, 0 past lit_len
+    any_num: bool | None = None  # whether any alternative is a number / a text (None: unknown, on a device)
+    any_text: bool | None = None
 
     @property
     def width(self) -> int:
@@ -486,12 +502,20 @@ class AnswerText:
 
 
 def answer_text(
-    vb: VocabBytes, tokens: torch.Tensor, lengths: torch.Tensor, max_bytes: int = ANSWER_MAX_BYTES
+    vb: VocabBytes,
+    tokens: torch.Tensor,
+    lengths: torch.Tensor,
+    max_bytes: int = ANSWER_MAX_BYTES,
+    hints: AnswerHints | None = None,
 ) -> AnswerText:
     """AnswerText of PackedPatterns (tokens [N, K, Q], lengths [N, K]); an alternative of more than `max_bytes`
-    bytes is dropped (length 0: it never matches)."""
+    bytes is dropped (length 0: it never matches). hints (`TextMatcher.prepare`, read on the host when the
+    patterns were packed): the exact byte width of the alternatives, and whether any is a number / a text;
+    without them the width is the static bound Q * the longest token and both kinds are matched."""
     N, K, Q = tokens.shape
     width = max(1, min(Q * max(vb.max_len, 1), max_bytes))
+    if hints is not None:
+        width = max(1, min(width, hints.width))
     b, b_len = tokens_to_bytes(vb, tokens.reshape(N * K, Q), lengths.reshape(N * K), None, width + 1)
     fits = b_len <= width
     x = b[:, : width + 1] * fits.unsqueeze(1)  # column `width` is 0 where it fits
@@ -513,16 +537,19 @@ def answer_text(
         first_mask = first_mask | first[:, k]
     words, mask = _as_words(lit, lit_len, min(width, CONTAINS_MAX_BYTES))
     lit_words, lit_mask = _as_words(lit, lit_len, width)
+    is_num = is_num.reshape(N, K)
     return AnswerText(
         lit,
         lit_len,
         canon.reshape(N, K, canon.shape[1]),
-        is_num.reshape(N, K),
+        is_num,
         first_mask,
         words,
         mask,
         lit_words,
         lit_mask,
+        any_num=hints.any_num if hints is not None else None,
+        any_text=hints.any_text if hints is not None else None,
     )
 
 
@@ -546,9 +573,17 @@ def _matches_answer(x: torch.Tensor, n: torch.Tensor, ans: AnswerText, whole: bo
     """
     N, W = x.shape
     cls = _at(_consts(x.device)[0], x)
-    canon, is_number, rest = _numbers(x, cls)
-    num_hit = _same(canon, ans.canon) & (is_number.unsqueeze(1) & ans.is_num)
     pos = torch.arange(W, device=x.device)
+    hit = torch.zeros(N, dtype=torch.bool, device=x.device)
+    if ans.any_num is not False:  # None: not known on the host
+        canon, is_number, rest = _numbers(x, cls)
+        num_hit = _same(canon, ans.canon) & (is_number.unsqueeze(1) & ans.is_num)
+        if whole:
+            tail = ((cls & _NOT_SPACE) > 0) & (pos >= rest.unsqueeze(1)) & (pos < n.unsqueeze(1))
+            num_hit &= ~tail.any(dim=1).unsqueeze(1)
+        hit = num_hit.any(dim=1)
+    if ans.any_text is False:
+        return hit
     lead = (cls & _NOT_SPACE).argmax(dim=1, keepdim=True)  # first non-space (the sentinel when none)
     Wa = min(ans.width, W)
     W8 = ans.lit_words.shape[2] * 8  # >= Wa; compared as int64 words of 8 bytes, lit's bytes only
@@ -558,15 +593,13 @@ def _matches_answer(x: torch.Tensor, n: torch.Tensor, ans: AnswerText, whole: bo
     lit_hit = same & (ans.lit_len > 0) & (ans.lit_len <= Wa) & ~ans.is_num
     lit_hit &= ans.lit_len <= (n.unsqueeze(1) - lead)
     if whole:
-        tail = ((cls & _NOT_SPACE) > 0) & (pos >= rest.unsqueeze(1)) & (pos < n.unsqueeze(1))
-        num_hit &= ~tail.any(dim=1).unsqueeze(1)
         last = torch.where(((cls & _NOT_SPACE) > 0) & (pos < n.unsqueeze(1)), pos, -1).amax(dim=1, keepdim=True)
         lit_hit &= ans.lit_len == (last + 1 - lead)
     else:
         after = x.gather(1, (lead + ans.lit_len.clamp(max=Wa)).clamp(max=W - 1))  # [N, K]: byte after the answer
         nxt = _at(_consts(x.device)[0], after)
         lit_hit &= (nxt & _C_ALNUM) == 0
-    return (num_hit | lit_hit).any(dim=1)
+    return hit | lit_hit.any(dim=1)
 
 
 def first_stop(is_stop: torch.Tensor) -> torch.Tensor:
@@ -899,19 +932,24 @@ def format_windows(
     for i, (next_state, first_end, last_end, m) in enumerate(automata):
         has = _format_blocks(codes, i, block) & live & (bstart + (block - 1) >= p0)
         chosen = _pick_blocks(has, blocks, last=False)  # [N, k], -1 = none
+        k = chosen.shape[1]
         p = (chosen.unsqueeze(-1) * block + torch.arange(block, device=device)).flatten(1)  # [N, P]
         ok = (p >= 0) & (p < n_valid.unsqueeze(1)) & (p >= p0)
-        q = p.unsqueeze(1) - torch.arange(m - 1, -1, -1, device=device).unsqueeze(-1)  # [N, m, P]: p-(m-1) .. p
-        t = index.gather(1, q.clamp(0, L - 1).flatten(1)).view(q.shape).mul_(q >= 0)  # id + 1, 0 = none
+        # each chosen block with the m - 1 tokens before it in one gather (as in last_marker): [N, k, block + m - 1]
+        # of id + 1 (0 before the row); token p - j of every position p of a block is the slice m - 1 - j ..
+        q = (chosen * block - (m - 1)).unsqueeze(-1) + torch.arange(block + m - 1, device=device)
+        t = torch.where(q >= 0, index.gather(1, q.clamp(0, L - 1).flatten(1)).view(q.shape), 0)
         tm = t * m  # automata rows by id + 1
         state = torch.zeros_like(p)
         for d in range(m - 1):
-            state = _at(next_state, tm[:, d] + state)
-        row = tm[:, m - 1] + state
-        # bytes of tokens p - 1 .. p - j (j = 0 .. m - 1): those between the previous end and token p
-        cum = torch.nn.functional.pad(_at(vb.lengths1, t[:, : m - 1]).flip(1).cumsum(1), (0, 0, 1, 0))
+            state = _at(next_state, tm[:, :, d : d + block].reshape(N, k * block) + state)
+        row = tm[:, :, m - 1 : m - 1 + block].reshape(N, k * block) + state
+        # the bytes between the previous text's end and token p (for d < m): tokens p - 1 .. p - d, less e0
+        lens = _at(vb.lengths1, t[:, :, : m - 1 + block - 1])
         d = p - p0
-        between = cum.gather(1, d.clamp(0, m - 1).unsqueeze(1)).squeeze(1) - e0  # for d < m
+        between = -e0.expand(N, k * block)
+        for j in range(1, m):
+            between = between + lens[:, :, m - 1 - j : m - 1 - j + block].reshape(N, k * block) * (d >= j)
         best = torch.full((N, 1), big, dtype=torch.long, device=device)
         for table in (first_end, last_end):
             e = _at(table, row)
@@ -934,6 +972,9 @@ class Rows:
     index: torch.Tensor  # id + 1, 0 outside the vocabulary (on CPU a buffer reused by the next `rows` call)
 
 
+_MATCHERS = itertools.count()
+
+
 @dataclass
 class TextMatcher:
     """The text components of one tokenizer and marker, tables cached per device. See the module docstring."""
@@ -946,6 +987,7 @@ class TextMatcher:
     first_table: torch.Tensor | None = field(default=None, repr=False)  # int32 [V]: see contains_windows
     _on_device: dict = field(default_factory=dict, repr=False)
     _answers: dict = field(default_factory=dict, repr=False)
+    token: int = field(default_factory=lambda: next(_MATCHERS), repr=False)  # names this matcher's AnswerHints
 
     @classmethod
     def build(cls, tokenizer, marker: str, format_sequences=()) -> TextMatcher:
@@ -1014,17 +1056,42 @@ class TextMatcher:
         codes, n_valid, index = scan(self._codes_table(ids.device, stop_ids), ids.contiguous(), scratch=scratch)
         return Rows(ids, codes, n_valid, index)
 
+    def prepare(self, patterns):
+        """`patterns` (PackedPatterns) with this matcher's AnswerHints attached, read on the host: call it where the
+        patterns are packed, once per prompt batch (before they go to the device, repeat_interleave keeps them).
+        The hints make the answers' windows as wide as the answers (not the static bound) and skip the number /
+        text matching a batch has no answer for. Patterns already on a device are returned as they are (reading
+        them there would be a sync)."""
+        if patterns.tokens.device.type != "cpu":
+            return patterns
+        vb, _ = self.on("cpu")
+        tokens, lengths = patterns.tokens, patterns.lengths
+        N, K, Q = tokens.shape
+        if tokens.numel() == 0:
+            hints = AnswerHints(1, False, False)
+        else:
+            tok = tokens.clamp(-1, vb.V - 1).add(1)
+            n_bytes = (_at(vb.lengths1, tok) * (torch.arange(Q) < lengths.unsqueeze(-1))).sum(-1)
+            ans = answer_text(vb, tokens, lengths)
+            hints = AnswerHints(
+                width=int(n_bytes.max().clamp(max=ans.width)),
+                any_num=bool(ans.is_num.any()),
+                any_text=bool(((ans.lit_len > 0) & ~ans.is_num).any()),
+            )
+        return replace(patterns, text_hints={**(patterns.text_hints or {}), self.token: hints})
+
     def answers(self, ids: torch.Tensor, patterns) -> AnswerText:
         """AnswerText of the packed patterns, cached while the same pattern tensors (same version) are used."""
         vb, _ = self.on(ids.device)
         tokens, lengths = patterns.tokens, patterns.lengths
-        key = (id(tokens), id(lengths))
+        hints = (getattr(patterns, "text_hints", None) or {}).get(self.token)
+        key = (id(tokens), id(lengths), hints)
         hit = self._answers.get(key)
         if hit is not None:
             t_ref, l_ref, versions, ans = hit
             if t_ref() is tokens and l_ref() is lengths and versions == (tokens._version, lengths._version):
                 return ans
-        ans = answer_text(vb, tokens, lengths)
+        ans = answer_text(vb, tokens, lengths, hints=hints)
         if len(self._answers) >= 8:
             self._answers.pop(next(iter(self._answers)))
         self._answers[key] = (weakref.ref(tokens), weakref.ref(lengths), (tokens._version, lengths._version), ans)

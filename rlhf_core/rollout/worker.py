@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import torch
 
 from rlhf_core.data.prompts import Prompt, collate_prompts
+from rlhf_core.reward.components import prepare_patterns
 from rlhf_core.rollout.base import SamplingParams
 from rlhf_core.types import Experience, RolloutBatch
 
@@ -70,7 +71,8 @@ class RolloutWorker:
         start = time.perf_counter()
         pb = collate_prompts(prompts, self.pad_token_id, self.max_prompt_tokens)
         batch = self.engine.generate(pb, self.samples_per_prompt, self.sampling)
-        patterns = pb.patterns.to(batch.response_ids.device).repeat_interleave(self.samples_per_prompt)
+        patterns = prepare_patterns(self.reward_fn, pb.patterns)  # on the host, once per prompt batch
+        patterns = patterns.to(batch.response_ids.device).repeat_interleave(self.samples_per_prompt)
         rewards, components = self.reward_fn(batch.response_ids, patterns)
         if self.external:
             rows = [p for p in prompts for _ in range(self.samples_per_prompt)]  # row-aligned with the batch
