@@ -779,6 +779,7 @@ def contains_windows(
     blocks: int = CONTAINS_BLOCKS,
     windows: int = CONTAINS_WINDOWS,
     block: int = MARKER_BLOCK_TOKENS,
+    scratch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Whether an answer alternative occurs in the row (before its first stop) as a whole number / word, read
     in windows around candidate tokens. -> BoolTensor [N].
@@ -797,14 +798,22 @@ def contains_windows(
     K = ans.lit_len.shape[1]
     if L == 0 or K == 0:
         return torch.zeros(N, dtype=torch.bool, device=device)
-    first = _at(first_table, index)  # int32 [N, L]
     Lp = -(-L // block) * block
-    if Lp != L:
-        first = torch.nn.functional.pad(first, (0, Lp - L))
-    mask = ans.first_mask.long() & 0xFFFFFFFF
-    # blocks holding a candidate, on int64 words of 2 codes
-    words = first.view(torch.int64).view(N, Lp // block, block // 2) & (mask | (mask << 32)).view(N, 1, 1)
-    has = (words.amax(dim=-1) != 0) & (torch.arange(Lp // block, device=device) * block < n_valid.unsqueeze(1))
+    if Lp == L and scratch is not None:  # a reused buffer: page faults of a fresh one cost more than the lookup
+        first = torch.index_select(first_table, 0, index.view(-1), out=scratch.view(-1)).view(N, L)
+    else:
+        first = torch.nn.functional.pad(_at(first_table, index), (0, Lp - L))  # int32 [N, Lp]
+    # blocks holding a candidate: the OR of a block's codes meets the row's mask ((a & m) | (b & m) = (a | b) & m),
+    # OR-reduced on int64 words of 2 codes by halving
+    words = first.view(torch.int64).view(N, Lp // block, block // 2)
+    while words.shape[-1] > 1:
+        half = words.shape[-1] // 2
+        words = words[..., :half] | words[..., half:]
+    either = words.squeeze(-1)
+    either = either | (either >> 32)  # the low 32 bits: the OR of both halves' codes
+    has = ((either & ans.first_mask.unsqueeze(1)) != 0) & (
+        torch.arange(Lp // block, device=device) * block < n_valid.unsqueeze(1)
+    )
     chosen = _pick_blocks(has, blocks, last=True)
     p = (chosen.unsqueeze(-1) * block + torch.arange(block, device=device)).flatten(1)  # [N, kb * block]
     hit_p = (first.gather(1, p.clamp(0, Lp - 1)) & ans.first_mask.unsqueeze(1)) != 0
@@ -825,31 +834,31 @@ def contains_windows(
     pos = torch.arange(W + 1, device=device)
     s1 = ((cls & _NOT_SPACE) * (pos >= pre.clamp(max=2).view(-1, 1))).argmax(dim=1, keepdim=True)
     s2 = s1 + (x.gather(1, s1) == _DOLLAR)
+    st = torch.cat([s1, s2], dim=1)  # [R, 2]: both starts (after the whitespace, and after a '$' there) at once
     xr = x.view(N, C, W + 1)
-    x8 = x.to(torch.uint8)
-    lit_len = ans.lit_len.unsqueeze(1)  # [N, 1, K]
+    lit_len = ans.lit_len.view(N, 1, 1, K)
     fit = (lit_len > 0) & (lit_len <= Wc)
     cls_of = lambda v: _at(consts[0], v)  # noqa: E731
-    digit = lambda v: (cls_of(v) & _C_DIGIT) > 0  # noqa: E731
-    hit = torch.zeros(N, C, K, dtype=torch.bool, device=device)
-    for s in (s1, s2):
-        b1, b2 = x.gather(1, (s - 1).clamp(min=0)) * (s >= 1), x.gather(1, (s - 2).clamp(min=0)) * (s >= 2)
-        c1 = cls_of(b1)
-        before_ok = ((c1 & (_C_ALNUM | _C_MINUS)) == 0) & ~(((c1 & (_C_DOT | _C_COMMA)) > 0) & digit(b2))
-        xw = x8.gather(1, (s + torch.arange(Wc, device=device)).clamp(max=W)).view(torch.int64).view(N, C, 1, Wc // 8)
-        same = ((xw & ans.word_mask.unsqueeze(1)) == ans.words.unsqueeze(1)).all(dim=-1)  # [N, C, K]
-        a = s.view(N, C, 1) + lit_len  # the byte after the occurrence
-        nxt, nxt2 = xr.gather(2, a.clamp(max=W)), xr.gather(2, (a + 1).clamp(max=W))
-        cn = cls_of(nxt)
-        # '.0…0' then a byte that is not alphanumeric (within the CONTAINS_TAIL_BYTES read)
-        dot_zeros, zeros = torch.zeros_like(same), (nxt == _DOT) & (nxt2 == _DIGIT0)
-        for j in range(2, CONTAINS_TAIL_BYTES):
-            b = xr.gather(2, (a + j).clamp(max=W))
-            dot_zeros |= zeros & ((cls_of(b) & _C_ALNUM) == 0)
-            zeros &= b == _DIGIT0
-        after_ok = ((cn & _C_ALNUM) == 0) & ~(((cn & (_C_DOT | _C_COMMA)) > 0) & digit(nxt2)) | dot_zeros
-        hit |= same & before_ok.view(N, C, 1) & after_ok & (a <= x_len.view(N, C, 1))
-    return (hit & fit & (sel >= 0).unsqueeze(-1)).flatten(1).any(dim=1)
+    b1, b2 = x.gather(1, (st - 1).clamp(min=0)) * (st >= 1), x.gather(1, (st - 2).clamp(min=0)) * (st >= 2)
+    c1, c2 = cls_of(b1), cls_of(b2)
+    before_ok = ((c1 & (_C_ALNUM | _C_MINUS)) == 0) & ~(((c1 & (_C_DOT | _C_COMMA)) > 0) & ((c2 & _C_DIGIT) > 0))
+    xw = x.to(torch.uint8).gather(1, (st.unsqueeze(-1) + torch.arange(Wc, device=device)).clamp(max=W).view(-1, 2 * Wc))
+    xw = xw.view(torch.int64).view(N, C, 2, 1, Wc // 8)
+    same = ((xw & ans.word_mask.view(N, 1, 1, K, Wc // 8)) == ans.words.view(N, 1, 1, K, Wc // 8)).all(dim=-1)
+    a = st.view(N, C, 2, 1) + lit_len  # the byte after the occurrence
+    T = CONTAINS_TAIL_BYTES
+    tail = xr.gather(2, (a.unsqueeze(-1) + torch.arange(T, device=device)).clamp(max=W).view(N, C, 2 * K * T))
+    tail = tail.view(N, C, 2, K, T)  # the T bytes from the one after the occurrence
+    ct = cls_of(tail)
+    nxt, cn = tail[..., 0], ct[..., 0]
+    # '.0…0' then a byte that is not alphanumeric (within the T bytes read): byte j (2 <= j < T) not alphanumeric
+    # after zeros at 1 .. j - 1
+    zeros = (tail[..., 1 : T - 1] == _DIGIT0).cumprod(dim=-1)
+    dot_zeros = (nxt == _DOT) & ((zeros > 0) & ((ct[..., 2:T] & _C_ALNUM) == 0)).any(dim=-1)
+    after_ok = ((cn & _C_ALNUM) == 0) & ~(((cn & (_C_DOT | _C_COMMA)) > 0) & ((ct[..., 1] & _C_DIGIT) > 0)) | dot_zeros
+    ok = same & before_ok.view(N, C, 2, 1) & after_ok & (a <= x_len.view(N, C, 1, 1)) & fit
+    hit = ok.any(dim=2)  # [N, C, K]
+    return (hit & (sel >= 0).unsqueeze(-1)).flatten(1).any(dim=1)
 
 
 def format_tokens(vb: VocabBytes, index: torch.Tensor, n_valid: torch.Tensor, automata) -> torch.Tensor:
@@ -1135,7 +1144,13 @@ class TextMatcher:
         if key not in self._on_device:
             t = self.first_table
             self._on_device[key] = torch.cat([t[-1:], t]).to(rows.ids.device)  # entry 0: ids outside [0, V)
-        return contains_windows(vb, self._on_device[key], rows.index, rows.n_valid, ans).float()
+        scratch = None
+        if rows.ids.device.type == "cpu":
+            skey = ("first scratch", threading.get_ident(), tuple(rows.ids.shape))
+            scratch = self._on_device.get(skey)
+            if scratch is None:
+                scratch = self._on_device[skey] = torch.empty(rows.ids.shape, dtype=torch.int32)
+        return contains_windows(vb, self._on_device[key], rows.index, rows.n_valid, ans, scratch=scratch).float()
 
     def format(self, rows: Rows) -> torch.Tensor:
         vb, automata = self.on(rows.ids.device)
