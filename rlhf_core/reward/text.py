@@ -624,20 +624,27 @@ def scan(codes_table: torch.Tensor, ids: torch.Tensor, block: int = MARKER_BLOCK
     """The one [N, L] pass over the tokens: each id's code (uint8 bits _CAN_END, _STOP) by one vocabulary
     lookup. codes_table: uint8 [V + 1], entry 0 for ids outside [0, V) (the byte-less last id's code), entry
     v + 1 for id v. Returns (codes uint8 [N, Lp] (Lp = L rounded up to a multiple of `block`, padding 0),
-    n_valid LongTensor [N]: the first stop of each row, L when none). The first stop is found on int64 words
-    of 8 codes: the first word holding a stop bit, then its 8 bytes. scratch: an optional int64 buffer of
-    ids' shape for the lookup index (a fresh multi-MB CPU buffer costs page faults on every call)."""
+    n_valid LongTensor [N]: the first stop of each row, L when none, index int32 [N, L]: id + 1, 0 outside the
+    vocabulary). Ids are read as int32 (as `tensor_native` reads them): an id beyond int32 wraps. The first
+    stop is found on int64 words of 8 codes: the first word holding a stop bit, then its 8 bytes. scratch: an
+    optional (int32 [N, L], uint8 [N, Lp]) pair of buffers for the index and the codes (fresh multi-MB CPU
+    buffers cost page faults on every call)."""
     N, L = ids.shape
     V = codes_table.numel() - 1
-    idx = torch.clamp(ids, -1, V - 1, out=scratch).add_(1)  # -1 (and below) -> entry 0
-    codes = codes_table.index_select(0, idx.view(-1)).view(N, L)
     Lp = -(-max(L, 1) // block) * block
-    if Lp != L:
-        codes = torch.nn.functional.pad(codes, (0, Lp - L))
+    if scratch is not None:
+        idx = scratch[0].copy_(ids).clamp_(-1, V - 1).add_(1)  # -1 (and below) -> entry 0
+    else:
+        idx = ids.to(torch.int32).clamp_(-1, V - 1).add_(1)
+    if scratch is not None and Lp == L:
+        codes = torch.index_select(codes_table, 0, idx.view(-1), out=scratch[1].view(-1)).view(N, L)
+    else:
+        codes = torch.nn.functional.pad(codes_table.index_select(0, idx.view(-1)).view(N, L), (0, Lp - L))
     words = codes.view(torch.int64)  # [N, Lp / 8]
     nw = words.shape[1]
+    # the first word with a stop bit, as nw - the largest (nw - j) over them (amax: faster than amin here)
     stop_w = (words & _word_mask(_STOP)) != 0
-    fw = torch.where(stop_w, torch.arange(nw, device=ids.device), nw - 1).amin(dim=1, keepdim=True)
+    fw = (nw - (stop_w * torch.arange(nw, 0, -1, device=ids.device)).amax(dim=1, keepdim=True)).clamp_(max=nw - 1)
     in_word = codes.view(N, nw, 8).gather(1, fw.unsqueeze(-1).expand(N, 1, 8)).squeeze(1)  # [N, 8]
     first = torch.where((in_word & _STOP) > 0, torch.arange(8, device=ids.device), 8).amin(dim=1, keepdim=True)
     n_valid = (fw * 8 + first).clamp_(max=L).squeeze(1)
@@ -978,7 +985,8 @@ class Rows:
     ids: torch.Tensor
     codes: torch.Tensor
     n_valid: torch.Tensor
-    index: torch.Tensor  # id + 1, 0 outside the vocabulary (on CPU a buffer reused by the next `rows` call)
+    index: torch.Tensor  # int32 id + 1, 0 outside the vocabulary (on CPU index and codes are buffers reused by
+    # the next `rows` call)
 
 
 _MATCHERS = itertools.count()
@@ -1057,11 +1065,14 @@ class TextMatcher:
         tokenizer are never found (ids there read as the byte-less token)."""
         stop_ids = tuple(int(s) for s in stop_ids)
         scratch = None
-        if ids.device.type == "cpu":  # reuse the index buffer: page faults of a fresh one cost more than the pass
+        if ids.device.type == "cpu":  # reuse the buffers: page faults of fresh ones cost more than the pass
             key = ("scratch", threading.get_ident(), tuple(ids.shape))
             scratch = self._on_device.get(key)
             if scratch is None:
-                scratch = self._on_device[key] = torch.empty(ids.shape, dtype=torch.long)
+                N, L = ids.shape
+                Lp = -(-max(L, 1) // MARKER_BLOCK_TOKENS) * MARKER_BLOCK_TOKENS
+                index, codes = torch.empty(N, L, dtype=torch.int32), torch.zeros(N, Lp, dtype=torch.uint8)
+                scratch = self._on_device[key] = (index, codes)
         codes, n_valid, index = scan(self._codes_table(ids.device, stop_ids), ids.contiguous(), scratch=scratch)
         return Rows(ids, codes, n_valid, index)
 
@@ -1081,11 +1092,10 @@ class TextMatcher:
         else:
             tok = tokens.clamp(-1, vb.V - 1).add(1)
             n_bytes = (_at(vb.lengths1, tok) * (torch.arange(Q) < lengths.unsqueeze(-1))).sum(-1)
-            ans = answer_text(vb, tokens, lengths)
+            width = int(n_bytes.max().clamp(max=max(1, min(Q * max(vb.max_len, 1), ANSWER_MAX_BYTES))))
+            ans = answer_text(vb, tokens, lengths, hints=AnswerHints(width, True, True))
             hints = AnswerHints(
-                width=int(n_bytes.max().clamp(max=ans.width)),
-                any_num=bool(ans.is_num.any()),
-                any_text=bool(((ans.lit_len > 0) & ~ans.is_num).any()),
+                width=width, any_num=bool(ans.is_num.any()), any_text=bool(((ans.lit_len > 0) & ~ans.is_num).any())
             )
         return replace(patterns, text_hints={**(patterns.text_hints or {}), self.token: hints})
 
