@@ -946,11 +946,16 @@ def format_windows(
     bstart = torch.arange(codes.shape[1] // block, device=device) * block
     live = bstart < n_valid.unsqueeze(1)
     for i, (next_state, first_end, last_end, m) in enumerate(automata):
-        has = _format_blocks(codes, i, block) & live & (bstart + (block - 1) >= p0)
+        first, final = i == 0, i == len(automata) - 1
+        has = _format_blocks(codes, i, block) & live
+        if not first:
+            has &= bstart + (block - 1) >= p0
         chosen = _pick_blocks(has, blocks, last=False)  # [N, k], -1 = none
         k = chosen.shape[1]
         p = (chosen.unsqueeze(-1) * block + torch.arange(block, device=device)).flatten(1)  # [N, P]
-        ok = (p >= 0) & (p < n_valid.unsqueeze(1)) & (p >= p0)
+        ok = (p >= 0) & (p < n_valid.unsqueeze(1))
+        if not first:
+            ok &= p >= p0
         # each chosen block with the m - 1 tokens before it in one gather (as in last_marker): [N, k, block + m - 1]
         # of id + 1 (0 before the row); token p - j of every position p of a block is the slice m - 1 - j ..
         q = (chosen * block - (m - 1)).unsqueeze(-1) + torch.arange(block + m - 1, device=device)
@@ -960,6 +965,8 @@ def format_windows(
         for d in range(m - 1):
             state = _at(next_state, tm[:, :, d : d + block].reshape(N, k * block) + state)
         row = tm[:, :, m - 1 : m - 1 + block].reshape(N, k * block) + state
+        if first and final:  # one text: whether it occurs (a token's last occurrence ends there if any does)
+            return (ok & (_at(last_end, row) >= 0)).any(dim=1).float()
         # the bytes between the previous text's end and token p (for d < m): tokens p - 1 .. p - d, less e0
         lens = _at(vb.lengths1, t[:, :, : m - 1 + block - 1])
         d = p - p0
