@@ -322,8 +322,9 @@ def test_text_reward_makes_no_host_round_trip(bpe_tok):
 
 
 def test_prepared_patterns_carry_the_answers_width_on_the_host(bpe_tok):
-    """prepare reads, on the host, the byte width of the longest alternative and whether any is a number / a
-    text; to() and repeat_interleave keep it; another reward's hints are not used; scoring stays sync-free."""
+    """prepare reads, on the host, the byte width of the longest alternative, whether any is a number / a text
+    and the most distinct texts of a row; to() and repeat_interleave keep it; another reward's hints are not
+    used; scoring stays sync-free."""
     from rlhf_core.reward.text import ANSWER_MAX_BYTES
 
     cfg = RewardConfig(components=ALL, format_sequences=["####"])
@@ -332,9 +333,10 @@ def test_prepared_patterns_carry_the_answers_width_on_the_host(bpe_tok):
     numbers = reward.prepare(patterns_from_texts(bpe_tok, ["72", "1,000"]))
     hints = numbers.text_hints[reward.text.token]
     assert (hints.width, hints.any_num, hints.any_text) == (len(" 1,000"), True, False)
+    assert hints.alternatives == 2  # '1,000' and '1000' ('72' / ' 72' and ' 1,000' are texts already counted)
     mixed = reward.prepare(patterns_from_texts(bpe_tok, ["Paris", "x" * (ANSWER_MAX_BYTES + 5)]))
     hints = mixed.text_hints[reward.text.token]
-    assert (hints.width, hints.any_num, hints.any_text) == (ANSWER_MAX_BYTES, False, True)
+    assert (hints.width, hints.any_num, hints.any_text, hints.alternatives) == (ANSWER_MAX_BYTES, False, True, 1)
     moved = numbers.to("cpu").repeat_interleave(3)
     assert moved.text_hints == numbers.text_hints and moved.tokens.shape[0] == 6
     texts = ["so #### 72", "72", "#### 71", "#### 1000.", "1,000", "the 100 apples"]  # answers 72 x 3, 1,000 x 3
@@ -344,10 +346,40 @@ def test_prepared_patterns_carry_the_answers_width_on_the_host(bpe_tok):
         _, parts = reward(batch, moved)
         _, unprepared = other(batch, moved)  # hints of another reward: the static bounds
     assert other.text.answers(batch, moved).width > reward.text.answers(batch, moved).width == len(" 1,000")
+    assert reward.text.answers(batch, moved).lit_len.shape == (6, 2) != other.text.answers(batch, moved).lit_len.shape
     assert {k: v.tolist() for k, v in parts.items()} == {k: v.tolist() for k, v in unprepared.items()}
     assert parts["answer_after_marker"].tolist() == [1.0, 0.0, 0.0, 1.0, 0.0, 0.0]
     assert parts["exact_match"].tolist() == [0.0, 1.0, 0.0, 0.0, 1.0, 0.0]
     assert parts["contains"].tolist() == [1.0, 1.0, 0.0, 1.0, 1.0, 0.0]
+
+
+def test_prepared_and_unprepared_patterns_agree_on_random_rows(bpe_tok):
+    """Random texts with numbers, markers and text answers in several spellings: every component scores the same
+    with prepared patterns (narrow windows, distinct texts only, skipped number / text paths) as without."""
+    g = torch.Generator().manual_seed(3)
+    pick = lambda xs: xs[int(torch.randint(len(xs), (1,), generator=g))]  # noqa: E731
+    answers_pool = ["72", "1,234", "1234", "-5", "0.50", "Paris", "7", "1000000", "x y"]
+    words = ["so", "the", "####", "$", "is", "Paris", ".", ",", "-", "72", "1,234", "5", "0.5", "7.0", "##", "\n"]
+    texts, answers = [], []
+    for _ in range(96):
+        answer = pick(answers_pool)
+        parts = [pick(words) for _ in range(int(torch.randint(0, 12, (1,), generator=g)))]
+        if torch.rand(1, generator=g) < 0.6:
+            parts += ["####", pick([answer, "$" + answer, answer + ".", pick(answers_pool)])]
+        texts.append(" ".join(parts) if torch.rand(1, generator=g) < 0.8 else answer)
+        answers.append(answer)
+    encoded = [bpe_tok.encode(t, add_special_tokens=False) for t in texts]
+    L = max(len(r) for r in encoded) + 1
+    batch = torch.tensor([r + [bpe_tok.eos_token_id] * (L - len(r)) for r in encoded])
+    reward = build_reward_fn(
+        RewardConfig(components=ALL, format_sequences=["####"]), bpe_tok, [bpe_tok.eos_token_id], 64
+    )
+    packed = patterns_from_texts(bpe_tok, answers)
+    prepared = reward(batch, reward.prepare(packed))[1]
+    unprepared = reward(batch, packed)[1]
+    for name in ALL:
+        assert prepared[name].tolist() == unprepared[name].tolist(), name
+        assert 0 < prepared[name].sum() < len(texts), name  # the rows are neither all hits nor all misses
 
 
 def test_token_mode_keeps_the_old_semantics(bpe_tok):

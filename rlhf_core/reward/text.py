@@ -468,11 +468,14 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 class AnswerHints:
     """What the host knows of a batch's answer alternatives when it packs them (`TextMatcher.prepare`), so that
     the device needs no sync for it: the bytes of the longest alternative (as `tokens_to_bytes` writes them; an
-    alternative longer than ANSWER_MAX_BYTES counts as that), and whether any alternative is a number / a text."""
+    alternative longer than ANSWER_MAX_BYTES counts as that), whether any alternative is a number / a text, and
+    the most distinct texts any row's alternatives have (token variants such as '72' / ' 72' are one text: the
+    answers' text keeps that many slots per row, not K). Hints describe the patterns as they were prepared."""
 
     width: int
     any_num: bool
     any_text: bool
+    alternatives: int = 0  # the most distinct texts of a row (0: unknown, keep all K)
 
 
 @dataclass
@@ -530,6 +533,20 @@ def answer_text(
     is_num = is_num & (rest >= last.squeeze(1) + 1) & (lit_len > 0)
     lit = lit.reshape(N, K, width)
     lit_len = lit_len.reshape(N, K)
+    canon = canon.reshape(N, K, canon.shape[1])
+    is_num = is_num.reshape(N, K)
+    if hints is not None and 0 < hints.alternatives < K:  # each row's distinct texts into `alternatives` slots
+        k2 = hints.alternatives
+        keep = _distinct(lit, lit_len)
+        slot = torch.where(keep, keep.long().cumsum(1) - 1, k2).clamp_(max=k2)
+        src = torch.full((N, k2 + 1), K, dtype=torch.long, device=x.device)
+        src = src.scatter_(1, slot, torch.arange(K, device=x.device).expand(N, K))[:, :k2]  # K: no alternative
+        have, src = src < K, src.clamp(max=K - 1)
+        lit = lit.gather(1, src.unsqueeze(-1).expand(N, k2, width))
+        lit_len = lit_len.gather(1, src) * have
+        canon = canon.gather(1, src.unsqueeze(-1).expand(N, k2, canon.shape[2]))
+        is_num = is_num.gather(1, src) & have
+        K = k2
     buckets = _consts(x.device)[2]
     first = torch.where(lit_len > 0, _at(buckets, lit[:, :, 0]), 0)  # [N, K]
     first_mask = first[:, 0]
@@ -537,11 +554,10 @@ def answer_text(
         first_mask = first_mask | first[:, k]
     words, mask = _as_words(lit, lit_len, min(width, CONTAINS_MAX_BYTES))
     lit_words, lit_mask = _as_words(lit, lit_len, width)
-    is_num = is_num.reshape(N, K)
     return AnswerText(
         lit,
         lit_len,
-        canon.reshape(N, K, canon.shape[1]),
+        canon,
         is_num,
         first_mask,
         words,
@@ -551,6 +567,16 @@ def answer_text(
         any_num=hints.any_num if hints is not None else None,
         any_text=hints.any_text if hints is not None else None,
     )
+
+
+def _distinct(lit: torch.Tensor, lit_len: torch.Tensor) -> torch.Tensor:
+    """BoolTensor [N, K]: the alternatives (lit [N, K, W], zero past lit_len) that are not empty and whose text no
+    earlier alternative of the row has ('72' and ' 72' are one text once stripped)."""
+    K = lit.shape[1]
+    words, _ = _as_words(lit, lit_len, lit.shape[2])
+    same = (words.unsqueeze(2) == words.unsqueeze(1)).all(dim=-1) & (lit_len.unsqueeze(2) == lit_len.unsqueeze(1))
+    earlier = torch.ones(K, K, dtype=torch.bool, device=lit.device).tril(-1)  # [j, i]: i before j
+    return (lit_len > 0) & ~(same & earlier).any(dim=-1)
 
 
 def _as_words(lit: torch.Tensor, lit_len: torch.Tensor, upto: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1095,14 +1121,17 @@ class TextMatcher:
         tokens, lengths = patterns.tokens, patterns.lengths
         N, K, Q = tokens.shape
         if tokens.numel() == 0:
-            hints = AnswerHints(1, False, False)
+            hints = AnswerHints(1, False, False, 1)
         else:
             tok = tokens.clamp(-1, vb.V - 1).add(1)
             n_bytes = (_at(vb.lengths1, tok) * (torch.arange(Q) < lengths.unsqueeze(-1))).sum(-1)
             width = int(n_bytes.max().clamp(max=max(1, min(Q * max(vb.max_len, 1), ANSWER_MAX_BYTES))))
             ans = answer_text(vb, tokens, lengths, hints=AnswerHints(width, True, True))
             hints = AnswerHints(
-                width=width, any_num=bool(ans.is_num.any()), any_text=bool(((ans.lit_len > 0) & ~ans.is_num).any())
+                width=width,
+                any_num=bool(ans.is_num.any()),
+                any_text=bool(((ans.lit_len > 0) & ~ans.is_num).any()),
+                alternatives=max(1, int(_distinct(ans.lit, ans.lit_len).sum(1).max())) if N else 1,
             )
         return replace(patterns, text_hints={**(patterns.text_hints or {}), self.token: hints})
 
