@@ -69,7 +69,7 @@ CONTAINS_MAX_BYTES = 24
 """contains compares alternatives of at most this many bytes (a longer alternative never matches there)."""
 CONTAINS_LEAD_BYTES, CONTAINS_TAIL_BYTES = 4, 6
 """A candidate token's leading whitespace / '$' read (at most), and the bytes read after an occurrence (its
-end: a '.0…0' longer than this does not end a number)."""
+end: a '.0…0' longer than this does not end a number; at most 8)."""
 BYTES_PER_TOKEN = 8
 """Whole-response conversion (`full_text`) keeps at most L * this many bytes of a row."""
 
@@ -687,19 +687,15 @@ def _blocks_with(codes: torch.Tensor, bit: int, block: int) -> torch.Tensor:
 
 def _pick_blocks(has: torch.Tensor, k: int, last: bool) -> torch.Tensor:
     """The indices of the first / last `k` True columns of each row in ascending order, LongTensor [N, k] (-1 where
-    a row has fewer: at the end for first, at the start for last): a rank by cumsum, then a scatter into k
-    slots (plus one slot for the rest); no sort."""
+    a row has fewer: at the end for first, at the start for last): a topk of each True column's distance from
+    the row's other end (0 for False columns), so distinct values but for the Falses."""
     N, nb = has.shape
     k = min(k, nb)
-    h = has.long()
-    if last:  # rank from the end, slot k - 1 - rank: the chosen stay in ascending order
-        rank = h.flip(1).cumsum(1).flip(1) - 1
-        slot = torch.where(has & (rank < k), k - 1 - rank, k)
-    else:
-        rank = h.cumsum(1) - 1
-        slot = torch.where(has & (rank < k), rank, k)
-    bidx = torch.arange(nb, device=has.device).expand(N, nb)
-    return torch.full((N, k + 1), -1, dtype=torch.long, device=has.device).scatter_(1, slot, bidx)[:, :k]
+    if last:  # j + 1, the largest first: the last Trues, then zeros
+        v = torch.topk(has * torch.arange(1, nb + 1, device=has.device), k, dim=1).values
+        return v.flip(1) - 1
+    v = torch.topk(has * torch.arange(nb, 0, -1, device=has.device), k, dim=1).values  # nb - j: the first Trues
+    return torch.where(v > 0, nb - v, -1)
 
 
 def last_marker(
@@ -879,16 +875,18 @@ def contains_windows(
     xw = xw.view(torch.int64).view(N, C, 2, 1, Wc // 8)
     same = ((xw & ans.word_mask.view(N, 1, 1, K, Wc // 8)) == ans.words.view(N, 1, 1, K, Wc // 8)).all(dim=-1)
     a = st.view(N, C, 2, 1) + lit_len  # the byte after the occurrence
-    T = CONTAINS_TAIL_BYTES
-    tail = xr.gather(2, (a.unsqueeze(-1) + torch.arange(T, device=device)).clamp(max=W).view(N, C, 2 * K * T))
-    tail = tail.view(N, C, 2, K, T)  # the T bytes from the one after the occurrence
+    T = CONTAINS_TAIL_BYTES  # at most 8: the bytes after an occurrence are read as one int64 word too
+    tail = xr.gather(2, (a.unsqueeze(-1) + torch.arange(8, device=device)).clamp(max=W).view(N, C, 2 * K * 8))
+    tail = tail.view(N, C, 2, K, 8)  # the 8 bytes from the one after the occurrence
     ct = cls_of(tail)
-    nxt, cn = tail[..., 0], ct[..., 0]
-    # '.0…0' then a byte that is not alphanumeric (within the T bytes read): byte j (2 <= j < T) not alphanumeric
-    # after zeros at 1 .. j - 1
-    zeros = (tail[..., 1 : T - 1] == _DIGIT0).cumprod(dim=-1)
-    dot_zeros = (nxt == _DOT) & ((zeros > 0) & ((ct[..., 2:T] & _C_ALNUM) == 0)).any(dim=-1)
-    after_ok = ((cn & _C_ALNUM) == 0) & ~(((cn & (_C_DOT | _C_COMMA)) > 0) & ((ct[..., 1] & _C_DIGIT) > 0)) | dot_zeros
+    cn, c2 = ct[..., 0], ct[..., 1]
+    word = tail.to(torch.uint8).view(torch.int64).squeeze(-1)  # [N, C, 2, K]
+    # '.0…0' then a byte that is not alphanumeric: '.' and j - 1 zeros in the word's first j bytes, byte j (< T)
+    dot_zeros = torch.zeros_like(same)
+    for j in range(2, T):
+        head = int.from_bytes(b"." + b"0" * (j - 1), "little")
+        dot_zeros |= ((word & ((1 << 8 * j) - 1)) == head) & ((ct[..., j] & _C_ALNUM) == 0)
+    after_ok = ((cn & _C_ALNUM) == 0) & ~(((cn & (_C_DOT | _C_COMMA)) > 0) & ((c2 & _C_DIGIT) > 0)) | dot_zeros
     ok = same & before_ok.view(N, C, 2, 1) & after_ok & (a <= x_len.view(N, C, 1, 1)) & fit
     hit = ok.any(dim=2)  # [N, C, K]
     return (hit & (sel >= 0).unsqueeze(-1)).flatten(1).any(dim=1)
