@@ -33,7 +33,7 @@ what a loaded, shared machine does not inflate as much); the ratio of the median
 `text_fresh_patterns_ms`: answer_after_marker with new PackedPatterns for every call, prepared in the call (as
 training packs them per rollout batch, so the answers' text is not reused from the previous call). `--stages`
 also prints the CPU time of each stage (the one pass over the tokens, the host's prepare, the answers' text,
-each component's own work).
+each component's own work) and its aten operator calls per call (torch.profiler, nested calls included).
 
 --functions times the cost per 1,000 samples of scoring the --text GSM8K batch (B=256, L=256) with Python
 reward functions as a rollout worker does (`PythonFunctionRewards.score`: trim at the first stop, decode,
@@ -282,7 +282,20 @@ def stage_times(reward, ids, patterns, repeats: int) -> dict:
         "format (after scan)": lambda: tm.format(rows),
     }
     times = interleaved(stages, repeats, 30.0)
-    return {name: statistics.median(t["cpu"]) for name, t in times.items()}
+    return {name: statistics.median(t["cpu"]) for name, t in times.items()}, aten_calls(stages)
+
+
+def aten_calls(stages: dict, calls: int = 10) -> dict:
+    """Aten operator calls per call of each stage (torch.profiler, nested calls such as views included)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    out = {}
+    for name, fn in stages.items():
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(calls):
+                fn()
+        out[name] = sum(e.count for e in prof.key_averages() if e.key.startswith("aten::")) / calls
+    return out
 
 
 COMPONENTS = ("answer_after_marker", "exact_match", "contains", "format")
@@ -350,7 +363,9 @@ def run_text(quick: bool, stages: bool = False) -> list[dict]:
         row["text_fresh_patterns_ms"] = med["answer_after_marker_fresh_patterns"]["wall"]
         row["text_fresh_patterns_cpu_ms"] = med["answer_after_marker_fresh_patterns"]["cpu"]
         if stages:
-            row["stages_cpu_ms"] = stage_times(aam, ids, prepared["answer_after_marker"], repeats)
+            row["stages_cpu_ms"], row["stages_aten_calls"] = stage_times(
+                aam, ids, prepared["answer_after_marker"], repeats
+            )
         results.append(row)
     return results
 
@@ -550,8 +565,9 @@ def main(argv=None) -> None:
                     f"  answer_after_marker with fresh patterns {r['text_fresh_patterns_ms']:.2f} ms "
                     f"(cpu {r['text_fresh_patterns_cpu_ms']:.2f})"
                 )
+                calls = r.get("stages_aten_calls", {})
                 for stage, ms in r.get("stages_cpu_ms", {}).items():
-                    print(f"  stage {stage:40s} cpu {ms:7.2f} ms")
+                    print(f"  stage {stage:40s} cpu {ms:7.2f} ms, {calls.get(stage, 0):5.0f} aten calls")
         return
     report = run(args.quick)
     if args.json:
