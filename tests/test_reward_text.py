@@ -510,3 +510,22 @@ def test_empty_batch_and_rows_shorter_than_a_block(bpe_tok):
             "contains": [1.0],
             "format": [1.0],
         }
+
+
+def test_pick_blocks_takes_the_first_or_last_true_columns_in_order():
+    from rlhf_core.reward.text import _pick_blocks
+
+    g = torch.Generator().manual_seed(5)
+    for _ in range(200):
+        n, nb = int(torch.randint(1, 5, (1,), generator=g)), int(torch.randint(1, 40, (1,), generator=g))
+        has = torch.rand(n, nb, generator=g) < float(torch.rand(1, generator=g))
+        for k in (1, 4, 6, 50):
+            for last in (True, False):
+                want = []
+                for row in has.tolist():
+                    cols = [j for j, h in enumerate(row) if h]
+                    kk = min(k, nb)
+                    picked = cols[-kk:] if last else cols[:kk]
+                    pad = [-1] * (kk - len(picked))
+                    want.append(pad + picked if last else picked + pad)
+                assert _pick_blocks(has, k, last).tolist() == want

@@ -314,7 +314,8 @@ class ComposedReward:
 
     def prepare(self, patterns: PatternsLike) -> PackedPatterns:
         """The packed patterns, with what the text components read of the answers on the host attached (their
-        byte width, whether any is a number / a text): call where patterns are packed, once per prompt batch,
+        byte width, whether any is a number / a text, the most distinct texts of a row: `AnswerHints`): call where
+        patterns are packed, once per prompt batch,
         before they go to the device. Prepared answers are read in windows as wide as the longest answer (plus
         ANSWER_WINDOW_BYTES), unprepared ones up to a static bound: scores differ only where more than that
         many bytes lie between the marker and the number (docs/rewards.md)."""

@@ -36,9 +36,9 @@ as wide as a static bound.
 
 from __future__ import annotations
 
-import itertools
 import json
 import re
+import secrets
 import threading
 import weakref
 from dataclasses import dataclass, field, replace
@@ -653,8 +653,8 @@ def scan(codes_table: torch.Tensor, ids: torch.Tensor, block: int = MARKER_BLOCK
     n_valid LongTensor [N]: the first stop of each row, L when none, index int32 [N, L]: id + 1, 0 outside the
     vocabulary). Ids are read as int32 (as `tensor_native` reads them): an id beyond int32 wraps. The first
     stop is found on int64 words of 8 codes: the first word holding a stop bit, then its 8 bytes. scratch: an
-    optional (int32 [N, L], uint8 [N, Lp]) pair of buffers for the index and the codes (fresh multi-MB CPU
-    buffers cost page faults on every call)."""
+    optional (int32 [N, L], uint8 [N, L]) pair of buffers for the index and the codes (the codes' buffer is used
+    when L is a multiple of `block`; fresh multi-MB CPU buffers cost page faults on every call)."""
     N, L = ids.shape
     V = codes_table.numel() - 1
     Lp = -(-max(L, 1) // block) * block
@@ -837,7 +837,10 @@ def contains_windows(
     words = first.view(torch.int64).view(N, Lp // block, block // 2)
     while words.shape[-1] > 1:
         half = words.shape[-1] // 2
-        words = words[..., :half] | words[..., half:]
+        odd = words[..., 2 * half :]  # the last word of an odd count (none for the default block)
+        words = words[..., :half] | words[..., half : 2 * half]
+        if odd.shape[-1]:
+            words = words | odd
     either = words.squeeze(-1)
     either = either | (either >> 32)  # the low 32 bits: the OR of both halves' codes
     has = ((either & ans.first_mask.unsqueeze(1)) != 0) & (
@@ -1020,9 +1023,6 @@ class Rows:
     # the next `rows` call)
 
 
-_MATCHERS = itertools.count()
-
-
 @dataclass
 class TextMatcher:
     """The text components of one tokenizer and marker, tables cached per device. See the module docstring."""
@@ -1035,7 +1035,9 @@ class TextMatcher:
     first_table: torch.Tensor | None = field(default=None, repr=False)  # int32 [V]: see contains_windows
     _on_device: dict = field(default_factory=dict, repr=False)
     _answers: dict = field(default_factory=dict, repr=False)
-    token: int = field(default_factory=lambda: next(_MATCHERS), repr=False)  # names this matcher's AnswerHints
+    # names this matcher's AnswerHints: random, so that patterns prepared in one process never carry hints a
+    # different matcher of another process would take for its own (a pickled copy keeps the name: same tables)
+    token: str = field(default_factory=lambda: secrets.token_hex(8), repr=False)
 
     @classmethod
     def build(cls, tokenizer, marker: str, format_sequences=()) -> TextMatcher:
@@ -1101,8 +1103,7 @@ class TextMatcher:
             scratch = self._on_device.get(key)
             if scratch is None:
                 N, L = ids.shape
-                Lp = -(-max(L, 1) // MARKER_BLOCK_TOKENS) * MARKER_BLOCK_TOKENS
-                index, codes = torch.empty(N, L, dtype=torch.int32), torch.zeros(N, Lp, dtype=torch.uint8)
+                index, codes = torch.empty(N, L, dtype=torch.int32), torch.empty(N, L, dtype=torch.uint8)
                 scratch = self._on_device[key] = (index, codes)
         codes, n_valid, index = scan(self._codes_table(ids.device, stop_ids), ids.contiguous(), scratch=scratch)
         return Rows(ids, codes, n_valid, index)
