@@ -583,18 +583,23 @@ def _as_words(lit: torch.Tensor, lit_len: torch.Tensor, upto: int) -> tuple[torc
     """The first `upto` bytes of lit [N, K, W] (zero past lit_len) as int64 words of 8 bytes, and the mask of
     lit's bytes in them: ([N, K, ceil(upto / 8)], the same shape), for comparing 8 bytes per op."""
     w8 = -(-upto // 8) * 8
-    words = torch.nn.functional.pad(lit[:, :, :w8], (0, w8 - min(lit.shape[2], w8))).to(torch.uint8).contiguous()
+    words = torch.nn.functional.pad(lit[:, :, :w8], (0, w8 - min(lit.shape[2], w8))).to(torch.uint8)
+    words = words.clone(memory_format=torch.contiguous_format)  # plain strides (a [1, 1, w] slice keeps its own)
     mask = ((torch.arange(w8, device=lit.device) < lit_len.unsqueeze(-1)) * 255).to(torch.uint8)
     return words.view(torch.int64), mask.view(torch.int64)
 
 
-def _matches_answer(x: torch.Tensor, n: torch.Tensor, ans: AnswerText, whole: bool) -> torch.Tensor:
+def _matches_answer(
+    x: torch.Tensor, n: torch.Tensor, ans: AnswerText, whole: bool, cut: torch.Tensor | None = None
+) -> torch.Tensor:
     """Whether the text x (bytes [N, W], 0 past the end n [N], the last column 0) starts with (whole=False) /
     is (whole=True) an answer.
 
     Number answers: the number at the start of x (after spaces and '$') has the answer's canonical form;
     whole: nothing but whitespace follows it. Text answers: x without leading whitespace starts with the
     answer text followed by a non-alphanumeric byte (or the end); whole: x stripped equals it.
+    cut: BoolTensor [N], rows whose text goes on past x: there a number must end, and a text answer be
+    followed by a byte, inside x (what comes after x is not known: '72' cut from '720' is not 72).
     Returns BoolTensor [N] (any alternative).
     """
     N, W = x.shape
@@ -608,6 +613,8 @@ def _matches_answer(x: torch.Tensor, n: torch.Tensor, ans: AnswerText, whole: bo
             tail = ((cls & _NOT_SPACE) > 0) & (pos >= rest.unsqueeze(1)) & (pos < n.unsqueeze(1))
             num_hit &= ~tail.any(dim=1).unsqueeze(1)
         hit = num_hit.any(dim=1)
+        if cut is not None:
+            hit &= ~cut | (rest < n)
     if ans.any_text is False:
         return hit
     lead = (cls & _NOT_SPACE).argmax(dim=1, keepdim=True)  # first non-space (the sentinel when none)
@@ -625,6 +632,8 @@ def _matches_answer(x: torch.Tensor, n: torch.Tensor, ans: AnswerText, whole: bo
         after = x.gather(1, (lead + ans.lit_len.clamp(max=Wa)).clamp(max=W - 1))  # [N, K]: byte after the answer
         nxt = _at(_consts(x.device)[0], after)
         lit_hit &= (nxt & _C_ALNUM) == 0
+        if cut is not None:
+            lit_hit &= ~cut.unsqueeze(1) | (lead + ans.lit_len < n.unsqueeze(1))
     return hit | lit_hit.any(dim=1)
 
 
@@ -651,7 +660,7 @@ def scan(codes_table: torch.Tensor, ids: torch.Tensor, block: int = MARKER_BLOCK
     lookup. codes_table: uint8 [V + 1], entry 0 for ids outside [0, V) (the byte-less last id's code), entry
     v + 1 for id v. Returns (codes uint8 [N, Lp] (Lp = L rounded up to a multiple of `block`, padding 0),
     n_valid LongTensor [N]: the first stop of each row, L when none, index int32 [N, L]: id + 1, 0 outside the
-    vocabulary). Ids are read as int32 (as `tensor_native` reads them): an id beyond int32 wraps. The first
+    vocabulary). Ids are converted to int32: an id outside the int32 range wraps (real ids are far below). The first
     stop is found on int64 words of 8 codes: the first word holding a stop bit, then its 8 bytes. scratch: an
     optional (int32 [N, L], uint8 [N, L]) pair of buffers for the index and the codes (the codes' buffer is used
     when L is a multiple of `block`; fresh multi-MB CPU buffers cost page faults on every call)."""
@@ -661,7 +670,7 @@ def scan(codes_table: torch.Tensor, ids: torch.Tensor, block: int = MARKER_BLOCK
     if scratch is not None:
         idx = scratch[0].copy_(ids).clamp_(-1, V - 1).add_(1)  # -1 (and below) -> entry 0
     else:
-        idx = ids.to(torch.int32).clamp_(-1, V - 1).add_(1)
+        idx = ids.to(torch.int32, copy=True).clamp_(-1, V - 1).add_(1)  # never the caller's int32 tensor
     if scratch is not None and Lp == L:
         codes = torch.index_select(codes_table, 0, idx.view(-1), out=scratch[1].view(-1)).view(N, L)
     else:
@@ -708,7 +717,7 @@ def last_marker(
 ):
     """Where the LAST marker occurrence before the first stop ends, however the marker was tokenized.
 
-    index: LongTensor [N, L] token id + 1 in [0, V] (0: outside the vocabulary, read as byte-less), codes,
+    index: IntTensor [N, L] token id + 1 in [0, V] (0: outside the vocabulary, read as byte-less), codes,
     n_valid: from `scan`. Returns (found BoolTensor [N], token LongTensor [N]: the token holding the marker's
     last byte, offset LongTensor [N]: bytes of that token up to the marker's end). Only tokens that can end an
     occurrence (`can_end`, the _CAN_END bit of the codes) are candidates; the row is cut into blocks of `block`
@@ -854,13 +863,16 @@ def contains_windows(
     c = p.gather(1, sel.clamp(min=0))
     C = c.shape[1]
     Wc = ans.words.shape[2] * 8
-    W = 2 + CONTAINS_LEAD_BYTES + Wc + CONTAINS_TAIL_BYTES
+    W = 2 + CONTAINS_LEAD_BYTES + Wc + CONTAINS_TAIL_BYTES + 1  # one byte more: a window the text runs past
     A = min(W, L + 2)
     q = c.unsqueeze(-1) - 2 + torch.arange(A, device=device)  # [N, C, A]: tokens c - 2 ..
     tok = torch.where(q >= 0, index.gather(1, q.clamp(0, L - 1).flatten(1)).view(N, C, A) - 1, -1)
     pre = _at(vb.lengths1, tok[:, :, :2] + 1).sum(-1)  # bytes of the two tokens before the candidate
     n_tok = (n_valid.unsqueeze(1) - c + 2).clamp(min=0)
     x, x_len = tokens_to_bytes(vb, tok.view(N * C, A), n_tok.view(-1), (pre - 2).clamp(min=0).view(-1), W)
+    # the text goes on past the window (more bytes, or tokens not read: byte-less ones took their place): an
+    # occurrence whose end and tail bytes are not all in the window is not decided, and does not count
+    cut = ((x_len >= W) | (n_tok.view(-1) > A)).view(N, C, 1, 1)
     consts = _consts(device)
     cls = _at(consts[0], x)  # [R, W + 1]
     pos = torch.arange(W + 1, device=device)
@@ -891,6 +903,7 @@ def contains_windows(
         dot_zeros |= ((word & ((1 << 8 * j) - 1)) == head) & ((ct[..., j] & _C_ALNUM) == 0)
     after_ok = ((cn & _C_ALNUM) == 0) & ~(((cn & (_C_DOT | _C_COMMA)) > 0) & ((c2 & _C_DIGIT) > 0)) | dot_zeros
     ok = same & before_ok.view(N, C, 2, 1) & after_ok & (a <= x_len.view(N, C, 1, 1)) & fit
+    ok &= ~cut | (a + T <= x_len.view(N, C, 1, 1))
     hit = ok.any(dim=2)  # [N, C, K]
     return (hit & (sel >= 0).unsqueeze(-1)).flatten(1).any(dim=1)
 
@@ -898,7 +911,7 @@ def contains_windows(
 def format_tokens(vb: VocabBytes, index: torch.Tensor, n_valid: torch.Tensor, automata) -> torch.Tensor:
     """Whether the format texts occur in order, non-overlapping, before the first stop. -> FloatTensor [N].
 
-    index: LongTensor [N, L] id + 1 (0: byte-less), from `scan`; automata: per text (next_state, first_end,
+    index: IntTensor [N, L] id + 1 (0: byte-less), from `scan`; automata: per text (next_state, first_end,
     last_end, m) from `_automaton`. No bytes are made: for every token, the automaton state before it is
     recomputed from the m - 1 tokens before it (m - 1 shifted lookups), the first / last occurrence ending in it
     is looked up, and its byte position is the token's start (a cumsum of byte lengths) plus that offset. Text
@@ -1113,7 +1126,8 @@ class TextMatcher:
         patterns are packed, once per prompt batch (before they go to the device, repeat_interleave keeps them).
         The hints make the answers' windows as wide as the answers (not the static bound) and skip the number /
         text matching a batch has no answer for. Patterns already on a device are returned as they are (reading
-        them there would be a sync)."""
+        them there would be a sync). The hints describe the patterns as prepared: prepare again after changing
+        their tensors in place."""
         if patterns.tokens.device.type != "cpu":
             return patterns
         vb, _ = self.on("cpu")
@@ -1160,11 +1174,13 @@ class TextMatcher:
             return torch.zeros(N, device=ids.device)
         found, tok, offset = last_marker(vb, rows.index, rows.codes, n_valid)
         width = ans.width + self.answer_window_bytes
-        A = min(width, L)
+        A = min(width + 1, L)  # one token and byte more: a window the text runs past is told from one it fills
         idx = (tok.unsqueeze(1) + torch.arange(A, device=ids.device)).clamp_(max=L - 1)
         window = rows.index.gather(1, idx).sub_(1)  # ids in [-1, V)
-        x, x_len = tokens_to_bytes(vb, window, (n_valid - tok).clamp(min=0), offset, width)
-        return (_matches_answer(x, x_len, ans, whole=False) & found).float()
+        n_tok = (n_valid - tok).clamp(min=0)
+        x, x_len = tokens_to_bytes(vb, window, n_tok, offset, width + 1)
+        cut = (x_len > width) | (n_tok > A)  # the text goes on past the window
+        return (_matches_answer(x, x_len, ans, whole=False, cut=cut) & found).float()
 
     def exact_match(self, rows: Rows, ans: AnswerText) -> torch.Tensor:
         """1.0 where the whole response (up to its first stop) is an answer alternative (see _matches_answer)."""
