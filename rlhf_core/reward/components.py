@@ -289,8 +289,7 @@ class ComposedReward:
         N, L = response_ids.shape
         rows = text.rows(response_ids, self.stop_token_ids)  # one vocabulary lookup: codes and the first stop
         n_valid = rows.n_valid
-        needs_answers = {"exact_match", "contains", "answer_after_marker"} & set(self.weights)
-        answers = text.answers(response_ids, patterns) if needs_answers else None
+        answers = text.answers(response_ids, patterns) if self._reads_answers() else None
         parts, other_ids = {}, None
         for name in self.weights:
             if name == "answer_after_marker":
@@ -312,6 +311,10 @@ class ComposedReward:
                 parts[name] = self.component(name, other_ids, patterns)
         return parts
 
+    def _reads_answers(self) -> bool:
+        """Whether a configured text component compares with the answers (format and length_penalty do not)."""
+        return bool({"exact_match", "contains", "answer_after_marker"} & set(self.weights))
+
     def prepare(self, patterns: PatternsLike) -> PackedPatterns:
         """The packed patterns, with what the text components read of the answers on the host attached (their
         byte width, whether any is a number / a text, the most distinct texts of a row: `AnswerHints`): call where
@@ -320,7 +323,7 @@ class ComposedReward:
         ANSWER_WINDOW_BYTES), unprepared ones up to a static bound: scores differ only where more than that
         many bytes lie between the marker and the number (docs/rewards.md)."""
         packed = pack_patterns(patterns)
-        if self.text is None or not {"exact_match", "contains", "answer_after_marker"} & set(self.weights):
+        if self.text is None or not self._reads_answers():
             return packed
         return self.text.prepare(packed)
 

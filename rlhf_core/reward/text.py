@@ -504,6 +504,11 @@ class AnswerText:
         return self.lit.shape[2]
 
 
+def _static_width(vb: VocabBytes, Q: int, max_bytes: int = ANSWER_MAX_BYTES) -> int:
+    """The answers' byte width known without reading them: Q tokens of the longest token, at most max_bytes."""
+    return max(1, min(Q * max(vb.max_len, 1), max_bytes))
+
+
 def answer_text(
     vb: VocabBytes,
     tokens: torch.Tensor,
@@ -516,7 +521,7 @@ def answer_text(
     patterns were packed): the exact byte width of the alternatives, and whether any is a number / a text;
     without them the width is the static bound Q * the longest token and both kinds are matched."""
     N, K, Q = tokens.shape
-    width = max(1, min(Q * max(vb.max_len, 1), max_bytes))
+    width = _static_width(vb, Q, max_bytes)
     if hints is not None:
         width = max(1, min(width, hints.width))
     b, b_len = tokens_to_bytes(vb, tokens.reshape(N * K, Q), lengths.reshape(N * K), None, width + 1)
@@ -1106,18 +1111,23 @@ class TextMatcher:
             self._on_device[key] = torch.cat([table[-1:], table]).to(device)  # entry 0: ids outside [0, V)
         return self._on_device[key]
 
+    def _cpu_buffers(self, name: str, ids: torch.Tensor, dtypes) -> tuple[torch.Tensor, ...] | None:
+        """Buffers of ids' shape, one per dtype, kept per thread and reused by the next call with that shape (on
+        CPU a fresh multi-MB buffer costs page faults on every call, more than the pass that fills it); None on
+        an accelerator, whose caching allocator already reuses memory."""
+        if ids.device.type != "cpu":
+            return None
+        key = (name, threading.get_ident(), tuple(ids.shape))
+        buffers = self._on_device.get(key)
+        if buffers is None:
+            buffers = self._on_device[key] = tuple(torch.empty(ids.shape, dtype=d) for d in dtypes)
+        return buffers
+
     def rows(self, ids: torch.Tensor, stop_ids) -> Rows:
         """The one pass over all tokens (`scan`): codes and the first stop of each row. Stop ids outside the
         tokenizer are never found (ids there read as the byte-less token)."""
         stop_ids = tuple(int(s) for s in stop_ids)
-        scratch = None
-        if ids.device.type == "cpu":  # reuse the buffers: page faults of fresh ones cost more than the pass
-            key = ("scratch", threading.get_ident(), tuple(ids.shape))
-            scratch = self._on_device.get(key)
-            if scratch is None:
-                N, L = ids.shape
-                index, codes = torch.empty(N, L, dtype=torch.int32), torch.empty(N, L, dtype=torch.uint8)
-                scratch = self._on_device[key] = (index, codes)
+        scratch = self._cpu_buffers("scan", ids, (torch.int32, torch.uint8))
         codes, n_valid, index = scan(self._codes_table(ids.device, stop_ids), ids.contiguous(), scratch=scratch)
         return Rows(ids, codes, n_valid, index)
 
@@ -1138,7 +1148,7 @@ class TextMatcher:
         else:
             tok = tokens.clamp(-1, vb.V - 1).add(1)
             n_bytes = (_at(vb.lengths1, tok) * (torch.arange(Q) < lengths.unsqueeze(-1))).sum(-1)
-            width = int(n_bytes.max().clamp(max=max(1, min(Q * max(vb.max_len, 1), ANSWER_MAX_BYTES))))
+            width = int(n_bytes.max().clamp(max=_static_width(vb, Q)))
             ans = answer_text(vb, tokens, lengths, hints=AnswerHints(width, True, True))
             hints = AnswerHints(
                 width=width,
@@ -1205,13 +1215,10 @@ class TextMatcher:
         if key not in self._on_device:
             t = self.first_table
             self._on_device[key] = torch.cat([t[-1:], t]).to(rows.ids.device)  # entry 0: ids outside [0, V)
-        scratch = None
-        if rows.ids.device.type == "cpu":
-            skey = ("first scratch", threading.get_ident(), tuple(rows.ids.shape))
-            scratch = self._on_device.get(skey)
-            if scratch is None:
-                scratch = self._on_device[skey] = torch.empty(rows.ids.shape, dtype=torch.int32)
-        return contains_windows(vb, self._on_device[key], rows.index, rows.n_valid, ans, scratch=scratch).float()
+        scratch = self._cpu_buffers("contains", rows.ids, (torch.int32,))
+        return contains_windows(
+            vb, self._on_device[key], rows.index, rows.n_valid, ans, scratch=scratch[0] if scratch else None
+        ).float()
 
     def format(self, rows: Rows) -> torch.Tensor:
         vb, automata = self.on(rows.ids.device)
