@@ -21,7 +21,7 @@ Hot-path rules as in `tensor_native`: batched tensor code only (loops over stati
 length, a format text's length), no `.item()` / `.tolist()` / `bool(tensor)` / `nonzero()` / boolean
 indexing, no data-dependent shapes. Per call there is ONE pass over all [N, L] tokens (`scan`: one vocabulary
 lookup gives each token's stop / can-end-a-marker / can-end-a-format-text bits; the first stop and candidate
-blocks come from int64 words of 8 such codes); then only windows are read, of fixed size:
+blocks come from words of 4 or 8 such codes); then only windows are read, of fixed size:
 answer_after_marker reads the last `MARKER_BLOCKS` candidate blocks and converts a window of tokens after the
 last marker to bytes; exact_match converts the first tokens of a row; format runs each text's byte automaton
 over the first `FORMAT_BLOCKS` candidate blocks after the previous text (or over every token when a text's
@@ -308,7 +308,11 @@ class VocabBytes:
         )
         # tables by id + 1 (index 0: outside the vocabulary), for index_select on non-negative indices
         vb.lengths1, vb.offsets1 = vb.shifted("lengths"), vb.shifted("offsets")
+        vb.lengths1_i, vb.offsets1_i = vb.lengths1.to(torch.int32), vb.offsets1.to(torch.int32)
+        vb.flat0 = torch.cat([vb.flat, vb.flat.new_zeros(1)])  # one 0 byte more, at zero_at: read past a text's end
+        vb.zero_at = vb.flat.numel()
         vb.next_state1, vb.match_end1 = vb.shifted("next_state"), vb.shifted("match_end")
+        vb.next_state1_i, vb.match_end1_i = vb.next_state1.to(torch.int32), vb.match_end1.to(torch.int32)
         return vb
 
 
@@ -367,11 +371,16 @@ _DIGIT_POW10 = torch.tensor(  # [256 * _CHUNK]: byte b, exponent e -> digit valu
 _CONSTS: dict = {}
 
 
-def _consts(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(_CLASSES, _DIGIT_POW10, _BUCKETS) on `device`, copied once."""
+def _consts(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(_CLASSES, _DIGIT_POW10, _BUCKETS, _CLASSES as int32) on `device`, copied once."""
     c = _CONSTS.get(device)
     if c is None:
-        c = _CONSTS[device] = (_CLASSES.to(device), _DIGIT_POW10.to(device), _BUCKETS.to(device))
+        c = _CONSTS[device] = (
+            _CLASSES.to(device),
+            _DIGIT_POW10.to(device),
+            _BUCKETS.to(device),
+            _CLASSES.to(device, torch.int32),
+        )
     return c
 
 
@@ -381,39 +390,48 @@ def _at(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 
 
 def tokens_to_bytes(
-    vb: VocabBytes, tok: torch.Tensor, n_tok: torch.Tensor, skip: torch.Tensor | None, width: int
+    vb: VocabBytes,
+    tok: torch.Tensor,
+    n_tok: torch.Tensor | None,
+    skip: torch.Tensor | None,
+    width: int,
+    shifted: bool = False,
+    dtype: torch.dtype = torch.long,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The text of token rows as bytes: (bytes LongTensor [R, width + 1] (0 past the end: the last column is
+    """The text of token rows as bytes: (bytes [R, width + 1] of `dtype` (0 past the end: the last column is
     always 0, a sentinel), lengths LongTensor [R] (at most width)).
 
-    tok: LongTensor [R, A] token ids (outside [0, V) read as the byte-less last id); n_tok: LongTensor [R] tokens of
-    each row to read (the rest ignored); skip: LongTensor [R] leading bytes to drop (or None); width: static
-    byte width (longer text is cut). Each token's start byte comes from a cumsum of the tokens' byte lengths;
-    a scatter of the starts and a cumsum give each output byte's token, whose byte is gathered from the flat
-    table.
+    tok: [R, A] token ids (outside [0, V) read as the byte-less last id), or, with shifted, ids + 1 in [0, V] as
+    `scan`'s index (0: byte-less); n_tok: LongTensor [R] tokens of each row to read (the rest ignored; None: all);
+    skip: LongTensor [R] leading bytes to drop (or None); width: static byte width (longer text is cut). Each
+    token's start byte comes from a cumsum of the tokens' byte lengths; each output byte's flat-table index is
+    the start index of the last token starting at or before it (a scatter of the differences of those indices at
+    the starts, and a cumsum) plus its position. int32 arithmetic (int64 adds are several times slower on CPU).
     """
     R, A = tok.shape
     device = tok.device
     if A == 0 or width == 0:
-        zeros = torch.zeros(R, width + 1, dtype=torch.long, device=device)
-        return zeros, zeros[:, 0].clone()
-    tok = tok.clamp(-1, vb.V - 1).add_(1)  # id + 1: 0 reads the byte-less last id
-    lens = _at(vb.lengths1, tok) * (torch.arange(A, device=device) < n_tok.unsqueeze(1))  # [R, A]
-    ends = lens.cumsum(dim=1)
+        return torch.zeros(R, width + 1, dtype=dtype, device=device), torch.zeros(R, dtype=torch.long, device=device)
+    if not shifted:
+        tok = tok.clamp(-1, vb.V - 1).add_(1)  # id + 1: 0 reads the byte-less last id
+    if n_tok is not None:
+        tok = tok * (torch.arange(A, device=device) < n_tok.unsqueeze(1))  # tokens not read: byte-less
+    lens = _at(vb.lengths1_i, tok)  # int32 [R, A]
+    ends = lens.cumsum(dim=1, dtype=torch.int32)
     starts = ends - lens
     total = ends[:, -1]
     if skip is not None:
+        skip = skip.to(torch.int32)
         starts -= skip.unsqueeze(1)
         total = total - skip
-    base = _at(vb.offsets1, tok) - starts  # flat index of byte j of the row in token t: base[t] + j
-    marks = torch.zeros(R, width + 2, dtype=torch.long, device=device)
-    marks.scatter_add_(1, starts.clamp(0, width + 1), torch.ones_like(starts))
-    k = marks[:, : width + 1].cumsum_(dim=1).sub_(1).clamp_(0, A - 1)  # the last token starting at or before j
-    j = torch.arange(width + 1, device=device)
+    base = _at(vb.offsets1_i, tok) - starts  # flat index of byte j of the row in token t: base[t] + j
+    delta = base - torch.nn.functional.pad(base[:, :-1], (1, 0))
+    acc = torch.zeros(R, width + 2, dtype=torch.int32, device=device)
+    acc.scatter_add_(1, starts.clamp(0, width + 1).long(), delta)  # starts are ascending: the sums telescope
+    j = torch.arange(width + 1, dtype=torch.int32, device=device)
     length = total.clamp(0, width)
-    src = (base.gather(1, k) + j).clamp_(0, vb.flat.numel() - 1)
-    out = _at(vb.flat, src).long() * (j < length.unsqueeze(1))
-    return out, length
+    src = torch.where(j < length.unsqueeze(1), acc.cumsum(dim=1, dtype=torch.int32)[:, : width + 1] + j, vb.zero_at)
+    return _at(vb.flat0, src).to(dtype), length.long()
 
 
 def _numbers(x: torch.Tensor, cls: torch.Tensor):
@@ -654,10 +672,10 @@ _CAN_END, _STOP, _FORMAT0 = 1, 2, 4  # bits of the per-token codes of `scan`; fo
 # only if WHOLE, or CAN and the token before it is ADV: a pair test on int64 words of 8 codes.
 
 
-def _word_mask(bit: int) -> int:
-    """`bit` in each of the 8 bytes of an int64 word (as a signed int64)."""
-    w = int.from_bytes(bytes([bit]) * 8, "little")
-    return w - (1 << 64) if w >= 1 << 63 else w
+def _word_mask(bit: int, size: int = 8) -> int:
+    """`bit` in each of the `size` bytes of an int64 (8) / int32 (4) word (as a signed integer)."""
+    w = int.from_bytes(bytes([bit]) * size, "little")
+    return w - (1 << 8 * size) if w >= 1 << (8 * size - 1) else w
 
 
 def scan(codes_table: torch.Tensor, ids: torch.Tensor, block: int = MARKER_BLOCK_TOKENS, scratch=None):
@@ -666,7 +684,7 @@ def scan(codes_table: torch.Tensor, ids: torch.Tensor, block: int = MARKER_BLOCK
     v + 1 for id v. Returns (codes uint8 [N, Lp] (Lp = L rounded up to a multiple of `block`, padding 0),
     n_valid LongTensor [N]: the first stop of each row, L when none, index int32 [N, L]: id + 1, 0 outside the
     vocabulary). Ids are converted to int32: an id outside the int32 range wraps (real ids are far below). The first
-    stop is found on int64 words of 8 codes: the first word holding a stop bit, then its 8 bytes. scratch: an
+    stop is found on int32 words of 4 codes: the first word holding a stop bit, then its 4 bytes. scratch: an
     optional (int32 [N, L], uint8 [N, L]) pair of buffers for the index and the codes (the codes' buffer is used
     when L is a multiple of `block`; fresh multi-MB CPU buffers cost page faults on every call)."""
     N, L = ids.shape
@@ -680,14 +698,16 @@ def scan(codes_table: torch.Tensor, ids: torch.Tensor, block: int = MARKER_BLOCK
         codes = torch.index_select(codes_table, 0, idx.view(-1), out=scratch[1].view(-1)).view(N, L)
     else:
         codes = torch.nn.functional.pad(codes_table.index_select(0, idx.view(-1)).view(N, L), (0, Lp - L))
-    words = codes.view(torch.int64)  # [N, Lp / 8]
+    words = codes.view(torch.int32)  # [N, Lp / 4]
     nw = words.shape[1]
-    # the first word with a stop bit, as nw - the largest (nw - j) over them (amax: faster than amin here)
-    stop_w = (words & _word_mask(_STOP)) != 0
-    fw = (nw - (stop_w * torch.arange(nw, 0, -1, device=ids.device)).amax(dim=1, keepdim=True)).clamp_(max=nw - 1)
-    in_word = codes.view(N, nw, 8).gather(1, fw.unsqueeze(-1).expand(N, 1, 8)).squeeze(1)  # [N, 8]
-    first = torch.where((in_word & _STOP) > 0, torch.arange(8, device=ids.device), 8).amin(dim=1, keepdim=True)
-    n_valid = (fw * 8 + first).clamp_(max=L).squeeze(1)
+    # the first word with a stop bit, as nw - the largest (nw - j) over them (amax: faster than amin here), in
+    # int32 (0 / 1 by a clamp: no bool; int64 products and maxima are several times slower on CPU)
+    stop_w = (words & _word_mask(_STOP, 4)).clamp_(max=1)
+    ar = torch.arange(nw, 0, -1, dtype=torch.int32, device=ids.device)
+    fw = (nw - (stop_w.mul_(ar)).amax(dim=1, keepdim=True)).clamp_(max=nw - 1).long()
+    in_word = codes.view(N, nw, 4).gather(1, fw.unsqueeze(-1).expand(N, 1, 4)).squeeze(1)  # [N, 4]
+    first = torch.where((in_word & _STOP) > 0, torch.arange(4, device=ids.device), 4).amin(dim=1, keepdim=True)
+    n_valid = (fw * 4 + first).clamp_(max=L).squeeze(1)
     return codes, n_valid, idx
 
 
@@ -696,7 +716,10 @@ def _blocks_with(codes: torch.Tensor, bit: int, block: int) -> torch.Tensor:
     words of 8 codes."""
     N = codes.shape[0]
     words = codes.view(torch.int64).view(N, codes.shape[1] // block, block // 8)
-    return (words & _word_mask(bit)).amax(dim=-1) != 0
+    either = words[..., 0]
+    for i in range(1, block // 8):  # the OR of a block's words (one OR for the default block)
+        either = either | words[..., i]
+    return (either & _word_mask(bit)) != 0
 
 
 def _pick_blocks(has: torch.Tensor, k: int, last: bool) -> torch.Tensor:
@@ -745,11 +768,11 @@ def last_marker(
     # of every position p of a block is then the slice d .. d + block of its window.
     k = chosen.shape[1]
     q = (chosen * block - (m - 1)).unsqueeze(-1) + torch.arange(block + m - 1, device=device)
-    t = torch.where(q >= 0, index.gather(1, q.clamp(0, L - 1).flatten(1)).view(q.shape), 0) * m
-    state = torch.zeros_like(p)
+    t = index.gather(1, q.clamp(0, L - 1).flatten(1)).view(q.shape).mul_((q >= 0) * m)  # int32, as the tables
+    state = torch.zeros(N, k * block, dtype=torch.int32, device=device)
     for d in range(m - 1):
-        state = _at(vb.next_state1, t[:, :, d : d + block].reshape(N, k * block) + state)
-    end = _at(vb.match_end1, t[:, :, m - 1 : m - 1 + block].reshape(N, k * block) + state)
+        state = _at(vb.next_state1_i, t[:, :, d : d + block].reshape(N, k * block) + state)
+    end = _at(vb.match_end1_i, t[:, :, m - 1 : m - 1 + block].reshape(N, k * block) + state)
     stride = vb.max_len + 1
     best = torch.where(ok & (end >= 0), p * stride + end, -1).amax(dim=1)
     found = best >= 0
@@ -846,24 +869,15 @@ def contains_windows(
         first = torch.index_select(first_table, 0, index.view(-1), out=scratch.view(-1)).view(N, L)
     else:
         first = torch.nn.functional.pad(_at(first_table, index), (0, Lp - L))  # int32 [N, Lp]
-    # blocks holding a candidate: the OR of a block's codes meets the row's mask ((a & m) | (b & m) = (a | b) & m),
-    # OR-reduced on int64 words of 2 codes by halving
-    words = first.view(torch.int64).view(N, Lp // block, block // 2)
-    while words.shape[-1] > 1:
-        half = words.shape[-1] // 2
-        odd = words[..., 2 * half :]  # the last word of an odd count (none for the default block)
-        words = words[..., :half] | words[..., half : 2 * half]
-        if odd.shape[-1]:
-            words = words | odd
-    either = words.squeeze(-1)
-    either = either | (either >> 32)  # the low 32 bits: the OR of both halves' codes
-    has = ((either & ans.first_mask.unsqueeze(1)) != 0) & (
+    # candidates: codes meeting the row's mask (in place: `first` is this call's own buffer); blocks holding one:
+    # the largest of their int64 words of 2 masked codes is not 0 (the codes are below 2**31)
+    first &= ans.first_mask.unsqueeze(1)
+    has = (first.view(torch.int64).view(N, Lp // block, block // 2).amax(dim=-1) != 0) & (
         torch.arange(Lp // block, device=device) * block < n_valid.unsqueeze(1)
     )
     chosen = _pick_blocks(has, blocks, last=True)
     p = (chosen.unsqueeze(-1) * block + torch.arange(block, device=device)).flatten(1)  # [N, kb * block]
-    hit_p = (first.gather(1, p.clamp(0, Lp - 1)) & ans.first_mask.unsqueeze(1)) != 0
-    live = (p >= 0) & (p < n_valid.unsqueeze(1)) & hit_p
+    live = (p >= 0) & (p < n_valid.unsqueeze(1)) & (first.gather(1, p.clamp(0, Lp - 1)) != 0)
     sel = _pick_blocks(live, windows, last=True)  # [N, C] columns of p, -1 = none
     c = p.gather(1, sel.clamp(min=0))
     C = c.shape[1]
@@ -871,15 +885,16 @@ def contains_windows(
     W = 2 + CONTAINS_LEAD_BYTES + Wc + CONTAINS_TAIL_BYTES + 1  # one byte more: a window the text runs past
     A = min(W, L + 2)
     q = c.unsqueeze(-1) - 2 + torch.arange(A, device=device)  # [N, C, A]: tokens c - 2 ..
-    tok = torch.where(q >= 0, index.gather(1, q.clamp(0, L - 1).flatten(1)).view(N, C, A) - 1, -1)
-    pre = _at(vb.lengths1, tok[:, :, :2] + 1).sum(-1)  # bytes of the two tokens before the candidate
-    n_tok = (n_valid.unsqueeze(1) - c + 2).clamp(min=0)
-    x, x_len = tokens_to_bytes(vb, tok.view(N * C, A), n_tok.view(-1), (pre - 2).clamp(min=0).view(-1), W)
+    read = (q >= 0) & (q < n_valid.view(N, 1, 1))  # tokens not read (before the row, from its stop) are byte-less
+    tok = index.gather(1, q.clamp(0, L - 1).flatten(1)).view(N, C, A) * read  # ids + 1
+    pre2 = _at(vb.lengths1_i, tok[:, :, :2])
+    pre = pre2[..., 0] + pre2[..., 1]  # bytes of the two tokens before the candidate
+    x, x_len = tokens_to_bytes(vb, tok.view(N * C, A), None, (pre - 2).clamp(min=0).view(-1), W, True, torch.int32)
     # the text goes on past the window (more bytes, or tokens not read: byte-less ones took their place): an
     # occurrence whose end and tail bytes are not all in the window is not decided, and does not count
-    cut = ((x_len >= W) | (n_tok.view(-1) > A)).view(N, C, 1, 1)
+    cut = (x_len >= W) | (n_valid.unsqueeze(1) - c + 2 > A).view(-1)  # [R]
     consts = _consts(device)
-    cls = _at(consts[0], x)  # [R, W + 1]
+    cls = _at(consts[3], x)  # int32 [R, W + 1]
     pos = torch.arange(W + 1, device=device)
     s1 = ((cls & _NOT_SPACE) * (pos >= pre.clamp(max=2).view(-1, 1))).argmax(dim=1, keepdim=True)
     s2 = s1 + (x.gather(1, s1) == _DOLLAR)
@@ -887,7 +902,7 @@ def contains_windows(
     xr = x.view(N, C, W + 1)
     lit_len = ans.lit_len.view(N, 1, 1, K)
     fit = (lit_len > 0) & (lit_len <= Wc)
-    cls_of = lambda v: _at(consts[0], v)  # noqa: E731
+    cls_of = lambda v: _at(consts[3], v)  # noqa: E731
     b1, b2 = x.gather(1, (st - 1).clamp(min=0)) * (st >= 1), x.gather(1, (st - 2).clamp(min=0)) * (st >= 2)
     c1, c2 = cls_of(b1), cls_of(b2)
     before_ok = ((c1 & (_C_ALNUM | _C_MINUS)) == 0) & ~(((c1 & (_C_DOT | _C_COMMA)) > 0) & ((c2 & _C_DIGIT) > 0))
@@ -908,7 +923,7 @@ def contains_windows(
         dot_zeros |= ((word & ((1 << 8 * j) - 1)) == head) & ((ct[..., j] & _C_ALNUM) == 0)
     after_ok = ((cn & _C_ALNUM) == 0) & ~(((cn & (_C_DOT | _C_COMMA)) > 0) & ((c2 & _C_DIGIT) > 0)) | dot_zeros
     ok = same & before_ok.view(N, C, 2, 1) & after_ok & (a <= x_len.view(N, C, 1, 1)) & fit
-    ok &= ~cut | (a + T <= x_len.view(N, C, 1, 1))
+    ok &= ~cut.view(N, C, 1, 1) | (a + T <= x_len.view(N, C, 1, 1))
     hit = ok.any(dim=2)  # [N, C, K]
     return (hit & (sel >= 0).unsqueeze(-1)).flatten(1).any(dim=1)
 
@@ -1186,9 +1201,9 @@ class TextMatcher:
         width = ans.width + self.answer_window_bytes
         A = min(width + 1, L)  # one token and byte more: a window the text runs past is told from one it fills
         idx = (tok.unsqueeze(1) + torch.arange(A, device=ids.device)).clamp_(max=L - 1)
-        window = rows.index.gather(1, idx).sub_(1)  # ids in [-1, V)
+        window = rows.index.gather(1, idx)  # ids + 1
         n_tok = (n_valid - tok).clamp(min=0)
-        x, x_len = tokens_to_bytes(vb, window, n_tok, offset, width + 1)
+        x, x_len = tokens_to_bytes(vb, window, n_tok, offset, width + 1, shifted=True)
         cut = (x_len > width) | (n_tok > A)  # the text goes on past the window
         return (_matches_answer(x, x_len, ans, whole=False, cut=cut) & found).float()
 
@@ -1199,7 +1214,7 @@ class TextMatcher:
         N, L = ids.shape
         width = ans.width + self.answer_window_bytes
         A = min(width, L)
-        x, x_len = tokens_to_bytes(vb, ids[:, :A], n_valid.clamp(max=A), None, width + 1)
+        x, x_len = tokens_to_bytes(vb, rows.index[:, :A], n_valid.clamp(max=A), None, width + 1, shifted=True)
         fits = (n_valid <= A) & (x_len <= width)
         return (_matches_answer(x[:, : width + 1], x_len.clamp(max=width), ans, whole=True) & fits).float()
 
