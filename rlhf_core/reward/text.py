@@ -384,6 +384,18 @@ def _consts(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     return c
 
 
+def _dot_zero_words(T: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """int64 [T - 2] each: '.' and j - 1 '0's as the first j bytes of an int64 word, and the mask of those bytes,
+    for j = 2 .. T - 1 (T <= 8); copied to `device` once."""
+    key = ("dot_zeros", T, device)
+    c = _CONSTS.get(key)
+    if c is None:
+        heads = [int.from_bytes(b"." + b"0" * (j - 1), "little") for j in range(2, T)]
+        masks = [(1 << 8 * j) - 1 for j in range(2, T)]
+        c = _CONSTS[key] = (torch.tensor(heads, device=device), torch.tensor(masks, device=device))
+    return c
+
+
 def _at(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """table[idx] for a 1-D table and non-negative idx of any shape (index_select: faster than take on CPU)."""
     return table.index_select(0, idx.reshape(-1)).view(idx.shape)
@@ -917,10 +929,8 @@ def contains_windows(
     cn, c2 = ct[..., 0], ct[..., 1]
     word = tail.to(torch.uint8).view(torch.int64).squeeze(-1)  # [N, C, 2, K]
     # '.0…0' then a byte that is not alphanumeric: '.' and j - 1 zeros in the word's first j bytes, byte j (< T)
-    dot_zeros = torch.zeros_like(same)
-    for j in range(2, T):
-        head = int.from_bytes(b"." + b"0" * (j - 1), "little")
-        dot_zeros |= ((word & ((1 << 8 * j) - 1)) == head) & ((ct[..., j] & _C_ALNUM) == 0)
+    heads, masks = _dot_zero_words(T, device)  # [T - 2]: for j = 2 .. T - 1 at once
+    dot_zeros = (((word.unsqueeze(-1) & masks) == heads) & ((ct[..., 2:T] & _C_ALNUM) == 0)).any(dim=-1)
     after_ok = ((cn & _C_ALNUM) == 0) & ~(((cn & (_C_DOT | _C_COMMA)) > 0) & ((c2 & _C_DIGIT) > 0)) | dot_zeros
     ok = same & before_ok.view(N, C, 2, 1) & after_ok & (a <= x_len.view(N, C, 1, 1)) & fit
     ok &= ~cut.view(N, C, 1, 1) | (a + T <= x_len.view(N, C, 1, 1))
