@@ -772,24 +772,47 @@ def last_marker(
     has = _blocks_with(codes, _CAN_END, block) & (
         torch.arange(codes.shape[1] // block, device=device) * block < n_valid.unsqueeze(1)
     )
-    chosen = _pick_blocks(has, blocks, last=True)  # [N, k], -1 = none
-    p = (chosen.unsqueeze(-1) * block + torch.arange(block, device=device)).flatten(1)  # [N, k * block]
-    ok = (p >= 0) & (p < n_valid.unsqueeze(1))
-    # each chosen block with the m - 1 tokens before it in one gather, as (id + 1) * m row offsets into the
-    # tables: [N, k, block + m - 1]; positions before the row read 0 (the byte-less id). Token p - (m - 1) + d
-    # of every position p of a block is then the slice d .. d + block of its window.
+    chosen = _pick_blocks(has, blocks, last=True)  # [N, k] ascending, -1 = none (first)
     k = chosen.shape[1]
-    q = (chosen * block - (m - 1)).unsqueeze(-1) + torch.arange(block + m - 1, device=device)
-    t = index.gather(1, q.clamp(0, L - 1).flatten(1)).view(q.shape).mul_((q >= 0) * m)  # int32, as the tables
-    state = torch.zeros(N, k * block, dtype=torch.int32, device=device)
+    # each chosen block with the m - 1 tokens before it, as (id + 1) * m row offsets into the int32 tables:
+    # [N, k, m - 1 + block]; token p - (m - 1) + d of every position p of a block is the slice d .. d + block
+    tm = _block_windows(index, chosen, block, m - 1).mul_(m)
+    state = torch.zeros(N, k, block, dtype=torch.int32, device=device)
     for d in range(m - 1):
-        state = _at(vb.next_state1_i, t[:, :, d : d + block].reshape(N, k * block) + state)
-    end = _at(vb.match_end1_i, t[:, :, m - 1 : m - 1 + block].reshape(N, k * block) + state)
+        state = _at(vb.next_state1_i, tm[:, :, d : d + block] + state)
+    end = _at(vb.match_end1_i, tm[:, :, m - 1 :] + state)  # [N, k, block], -1 = no occurrence ends there
+    # positions before the first stop: j < n_valid - the block's start (none in a missing block)
+    lim = torch.where(chosen >= 0, n_valid.unsqueeze(1) - chosen * block, 0).to(torch.int32)
+    valid = (end >= 0) & (torch.arange(block, dtype=torch.int32, device=device) < lim.unsqueeze(-1))
+    # the last occurrence: blocks are ascending, so the largest (k * block index) * stride + end over valid ones
     stride = vb.max_len + 1
-    best = torch.where(ok & (end >= 0), p * stride + end, -1).amax(dim=1)
+    order = torch.arange(k * block, dtype=torch.int32, device=device).view(k, block) * stride
+    best = torch.where(valid, order + end, -1).flatten(1).amax(dim=1).long()
     found = best >= 0
     best = best.clamp(min=0)
-    return found, best // stride, best % stride
+    at = best // stride  # k * block index
+    token = (chosen.gather(1, (at // block).unsqueeze(1)).squeeze(1) * block + at % block) * found  # 0: none
+    return found, token, best % stride
+
+
+def _block_windows(index: torch.Tensor, chosen: torch.Tensor, block: int, before: int) -> torch.Tensor:
+    """The blocks `chosen` (LongTensor [N, k], -1 = none) of index (int32 [N, L] id + 1, from `scan`), each with the
+    `before` tokens ahead of it: int32 [N, k, before + block]; tokens before the row and past its end read 0 (the
+    byte-less id), a missing block reads block 0. Whole blocks are gathered from an [N, L / block, block] view (no
+    per-token index arithmetic)."""
+    N, L = index.shape
+    k = chosen.shape[1]
+    nb = -(-L // block)
+    if nb * block != L:
+        index = torch.nn.functional.pad(index, (0, nb * block - L))
+    blocks3 = index.view(N, nb, block)
+    c = chosen.clamp(min=0).unsqueeze(-1)
+    parts = [blocks3.gather(1, c.expand(N, k, block))]
+    for i in range(1, -(-before // block) + 1):  # the i-th block before, its last tokens where needed
+        need = min(block, before - (i - 1) * block)
+        prev = blocks3[:, :, block - need :].gather(1, (c - i).clamp(min=0).expand(N, k, need))
+        parts.insert(0, prev * (c >= i))  # before the row: byte-less
+    return torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
 
 
 def full_text(vb: VocabBytes, ids: torch.Tensor, n_valid: torch.Tensor, bytes_per_token: int = BYTES_PER_TOKEN):
