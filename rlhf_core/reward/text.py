@@ -325,7 +325,7 @@ class VocabBytes:
 # "the first byte that is not X" is one argmax over (class & NOT_X) (the first maximum; a zero sentinel byte
 # after every text has every NOT_ bit, so there is always one).
 _NOT_SKIP, _NOT_BODY, _NOT_SPACE, _C_DIGIT, _C_COMMA, _C_DOT, _C_MINUS, _C_ALNUM = 1, 2, 4, 8, 16, 32, 64, 128
-_DIGIT_SHIFT, _MINUS_SHIFT = 3, 6
+_DIGIT_SHIFT, _DOT_SHIFT, _MINUS_SHIFT = 3, 5, 6
 
 
 def _byte_classes() -> torch.Tensor:
@@ -371,8 +371,9 @@ _DIGIT_POW10 = torch.tensor(  # [256 * _CHUNK]: byte b, exponent e -> digit valu
 _CONSTS: dict = {}
 
 
-def _consts(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(_CLASSES, _DIGIT_POW10, _BUCKETS, _CLASSES as int32) on `device`, copied once."""
+def _consts(device: torch.device) -> tuple[torch.Tensor, ...]:
+    """(_CLASSES, _DIGIT_POW10, _BUCKETS, _CLASSES as int32, _DIGIT_POW10 then its negation) on `device`, copied
+    once."""
     c = _CONSTS.get(device)
     if c is None:
         c = _CONSTS[device] = (
@@ -380,6 +381,7 @@ def _consts(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
             _DIGIT_POW10.to(device),
             _BUCKETS.to(device),
             _CLASSES.to(device, torch.int32),
+            torch.cat([_DIGIT_POW10, -_DIGIT_POW10]).to(device),  # signed: [sign * 256 * _CHUNK + b * _CHUNK + e]
         )
     return c
 
@@ -461,36 +463,52 @@ def _numbers(x: torch.Tensor, cls: torch.Tensor):
     """
     R, W = x.shape
     C = -(-W // _CHUNK)
-    pos = torch.arange(W, device=x.device)
+    pos, pos1, rpos = _positions(W, x.device)
     j0 = (cls & _NOT_SKIP).argmax(dim=1, keepdim=True)  # first byte that is not a space or '$'
     neg = (cls.gather(1, j0) >> _MINUS_SHIFT) & 1  # [R, 1] 0 / 1
     j1 = j0 + neg  # after an optional '-'
     after = pos >= j1
     rest = ((cls & _NOT_BODY) * after).argmax(dim=1, keepdim=True)  # first byte past the run
-    digit = ((cls & _C_DIGIT) > 0) & (pos < rest)  # the run's digits (no digit comes before j1)
-    end = torch.where(digit, pos, -1).amax(dim=1, keepdim=True) + 1  # trailing ',' / '.' dropped
-    inside = after & (pos < end)
+    digit = ((cls >> _DIGIT_SHIFT) & 1) * (pos < rest)  # 0 / 1: the run's digits (no digit comes before j1)
+    end = (digit * pos1).amax(dim=1, keepdim=True)  # past the last digit: trailing ',' / '.' dropped
+    sep = (cls & (_C_DOT | _C_COMMA)) * (after & (pos < end))  # the number's separators (their class bits)
     # first '.', W = none (as W - the largest W - pos over the '.'s: amax is several times faster than amin here)
-    dot = W - ((inside & ((cls & _C_DOT) > 0)) * (W - pos)).amax(dim=1, keepdim=True)
-    bad = (inside & (pos > dot) & ((cls & (_C_DOT | _C_COMMA)) > 0)).any(dim=1)  # a second '.', a ',' after it
-    is_number = ((cls.gather(1, j1) & _C_DIGIT) > 0).squeeze(1) & ~bad
+    dot = W - (((sep & _C_DOT) * rpos).amax(dim=1, keepdim=True) >> _DOT_SHIFT)
+    # a number: a digit first, and no separator after its first '.' (a second '.', a ','): 8 > that separator's bits
+    is_number = ((cls.gather(1, j1) & _C_DIGIT) > (sep * (pos > dot)).amax(dim=1, keepdim=True)).squeeze(1)
     cnt = digit.cumsum(dim=1)
-    r = cnt - (digit & (pos < dot)).sum(dim=1, keepdim=True)  # <= 0: integer digit, -r after it; > 0: fraction
+    r = cnt - cnt.gather(1, (dot - 1).clamp_(min=0))  # <= 0: integer digit, -r after it; > 0: fraction digit r
     frac = r > 0
-    q = torch.where(frac, r - 1, -r)
+    q = torch.maximum(r - 1, -r)  # fraction: r - 1; integer: -r
     # q // 18 and q % 18 for 0 <= q < 20000 by a multiply and a shift (exact there; a division is slower)
     div = (q * 3641) >> 16 if W < 20000 else q // _CHUNK
-    val = _at(_consts(x.device)[1], x * _CHUNK + (q - div * _CHUNK)) * digit * (1 - 2 * neg)
+    # digit value * 10 ** (q % 18), negated for a negative number (the table's second half); 0 off the digits
+    val = _at(_consts(x.device)[4], (x * _CHUNK + (q - div * _CHUNK) + neg * (256 * _CHUNK)) * digit)
     col = (div * 2 + frac).clamp_(max=2 * C - 1)
     canon = torch.zeros(R, 2 * C, dtype=torch.long, device=x.device).scatter_add_(1, col, val)
     return canon, is_number, rest.squeeze(1)
 
 
+_POSITIONS: dict = {}
+
+
+def _positions(W: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(arange(W), arange(1, W + 1), W - arange(W)) on `device`, made once per width."""
+    key = (W, device)
+    c = _POSITIONS.get(key)
+    if c is None:
+        pos = torch.arange(W, device=device)
+        c = _POSITIONS[key] = (pos, pos + 1, W - pos)
+    return c
+
+
 def _same(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a [R, Ca], b [R, K, Cb] canonical numbers (zero-padded to one width) -> equal BoolTensor [R, K]."""
     w = max(a.shape[1], b.shape[2])
-    a = torch.nn.functional.pad(a, (0, w - a.shape[1]))
-    b = torch.nn.functional.pad(b, (0, w - b.shape[2]))
+    if a.shape[1] < w:
+        a = torch.nn.functional.pad(a, (0, w - a.shape[1]))
+    if b.shape[2] < w:
+        b = torch.nn.functional.pad(b, (0, w - b.shape[2]))
     return (a.unsqueeze(1) == b).all(dim=-1)
 
 
