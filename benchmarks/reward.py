@@ -31,7 +31,9 @@ Agreement with decode + regex is reported per component. Timing: the repeats of 
 are interleaved in one process, each timed by wall clock and by the thread's CPU time (time.thread_time:
 what a loaded, shared machine does not inflate as much); the ratio of the medians of each is reported.
 `text_fresh_patterns_ms`: answer_after_marker with new PackedPatterns for every call, prepared in the call (as
-training packs them per rollout batch, so the answers' text is not reused from the previous call). `--stages`
+training packs them per rollout batch, so the answers' text is not reused from the previous call).
+`text_training_path_ms`: the rollout worker's path, fresh patterns of B / 8 prompts prepared on the host (which
+makes their answers' text once per prompt), repeated for 8 samples each, then scored. `--stages`
 also prints the CPU time of each stage (the one pass over the tokens, the host's prepare, the answers' text,
 each component's own work) and its aten operator calls per call (torch.profiler, nested calls included).
 
@@ -299,6 +301,7 @@ def aten_calls(stages: dict, calls: int = 10) -> dict:
 
 
 COMPONENTS = ("answer_after_marker", "exact_match", "contains", "format")
+SAMPLES_PER_PROMPT = 8  # G of the rollout worker's path (--text)
 
 
 def run_text(quick: bool, stages: bool = False) -> list[dict]:
@@ -336,12 +339,21 @@ def run_text(quick: bool, stages: bool = False) -> list[dict]:
         # training packs fresh patterns for every rollout batch: the answers' text is not cached across calls
         fresh = [type(packed)(packed.tokens.clone(), packed.lengths.clone()) for _ in range(repeats + 2)]
         fresh_iter = iter(fresh * 2)
+        # the rollout worker's path: fresh patterns of B / G prompts prepared on the host, repeated for G samples
+        # each (timing only: the rows' answers are those of each group's first row)
+        per_prompt = patterns_from_texts(tokenizer, answers[::SAMPLES_PER_PROMPT])
+        prompt_iter = iter(
+            [type(packed)(per_prompt.tokens.clone(), per_prompt.lengths.clone()) for _ in range(2 * repeats + 4)]
+        )
         aam = rewards["answer_after_marker"]
         fns = {}
         for name in COMPONENTS:
             fns[name] = (lambda f, p: lambda: f(ids, p))(rewards[name], prepared[name])
             fns[name + "_decode_regex"] = baselines[name]
         fns["answer_after_marker_fresh_patterns"] = lambda: aam(ids, aam.prepare(next(fresh_iter)))
+        fns["answer_after_marker_training_path"] = lambda: aam(
+            ids, aam.prepare(next(prompt_iter)).repeat_interleave(SAMPLES_PER_PROMPT)
+        )
         times = interleaved(fns, repeats, budget)
         med = {name: {k: statistics.median(v) for k, v in t.items()} for name, t in times.items()}
         row = {"B": B, "L": L, "vocab_size": len(tokenizer), "repeats": len(times["format"]["cpu"]), "components": {}}
@@ -362,6 +374,8 @@ def run_text(quick: bool, stages: bool = False) -> list[dict]:
             }
         row["text_fresh_patterns_ms"] = med["answer_after_marker_fresh_patterns"]["wall"]
         row["text_fresh_patterns_cpu_ms"] = med["answer_after_marker_fresh_patterns"]["cpu"]
+        row["text_training_path_ms"] = med["answer_after_marker_training_path"]["wall"]
+        row["text_training_path_cpu_ms"] = med["answer_after_marker_training_path"]["cpu"]
         if stages:
             row["stages_cpu_ms"], row["stages_aten_calls"] = stage_times(
                 aam, ids, prepared["answer_after_marker"], repeats
@@ -564,6 +578,11 @@ def main(argv=None) -> None:
                 print(
                     f"  answer_after_marker with fresh patterns {r['text_fresh_patterns_ms']:.2f} ms "
                     f"(cpu {r['text_fresh_patterns_cpu_ms']:.2f})"
+                )
+                print(
+                    f"  answer_after_marker, rollout worker's path ({r['B'] // SAMPLES_PER_PROMPT} prompts prepared, "
+                    f"x{SAMPLES_PER_PROMPT} samples) {r['text_training_path_ms']:.2f} ms "
+                    f"(cpu {r['text_training_path_cpu_ms']:.2f})"
                 )
                 calls = r.get("stages_aten_calls", {})
                 for stage, ms in r.get("stages_cpu_ms", {}).items():

@@ -19,7 +19,9 @@ class PackedPatterns:
     tokens:  LongTensor [N, K, Q] pattern token ids, padded with any value past `lengths`.
     lengths: LongTensor [N, K] number of valid tokens of each alternative; 0 = no such alternative.
     text_hints: what a text-matching reward read of the answers on the host when they were packed
-             (`ComposedReward.prepare`); kept by `to` and `repeat_interleave`. None: nothing read.
+             (`ComposedReward.prepare`); kept by `to` and `repeat_interleave`, which move and repeat the values
+             that are row data (those with `to` / `repeat_interleave` methods: the answers' text) with the rows.
+             None: nothing read. They describe these rows: build other patterns without them.
     """
 
     tokens: torch.Tensor
@@ -27,15 +29,24 @@ class PackedPatterns:
     text_hints: Optional[dict] = None  # host facts of the answers' text, by reward (`ComposedReward.prepare`)
 
     def to(self, device: torch.device | str) -> PackedPatterns:
-        return PackedPatterns(self.tokens.to(device), self.lengths.to(device), self.text_hints)
+        hints = _follow(self.text_hints, "to", device)
+        return PackedPatterns(self.tokens.to(device), self.lengths.to(device), hints)
 
     def repeat_interleave(self, repeats: int) -> PackedPatterns:
+        hints = _follow(self.text_hints, "repeat_interleave", repeats)
         return PackedPatterns(
-            self.tokens.repeat_interleave(repeats, 0), self.lengths.repeat_interleave(repeats, 0), self.text_hints
+            self.tokens.repeat_interleave(repeats, 0), self.lengths.repeat_interleave(repeats, 0), hints
         )
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
+
+
+def _follow(hints: Optional[dict], method: str, arg) -> Optional[dict]:
+    """text_hints with each value that has `method` (row data) replaced by value.method(arg); facts kept."""
+    if not hints:
+        return hints
+    return {k: (getattr(v, method)(arg) if hasattr(v, method) else v) for k, v in hints.items()}
 
 
 @dataclass

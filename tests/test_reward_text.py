@@ -338,7 +338,8 @@ def test_prepared_patterns_carry_the_answers_width_on_the_host(bpe_tok):
     hints = mixed.text_hints[reward.text.token]
     assert (hints.width, hints.any_num, hints.any_text, hints.alternatives) == (ANSWER_MAX_BYTES, False, True, 1)
     moved = numbers.to("cpu").repeat_interleave(3)
-    assert moved.text_hints == numbers.text_hints and moved.tokens.shape[0] == 6
+    token = reward.text.token
+    assert moved.text_hints[token] == numbers.text_hints[token] and moved.tokens.shape[0] == 6
     texts = ["so #### 72", "72", "#### 71", "#### 1000.", "1,000", "the 100 apples"]  # answers 72 x 3, 1,000 x 3
     encoded = [bpe_tok.encode(t, add_special_tokens=False) for t in texts]
     batch = torch.tensor([r + [bpe_tok.eos_token_id] * (12 - len(r)) for r in encoded])
@@ -351,6 +352,34 @@ def test_prepared_patterns_carry_the_answers_width_on_the_host(bpe_tok):
     assert parts["answer_after_marker"].tolist() == [1.0, 0.0, 0.0, 1.0, 0.0, 0.0]
     assert parts["exact_match"].tolist() == [0.0, 1.0, 0.0, 0.0, 1.0, 0.0]
     assert parts["contains"].tolist() == [1.0, 1.0, 0.0, 1.0, 1.0, 0.0]
+
+
+def test_prepare_makes_the_answers_text_once_per_prompt_and_it_follows_the_rows(bpe_tok):
+    """prepare makes the answers' text on the host for the prompt rows; to() and repeat_interleave move and repeat
+    it with the patterns, and the reward reads it instead of making it again: equal, field by field, to what the
+    reward makes from the repeated patterns' hints. Patterns of another shape carrying it (a slice) do not use it."""
+    from dataclasses import fields
+
+    from rlhf_core.reward.text import PreparedText
+
+    cfg = RewardConfig(components=ALL, format_sequences=["####"])
+    reward = build_reward_fn(cfg, bpe_tok, [bpe_tok.eos_token_id], 64)
+    token = reward.text.token
+    prepared = reward.prepare(patterns_from_texts(bpe_tok, ["72", "1,000", "Paris"]))
+    text = prepared.text_hints[token + ":text"]
+    assert isinstance(text, PreparedText) and text.text.lit.shape[0] == 3
+    moved = prepared.to("cpu").repeat_interleave(4)
+    batch = torch.tensor([bpe_tok.encode("#### 72", add_special_tokens=False) + [bpe_tok.eos_token_id]] * 12)
+    used = reward.text.answers(batch, moved)
+    assert used is moved.text_hints[token + ":text"].text  # read, not made again
+    made = reward.text.answers(batch, type(moved)(moved.tokens, moved.lengths, {token: moved.text_hints[token]}))
+    for f in fields(made):
+        a, b = getattr(used, f.name), getattr(made, f.name)
+        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, f.name
+    assert used.lit.shape[0] == 12 and torch.equal(used.lit_len[:4], used.lit_len[:1].expand(4, -1))
+    sliced = type(moved)(moved.tokens[:5], moved.lengths[:5], moved.text_hints)
+    assert reward.text.answers(batch[:5], sliced).lit.shape[0] == 5
+    assert reward(batch, moved)[1]["answer_after_marker"].tolist() == [1.0] * 4 + [0.0] * 8
 
 
 def test_prepared_and_unprepared_patterns_agree_on_random_rows(bpe_tok):

@@ -41,7 +41,7 @@ import re
 import secrets
 import threading
 import weakref
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
@@ -551,6 +551,34 @@ class AnswerText:
     def width(self) -> int:
         return self.lit.shape[2]
 
+    def _map(self, fn) -> AnswerText:
+        return replace(
+            self, **{f.name: fn(v) for f in fields(self) if isinstance(v := getattr(self, f.name), torch.Tensor)}
+        )
+
+    def to(self, device) -> AnswerText:
+        return self._map(lambda t: t.to(device))
+
+    def repeat_interleave(self, repeats: int) -> AnswerText:
+        """Each row `repeats` times (rows of a prompt's samples), as PackedPatterns.repeat_interleave."""
+        return self._map(lambda t: t.repeat_interleave(repeats, 0))
+
+
+@dataclass(eq=False)
+class PreparedText:
+    """The answers' text that `TextMatcher.prepare` made on the host, for the rows of the patterns it prepared
+    (shape: their tokens' [N, K, Q]); PackedPatterns.to / repeat_interleave move and repeat it with them, so that
+    a reward call on the samples of a prompt batch reads it instead of making it again."""
+
+    text: AnswerText
+    shape: tuple
+
+    def to(self, device) -> PreparedText:
+        return PreparedText(self.text.to(device), self.shape)
+
+    def repeat_interleave(self, repeats: int) -> PreparedText:
+        return PreparedText(self.text.repeat_interleave(repeats), (self.shape[0] * repeats, *self.shape[1:]))
+
 
 def _static_width(vb: VocabBytes, Q: int, max_bytes: int = ANSWER_MAX_BYTES) -> int:
     """The answers' byte width known without reading them: Q tokens of the longest token, at most max_bytes."""
@@ -568,10 +596,16 @@ def answer_text(
     bytes is dropped (length 0: it never matches). hints (`TextMatcher.prepare`, read on the host when the
     patterns were packed): the exact byte width of the alternatives, and whether any is a number / a text;
     without them the width is the static bound Q * the longest token and both kinds are matched."""
-    N, K, Q = tokens.shape
-    width = _static_width(vb, Q, max_bytes)
+    width = _static_width(vb, tokens.shape[2], max_bytes)
     if hints is not None:
         width = max(1, min(width, hints.width))
+    return _finish_answers(*_answer_fields(vb, tokens, lengths, width), hints)
+
+
+def _answer_fields(vb: VocabBytes, tokens: torch.Tensor, lengths: torch.Tensor, width: int):
+    """(lit [N, K, width], lit_len [N, K], canon [N, K, 2C], is_num [N, K]) of the alternatives (see AnswerText), read
+    in `width` bytes (a longer alternative: length 0)."""
+    N, K, Q = tokens.shape
     b, b_len = tokens_to_bytes(vb, tokens.reshape(N * K, Q), lengths.reshape(N * K), None, width + 1)
     fits = b_len <= width
     x = b[:, : width + 1] * fits.unsqueeze(1)  # column `width` is 0 where it fits
@@ -588,19 +622,34 @@ def answer_text(
     lit_len = lit_len.reshape(N, K)
     canon = canon.reshape(N, K, canon.shape[1])
     is_num = is_num.reshape(N, K)
+    return lit, lit_len, canon, is_num
+
+
+def _finish_answers(
+    lit: torch.Tensor,
+    lit_len: torch.Tensor,
+    canon: torch.Tensor,
+    is_num: torch.Tensor,
+    hints: AnswerHints | None,
+    keep: torch.Tensor | None = None,
+) -> AnswerText:
+    """The AnswerText of `_answer_fields`: with hints.alternatives, each row's distinct texts (keep: `_distinct`, if
+    known) in that many slots; then the first bytes' buckets and the texts as int64 words."""
+    N, K, width = lit.shape
+    device = lit.device
     if hints is not None and 0 < hints.alternatives < K:  # each row's distinct texts into `alternatives` slots
         k2 = hints.alternatives
-        keep = _distinct(lit, lit_len)
+        keep = _distinct(lit, lit_len) if keep is None else keep
         slot = torch.where(keep, keep.long().cumsum(1) - 1, k2).clamp_(max=k2)
-        src = torch.full((N, k2 + 1), K, dtype=torch.long, device=x.device)
-        src = src.scatter_(1, slot, torch.arange(K, device=x.device).expand(N, K))[:, :k2]  # K: no alternative
+        src = torch.full((N, k2 + 1), K, dtype=torch.long, device=device)
+        src = src.scatter_(1, slot, torch.arange(K, device=device).expand(N, K))[:, :k2]  # K: no alternative
         have, src = src < K, src.clamp(max=K - 1)
         lit = lit.gather(1, src.unsqueeze(-1).expand(N, k2, width))
         lit_len = lit_len.gather(1, src) * have
         canon = canon.gather(1, src.unsqueeze(-1).expand(N, k2, canon.shape[2]))
         is_num = is_num.gather(1, src) & have
         K = k2
-    buckets = _consts(x.device)[2]
+    buckets = _consts(device)[2]
     first = torch.where(lit_len > 0, _at(buckets, lit[:, :, 0]), 0)  # [N, K]
     first_mask = first[:, 0]
     for k in range(1, K):
@@ -696,6 +745,7 @@ def first_stop(is_stop: torch.Tensor) -> torch.Tensor:
     return torch.where(is_stop, torch.arange(L, device=is_stop.device), L).amin(dim=1)
 
 
+_TEXT = ":text"  # text_hints key suffix (after the matcher's token) of its PreparedText
 _CAN_END, _STOP, _FORMAT0 = 1, 2, 4  # bits of the per-token codes of `scan`; format text i: _FORMAT0 << 3 * i
 # For format text i, three bits from _FORMAT0 << 3 * i: CAN (the token ends an occurrence from some state),
 # WHOLE (from state 0), ADV (the token can leave a state >= 1, or has no bytes). A token can end an occurrence
@@ -1209,26 +1259,35 @@ class TextMatcher:
         vb, _ = self.on("cpu")
         tokens, lengths = patterns.tokens, patterns.lengths
         N, K, Q = tokens.shape
+        text = {}
         if tokens.numel() == 0:
             hints = AnswerHints(1, False, False, 1)
         else:
             tok = tokens.clamp(-1, vb.V - 1).add(1)
             n_bytes = (_at(vb.lengths1, tok) * (torch.arange(Q) < lengths.unsqueeze(-1))).sum(-1)
             width = int(n_bytes.max().clamp(max=_static_width(vb, Q)))
-            ans = answer_text(vb, tokens, lengths, hints=AnswerHints(width, True, True))
+            lit, lit_len, canon, is_num = fields_ = _answer_fields(vb, tokens, lengths, max(1, width))
+            keep = _distinct(lit, lit_len)
             hints = AnswerHints(
                 width=width,
-                any_num=bool(ans.is_num.any()),
-                any_text=bool(((ans.lit_len > 0) & ~ans.is_num).any()),
-                alternatives=max(1, int(_distinct(ans.lit, ans.lit_len).sum(1).max())) if N else 1,
+                any_num=bool(is_num.any()),
+                any_text=bool(((lit_len > 0) & ~is_num).any()),
+                alternatives=max(1, int(keep.sum(1).max())) if N else 1,
             )
-        return replace(patterns, text_hints={**(patterns.text_hints or {}), self.token: hints})
+            # the answers' text as a reward call would make it from these hints, made here once per prompt batch
+            text = {self.token + _TEXT: PreparedText(_finish_answers(*fields_, hints, keep), tuple(tokens.shape))}
+        return replace(patterns, text_hints={**(patterns.text_hints or {}), self.token: hints, **text})
 
     def answers(self, ids: torch.Tensor, patterns) -> AnswerText:
         """AnswerText of the packed patterns, cached while the same pattern tensors (same version) are used."""
         vb, _ = self.on(ids.device)
         tokens, lengths = patterns.tokens, patterns.lengths
-        hints = (getattr(patterns, "text_hints", None) or {}).get(self.token)
+        hints = getattr(patterns, "text_hints", None) or {}
+        prepared = hints.get(self.token + _TEXT)
+        if isinstance(prepared, PreparedText) and prepared.shape == tuple(tokens.shape):
+            if prepared.text.lit.device == tokens.device:
+                return prepared.text  # made by prepare on the host, moved and repeated with the patterns
+        hints = hints.get(self.token)
         key = (id(tokens), id(lengths), hints)
         hit = self._answers.get(key)
         if hit is not None:
