@@ -785,10 +785,26 @@ def scan(codes_table: torch.Tensor, ids: torch.Tensor, block: int = MARKER_BLOCK
     stop_w = (words & _word_mask(_STOP, 4)).clamp_(max=1)
     ar = torch.arange(nw, 0, -1, dtype=torch.int32, device=ids.device)
     fw = (nw - (stop_w.mul_(ar)).amax(dim=1, keepdim=True)).clamp_(max=nw - 1).long()
-    in_word = codes.view(N, nw, 4).gather(1, fw.unsqueeze(-1).expand(N, 1, 4)).squeeze(1)  # [N, 4]
-    first = torch.where((in_word & _STOP) > 0, torch.arange(4, device=ids.device), 4).amin(dim=1, keepdim=True)
+    # its first stop byte: the lowest stop bit of the word (w & -w: _STOP << 8 * byte, 0 = none), named by a
+    # lookup of 256 ** byte % 11 (1, 3, 9, 5 for bytes 0-3; 0 -> 4: none in the word)
+    w = words.gather(1, fw) & _word_mask(_STOP, 4)
+    first = _at(_first_stop_byte(ids.device), ((w & -w) >> (_STOP.bit_length() - 1)) % 11)
     n_valid = (fw * 4 + first).clamp_(max=L).squeeze(1)
     return codes, n_valid, idx
+
+
+_FIRST_STOP_BYTE: dict = {}
+
+
+def _first_stop_byte(device: torch.device) -> torch.Tensor:
+    """int64 [11]: 256 ** b % 11 -> b for b in 0..3, 0 -> 4 (see `scan`); copied to `device` once."""
+    t = _FIRST_STOP_BYTE.get(device)
+    if t is None:
+        table = [4] * 11
+        for b in range(4):
+            table[256**b % 11] = b
+        t = _FIRST_STOP_BYTE[device] = torch.tensor(table, device=device)
+    return t
 
 
 def _blocks_with(codes: torch.Tensor, bit: int, block: int) -> torch.Tensor:
@@ -1111,23 +1127,25 @@ def format_windows(
         has = _format_blocks(codes, i, block) & live
         if not first:
             has &= bstart + (block - 1) >= p0
-        chosen = _pick_blocks(has, blocks, last=False)  # [N, k], -1 = none
+        chosen = _pick_blocks(has, blocks, last=False)  # [N, k], -1 = none (last)
         k = chosen.shape[1]
+        # each chosen block with the m - 1 tokens before it (as in last_marker): [N, k, m - 1 + block] of id + 1
+        # (0 before the row); token p - j of every position p of a block is the slice m - 1 - j ..
+        t = _block_windows(index, chosen, block, m - 1)
+        tm = t * m  # automata rows by id + 1
+        state = None  # from state 0
+        for d in range(m - 1):
+            state = _at(next_state, tm[:, :, d : d + block] if state is None else tm[:, :, d : d + block] + state)
+        row = tm[:, :, m - 1 :] if state is None else tm[:, :, m - 1 :] + state  # [N, k, block]
+        if first and final:  # one text: whether it occurs (a token's last occurrence ends there if any does)
+            lim = torch.where(chosen >= 0, n_valid.unsqueeze(1) - chosen * block, 0)  # positions before the stop
+            hit = (_at(last_end, row) >= 0) & (torch.arange(block, device=device) < lim.unsqueeze(-1))
+            return hit.flatten(1).any(dim=1).float()
+        row = row.reshape(N, k * block)
         p = (chosen.unsqueeze(-1) * block + torch.arange(block, device=device)).flatten(1)  # [N, P]
         ok = (p >= 0) & (p < n_valid.unsqueeze(1))
         if not first:
             ok &= p >= p0
-        # each chosen block with the m - 1 tokens before it in one gather (as in last_marker): [N, k, block + m - 1]
-        # of id + 1 (0 before the row); token p - j of every position p of a block is the slice m - 1 - j ..
-        q = (chosen * block - (m - 1)).unsqueeze(-1) + torch.arange(block + m - 1, device=device)
-        t = torch.where(q >= 0, index.gather(1, q.clamp(0, L - 1).flatten(1)).view(q.shape), 0)
-        tm = t * m  # automata rows by id + 1
-        state = torch.zeros_like(p)
-        for d in range(m - 1):
-            state = _at(next_state, tm[:, :, d : d + block].reshape(N, k * block) + state)
-        row = tm[:, :, m - 1 : m - 1 + block].reshape(N, k * block) + state
-        if first and final:  # one text: whether it occurs (a token's last occurrence ends there if any does)
-            return (ok & (_at(last_end, row) >= 0)).any(dim=1).float()
         # the bytes between the previous text's end and token p (for d < m): tokens p - 1 .. p - d, less e0
         lens = _at(vb.lengths1, t[:, :, : m - 1 + block - 1])
         d = p - p0
