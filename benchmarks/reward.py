@@ -277,6 +277,7 @@ def stage_times(reward, ids, patterns, repeats: int) -> dict:
     stages = {
         "scan (one pass: codes, first stop)": lambda: tm.rows(ids, reward.stop_token_ids),
         "prepare (host, per prompt batch)": lambda: reward.prepare(type(p)(p.tokens, p.lengths)),
+        "prepare (host, 32 prompts)": lambda: reward.prepare(type(p)(p.tokens[:32], p.lengths[:32])),
         "answers' text (fresh patterns)": lambda: answer_text(vb, p.tokens, p.lengths, hints=hints),
         "answer_after_marker (after scan)": lambda: tm.answer_after_marker(rows, ans),
         "exact_match (after scan)": lambda: tm.exact_match(rows, ans),
