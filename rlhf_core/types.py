@@ -20,8 +20,8 @@ class PackedPatterns:
     lengths: LongTensor [N, K] number of valid tokens of each alternative; 0 = no such alternative.
     text_hints: what a text-matching reward read of the answers on the host when they were packed
              (`ComposedReward.prepare`); kept by `to` and `repeat_interleave`, which move and repeat the values
-             that are row data (those with `to` / `repeat_interleave` methods: the answers' text) with the rows.
-             None: nothing read. They describe these rows: build other patterns without them.
+             that are row data (with a `follow` method: the answers' text, used only with the tensors it was
+             made or moved for) with the rows. None: nothing read.
     """
 
     tokens: torch.Tensor
@@ -29,24 +29,22 @@ class PackedPatterns:
     text_hints: Optional[dict] = None  # host facts of the answers' text, by reward (`ComposedReward.prepare`)
 
     def to(self, device: torch.device | str) -> PackedPatterns:
-        hints = _follow(self.text_hints, "to", device)
-        return PackedPatterns(self.tokens.to(device), self.lengths.to(device), hints)
+        return self._with(lambda t: t.to(device))
 
     def repeat_interleave(self, repeats: int) -> PackedPatterns:
-        hints = _follow(self.text_hints, "repeat_interleave", repeats)
-        return PackedPatterns(
-            self.tokens.repeat_interleave(repeats, 0), self.lengths.repeat_interleave(repeats, 0), hints
-        )
+        return self._with(lambda t: t.repeat_interleave(repeats, 0))
+
+    def _with(self, fn) -> PackedPatterns:
+        """fn applied to the rows: tokens, lengths, and the text_hints values that are row data (those with a
+        `follow(fn, tokens, lengths)` method: the answers' text, which then belongs to the new tensors)."""
+        tokens, lengths = fn(self.tokens), fn(self.lengths)
+        hints = self.text_hints
+        if hints:
+            hints = {k: (v.follow(fn, tokens, lengths) if hasattr(v, "follow") else v) for k, v in hints.items()}
+        return PackedPatterns(tokens, lengths, hints)
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
-
-
-def _follow(hints: Optional[dict], method: str, arg) -> Optional[dict]:
-    """text_hints with each value that has `method` (row data) replaced by value.method(arg); facts kept."""
-    if not hints:
-        return hints
-    return {k: (getattr(v, method)(arg) if hasattr(v, method) else v) for k, v in hints.items()}
 
 
 @dataclass

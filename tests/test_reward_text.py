@@ -382,6 +382,25 @@ def test_prepare_makes_the_answers_text_once_per_prompt_and_it_follows_the_rows(
     assert reward(batch, moved)[1]["answer_after_marker"].tolist() == [1.0] * 4 + [0.0] * 8
 
 
+def test_prepared_text_is_used_only_with_the_tensors_it_belongs_to(bpe_tok):
+    """Rows rebuilt with the same shape, tensors changed in place after prepare, and a pickled copy never score
+    against the prepared text of other rows: the text is made again from the tensors at hand."""
+    import pickle
+
+    reward = build_reward_fn(RewardConfig(components=ALL), bpe_tok, [bpe_tok.eos_token_id], 64)
+    rows = [bpe_tok.encode(t, add_special_tokens=False) for t in ("#### 5", "#### 72")]
+    batch = torch.tensor([r + [bpe_tok.eos_token_id] * (6 - len(r)) for r in rows])
+    prepared = reward.prepare(patterns_from_texts(bpe_tok, ["72", "5"]))  # both rows wrong
+    assert reward(batch, prepared)[1]["answer_after_marker"].tolist() == [0.0, 0.0]
+    swapped = type(prepared)(prepared.tokens.flip(0), prepared.lengths.flip(0), prepared.text_hints)
+    assert reward(batch, swapped)[1]["answer_after_marker"].tolist() == [1.0, 1.0]
+    copied = pickle.loads(pickle.dumps(swapped))
+    assert reward(batch, copied)[1]["answer_after_marker"].tolist() == [1.0, 1.0]
+    prepared.tokens.copy_(prepared.tokens.flip(0))  # in place: the prepared text is stale
+    prepared.lengths.copy_(prepared.lengths.flip(0))
+    assert reward(batch, prepared)[1]["answer_after_marker"].tolist() == [1.0, 1.0]
+
+
 def test_prepared_and_unprepared_patterns_agree_on_random_rows(bpe_tok):
     """Random texts with numbers, markers and text answers in several spellings: every component scores the same
     with prepared patterns (narrow windows, distinct texts only, skipped number / text paths) as without."""

@@ -564,20 +564,32 @@ class AnswerText:
         return self._map(lambda t: t.repeat_interleave(repeats, 0))
 
 
-@dataclass(eq=False)
 class PreparedText:
-    """The answers' text that `TextMatcher.prepare` made on the host, for the rows of the patterns it prepared
-    (shape: their tokens' [N, K, Q]); PackedPatterns.to / repeat_interleave move and repeat it with them, so that
-    a reward call on the samples of a prompt batch reads it instead of making it again."""
+    """The answers' text that `TextMatcher.prepare` made on the host for the rows of the patterns it prepared. It
+    belongs to those patterns' tensors (the same objects, unchanged since: weak references and their versions);
+    PackedPatterns.to / repeat_interleave give the moved / repeated text to the new tensors (`follow`), so that
+    a reward call on the samples of a prompt batch reads it instead of making it again. Other tensors (rows
+    rebuilt, changed in place) never use it. A pickled copy belongs to no tensors."""
 
-    text: AnswerText
-    shape: tuple
+    def __init__(self, text: AnswerText, tokens: torch.Tensor, lengths: torch.Tensor):
+        self.text = text
+        self._refs = (weakref.ref(tokens), weakref.ref(lengths))
+        self._versions = (tokens._version, lengths._version)
 
-    def to(self, device) -> PreparedText:
-        return PreparedText(self.text.to(device), self.shape)
+    def follow(self, fn, tokens: torch.Tensor, lengths: torch.Tensor) -> PreparedText:
+        """The text with `fn` applied to its tensors (a move, a repeat), for the patterns' new tensors."""
+        return PreparedText(self.text._map(fn), tokens, lengths)
 
-    def repeat_interleave(self, repeats: int) -> PreparedText:
-        return PreparedText(self.text.repeat_interleave(repeats), (self.shape[0] * repeats, *self.shape[1:]))
+    def belongs_to(self, tokens: torch.Tensor, lengths: torch.Tensor) -> bool:
+        t, n = self._refs
+        return t() is tokens and n() is lengths and self._versions == (tokens._version, lengths._version)
+
+    def __getstate__(self):
+        return {"text": self.text}
+
+    def __setstate__(self, state):
+        self.text = state["text"]
+        self._refs, self._versions = (lambda: None, lambda: None), None
 
 
 def _static_width(vb: VocabBytes, Q: int, max_bytes: int = ANSWER_MAX_BYTES) -> int:
@@ -1293,7 +1305,7 @@ class TextMatcher:
                 alternatives=max(1, int(keep.sum(1).max())) if N else 1,
             )
             # the answers' text as a reward call would make it from these hints, made here once per prompt batch
-            text = {self.token + _TEXT: PreparedText(_finish_answers(*fields_, hints, keep), tuple(tokens.shape))}
+            text = {self.token + _TEXT: PreparedText(_finish_answers(*fields_, hints, keep), tokens, lengths)}
         return replace(patterns, text_hints={**(patterns.text_hints or {}), self.token: hints, **text})
 
     def answers(self, ids: torch.Tensor, patterns) -> AnswerText:
@@ -1302,9 +1314,8 @@ class TextMatcher:
         tokens, lengths = patterns.tokens, patterns.lengths
         hints = getattr(patterns, "text_hints", None) or {}
         prepared = hints.get(self.token + _TEXT)
-        if isinstance(prepared, PreparedText) and prepared.shape == tuple(tokens.shape):
-            if prepared.text.lit.device == tokens.device:
-                return prepared.text  # made by prepare on the host, moved and repeated with the patterns
+        if isinstance(prepared, PreparedText) and prepared.belongs_to(tokens, lengths):
+            return prepared.text  # made by prepare on the host, moved and repeated with these tensors
         hints = hints.get(self.token)
         key = (id(tokens), id(lengths), hints)
         hit = self._answers.get(key)
