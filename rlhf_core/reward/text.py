@@ -374,28 +374,36 @@ _CONSTS: dict = {}
 def _consts(device: torch.device) -> tuple[torch.Tensor, ...]:
     """(_CLASSES, _DIGIT_POW10, _BUCKETS, _CLASSES as int32, _DIGIT_POW10 then its negation) on `device`, copied
     once."""
-    c = _CONSTS.get(device)
-    if c is None:
-        c = _CONSTS[device] = (
+    return _cached(
+        device,
+        lambda: (
             _CLASSES.to(device),
             _DIGIT_POW10.to(device),
             _BUCKETS.to(device),
             _CLASSES.to(device, torch.int32),
             torch.cat([_DIGIT_POW10, -_DIGIT_POW10]).to(device),  # signed: [sign * 256 * _CHUNK + b * _CHUNK + e]
-        )
+        ),
+    )
+
+
+def _cached(key, make):
+    """_CONSTS[key], made by make() the first time (small constant tensors, per device)."""
+    c = _CONSTS.get(key)
+    if c is None:
+        c = _CONSTS[key] = make()
     return c
 
 
 def _dot_zero_words(T: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """int64 [T - 2] each: '.' and j - 1 '0's as the first j bytes of an int64 word, and the mask of those bytes,
     for j = 2 .. T - 1 (T <= 8); copied to `device` once."""
-    key = ("dot_zeros", T, device)
-    c = _CONSTS.get(key)
-    if c is None:
+
+    def make():
         heads = [int.from_bytes(b"." + b"0" * (j - 1), "little") for j in range(2, T)]
         masks = [(1 << 8 * j) - 1 for j in range(2, T)]
-        c = _CONSTS[key] = (torch.tensor(heads, device=device), torch.tensor(masks, device=device))
-    return c
+        return torch.tensor(heads, device=device), torch.tensor(masks, device=device)
+
+    return _cached(("dot_zeros", T, device), make)
 
 
 def _at(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -489,17 +497,14 @@ def _numbers(x: torch.Tensor, cls: torch.Tensor):
     return canon, is_number, rest.squeeze(1)
 
 
-_POSITIONS: dict = {}
-
-
 def _positions(W: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(arange(W), arange(1, W + 1), W - arange(W)) on `device`, made once per width."""
-    key = (W, device)
-    c = _POSITIONS.get(key)
-    if c is None:
+
+    def make():
         pos = torch.arange(W, device=device)
-        c = _POSITIONS[key] = (pos, pos + 1, W - pos)
-    return c
+        return pos, pos + 1, W - pos
+
+    return _cached(("positions", W, device), make)
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -552,16 +557,10 @@ class AnswerText:
         return self.lit.shape[2]
 
     def _map(self, fn) -> AnswerText:
+        """fn applied to every tensor (a move, a repeat of the rows: `PreparedText.follow`)."""
         return replace(
             self, **{f.name: fn(v) for f in fields(self) if isinstance(v := getattr(self, f.name), torch.Tensor)}
         )
-
-    def to(self, device) -> AnswerText:
-        return self._map(lambda t: t.to(device))
-
-    def repeat_interleave(self, repeats: int) -> AnswerText:
-        """Each row `repeats` times (rows of a prompt's samples), as PackedPatterns.repeat_interleave."""
-        return self._map(lambda t: t.repeat_interleave(repeats, 0))
 
 
 class PreparedText:
@@ -805,18 +804,16 @@ def scan(codes_table: torch.Tensor, ids: torch.Tensor, block: int = MARKER_BLOCK
     return codes, n_valid, idx
 
 
-_FIRST_STOP_BYTE: dict = {}
-
-
 def _first_stop_byte(device: torch.device) -> torch.Tensor:
     """int64 [11]: 256 ** b % 11 -> b for b in 0..3, 0 -> 4 (see `scan`); copied to `device` once."""
-    t = _FIRST_STOP_BYTE.get(device)
-    if t is None:
+
+    def make():
         table = [4] * 11
         for b in range(4):
             table[256**b % 11] = b
-        t = _FIRST_STOP_BYTE[device] = torch.tensor(table, device=device)
-    return t
+        return torch.tensor(table, device=device)
+
+    return _cached(("first stop byte", device), make)
 
 
 def _blocks_with(codes: torch.Tensor, bit: int, block: int) -> torch.Tensor:
@@ -873,13 +870,8 @@ def last_marker(
     # each chosen block with the m - 1 tokens before it, as (id + 1) * m row offsets into the int32 tables:
     # [N, k, m - 1 + block]; token p - (m - 1) + d of every position p of a block is the slice d .. d + block
     tm = _block_windows(index, chosen, block, m - 1).mul_(m)
-    state = torch.zeros(N, k, block, dtype=torch.int32, device=device)
-    for d in range(m - 1):
-        state = _at(vb.next_state1_i, tm[:, :, d : d + block] + state)
-    end = _at(vb.match_end1_i, tm[:, :, m - 1 :] + state)  # [N, k, block], -1 = no occurrence ends there
-    # positions before the first stop: j < n_valid - the block's start (none in a missing block)
-    lim = torch.where(chosen >= 0, n_valid.unsqueeze(1) - chosen * block, 0).to(torch.int32)
-    valid = (end >= 0) & (torch.arange(block, dtype=torch.int32, device=device) < lim.unsqueeze(-1))
+    end = _at(vb.match_end1_i, _table_rows(tm, vb.next_state1_i, m))  # [N, k, block], -1 = no occurrence ends there
+    valid = (end >= 0) & _before_stop(chosen, n_valid, block)
     # the last occurrence: blocks are ascending, so the largest (k * block index) * stride + end over valid ones
     stride = vb.max_len + 1
     order = torch.arange(k * block, dtype=torch.int32, device=device).view(k, block) * stride
@@ -889,6 +881,24 @@ def last_marker(
     at = best // stride  # k * block index
     token = (chosen.gather(1, (at // block).unsqueeze(1)).squeeze(1) * block + at % block) * found  # 0: none
     return found, token, best % stride
+
+
+def _table_rows(tm: torch.Tensor, next_state: torch.Tensor, m: int) -> torch.Tensor:
+    """For each position of blocks with the m - 1 tokens before them (`_block_windows`, times m: automaton table
+    rows by id + 1, [N, k, m - 1 + block]), its automaton table row: the state before it, walked from state 0 over
+    those m - 1 tokens, plus its own row offset. -> [N, k, block]."""
+    block = tm.shape[2] - (m - 1)
+    state = None
+    for d in range(m - 1):
+        state = _at(next_state, tm[:, :, d : d + block] if state is None else tm[:, :, d : d + block] + state)
+    return tm[:, :, m - 1 :] if state is None else tm[:, :, m - 1 :] + state
+
+
+def _before_stop(chosen: torch.Tensor, n_valid: torch.Tensor, block: int) -> torch.Tensor:
+    """BoolTensor [N, k, block]: the positions of the chosen blocks (LongTensor [N, k], -1 = none: no position)
+    before the row's first stop."""
+    lim = torch.where(chosen >= 0, n_valid.unsqueeze(1) - chosen * block, 0).to(torch.int32)
+    return torch.arange(block, dtype=torch.int32, device=chosen.device) < lim.unsqueeze(-1)
 
 
 def _block_windows(index: torch.Tensor, chosen: torch.Tensor, block: int, before: int) -> torch.Tensor:
@@ -1144,15 +1154,9 @@ def format_windows(
         # each chosen block with the m - 1 tokens before it (as in last_marker): [N, k, m - 1 + block] of id + 1
         # (0 before the row); token p - j of every position p of a block is the slice m - 1 - j ..
         t = _block_windows(index, chosen, block, m - 1)
-        tm = t * m  # automata rows by id + 1
-        state = None  # from state 0
-        for d in range(m - 1):
-            state = _at(next_state, tm[:, :, d : d + block] if state is None else tm[:, :, d : d + block] + state)
-        row = tm[:, :, m - 1 :] if state is None else tm[:, :, m - 1 :] + state  # [N, k, block]
+        row = _table_rows(t * m, next_state, m)  # [N, k, block]
         if first and final:  # one text: whether it occurs (a token's last occurrence ends there if any does)
-            lim = torch.where(chosen >= 0, n_valid.unsqueeze(1) - chosen * block, 0)  # positions before the stop
-            hit = (_at(last_end, row) >= 0) & (torch.arange(block, device=device) < lim.unsqueeze(-1))
-            return hit.flatten(1).any(dim=1).float()
+            return ((_at(last_end, row) >= 0) & _before_stop(chosen, n_valid, block)).flatten(1).any(dim=1).float()
         row = row.reshape(N, k * block)
         p = (chosen.unsqueeze(-1) * block + torch.arange(block, device=device)).flatten(1)  # [N, P]
         ok = (p >= 0) & (p < n_valid.unsqueeze(1))
