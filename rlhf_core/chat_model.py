@@ -19,8 +19,6 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Optional
 
-import torch
-
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 CHAT_SPECIAL_TOKENS = [ENDOFTEXT, IM_START, IM_END]
 CHATML_TEMPLATE = (
@@ -107,6 +105,7 @@ def build_chat_policy(
     max_positions: int = 512,
 ) -> Path:
     """Build and save a Qwen2 chat policy with a locally trained byte-level BPE tokenizer. Returns `out_dir`."""
+    import torch
     from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
     from transformers.utils import logging as hf_logging
 

@@ -23,6 +23,28 @@ def test_control_and_transport_import_no_ray():
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=120)
 
 
+def test_the_prompt_queue_and_weight_store_processes_import_no_torch(max3_prompts):
+    """Their Ray actors load the class by reference and unpickle the prompts they are given: neither needs torch
+    (or transformers), so those two processes stay small (about 125 MB each here instead of about 305 MB)."""
+    import pickle
+
+    train, _ = max3_prompts
+    code = (
+        "import pickle, sys\n"
+        "from rlhf_core.distributed.control import PromptQueue, WeightStore\n"
+        "prompts = pickle.loads(sys.stdin.buffer.read())\n"
+        "q = PromptQueue(prompts, seed=1); q.top_up(4); served = q.get(6); q.load_state_dict(q.state_dict())\n"
+        "store = WeightStore(); store.publish(3, ['ref'], 0.1); assert store.get_if_newer(2) == (3, ['ref'])\n"
+        "assert len(served) == 6 and served[0].prompt_ids, served\n"
+        "heavy = sorted({'torch', 'transformers', 'ray'} & set(sys.modules))\n"
+        "assert not heavy, f'imported {heavy}'\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, input=pickle.dumps(train[:20]), capture_output=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr.decode()[-2000:]
+
+
 def test_prompt_queue_refills_itself_and_resumes_its_position(max3_prompts):
     train, _ = max3_prompts
     q = PromptQueue(train, seed=3)

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
-import torch
 
-from rlhf_core.types import PackedPatterns
+if TYPE_CHECKING:  # torch is imported where tensors are made: the prompt queue's process never needs it
+    import torch
+
+    from rlhf_core.types import PackedPatterns
 
 
 @dataclass
@@ -59,6 +61,10 @@ def collate_prompts(
     prompts: Sequence[Prompt], pad_token_id: int, max_prompt_tokens: Optional[int] = None
 ) -> PromptBatch:
     """Left-pad prompts into tensors and pack their answer patterns (not a hot path: runs once per batch)."""
+    import torch
+
+    from rlhf_core.types import PackedPatterns
+
     if not prompts:
         raise ValueError("collate_prompts needs at least one prompt")
     rows = [p.prompt_ids[-max_prompt_tokens:] if max_prompt_tokens else p.prompt_ids for p in prompts]

@@ -11,12 +11,12 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-from rlhf_core.buffer import VersionedReplayBuffer
-from rlhf_core.data import Prompt, PromptSource
-from rlhf_core.distributed.transport import group_rows
-from rlhf_core.types import Experience
+from rlhf_core.data.prompts import Prompt, PromptSource
+
+if TYPE_CHECKING:
+    from rlhf_core.types import Experience
 
 
 class PromptQueue:
@@ -80,6 +80,8 @@ class ExperienceBuffer:
     """
 
     def __init__(self, max_size: int, max_staleness: int, prompts_per_step: int, admission: bool = True):
+        from rlhf_core.buffer import VersionedReplayBuffer  # torch: only this actor holds tensors
+
         self.buf = VersionedReplayBuffer(max_size, max_staleness)
         self.max_staleness = max_staleness
         self.admission_window = max_staleness
@@ -135,6 +137,8 @@ class ExperienceBuffer:
         """Groups as pack_groups made them (or Experience objects). They are stored as they come: the
         buffer reads only policy_version, so a group crosses rollout -> buffer -> trainer without being
         unpacked and packed again in between."""
+        from rlhf_core.distributed.transport import group_rows
+
         accepted = 0
         for g in groups:
             accepted += bool(self.buf.push(g))
