@@ -230,6 +230,20 @@ def test_table_contains(any_tok):
     _check_table(any_tok, "contains", CONTAINS_CASES)
 
 
+# Bytes are classified in ASCII (docs/rewards.md, common rules): where a Unicode-aware Python grader decides
+# otherwise, the documented behaviour (a no-break space is not whitespace; a byte from 0x80 continues a word)
+ASCII_CLASS_CASES = {
+    "answer_after_marker": [("####\u00a072", "72", 0.0), ("#### 72 \u20ac", "72", 1.0), ("#### 72\u20ac", "72", 1.0)],
+    "exact_match": [("72\u00a0", "72", 0.0), ("72 ", "72", 1.0)],
+    "contains": [("it costs 72\u20ac", "72", 0.0), ("it costs 72 \u20ac", "72", 1.0)],
+}
+
+
+def test_bytes_are_classified_in_ascii_as_documented(bpe_tok):
+    for component, cases in ASCII_CLASS_CASES.items():
+        _check_table(bpe_tok, component, cases)
+
+
 def test_byte_table_decodes_like_the_tokenizer(bpe_tok):
     table = token_bytes(bpe_tok)
     g = torch.Generator().manual_seed(0)
