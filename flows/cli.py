@@ -463,6 +463,8 @@ def read_score_input(path: str | Path, answer_key: str = "answer") -> list[dict]
     rows = []
     for lineno, where, row in read_jsonl(path):
         answer = get_field(row, answer_key, None)  # dotted keys reach nested objects, as in the datasets
+        if answer is None and row.get(answer_key, 0) is None:
+            raise DatasetError(f"{where}: {answer_key!r} is null; write the answer (text or a number) there")
         if answer is None:
             raise DatasetError(
                 f"{where}: no {answer_key!r} key (the line has keys {sorted(row)}); write the answer under "

@@ -148,6 +148,7 @@ def test_score_bad_input_names_file_and_line(chat_policy_dir, tmp_path, capsys):
     base = ["--set", f"model.path={chat_policy_dir}", *SCORE_CHAT]
     cases = [
         ({"response": "#### 72"}, "no 'answer' key (the line has keys ['response'])"),
+        ({"answer": None, "response": "#### 72"}, "'answer' is null; write the answer"),
         ({"answer": "72"}, "exactly one of 'response' (text) or 'response_ids'"),
         ({"answer": "72", "response": "x", "response_ids": [1]}, "exactly one of"),
         ({"answer": "72", "response_ids": [1, 10**6]}, "token id 1000000"),
