@@ -3,7 +3,9 @@ control, weight-store bookkeeping.
 
 Nothing here imports Ray. The runtime makes each one a Ray actor as it is (`ray.remote(PromptQueue)`), so
 that every rule about prompts, admission, staleness and published versions is unit-tested without Ray;
-the single-process loop uses PromptQueue directly.
+the single-process loop uses PromptQueue directly. Importing this module imports no torch either: the prompt
+queue and the weight store hold no tensors, so their actor processes never load it (the experience buffer
+imports what it needs when it is made).
 """
 
 from __future__ import annotations
