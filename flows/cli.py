@@ -211,13 +211,17 @@ def _quiet_terminal() -> None:
 def cmd_train(cfg: TrainConfig, resume_from: Optional[str]) -> int:
     """Run the flow in this process. SIGTERM ends it like Ctrl-C: the runtime is torn down, the MLflow run
     ends KILLED, and the temporary Prefect API (when no API is configured) is stopped last."""
-    from flows.local_api import local_prefect_api
-    from flows.train import train  # imports prefect, mlflow (through tasks); ray is imported at launch
+    import importlib
 
-    _quiet_terminal()
+    from flows.local_api import local_prefect_api
+
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
-        with local_prefect_api() as temporary_api:
+        # the flow's imports (prefect, mlflow through tasks; ray is imported at launch) while the API starts
+        with local_prefect_api(while_starting=lambda: importlib.import_module("flows.train")) as temporary_api:
+            from flows.train import train
+
+            _quiet_terminal()
             try:
                 state = train(config=cfg, resume_from=resume_from, return_state=True)
             except KeyboardInterrupt:
@@ -321,14 +325,17 @@ def cmd_sweep(
     sweep_id: Optional[str],
 ) -> int:
     """Run the sweep flow in this process (against a temporary Prefect API when none is configured)."""
+    import importlib
+
     from flows.local_api import local_prefect_api
-    from flows.sweep import sweep
-    from tasks.sweep import table_markdown
-    from tasks.tracking import ui_command
 
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
-        with local_prefect_api() as temporary_api:
+        with local_prefect_api(while_starting=lambda: importlib.import_module("flows.sweep")) as temporary_api:
+            from flows.sweep import sweep
+            from tasks.sweep import table_markdown
+            from tasks.tracking import ui_command
+
             try:
                 state = sweep(
                     base_config=cfg,

@@ -296,6 +296,20 @@ def test_bad_config_fails_fast_naming_the_field(prefect_api, work):
     assert len(runs_named(work, "bad")) == before  # nothing was started or recorded
 
 
+def test_the_cli_api_runs_its_start_hook_once_and_keeps_a_configured_api(prefect_api):
+    """With an API configured (this module's server), `local_prefect_api` starts none, yields None and still calls
+    `while_starting` (where the CLI imports its flow) exactly once; the temporary-server path is the CLI's own in
+    tests/test_signals.py."""
+    from prefect.settings import get_current_settings
+
+    from flows.local_api import local_prefect_api
+
+    calls = []
+    with local_prefect_api(while_starting=lambda: calls.append(get_current_settings().api.url)) as url:
+        assert url is None
+    assert calls == [prefect_api["url"]]
+
+
 def test_a_run_directory_in_use_by_a_live_run_is_refused_at_start(prefect_api, work):
     """Two runs told to share one directory (an explicit run.name): the second refuses before anything starts,
     naming the field and the process that holds it; the first one's files are untouched."""
