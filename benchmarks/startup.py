@@ -10,6 +10,12 @@ tiny policy afresh in a temporary output directory unless --keep-policy names on
     python benchmarks/startup.py                  # table
     python benchmarks/startup.py --json           # one JSON object on stdout, nothing else
     python benchmarks/startup.py --set rollout.num_workers=2
+    python benchmarks/startup.py --cli            # `atrlhf train` end to end instead (below)
+
+--cli runs `atrlhf train --config <config> --set trainer.total_steps=2 ...` in a subprocess without a configured
+Prefect API (so the CLI starts its temporary one), PREFECT_HOME in a temporary directory whose database a
+first, untimed run creates (as a user's ~/.prefect has one), and reports the seconds until the flow's first
+log line ("Beginning flow run") and until the command exits.
 """
 
 from __future__ import annotations
@@ -71,6 +77,24 @@ def measure(config: str, overrides: list[str], output_dir: str) -> dict:
     return {"steps": steps, "launch_s": sum(s["s"] for s in steps[:-1]), "rss_mb": rss}
 
 
+def measure_cli(config: str, overrides: list[str], prefect_home: str, output_dir: str) -> dict:
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env.update(PREFECT_HOME=prefect_home, PREFECT_SERVER_ANALYTICS_ENABLED="false", RAY_USAGE_STATS_ENABLED="0")
+    cmd = [str(Path(sys.executable).with_name("atrlhf")), "train", "--config", config, "--set"]
+    cmd += [f"run.output_dir={output_dir}", f"tracking.tracking_uri=sqlite:///{output_dir}/mlflow.db"]
+    cmd += ["trainer.total_steps=2", "tracking.log_system_metrics=false", *overrides]
+    start, first = time.perf_counter(), None
+    with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+        for line in proc.stdout:
+            if first is None and "Beginning flow run" in line:
+                first = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} exited with {proc.returncode}")
+    return {"first_flow_line_s": first, "total_s": time.perf_counter() - start}
+
+
 def _ray_rss() -> dict[str, int]:
     """RSS in MB of every `ray::` process (actors by class, Ray's agents), the largest of a name kept."""
     import psutil
@@ -89,15 +113,24 @@ def main(argv=None) -> None:
     parser.add_argument("--config", default="configs/tiny.yaml")
     parser.add_argument("--set", dest="overrides", nargs="*", default=[], help="config overrides, key=value")
     parser.add_argument("--json", action="store_true", help="print one JSON object of all figures, nothing else")
+    parser.add_argument("--cli", action="store_true", help="time `atrlhf train` end to end instead")
     args = parser.parse_args(argv)
     from machine import cpu_model
 
     with tempfile.TemporaryDirectory() as d:
-        result = measure(args.config, args.overrides, d)
-    report = {"benchmark": "startup", "date": date.today().isoformat(), "cpu": cpu_model(), **result}
-    report["load_average"] = list(os.getloadavg())
+        if args.cli:
+            measure_cli(args.config, args.overrides, f"{d}/prefect", f"{d}/warm-up")  # creates the database
+            result = measure_cli(args.config, args.overrides, f"{d}/prefect", f"{d}/run")
+        else:
+            result = measure(args.config, args.overrides, d)
+    report = {"benchmark": "startup_cli" if args.cli else "startup", "date": date.today().isoformat()}
+    report.update(cpu=cpu_model(), **result, load_average=list(os.getloadavg()))
     if args.json:
         print(json.dumps(report))
+        return
+    if args.cli:
+        print(f"atrlhf train {args.config} (2 steps), {report['cpu']}, load {report['load_average']}")
+        print(f"  first flow log line {result['first_flow_line_s']:.2f} s, exit {result['total_s']:.2f} s")
         return
     print(f"start-up of {args.config} {' '.join(args.overrides)}, {report['cpu']}, load {report['load_average']}")
     for s in result["steps"]:
