@@ -182,10 +182,6 @@ def _run_config_of(target: str) -> Optional[Path]:
 
 
 # ------------------------------------------------------------------------------------------------ train
-def _interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 class _HideCompletedTaskRuns:
     """Drops Prefect's per-task "Finished in state Completed()" lines from the terminal only: they would bury
     the progress lines. Failed or crashed task runs still print (at ERROR); the Prefect UI keeps every line."""
@@ -213,9 +209,11 @@ def cmd_train(cfg: TrainConfig, resume_from: Optional[str]) -> int:
     ends KILLED, and the temporary Prefect API (when no API is configured) is stopped last."""
     import importlib
 
+    from flows import interrupts
     from flows.local_api import local_prefect_api
 
-    previous = signal.signal(signal.SIGTERM, _interrupt)
+    interrupts.clear()
+    previous = {sig: signal.signal(sig, interrupts.handler) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         # the flow's imports (prefect, mlflow through tasks; ray is imported at launch) while the API starts
         with local_prefect_api(while_starting=lambda: importlib.import_module("flows.train")) as temporary_api:
@@ -234,7 +232,9 @@ def cmd_train(cfg: TrainConfig, resume_from: Optional[str]) -> int:
             ok = state.is_completed() and isinstance(result, dict)
             print(_train_summary(cfg, state, result if ok else None, flow_run_id, temporary_api is not None))
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        interrupts.clear()  # a flow run later in this process (a test, a notebook) starts with none pending
     if ok:
         return 0
     if state.is_cancelled():
@@ -327,9 +327,11 @@ def cmd_sweep(
     """Run the sweep flow in this process (against a temporary Prefect API when none is configured)."""
     import importlib
 
+    from flows import interrupts
     from flows.local_api import local_prefect_api
 
-    previous = signal.signal(signal.SIGTERM, _interrupt)
+    interrupts.clear()
+    previous = {sig: signal.signal(sig, interrupts.handler) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         with local_prefect_api(while_starting=lambda: importlib.import_module("flows.sweep")) as temporary_api:
             from flows.sweep import sweep
@@ -355,7 +357,9 @@ def cmd_sweep(
             ok = isinstance(result, dict)  # a Failed sweep with failed points still carries its table
             where, see = _prefect_location(flow_run_id, temporary_api is not None)
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        interrupts.clear()  # a flow run later in this process (a test, a notebook) starts with none pending
     if not ok:
         print(f"atrlhf: the sweep failed: {type(result).__name__}: {result}", file=sys.stderr)
         return EXIT_CONFIG if isinstance(result, ConfigError) else EXIT_FAILED

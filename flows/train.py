@@ -36,6 +36,7 @@ from prefect.exceptions import TerminationSignal
 from prefect.runtime import flow_run as current_flow_run
 from prefect.states import Cancelled
 
+from flows import interrupts
 from rlhf_core.config import TrainConfig, validate_config
 from rlhf_core.preflight import LATEST, RunDirClaim, claim_run_dir, default_run_name
 from rlhf_core.supervision import HealthEvent, Supervisor
@@ -286,6 +287,7 @@ def supervise(run: RunState, cancel: CancelWatch) -> bool:
     run.runtime.run_facts = run.checkpoint_facts  # the async trainer writes its own checkpoints with these
     run.runtime.start()
     while True:
+        interrupts.raise_if_pending()  # a Ctrl-C whose KeyboardInterrupt a finalizer swallowed
         poll = supervisor.tick()
         _record(run, poll)
         if cfg.runtime.mode == "async":  # written by the trainer at exact multiples of checkpoint_every
