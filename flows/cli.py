@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -212,9 +211,7 @@ def cmd_train(cfg: TrainConfig, resume_from: Optional[str]) -> int:
     from flows import interrupts
     from flows.local_api import local_prefect_api
 
-    interrupts.clear()
-    previous = {sig: signal.signal(sig, interrupts.handler) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
+    with interrupts.handled():
         # the flow's imports (prefect, mlflow through tasks; ray is imported at launch) while the API starts
         with local_prefect_api(while_starting=lambda: importlib.import_module("flows.train")) as temporary_api:
             from flows.train import train
@@ -231,10 +228,6 @@ def cmd_train(cfg: TrainConfig, resume_from: Optional[str]) -> int:
             result = state.result(raise_on_failure=False)
             ok = state.is_completed() and isinstance(result, dict)
             print(_train_summary(cfg, state, result if ok else None, flow_run_id, temporary_api is not None))
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        interrupts.clear()  # a flow run later in this process (a test, a notebook) starts with none pending
     if ok:
         return 0
     if state.is_cancelled():
@@ -330,9 +323,7 @@ def cmd_sweep(
     from flows import interrupts
     from flows.local_api import local_prefect_api
 
-    interrupts.clear()
-    previous = {sig: signal.signal(sig, interrupts.handler) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
+    with interrupts.handled():
         with local_prefect_api(while_starting=lambda: importlib.import_module("flows.sweep")) as temporary_api:
             from flows.sweep import sweep
             from tasks.sweep import table_markdown
@@ -356,10 +347,6 @@ def cmd_sweep(
             result = state.result(raise_on_failure=False)
             ok = isinstance(result, dict)  # a Failed sweep with failed points still carries its table
             where, see = _prefect_location(flow_run_id, temporary_api is not None)
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        interrupts.clear()  # a flow run later in this process (a test, a notebook) starts with none pending
     if not ok:
         print(f"atrlhf: the sweep failed: {type(result).__name__}: {result}", file=sys.stderr)
         return EXIT_CONFIG if isinstance(result, ConfigError) else EXIT_FAILED

@@ -9,6 +9,10 @@ tick (`raise_if_pending`). Under a Prefect worker nothing is recorded: Prefect h
 
 from __future__ import annotations
 
+import contextlib
+import signal
+from collections.abc import Iterator
+
 _pending: list[int] = []
 
 
@@ -27,3 +31,17 @@ def raise_if_pending() -> None:
 def clear() -> None:
     """Forget recorded signals (a new command in the same process)."""
     _pending.clear()
+
+
+@contextlib.contextmanager
+def handled() -> Iterator[None]:
+    """`handler` for SIGINT and SIGTERM for the block (a CLI command), nothing pending before or after it (a flow
+    run later in this process, a test or a notebook, starts with none); the previous handlers are back on exit."""
+    clear()
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+        clear()
