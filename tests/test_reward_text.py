@@ -203,6 +203,15 @@ def any_tok(request, word_tok, bpe_tok):
     return word_tok if request.param == "word_level" else bpe_tok
 
 
+@pytest.fixture(params=["kernel", "tensor_code"])
+def text_path(request, monkeypatch):
+    """Runs a test on CPU twice: with the fused kernel (where it builds) and with the tensor code (the path on
+    every other device; ATRLHF_TEXT_KERNEL=0)."""
+    if request.param == "tensor_code":
+        monkeypatch.setenv("ATRLHF_TEXT_KERNEL", "0")
+    return request.param
+
+
 def _check_table(tokenizer, component, cases):
     stop = tokenizer.eos_token_id
     reward = build_reward_fn(RewardConfig(components={component: 1.0}), tokenizer, [stop], 64)
@@ -218,15 +227,15 @@ def _check_table(tokenizer, component, cases):
     assert not wrong, wrong
 
 
-def test_table_answer_after_marker(any_tok):
+def test_table_answer_after_marker(any_tok, text_path):
     _check_table(any_tok, "answer_after_marker", MARKER_CASES)
 
 
-def test_table_exact_match(any_tok):
+def test_table_exact_match(any_tok, text_path):
     _check_table(any_tok, "exact_match", EXACT_CASES)
 
 
-def test_table_contains(any_tok):
+def test_table_contains(any_tok, text_path):
     _check_table(any_tok, "contains", CONTAINS_CASES)
 
 
@@ -239,7 +248,7 @@ ASCII_CLASS_CASES = {
 }
 
 
-def test_bytes_are_classified_in_ascii_as_documented(bpe_tok):
+def test_bytes_are_classified_in_ascii_as_documented(bpe_tok, text_path):
     for component, cases in ASCII_CLASS_CASES.items():
         _check_table(bpe_tok, component, cases)
 
@@ -267,14 +276,14 @@ def test_byte_table_decodes_like_the_tokenizer(bpe_tok):
         (["##", "##", "\u0120", "-", "7"], "7", 0.0),  # -7
     ],
 )
-def test_reported_cases_bpe(bpe_tok, tokens, answer, want):
+def test_reported_cases_bpe(bpe_tok, text_path, tokens, answer, want):
     vocab = bpe_tok.get_vocab()
     row = [vocab[t] for t in tokens]
     reward = build_reward_fn(RewardConfig(components={"answer_after_marker": 1.0}), bpe_tok, [bpe_tok.eos_token_id], 16)
     assert score(reward, bpe_tok, [row], [answer], bpe_tok.eos_token_id)["answer_after_marker"].tolist() == [want]
 
 
-def test_two_tokenizers_agree_on_the_same_text(word_tok, bpe_tok):
+def test_two_tokenizers_agree_on_the_same_text(word_tok, bpe_tok, text_path):
     """'#### 7 5' used to score differently under two tokenizers; as text it is the number 7 after the marker."""
     for tok in (word_tok, bpe_tok):
         reward = build_reward_fn(RewardConfig(components={"answer_after_marker": 1.0}), tok, [tok.eos_token_id], 16)

@@ -32,6 +32,11 @@ CPU. The answers' text is computed once per PackedPatterns object (cached while 
 again), in windows as wide as the batch's longest answer when the host prepared the patterns
 (`TextMatcher.prepare`: AnswerHints read where they are packed, so the device never syncs for them), else
 as wide as a static bound.
+
+This tensor code is the reference and the path on accelerators. On CPU, `TextMatcher` runs the same
+computation through a fused kernel (`kernel.py`, `text_kernel.c`: one loop per row on the tensors in place, the
+same windows and limits; tests/test_reward_kernel.py holds the two equal), because there a call's few hundred
+small ops cost more in dispatch than in work; without a C compiler, or with ATRLHF_TEXT_KERNEL=0, this code runs.
 """
 
 from __future__ import annotations
@@ -1206,6 +1211,7 @@ class TextMatcher:
     # names this matcher's AnswerHints: random, so that patterns prepared in one process never carry hints a
     # different matcher of another process would take for its own (a pickled copy keeps the name: same tables)
     token: str = field(default_factory=lambda: secrets.token_hex(8), repr=False)
+    kernel: bool = True  # on CPU, use the fused kernel (`kernel.py`) when it loads; False: always the tensor code
 
     @classmethod
     def build(cls, tokenizer, marker: str, format_sequences=()) -> TextMatcher:
@@ -1273,13 +1279,67 @@ class TextMatcher:
             buffers = self._on_device[key] = tuple(torch.empty(ids.shape, dtype=d) for d in dtypes)
         return buffers
 
+    def _lib(self, device: torch.device):
+        """The fused CPU kernel (`kernel.load`) for tensors on `device`, or None: the tensor code."""
+        if not self.kernel or device.type != "cpu":
+            return None
+        from rlhf_core.reward import kernel
+
+        return kernel.load()
+
     def rows(self, ids: torch.Tensor, stop_ids) -> Rows:
         """The one pass over all tokens (`scan`): codes and the first stop of each row. Stop ids outside the
         tokenizer are never found (ids there read as the byte-less token)."""
         stop_ids = tuple(int(s) for s in stop_ids)
+        lib = self._lib(ids.device)
+        if lib is not None and ids.dim() == 2 and ids.numel() and ids.dtype in (torch.int64, torch.int32):
+            return self._rows_kernel(lib, ids.contiguous(), stop_ids)
         scratch = self._cpu_buffers("scan", ids, (torch.int32, torch.uint8))
         codes, n_valid, index = scan(self._codes_table(ids.device, stop_ids), ids.contiguous(), scratch=scratch)
         return Rows(ids, codes, n_valid, index)
+
+    def _rows_kernel(self, lib, ids: torch.Tensor, stop_ids: tuple[int, ...]) -> Rows:
+        """`rows` by the kernel's scan (the same index, codes and first stops), into this thread's buffers."""
+        from rlhf_core.reward.kernel import ptr
+
+        N, L = ids.shape
+        Lp = -(-L // MARKER_BLOCK_TOKENS) * MARKER_BLOCK_TOKENS
+        key = ("kernel scan", threading.get_ident(), N, L)
+        buffers = self._on_device.get(key)
+        if buffers is None:
+            buffers = self._on_device[key] = (
+                torch.empty(N, L, dtype=torch.int32),
+                torch.empty(N, Lp, dtype=torch.uint8),
+            )
+        index, codes = buffers
+        table = self._codes_table(ids.device, stop_ids)
+        n_valid = torch.empty(N, dtype=torch.long)
+        lib.atr_scan(
+            ptr(ids),
+            int(ids.dtype == torch.int32),
+            N,
+            L,
+            Lp,
+            ptr(table),
+            table.numel() - 1,
+            ptr(index),
+            ptr(codes),
+            ptr(n_valid),
+        )
+        return Rows(ids, codes, n_valid, index)
+
+    def _answer_args(self, ans: AnswerText) -> tuple:
+        """AnswerText as the kernel's answer arguments (K, Wa, Ca2, lit, lit_len, canon, is_num, any_num, any_text)
+        and the contiguous tensors they point into (kept alive by the caller)."""
+        from rlhf_core.reward.kernel import ptr
+
+        long = torch.int64
+        keep = (ans.lit.to(long).contiguous(), ans.lit_len.to(long).contiguous(), ans.canon.to(long).contiguous())
+        keep += (ans.is_num.to(torch.bool).contiguous(),)
+        lit, lit_len, canon, is_num = keep
+        K, Wa = lit.shape[1], lit.shape[2]
+        args = (K, Wa, canon.shape[2], ptr(lit), ptr(lit_len), ptr(canon), ptr(is_num))
+        return args + (int(ans.any_num is not False), int(ans.any_text is not False)), keep
 
     def prepare(self, patterns):
         """`patterns` (PackedPatterns) with this matcher's AnswerHints attached, read on the host: call it where the
@@ -1340,8 +1400,34 @@ class TextMatcher:
         N, L = ids.shape
         if L == 0 or not vb.marker:
             return torch.zeros(N, device=ids.device)
-        found, tok, offset = last_marker(vb, rows.index, rows.codes, n_valid)
         width = ans.width + self.answer_window_bytes
+        lib = self._lib(ids.device)
+        if lib is not None and width + 2 <= _kernel_width() and _kernel_reads(rows):
+            from rlhf_core.reward.kernel import ptr
+
+            args, _keep = self._answer_args(ans)
+            out = torch.empty(N, dtype=torch.float32)
+            lib.atr_answer_after_marker(
+                ptr(rows.index),
+                ptr(rows.codes),
+                N,
+                L,
+                rows.codes.shape[1],
+                ptr(n_valid),
+                max(len(vb.marker), 1),
+                ptr(vb.next_state1_i),
+                ptr(vb.match_end1_i),
+                ptr(vb.flat0),
+                ptr(vb.offsets1_i),
+                ptr(vb.lengths1_i),
+                MARKER_BLOCKS,
+                MARKER_BLOCK_TOKENS,
+                width,
+                *args,
+                ptr(out),
+            )
+            return out
+        found, tok, offset = last_marker(vb, rows.index, rows.codes, n_valid)
         A = min(width + 1, L)  # one token and byte more: a window the text runs past is told from one it fills
         idx = (tok.unsqueeze(1) + torch.arange(A, device=ids.device)).clamp_(max=L - 1)
         window = rows.index.gather(1, idx)  # ids + 1
@@ -1356,6 +1442,25 @@ class TextMatcher:
         vb, _ = self.on(ids.device)
         N, L = ids.shape
         width = ans.width + self.answer_window_bytes
+        lib = self._lib(ids.device)
+        if lib is not None and width + 2 <= _kernel_width() and L and _kernel_reads(rows):
+            from rlhf_core.reward.kernel import ptr
+
+            args, _keep = self._answer_args(ans)
+            out = torch.empty(N, dtype=torch.float32)
+            lib.atr_exact_match(
+                ptr(rows.index),
+                N,
+                L,
+                ptr(n_valid),
+                ptr(vb.flat0),
+                ptr(vb.offsets1_i),
+                ptr(vb.lengths1_i),
+                width,
+                *args,
+                ptr(out),
+            )
+            return out
         A = min(width, L)
         x, x_len = tokens_to_bytes(vb, rows.index[:, :A], n_valid.clamp(max=A), None, width + 1, shifted=True)
         fits = (n_valid <= A) & (x_len <= width)
@@ -1373,6 +1478,38 @@ class TextMatcher:
         if key not in self._on_device:
             t = self.first_table
             self._on_device[key] = torch.cat([t[-1:], t]).to(rows.ids.device)  # entry 0: ids outside [0, V)
+        lib = self._lib(rows.ids.device)
+        N, L = rows.index.shape
+        Wc = ans.words.shape[2] * 8
+        if lib is not None and Wc + 13 <= _kernel_width() and _kernel_reads(rows):
+            from rlhf_core.reward.kernel import ptr
+
+            lit, lit_len = ans.lit.to(torch.int64).contiguous(), ans.lit_len.to(torch.int64).contiguous()
+            first_mask = ans.first_mask.to(torch.int32).contiguous()
+            out = torch.empty(N, dtype=torch.float32)
+            lib.atr_contains(
+                ptr(rows.index),
+                N,
+                L,
+                ptr(rows.n_valid),
+                ptr(self._on_device[key]),
+                ptr(first_mask),
+                ptr(vb.flat0),
+                ptr(vb.offsets1_i),
+                ptr(vb.lengths1_i),
+                CONTAINS_BLOCKS,
+                CONTAINS_WINDOWS,
+                MARKER_BLOCK_TOKENS,
+                Wc,
+                CONTAINS_LEAD_BYTES,
+                CONTAINS_TAIL_BYTES,
+                lit.shape[1],
+                lit.shape[2],
+                ptr(lit),
+                ptr(lit_len),
+                ptr(out),
+            )
+            return out
         scratch = self._cpu_buffers("contains", rows.ids, (torch.int32,))
         return contains_windows(
             vb, self._on_device[key], rows.index, rows.n_valid, ans, scratch=scratch[0] if scratch else None
@@ -1380,6 +1517,77 @@ class TextMatcher:
 
     def format(self, rows: Rows) -> torch.Tensor:
         vb, automata = self.on(rows.ids.device)
+        lib = self._lib(rows.ids.device)
+        if lib is not None and automata and rows.index.numel() and _kernel_reads(rows):
+            return self._format_kernel(lib, vb, rows, automata)
         if self.format_windowed:
             return format_windows(vb, rows.index, rows.codes, rows.n_valid, automata)
         return format_tokens(vb, rows.index, rows.n_valid, automata)
+
+    def _format_kernel(self, lib, vb: VocabBytes, rows: Rows, automata) -> torch.Tensor:
+        """`format` by the kernel: one call per text, each row's previous text end carried from call to call."""
+        from rlhf_core.reward.kernel import ptr
+
+        index, n_valid = rows.index, rows.n_valid
+        N, L = index.shape
+        if self.format_windowed:
+            big = 1 << 40
+            p0 = torch.full((N,), -big, dtype=torch.long)
+            e0 = torch.zeros(N, dtype=torch.long)
+            for i, (next_state, first_end, last_end, m) in enumerate(automata):
+                lib.atr_format_window(
+                    ptr(index),
+                    ptr(rows.codes),
+                    N,
+                    L,
+                    rows.codes.shape[1],
+                    ptr(n_valid),
+                    ptr(vb.lengths1_i),
+                    ptr(next_state),
+                    ptr(first_end),
+                    ptr(last_end),
+                    m,
+                    _FORMAT0 << 3 * i,
+                    int(i == 0),
+                    FORMAT_BLOCKS,
+                    MARKER_BLOCK_TOKENS,
+                    vb.max_len + 1,
+                    big,
+                    ptr(p0),
+                    ptr(e0),
+                )
+            return (p0 < big).float()
+        big = 1 << 62
+        prev_end = torch.zeros(N, dtype=torch.long)
+        for next_state, first_end, last_end, m in automata:
+            lib.atr_format_tokens(
+                ptr(index),
+                N,
+                L,
+                ptr(n_valid),
+                ptr(vb.lengths1_i),
+                ptr(next_state),
+                ptr(first_end),
+                ptr(last_end),
+                m,
+                big,
+                ptr(prev_end),
+            )
+        return (prev_end < big).float()
+
+
+def _kernel_reads(rows: Rows) -> bool:
+    """Whether the kernel can read these rows in place (as `scan` makes them: int32 index, uint8 codes, int64
+    first stops, each contiguous)."""
+    return (
+        rows.index.dtype == torch.int32
+        and rows.codes.dtype == torch.uint8
+        and rows.n_valid.dtype == torch.int64
+        and all(t.is_contiguous() for t in (rows.index, rows.codes, rows.n_valid))
+    )
+
+
+def _kernel_width() -> int:
+    from rlhf_core.reward.kernel import MAX_WIDTH
+
+    return MAX_WIDTH
