@@ -206,6 +206,41 @@ def prefect_server(tmp_path_factory):
         log.close()
 
 
+@pytest.fixture(scope="session")
+def prefect_home_template(prefect_server, tmp_path_factory):
+    """A PREFECT_HOME whose database is migrated: a consistent copy (sqlite's backup API, safe while the server
+    writes) of the session server's. A temporary API on a fresh home spends ~12 s on the migrations first (22 s
+    against 10 s to answer, 2026-12-01); a user's ~/.prefect already has its database, as a copy of this does."""
+    import sqlite3
+
+    home = tmp_path_factory.mktemp("prefect_home_template")
+    src, dst = sqlite3.connect(prefect_server["home"] / "prefect.db"), sqlite3.connect(home / "prefect.db")
+    with dst:
+        src.backup(dst)
+    src.close()
+    dst.close()
+    return home
+
+
+@pytest.fixture(scope="session")
+def _mlflow_db_template(tmp_path_factory):
+    """An MLflow SQLite store with its tables made (~3 s for each fresh database on this machine; a copy opens
+    in 0.1 s)."""
+    from mlflow.tracking import MlflowClient
+
+    path = tmp_path_factory.mktemp("mlflow_template") / "mlflow.db"
+    MlflowClient(f"sqlite:///{path}").search_experiments()
+    return path
+
+
+@pytest.fixture
+def mlflow_db(_mlflow_db_template, tmp_path):
+    """tmp_path / 'mlflow.db': a fresh, empty MLflow store (a copy of the session's template) for a test's run."""
+    import shutil
+
+    return Path(shutil.copyfile(_mlflow_db_template, tmp_path / "mlflow.db"))
+
+
 @pytest.fixture(scope="module")
 def prefect_api(prefect_server):
     """The session's Prefect server as this process's API for one module (`temporary_settings`)."""

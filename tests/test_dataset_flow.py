@@ -45,7 +45,9 @@ def verl_parquet(path, start: int, n: int):
     return path
 
 
-def test_atrlhf_train_on_verl_parquet_logs_pass_at_k(prefect_api, chat_policy_dir, ray_local, tmp_path, capsys):
+def test_atrlhf_train_on_verl_parquet_logs_pass_at_k(
+    prefect_api, chat_policy_dir, ray_local, tmp_path, mlflow_db, capsys
+):
     assert mlflow_metric_name("eval/pass@k") == "eval/pass_at_k"
     train, test = verl_parquet(tmp_path / "train.parquet", 0, 12), verl_parquet(tmp_path / "test.parquet", 50, 4)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"

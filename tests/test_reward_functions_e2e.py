@@ -82,7 +82,7 @@ def train(
     return out, (client, run)
 
 
-def test_trl_and_verl_examples_and_a_timeout_through_atrlhf_train(prefect_server, tmp_path):
+def test_trl_and_verl_examples_and_a_timeout_through_atrlhf_train(prefect_server, tmp_path, mlflow_db):
     (tmp_path / "helpers.py").write_text(HELPERS)
     functions = (
         "[{path: examples/rewards/trl_style.py, name: last_number_matches, weight: 0.5}, "
@@ -127,7 +127,7 @@ def test_trl_and_verl_examples_and_a_timeout_through_atrlhf_train(prefect_server
     assert "timed out after 0.5 s (reward.function_timeout_s)" in out.stdout + out.stderr
 
 
-def test_a_raising_function_stops_the_run_with_its_error(prefect_server, tmp_path):
+def test_a_raising_function_stops_the_run_with_its_error(prefect_server, tmp_path, mlflow_db):
     (tmp_path / "helpers.py").write_text(HELPERS)
     out, (_, run) = train(
         prefect_server,

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_atrlhf_train_with_a_reward_model_logs_it_to_mlflow(prefect_api, tmp_path, tiny_reward_model_dir):
+def test_atrlhf_train_with_a_reward_model_logs_it_to_mlflow(prefect_api, tmp_path, mlflow_db, tiny_reward_model_dir):
     from mlflow.tracking import MlflowClient
 
     from flows.cli import main as cli_main

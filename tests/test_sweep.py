@@ -168,7 +168,7 @@ def test_the_sweep_deployment_parameters(tmp_path):
         load_sweep_parameters(str(bad))
 
 
-def test_the_mlflow_parent_is_reopened_and_knows_the_finished_points(tmp_path):
+def test_the_mlflow_parent_is_reopened_and_knows_the_finished_points(tmp_path, mlflow_db):
     """No training: the parent run, children made as a training run makes them (MlflowTracker.start with the
     parent and the point's tags), a failed point recorded by the sweep, and a second attempt."""
     from tasks.sweep import SweepRecord
@@ -217,7 +217,7 @@ def _sweep_runs(db):
 
 
 @pytest.mark.slow
-def test_cli_sweep_reports_a_bad_point_and_a_rerun_skips_the_finished(prefect_api, tmp_path, capsys):
+def test_cli_sweep_reports_a_bad_point_and_a_rerun_skips_the_finished(prefect_api, tmp_path, mlflow_db, capsys):
     """2 x 2 x 1 seed, two points with a bad loss: the two good points finish (two at once, on the one Ray
     the sweep starts), the bad ones fail alone and are reported; the MLflow parent shows four children with
     the varied keys as params and tags, and the comparison artifacts; a rerun skips the two finished."""
