@@ -1402,7 +1402,7 @@ class TextMatcher:
             return torch.zeros(N, device=ids.device)
         width = ans.width + self.answer_window_bytes
         lib = self._lib(ids.device)
-        if lib is not None and width + 2 <= _kernel_width() and _kernel_reads(rows):
+        if lib is not None and width + 2 <= _kernel_width() and _kernel_reads(rows, ans):
             from rlhf_core.reward.kernel import ptr
 
             args, _keep = self._answer_args(ans)
@@ -1443,7 +1443,7 @@ class TextMatcher:
         N, L = ids.shape
         width = ans.width + self.answer_window_bytes
         lib = self._lib(ids.device)
-        if lib is not None and width + 2 <= _kernel_width() and L and _kernel_reads(rows):
+        if lib is not None and width + 2 <= _kernel_width() and L and _kernel_reads(rows, ans):
             from rlhf_core.reward.kernel import ptr
 
             args, _keep = self._answer_args(ans)
@@ -1481,7 +1481,7 @@ class TextMatcher:
         lib = self._lib(rows.ids.device)
         N, L = rows.index.shape
         Wc = ans.words.shape[2] * 8
-        if lib is not None and Wc + 13 <= _kernel_width() and _kernel_reads(rows):
+        if lib is not None and Wc + 13 <= _kernel_width() and _kernel_reads(rows, ans):
             from rlhf_core.reward.kernel import ptr
 
             lit, lit_len = ans.lit.to(torch.int64).contiguous(), ans.lit_len.to(torch.int64).contiguous()
@@ -1576,11 +1576,17 @@ class TextMatcher:
         return (prev_end < big).float()
 
 
-def _kernel_reads(rows: Rows) -> bool:
+def _kernel_reads(rows: Rows, ans: AnswerText | None = None) -> bool:
     """Whether the kernel can read these rows in place (as `scan` makes them: int32 index, uint8 codes, int64
-    first stops, each contiguous)."""
+    first stops, each contiguous) with these answers (one row of them per response row: anything else is left to
+    the tensor code, which raises its shape error)."""
+    N, L = rows.index.shape
+    if ans is not None and (ans.lit.shape[0] != N or ans.lit_len.shape[0] != N or ans.first_mask is None):
+        return False
     return (
-        rows.index.dtype == torch.int32
+        rows.codes.shape == (N, -(-L // MARKER_BLOCK_TOKENS) * MARKER_BLOCK_TOKENS)
+        and rows.n_valid.shape == (N,)
+        and rows.index.dtype == torch.int32
         and rows.codes.dtype == torch.uint8
         and rows.n_valid.dtype == torch.int64
         and all(t.is_contiguous() for t in (rows.index, rows.codes, rows.n_valid))
