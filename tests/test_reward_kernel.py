@@ -195,3 +195,21 @@ def test_the_build_is_cached_by_source_and_compiler(lib, tmp_path, monkeypatch):
     mtime = first.stat().st_mtime_ns
     assert kernel.build() == first and first.stat().st_mtime_ns == mtime  # not rebuilt
     assert first.parent == tmp_path and first.name.startswith("text_kernel-")
+
+
+@pytest.mark.parametrize("kernel_on", [True, False], ids=["kernel", "tensor_code"])
+def test_cpu_buffers_are_kept_for_the_last_few_batch_shapes_only(bpe_tok, kernel_on):  # noqa: F811
+    """Batches of ever new lengths do not pile up scan buffers: the last BUFFER_SHAPES shapes' are kept, and a
+    shape asked for again reuses its buffers."""
+    from rlhf_core.reward.text import BUFFER_SHAPES, TextMatcher
+
+    tm = dataclasses.replace(TextMatcher.build(bpe_tok, "####"), kernel=kernel_on)
+    eos = bpe_tok.eos_token_id
+    first = tm.rows(torch.full((3, 16), eos), [eos]).index
+    for L in range(17, 17 + BUFFER_SHAPES - 1):
+        tm.rows(torch.full((3, L), eos), [eos])
+    assert tm.rows(torch.full((3, 16), eos), [eos]).index.data_ptr() == first.data_ptr()  # kept: reused
+    for L in range(40, 40 + 2 * BUFFER_SHAPES):
+        tm.rows(torch.full((3, L), eos), [eos])
+    kept = [v for k, v in tm._on_device.items() if isinstance(k, tuple) and k[0] == "buffers"]
+    assert kept and all(len(shapes) == BUFFER_SHAPES for shapes in kept)

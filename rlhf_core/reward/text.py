@@ -75,6 +75,8 @@ CONTAINS_MAX_BYTES = 24
 CONTAINS_LEAD_BYTES, CONTAINS_TAIL_BYTES = 4, 6
 """A candidate token's leading whitespace / '$' read (at most), and the bytes read after an occurrence (its
 end: a '.0…0' longer than this does not end a number; at most 8)."""
+BUFFER_SHAPES = 4
+"""On CPU, the scan's and contains' buffers are kept (per thread) for this many distinct batch shapes."""
 BYTES_PER_TOKEN = 8
 """Whole-response conversion (`full_text`) keeps at most L * this many bytes of a row."""
 
@@ -1273,10 +1275,19 @@ class TextMatcher:
         an accelerator, whose caching allocator already reuses memory."""
         if ids.device.type != "cpu":
             return None
-        key = (name, threading.get_ident(), tuple(ids.shape))
-        buffers = self._on_device.get(key)
+        return self._buffers(name, [(tuple(ids.shape), d) for d in dtypes])
+
+    def _buffers(self, name: str, specs) -> tuple[torch.Tensor, ...]:
+        """CPU buffers of the given (shape, dtype)s for `name`, kept per thread for the last BUFFER_SHAPES shapes
+        asked for (the oldest shape's are dropped: batches of ever new lengths do not pile up buffers)."""
+        kept = self._on_device.setdefault(("buffers", name, threading.get_ident()), {})
+        key = tuple(specs)
+        buffers = kept.pop(key, None)
         if buffers is None:
-            buffers = self._on_device[key] = tuple(torch.empty(ids.shape, dtype=d) for d in dtypes)
+            buffers = tuple(torch.empty(shape, dtype=d) for shape, d in specs)
+            while len(kept) >= BUFFER_SHAPES:
+                kept.pop(next(iter(kept)))
+        kept[key] = buffers  # the most recent last
         return buffers
 
     def _lib(self, device: torch.device):
@@ -1304,14 +1315,7 @@ class TextMatcher:
 
         N, L = ids.shape
         Lp = -(-L // MARKER_BLOCK_TOKENS) * MARKER_BLOCK_TOKENS
-        key = ("kernel scan", threading.get_ident(), N, L)
-        buffers = self._on_device.get(key)
-        if buffers is None:
-            buffers = self._on_device[key] = (
-                torch.empty(N, L, dtype=torch.int32),
-                torch.empty(N, Lp, dtype=torch.uint8),
-            )
-        index, codes = buffers
+        index, codes = self._buffers("kernel scan", [((N, L), torch.int32), ((N, Lp), torch.uint8)])
         table = self._codes_table(ids.device, stop_ids)
         n_valid = torch.empty(N, dtype=torch.long)
         lib.atr_scan(
@@ -1402,7 +1406,7 @@ class TextMatcher:
             return torch.zeros(N, device=ids.device)
         width = ans.width + self.answer_window_bytes
         lib = self._lib(ids.device)
-        if lib is not None and width + 2 <= _kernel_width() and _kernel_reads(rows, ans):
+        if lib is not None and 0 <= width <= _kernel_width() - 2 and _kernel_reads(rows, ans):
             from rlhf_core.reward.kernel import ptr
 
             args, _keep = self._answer_args(ans)
@@ -1443,7 +1447,7 @@ class TextMatcher:
         N, L = ids.shape
         width = ans.width + self.answer_window_bytes
         lib = self._lib(ids.device)
-        if lib is not None and width + 2 <= _kernel_width() and L and _kernel_reads(rows, ans):
+        if lib is not None and 0 <= width <= _kernel_width() - 2 and L and _kernel_reads(rows, ans):
             from rlhf_core.reward.kernel import ptr
 
             args, _keep = self._answer_args(ans)
@@ -1481,7 +1485,7 @@ class TextMatcher:
         lib = self._lib(rows.ids.device)
         N, L = rows.index.shape
         Wc = ans.words.shape[2] * 8
-        if lib is not None and Wc + 13 <= _kernel_width() and _kernel_reads(rows, ans):
+        if lib is not None and _contains_fits_kernel(Wc) and _kernel_reads(rows, ans):
             from rlhf_core.reward.kernel import ptr
 
             lit, lit_len = ans.lit.to(torch.int64).contiguous(), ans.lit_len.to(torch.int64).contiguous()
@@ -1591,6 +1595,13 @@ def _kernel_reads(rows: Rows, ans: AnswerText | None = None) -> bool:
         and rows.n_valid.dtype == torch.int64
         and all(t.is_contiguous() for t in (rows.index, rows.codes, rows.n_valid))
     )
+
+
+def _contains_fits_kernel(Wc: int) -> bool:
+    """Whether contains' windows fit the kernel's buffers (its window of 2 + lead + Wc + tail + 1 bytes, at most 8
+    tail bytes, at most 64 candidates per row)."""
+    W = 2 + CONTAINS_LEAD_BYTES + Wc + CONTAINS_TAIL_BYTES + 1
+    return W <= _kernel_width() and CONTAINS_TAIL_BYTES <= 8 and CONTAINS_WINDOWS <= 64
 
 
 def _kernel_width() -> int:
