@@ -50,6 +50,8 @@ from dataclasses import dataclass, field, fields, replace
 
 import torch
 
+from rlhf_core.reward import kernel as _kernel
+
 MARKER_BLOCK_TOKENS = 16
 MARKER_BLOCKS = 4
 """The marker search cuts a row into blocks of MARKER_BLOCK_TOKENS tokens and reads the last MARKER_BLOCKS
@@ -770,6 +772,10 @@ _CAN_END, _STOP, _FORMAT0 = 1, 2, 4  # bits of the per-token codes of `scan`; fo
 # only if WHOLE, or CAN and the token before it is ADV: a pair test on int64 words of 8 codes.
 
 
+_FORMAT_WINDOW_NONE = 1 << 40  # format_windows: "no end" for a (token * stride + offset), and the first text's -start
+_FORMAT_TOKENS_NONE = 1 << 62  # format_tokens: "no end" for a byte position
+
+
 def _word_mask(bit: int, size: int = 8) -> int:
     """`bit` in each of the `size` bytes of an int64 (8) / int32 (4) word (as a signed integer)."""
     w = int.from_bytes(bytes([bit]) * size, "little")
@@ -787,7 +793,7 @@ def scan(codes_table: torch.Tensor, ids: torch.Tensor, block: int = MARKER_BLOCK
     when L is a multiple of `block`; fresh multi-MB CPU buffers cost page faults on every call)."""
     N, L = ids.shape
     V = codes_table.numel() - 1
-    Lp = -(-max(L, 1) // block) * block
+    Lp = _padded_length(L, block)
     if scratch is not None:
         idx = scratch[0].copy_(ids).clamp_(-1, V - 1).add_(1)  # -1 (and below) -> entry 0
     else:
@@ -809,6 +815,11 @@ def scan(codes_table: torch.Tensor, ids: torch.Tensor, block: int = MARKER_BLOCK
     first = _at(_first_stop_byte(ids.device), ((w & -w) >> (_STOP.bit_length() - 1)) % 11)
     n_valid = (fw * 4 + first).clamp_(max=L).squeeze(1)
     return codes, n_valid, idx
+
+
+def _padded_length(L: int, block: int = MARKER_BLOCK_TOKENS) -> int:
+    """The codes' row length for rows of L tokens: L rounded up to a whole number of blocks (at least one)."""
+    return -(-max(L, 1) // block) * block
 
 
 def _first_stop_byte(device: torch.device) -> torch.Tensor:
@@ -1012,7 +1023,7 @@ def contains_windows(
     K = ans.lit_len.shape[1]
     if L == 0 or K == 0:
         return torch.zeros(N, dtype=torch.bool, device=device)
-    Lp = -(-L // block) * block
+    Lp = _padded_length(L, block)
     if Lp == L and scratch is not None:  # a reused buffer: page faults of a fresh one cost more than the lookup
         first = torch.index_select(first_table, 0, index.view(-1), out=scratch.view(-1)).view(N, L)
     else:
@@ -1089,7 +1100,7 @@ def format_tokens(vb: VocabBytes, index: torch.Tensor, n_valid: torch.Tensor, au
         return torch.ones(N, device=index.device)
     if L == 0:
         return torch.zeros(N, device=index.device)
-    big = 1 << 62
+    big = _FORMAT_TOKENS_NONE
     lens = _at(vb.lengths1, index)
     start = lens.cumsum(dim=1) - lens
     live = torch.arange(L, device=index.device) < n_valid.unsqueeze(1)
@@ -1145,7 +1156,7 @@ def format_windows(
         return torch.ones(N, device=device)
     if L == 0:
         return torch.zeros(N, device=device)
-    big = 1 << 40
+    big = _FORMAT_WINDOW_NONE
     stride = vb.max_len + 1
     p0 = torch.full((N, 1), -big, dtype=torch.long, device=device)  # token of the previous text's end
     e0 = torch.zeros(N, 1, dtype=torch.long, device=device)  # and the byte offset in it just past that end
@@ -1294,9 +1305,7 @@ class TextMatcher:
         """The fused CPU kernel (`kernel.load`) for tensors on `device`, or None: the tensor code."""
         if not self.kernel or device.type != "cpu":
             return None
-        from rlhf_core.reward import kernel
-
-        return kernel.load()
+        return _kernel.load()
 
     def rows(self, ids: torch.Tensor, stop_ids) -> Rows:
         """The one pass over all tokens (`scan`): codes and the first stop of each row. Stop ids outside the
@@ -1311,38 +1320,34 @@ class TextMatcher:
 
     def _rows_kernel(self, lib, ids: torch.Tensor, stop_ids: tuple[int, ...]) -> Rows:
         """`rows` by the kernel's scan (the same index, codes and first stops), into this thread's buffers."""
-        from rlhf_core.reward.kernel import ptr
-
         N, L = ids.shape
-        Lp = -(-L // MARKER_BLOCK_TOKENS) * MARKER_BLOCK_TOKENS
+        Lp = _padded_length(L)
         index, codes = self._buffers("kernel scan", [((N, L), torch.int32), ((N, Lp), torch.uint8)])
         table = self._codes_table(ids.device, stop_ids)
         n_valid = torch.empty(N, dtype=torch.long)
         lib.atr_scan(
-            ptr(ids),
+            _kernel.ptr(ids),
             int(ids.dtype == torch.int32),
             N,
             L,
             Lp,
-            ptr(table),
+            _kernel.ptr(table),
             table.numel() - 1,
-            ptr(index),
-            ptr(codes),
-            ptr(n_valid),
+            _kernel.ptr(index),
+            _kernel.ptr(codes),
+            _kernel.ptr(n_valid),
         )
         return Rows(ids, codes, n_valid, index)
 
     def _answer_args(self, ans: AnswerText) -> tuple:
         """AnswerText as the kernel's answer arguments (K, Wa, Ca2, lit, lit_len, canon, is_num, any_num, any_text)
         and the contiguous tensors they point into (kept alive by the caller)."""
-        from rlhf_core.reward.kernel import ptr
-
         long = torch.int64
         keep = (ans.lit.to(long).contiguous(), ans.lit_len.to(long).contiguous(), ans.canon.to(long).contiguous())
         keep += (ans.is_num.to(torch.bool).contiguous(),)
         lit, lit_len, canon, is_num = keep
         K, Wa = lit.shape[1], lit.shape[2]
-        args = (K, Wa, canon.shape[2], ptr(lit), ptr(lit_len), ptr(canon), ptr(is_num))
+        args = (K, Wa, canon.shape[2], _kernel.ptr(lit), _kernel.ptr(lit_len), _kernel.ptr(canon), _kernel.ptr(is_num))
         return args + (int(ans.any_num is not False), int(ans.any_text is not False)), keep
 
     def prepare(self, patterns):
@@ -1406,29 +1411,27 @@ class TextMatcher:
             return torch.zeros(N, device=ids.device)
         width = ans.width + self.answer_window_bytes
         lib = self._lib(ids.device)
-        if lib is not None and 0 <= width <= _kernel_width() - 2 and _kernel_reads(rows, ans):
-            from rlhf_core.reward.kernel import ptr
-
+        if lib is not None and 0 <= width <= _kernel.MAX_WIDTH - 2 and _kernel_reads(rows, ans):
             args, _keep = self._answer_args(ans)
             out = torch.empty(N, dtype=torch.float32)
             lib.atr_answer_after_marker(
-                ptr(rows.index),
-                ptr(rows.codes),
+                _kernel.ptr(rows.index),
+                _kernel.ptr(rows.codes),
                 N,
                 L,
                 rows.codes.shape[1],
-                ptr(n_valid),
+                _kernel.ptr(n_valid),
                 max(len(vb.marker), 1),
-                ptr(vb.next_state1_i),
-                ptr(vb.match_end1_i),
-                ptr(vb.flat0),
-                ptr(vb.offsets1_i),
-                ptr(vb.lengths1_i),
+                _kernel.ptr(vb.next_state1_i),
+                _kernel.ptr(vb.match_end1_i),
+                _kernel.ptr(vb.flat0),
+                _kernel.ptr(vb.offsets1_i),
+                _kernel.ptr(vb.lengths1_i),
                 MARKER_BLOCKS,
                 MARKER_BLOCK_TOKENS,
                 width,
                 *args,
-                ptr(out),
+                _kernel.ptr(out),
             )
             return out
         found, tok, offset = last_marker(vb, rows.index, rows.codes, n_valid)
@@ -1447,22 +1450,20 @@ class TextMatcher:
         N, L = ids.shape
         width = ans.width + self.answer_window_bytes
         lib = self._lib(ids.device)
-        if lib is not None and 0 <= width <= _kernel_width() - 2 and L and _kernel_reads(rows, ans):
-            from rlhf_core.reward.kernel import ptr
-
+        if lib is not None and 0 <= width <= _kernel.MAX_WIDTH - 2 and L and _kernel_reads(rows, ans):
             args, _keep = self._answer_args(ans)
             out = torch.empty(N, dtype=torch.float32)
             lib.atr_exact_match(
-                ptr(rows.index),
+                _kernel.ptr(rows.index),
                 N,
                 L,
-                ptr(n_valid),
-                ptr(vb.flat0),
-                ptr(vb.offsets1_i),
-                ptr(vb.lengths1_i),
+                _kernel.ptr(n_valid),
+                _kernel.ptr(vb.flat0),
+                _kernel.ptr(vb.offsets1_i),
+                _kernel.ptr(vb.lengths1_i),
                 width,
                 *args,
-                ptr(out),
+                _kernel.ptr(out),
             )
             return out
         A = min(width, L)
@@ -1486,21 +1487,19 @@ class TextMatcher:
         N, L = rows.index.shape
         Wc = ans.words.shape[2] * 8
         if lib is not None and _contains_fits_kernel(Wc) and _kernel_reads(rows, ans):
-            from rlhf_core.reward.kernel import ptr
-
-            lit, lit_len = ans.lit.to(torch.int64).contiguous(), ans.lit_len.to(torch.int64).contiguous()
+            _, (lit, lit_len, _, _) = self._answer_args(ans)
             first_mask = ans.first_mask.to(torch.int32).contiguous()
             out = torch.empty(N, dtype=torch.float32)
             lib.atr_contains(
-                ptr(rows.index),
+                _kernel.ptr(rows.index),
                 N,
                 L,
-                ptr(rows.n_valid),
-                ptr(self._on_device[key]),
-                ptr(first_mask),
-                ptr(vb.flat0),
-                ptr(vb.offsets1_i),
-                ptr(vb.lengths1_i),
+                _kernel.ptr(rows.n_valid),
+                _kernel.ptr(self._on_device[key]),
+                _kernel.ptr(first_mask),
+                _kernel.ptr(vb.flat0),
+                _kernel.ptr(vb.offsets1_i),
+                _kernel.ptr(vb.lengths1_i),
                 CONTAINS_BLOCKS,
                 CONTAINS_WINDOWS,
                 MARKER_BLOCK_TOKENS,
@@ -1509,9 +1508,9 @@ class TextMatcher:
                 CONTAINS_TAIL_BYTES,
                 lit.shape[1],
                 lit.shape[2],
-                ptr(lit),
-                ptr(lit_len),
-                ptr(out),
+                _kernel.ptr(lit),
+                _kernel.ptr(lit_len),
+                _kernel.ptr(out),
             )
             return out
         scratch = self._cpu_buffers("contains", rows.ids, (torch.int32,))
@@ -1530,26 +1529,24 @@ class TextMatcher:
 
     def _format_kernel(self, lib, vb: VocabBytes, rows: Rows, automata) -> torch.Tensor:
         """`format` by the kernel: one call per text, each row's previous text end carried from call to call."""
-        from rlhf_core.reward.kernel import ptr
-
         index, n_valid = rows.index, rows.n_valid
         N, L = index.shape
         if self.format_windowed:
-            big = 1 << 40
+            big = _FORMAT_WINDOW_NONE
             p0 = torch.full((N,), -big, dtype=torch.long)
             e0 = torch.zeros(N, dtype=torch.long)
             for i, (next_state, first_end, last_end, m) in enumerate(automata):
                 lib.atr_format_window(
-                    ptr(index),
-                    ptr(rows.codes),
+                    _kernel.ptr(index),
+                    _kernel.ptr(rows.codes),
                     N,
                     L,
                     rows.codes.shape[1],
-                    ptr(n_valid),
-                    ptr(vb.lengths1_i),
-                    ptr(next_state),
-                    ptr(first_end),
-                    ptr(last_end),
+                    _kernel.ptr(n_valid),
+                    _kernel.ptr(vb.lengths1_i),
+                    _kernel.ptr(next_state),
+                    _kernel.ptr(first_end),
+                    _kernel.ptr(last_end),
                     m,
                     _FORMAT0 << 3 * i,
                     int(i == 0),
@@ -1557,25 +1554,25 @@ class TextMatcher:
                     MARKER_BLOCK_TOKENS,
                     vb.max_len + 1,
                     big,
-                    ptr(p0),
-                    ptr(e0),
+                    _kernel.ptr(p0),
+                    _kernel.ptr(e0),
                 )
             return (p0 < big).float()
-        big = 1 << 62
+        big = _FORMAT_TOKENS_NONE
         prev_end = torch.zeros(N, dtype=torch.long)
         for next_state, first_end, last_end, m in automata:
             lib.atr_format_tokens(
-                ptr(index),
+                _kernel.ptr(index),
                 N,
                 L,
-                ptr(n_valid),
-                ptr(vb.lengths1_i),
-                ptr(next_state),
-                ptr(first_end),
-                ptr(last_end),
+                _kernel.ptr(n_valid),
+                _kernel.ptr(vb.lengths1_i),
+                _kernel.ptr(next_state),
+                _kernel.ptr(first_end),
+                _kernel.ptr(last_end),
                 m,
                 big,
-                ptr(prev_end),
+                _kernel.ptr(prev_end),
             )
         return (prev_end < big).float()
 
@@ -1588,7 +1585,7 @@ def _kernel_reads(rows: Rows, ans: AnswerText | None = None) -> bool:
     if ans is not None and (ans.lit.shape[0] != N or ans.lit_len.shape[0] != N or ans.first_mask is None):
         return False
     return (
-        rows.codes.shape == (N, -(-L // MARKER_BLOCK_TOKENS) * MARKER_BLOCK_TOKENS)
+        rows.codes.shape == (N, _padded_length(L))
         and rows.n_valid.shape == (N,)
         and rows.index.dtype == torch.int32
         and rows.codes.dtype == torch.uint8
@@ -1601,10 +1598,4 @@ def _contains_fits_kernel(Wc: int) -> bool:
     """Whether contains' windows fit the kernel's buffers (its window of 2 + lead + Wc + tail + 1 bytes, at most 8
     tail bytes, at most 64 candidates per row)."""
     W = 2 + CONTAINS_LEAD_BYTES + Wc + CONTAINS_TAIL_BYTES + 1
-    return W <= _kernel_width() and CONTAINS_TAIL_BYTES <= 8 and CONTAINS_WINDOWS <= 64
-
-
-def _kernel_width() -> int:
-    from rlhf_core.reward.kernel import MAX_WIDTH
-
-    return MAX_WIDTH
+    return W <= _kernel.MAX_WIDTH and CONTAINS_TAIL_BYTES <= 8 and CONTAINS_WINDOWS <= 64
