@@ -818,10 +818,12 @@ def test_config_refuses_advantage_options_rloo_ignores(field, value):
 
 def test_compute_advantages_by_name():
     r = torch.tensor([[1.0, 0.0, 2.0]])
-    assert set(ADVANTAGE_ESTIMATORS) == {"grpo", "rloo"}
+    assert set(ADVANTAGE_ESTIMATORS) == {"grpo", "rloo", "gae"}
     assert torch.equal(compute_advantages("grpo", r, scale="none"), compute_grpo_advantages(r, scale="none"))
     assert torch.equal(compute_advantages("rloo", r), compute_rloo_advantages(r))
     with pytest.raises(ValueError, match="unknown advantage estimator"):
+        compute_advantages("vtrace", r)
+    with pytest.raises(ValueError, match="compute_gae_advantages"):  # needs values: not from rewards alone
         compute_advantages("gae", r)
 
 

@@ -1,7 +1,10 @@
 """Advantage estimators: pure functions on reward tensors.
 
-Rewards arrive grouped: `rewards` has shape [..., G], the last dim holding the G completions of one
-prompt. Every estimator returns a tensor of the same shape.
+Group estimators (GRPO, RLOO): rewards arrive grouped, shape [..., G], the last dim holding the G
+completions of one prompt; they return a tensor of the same shape.
+GAE (`compute_gae_advantages`): per-token rewards and a critic's values [N, T] -> per-token advantages and
+returns [N, T]. It needs values, so `compute_advantages` (rewards only) refuses it; the trainer calls it
+with the critic's values.
 """
 
 from __future__ import annotations
@@ -49,16 +52,81 @@ def compute_rloo_advantages(rewards: torch.Tensor) -> torch.Tensor:
     return rewards - (total - rewards) / (G - 1)
 
 
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """(x - mean) / sqrt(var + eps) over the valid positions of `mask` (var unbiased, as verl's masked_whiten);
+    0 at masked positions. x, mask: [N, T]. Fewer than 2 valid positions: centred only (var taken as 0)."""
+    m = mask.to(x.dtype)
+    n = m.sum()
+    mean = (x * m).sum() / n.clamp(min=1)
+    centered = (x - mean) * m
+    var = centered.square().sum() / (n - 1).clamp(min=1)
+    return centered * torch.rsqrt(var + eps)
+
+
+def compute_gae_advantages(
+    token_rewards: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    whiten: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation (Schulman et al. 2016) over response tokens, verl's
+    compute_gae_advantage_return semantics.
+
+    token_rewards: FloatTensor [N, T], the reward of each response token (a sequence reward sits on its
+                   last response token; a per-token KL penalty, when used, on every token).
+    values:        FloatTensor [N, T], the critic's value of the state before each response token.
+    response_mask: Bool/FloatTensor [N, T], the valid response tokens.
+    Returns (advantages [N, T], returns [N, T]), both 0 at masked positions.
+
+    Masked positions carry no value: going backwards, a masked position passes on the next valid token's
+    value and running advantage unchanged, so padding (or a masked gap) between tokens is skipped and the
+    value after a sequence's last valid token is 0 (the episode ends there). For a valid token t with next
+    valid token t': delta_t = r_t + gamma V_t' - V_t, A_t = delta_t + gamma lam A_t'; returns = A + V (before
+    whitening). whiten: advantages (x - mean) / sqrt(var + 1e-8) over the batch's valid tokens.
+    One reverse pass over T, batched over N.
+    """
+    if token_rewards.shape != values.shape or values.shape != response_mask.shape or values.dim() != 2:
+        raise ValueError(
+            f"token_rewards {tuple(token_rewards.shape)}, values {tuple(values.shape)} and response_mask "
+            f"{tuple(response_mask.shape)} must all be [N, T]"
+        )
+    mask = response_mask.float()
+    rewards = token_rewards.float() * mask
+    values = values.float() * mask
+    N, T = values.shape
+    next_value = values.new_zeros(N)
+    running = values.new_zeros(N)
+    advantages = torch.zeros_like(values)
+    for t in reversed(range(T)):
+        m = mask[:, t]
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        candidate = delta + gamma * lam * running
+        running = candidate * m + running * (1.0 - m)
+        next_value = values[:, t] * m + next_value * (1.0 - m)
+        advantages[:, t] = running * m
+    returns = (advantages + values) * mask
+    if whiten:
+        advantages = masked_whiten(advantages, mask)
+    return advantages, returns
+
+
 ADVANTAGE_ESTIMATORS = {
     "grpo": compute_grpo_advantages,
     "rloo": compute_rloo_advantages,
+    "gae": compute_gae_advantages,  # token-level, with a critic's values: the trainer calls it directly
 }
+
+# Estimators that compare the completions of one prompt (group advantages: rewards [..., G] only).
+GROUP_ESTIMATORS = ("grpo", "rloo")
 
 # The options each estimator takes (compute_advantages refuses any other), and the AlgorithmConfig field
 # that sets each. RLOO has none: its baseline is the leave-one-out mean and it is never scaled.
 ADVANTAGE_OPTIONS: dict[str, dict[str, str]] = {
     "grpo": {"eps": "adv_eps", "scale": "adv_scale"},
     "rloo": {},
+    "gae": {},
 }
 
 
@@ -74,6 +142,11 @@ def compute_advantages(
         fn = ADVANTAGE_ESTIMATORS[name]
     except KeyError:
         raise ValueError(f"unknown advantage estimator {name!r}; known: {sorted(ADVANTAGE_ESTIMATORS)}") from None
+    if name not in GROUP_ESTIMATORS:
+        raise ValueError(
+            f"advantage estimator {name!r} needs a critic's values and per-token rewards, not group rewards: "
+            "call compute_gae_advantages(token_rewards, values, response_mask, gamma, lam)"
+        )
     options = {k: v for k, v in (("eps", eps), ("scale", scale)) if v is not None}
     unused = sorted(set(options) - set(ADVANTAGE_OPTIONS.get(name, {})))
     if unused:
