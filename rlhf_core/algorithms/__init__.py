@@ -23,7 +23,6 @@ from rlhf_core.algorithms.advantages import (
 )
 from rlhf_core.algorithms.aggregation import AGG_MODES, agg_loss, global_normalisers, masked_mean
 from rlhf_core.algorithms.kl import KL_ESTIMATORS, kl_penalty
-from rlhf_core.algorithms.value_loss import explained_variance, value_loss
 from rlhf_core.algorithms.policy_loss import (
     IMPORTANCE_LEVELS,
     M2PO_MASKINGS,
@@ -39,6 +38,7 @@ from rlhf_core.algorithms.policy_loss import (
     m2po_trust_region_mask,
     step_keep_mask,
 )
+from rlhf_core.algorithms.value_loss import explained_variance, value_loss
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
