@@ -29,7 +29,7 @@ from rlhf_core.checkpoint import (
 )
 from rlhf_core.config import TrainConfig
 from rlhf_core.data import Prompt
-from rlhf_core.distributed.control import PromptQueue
+from rlhf_core.data.queue import PromptQueue
 from rlhf_core.evaluation import Evaluator
 from rlhf_core.preflight import check_lengths, check_output_dir
 from rlhf_core.rollout import RolloutWorker

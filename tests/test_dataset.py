@@ -176,7 +176,7 @@ def test_build_prompt_splits_dataset_task(chat_policy_dir, chat_tok, tmp_path):
 
 def test_prompts_with_meta_and_messages_survive_pickling(chat_tok, tmp_path):
     """What Ray's object store does to the prompt queue's prompts."""
-    from rlhf_core.distributed.control import PromptQueue
+    from rlhf_core.data.queue import PromptQueue
 
     prompts = load_dataset_prompts(write_parquet(tmp_path / "t.parquet", verl_rows(3)), chat_tok, RowKeys())
     served = pickle.loads(pickle.dumps(PromptQueue(prompts, seed=0).get(3)))  # what the actor returns

@@ -1,9 +1,13 @@
 """The Ray runtime: the only Ray code.
 
-    control.py    prompt queue, experience buffer with admission control, weight-store bookkeeping
-                  (plain Python, no Ray import; the runtime wraps each in a Ray actor)
+    control.py    experience buffer with admission control, weight-store bookkeeping (plain Python, no Ray
+                  import; the runtime wraps each, and the prompt queue of rlhf_core.data.queue, in a Ray actor)
     transport.py  experience and weights packed for Ray's object store (no Ray import)
-    actors.py     the rollout and trainer actors, and ranks 1..N-1 of a sharded trainer group (FSDP2)
+    calls.py      a bounded wait on a Ray reference (get_or_fail, WaitTimeout), the fault-injection death
+    rollout_actor.py       the rollout actor (a RolloutWorker in its own process)
+    trainer_actor.py       the trainer actor (rank 0 of a sharded trainer group)
+    trainer_group.py       ranks 1..N-1 of a sharded trainer group (FSDP2), joining the group
+    reward_model_actor.py  the reward-model actor and the rollout worker's client of it
     cluster.py    joining or starting Ray, resources, placement groups, teardown
     runtime.py    DistributedRun: launch, loops, poll, sync, checkpoint, teardown; run_distributed
 

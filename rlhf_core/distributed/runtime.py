@@ -20,16 +20,14 @@ import ray
 from rlhf_core import build
 from rlhf_core.checkpoint import CheckpointState, read_checkpoint
 from rlhf_core.config import TrainConfig
-from rlhf_core.distributed.actors import (
-    RewardModelActor,
-    RolloutActor,
-    TrainerActor,
-    TrainerRankActor,
-    get_or_fail,
-    rollout_rng_states,
-)
+from rlhf_core.data.queue import PromptQueue
+from rlhf_core.distributed.calls import get_or_fail
 from rlhf_core.distributed.cluster import ClusterHandle, check_resources, connect, gpu_placement_group, teardown
-from rlhf_core.distributed.control import ExperienceBuffer, PromptQueue, WeightStore
+from rlhf_core.distributed.control import ExperienceBuffer, WeightStore
+from rlhf_core.distributed.reward_model_actor import RewardModelActor
+from rlhf_core.distributed.rollout_actor import RolloutActor, rollout_rng_states
+from rlhf_core.distributed.trainer_actor import TrainerActor
+from rlhf_core.distributed.trainer_group import TrainerRankActor
 from rlhf_core.preflight import check_lengths, check_output_dir
 from rlhf_core.supervision import Supervisor
 

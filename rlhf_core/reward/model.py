@@ -17,7 +17,7 @@ Sequences longer than `reward.model.max_length` (or the RM's context, if shorter
 (the response's end is what the head reads). `reward.model.normalize: running` standardises scores by the
 running mean and std of every score so far. `LocalRewardModel` is the in-process external reward the rollout
 worker calls (the single-process loop); the Ray runtime runs the same scorer in its own actor
-(`rlhf_core.distributed.actors.RewardModelActor`).
+(`rlhf_core.distributed.reward_model_actor.RewardModelActor`).
 `build_tiny_reward_model` builds a small random RM from a policy directory (tests, benchmark, README demo).
 """
 

@@ -1,0 +1,63 @@
+"""The prompt queue: prompts waiting for a rollout worker, served from the seeded, resumable prompt source.
+
+Plain Python: the single-process loop uses it directly and the Ray runtime makes it an actor as it is
+(`ray.remote(PromptQueue)`). Importing this module imports no torch (and no Ray): the queue holds no
+tensors, so its actor process never loads it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+
+from rlhf_core.data.prompts import Prompt, PromptSource
+
+
+class PromptQueue:
+    """Prompts waiting for a rollout worker. The flow schedules (`top_up`); when it does not, `get`
+    refills from the seeded source itself, so the loop never waits on the flow."""
+
+    def __init__(self, prompts: list[Prompt], seed: int):
+        self.source = PromptSource(prompts, seed=seed)
+        self.by_uid = {p.uid: p for p in prompts}
+        self.queue: deque[Prompt] = deque()
+        self.lock = threading.Lock()
+        self.scheduled = 0
+        self.served = 0
+
+    def top_up(self, n: int) -> int:
+        with self.lock:
+            new = self.source.next(n)
+            self.queue.extend(new)
+            self.scheduled += len(new)
+            return len(new)
+
+    def get(self, n: int) -> list[Prompt]:
+        with self.lock:
+            if len(self.queue) < n:
+                new = self.source.next(n - len(self.queue))
+                self.queue.extend(new)
+                self.scheduled += len(new)
+            out = [self.queue.popleft() for _ in range(min(n, len(self.queue)))]
+            self.served += len(out)
+            return out
+
+    def size(self) -> int:
+        return len(self.queue)
+
+    def stats(self) -> dict:
+        return {
+            "queued": len(self.queue),
+            "scheduled": self.scheduled,
+            "served": self.served,
+            "epoch": self.source.epoch,
+        }
+
+    def state_dict(self) -> dict:
+        with self.lock:
+            return {"source": self.source.state_dict(), "queued": [p.uid for p in self.queue]}
+
+    def load_state_dict(self, state: dict) -> None:
+        with self.lock:
+            self.source.load_state_dict(state["source"])
+            self.queue = deque(self.by_uid[u] for u in state["queued"])
