@@ -113,15 +113,36 @@ def build_rollout_worker(
         cfg.data.max_prompt_tokens,
         component_names=cfg.reward.column_names(),
         external=build_external_rewards(cfg, tokenizer, stop_ids, reward_model=reward_model),
+        env=build_env_runner(cfg, tokenizer, stop_ids, policy_dir),
     )
 
 
+def build_env_runner(cfg: TrainConfig, tokenizer, stop_ids: list[int], policy_dir: str | Path = "model"):
+    """The multi-turn environment's runner (its process pool: reward.function_workers processes) when
+    env.name or env.tools is set, else None."""
+    if not cfg.env.enabled:
+        return None
+    from rlhf_core.env.trajectory import EnvRunner
+
+    return EnvRunner(cfg.env, cfg.rollout, tokenizer, stop_ids, cfg.reward.function_workers, where=str(policy_dir))
+
+
 def build_evaluator(
-    cfg: TrainConfig, model, tokenizer, policy_dir: str | Path, heldout: list[Prompt], reward_fn=None, engine=None
+    cfg: TrainConfig,
+    model,
+    tokenizer,
+    policy_dir: str | Path,
+    heldout: list[Prompt],
+    reward_fn=None,
+    engine=None,
+    env=None,
 ) -> Evaluator:
     """Held-out evaluation of `model` (through `engine` when given, else an HF engine over `model`): greedy
-    eval/accuracy, and eval/pass@k and eval/mean@k when cfg.eval.n_samples > 0."""
+    eval/accuracy, and eval/pass@k and eval/mean@k when cfg.eval.n_samples > 0; with an environment, its
+    episodes run greedily (`env`: the rollout worker's runner to share, else one of its own)."""
     stop_ids = build_stop_ids(cfg, tokenizer, policy_dir)
+    if env is None:
+        env = build_env_runner(cfg, tokenizer, stop_ids, policy_dir)
     engine = engine or HFEngine(model, stop_ids, tokenizer.pad_token_id, seed=cfg.trainer.seed)
     return Evaluator(
         engine,
@@ -132,6 +153,7 @@ def build_evaluator(
         cfg.data.max_prompt_tokens,
         eval_cfg=cfg.eval,
         seed=cfg.trainer.seed,
+        env=env,
     )
 
 

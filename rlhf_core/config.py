@@ -276,6 +276,79 @@ class RewardConfig(_Section):
         return names
 
 
+class EnvToolConfig(_Section):
+    """A Python function offered to the model as a tool by the built-in ToolEnv."""
+
+    path: str = Field(
+        ..., min_length=1, description="A .py file (relative to the working directory) or an importable module."
+    )
+    name: str = Field(..., min_length=1, description="The function's name there (also the tool's name).")
+
+
+class EnvConfig(_Section):
+    """A multi-turn environment (docs/environments.md): a class with reset(row) and step(action), one instance
+    per trajectory, run in the rollout worker's process pool; empty name = single-turn prompts as before."""
+
+    path: str = Field(
+        "",
+        description="A .py file (relative to the working directory) or an importable module holding the class; "
+        "empty for the built-in ToolEnv.",
+    )
+    name: str = Field(
+        "",
+        description="The environment class's name there; empty = no environment (ToolEnv when env.tools is set).",
+    )
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the class's __init__.")
+    max_turns: int = Field(4, ge=1, description="Most model turns per trajectory; the trajectory ends after it.")
+    step_timeout_s: float = Field(
+        30.0, gt=0, description="Longest one reset or step (and one tool call) may run; past it the trajectory fails."
+    )
+    max_consecutive_failures: int = Field(
+        20, ge=1, description="Stop the run when this many environment steps in a row raise or time out."
+    )
+    observation_role: str = Field(
+        "user", min_length=1, description="Chat role of an observation the environment returns as a plain string."
+    )
+    reward_weight: float = Field(
+        1.0, description="Weight of the environment's summed rewards (reward/env) in the trajectory's reward."
+    )
+    tools: list[EnvToolConfig] = Field(
+        default_factory=list,
+        description="Python functions [{path, name}] the built-in ToolEnv offers as tools (schemas from signature and docstring).",
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.class_name)
+
+    @property
+    def class_name(self) -> str:
+        """The class to load: `name`, or ToolEnv when only tools are given."""
+        return self.name or ("ToolEnv" if self.tools else "")
+
+    @model_validator(mode="after")
+    def _env_exists(self) -> EnvConfig:
+        """The class's file or module exists and defines it, and each tool's function (read from the source:
+        nothing is imported or run here)."""
+        from rlhf_core.env.spec import check_env_source, check_tool_source, is_file_path
+
+        if self.enabled:
+            check_env_source(self.path, self.class_name, "env")
+            resolved = str(Path(self.path).resolve()) if is_file_path(self.path) else self.path
+            if resolved != self.path:  # absolute: Ray workers need not share the working directory
+                self.path = resolved  # (assignment validates again: only when it changes)
+        seen = set()
+        for i, tool in enumerate(self.tools):
+            where = f"env.tools[{i}]"
+            check_tool_source(tool.path, tool.name, where)
+            if tool.name in seen:
+                raise ValueError(f"{where}: tool name {tool.name!r} is given twice; tool names must be unique")
+            seen.add(tool.name)
+            if is_file_path(tool.path):
+                tool.path = str(Path(tool.path).resolve())
+        return self
+
+
 class BufferConfig(_Section):
     """Replay buffer between rollout and trainer."""
 
@@ -424,6 +497,12 @@ class RolloutConfig(_Section):
         default_factory=list,
         description="Extra token ids that end a response, besides the tokenizer's EOS and every id of the model's "
         "generation_config.json eos_token_id.",
+    )
+    max_total_tokens: Optional[int] = Field(
+        None,
+        ge=2,
+        description="Multi-turn (env): most tokens of a trajectory, prompt plus every turn; it ends, truncated, "
+        "where it would pass this (None: the model's context).",
     )
     random_tokens_per_s: float = Field(
         0.0, ge=0, description="RandomEngine only: simulated generation rate (0 = as fast as possible)."
@@ -631,6 +710,9 @@ class TrainConfig(_Section):
     tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="MLflow, checkpoints, evaluation.")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Sampled held-out evaluation (pass@k, mean@k).")
     supervision: SupervisionConfig = Field(default_factory=SupervisionConfig, description="Flow health checks.")
+    env: EnvConfig = Field(
+        default_factory=EnvConfig, description="Multi-turn environment and tools (empty: single-turn prompts)."
+    )
     run: RunConfig = Field(default_factory=RunConfig, description="Outputs.")
 
     @model_validator(mode="after")
@@ -817,6 +899,8 @@ def flatten_config(cfg: TrainConfig) -> dict[str, Any]:
         if isinstance(node, dict) and node and all(isinstance(k, str) for k in node):
             for k, v in node.items():
                 walk(f"{prefix}.{k}" if prefix else k, v)
+        elif isinstance(node, dict) and not node:
+            out[prefix] = "{}"  # an empty mapping (env.kwargs): a param value, not a section
         else:
             out[prefix] = node
 

@@ -121,6 +121,38 @@ def evaluate(
     return result
 
 
+@torch.no_grad()
+def evaluate_env(env, engine, prompts: Sequence[Prompt], reward_fn, pad_token_id: int, max_new_tokens: int) -> dict:
+    """Multi-turn held-out evaluation: each prompt's episode run once, greedily. eval/accuracy: the fraction
+    whose last step's info["success"] is true (or, where the environment gives no success, whose reward is
+    positive: env rewards x env.reward_weight + the configured reward of the last model turn); a failed
+    episode counts as not solved. Also eval/reward_mean, eval/turns_mean and eval/env_errors. The episodes
+    are kept on `env.last_eval` (MLflow traces)."""
+    from rlhf_core.env.trajectory import last_turn_batch
+
+    greedy = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
+    trajs = env.run(engine, prompts, 1, greedy)
+    ok = [t for t in trajs if t.error is None and t.turns]
+    totals = {id(t): 0.0 for t in trajs}
+    if ok:
+        batch = last_turn_batch(ok, pad_token_id, engine.version, getattr(engine, "device", "cpu"))
+        pb = collate_prompts([t.prompt for t in ok], pad_token_id)
+        prepared = prepare_patterns(reward_fn, pb.patterns).to(batch.response_ids.device)
+        total, _ = reward_fn(batch.response_ids, prepared)
+        for t, r in zip(ok, total.tolist()):
+            t.reward = r + env.cfg.reward_weight * t.env_reward
+            totals[id(t)] = t.reward
+    solved = [t.error is None and (t.success if t.success is not None else totals[id(t)] > 0) for t in trajs]
+    env.last_eval = trajs
+    n = max(1, len(trajs))
+    return {
+        "eval/accuracy": sum(solved) / n,
+        "eval/reward_mean": sum(totals.values()) / n,
+        "eval/turns_mean": sum(t.turns for t in trajs) / n,
+        "eval/env_errors": float(sum(t.error is not None for t in trajs)),
+    }
+
+
 @dataclass
 class Evaluator:
     """Everything held-out evaluation needs, bound once: `evaluator()` scores the engine's current weights."""
@@ -133,8 +165,13 @@ class Evaluator:
     max_prompt_tokens: Optional[int] = None
     eval_cfg: object = None  # EvalConfig: sampled pass@k / mean@k when its n_samples > 0
     seed: int = 0  # seed of the sampled evaluation's random stream
+    env: object = None  # a multi-turn environment's runner (rlhf_core.env.trajectory.EnvRunner): episodes
 
     def __call__(self) -> dict:
+        if self.env is not None:
+            return evaluate_env(
+                self.env, self.engine, self.prompts, self.reward_fn, self.pad_token_id, self.max_new_tokens
+            )
         return evaluate(
             self.engine,
             self.prompts,

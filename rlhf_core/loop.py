@@ -81,7 +81,7 @@ def build_run(cfg: TrainConfig, share_weights: bool = True) -> RunParts:
     )
     trainer = build.build_trainer(cfg, model, tokenizer)
     evaluator = build.build_evaluator(
-        cfg, model, tokenizer, policy_dir, heldout, reward_fn=reward_fn, engine=worker.engine
+        cfg, model, tokenizer, policy_dir, heldout, reward_fn=reward_fn, engine=worker.engine, env=worker.env
     )
     return RunParts(
         cfg,
@@ -114,17 +114,31 @@ def warm_start(parts: RunParts, steps: int) -> dict:
 
 def generate_step_batch(parts: RunParts) -> tuple[RolloutBatch, dict]:
     """prompts_per_step prompts, generated in chunks of prompts_per_batch, scored; returns (batch, reward stats)."""
-    prompts = parts.prompts.get(parts.cfg.trainer.prompts_per_step)
-    chunk = parts.cfg.rollout.prompts_per_batch
-    batches, comp_sums, comp_rows = [], {}, {}
-    for s in range(0, len(prompts), chunk):
-        batch, components = parts.worker.rollout(prompts[s : s + chunk])
-        batches.append(batch)
-        for k, v in components.items():  # NaN: an external score that does not apply to the row
-            comp_sums[k] = comp_sums.get(k, 0.0) + float(v.float().nansum())
-            comp_rows[k] = comp_rows.get(k, 0) + int((~v.float().isnan()).sum())
-    batch = cat_rollouts(batches, parts.tokenizer.pad_token_id)
-    return batch, {f"reward/{k}": v / comp_rows[k] for k, v in comp_sums.items() if comp_rows[k]}
+    cfg = parts.cfg
+    chunk = cfg.rollout.prompts_per_batch
+    G = cfg.rollout.samples_per_prompt
+    batches, comp_sums, comp_rows, env_sums = [], {}, {}, {}
+    groups = 0
+    # a multi-turn environment leaves out the groups with a failed trajectory: generate until the step has
+    # its groups (env.max_consecutive_failures stops a run whose environment keeps failing)
+    while groups < cfg.trainer.prompts_per_step:
+        prompts = parts.prompts.get(cfg.trainer.prompts_per_step - groups)
+        for s in range(0, len(prompts), chunk):
+            batch, components = parts.worker.rollout(prompts[s : s + chunk])
+            batches.append(batch)
+            groups += len(batch) // G
+            for k, v in components.items():  # NaN: an external score that does not apply to the row
+                comp_sums[k] = comp_sums.get(k, 0.0) + float(v.float().nansum())
+                comp_rows[k] = comp_rows.get(k, 0) + int((~v.float().isnan()).sum())
+            if parts.worker.env is not None and len(batch):
+                for k, v in parts.worker.env_metrics.items():
+                    env_sums[k] = env_sums.get(k, 0.0) + v * len(batch)
+    batch = cat_rollouts([b for b in batches if len(b)], parts.tokenizer.pad_token_id)
+    stats = {f"reward/{k}": v / comp_rows[k] for k, v in comp_sums.items() if comp_rows[k]}
+    stats.update({k: v / len(batch) for k, v in env_sums.items() if k != "env/errors"})
+    if parts.worker.env is not None:
+        stats["env/errors"] = float(parts.worker.env.errors)  # failed trajectories in the run so far
+    return batch, stats
 
 
 def save_run_checkpoint(parts: RunParts, path: str | Path, run: Optional[dict] = None) -> Path:

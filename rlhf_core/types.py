@@ -66,6 +66,9 @@ class RolloutBatch:
     reward_components: FloatTensor [N, C] or None: each row's unweighted reward components, one column per
                        configured component in the order of `reward.components` (set by the rollout
                        worker; the trainer logs their means as reward/<component>).
+    loss_mask:         BoolTensor [N, L] or None: the tokens trained on, where they are not all of
+                       response_mask (multi-turn trajectories: the model's tokens, not the observations
+                       between them, which response_mask still covers as attended context).
     """
 
     prompt_ids: torch.Tensor
@@ -79,6 +82,12 @@ class RolloutBatch:
     rewards: Optional[torch.Tensor] = None
     prompt_uids: Optional[torch.Tensor] = None
     reward_components: Optional[torch.Tensor] = None
+    loss_mask: Optional[torch.Tensor] = None
+
+    @property
+    def trained_mask(self) -> torch.Tensor:
+        """The tokens the loss covers: loss_mask where set, else response_mask."""
+        return self.loss_mask if self.loss_mask is not None else self.response_mask
 
     def __len__(self) -> int:
         return self.response_ids.shape[0]
@@ -168,4 +177,12 @@ def cat_rollouts(batches: list[RolloutBatch], pad_token_id: int) -> RolloutBatch
         rewards=cat("rewards", lambda t: t),
         prompt_uids=cat("prompt_uids", lambda t: t),
         reward_components=cat("reward_components", lambda t: t),
+        loss_mask=_cat_loss_masks(batches, L),
     )
+
+
+def _cat_loss_masks(batches: list[RolloutBatch], length: int) -> Optional[torch.Tensor]:
+    """The batches' loss masks (response_mask for a batch without one), padded; None when none has one."""
+    if all(b.loss_mask is None for b in batches):
+        return None
+    return torch.cat([pad_to(b.trained_mask, length, False) for b in batches], 0)

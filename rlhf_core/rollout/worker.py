@@ -33,6 +33,7 @@ class RolloutWorker:
         max_prompt_tokens: int | None = None,
         component_names: Sequence[str] | None = None,
         external: Sequence = (),
+        env=None,
     ):
         self.engine = engine
         self.reward_fn = reward_fn
@@ -45,6 +46,10 @@ class RolloutWorker:
         # external rewards (Python functions, a reward model): each has `weights` {name: weight} and
         # score(prompts, batch) -> {name: FloatTensor [N]}; NaN marks a row a score does not apply to
         self.external = list(external)
+        # a multi-turn environment (rlhf_core.env.trajectory.EnvRunner): each sample is then a trajectory
+        self.env = env
+        self.env_metrics: dict[str, float] = {}  # of the last rollout (env/*, reward/env)
+        self.last_trajectories: list = []
         self.busy_s = 0.0
         self.idle_s = 0.0
         self.samples = 0
@@ -69,13 +74,21 @@ class RolloutWorker:
         and, as `reward_components` [N, C], the per-row values of the components and external columns (NaN
         where an external score does not apply to the row)."""
         start = time.perf_counter()
+        if self.env is not None:
+            return self._rollout_env(prompts, start)
         pb = collate_prompts(prompts, self.pad_token_id, self.max_prompt_tokens)
         batch = self.engine.generate(pb, self.samples_per_prompt, self.sampling)
-        patterns = prepare_patterns(self.reward_fn, pb.patterns)  # on the host, once per prompt batch
-        patterns = patterns.to(batch.response_ids.device).repeat_interleave(self.samples_per_prompt)
+        rows = [p for p in prompts for _ in range(self.samples_per_prompt)]  # row-aligned with the batch
+        rewards, components = self._score(rows, pb.patterns, self.samples_per_prompt, batch)
+        return self._finish(batch, rewards, components, start)
+
+    def _score(self, rows: Sequence[Prompt], patterns, repeats: int, batch: RolloutBatch):
+        """The tensor-native reward and the external rewards of `batch` (rows: its prompts, row-aligned;
+        patterns: the prompts' answer patterns, each repeated `repeats` times). Returns (rewards, components)."""
+        patterns = prepare_patterns(self.reward_fn, patterns)  # on the host, once per prompt batch
+        patterns = patterns.to(batch.response_ids.device).repeat_interleave(repeats)
         rewards, components = self.reward_fn(batch.response_ids, patterns)
         if self.external:
-            rows = [p for p in prompts for _ in range(self.samples_per_prompt)]  # row-aligned with the batch
             components = dict(components)
             for source in self.external:
                 for name, values in source.score(rows, batch).items():
@@ -84,6 +97,9 @@ class RolloutWorker:
                     if weight:  # a row the score does not apply to (NaN) adds 0
                         rewards = rewards + weight * torch.nan_to_num(values, nan=0.0)
                     components[name] = values
+        return rewards, components
+
+    def _finish(self, batch: RolloutBatch, rewards: torch.Tensor, components: dict, start: float):
         batch.rewards = rewards
         names = self.component_names if self.component_names is not None else list(components)
         if names and all(n in components for n in names):  # per row: they travel with the groups
@@ -95,6 +111,37 @@ class RolloutWorker:
         self.reward_sum += float(rewards.sum())
         return batch, components
 
+    def _rollout_env(self, prompts: Sequence[Prompt], start: float):
+        """Multi-turn: trajectories of the environment (rlhf_core.env), scored as the environment's summed
+        rewards x env.reward_weight plus the configured rewards of the last model turn. A group with a failed
+        trajectory (an environment error or timeout) is left out; the batch may then have fewer groups, or
+        none (then `rollout` returns an empty batch)."""
+        from rlhf_core.env.trajectory import last_turn_batch, trajectory_batch, trajectory_metrics
+
+        G = self.samples_per_prompt
+        trajs = self.env.run(self.engine, prompts, G, self.sampling)
+        keep = [g for g in range(len(prompts)) if not any(t.error for t in trajs[g * G : (g + 1) * G])]
+        kept = [t for g in keep for t in trajs[g * G : (g + 1) * G]]
+        self.last_trajectories = kept
+        self.env_metrics = {**trajectory_metrics(kept), "env/errors": float(self.env.errors)}
+        version = int(self.engine.version)
+        device = getattr(self.engine, "device", "cpu")
+        if not kept:
+            batch = trajectory_batch(trajs[:0] or trajs[:1], self.pad_token_id, version, device).select(torch.arange(0))
+            return self._finish(batch, torch.zeros(0, device=batch.response_ids.device), {}, start)
+        kept_prompts = [prompts[g] for g in keep]
+        batch = trajectory_batch(kept, self.pad_token_id, version, device)
+        last = last_turn_batch(kept, self.pad_token_id, version, device)
+        pb = collate_prompts(kept_prompts, self.pad_token_id, self.max_prompt_tokens)
+        rewards, components = self._score([t.prompt for t in kept], pb.patterns, G, last)
+        env_reward = torch.tensor([t.env_reward for t in kept], dtype=torch.float32, device=rewards.device)
+        rewards = rewards + self.env.cfg.reward_weight * env_reward
+        for t, r in zip(kept, rewards.tolist()):
+            t.reward = r
+        components = {**components, "env": env_reward}
+        batch.group_ids = torch.arange(len(keep), device=batch.group_ids.device).repeat_interleave(G)
+        return self._finish(batch, rewards, components, start)
+
     def generate_groups(self, prompts: Sequence[Prompt]) -> list[Experience]:
         """`rollout`, then one Experience per prompt (its G completions), on CPU for transport."""
         batch, _ = self.rollout(prompts)
@@ -105,6 +152,8 @@ class RolloutWorker:
         for source in self.external:
             if hasattr(source, "close"):
                 source.close()
+        if self.env is not None:
+            self.env.close()
 
     def add_idle(self, seconds: float) -> None:
         self.idle_s += seconds

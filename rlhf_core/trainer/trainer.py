@@ -222,7 +222,7 @@ class Trainer:
         rows = rank_rows(N, rank, size)
         widest = rank_rows(N, 0, size)  # every rank runs as many micro-batches as the widest slice needs
         micro = micro_slices(rows, max(1, math.ceil((widest.stop - widest.start) / self.tcfg.micro_batch_size)))
-        step_mask = batch.response_mask
+        step_mask = batch.trained_mask  # multi-turn: the model's tokens only (observations are context)
         total_tokens = step_mask.sum().clamp(min=1)
         loss_kwargs: dict = {"norm_len": self.cfg.rollout.max_new_tokens, "global_norm": global_normalisers(step_mask)}
         keep = None

@@ -1,0 +1,20 @@
+"""Multi-turn environments and tool calling (docs/environments.md).
+
+An environment is a class loaded like a reward function (`env.path`, `env.name`, `env.kwargs`), one
+instance per trajectory, run in the rollout worker's environment process pool, never in the trainer:
+
+    class MyEnv:
+        def __init__(self, **kwargs): ...
+        def reset(self, row: dict) -> list[dict] | str: ...          # the opening messages or prompt
+        def step(self, action: str) -> tuple[list[dict] | str | None, float, bool, dict]: ...
+                                                                       # (observation, reward, done, info)
+
+`reset` / `step` may be coroutines (awaited). Modules:
+  spec.py        find the class (config time: by reading the source) and import it (in the pool)
+  pool.py        EnvPool: spawned processes, many trajectories in flight per process, per-step timeouts
+  chat.py        ChatFormat: messages -> ids through the model's chat template (observations by difference)
+  tools.py       ToolEnv: Python functions as tools, Qwen2.5 / Hermes <tool_call> format
+  trajectory.py  EnvRunner: token-in/token-out trajectories -> one RolloutBatch (imports torch)
+
+This package's __init__ imports nothing: the pool's processes import spec.py and pool.py without torch.
+"""

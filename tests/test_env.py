@@ -1,0 +1,325 @@
+"""Multi-turn environments: config, chat-template tokenization, token-in/token-out trajectories, failures,
+timeouts and concurrent episodes (real spawned environment processes, the real chat model and HF engine)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlhf_core.config import ConfigError, TrainConfig, validate_config
+from rlhf_core.data.prompts import Prompt
+from rlhf_core.env.chat import ChatFormat, ChatFormatError
+from rlhf_core.env.trajectory import EnvError, EnvRunner, trajectory_batch
+from rlhf_core.models import load_policy, stop_token_ids
+from rlhf_core.rollout import HFEngine, SamplingParams
+from rlhf_core.trainer.trainer import sequence_logprobs
+
+FIXTURES = str(Path(__file__).parent / "env_fixtures.py")
+
+
+def env_config(name: str, **env) -> TrainConfig:
+    return validate_config(
+        {
+            "env": {"path": FIXTURES, "name": name, **env},
+            "rollout": {"max_new_tokens": 6, "samples_per_prompt": 2, "temperature": 1.0},
+        }
+    )
+
+
+@pytest.fixture(scope="module")
+def chat(chat_policy_dir):
+    model, tok = load_policy(chat_policy_dir, dtype="float32", device="cpu")
+    return model, tok, stop_token_ids(chat_policy_dir, tok)
+
+
+class RecordingEngine(HFEngine):
+    """HFEngine that keeps every generated row (ids, log-probs) in call order."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls: list[tuple[list[list[int]], list[list[int]], list[list[float]]]] = []
+
+    def generate(self, prompts, samples_per_prompt, sampling):
+        out = super().generate(prompts, samples_per_prompt, sampling)
+        contexts = [row[m].tolist() for row, m in zip(prompts.prompt_ids, prompts.prompt_mask)]
+        ids = [r[m].tolist() for r, m in zip(out.response_ids, out.response_mask)]
+        logps = [r[m].tolist() for r, m in zip(out.behavior_logprobs, out.response_mask)]
+        self.calls.append((contexts, ids, logps))
+        return out
+
+
+def prompts_for(tok, n: int) -> list[Prompt]:
+    out = []
+    for i in range(n):
+        messages = [{"role": "user", "content": f"count to {i + 2}"}]
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        out.append(Prompt(i, tok(text, add_special_tokens=False)["input_ids"], [], text, str(i + 2), {}, messages))
+    return out
+
+
+def runner_for(cfg: TrainConfig, tok, stops, workers: int = 1) -> EnvRunner:
+    return EnvRunner(cfg.env, cfg.rollout, tok, stops, workers)
+
+
+# ------------------------------------------------------------------------------------------------ config
+def test_env_config_names_the_field(tmp_path):
+    assert not TrainConfig().env.enabled
+    assert TrainConfig.model_validate({"env": {"tools": [{"path": FIXTURES, "name": "add"}]}}).env.class_name == (
+        "ToolEnv"
+    )
+    with pytest.raises(ConfigError, match="env.path is empty and env.name 'Nope' is not a built-in"):
+        validate_config({"env": {"name": "Nope"}})
+    with pytest.raises(ConfigError, match="env.path: 'missing.py' is neither"):
+        validate_config({"env": {"name": "X", "path": "missing.py"}})
+    with pytest.raises(ConfigError, match="env.name: .* defines no class named 'Missing'"):
+        validate_config({"env": {"name": "Missing", "path": FIXTURES}})
+    with pytest.raises(ConfigError, match="class NoStep .* has no step method"):
+        validate_config({"env": {"name": "NoStep", "path": FIXTURES}})
+    with pytest.raises(ConfigError, match=r"env.tools\[0\].name: .* defines no function named 'nope'"):
+        validate_config({"env": {"tools": [{"path": FIXTURES, "name": "nope"}]}})
+    with pytest.raises(ConfigError, match="env.max_turns"):
+        validate_config({"env": {"name": "CountEnv", "path": FIXTURES, "max_turns": 0}})
+    with pytest.raises(ConfigError, match="rollout.max_total_tokens"):
+        validate_config({"rollout": {"max_total_tokens": 1}})
+
+
+# ------------------------------------------------------------------------------------------- chat format
+@pytest.mark.parametrize("fixture", ["chat_policy_dir", "base_chat_policy_dir"])
+def test_observation_ids_continue_the_conversation_exactly(fixture, request):
+    """Prompt ids + the model's turn as the engine would generate it (content, then its stop token) + the
+    observation's ids equal the tokenization of the whole conversation rendered at once: prefix ids match."""
+    path = request.getfixturevalue(fixture)
+    _, tok = load_policy(path, dtype="float32", device="cpu")
+    stops = stop_token_ids(path, tok)
+    fmt = ChatFormat(tok, stops)
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    conversation = [{"role": "user", "content": "max of 3, 72, 5? Answer with #### n."}]
+    ids = fmt.prompt_ids(conversation)
+    for action, observation in [("I guess 5", "too low"), (" #### 72\n", "right: 72 is the maximum, 1,000 no")]:
+        ids += tok(action, add_special_tokens=False)["input_ids"] + [im_end]  # what the engine generates
+        conversation += [{"role": "assistant", "content": action}, {"role": "user", "content": observation}]
+        ids += fmt.observation_ids([{"role": "user", "content": observation}], im_end)
+        whole = tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        assert ids == tok(whole, add_special_tokens=False)["input_ids"]
+    # a turn cut before its stop token gets the whole end of turn from the template (masked: not the model's)
+    text = fmt.observation_text([{"role": "user", "content": "x"}], last_model_token=tok.encode("a")[0])
+    assert text.startswith("<|im_end|>\n<|im_start|>user\nx<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_a_model_without_a_chat_template_or_tool_format_is_refused(chat_policy_dir):
+    _, tok = load_policy(chat_policy_dir, dtype="float32", device="cpu")
+    saved = tok.chat_template
+    try:
+        tok.chat_template = None
+        with pytest.raises(ChatFormatError, match="needs the model's chat template"):
+            ChatFormat(tok, [0])
+        tok.chat_template = saved.replace("tools", "t00ls").replace("<tool_call>", "<t>")
+        with pytest.raises(ChatFormatError, match="env.tools: the chat template of .* has no tool format"):
+            ChatFormat(tok, [0], tools=[{"type": "function", "function": {"name": "f"}}])
+    finally:
+        tok.chat_template = saved
+
+
+# ------------------------------------------------------------------------------- token-in / token-out
+def test_trained_ids_are_the_generated_ids_and_observations_are_masked(chat):
+    model, tok, stops = chat
+    cfg = env_config("CountEnv", kwargs={"turns": 3}, max_turns=3)
+    engine = RecordingEngine(model, stops, tok.pad_token_id, seed=0)
+    runner = runner_for(cfg, tok, stops)
+    try:
+        prompts = prompts_for(tok, 4)  # one trajectory each: a context identifies its row below
+        trajs = runner.run(engine, prompts, 1, SamplingParams.from_config(cfg.rollout))
+    finally:
+        runner.close()
+    assert [t.error for t in trajs] == [None] * 4
+    batch = trajectory_batch(trajs, tok.pad_token_id, engine.version)
+    # every generated row, by its context, in order: what the engine produced for that trajectory
+    generated: dict[tuple, tuple] = {}
+    for contexts, ids, logps in engine.calls:
+        for c, i, lp in zip(contexts, ids, logps):
+            generated[tuple(c)] = (i, lp)
+    for row, t in enumerate(trajs):
+        assert t.turns == 3 and t.env_rewards == [1.0, 1.0, 1.0] and t.done
+        n = len(t.ids)
+        ids = batch.response_ids[row, :n].tolist()
+        model_mask = batch.loss_mask[row, :n]
+        assert batch.response_mask[row, :n].all() and not batch.response_mask[row, n:].any()
+        context = list(t.prompt_ids)
+        pos = 0
+        for turn in range(3):
+            gen_ids, gen_logps = generated[tuple(context)]
+            # the model's tokens: exactly the generated ids, trained on, with their behaviour log-probs
+            assert ids[pos : pos + len(gen_ids)] == gen_ids
+            assert model_mask[pos : pos + len(gen_ids)].all()
+            assert batch.behavior_logprobs[row, pos : pos + len(gen_ids)].tolist() == pytest.approx(gen_logps)
+            context += gen_ids
+            pos += len(gen_ids)
+            if turn < 2:  # then the observation: masked out, its ids the template's for 'turn <t>'
+                obs = runner.chat.observation_ids([{"role": "user", "content": f"turn {turn + 1}"}], gen_ids[-1])
+                assert ids[pos : pos + len(obs)] == obs
+                assert not model_mask[pos : pos + len(obs)].any()
+                assert batch.behavior_logprobs[row, pos : pos + len(obs)].abs().sum() == 0
+                context += obs
+                pos += len(obs)
+        assert pos == n
+    # the trainer's view of the same ids: on-policy, its log-probs of the model's tokens are the engine's
+    with torch.no_grad():
+        logps, _ = sequence_logprobs(
+            model, batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.response_mask, temperature=1.0
+        )
+    m = batch.loss_mask
+    assert torch.allclose(logps[m], batch.behavior_logprobs[m], atol=1e-4)
+
+
+def test_trajectory_ends_truncated_at_max_total_tokens(chat):
+    model, tok, stops = chat
+    prompts = prompts_for(tok, 1)
+    limit = len(prompts[0].prompt_ids) + 8
+    cfg = validate_config(
+        {
+            "env": {"path": FIXTURES, "name": "CountEnv", "kwargs": {"turns": 10}, "max_turns": 10},
+            "rollout": {"max_new_tokens": 6, "samples_per_prompt": 2, "max_total_tokens": limit},
+        }
+    )
+    runner = runner_for(cfg, tok, stops)
+    try:
+        trajs = runner.run(
+            HFEngine(model, stops, tok.pad_token_id, seed=1), prompts, 4, SamplingParams.from_config(cfg.rollout)
+        )
+    finally:
+        runner.close()
+    for t in trajs:
+        assert t.error is None and t.truncated and not t.done
+        assert t.length <= limit
+        assert t.turns < 10
+
+
+# ---------------------------------------------------------------------------------- failures, timeouts
+def run_env(chat, name: str, n: int = 1, G: int = 2, workers: int = 1, **env):
+    model, tok, stops = chat
+    cfg = env_config(name, **env)
+    runner = runner_for(cfg, tok, stops, workers)
+    try:
+        trajs = runner.run(
+            HFEngine(model, stops, tok.pad_token_id, seed=0), prompts_for(tok, n), G, SamplingParams(max_new_tokens=4)
+        )
+        return runner, trajs
+    finally:
+        runner.close()
+
+
+def test_a_step_that_raises_ends_the_trajectory_and_counts(chat):
+    runner, trajs = run_env(chat, "CountEnv", kwargs={"turns": 3, "fail_at": 2})
+    for t in trajs:
+        assert t.error.startswith("step: ValueError: boom at step 2 (at ") and "env_fixtures.py" in t.error
+        assert t.turns == 2
+    assert runner.errors == 2
+
+
+def test_a_step_past_its_timeout_fails_sync_and_async(chat):
+    runner, trajs = run_env(chat, "CountEnv", kwargs={"sleep": 5}, step_timeout_s=0.5)
+    assert all("timed out after 0.5 s (env.step_timeout_s)" in t.error for t in trajs)
+    runner, trajs = run_env(chat, "AsyncSleepEnv", kwargs={"sleep": 5}, step_timeout_s=0.5)
+    assert all("timed out after 0.5 s (env.step_timeout_s)" in t.error for t in trajs)
+    # a fast coroutine env with the row's own prompt: completes
+    runner, trajs = run_env(chat, "AsyncSleepEnv", kwargs={"sleep": 0, "turns": 2})
+    assert [t.error for t in trajs] == [None, None] and all(t.turns == 2 for t in trajs)
+
+
+def test_an_env_that_blocks_its_process_is_killed_and_replaced(chat, monkeypatch):
+    import rlhf_core.env.pool as pool
+
+    monkeypatch.setattr(pool, "KILL_GRACE_S", 0.5)
+    runner, trajs = run_env(chat, "BlockingEnv", step_timeout_s=0.5)
+    assert all("killed and replaced" in t.error for t in trajs)
+    assert runner.pool.replaced == 1
+
+
+def test_a_bad_step_result_names_what_is_wrong(chat):
+    _, trajs = run_env(chat, "BadResultEnv")
+    assert all("step's reward is 'not a number', not a number" in t.error for t in trajs)
+
+
+def test_consecutive_failures_stop_the_run_with_the_envs_error(chat):
+    with pytest.raises(EnvError, match=r"failed 3 steps in a row \(env.max_consecutive_failures=3\): step: ValueError"):
+        run_env(chat, "CountEnv", n=2, kwargs={"fail_at": 1}, max_consecutive_failures=3)
+
+
+def test_a_slow_episode_does_not_stall_the_others_of_its_process(chat, tmp_path):
+    """One process holds all four episodes; the slow one's first step returns only after the three others
+    finished their three turns each: they ran while it waited."""
+    runner, trajs = run_env(
+        chat, "MarkerEnv", G=4, workers=1, kwargs={"dir": str(tmp_path), "fast": 3}, step_timeout_s=60
+    )
+    assert [t.error for t in trajs] == [None] * 4
+    slow = [t for t in trajs if t.info.get("fast_done_first")]
+    assert len(slow) == 1 and slow[0].turns == 1
+    assert sorted(t.turns for t in trajs) == [1, 3, 3, 3]
+
+
+# ------------------------------------------------------------------------------------ single-process loop
+def loop_cfg(tmp_path, name: str, **env):
+    from rlhf_core.config import load_config
+
+    cfg = load_config(
+        None,
+        [
+            f"run.output_dir={tmp_path}",
+            "model.tiny_kind=chat",
+            "model.tiny_hidden=32",
+            "model.tiny_layers=1",
+            "model.tiny_heads=2",
+            "data.task=max3_chat",
+            "data.eval_size=4",
+            "reward.components={answer_after_marker: 1.0}",
+            "rollout.max_new_tokens=6",
+            "trainer.total_steps=2",
+            "trainer.prompts_per_step=2",
+            "rollout.samples_per_prompt=2",
+            "rollout.prompts_per_batch=2",
+            "reward.function_workers=1",
+            "tracking.eval_every=1",
+            "tracking.checkpoint_every=0",
+        ],
+    )
+    cfg.env = cfg.env.model_validate({"path": FIXTURES, "name": name, **env})
+    return cfg
+
+
+def test_run_sync_trains_on_trajectories(tmp_path):
+    from rlhf_core.loop import build_run, generate_step_batch, run_sync
+
+    cfg = loop_cfg(tmp_path, "CountEnv", kwargs={"turns": 2, "reward": 0.5}, max_turns=3, reward_weight=2.0)
+    parts = build_run(cfg)
+    seen = []
+    try:
+        result = run_sync(cfg, parts=parts, on_step=seen.append)
+        batch, _ = generate_step_batch(parts)
+    finally:
+        parts.worker.close()
+    assert result["steps"] == 2
+    for m in seen:
+        assert m["env/turns_mean"] == 2 and m["reward/env"] == 1.0 and m["env/errors"] == 0
+        assert m["env/tool_calls_mean"] == 0 and m["env/truncated_frac"] == 0
+    # the trajectory reward: env rewards x env.reward_weight + the configured reward of the last model turn
+    assert torch.allclose(batch.rewards, 2.0 * 1.0 + batch.reward_components[:, 0])
+    assert batch.loss_mask is not None and (batch.loss_mask & ~batch.response_mask).sum() == 0
+    assert batch.loss_mask.sum() < batch.response_mask.sum()  # observations are context, not trained on
+    # evaluation runs the episodes greedily: CountEnv reports success at its last step
+    assert result["eval/accuracy"] == 1.0 and result["eval/turns_mean"] == 2
+
+
+def test_groups_with_a_failed_trajectory_are_left_out(tmp_path):
+    from rlhf_core.loop import build_run
+
+    cfg = loop_cfg(tmp_path, "CountEnv", kwargs={"turns": 3, "fail_at": 2}, max_consecutive_failures=100)
+    parts = build_run(cfg)
+    try:
+        trajs = parts.worker.env.run(parts.engine, parts.train_prompts[:2], 2, parts.worker.sampling)
+        assert all(t.error for t in trajs)
+        batch, _ = parts.worker.rollout(parts.train_prompts[:2])
+        assert len(batch) == 0 and parts.worker.env_metrics["env/errors"] == 8
+    finally:
+        parts.worker.close()
