@@ -67,7 +67,7 @@ from rlhf_core.reward import exact_match_reward, pack_patterns, tensor_native_re
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/machine.py, also when imported
 from machine import cpu_model  # noqa: E402
 
-from rlhf_core.reward.text import _gpt2_byte_decoder  # noqa: E402
+from rlhf_core.reward.text import gpt2_byte_decoder  # noqa: E402
 
 TARGETS = {"shape": {"B": 256, "L": 1024}, "speedup_vs_regex": 20.0, "speedup_vs_loop": 2.0}
 PAD, EOS, UNK = 0, 1, 2
@@ -216,7 +216,7 @@ def make_gsm8k_batch(tokenizer, B: int, L: int, seed: int):
 
     rng = random.Random(seed)
     vocab = tokenizer.get_vocab()
-    byte_char = {b: c for c, b in _gpt2_byte_decoder().items()}
+    byte_char = {b: c for c, b in gpt2_byte_decoder().items()}
     specials = set(tokenizer.all_special_ids)
     normal = [i for i in range(len(tokenizer)) if i not in specials]
     im_end, pad = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.pad_token_id or 0

@@ -192,7 +192,8 @@ class RewardConfig(_Section):
     match: Literal["text", "tokens"] = Field(
         "text",
         description="How exact_match, contains, answer_after_marker and format compare: 'text' = as text on the "
-        "device, any tokenization, numbers normalised (docs/rewards.md); 'tokens' = the answers' token sequences.",
+        "device, any tokenization, numbers normalised (docs/rewards.md); 'tokens' = the answers' token sequences "
+        "(special-token answers, one known tokenization).",
     )
     model: RewardModelConfig = Field(
         default_factory=RewardModelConfig,

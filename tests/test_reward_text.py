@@ -15,9 +15,9 @@ from transformers import PreTrainedTokenizerFast
 
 from rlhf_core.config import RewardConfig
 from rlhf_core.reward import build_reward_fn, patterns_from_texts
-from rlhf_core.reward.text import _gpt2_byte_decoder, token_bytes
+from rlhf_core.reward.text import gpt2_byte_decoder, token_bytes
 
-BYTE_TO_CHAR = {b: c for c, b in _gpt2_byte_decoder().items()}
+BYTE_TO_CHAR = {b: c for c, b in gpt2_byte_decoder().items()}
 ALL = {"answer_after_marker": 1.0, "exact_match": 1.0, "contains": 1.0, "format": 1.0}
 
 # (text a grader sees, answer, expected answer_after_marker score)
@@ -203,15 +203,6 @@ def any_tok(request, word_tok, bpe_tok):
     return word_tok if request.param == "word_level" else bpe_tok
 
 
-@pytest.fixture(params=["kernel", "tensor_code"])
-def text_path(request, monkeypatch):
-    """Runs a test on CPU twice: with the fused kernel (where it builds) and with the tensor code (the path on
-    every other device; ATRLHF_TEXT_KERNEL=0)."""
-    if request.param == "tensor_code":
-        monkeypatch.setenv("ATRLHF_TEXT_KERNEL", "0")
-    return request.param
-
-
 def _check_table(tokenizer, component, cases):
     stop = tokenizer.eos_token_id
     reward = build_reward_fn(RewardConfig(components={component: 1.0}), tokenizer, [stop], 64)
@@ -227,15 +218,15 @@ def _check_table(tokenizer, component, cases):
     assert not wrong, wrong
 
 
-def test_table_answer_after_marker(any_tok, text_path):
+def test_table_answer_after_marker(any_tok):
     _check_table(any_tok, "answer_after_marker", MARKER_CASES)
 
 
-def test_table_exact_match(any_tok, text_path):
+def test_table_exact_match(any_tok):
     _check_table(any_tok, "exact_match", EXACT_CASES)
 
 
-def test_table_contains(any_tok, text_path):
+def test_table_contains(any_tok):
     _check_table(any_tok, "contains", CONTAINS_CASES)
 
 
@@ -248,7 +239,7 @@ ASCII_CLASS_CASES = {
 }
 
 
-def test_bytes_are_classified_in_ascii_as_documented(bpe_tok, text_path):
+def test_bytes_are_classified_in_ascii_as_documented(bpe_tok):
     for component, cases in ASCII_CLASS_CASES.items():
         _check_table(bpe_tok, component, cases)
 
@@ -276,14 +267,14 @@ def test_byte_table_decodes_like_the_tokenizer(bpe_tok):
         (["##", "##", "\u0120", "-", "7"], "7", 0.0),  # -7
     ],
 )
-def test_reported_cases_bpe(bpe_tok, text_path, tokens, answer, want):
+def test_reported_cases_bpe(bpe_tok, tokens, answer, want):
     vocab = bpe_tok.get_vocab()
     row = [vocab[t] for t in tokens]
     reward = build_reward_fn(RewardConfig(components={"answer_after_marker": 1.0}), bpe_tok, [bpe_tok.eos_token_id], 16)
     assert score(reward, bpe_tok, [row], [answer], bpe_tok.eos_token_id)["answer_after_marker"].tolist() == [want]
 
 
-def test_two_tokenizers_agree_on_the_same_text(word_tok, bpe_tok, text_path):
+def test_two_tokenizers_agree_on_the_same_text(word_tok, bpe_tok):
     """'#### 7 5' used to score differently under two tokenizers; as text it is the number 7 after the marker."""
     for tok in (word_tok, bpe_tok):
         reward = build_reward_fn(RewardConfig(components={"answer_after_marker": 1.0}), tok, [tok.eos_token_id], 16)
@@ -459,6 +450,18 @@ def test_token_mode_keeps_the_old_semantics(bpe_tok):
     assert reward.text is None
 
 
+def test_special_token_answers_are_seen_in_token_mode_only(bpe_tok):
+    """Why `reward.match: tokens` stays (docs/rewards.md): a special token has no bytes, so an answer that is one
+    (a label or action token) is never found as text, and is found by its id."""
+    eos = bpe_tok.eos_token_id
+    special = "<|im_start|>"
+    ids = torch.tensor([bpe_tok.encode(f"so {special}", add_special_tokens=False) + [eos]])
+    patterns = patterns_from_texts(bpe_tok, [special])
+    for match, want in (("tokens", 1.0), ("text", 0.0)):
+        reward = build_reward_fn(RewardConfig(components={"contains": 1.0}, match=match), bpe_tok, [eos], 8)
+        assert reward(ids, patterns)[1]["contains"].tolist() == [want], match
+
+
 def test_long_numbers_compare_exactly(bpe_tok):
     """Numbers are compared as int64 chunks of 18 digits: exact beyond 2**63, '-0' is '0'."""
     big = "123456789012345678901234567890"
@@ -584,7 +587,7 @@ def test_empty_batch_and_rows_shorter_than_a_block(bpe_tok):
 
 
 def test_pick_blocks_takes_the_first_or_last_true_columns_in_order():
-    from rlhf_core.reward.text import _pick_blocks
+    from rlhf_core.reward.text import pick_blocks
 
     g = torch.Generator().manual_seed(5)
     for _ in range(200):
@@ -599,7 +602,7 @@ def test_pick_blocks_takes_the_first_or_last_true_columns_in_order():
                     picked = cols[-kk:] if last else cols[:kk]
                     pad = [-1] * (kk - len(picked))
                     want.append(pad + picked if last else picked + pad)
-                assert _pick_blocks(has, k, last).tolist() == want
+                assert pick_blocks(has, k, last).tolist() == want
 
 
 def test_text_a_window_cuts_never_matches(bpe_tok):
@@ -651,6 +654,6 @@ def test_scan_never_writes_the_callers_ids(bpe_tok):
         [bpe_tok.encode("#### 72", add_special_tokens=False) + [bpe_tok.eos_token_id]], dtype=torch.int32
     )
     before = ids.clone()
-    codes, n_valid, index = scan(tm._codes_table(ids.device, (bpe_tok.eos_token_id,)), ids)
+    codes, n_valid, index = scan(tm.codes_table(ids.device, (bpe_tok.eos_token_id,)), ids)
     assert torch.equal(ids, before) and torch.equal(index, before + 1)
     assert n_valid.tolist() == [ids.shape[1] - 1]
