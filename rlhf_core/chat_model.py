@@ -22,8 +22,36 @@ from typing import Optional
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 CHAT_SPECIAL_TOKENS = [ENDOFTEXT, IM_START, IM_END]
 CHATML_TEMPLATE = (
+    # Without tools and tool messages this renders exactly ChatML: <|im_start|>role\ncontent<|im_end|>\n.
+    # With `tools` (JSON schemas) the first turn is a system message listing them and asking for calls in
+    # the Qwen2.5 / Hermes format; assistant tool calls render as <tool_call> blocks, and consecutive `tool`
+    # messages as <tool_response> blocks of one user turn (rlhf_core.env.tools parses the calls).
+    "{% set skip_first = false %}"
+    "{% if tools %}"
+    "{{ '<|im_start|>system\n' }}"
+    "{% if messages and messages[0]['role'] == 'system' %}"
+    "{{ messages[0]['content'] + '\n\n' }}{% set skip_first = true %}"
+    "{% endif %}"
+    "{{ '# Tools\n<tools>' }}"
+    "{% for tool in tools %}{{ '\n' + (tool | tojson) }}{% endfor %}"
+    "{{ '\n</tools>\nCall a tool with <tool_call>\n' }}"
+    '{{ \'{"name": <name>, "arguments": <args>}\n</tool_call><|im_end|>\n\' }}'
+    "{% endif %}"
     "{% for message in messages %}"
+    "{% if loop.first and skip_first %}"
+    "{% elif message['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{ '<|im_start|>user' }}{% endif %}"
+    "{{ '\n<tool_response>\n' + message['content'] + '\n</tool_response>' }}"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{ '<|im_end|>\n' }}{% endif %}"
+    "{% elif message['role'] == 'assistant' and message.get('tool_calls') %}"
+    "{{ '<|im_start|>assistant' }}{% if message['content'] %}{{ '\n' + message['content'] }}{% endif %}"
+    "{% for call in message['tool_calls'] %}{% set call = call.get('function', call) %}"
+    "{{ '\n<tool_call>\n{\"name\": \"' + call['name'] + '\", \"arguments\": ' }}"
+    "{{ (call['arguments'] | tojson) + '}\n</tool_call>' }}"
+    "{% endfor %}{{ '<|im_end|>\n' }}"
+    "{% else %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )

@@ -96,3 +96,27 @@ def add(a: float, b: float) -> float:
         b: The second number.
     """
     return a + b
+
+
+def slow(seconds: float) -> str:
+    """Sleep, then say so.
+
+    Args:
+        seconds: How long to sleep.
+    """
+    time.sleep(seconds)
+    return "slept"
+
+
+def divide(a: float, b: float) -> float:
+    """Divide a by b.
+
+    Args:
+        a: The dividend.
+        b: The divisor.
+    """
+    return a / b
+
+
+def undocumented(x):
+    return x

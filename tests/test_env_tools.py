@@ -1,0 +1,180 @@
+"""ToolEnv: tool schemas through the chat template, <tool_call> parsing, tool results as `tool` messages,
+tool errors and timeouts, refusal of a template without a tool format."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlhf_core.config import validate_config
+from rlhf_core.data.prompts import Prompt
+from rlhf_core.env.chat import ChatFormatError
+from rlhf_core.env.tools import parse_tool_calls, tool_schemas
+from rlhf_core.env.trajectory import EnvRunner, trajectory_batch
+from rlhf_core.models import load_policy, stop_token_ids
+from rlhf_core.rollout import SamplingParams
+from rlhf_core.types import RolloutBatch
+
+REPO = Path(__file__).resolve().parents[1]
+CALCULATOR = str(REPO / "examples" / "envs" / "calculator.py")
+FIXTURES = str(Path(__file__).parent / "env_fixtures.py")
+
+
+def prompts_for(tok, n: int) -> list[Prompt]:
+    out = []
+    for i in range(n):
+        messages = [{"role": "user", "content": f"what is 2 + {i + 3}?"}]
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        out.append(Prompt(i, tok(text, add_special_tokens=False)["input_ids"], [], text, str(i + 5), {}, messages))
+    return out
+
+
+def test_parse_tool_calls():
+    text = 'ok <tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call> and '
+    text += '<tool_call>{"name": "m"}</tool_call>'
+    calls, errors = parse_tool_calls(text)
+    assert calls == [{"name": "add", "arguments": {"a": 2, "b": 3}}, {"name": "m", "arguments": {}}] and not errors
+    calls, errors = parse_tool_calls('<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>')
+    assert calls == [{"name": "f", "arguments": {"x": 1}}]
+    calls, errors = parse_tool_calls("<tool_call>{nope</tool_call><tool_call>[1]</tool_call>")
+    assert not calls and len(errors) == 2 and "is not JSON" in errors[0] and "has no string 'name'" in errors[1]
+    assert parse_tool_calls("The answer is 5") == ([], [])
+
+
+def test_tool_schemas_from_signature_and_docstring():
+    (schema,) = tool_schemas([(CALCULATOR, "add")])
+    assert schema["function"]["name"] == "add" and schema["function"]["description"] == "Add two numbers."
+    assert schema["function"]["parameters"]["properties"]["a"] == {"type": "number", "description": "The first number."}
+    with pytest.raises(ValueError, match=r"env.tools\[0\]: no JSON schema for undocumented"):
+        tool_schemas([(FIXTURES, "undocumented")])
+
+
+class ScriptedEngine:
+    """Emits the tokens of a fixed turn per step of the conversation, as a model that learned the tool format
+    would: a tool call while the context has no tool response yet, then an answer quoting the result."""
+
+    def __init__(self, tok, stops, first: str, then: str):
+        self.tok, self.stop, self.first, self.then = tok, stops[0], first, then
+        self.version, self.device = 3, torch.device("cpu")
+        self.generated: list[list[int]] = []
+
+    def generate(self, prompts, samples_per_prompt, sampling) -> RolloutBatch:
+        rows = []
+        for ids, mask in zip(prompts.prompt_ids, prompts.prompt_mask):
+            context = self.tok.decode(ids[mask].tolist())
+            text = self.then if "<tool_response>" in context else self.first
+            if "<tool_response>" in context:
+                text = text.format(result=context.rsplit("<tool_response>\n", 1)[1].split("\n</tool_response>")[0])
+            rows.append(self.tok(text, add_special_tokens=False)["input_ids"] + [self.stop])
+        self.generated += rows
+        L = max(len(r) for r in rows)
+        ids = torch.tensor([r + [self.tok.pad_token_id] * (L - len(r)) for r in rows])
+        mask = torch.tensor([[True] * len(r) + [False] * (L - len(r)) for r in rows])
+        n = len(rows)
+        return RolloutBatch(
+            prompt_ids=prompts.prompt_ids,
+            prompt_mask=prompts.prompt_mask,
+            response_ids=ids,
+            response_mask=mask,
+            behavior_logprobs=torch.where(mask, -0.5, 0.0),
+            response_lengths=mask.sum(-1),
+            group_ids=torch.arange(n),
+            policy_version=torch.full((n,), self.version),
+        )
+
+
+def tool_runner(tok, stops, tools, **env):
+    cfg = validate_config(
+        {
+            "env": {"tools": [{"path": p, "name": n} for p, n in tools], **env},
+            "rollout": {"max_total_tokens": 4096},  # the scripted engine has no context limit
+        }
+    )
+    return EnvRunner(cfg.env, cfg.rollout, tok, stops, 1)
+
+
+def test_a_tool_call_runs_and_its_result_comes_back_as_a_tool_message(chat_policy_dir):
+    _, tok = load_policy(chat_policy_dir, dtype="float32", device="cpu")
+    stops = stop_token_ids(chat_policy_dir, tok)
+    runner = tool_runner(tok, stops, [(CALCULATOR, "add"), (CALCULATOR, "multiply")], max_turns=3)
+    engine = ScriptedEngine(
+        tok, stops, '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>', "It is {result}."
+    )
+    prompts = prompts_for(tok, 1)
+    prompts[0].answer_text = "5"
+    try:
+        (t,) = runner.run(engine, prompts, 1, SamplingParams(max_new_tokens=256))
+    finally:
+        runner.close()
+    assert t.error is None and t.done and t.turns == 2 and t.tool_calls == 1
+    assert t.success is True  # the final answer "It is 5." contains the row's answer
+    prompt_text = tok.decode(t.prompt_ids)
+    assert '"name": "add"' in prompt_text and '"name": "multiply"' in prompt_text and "<tools>" in prompt_text
+    assert [turn.role for turn in t.transcript] == ["user", "assistant", "tool", "assistant"]
+    assert t.transcript[2].text == "5"
+    # the ids: the two generated turns exactly, with the tool message between them masked out
+    batch = trajectory_batch([t], tok.pad_token_id, engine.version)
+    ids, loss = batch.response_ids[0].tolist(), batch.loss_mask[0].tolist()
+    first, second = engine.generated
+    obs = runner.chat.observation_ids([{"role": "tool", "content": "5"}], first[-1])
+    assert ids == first + obs + second
+    assert loss == [True] * len(first) + [False] * len(obs) + [True] * len(second)
+    assert "<tool_response>\n5\n</tool_response>" in tok.decode(obs)
+
+
+def test_tool_errors_are_the_models_to_read_and_a_slow_tool_fails_the_step(chat_policy_dir):
+    _, tok = load_policy(chat_policy_dir, dtype="float32", device="cpu")
+    stops = stop_token_ids(chat_policy_dir, tok)
+    runner = tool_runner(tok, stops, [(FIXTURES, "divide"), (FIXTURES, "slow")], max_turns=2, step_timeout_s=1)
+    call = '<tool_call>{{"name": "{}", "arguments": {}}}</tool_call>'
+    try:
+        for name, args, expect in [
+            ("divide", '{"a": 1, "b": 0}', "error: ZeroDivisionError: division by zero"),
+            ("nope", "{}", "error: no tool named 'nope' (tools: divide, slow)"),
+        ]:
+            engine = ScriptedEngine(tok, stops, call.format(name, args), "done")
+            (t,) = runner.run(engine, prompts_for(tok, 1), 1, SamplingParams(max_new_tokens=256))
+            assert t.error is None and t.transcript[2].text == expect
+        engine = ScriptedEngine(tok, stops, call.format("slow", '{"seconds": 30}'), "done")
+        (t,) = runner.run(engine, prompts_for(tok, 1), 1, SamplingParams(max_new_tokens=256))
+        assert "timed out after 1 s (env.step_timeout_s)" in t.error
+    finally:
+        runner.close()
+
+
+def test_a_template_without_a_tool_format_is_refused_at_start(chat_policy_dir):
+    _, tok = load_policy(chat_policy_dir, dtype="float32", device="cpu")
+    tok.chat_template = (
+        "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )
+    with pytest.raises(ChatFormatError, match="env.tools: the chat template of model has no tool format"):
+        tool_runner(tok, stop_token_ids(chat_policy_dir, tok), [(CALCULATOR, "add")])
+
+
+def test_the_gym_style_wrapper_example_ports_a_gymnasium_env():
+    from rlhf_core.env.pool import EnvPool
+
+    path = str(REPO / "examples" / "envs" / "gym_wrapper.py")
+    kwargs = {"env_path": path, "env_name": "CountdownGame", "env_kwargs": {"start": 2}}
+    pool = EnvPool(path, "GymTextWrapper", kwargs, workers=1, timeout_s=10)
+
+    def answer():
+        while True:
+            replies = pool.poll(10)
+            if replies:
+                (reply,) = replies
+                assert reply.error is None, reply.error
+                return reply.value
+
+    try:
+        pool.reset(0, {"prompt": "x"})
+        assert answer() == [{"role": "user", "content": "Count down from 2, one number per turn. Say 2."}]
+        pool.step(0, "2")
+        assert answer() == ("Say 1.", 0.0, False, {})
+        pool.step(0, "1")
+        assert answer() == (None, 1.0, True, {"success": True})
+    finally:
+        pool.close()
