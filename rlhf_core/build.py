@@ -81,7 +81,8 @@ def build_external_rewards(cfg: TrainConfig, tokenizer, stop_ids: list[int], rew
     the column order of `RewardConfig.column_names()`: reward.functions (Python functions in a process pool,
     rlhf_core.reward.functions), then the reward model when reward.model.path is set, scored in this process
     or through `reward_model` (an external reward over the same scorer elsewhere: the Ray runtime's
-    reward-model actor). Each has `weights` and `score(prompts, batch)`."""
+    reward-model actor); then reward.overlong's length penalty (rlhf_core.reward.overlong). Each has `weights`
+    and `score(prompts, batch)`."""
     external = []
     if cfg.reward.functions:
         from rlhf_core.reward.functions import PythonFunctionRewards
@@ -93,6 +94,11 @@ def build_external_rewards(cfg: TrainConfig, tokenizer, stop_ids: list[int], rew
 
             reward_model = LocalRewardModel(RewardModelScorer(cfg.reward.model, tokenizer, stop_ids))
         external.append(reward_model)
+    if cfg.reward.overlong is not None:
+        from rlhf_core.reward.overlong import OverlongPenalty
+
+        overlong = cfg.reward.overlong
+        external.append(OverlongPenalty(cfg.rollout.max_new_tokens, overlong.buffer_len, overlong.penalty))
     return external
 
 
@@ -157,8 +163,29 @@ def build_evaluator(
     )
 
 
-def build_trainer(cfg: TrainConfig, model, tokenizer) -> Trainer:
-    return Trainer(model, cfg, tokenizer.pad_token_id)
+def build_trainer(cfg: TrainConfig, model, tokenizer, policy_dir: str | Path | None = None, group=None) -> Trainer:
+    """The Trainer of `model` with the run's stop set (algorithm.mask_truncated) and, for algorithm.advantage
+    'gae', its critic (critic.path, or the policy's architecture and weights from `policy_dir` with a value
+    head). policy_dir: where the policy was loaded from (default: the tokenizer's directory). group: the
+    process group of a sharded trainer."""
+    policy_dir = Path(policy_dir if policy_dir is not None else tokenizer.name_or_path)
+    stop_ids = build_stop_ids(cfg, tokenizer, policy_dir)
+    return Trainer(
+        model, cfg, tokenizer.pad_token_id, group=group, stop_ids=stop_ids, critic=build_critic(cfg, model, policy_dir)
+    )
+
+
+def build_critic(cfg: TrainConfig, model, policy_dir: str | Path):
+    """The critic of algorithm.advantage 'gae' on the policy's device (None for the other estimators)."""
+    if cfg.algorithm.advantage != "gae":
+        return None
+    from rlhf_core.models import resolve_dtype
+    from rlhf_core.trainer.critic import Critic, load_value_model
+
+    path = cfg.critic.path or policy_dir
+    device = next(model.parameters()).device
+    value_model = load_value_model(path, resolve_dtype(cfg.model.dtype), device, cfg.model.trust_remote_code)
+    return Critic(value_model, cfg)
 
 
 def export_run_policy(cfg: TrainConfig, model, tokenizer, path: str | Path) -> Path:

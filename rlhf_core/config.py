@@ -43,8 +43,35 @@ class AlgorithmConfig(_Section):
     loss: Literal["grpo", "ppo", "m2po"] = Field(
         "grpo", description="Policy loss, by name from rlhf_core.algorithms.POLICY_LOSSES."
     )
-    advantage: Literal["grpo", "rloo"] = Field(
-        "grpo", description="Advantage estimator, by name from rlhf_core.algorithms.ADVANTAGE_ESTIMATORS."
+    advantage: Literal["grpo", "rloo", "gae"] = Field(
+        "grpo",
+        description="Advantage estimator, by name from rlhf_core.algorithms.ADVANTAGE_ESTIMATORS ('gae': a learned "
+        "critic, configured under critic:).",
+    )
+    gamma: float = Field(1.0, ge=0, le=1, description="GAE discount over response tokens (advantage 'gae' only).")
+    lam: float = Field(1.0, ge=0, le=1, description="GAE lambda (advantage 'gae' only).")
+    whiten_advantages: bool = Field(
+        True, description="GAE: whiten advantages over the step's valid tokens (advantage 'gae' only)."
+    )
+    kl_in_reward: bool = Field(
+        False,
+        description="Apply kl_coef x KL(behaviour || reference) as a per-token reward penalty (the classic PPO "
+        "recipe; advantage 'gae') instead of as a KL loss term.",
+    )
+    filter_groups: bool = Field(
+        False,
+        description="DAPO dynamic sampling: groups whose rewards are all equal are not trained on; the step is "
+        "filled from further groups (logged as buffer/filtered_groups_frac).",
+    )
+    filter_max_rounds: int = Field(
+        10,
+        ge=1,
+        description="filter_groups, lockstep loops: generation rounds per step at most; a step still short then "
+        "trains on the groups it has (the last round's groups when none passed).",
+    )
+    mask_truncated: bool = Field(
+        False,
+        description="Samples cut at rollout.max_new_tokens (no stop id) contribute no tokens to the loss.",
     )
     adv_scale: Literal["group", "batch", "none"] = Field(
         "group",
@@ -99,13 +126,26 @@ class AlgorithmConfig(_Section):
         # Options the chosen estimator would ignore are refused rather than dropped silently. A value equal
         # to the default is let through: a config dumped whole (a checkpoint, a Prefect parameter form)
         # lists every field, and that must stay valid.
-        if self.advantage == "rloo":
+        if self.advantage != "gae":
+            for name in ("gamma", "lam", "whiten_advantages"):
+                if name in self.model_fields_set and getattr(self, name) != type(self).model_fields[name].default:
+                    raise ValueError(
+                        f"algorithm.{name} has no effect with algorithm.advantage '{self.advantage}'; it is an "
+                        "option of algorithm.advantage 'gae'"
+                    )
+            if self.kl_in_reward:
+                raise ValueError(
+                    "algorithm.kl_in_reward needs algorithm.advantage 'gae' (a per-token reward penalty needs "
+                    "per-token advantages); with group advantages use the KL loss (algorithm.kl_coef alone)"
+                )
+        if self.kl_in_reward and self.kl_coef == 0:
+            raise ValueError("algorithm.kl_in_reward needs algorithm.kl_coef > 0 (the penalty's weight)")
+        if self.advantage in ("rloo", "gae"):
             for name in ("adv_scale", "adv_eps"):
                 if name in self.model_fields_set and getattr(self, name) != type(self).model_fields[name].default:
                     raise ValueError(
-                        f"algorithm.{name} has no effect with algorithm.advantage 'rloo' (RLOO's "
-                        f"leave-one-out baseline is never scaled); remove algorithm.{name} or use "
-                        "algorithm.advantage 'grpo'"
+                        f"algorithm.{name} has no effect with algorithm.advantage '{self.advantage}' (only "
+                        f"GRPO's advantages are scaled); remove algorithm.{name} or use algorithm.advantage 'grpo'"
                     )
         return self
 
@@ -167,6 +207,14 @@ class RewardModelConfig(_Section):
     trust_remote_code: bool = Field(False, description="Allow model code shipped inside the RM directory to run.")
 
 
+class OverlongConfig(_Section):
+    """DAPO's soft overlong punishment: no penalty up to max_new_tokens - buffer_len generated tokens, then
+    linear down to -penalty at max_new_tokens (logged as reward/overlong)."""
+
+    buffer_len: int = Field(..., ge=1, description="Tokens before rollout.max_new_tokens where the penalty starts.")
+    penalty: float = Field(1.0, gt=0, description="The penalty at rollout.max_new_tokens (the reward gets -penalty).")
+
+
 class RewardConfig(_Section):
     """Reward: a weighted sum of tensor-native components (token space) and Python reward functions."""
 
@@ -198,6 +246,11 @@ class RewardConfig(_Section):
     model: RewardModelConfig = Field(
         default_factory=RewardModelConfig,
         description="A learned reward model scored beside the components (logged as reward/reward_model).",
+    )
+
+    overlong: Optional[OverlongConfig] = Field(
+        None,
+        description="DAPO overlong shaping {buffer_len, penalty}, added to the reward (reward/overlong); null = off.",
     )
 
     functions: list[RewardFunctionConfig] = Field(
@@ -265,8 +318,13 @@ class RewardConfig(_Section):
         """The per-row reward columns a rollout batch carries (`RolloutBatch.reward_components`), logged as
         reward/<column>: the components, then per function its score, <label>/failed (1 where the call
         failed) and <label>/<key> for each declared verl metric; then reward_model when reward.model.path is
-        set."""
-        return list(self.components) + self.function_column_names() + (["reward_model"] if self.model.path else [])
+        set; then overlong when reward.overlong is set."""
+        return (
+            list(self.components)
+            + self.function_column_names()
+            + (["reward_model"] if self.model.path else [])
+            + (["overlong"] if self.overlong is not None else [])
+        )
 
     def function_column_names(self) -> list[str]:
         """The Python reward functions' columns, in order: per function its score, <label>/failed and
@@ -560,6 +618,47 @@ class TrainerConfig(_Section):
         return lr
 
 
+class CriticConfig(_Section):
+    """The learned critic of algorithm.advantage 'gae': trained in the trainer role, checkpointed with it."""
+
+    path: str = Field(
+        "",
+        description="Local Hugging Face model directory of the critic's body (the policy's tokenizer); empty = the "
+        "policy's architecture and weights, with a scalar value head.",
+    )
+    lr: float = Field(1e-5, gt=0, le=1.0, description="AdamW learning rate of the critic.")
+    value_clip: Optional[float] = Field(
+        0.5, gt=0, description="Clip range of new values around the step's old values in the value loss; null = none."
+    )
+    micro_batch_size: int = Field(64, ge=1, description="Sequences per critic forward/backward.")
+    warmup_steps: int = Field(
+        0, ge=0, description="First trainer steps in which only the critic trains (the policy's weights stay)."
+    )
+
+
+class AutopilotConfig(_Section):
+    """The staleness autopilot: the supervisor moves runtime.max_staleness within [min_staleness, max_staleness]."""
+
+    enabled: bool = Field(False, description="Let the supervisor raise and lower the staleness bound (async mode).")
+    min_staleness: int = Field(0, ge=0, description="Lowest bound the autopilot sets.")
+    max_staleness: int = Field(8, ge=0, description="Highest bound the autopilot sets (also the trainer's hard check).")
+    target_m2: float = Field(
+        0.04,
+        gt=0,
+        description="Mismatch target: the mean squared behaviour/current log-ratio (async/mismatch_m2) above it "
+        "lowers the bound; below it, with the trainer waiting, the bound may rise.",
+    )
+    wait_frac: float = Field(
+        0.2,
+        gt=0,
+        lt=1,
+        description="The trainer counts as waiting for data when time/wait_s is above this fraction of its step time.",
+    )
+    cooldown_steps: int = Field(
+        4, ge=1, description="Trainer steps after a change before the next one (the new bound takes effect first)."
+    )
+
+
 class RuntimeConfig(_Section):
     """How rollout and training are interleaved."""
 
@@ -578,6 +677,11 @@ class RuntimeConfig(_Section):
     prefetch: bool = Field(
         True,
         description="Async mode: the trainer takes the next batch (for version V + 1) from the buffer while step V trains.",
+    )
+    autopilot: AutopilotConfig = Field(
+        default_factory=AutopilotConfig,
+        description="Staleness autopilot {enabled, min_staleness, max_staleness, target_m2, ...}: the supervisor "
+        "moves max_staleness at runtime.",
     )
 
 
@@ -710,6 +814,9 @@ class TrainConfig(_Section):
     cluster: ClusterConfig = Field(default_factory=ClusterConfig, description="Ray placement.")
     tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="MLflow, checkpoints, evaluation.")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Sampled held-out evaluation (pass@k, mean@k).")
+    critic: CriticConfig = Field(
+        default_factory=CriticConfig, description="The critic of algorithm.advantage 'gae' (unused otherwise)."
+    )
     supervision: SupervisionConfig = Field(default_factory=SupervisionConfig, description="Flow health checks.")
     env: EnvConfig = Field(
         default_factory=EnvConfig, description="Multi-turn environment and tools (empty: single-turn prompts)."
@@ -761,15 +868,37 @@ class TrainConfig(_Section):
                 f"each other; with rollout.samples_per_prompt={self.rollout.samples_per_prompt} every advantage is "
                 "zero and the run learns nothing. Set rollout.samples_per_prompt to 2 or more (8 is usual)"
             )
-        window = self.trainer.prompts_per_step * (self.runtime.max_staleness + 1)
+        if self.reward.overlong is not None and self.reward.overlong.buffer_len > self.rollout.max_new_tokens:
+            raise ValueError(
+                f"reward.overlong.buffer_len={self.reward.overlong.buffer_len} is more than rollout.max_new_tokens="
+                f"{self.rollout.max_new_tokens}: the penalty would start before the first token. Lower buffer_len"
+            )
+        if self.algorithm.advantage == "gae" and self.cluster.trainer_workers > 1:
+            raise ValueError(
+                f"algorithm.advantage 'gae' (a critic) runs in a single trainer process for now: "
+                f"cluster.trainer_workers={self.cluster.trainer_workers} would shard the policy but not the critic. "
+                "Set cluster.trainer_workers=1, or use a group advantage (grpo, rloo)"
+            )
+        pilot = self.runtime.autopilot
+        if pilot.enabled:
+            if self.runtime.mode != "async":
+                raise ValueError("runtime.autopilot needs runtime.mode 'async' (a lockstep run has no staleness)")
+            if not pilot.min_staleness <= self.runtime.max_staleness <= pilot.max_staleness:
+                raise ValueError(
+                    f"runtime.max_staleness={self.runtime.max_staleness} is the autopilot's starting bound and must lie "
+                    f"within runtime.autopilot.min_staleness={pilot.min_staleness} and "
+                    f"runtime.autopilot.max_staleness={pilot.max_staleness}"
+                )
+        lowest = pilot.min_staleness if pilot.enabled else self.runtime.max_staleness
+        bound = "runtime.autopilot.min_staleness" if pilot.enabled else "runtime.max_staleness"
+        window = self.trainer.prompts_per_step * (lowest + 1)
         if self.runtime.mode == "async" and window < self.rollout.prompts_per_batch:
             raise ValueError(
                 f"rollout.prompts_per_batch={self.rollout.prompts_per_batch} is more than trainer.prompts_per_step="
-                f"{self.trainer.prompts_per_step} x (runtime.max_staleness={self.runtime.max_staleness} + 1) = "
+                f"{self.trainer.prompts_per_step} x ({bound}={lowest} + 1) = "
                 f"{window}: admission control only lets a worker start a batch that can be consumed within "
                 "runtime.max_staleness, so no batch would ever be admitted and the run would stall. Lower "
-                f"rollout.prompts_per_batch to at most {window}, or raise trainer.prompts_per_step or "
-                "runtime.max_staleness"
+                f"rollout.prompts_per_batch to at most {window}, or raise trainer.prompts_per_step or {bound}"
             )
         return self
 

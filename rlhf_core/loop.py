@@ -79,7 +79,7 @@ def build_run(cfg: TrainConfig, share_weights: bool = True) -> RunParts:
     worker = build.build_rollout_worker(
         cfg, engine_model, tokenizer, policy_dir, build.rollout_seed(cfg, None), reward_fn=reward_fn
     )
-    trainer = build.build_trainer(cfg, model, tokenizer)
+    trainer = build.build_trainer(cfg, model, tokenizer, policy_dir)
     evaluator = build.build_evaluator(
         cfg, model, tokenizer, policy_dir, heldout, reward_fn=reward_fn, engine=worker.engine, env=worker.env
     )
@@ -113,16 +113,60 @@ def warm_start(parts: RunParts, steps: int) -> dict:
 
 
 def generate_step_batch(parts: RunParts) -> tuple[RolloutBatch, dict]:
-    """prompts_per_step prompts, generated in chunks of prompts_per_batch, scored; returns (batch, reward stats)."""
+    """prompts_per_step prompts, generated in chunks of prompts_per_batch, scored; returns (batch, reward stats).
+
+    With algorithm.filter_groups (DAPO's dynamic sampling) groups whose rewards are all equal are dropped and
+    the step is filled from further rounds of prompts_per_step groups, at most algorithm.filter_max_rounds
+    rounds; a step still short trains on the groups it kept (on the last round's groups when none passed).
+    The stats then include buffer/filtered_groups_frac (filtered groups over generated ones)."""
+    cfg = parts.cfg
+    need, G = cfg.trainer.prompts_per_step, cfg.rollout.samples_per_prompt
+    comp_sums: dict = {}
+    comp_rows: dict = {}
+    env_sums: dict = {}
+    rounds = cfg.algorithm.filter_max_rounds if cfg.algorithm.filter_groups else 1
+    kept: list[RolloutBatch] = []
+    n_kept = generated = filtered = rows = 0
+    batch = None
+    for _ in range(rounds):
+        batch = _generate(parts, need, comp_sums, comp_rows, env_sums)
+        rows += len(batch)
+        if not cfg.algorithm.filter_groups:
+            break
+        rewards = batch.rewards.view(-1, G)
+        informative = ~(rewards == rewards[:, :1]).all(dim=1)  # all-equal rewards: no signal under group advantages
+        generated += rewards.shape[0]
+        filtered += rewards.shape[0] - int(informative.sum())
+        keep_rows = informative.repeat_interleave(G).nonzero().squeeze(1)
+        take = min(int(informative.sum()), need - n_kept)
+        if take:
+            kept.append(batch.select(keep_rows[: take * G].to(batch.response_ids.device)))
+            n_kept += take
+        if n_kept >= need:
+            break
+    stats = {f"reward/{k}": v / comp_rows[k] for k, v in comp_sums.items() if comp_rows[k]}
+    stats.update({k: v / rows for k, v in env_sums.items() if k != "env/errors" and rows})
+    if parts.worker.env is not None:
+        stats["env/errors"] = float(parts.worker.env.errors)  # failed trajectories in the run so far
+    if cfg.algorithm.filter_groups:
+        stats["buffer/filtered_groups_frac"] = filtered / generated if generated else 0.0
+        batch = cat_rollouts(kept, parts.tokenizer.pad_token_id) if kept else batch
+    return batch, stats
+
+
+def _generate(parts: RunParts, n_groups: int, comp_sums: dict, comp_rows: dict, env_sums: dict) -> RolloutBatch:
+    """n_groups scored groups, generated in chunks of prompts_per_batch; adds each reward column's sum and row
+    count (NaN: an external score that does not apply to the row) to comp_sums / comp_rows, and the env
+    metrics weighted by rows to env_sums."""
     cfg = parts.cfg
     chunk = cfg.rollout.prompts_per_batch
     G = cfg.rollout.samples_per_prompt
-    batches, comp_sums, comp_rows, env_sums = [], {}, {}, {}
+    batches = []
     groups = 0
     # a multi-turn environment leaves out the groups with a failed trajectory: generate until the step has
     # its groups (env.max_consecutive_failures stops a run whose environment keeps failing)
-    while groups < cfg.trainer.prompts_per_step:
-        prompts = parts.prompts.get(cfg.trainer.prompts_per_step - groups)
+    while groups < n_groups:
+        prompts = parts.prompts.get(n_groups - groups)
         for s in range(0, len(prompts), chunk):
             batch, components = parts.worker.rollout(prompts[s : s + chunk])
             batches.append(batch)
@@ -133,12 +177,7 @@ def generate_step_batch(parts: RunParts) -> tuple[RolloutBatch, dict]:
             if parts.worker.env is not None and len(batch):
                 for k, v in parts.worker.env_metrics.items():
                     env_sums[k] = env_sums.get(k, 0.0) + v * len(batch)
-    batch = cat_rollouts([b for b in batches if len(b)], parts.tokenizer.pad_token_id)
-    stats = {f"reward/{k}": v / comp_rows[k] for k, v in comp_sums.items() if comp_rows[k]}
-    stats.update({k: v / len(batch) for k, v in env_sums.items() if k != "env/errors"})
-    if parts.worker.env is not None:
-        stats["env/errors"] = float(parts.worker.env.errors)  # failed trajectories in the run so far
-    return batch, stats
+    return cat_rollouts([b for b in batches if len(b)], parts.tokenizer.pad_token_id)
 
 
 def save_run_checkpoint(parts: RunParts, path: str | Path, run: Optional[dict] = None) -> Path:

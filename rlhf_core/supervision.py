@@ -23,6 +23,9 @@ Policies (the runtime enforces the hard bound max_staleness on its own; these ke
   down for stall_timeout_s, fails the run.
 - non-finite losses: trainer/step_finite == 0 counted; nonfinite_limit in a row fails the run.
 - stall: no trainer step for stall_timeout_s fails the run, naming the role that is stuck.
+- staleness autopilot (runtime.autopilot.enabled, async): `rlhf_core.autopilot.StalenessAutopilot` decides
+  from the step metrics; a change of runtime.max_staleness is applied through the runtime
+  (`set_max_staleness`) and reported as an info event (autopilot_raise / autopilot_lower) with its reason.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
+from rlhf_core.autopilot import StalenessAutopilot
 from rlhf_core.config import TrainConfig
 
 STALENESS_POLLS_BEFORE_THROTTLE = 3
@@ -58,6 +62,7 @@ class Decision:
     throttle: Optional[bool] = None  # True: pause admission, False: resume, None: leave as is
     admission_window: Optional[int] = None  # narrow rollout admission to this many versions ahead
     top_up: Optional[int] = None  # prompts to schedule; None: the runtime's backpressure default
+    max_staleness: Optional[int] = None  # the autopilot's new staleness bound
     fail: Optional[str] = None
     events: list[HealthEvent] = field(default_factory=list)
 
@@ -87,6 +92,17 @@ class HealthMonitor:
         self.starving = False
         self.dropped_seen = 0
         self.events: list[HealthEvent] = []
+        pilot = cfg.runtime.autopilot
+        self.autopilot = (
+            StalenessAutopilot(pilot, cfg.runtime.max_staleness, start_step)
+            if pilot.enabled and cfg.runtime.mode == "async"
+            else None
+        )
+
+    @property
+    def max_staleness(self) -> int:
+        """The staleness bound in force: the autopilot's, or runtime.max_staleness."""
+        return self.autopilot.bound if self.autopilot is not None else self.cfg.runtime.max_staleness
 
     # ------------------------------------------------------------------ the check
     def check(self, poll: dict, now: Optional[float] = None) -> Decision:
@@ -98,7 +114,7 @@ class HealthMonitor:
             self._event(d, step, str(ev.get("kind", "runtime")), "warning", "observed", str(ev.get("detail", "")))
         checks = [self._runtime_failure, self._nonfinite_losses, self._worker_restarts, self._worker_outages]
         if self.cfg.runtime.mode == "async":
-            checks += [self._staleness, self._overflow, self._starvation]
+            checks += [self._autopilot, self._staleness, self._overflow, self._starvation]
         checks.append(self._stall)
         for check in checks:
             check(d, poll, step, now)
@@ -184,10 +200,26 @@ class HealthMonitor:
                 )
                 return
 
+    def _autopilot(self, d: Decision, poll: dict, step: int, now: float) -> None:
+        """The staleness autopilot: a new runtime.max_staleness when its policy says so, with the reason."""
+        if self.autopilot is None:
+            return
+        change = self.autopilot.observe(poll.get("metrics") or [], step)
+        if change is not None:
+            d.max_staleness = change.bound
+            self._event(
+                d,
+                step,
+                change.kind,
+                "info",
+                f"runtime.max_staleness {change.previous} -> {change.bound}",
+                change.reason,
+            )
+
     def _staleness(self, d: Decision, poll: dict, step: int, now: float) -> None:
         """High mean staleness: publish early (when that helps), then narrow the admission window once."""
         metrics = poll.get("metrics") or []
-        max_tau = self.cfg.runtime.max_staleness
+        max_tau = self.max_staleness
         limit = self.sup.staleness_warn * max_tau
         if not metrics or max_tau == 0:
             return
@@ -224,7 +256,13 @@ class HealthMonitor:
         # never narrower than one prompts_per_batch of capacity, or admission could never grant a batch again
         per_batch, per_step = self.cfg.rollout.prompts_per_batch, self.cfg.trainer.prompts_per_step
         window = max(int(limit), -(-per_batch // per_step) - 1)
-        if self.stale_polls >= STALENESS_POLLS_BEFORE_THROTTLE and self.admission_window is None and window < max_tau:
+        narrow = self.autopilot is None  # with the autopilot, it owns the bound (and admission follows it)
+        if (
+            narrow
+            and self.stale_polls >= STALENESS_POLLS_BEFORE_THROTTLE
+            and self.admission_window is None
+            and window < max_tau
+        ):
             self.admission_window = d.admission_window = window
             self._event(
                 d,
@@ -370,6 +408,8 @@ class Supervisor:
             self.runtime.request_sync()
         if d.throttle is not None:
             self.runtime.throttle(d.throttle)
+        if d.max_staleness is not None:
+            self.runtime.set_max_staleness(d.max_staleness)
         if d.admission_window is not None:
             self.runtime.set_admission_window(d.admission_window)
         if self.cfg.runtime.mode == "async" and not self.monitor.throttled:

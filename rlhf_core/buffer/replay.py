@@ -209,6 +209,15 @@ class VersionedReplayBuffer(BoundedReplayBuffer, VersionWindow):
             self._min_fresh = self._fresh_bound()
             return self._evict_below(self._min_fresh)
 
+    def set_max_staleness(self, max_staleness: int) -> int:
+        """Change the staleness bound at runtime and evict what the new bound makes stale; returns how many."""
+        if max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
+        with self._lock:
+            self._max_staleness = int(max_staleness)
+            self._min_fresh = self._fresh_bound()
+            return self._evict_below(self._min_fresh)
+
     def take_for(self, n: int, version: int, timeout: float | None) -> list:
         """Exactly `n` items fresh for consumer version `version` (v >= version - max_staleness), oldest
         first, or [] if they are not there within `timeout` seconds (None or 0: do not wait; math.inf:

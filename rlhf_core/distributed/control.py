@@ -23,11 +23,25 @@ class ExperienceBuffer:
 
     Admission (the capacity rule AReaL uses): a rollout worker may start a batch of n groups only while
     admitted + n <= (max_staleness + version + 1) x prompts_per_step + wasted, so at steady state nothing
-    is generated that could not be consumed within max_staleness (wasted = evicted + dropped groups, which
-    are re-admitted so that eviction can never starve the trainer).
+    is generated that could not be consumed within max_staleness (wasted = evicted + dropped + filtered
+    groups, which are re-admitted so that eviction can never starve the trainer).
+
+    filter_groups (DAPO's dynamic sampling, algorithm.filter_groups): a pushed group whose rewards are all
+    equal is not stored; it counts as consumed for admission (in `wasted`, so its capacity is re-admitted and
+    the trainer's step is filled from further groups) and in `filtered_groups` for the accounting.
+
+    max_staleness can move at runtime (`set_max_staleness`, the staleness autopilot), up to `ceiling`.
     """
 
-    def __init__(self, max_size: int, max_staleness: int, prompts_per_step: int, admission: bool = True):
+    def __init__(
+        self,
+        max_size: int,
+        max_staleness: int,
+        prompts_per_step: int,
+        admission: bool = True,
+        filter_groups: bool = False,
+        ceiling: Optional[int] = None,
+    ):
         from rlhf_core.buffer import VersionedReplayBuffer  # torch: only this actor holds tensors
 
         self.buf = VersionedReplayBuffer(max_size, max_staleness)
@@ -42,13 +56,30 @@ class ExperienceBuffer:
         self.weights_version = 0
         self.samples_pushed = 0
         self.given_back = 0
+        self.filter_groups = filter_groups
+        self.filtered_groups = 0
+        self.groups_pushed = 0
+        self.ceiling = max_staleness if ceiling is None else max(int(ceiling), max_staleness)
 
     def capacity(self) -> int:
         # Counted against the newest PUBLISHED weights (what new samples will be generated with), not the
         # trainer's version: with sync_every > 1 the two differ and the trainer's would admit stale work.
         s = self.buf.stats()
-        wasted = s["evicted_stale"] + s["dropped_overflow"]
+        wasted = s["evicted_stale"] + s["dropped_overflow"] + self.filtered_groups
         return (self.admission_window + self.weights_version + 1) * self.prompts_per_step + wasted
+
+    def set_max_staleness(self, bound: int) -> int:
+        """Move the staleness bound at runtime (the autopilot), clamped to [0, ceiling]: the buffer evicts by
+        the new bound from now on (a lower bound evicts at once) and admission counts with it. An admission
+        window narrowed below the old bound stays narrowed (never above the new bound). Returns the bound."""
+        bound = max(0, min(int(bound), self.ceiling))
+        with self.lock:
+            old = self.max_staleness
+            window_was_full = self.admission_window >= old
+            self.max_staleness = bound
+            self.admission_window = bound if window_was_full else min(self.admission_window, bound)
+            self.buf.set_max_staleness(bound)
+        return bound
 
     def set_admission_window(self, versions: int) -> None:
         """How many versions ahead of the published weights rollout may run (<= max_staleness, the hard bound)."""
@@ -85,12 +116,19 @@ class ExperienceBuffer:
         """Groups as pack_groups made them (or Experience objects). They are stored as they come: the
         buffer reads only policy_version, so a group crosses rollout -> buffer -> trainer without being
         unpacked and packed again in between."""
-        from rlhf_core.distributed.transport import group_rows
+        from rlhf_core.distributed.transport import group_rewards, group_rows
 
         accepted = 0
         for g in groups:
-            accepted += bool(self.buf.push(g))
             self.samples_pushed += group_rows(g)
+            self.groups_pushed += 1
+            if self.filter_groups:
+                r = group_rewards(g)
+                if r is not None and bool((r == r[:1]).all()):
+                    with self.lock:
+                        self.filtered_groups += 1
+                    continue
+            accepted += bool(self.buf.push(g))
         return accepted
 
     def take(self, n: int, timeout_s: float, for_version: Optional[int] = None) -> list[Experience]:
@@ -127,6 +165,9 @@ class ExperienceBuffer:
                 "admission_window": self.admission_window,
                 "samples_pushed": self.samples_pushed,
                 "given_back": self.given_back,
+                "filtered_groups": self.filtered_groups,
+                "filtered_groups_frac": self.filtered_groups / self.groups_pushed if self.groups_pushed else 0.0,
+                "max_staleness": self.max_staleness,
             }
         )
         return s

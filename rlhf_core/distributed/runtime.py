@@ -117,7 +117,12 @@ class DistributedRun:
                 train_prompts, cfg.data.seed
             )
             self.buffer = _remote(ExperienceBuffer, num_cpus=0, max_concurrency=16, name=peers["buffer"]).remote(
-                cfg.buffer.max_size, cfg.runtime.max_staleness, cfg.trainer.prompts_per_step, admission=not sync
+                cfg.buffer.max_size,
+                cfg.runtime.max_staleness,
+                cfg.trainer.prompts_per_step,
+                admission=not sync,
+                filter_groups=cfg.algorithm.filter_groups,
+                ceiling=cfg.runtime.autopilot.max_staleness if cfg.runtime.autopilot.enabled else None,
             )
             self.store = _remote(WeightStore, num_cpus=0, max_concurrency=8, name=peers["store"]).remote()
             if cfg.reward.model.path:  # its own process and resources; the last bundle of the placement group
@@ -216,15 +221,25 @@ class DistributedRun:
             return
         n = self.cfg.trainer.prompts_per_step
         shares = [n // len(self.workers) + (1 if i < n % len(self.workers) else 0) for i in range(len(self.workers))]
-        try:
-            get_or_fail(
-                [w.generate_once.remote(s) for w, s in zip(self.workers, shares) if s],
-                self.timeout,
-                "the rollout workers to generate a batch",
+        # algorithm.filter_groups: rounds until the buffer holds a step's groups (at most filter_max_rounds)
+        rounds = self.cfg.algorithm.filter_max_rounds if self.cfg.algorithm.filter_groups else 1
+        for _ in range(rounds):
+            try:
+                get_or_fail(
+                    [w.generate_once.remote(s) for w, s in zip(self.workers, shares) if s],
+                    self.timeout,
+                    "the rollout workers to generate a batch",
+                )
+            except ray.exceptions.RayTaskError as exc:
+                self.failed = f"a rollout worker failed: {_task_error(exc)}"
+                raise RunFailed(self.failed) from exc
+            if rounds == 1 or self._get(self.buffer.stats.remote(), "buffer stats")["size"] >= n:
+                break
+        else:
+            raise RunFailed(
+                f"algorithm.filter_groups: {rounds} rounds of {n} prompts (algorithm.filter_max_rounds) left fewer "
+                f"than trainer.prompts_per_step={n} groups whose rewards differ; every other group had equal rewards"
             )
-        except ray.exceptions.RayTaskError as exc:
-            self.failed = f"a rollout worker failed: {_task_error(exc)}"
-            raise RunFailed(self.failed) from exc
         m = get_or_fail(self.trainer.train_once.remote(self.timeout), self.timeout + 10, "the trainer step")
         if m is None:
             raise RunFailed("the trainer found no complete batch after the rollout workers generated one")
@@ -317,6 +332,8 @@ class DistributedRun:
             "buffer/size": bstats["size"],
             "buffer/evicted_stale": bstats["evicted_stale"],
             "buffer/dropped_overflow": bstats["dropped_overflow"],
+            "buffer/filtered_groups_frac": bstats.get("filtered_groups_frac", 0.0),
+            "async/max_staleness": bstats.get("max_staleness", self.cfg.runtime.max_staleness),
             "util/rollout_busy": rollout_busy,
             "util/trainer_busy": tstats["busy_frac"],
         }
@@ -350,6 +367,10 @@ class DistributedRun:
 
     def throttle(self, paused: bool) -> None:
         self._get(self.buffer.set_paused.remote(paused), "the replay buffer to change admission")
+
+    def set_max_staleness(self, bound: int) -> int:
+        """Move the staleness bound at runtime (the autopilot), within runtime.autopilot's range; returns it."""
+        return self._get(self.buffer.set_max_staleness.remote(bound), "the replay buffer to change max_staleness")
 
     def set_admission_window(self, versions: int) -> None:
         """Let rollout run at most `versions` (<= max_staleness) versions ahead of the published weights."""
@@ -444,17 +465,19 @@ class DistributedRun:
         """Conservation of prompt groups, from counts kept independently at each end, in groups:
 
             generated (rollout workers' own count of pushes the buffer accepted)
-              = trained (the trainer's own count) + evicted + dropped + buffered + in_flight
+              = trained (the trainer's own count) + evicted + dropped + filtered + buffered + in_flight
 
         where in_flight = taken from the buffer but not trained yet (0 once the loops have stopped: a
         prefetched batch goes back). `unaccounted` is generated minus the right-hand side: exact once the
         loops have stopped, so a group lost or trained twice shows up as a non-zero value. Rollout workers
-        that died lose their count (a restart starts from 0)."""
+        that died lose their count (a restart starts from 0). filtered: groups algorithm.filter_groups kept
+        out (all rewards equal), counted as consumed."""
         b = poll["buffer"]
         generated = sum(s.get("groups_pushed", 0) for s in poll["rollout"] if s.get("alive"))
         trained = int(poll["trainer"].get("groups_trained", 0))
         in_flight = b["sampled"] - trained
-        accounted = trained + b["evicted_stale"] + b["dropped_overflow"] + b["size"] + in_flight
+        filtered = int(b.get("filtered_groups", 0))
+        accounted = trained + b["evicted_stale"] + b["dropped_overflow"] + filtered + b["size"] + in_flight
         return {
             "generated": generated,
             "pushed": b["pushed"],
@@ -462,6 +485,7 @@ class DistributedRun:
             "consumed": b["sampled"],
             "evicted": b["evicted_stale"],
             "dropped": b["dropped_overflow"],
+            "filtered": filtered,
             "buffered": b["size"],
             "in_flight": in_flight,
             "unaccounted": generated - accounted,

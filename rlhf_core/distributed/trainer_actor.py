@@ -178,7 +178,9 @@ class TrainerActor:
             batch = cat_rollouts([g.batch for g in groups], self.tokenizer.pad_token_id)
             consumer_version = self.trainer.version
             staleness = consumer_version - batch.policy_version
-            if int(staleness.max()) > self.cfg.runtime.max_staleness:  # the buffer guarantees this; never train on it
+            pilot = self.cfg.runtime.autopilot  # the autopilot moves the buffer's bound up to its ceiling
+            bound = pilot.max_staleness if pilot.enabled else self.cfg.runtime.max_staleness
+            if int(staleness.max()) > bound:  # the buffer guarantees this; never train on it
                 raise RuntimeError(f"staleness bound violated: tau={int(staleness.max())} > max_staleness")
             for tau, count in zip(*torch.unique(staleness, return_counts=True)):
                 self.staleness_hist[int(tau)] = self.staleness_hist.get(int(tau), 0) + int(count)

@@ -36,7 +36,8 @@ def join_trainer_group(cfg, model, tokenizer, address: str, rank: int):
         world_size=cfg.cluster.trainer_workers,
         timeout=timedelta(seconds=cfg.runtime.wait_timeout_s),
     )
-    return Trainer(model, cfg, tokenizer.pad_token_id, group=dist.group.WORLD)
+    stop_ids = build.build_stop_ids(cfg, tokenizer, tokenizer.name_or_path)  # algorithm.mask_truncated
+    return Trainer(model, cfg, tokenizer.pad_token_id, group=dist.group.WORLD, stop_ids=stop_ids)
 
 
 class TrainerRankActor:

@@ -70,6 +70,15 @@ def group_rows(group) -> int:
     return int(group["batch"]["response_ids"][1].shape[0])
 
 
+def group_rewards(group) -> torch.Tensor:
+    """A group's rewards [G] (packed (pack_groups) or not), without copying a packed array."""
+    if isinstance(group, Experience):
+        return group.batch.rewards
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # a read-only received array: only read here
+        return torch.from_numpy(group["batch"]["rewards"][1])
+
+
 def unpack_groups(packed: list) -> list[Experience]:
     """Inverse of pack_groups. Tensors get their own writable memory (received arrays may be read-only)."""
 

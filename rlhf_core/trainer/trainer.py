@@ -17,8 +17,10 @@ import torch
 from rlhf_core.algorithms import (
     STEP_MASK_LOSSES,
     advantages_from_config,
+    compute_gae_advantages,
     compute_policy_loss,
     global_normalisers,
+    kl_penalty,
     step_keep_mask,
 )
 from rlhf_core.lora import adapter_state_dict, adapters_disabled, is_lora
@@ -105,8 +107,11 @@ class Trainer:
     calls `train_step` with the same whole batch, training on its own slice of rows; the update is that of
     one Trainer on the whole batch. None: one process, no sharding."""
 
-    def __init__(self, model, cfg, pad_token_id: int, ref_model=None, group=None):
+    def __init__(self, model, cfg, pad_token_id: int, ref_model=None, group=None, stop_ids=None, critic=None):
         self.model = model
+        # the ids that end a response (algorithm.mask_truncated tells a cut response from a finished one)
+        self.stop_ids = None if stop_ids is None else torch.tensor(sorted(stop_ids), dtype=torch.long)
+        self.critic = critic  # algorithm.advantage 'gae': rlhf_core.trainer.critic.Critic
         self.group = group
         self.cfg = cfg
         self.algo = cfg.algorithm
@@ -159,6 +164,38 @@ class Trainer:
             raise ValueError(f"batch of {rewards.numel()} rows is not made of whole groups of {G}")
         adv = advantages_from_config(self.algo, rewards.view(-1, G))
         return adv.reshape(-1)
+
+    def truncated_rows(self, batch: RolloutBatch) -> torch.Tensor:
+        """BoolTensor [N]: rows cut at rollout.max_new_tokens, i.e. as long as that and not ending with a stop
+        id (without the stop set: every row of that length)."""
+        lengths = batch.response_lengths.to(batch.response_ids.device)
+        full = lengths >= self.cfg.rollout.max_new_tokens
+        if self.stop_ids is None:
+            return full
+        last = batch.response_ids.gather(1, (lengths - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
+        return full & ~torch.isin(last, self.stop_ids.to(last.device))
+
+    def gae_advantages(self, batch: RolloutBatch, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """(advantages [N, L], returns [N, L], values [N, L]) by GAE with the current critic's values.
+
+        The sequence reward sits on the last response token; with algorithm.kl_in_reward every token also
+        gets -kl_coef x KL(behaviour || reference) (kl_estimator, per token). Advantages are whitened over
+        the step's valid tokens when algorithm.whiten_advantages."""
+        values = self.critic.values(batch)
+        token_rewards = torch.zeros_like(values)
+        last = (batch.response_lengths.to(values.device) - 1).clamp(min=0).unsqueeze(1)
+        token_rewards.scatter_(1, last, batch.rewards.float().unsqueeze(1))
+        extra: dict = {}
+        if self.algo.kl_in_reward:
+            ref = self.reference_logprobs(batch)
+            kl = kl_penalty(batch.behavior_logprobs, ref, self.algo.kl_estimator)
+            kl = torch.where(mask.bool(), kl, torch.zeros_like(kl))
+            token_rewards = token_rewards - self.algo.kl_coef * kl
+            extra["reward/kl_penalty"] = float(kl.sum() / mask.sum().clamp(min=1))
+        advantages, returns = compute_gae_advantages(
+            token_rewards, values, mask, self.algo.gamma, self.algo.lam, whiten=self.algo.whiten_advantages
+        )
+        return advantages, returns, {"values": values, **extra}
 
     # ------------------------------------------------------------------ step
     def _logprobs(self, model, batch: RolloutBatch, idx: slice, with_entropy: bool = False):
@@ -215,14 +252,21 @@ class Trainer:
         consumer_version = self.version
         self.model.train()
         batch = batch.to(self.device)
-        if advantages is None:
+        step_mask = batch.trained_mask  # multi-turn: the model's tokens only (observations are context)
+        truncated = None
+        if self.algo.mask_truncated:  # cut at max_new_tokens without a stop id: no loss tokens
+            truncated = self.truncated_rows(batch)
+            step_mask = step_mask & ~truncated.unsqueeze(1)
+        gae = None
+        if advantages is None and self.critic is not None:
+            advantages, returns, gae = self.gae_advantages(batch, step_mask)
+        elif advantages is None:
             advantages = self.advantages(batch)
         N = len(batch)
         rank, size = world(self.group)
         rows = rank_rows(N, rank, size)
         widest = rank_rows(N, 0, size)  # every rank runs as many micro-batches as the widest slice needs
         micro = micro_slices(rows, max(1, math.ceil((widest.stop - widest.start) / self.tcfg.micro_batch_size)))
-        step_mask = batch.trained_mask  # multi-turn: the model's tokens only (observations are context)
         total_tokens = step_mask.sum().clamp(min=1)
         loss_kwargs: dict = {"norm_len": self.cfg.rollout.max_new_tokens, "global_norm": global_normalisers(step_mask)}
         keep = None
@@ -238,10 +282,19 @@ class Trainer:
         sums: dict[str, torch.Tensor] = {}
         entropy_sum = torch.zeros((), device=self.device)
         loss_sum = torch.zeros((), device=self.device)
+        mismatch_kl = torch.zeros((), device=self.device)
+        mismatch_m2 = torch.zeros((), device=self.device)
         for idx in micro:
             mask = step_mask[idx]
             logprobs, entropy = self._logprobs(self.model, batch, idx, with_entropy=True)
-            ref_logprobs = self.reference_logprobs(batch, idx)
+            # with kl_in_reward the KL is a reward penalty (gae_advantages), not a loss term
+            ref_logprobs = None if self.algo.kl_in_reward else self.reference_logprobs(batch, idx)
+            with torch.no_grad():  # behaviour vs current policy on the tokens trained on (k3 of KL(mu || pi))
+                valid = mask.bool()
+                behaviour, current = batch.behavior_logprobs[idx], logprobs.detach()
+                k3 = kl_penalty(behaviour, current, "k3")
+                mismatch_kl += torch.where(valid, k3, torch.zeros_like(k3)).sum()
+                mismatch_m2 += torch.where(valid, (current - behaviour).square(), torch.zeros_like(k3)).sum()
             if keep is not None:
                 loss_kwargs["keep_mask"] = keep[idx]
             loss, stats = compute_policy_loss(
@@ -267,14 +320,22 @@ class Trainer:
                     sums[k] = sums[k] + v * token_share if k in sums else v * token_share
         sums["loss/total"] = loss_sum
         sums["policy/entropy"] = entropy_sum / total_tokens
+        sums["async/mismatch_kl"] = mismatch_kl / total_tokens
+        sums["async/mismatch_m2"] = mismatch_m2 / total_tokens
         sums = reduce_metrics(sums, self.group)  # this rank's shares and maxima → the whole batch's
         params = [p for p in self.model.parameters() if p.requires_grad]
         grad_norm = global_grad_norm(params)
         torch.nn.utils.clip_grads_with_norm_(params, self.tcfg.grad_clip, grad_norm)
         finite = bool(torch.isfinite(sums["loss/total"])) and bool(torch.isfinite(grad_norm))
+        # critic.warmup_steps: the first steps train the critic only (the policy's weights stay as they are)
+        policy_trains = self.critic is None or self.step >= self.critic.warmup_steps
+        if finite and not policy_trains:
+            self.optimizer.zero_grad(set_to_none=True)
+        critic_metrics = {} if gae is None else self.critic.update(batch, gae["values"], returns, step_mask)
         if finite:
-            self.optimizer.step()
-            self.scheduler.step()
+            if policy_trains:
+                self.optimizer.step()
+                self.scheduler.step()
             self.version += 1
             self.consecutive_skips = 0
         else:
@@ -289,6 +350,12 @@ class Trainer:
         self.tokens += n_tokens
 
         metrics = {k: float(v) for k, v in sums.items()}
+        metrics.update(critic_metrics)
+        if gae is not None:
+            metrics.update({k: v for k, v in gae.items() if k != "values"})
+            metrics["critic/policy_trains"] = float(policy_trains)
+        if truncated is not None:
+            metrics["response/truncated_frac"] = float(truncated.float().mean())
         metrics.update(
             {
                 "policy/grad_norm": float(grad_norm),
@@ -389,13 +456,16 @@ class Trainer:
     def state_dict(self) -> dict:
         """Everything but the weights: optimizer, scheduler, counters (weights go to safetensors). Sharded:
         whole tensors, the same layout as one process (a collective)."""
-        return {
+        state = {
             "optimizer": self._optimizer_state(),
             "scheduler": self.scheduler.state_dict(),
             "version": self.version,
             "step": self.step,
             "skipped_steps": self.skipped_steps,
         }
+        if self.critic is not None:  # the critic's weights, optimizer and counters: resumed with the trainer
+            state["critic"] = self.critic.state_dict()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self._load_optimizer_state(state["optimizer"])
@@ -403,6 +473,13 @@ class Trainer:
         self.version = int(state["version"])
         self.step = int(state["step"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
+        if self.critic is not None and "critic" in state:
+            self.critic.load_state_dict(state["critic"])
+        elif self.critic is not None:
+            raise ValueError(
+                "this checkpoint holds no critic, but algorithm.advantage is 'gae': resume it with the "
+                "advantage it was trained with"
+            )
 
     def stats(self) -> dict:
         return {

@@ -1,0 +1,111 @@
+"""PPO with a critic (algorithm.advantage 'gae'), DAPO filtering and the truncated mask in the single-process
+loop, and async/mismatch_kl: on the tiny policy, through the real entry points."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlhf_core.checkpoint import load_checkpoint
+from rlhf_core.config import ConfigError
+from rlhf_core.loop import build_run, generate_step_batch, run_sync
+from tests.test_loop import small_cfg
+
+GAE = [
+    "algorithm.advantage=gae",
+    "algorithm.loss=ppo",
+    "algorithm.gamma=1.0",
+    "algorithm.lam=0.95",
+    "critic.lr=0.001",
+    "critic.micro_batch_size=5",
+    "trainer.micro_batch_size=8",
+]
+
+
+def test_gae_run_trains_the_critic_and_resumes_it(tmp_path):
+    # overlong shaping makes the rewards (and the returns) non-zero even for the untrained policy
+    cfg = small_cfg(tmp_path, *GAE, "critic.warmup_steps=1", "reward.overlong={buffer_len: 4, penalty: 1.0}")
+    parts = build_run(cfg)
+    policy_before = {k: v.clone() for k, v in parts.model.state_dict().items()}
+    critic_before = {k: v.clone() for k, v in parts.trainer.critic.model.state_dict().items()}
+    seen = []
+    run_sync(cfg, parts=parts, on_step=seen.append)
+    for key in ("critic/value_loss", "critic/vf_clipfrac", "critic/explained_variance", "critic/values_mean"):
+        assert key in seen[0] and torch.isfinite(torch.tensor(seen[0][key])), key
+    assert seen[0]["critic/values_mean"] == 0.0  # a zero-initialised head: the first values are 0
+    assert seen[0]["reward/overlong"] < 0.0 and seen[0]["critic/value_loss"] > 0.0
+    assert seen[0]["critic/policy_trains"] == 0.0 and seen[1]["critic/policy_trains"] == 1.0
+    assert seen[1]["critic/values_mean"] != 0.0  # the critic trained in step 1 (its warm-up step)
+    critic_after = parts.trainer.critic.model.state_dict()
+    assert any(not torch.equal(critic_before[k], critic_after[k]) for k in critic_before)
+    assert any(not torch.equal(policy_before[k], v) for k, v in parts.model.state_dict().items())
+    # the critic is checkpointed with the trainer and resumed with it
+    state = load_checkpoint(tmp_path / "checkpoints" / "step_000002", build_run(small_cfg(tmp_path / "x")).model)
+    assert (
+        set(state.trainer["critic"]) == {"weights", "optimizer", "updates"} and state.trainer["critic"]["updates"] == 2
+    )
+    resumed = build_run(small_cfg(tmp_path, *GAE, "trainer.total_steps=3"))
+    run_sync(resumed.cfg, resume_from=str(tmp_path / "checkpoints" / "step_000002"), parts=resumed)
+    assert resumed.trainer.critic.updates == 3
+    # a group-advantage checkpoint has no critic to resume
+    grpo_dir = tmp_path / "grpo"
+    run_sync(small_cfg(grpo_dir, "trainer.total_steps=1"))
+    again = build_run(small_cfg(tmp_path / "y", *GAE, "trainer.total_steps=3"))
+    with pytest.raises(ValueError, match="holds no critic"):
+        run_sync(again.cfg, resume_from=str(grpo_dir / "checkpoints" / "step_000001"), parts=again)
+
+
+def test_kl_in_reward_penalises_tokens_and_drops_the_kl_loss(tmp_path):
+    cfg = small_cfg(tmp_path, *GAE, "algorithm.kl_coef=0.1", "algorithm.kl_in_reward=true", "trainer.total_steps=1")
+    seen = []
+    run_sync(cfg, on_step=seen.append)
+    assert "reward/kl_penalty" in seen[0] and seen[0]["reward/kl_penalty"] >= 0.0
+    assert "loss/kl" not in seen[0]  # the KL is in the reward, not the loss
+    with pytest.raises(ConfigError, match="kl_in_reward needs algorithm.advantage 'gae'"):
+        small_cfg(tmp_path, "algorithm.kl_coef=0.1", "algorithm.kl_in_reward=true")
+    with pytest.raises(ConfigError, match="trainer_workers"):
+        small_cfg(tmp_path, *GAE, "cluster.trainer_workers=2")
+    with pytest.raises(ConfigError, match="algorithm.gamma has no effect"):
+        small_cfg(tmp_path, "algorithm.gamma=0.9")
+
+
+def test_mismatch_kl_is_zero_on_policy_and_masked_truncation(tmp_path):
+    cfg = small_cfg(tmp_path, "algorithm.mask_truncated=true", "trainer.total_steps=1")
+    parts = build_run(cfg)
+    batch, _ = generate_step_batch(parts)
+    truncated = parts.trainer.truncated_rows(batch)
+    # a row is truncated exactly when it is max_new_tokens long without ending in a stop id
+    stop = set(parts.trainer.stop_ids.tolist())
+    for row in range(len(batch)):
+        n = int(batch.response_lengths[row])
+        expected = n >= cfg.rollout.max_new_tokens and int(batch.response_ids[row, n - 1]) not in stop
+        assert bool(truncated[row]) == expected
+    m = parts.trainer.train_step(batch)
+    assert m["async/mismatch_kl"] == pytest.approx(0.0, abs=1e-5)  # lockstep: behaviour = current policy
+    assert m["async/mismatch_m2"] == pytest.approx(0.0, abs=1e-5)
+    assert m["response/truncated_frac"] == pytest.approx(float(truncated.float().mean()))
+    # all rows truncated: no loss tokens, so no gradient and a zero policy loss
+    batch.response_lengths = torch.full_like(batch.response_lengths, cfg.rollout.max_new_tokens)
+    batch.response_ids[:, -1] = 5 if 5 not in stop else 6
+    m = parts.trainer.train_step(batch)
+    assert m["response/truncated_frac"] == 1.0 and m["loss/policy"] == 0.0 and m["policy/grad_norm"] == 0.0
+    # off-policy: the behaviour log-probs of another policy give a positive k3 KL
+    batch.behavior_logprobs = batch.behavior_logprobs - 0.5 * batch.response_mask
+    parts.trainer.algo.mask_truncated = False
+    m = parts.trainer.train_step(batch)
+    assert m["async/mismatch_kl"] > 0.05 and m["async/mismatch_m2"] > 0.1
+
+
+def test_filter_groups_fills_the_step_in_the_single_process_loop(tmp_path):
+    cfg = small_cfg(tmp_path, "algorithm.filter_groups=true", "algorithm.filter_max_rounds=50")
+    parts = build_run(cfg)
+    batch, stats = generate_step_batch(parts)
+    G = cfg.rollout.samples_per_prompt
+    rewards = batch.rewards.view(-1, G)
+    assert rewards.shape[0] == cfg.trainer.prompts_per_step  # filled to a whole step
+    assert not (rewards == rewards[:, :1]).all(dim=1).any()  # no group with all-equal rewards
+    assert 0.0 < stats["buffer/filtered_groups_frac"] < 1.0  # the untrained tiny policy mostly scores 0
+    # a step that cannot be filled trains on what it kept, or on the last round when nothing passed
+    parts.cfg.algorithm.filter_max_rounds = 1
+    batch, stats = generate_step_batch(parts)
+    assert len(batch) % G == 0 and len(batch) > 0

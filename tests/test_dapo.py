@@ -1,0 +1,97 @@
+"""DAPO: dynamic sampling (algorithm.filter_groups) with exact admission accounting, the overlong shaping at its
+edges, and the truncated-sample mask. The buffer tests use the plain-Python control objects (no Ray)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from rlhf_core.config import ConfigError, load_config
+from rlhf_core.distributed.control import ExperienceBuffer
+from rlhf_core.distributed.transport import pack_groups, unpack_groups
+from tests.test_buffer import make_experience
+
+
+def _groups(rewards_per_group, version=0, start=0):
+    return pack_groups([make_experience(start + i, version, r) for i, r in enumerate(rewards_per_group)])
+
+
+def test_filtered_groups_count_as_consumed_for_admission():
+    buf = ExperienceBuffer(max_size=64, max_staleness=0, prompts_per_step=2, filter_groups=True)
+    assert buf.try_admit(2) and not buf.try_admit(1)  # capacity (0 + 0 + 1) x 2
+    # both admitted groups come back constant: not stored, and their capacity is re-admitted
+    assert buf.push(_groups([[1.0, 1.0], [0.0, 0.0]])) == 0
+    s = buf.stats()
+    assert (s["size"], s["filtered_groups"], s["filtered_groups_frac"]) == (0, 2, 1.0)
+    assert s["capacity"] == 4 and buf.try_admit(2)  # the step is filled from further groups: no deadlock
+    assert buf.push(_groups([[1.0, 0.0], [0.0, 0.0]], start=2)) == 1
+    assert not buf.try_admit(2) and buf.try_admit(1)  # capacity 5 = 2 + 3 filtered: exactly one more group
+    assert buf.push(_groups([[0.5, 0.0]], start=4)) == 1
+    got = unpack_groups(buf.take(2, timeout_s=0.1))
+    assert [g.prompt_id for g in got] == [2, 4]
+    s = buf.stats()
+    # conservation: every pushed group is trained (sampled), filtered, evicted, dropped or buffered
+    assert s["sampled"] + s["filtered_groups"] + s["evicted_stale"] + s["dropped_overflow"] + s["size"] == 5
+    assert s["filtered_groups_frac"] == pytest.approx(3 / 5)
+    # no capacity leaks: after the step (version 1, weights 1) the window is exactly one more step's worth
+    buf.advance(1, 1)
+    assert buf.capacity() - buf.stats()["admitted"] == 2
+
+
+def test_without_filtering_constant_groups_are_kept():
+    buf = ExperienceBuffer(max_size=8, max_staleness=0, prompts_per_step=2, admission=False)
+    assert buf.push(_groups([[1.0, 1.0]])) == 1 and buf.stats()["filtered_groups"] == 0
+
+
+def test_a_waiting_trainer_is_filled_by_later_groups():
+    """The trainer waits on a take while filtered groups arrive: it returns as soon as enough pass."""
+    buf = ExperienceBuffer(max_size=64, max_staleness=2, prompts_per_step=2, filter_groups=True)
+    out = {}
+    taker = threading.Thread(target=lambda: out.setdefault("got", buf.take(2, timeout_s=30)))
+    taker.start()
+    buf.push(_groups([[1.0, 1.0]] * 3))  # filtered
+    buf.push(_groups([[1.0, 0.0]], start=3))
+    buf.push(_groups([[0.0, 0.0], [0.0, 1.0]], start=4))
+    taker.join(30)
+    assert [g.prompt_id for g in unpack_groups(out["got"])] == [3, 5]
+    assert buf.stats()["filtered_groups"] == 4
+
+
+def test_set_max_staleness_moves_the_bound_and_admission():
+    buf = ExperienceBuffer(max_size=64, max_staleness=1, prompts_per_step=2, ceiling=4)
+    buf.set_version(4)
+    buf.push(_groups([[1.0, 0.0]] * 2, version=3))
+    assert buf.set_max_staleness(9) == 4  # clamped to the ceiling
+    assert buf.stats()["max_staleness"] == 4 and buf.stats()["admission_window"] == 4
+    assert buf.capacity() == (4 + 0 + 1) * 2
+    assert buf.set_max_staleness(0) == 0  # lowering evicts what the new bound makes stale, at once
+    s = buf.stats()
+    assert (s["size"], s["evicted_stale"], s["admission_window"]) == (0, 2, 0)
+    # a narrowed admission window stays narrowed when the bound rises
+    buf.set_max_staleness(3)
+    buf.set_admission_window(1)
+    buf.set_max_staleness(4)
+    assert buf.stats()["admission_window"] == 1
+
+
+def test_filter_and_overlong_config():
+    cfg = load_config(None, ["algorithm.filter_groups=true", "reward.overlong={buffer_len: 2, penalty: 0.5}"])
+    assert cfg.algorithm.filter_groups and cfg.reward.overlong.buffer_len == 2
+    assert cfg.reward.column_names()[-1] == "overlong"
+    with pytest.raises(ConfigError, match="buffer_len"):
+        load_config(None, ["reward.overlong={buffer_len: 9}", "rollout.max_new_tokens=4"])
+
+
+def test_overlong_penalty_edges():
+    from rlhf_core.reward.overlong import overlong_penalty
+
+    lengths = torch.tensor([0, 5, 6, 7, 8, 9, 10])
+    # max_new_tokens 10, buffer 4: none up to 6, then linear to -penalty at 10
+    out = overlong_penalty(lengths, max_new_tokens=10, buffer_len=4, penalty=2.0)
+    assert out.tolist() == pytest.approx([0.0, 0.0, 0.0, -0.5, -1.0, -1.5, -2.0])
+    # buffer_len = max_new_tokens: the penalty starts at 0 tokens
+    assert overlong_penalty(torch.tensor([0, 2, 4]), 4, 4, 1.0).tolist() == pytest.approx([0.0, -0.5, -1.0])
+    # never below -penalty (a longer length cannot happen, but the shape is bounded)
+    assert overlong_penalty(torch.tensor([12]), 10, 4, 2.0).tolist() == [-2.0]
