@@ -208,10 +208,10 @@ def cmd_train(cfg: TrainConfig, resume_from: Optional[str]) -> int:
     ends KILLED, and the temporary Prefect API (when no API is configured) is stopped last."""
     import importlib
 
-    from flows import interrupts
+    from flows.lifecycle import cli_signals
     from flows.local_api import local_prefect_api
 
-    with interrupts.handled():
+    with cli_signals():
         # the flow's imports (prefect, mlflow through tasks; ray is imported at launch) while the API starts
         with local_prefect_api(while_starting=lambda: importlib.import_module("flows.train")) as temporary_api:
             from flows.train import train
@@ -320,10 +320,10 @@ def cmd_sweep(
     """Run the sweep flow in this process (against a temporary Prefect API when none is configured)."""
     import importlib
 
-    from flows import interrupts
+    from flows.lifecycle import cli_signals
     from flows.local_api import local_prefect_api
 
-    with interrupts.handled():
+    with cli_signals():
         with local_prefect_api(while_starting=lambda: importlib.import_module("flows.sweep")) as temporary_api:
             from flows.sweep import sweep
             from tasks.sweep import table_markdown

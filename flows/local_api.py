@@ -5,6 +5,11 @@ Ctrl-C (SIGINT to the whole group) then kills the server first, and the CLI hang
 against it; a SIGTERM to the CLI leaves the server running. This server runs in its own session, so a
 terminal's signals reach only the CLI, which ends the run (Ray torn down, MLflow run KILLED) while the API
 still answers, and then stops the server and every process under it.
+
+The server also dies with the CLI when the CLI is killed outright (SIGKILL, the OOM killer), when nothing in the
+CLI runs to stop it: on Linux the kernel sends it SIGTERM when its parent dies (PR_SET_PDEATHSIG, set between
+fork and exec), and on every platform a watchdog thread in the server (`python -m flows.local_api --parent PID
+...`, which then runs uvicorn) ends it once its parent is gone.
 """
 
 from __future__ import annotations
@@ -22,6 +27,43 @@ from typing import Optional
 
 STARTUP_TIMEOUT_S = 120.0
 STOP_GRACE_S = 5.0
+WATCHDOG_INTERVAL_S = 1.0
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _die_with_parent(parent: int) -> Callable[[], None]:
+    """A `preexec_fn`: on Linux, the kernel sends the child SIGTERM when the thread that started it exits (the CLI
+    starts the server from its main thread, so: when the CLI's process ends, however it ends). Elsewhere nothing:
+    the watchdog covers it."""
+
+    def preexec() -> None:
+        if not sys.platform.startswith("linux"):
+            return
+        import ctypes
+
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        except (OSError, AttributeError):
+            return
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os._exit(1)
+
+    return preexec
+
+
+def _watch_parent(parent: int, interval_s: float = WATCHDOG_INTERVAL_S) -> None:
+    """End this process (and the process group it leads) once `parent` is no longer its parent."""
+    import threading
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(interval_s)
+        with contextlib.suppress(OSError):
+            os.killpg(os.getpgrp(), signal.SIGTERM)  # uvicorn shuts down on SIGTERM; its children with it
+        time.sleep(STOP_GRACE_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="atrlhf-parent-watchdog", daemon=True).start()
 
 
 def _free_port() -> int:
@@ -106,7 +148,9 @@ def local_prefect_api(
         [
             sys.executable,
             "-m",
-            "uvicorn",
+            "flows.local_api",
+            "--parent",
+            str(os.getpid()),
             "--app-dir",
             str(prefect.__module_path__.parent),
             "--factory",
@@ -124,6 +168,7 @@ def local_prefect_api(
         stdout=log,
         stderr=log,
         start_new_session=True,
+        preexec_fn=_die_with_parent(os.getpid()),
     )
     try:
         if while_starting is not None:
@@ -138,3 +183,17 @@ def local_prefect_api(
         stop_process_group(process)
         if log is not subprocess.DEVNULL:
             log.close()
+
+
+def _serve(argv: list[str]) -> None:
+    """`python -m flows.local_api --parent PID UVICORN_ARGS...`: uvicorn with the parent watchdog."""
+    if len(argv) < 2 or argv[0] != "--parent":
+        raise SystemExit("usage: python -m flows.local_api --parent PID [uvicorn arguments]")
+    _watch_parent(int(argv[1]))
+    from uvicorn import main as uvicorn_main  # the click command `uvicorn`
+
+    uvicorn_main.main(args=argv[2:], prog_name="uvicorn")
+
+
+if __name__ == "__main__":
+    _serve(sys.argv[1:])

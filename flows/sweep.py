@@ -23,9 +23,9 @@ from prefect.runtime import flow_run as current_flow_run
 from prefect.states import Failed, State
 from prefect.task_runners import ThreadPoolTaskRunner
 
+from flows.lifecycle import shared_ray
 from flows.train import train
 from rlhf_core.config import ConfigError, TrainConfig, validate_config
-from tasks.cluster import shared_ray
 from tasks.sweep import (
     SweepPoint,
     SweepRecord,

@@ -8,17 +8,12 @@
     finish: final evaluation, checkpoint, HF export, model + plots to MLflow, summary and health-event
         artifacts -> teardown (task)
 
-Cleanup has one mechanism, `RunResources`: whatever the flow started is released when the flow body
-leaves, however it leaves (success, failure, Ctrl-C, a worker's cancellation SIGTERM), and the MLflow run
-ends FINISHED, FAILED or KILLED to match the flow run.
+What the run holds and how it is released (the runtime, the MLflow run, the run directory; signals during
+cleanup) is `flows.lifecycle.RunResources`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import signal
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,15 +27,13 @@ from prefect.artifacts import (
     create_table_artifact,
     update_progress_artifact,
 )
-from prefect.exceptions import TerminationSignal
 from prefect.runtime import flow_run as current_flow_run
 from prefect.states import Cancelled
 
-from flows import interrupts
+from flows.lifecycle import RunResources, raise_if_pending, sigterm_kept
 from rlhf_core.config import TrainConfig, validate_config
-from rlhf_core.preflight import LATEST, RunDirClaim, claim_run_dir, default_run_name
+from rlhf_core.preflight import LATEST, claim_run_dir, default_run_name
 from rlhf_core.supervision import HealthEvent, Supervisor
-from tasks import held as held_resources
 from tasks.checkpoints import ResumeTarget, export_policy, record_checkpoint, resolve_resume, save_checkpoint
 from tasks.cluster import evaluate_heldout, launch_runtime, teardown_runtime, warm_start_policy
 from tasks.supervision import CancelWatch, event_rows, progress_line, reward_component_keys
@@ -73,26 +66,28 @@ def train(
         cfg.run.name = default_run_name(current_flow_run.name or "")
     flow_run_id = str(current_flow_run.id) if current_flow_run.id else ""
 
-    with RunResources(logger, flow_run_id) as resources:
+    with RunResources(logger) as resources:
         resume = resolve_resume(cfg, resume_from)  # a bad checkpoint fails before the run directory exists
-        resources.run_dir = claim_run_dir(cfg.run.output_dir, cfg.run.name)
+        resources.hold(claim_run_dir(cfg.run.output_dir, cfg.run.name))
         logger.info("run directory %s (%s points to it)", cfg.run.run_dir, Path(cfg.run.output_dir) / LATEST)
-        resources.runtime, info = launch_runtime(cfg, resume.checkpoint)
-        resources.tracker = start_tracking(
+        with sigterm_kept():  # ray.init would leave SIGTERM to sys.exit
+            runtime, info = launch_runtime(cfg, resume.checkpoint, hold=resources.hold)
+        tracker = start_tracking(
             cfg,
             flow_run_id,
             resume.mlflow_run_id,
             tags={
                 "prefect.flow_run_name": current_flow_run.name or "",
-                "resumed_from": resume_from or "",
+                **({"resumed_from": resume_from} if resume_from else {}),  # only on resumed runs
                 "atrlhf.run_dir": str(resources.run_dir.path),
                 **(mlflow_tags or {}),
             },
             resume_step=resume.step if resume.checkpoint else None,
             parent_run_id=mlflow_parent_run_id,
+            hold=resources.hold,
         )
-        _link_mlflow_run(resources.tracker, flow_run_id, logger)
-        run = RunState(cfg, resources.runtime, resources.tracker, logger, step=info["step"])
+        _link_mlflow_run(tracker, flow_run_id, logger)
+        run = RunState(cfg, runtime, tracker, logger, step=info["step"])
 
         evaluate_at_start(run, resume)
         if not supervise(run, CancelWatch(flow_run_id)):
@@ -128,126 +123,6 @@ class RunState:
     def checkpoint_facts(self) -> dict:
         """What every checkpoint records about the run, for resuming it."""
         return {"eval_start": self.eval_start, "mlflow_run_id": self.tracker.run_id}
-
-
-class _StopCleanup(KeyboardInterrupt):
-    """Signals kept coming during cleanup (RunResources.FORCE_AFTER of them): stop waiting for it."""
-
-
-class RunResources:
-    """The flow's one cleanup mechanism: the runtime and the MLflow run it started are released when the
-    flow body leaves, however it leaves, including what a task acquired for this flow run but had not handed
-    over yet when a signal landed (`tasks.held`). The MLflow status is written first (one quick write): a
-    worker kills the process if teardown outlasts its grace period.
-
-    Cleanup runs to completion even when a signal lands in the middle of it: a terminal's Ctrl-C reaches the
-    whole process group, so the flow may be leaving on an error that the same signal caused elsewhere (a child
-    that died of it) with the interrupt still pending. While cleanup runs (in the main thread) SIGINT and
-    SIGTERM are recorded instead of raised; a third one stops waiting and raises at once. A signal that lands
-    before the MLflow run is ended makes it KILLED. When the body left on an error, a recorded signal is then
-    delivered to the handler it would have reached (the CLI exits 130; under a worker, Prefect's SIGTERM
-    handling); when the body returned (finished, or cancelled) the run's own outcome stands."""
-
-    FORCE_AFTER = 3  # signals during cleanup: this many stop waiting for it
-
-    def __init__(self, logger, flow_run_id: str = ""):
-        self.logger = logger
-        self.flow_run_id = flow_run_id
-        self.runtime = None
-        self.tracker: Optional[MlflowTracker] = None
-        self.run_dir: Optional[RunDirClaim] = None  # this run's directory, locked until the body leaves
-        self.status = "FAILED"  # until the body says otherwise
-        self.interrupted = False  # a signal landed during cleanup
-
-    def __enter__(self) -> RunResources:
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> bool:
-        interrupt = (KeyboardInterrupt, TerminationSignal, SystemExit)
-        left_on_error = exc_type is not None and not issubclass(exc_type, interrupt)
-        if exc_type is not None and not left_on_error:
-            self.status = "KILLED"
-        elif left_on_error:
-            self.status = "FAILED"
-        with self._signals_deferred() as pending:
-            self._release(exc_type, exc)
-        if left_on_error and pending:  # as if it had arrived now: the handler it would have reached raises
-            signal.raise_signal(pending[0])
-        elif left_on_error and self.interrupted:  # an interrupt raised in a cleanup step (not a signal)
-            raise KeyboardInterrupt("interrupted while the run was ending") from exc
-        return False
-
-    def _release(self, exc_type, exc) -> None:
-        if exc_type is not None and self.status == "KILLED":  # (a cancelled body returned: no exception)
-            message = "interrupted: tearing down the runtime and ending the MLflow run as KILLED"
-            self._shielded(lambda: self.logger.warning(message), "logging")
-        elif exc_type is not None:
-            self._shielded(lambda: self.logger.error("run failed: %s: %s", exc_type.__name__, exc), "logging")
-        trackers = [self.tracker] if self.tracker is not None else []
-        runtimes = [self.runtime] if self.runtime is not None else []
-        if self.flow_run_id:
-            trackers += [t for t in held_resources.held(self.flow_run_id, "tracker") if t is not self.tracker]
-            runtimes += [r for r in held_resources.held(self.flow_run_id, "runtime") if r is not self.runtime]
-        for tracker in trackers:
-            if self.status == "FAILED" and exc_type is not None and not self.interrupted:
-                self._shielded(
-                    lambda t=tracker: t.set_tags({"error": f"{exc_type.__name__}: {exc}"[:5000]}),
-                    "tagging the MLflow run with the error",
-                )
-            self._shielded(functools.partial(self._end_tracker, tracker), "ending the MLflow run")
-            if self.flow_run_id:  # released even if ending it failed: the registry does not grow in a sweep
-                held_resources.release(self.flow_run_id, "tracker", tracker)
-        for runtime in runtimes:  # teardown is idempotent: a no-op after the teardown task
-            self._shielded(runtime.teardown, "teardown")
-            if self.flow_run_id:
-                held_resources.release(self.flow_run_id, "runtime", runtime)
-        if self.run_dir is not None:
-            self._shielded(self.run_dir.release, "releasing the run directory")
-
-    @contextlib.contextmanager
-    def _signals_deferred(self):
-        """SIGINT / SIGTERM recorded (yielded list of signal numbers) instead of raised, in the main thread;
-        the previous handlers are back on exit. The FORCE_AFTER-th signal raises KeyboardInterrupt at once."""
-        pending: list[int] = []
-        if threading.current_thread() is not threading.main_thread():
-            yield pending  # signals reach only the main thread
-            return
-
-        def record(signum, frame):
-            pending.append(signum)
-            self.interrupted = True
-            if len(pending) >= self.FORCE_AFTER:
-                raise _StopCleanup(f"{len(pending)} signals during cleanup: stopped waiting for it")
-
-        previous = {}
-        try:
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                previous[sig] = signal.signal(sig, record)
-            yield pending
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-
-    def _end_tracker(self, tracker: MlflowTracker) -> None:
-        tracker.end("KILLED" if self.interrupted and self.status != "FINISHED" else self.status)
-
-    def _shielded(self, fn, what: str, attempts: int = 3) -> None:
-        """Run a cleanup step to completion even if an interrupt is raised in it; a failing step is logged and
-        the next one runs."""
-        for _ in range(attempts):
-            try:
-                fn()
-                return
-            except _StopCleanup:
-                raise
-            except (KeyboardInterrupt, TerminationSignal, SystemExit):
-                self.interrupted = True
-                with contextlib.suppress(BaseException):
-                    self.logger.warning("%s interrupted; finishing it", what)
-            except Exception as exc:
-                with contextlib.suppress(BaseException):
-                    self.logger.error("%s failed: %s: %s", what, type(exc).__name__, exc)
-                return
 
 
 # ------------------------------------------------------------------------------------------- the run
@@ -287,7 +162,7 @@ def supervise(run: RunState, cancel: CancelWatch) -> bool:
     run.runtime.run_facts = run.checkpoint_facts  # the async trainer writes its own checkpoints with these
     run.runtime.start()
     while True:
-        interrupts.raise_if_pending()  # a Ctrl-C whose KeyboardInterrupt a finalizer swallowed
+        raise_if_pending()  # a Ctrl-C whose KeyboardInterrupt a finalizer swallowed
         poll = supervisor.tick()
         _record(run, poll)
         if cfg.runtime.mode == "async":  # written by the trainer at exact multiples of checkpoint_every

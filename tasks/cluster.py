@@ -6,30 +6,13 @@ step an observable task run in the flow. Nothing here does math.
 
 from __future__ import annotations
 
-import contextlib
-import math
-import signal
-import threading
+from collections.abc import Callable
 from typing import Optional
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from rlhf_core.config import TrainConfig
-from tasks import held
-
-
-@contextlib.contextmanager
-def _keep_sigterm_handler():
-    """`ray.init` replaces the SIGTERM handler with `sys.exit`; put back the one the flow had (Prefect's,
-    which turns a worker's cancellation SIGTERM into TerminationSignal so the flow can clean up)."""
-    main = threading.current_thread() is threading.main_thread()
-    previous = signal.getsignal(signal.SIGTERM) if main else None
-    try:
-        yield
-    finally:
-        if main and previous is not None:
-            signal.signal(signal.SIGTERM, previous)
 
 
 def make_runtime(cfg: TrainConfig):
@@ -40,26 +23,21 @@ def make_runtime(cfg: TrainConfig):
 
 
 @task(name="launch-ray-runtime", cache_policy=NO_CACHE, persist_result=False)
-def launch_runtime(cfg: TrainConfig, resume_from: Optional[str] = None):
+def launch_runtime(cfg: TrainConfig, resume_from: Optional[str] = None, hold: Optional[Callable] = None):
     """Join or start Ray, check resources, create the rollout workers and the trainer, restore a checkpoint.
 
-    Returns (runtime, launch info). On any failure the runtime tears down what it created before raising.
+    Returns (runtime, launch info). `hold(runtime)` is called before anything starts (the flow's cleanup then
+    tears it down whatever happens next); on any failure the runtime tears down what it created before raising.
     """
-    from prefect.runtime import flow_run
-
     logger = get_run_logger()
     runtime = make_runtime(cfg)
-    flow_run_id = str(flow_run.id or "")
-    if flow_run_id:  # the flow's cleanup tears it down even if a signal lands before the flow holds it
-        held.hold(flow_run_id, "runtime", runtime)
-    with _keep_sigterm_handler():
-        try:
-            info = runtime.launch(resume_from=resume_from)
-        except BaseException:
-            runtime.teardown()
-            if flow_run_id:
-                held.release(flow_run_id, "runtime", runtime)
-            raise
+    if hold is not None:
+        hold(runtime)
+    try:
+        info = runtime.launch(resume_from=resume_from)
+    except BaseException:
+        runtime.teardown()
+        raise
     logger.info(
         "Ray runtime up: address=%s (started here: %s), %d rollout worker(s), policy %s, step %d, version %d",
         info["ray_address"],
@@ -102,22 +80,3 @@ def warm_start_policy(runtime, steps: int) -> dict:
 def teardown_runtime(runtime) -> None:
     """Stop the loops, kill exactly the actors this run created, shut Ray down if this run started it."""
     runtime.teardown()
-
-
-@contextlib.contextmanager
-def shared_ray(cfg: TrainConfig, slots: int):
-    """For a sweep: join Ray once for all the runs of the block (a run that finds Ray joined reuses it and
-    leaves it up; parallel runs never race to start or shut it down). Without cluster.address, a local
-    instance with room for `slots` runs of `cfg` at once, shut down when the block leaves."""
-    from rlhf_core.distributed.cluster import connect, required_resources, teardown
-
-    cluster = cfg.cluster
-    if not cluster.address:
-        per_run = max(cluster.num_cpus or 0, required_resources(cfg)["CPU"], 1)
-        cluster = cluster.model_copy(update={"num_cpus": math.ceil(per_run * slots)})
-    with _keep_sigterm_handler():
-        handle = connect(cluster)
-    try:
-        yield handle
-    finally:
-        teardown(handle)

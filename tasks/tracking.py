@@ -21,7 +21,7 @@ import os
 import re
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Optional
 
@@ -29,7 +29,6 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from rlhf_core.config import TrainConfig, flatten_config
-from tasks import held as held_resources
 
 MODEL_ARTIFACT_PATH = "model"  # where runs of earlier versions also copied the policy; still read
 LOGGED_MODEL_NAME = "policy"
@@ -142,6 +141,7 @@ class MlflowTracker:
         run_name: Optional[str] = None,
         resume_step: Optional[int] = None,
         parent_run_id: Optional[str] = None,
+        hold: Optional[Callable[[MlflowTracker], object]] = None,
     ) -> MlflowTracker:
         """Create the run, log params and tags, start system metrics. With `resume_run_id` the new run resumes
         that one at `resume_step`: it is tagged with both, and a parent left RUNNING by a dead driver is
@@ -149,7 +149,8 @@ class MlflowTracker:
         in the parent's experiment), which MLflow's UI nests under it.
 
         The run is named cfg.tracking.run_name, else `run_name` (the Prefect flow run's name), else MLflow
-        picks a name."""
+        picks a name. `hold(tracker)` is called as soon as the run exists (the flow's cleanup then ends it, even
+        if a signal lands before this returns)."""
         from mlflow.entities import RunStatus
 
         uri = resolve_tracking_uri(cfg)
@@ -176,8 +177,8 @@ class MlflowTracker:
         run = client.create_run(experiment_id, run_name=name, tags=run_tags)
         tracker = cls(uri, run.info.run_id, experiment_id, parent_run_id=resume_run_id, resumed_from_step=resume_step)
         tracker.flow_run_id = str(flow_run_id) if flow_run_id else None
-        if tracker.flow_run_id:  # the flow's cleanup ends it even if a signal lands before the flow holds it
-            held_resources.hold(tracker.flow_run_id, "tracker", tracker)
+        if hold is not None:  # the flow's cleanup ends it even if a signal lands before start returns
+            hold(tracker)
         try:
             all_tags = dict(tags or {})
             if flow_run_id:
@@ -257,8 +258,6 @@ class MlflowTracker:
                 pass
         self.client.set_terminated(self.run_id, status=status)
         self.ended = status
-        if self.flow_run_id:
-            held_resources.release(self.flow_run_id, "tracker", self)
 
     # ------------------------------------------------------------------ logging
     def set_tags(self, tags: dict[str, Any]) -> None:
@@ -508,10 +507,11 @@ def start_tracking(
     run_name: Optional[str] = None,
     resume_step: Optional[int] = None,
     parent_run_id: Optional[str] = None,
+    hold: Optional[Callable[[MlflowTracker], object]] = None,
 ) -> MlflowTracker:
     """Open the MLflow run of this flow run and log the config as params. A resumed run is a new MLflow run
     that names the run it resumed (`resume_run_id`) and the step (`resume_step`). With `parent_run_id` it is
-    a child of that run (a sweep's parent).
+    a child of that run (a sweep's parent). `hold`: see MlflowTracker.start.
 
     It is named cfg.tracking.run_name, else `run_name`, else this flow run's name."""
     if not run_name:
@@ -526,6 +526,7 @@ def start_tracking(
         run_name=run_name,
         resume_step=resume_step,
         parent_run_id=parent_run_id,
+        hold=hold,
     )
 
 

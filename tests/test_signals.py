@@ -120,24 +120,3 @@ def test_a_signal_ends_the_run_cleanly(tmp_path, how, mlflow_db, prefect_home_te
     newest = max((tmp_path / "run" / "latest" / "checkpoints").glob("step_*"), key=lambda p: p.name)
     state, _ = read_checkpoint(newest)  # the last checkpoint is complete and readable
     assert state.step >= 2
-
-
-def test_an_interrupt_a_finalizer_swallowed_is_raised_again_by_the_loop():
-    """Python drops a KeyboardInterrupt raised inside a finalizer ("Exception ignored in ..."): the CLI's handler
-    records the signal, and the supervising loop's `raise_if_pending` raises it at its next tick."""
-    import gc
-
-    from flows import interrupts
-
-    interrupts.clear()
-
-    class Finalized:
-        def __del__(self):
-            interrupts.handler(signal.SIGINT, None)  # as if Ctrl-C landed while this finalizer ran
-
-    Finalized()
-    gc.collect()  # the KeyboardInterrupt raised in __del__ was printed and dropped: we are still here
-    with pytest.raises(KeyboardInterrupt, match="lost in a finalizer"):
-        interrupts.raise_if_pending()
-    interrupts.clear()
-    interrupts.raise_if_pending()  # nothing pending: no raise

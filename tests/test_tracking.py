@@ -139,10 +139,6 @@ def test_a_half_uploaded_checkpoint_is_skipped_and_a_dead_parent_is_marked(store
     child.end("FINISHED")
 
 
-def _status(tracker: MlflowTracker) -> str:
-    return tracker.client.get_run(tracker.run_id).info.status
-
-
 def test_a_signal_while_the_run_is_being_opened_ends_it_killed(store, monkeypatch):
     """Ctrl-C after MLflow created the run but before `start` returned: the run ends KILLED, not RUNNING."""
     from mlflow.tracking import MlflowClient
@@ -152,127 +148,10 @@ def test_a_signal_while_the_run_is_being_opened_ends_it_killed(store, monkeypatc
 
     monkeypatch.setattr(MlflowTracker, "log_params", interrupted)
     cfg = tracking_cfg(store, "interrupted-start")
+    held = []
     with pytest.raises(KeyboardInterrupt):
-        MlflowTracker.start(cfg, flow_run_id="flow-a")
+        MlflowTracker.start(cfg, flow_run_id="flow-a", hold=held.append)
     client = MlflowClient(f"sqlite:///{store}")
     [run] = client.search_runs([client.get_experiment_by_name("interrupted-start").experiment_id])
     assert run.info.status == "KILLED"
-    from tasks import held
-
-    assert held.held("flow-a", "tracker") == []  # ended, so no longer held for the flow
-
-
-def test_the_flow_cleanup_ends_a_run_it_was_never_handed(store):
-    """A signal between the task creating the MLflow run and the flow holding it (Prefect records the task's
-    state in between): RunResources finds the run under its flow run id and ends it KILLED."""
-    import logging
-
-    from flows.train import RunResources
-    from tasks import held
-
-    tracker = MlflowTracker.start(tracking_cfg(store, "handover"), flow_run_id="flow-b")
-    assert held.held("flow-b", "tracker") == [tracker]
-    with pytest.raises(KeyboardInterrupt):
-        with RunResources(logging.getLogger("test"), "flow-b"):
-            raise KeyboardInterrupt
-    assert _status(tracker) == "KILLED"
-    assert held.held("flow-b", "tracker") == []
-
-
-def test_a_signal_during_failure_cleanup_still_ends_everything_and_is_raised_again(store):
-    """Ctrl-C reaches the whole process group: the flow may be leaving on an error the same signal caused in
-    a child, with its own interrupt landing in the cleanup. Every step still runs, the run ends KILLED (it
-    was interrupted, not a failure of its own) and the interrupt goes on to the caller."""
-    from flows.train import RunResources
-
-    tracker = MlflowTracker.start(tracking_cfg(store, "cleanup-interrupted"), flow_run_id="flow-c")
-
-    class SignalOnFirstLog:
-        calls = 0
-
-        def error(self, *args):
-            SignalOnFirstLog.calls += 1
-            if SignalOnFirstLog.calls == 1:
-                raise KeyboardInterrupt
-
-        warning = error
-
-    resources = RunResources(SignalOnFirstLog(), "flow-c")
-    resources.tracker = tracker
-    with pytest.raises(KeyboardInterrupt) as raised:
-        with resources:
-            raise RuntimeError("a rollout worker died")
-    assert isinstance(raised.value.__cause__, RuntimeError)
-    assert _status(tracker) == "KILLED"
-
-
-class _SignalsItself:
-    """A logger whose error / warning sends this process `count` SIGINTs the first time it is called."""
-
-    def __init__(self, count: int = 1):
-        self.count, self.calls = count, 0
-
-    def error(self, *args):
-        import os
-        import signal
-
-        self.calls += 1
-        if self.calls == 1:
-            for _ in range(self.count):
-                os.kill(os.getpid(), signal.SIGINT)
-
-    warning = error
-
-
-def test_a_real_signal_during_failure_cleanup_is_held_until_cleanup_is_done(store):
-    """SIGINT while cleanup runs: it is recorded, not raised, so no step is cut short; the run ends KILLED;
-    then it reaches the handler it would have reached (Python's: KeyboardInterrupt), which is back in place."""
-    import signal
-
-    from flows.train import RunResources
-
-    before = signal.getsignal(signal.SIGINT)
-    tracker = MlflowTracker.start(tracking_cfg(store, "real-signal"), flow_run_id="flow-d")
-    resources = RunResources(_SignalsItself(), "flow-d")
-    resources.tracker = tracker
-    with pytest.raises(KeyboardInterrupt):
-        with resources:
-            raise RuntimeError("a rollout worker died")
-    assert _status(tracker) == "KILLED"
-    assert signal.getsignal(signal.SIGINT) is before
-
-
-def test_a_signal_while_a_finished_run_cleans_up_leaves_it_finished(store):
-    from flows.train import RunResources
-
-    tracker = MlflowTracker.start(tracking_cfg(store, "finished-signal"), flow_run_id="flow-e")
-
-    resources = RunResources(_SignalsItself(), "flow-e")
-    resources.tracker = tracker
-    original_end = tracker.end
-
-    def end_with_a_signal(status):
-        resources.logger.error("ending")  # sends SIGINT while the run is being ended
-        original_end(status)
-
-    tracker.end = end_with_a_signal
-    with resources:
-        resources.status = "FINISHED"
-    assert _status(tracker) == "FINISHED"  # the work finished; the signal came after it
-
-
-def test_signals_that_keep_coming_stop_the_cleanup(store):
-    """A third signal during cleanup stops waiting for it (a hung teardown can still be left with Ctrl-C)."""
-    import signal
-
-    from flows.train import RunResources
-
-    before = signal.getsignal(signal.SIGINT)
-    tracker = MlflowTracker.start(tracking_cfg(store, "forced"), flow_run_id="flow-f")
-    resources = RunResources(_SignalsItself(count=RunResources.FORCE_AFTER), "flow-f")
-    resources.tracker = tracker
-    with pytest.raises(KeyboardInterrupt, match="stopped waiting"):
-        with resources:
-            raise RuntimeError("a rollout worker died")
-    assert signal.getsignal(signal.SIGINT) is before
-    tracker.end("KILLED")
+    assert [t.run_id for t in held] == [run.info.run_id]  # handed over as soon as it existed
