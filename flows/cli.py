@@ -256,7 +256,7 @@ def _prefect_location(flow_run_id: Optional[str], temporary_api: bool = False) -
 def _train_summary(
     cfg: TrainConfig, state, result: Optional[dict], flow_run_id: Optional[str], temporary_api: bool = False
 ) -> str:
-    from tasks.tracking import resolve_tracking_uri, ui_command
+    from tasks.mlflow_client import resolve_tracking_uri, ui_command
 
     where, see = _prefect_location(flow_run_id, temporary_api)
     uri = (result or {}).get("mlflow_tracking_uri") or resolve_tracking_uri(cfg)
@@ -326,8 +326,8 @@ def cmd_sweep(
     with cli_signals():
         with local_prefect_api(while_starting=lambda: importlib.import_module("flows.sweep")) as temporary_api:
             from flows.sweep import sweep
-            from tasks.sweep import table_markdown
-            from tasks.tracking import ui_command
+            from tasks.mlflow_client import ui_command
+            from tasks.mlflow_client.sweep_comparison import table_markdown
 
             try:
                 state = sweep(
@@ -393,7 +393,7 @@ def resolve_policy(cfg: TrainConfig, target: str, scratch: Optional[Path] = None
             return beside, path
         return resolve_policy_dir(cfg), path
     if not path.exists() and len(target) == 32 and all(c in "0123456789abcdef" for c in target.lower()):
-        from tasks.tracking import download_logged_policy, resolve_tracking_uri
+        from tasks.mlflow_client import download_logged_policy, resolve_tracking_uri
 
         uri = resolve_tracking_uri(cfg)
         try:

@@ -13,11 +13,9 @@ under each other. Each child writes under `<run.output_dir>/<sweep id>/<point>`.
 
 from __future__ import annotations
 
-import base64
 from typing import Any, Optional, Union
 
 from prefect import flow, get_run_logger, task
-from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run as current_flow_run
 from prefect.states import Failed, State
@@ -26,23 +24,10 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from flows.lifecycle import shared_ray
 from flows.train import train
 from rlhf_core.config import ConfigError, TrainConfig, validate_config
-from tasks.sweep import (
-    SweepPoint,
-    SweepRecord,
-    check_grid,
-    comparison_plot,
-    comparison_row,
-    expand_grid,
-    plot_name,
-    point_config,
-    read_child,
-    seed_list,
-    table_markdown,
-)
-from tasks.sweep import (
-    sweep_id as make_sweep_id,
-)
-from tasks.tracking import run_url, ui_command
+from rlhf_core.sweep_grid import SweepPoint, check_grid, expand_grid, point_config, seed_list
+from rlhf_core.sweep_grid import sweep_id as make_sweep_id
+from tasks.mlflow_client.sweep_record import point_tags
+from tasks.sweep import compare_points, open_sweep_record, publish_comparison
 
 
 @flow(name="atrlhf-sweep", validate_parameters=False, log_prints=True)
@@ -79,15 +64,13 @@ def sweep(
     sid = sweep_id or make_sweep_id(cfg, grid, seeds_used)
     flow_run_id = str(current_flow_run.id) if current_flow_run.id else ""
 
-    record = SweepRecord(cfg, sid)
     params: dict[str, Any] = {f"grid.{k}": v for k, v in grid.items()}
     params.update(
         {"sweep_id": sid, "seeds": seeds_used, "max_parallel": max_parallel, "metric": metric, "target": target}
     )
     params["points"] = len(points)
-    parent = record.open(params, flow_run_id)
-    if not record.resumed:
-        record.client.log_dict(parent, cfg.model_dump(mode="json"), "base_config.json")
+    record = open_sweep_record(cfg, sid, params, flow_run_id)
+    parent = record.run_id
     done = record.finished_points()
     todo = [p for p in points if p.name not in done]
     logger.info(
@@ -119,23 +102,13 @@ def sweep(
                 for point, future in futures:
                     outcomes[point.name] = outcome = future.result()
                     logger.info("point %s: %s %s", point.name, outcome["state"], outcome["message"] or "")
-        children = []
-        for point in points:
-            outcome = outcomes.get(point.name)
-            if outcome is None:
-                children.append(read_child(record, point, metric, note="done earlier"))
-                continue
-            if outcome["state"] != "COMPLETED" and not record.opened_by(point, outcome["flow_run_id"]):
-                record.record_failed_point(point, outcome["message"], outcome["flow_run_id"])
-            error = outcome["message"] if outcome["state"] != "COMPLETED" else ""
-            children.append(read_child(record, point, metric, error=error))
-        rows = [comparison_row(c, target) for c in children]
+        rows, children = compare_points(record, points, outcomes, metric, target)
         failed = sum(1 for c in children if c.status != "FINISHED")
         publish_comparison(record, rows, children, metric, target)
         status = "FINISHED"
     finally:
         if status != "FINISHED":
-            record.client.set_terminated(parent, status="FAILED")
+            record.fail()
     record.end(failed=failed, skipped=len(points) - len(todo), total=len(points))
     logger.info(
         "sweep %s done: %d ran, %d skipped (finished before), %d failed; MLflow parent %s",
@@ -179,40 +152,9 @@ def run_point(point: SweepPoint, config: TrainConfig, sweep: str, parent_run_id:
     state = train.with_options(flow_run_name=f"{sweep}/{point.name}")(
         config=child_config,
         mlflow_parent_run_id=parent_run_id,
-        mlflow_tags=point.tags(sweep),
+        mlflow_tags=point_tags(point, sweep),
         return_state=True,
     )
     flow_run_id = str(state.state_details.flow_run_id) if state.state_details.flow_run_id else ""
     message = (state.message or "").removeprefix("Flow run encountered an exception: ")
     return {"state": state.type.value, "message": message, "flow_run_id": flow_run_id}
-
-
-def publish_comparison(record: SweepRecord, rows: list[dict], children: list, metric: str, target: float) -> None:
-    """The comparison table and plot as Prefect artifacts (table + markdown with the plot inline) and as the
-    MLflow parent's artifacts (comparison/comparison.csv, .md, .json and the PNG)."""
-    png = comparison_plot(children, metric)
-    url = run_url(record.uri, record.experiment_id, record.run_id)
-    table = table_markdown(rows, target)
-    markdown = "\n".join(
-        [
-            f"# Sweep {record.sweep}",
-            "",
-            table,
-            f"Time to target: seconds from the child's start to its first `eval/accuracy` ≥ {target:g} (— never). "
-            "Mean staleness and samples/s: means over the run's steps.",
-            "",
-            f"MLflow parent run `{record.run_id}`: [{url}]({url}) — open the UI with `{ui_command(record.uri)}`; "
-            f"the plot is `comparison/{plot_name(metric)}`.",
-            "",
-        ]
-    )
-    record.log_comparison(rows, markdown, png, metric)
-    if png is not None:
-        markdown += f"\n![{metric} against steps](data:image/png;base64,{base64.b64encode(png).decode()})\n"
-    create_table_artifact(
-        table=[{k: v for k, v in r.items()} for r in rows],
-        key="atrlhf-sweep-comparison",
-        description=f"Sweep {record.sweep}: one row per point",
-    )
-    create_markdown_artifact(markdown=markdown, key="atrlhf-sweep-summary", description=f"Sweep {record.sweep}")
-    print(table)

@@ -36,8 +36,9 @@ from rlhf_core.preflight import LATEST, claim_run_dir, default_run_name
 from rlhf_core.supervision import HealthEvent, Supervisor
 from tasks.checkpoints import ResumeTarget, export_policy, record_checkpoint, resolve_resume, save_checkpoint
 from tasks.cluster import evaluate_heldout, launch_runtime, teardown_runtime, warm_start_policy
+from tasks.mlflow_client import MlflowTracker, run_url, ui_command
 from tasks.supervision import CancelWatch, event_rows, progress_line, reward_component_keys
-from tasks.tracking import MlflowTracker, log_model, log_plots, run_url, start_tracking, ui_command
+from tasks.tracking import log_model, log_plots, start_tracking
 
 CANCEL_CHECK_INTERVAL_S = 1.0
 HEARTBEAT_S = 30.0
@@ -378,7 +379,7 @@ def _summary_markdown(cfg: TrainConfig, result: dict, tracker: MlflowTracker) ->
     ]
     if cfg.tracking.log_model:
         lines.append(
-            f"- Load the logged model: `from tasks.tracking import load_logged_policy; "
+            f"- Load the logged model: `from tasks.mlflow_client import load_logged_policy; "
             f'model, tok = load_logged_policy("{tracker.run_id}", "{tracker.uri}")`'
         )
     return "\n".join(lines) + "\n"

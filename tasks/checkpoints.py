@@ -17,7 +17,7 @@ from prefect.cache_policies import NO_CACHE
 
 from rlhf_core.checkpoint import CheckpointError, read_checkpoint
 from rlhf_core.config import TrainConfig
-from tasks import tracking
+from tasks import mlflow_client as tracking
 
 
 @dataclass
@@ -91,7 +91,7 @@ def save_checkpoint(runtime, cfg: TrainConfig, step: int, tracker=None, run: Opt
     """A full resumable checkpoint under the run directory's checkpoints/, logged to MLflow as artifacts.
     `run`: facts of the run kept in the checkpoint (its MLflow run id, held-out accuracy at the start)."""
     path = runtime.checkpoint(str(checkpoint_dir(cfg, step)), run=run)
-    artifact = tracker.log_checkpoint(path) if tracker is not None else None
+    artifact = tracking.log_checkpoint(tracker, path) if tracker is not None else None
     get_run_logger().info(
         "checkpoint at step %d: %s%s", step, path, f" (MLflow artifact {artifact})" if artifact else ""
     )
@@ -101,7 +101,7 @@ def save_checkpoint(runtime, cfg: TrainConfig, step: int, tracker=None, run: Opt
 @task(name="record-checkpoint", cache_policy=NO_CACHE, persist_result=False)
 def record_checkpoint(tracker, path: str, step: int) -> str:
     """A checkpoint the trainer wrote at an exact step (async mode), logged to MLflow as artifacts."""
-    artifact = tracker.log_checkpoint(path) if tracker is not None else None
+    artifact = tracking.log_checkpoint(tracker, path) if tracker is not None else None
     get_run_logger().info(
         "checkpoint at step %d: %s%s", step, path, f" (MLflow artifact {artifact})" if artifact else ""
     )

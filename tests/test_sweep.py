@@ -1,6 +1,7 @@
-"""Sweeps (flows/sweep.py, tasks/sweep.py, `atrlhf sweep`): grid parsing, points, ids, per-point configs, the
-comparison table and plot; and, slow, a sweep of the tiny task through the CLI with one bad grid value and a
-rerun that skips the finished points (real Prefect, real local Ray, MLflow on SQLite in a temp dir).
+"""Sweeps (flows/sweep.py, tasks/sweep.py, rlhf_core/sweep_grid.py, tasks/mlflow_client/sweep_*.py,
+`atrlhf sweep`): grid parsing, points, ids, per-point configs, the comparison table and plot; and, slow, a
+sweep of the tiny task through the CLI with one bad grid value and a rerun that skips the finished points
+(real Prefect, real local Ray, MLflow on SQLite in a temp dir).
 """
 
 from __future__ import annotations
@@ -10,20 +11,16 @@ import pytest
 from flows.cli import main, parse_grid
 from flows.deployment import load_sweep_parameters
 from rlhf_core.config import ConfigError, TrainConfig, load_config, parse_grid_item, validate_config
-from tasks.sweep import (
+from rlhf_core.sweep_grid import SweepPoint, check_grid, expand_grid, point_config, seed_list, sweep_id
+from tasks.mlflow_client.sweep_comparison import (
     ChildHistory,
-    SweepPoint,
-    check_grid,
     comparison_plot,
     comparison_row,
-    expand_grid,
-    point_config,
     read_child,
-    seed_list,
-    sweep_id,
     table_csv,
     table_markdown,
 )
+from tasks.mlflow_client.sweep_record import point_tags
 
 SMALL = [
     "trainer.total_steps=4",
@@ -74,7 +71,7 @@ def test_points_are_the_grid_times_the_seeds():
     assert len(points) == 8 and len({p.name for p in points}) == 8 and len({p.dirname for p in points}) == 8
     assert points[0].name == "algorithm.loss=grpo,runtime.max_staleness=1,seed=7"
     assert points[1].group == points[0].group != points[2].group
-    assert points[3].tags("s") == {
+    assert point_tags(points[3], "s") == {
         "atrlhf.sweep_id": "s",
         "atrlhf.sweep_role": "child",
         "atrlhf.sweep_point": "algorithm.loss=grpo,runtime.max_staleness=4,seed=8",
@@ -171,8 +168,8 @@ def test_the_sweep_deployment_parameters(tmp_path):
 def test_the_mlflow_parent_is_reopened_and_knows_the_finished_points(tmp_path, mlflow_db):
     """No training: the parent run, children made as a training run makes them (MlflowTracker.start with the
     parent and the point's tags), a failed point recorded by the sweep, and a second attempt."""
-    from tasks.sweep import SweepRecord
-    from tasks.tracking import MlflowTracker
+    from tasks.mlflow_client import MlflowTracker
+    from tasks.mlflow_client.sweep_record import SweepRecord
 
     base = load_config(
         None, [f"tracking.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}", "tracking.log_system_metrics=false"]
@@ -183,7 +180,9 @@ def test_the_mlflow_parent_is_reopened_and_knows_the_finished_points(tmp_path, m
     assert not record.resumed
     for point, status in ((done, "FINISHED"), (failed, "FAILED")):
         child = MlflowTracker.start(
-            validate_config(point_config(base, point, "sweep-t")), tags=point.tags("sweep-t"), parent_run_id=parent
+            validate_config(point_config(base, point, "sweep-t")),
+            tags=point_tags(point, "sweep-t"),
+            parent_run_id=parent,
         )
         child.log_metrics([{"step": 5, "eval/accuracy": 0.5}])
         child.end(status)

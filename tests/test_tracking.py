@@ -10,14 +10,16 @@ import pytest
 pytest.importorskip("mlflow")
 
 from rlhf_core.config import load_config  # noqa: E402
-from tasks.tracking import (  # noqa: E402
+from tasks.mlflow_client import (  # noqa: E402
     EXPERIMENT_KIND,
     EXPERIMENT_KIND_TAG,
     LOGGED_MODEL_NAME,
     MODEL_ARTIFACT_PATH,
     MlflowTracker,
     load_logged_policy,
+    log_checkpoint,
 )
+from tasks.mlflow_client.artifacts import log_model  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -55,9 +57,10 @@ def test_experiment_is_tagged_for_model_training_and_run_takes_the_flow_run_name
 
 def test_an_existing_untagged_experiment_gets_the_tag_but_a_chosen_kind_stays(store):
     cfg = tracking_cfg(store, "old")
-    from tasks.tracking import _client, resolve_tracking_uri
+    from tasks.mlflow_client import client as mlflow_client
+    from tasks.mlflow_client import resolve_tracking_uri
 
-    client = _client(resolve_tracking_uri(cfg))
+    client = mlflow_client(resolve_tracking_uri(cfg))
     client.create_experiment("old")
     client.create_experiment("genai", tags={EXPERIMENT_KIND_TAG: "genai_development"})
     tracker = MlflowTracker.start(cfg)
@@ -71,7 +74,7 @@ def test_an_existing_untagged_experiment_gets_the_tag_but_a_chosen_kind_stays(st
 def test_the_policy_is_a_logged_model_of_the_run_and_loads_back(store, tmp_path, tiny_policy_dir):
     cfg = tracking_cfg(store, "model")
     tracker = MlflowTracker.start(cfg)
-    uri = tracker.log_model(tiny_policy_dir, step=6)
+    uri = log_model(tracker, tiny_policy_dir, step=6)
     tracker.end("FINISHED")
     client = tracker.client
     run = client.get_run(tracker.run_id)
@@ -109,7 +112,7 @@ def test_a_run_of_an_earlier_version_with_a_model_artifact_still_loads(store, ti
 def test_a_half_uploaded_checkpoint_is_skipped_and_a_dead_parent_is_marked(store, tmp_path):
     """kill -9 during an upload leaves a checkpoint without its COMPLETE marker and the run RUNNING: resume
     takes the newest complete checkpoint, and the new run names its parent, which is marked FAILED."""
-    from tasks.tracking import RESUMED_FROM_RUN, RESUMED_FROM_STEP, latest_checkpoint_artifact
+    from tasks.mlflow_client import RESUMED_FROM_RUN, RESUMED_FROM_STEP, latest_checkpoint_artifact
 
     cfg = tracking_cfg(store, "lineage")
     parent = MlflowTracker.start(cfg)
@@ -118,7 +121,7 @@ def test_a_half_uploaded_checkpoint_is_skipped_and_a_dead_parent_is_marked(store
         ckpt.mkdir()
         (ckpt / "state.pt").write_bytes(b"x" * 10)
         if step == 2:
-            parent.log_checkpoint(ckpt)
+            log_checkpoint(parent, ckpt)
         else:  # the upload a killed driver left behind: files, but no COMPLETE marker
             parent.client.log_artifacts(parent.run_id, str(ckpt), f"checkpoints/{ckpt.name}")
     uri = f"sqlite:///{store}"

@@ -1,0 +1,106 @@
+"""A sweep's points: a grid of config values times seeds, each point a training run's config.
+
+`expand_grid` says what the points are, `sweep_id` names the sweep (a hash: a rerun with the same base
+config, grid and seeds finds the same sweep), `point_config` gives a point's config (its own output
+directory and run name). Plain Python on the config: no Prefect, no MLflow (flows/sweep.py runs the
+points; tasks/mlflow_client records them).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from rlhf_core.config import ConfigError, TrainConfig, apply_overrides
+
+SEED_KEY = "trainer.seed"
+
+
+@dataclass(frozen=True)
+class SweepPoint:
+    """One training run of a sweep: the varied values (grid order) and its trainer.seed."""
+
+    values: tuple[tuple[str, Any], ...]
+    seed: int
+
+    @property
+    def name(self) -> str:
+        """Readable and unique in the sweep: `algorithm.loss=m2po,runtime.max_staleness=4,seed=1`."""
+        return ",".join([*(f"{k}={value_text(v)}" for k, v in self.values), f"seed={self.seed}"])
+
+    @property
+    def dirname(self) -> str:
+        """The name as a directory name (no '/', no '=')."""
+        return "".join(c if c.isalnum() or c in "-_." else "_" for c in self.name.replace("=", "-"))
+
+    @property
+    def group(self) -> str:
+        """The point without its seed: what the plot averages over seeds."""
+        return ",".join(f"{k}={value_text(v)}" for k, v in self.values) or "base"
+
+
+def value_text(value: Any) -> str:
+    """A grid value as text: a string as it is, anything else as JSON."""
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def seed_list(base: TrainConfig, seeds: int | list[int]) -> list[int]:
+    """`seeds` as a count (base trainer.seed, +1, +2, ...) or an explicit list."""
+    if isinstance(seeds, bool) or not isinstance(seeds, (int, list)):
+        raise ConfigError(f"sweep seeds: expected a count or a list of integers, got {seeds!r}")
+    if isinstance(seeds, int):
+        if seeds < 1:
+            raise ConfigError(f"sweep seeds: the count must be at least 1, got {seeds}")
+        return [base.trainer.seed + i for i in range(seeds)]
+    if not seeds or not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds):
+        raise ConfigError(f"sweep seeds: expected a non-empty list of integers, got {seeds!r}")
+    return list(seeds)
+
+
+def check_grid(grid: dict[str, list]) -> dict[str, list]:
+    """A grid is {dotted.key: [values]}. Only its shape is checked here: values are validated per point."""
+    if not isinstance(grid, dict):
+        raise ConfigError(f"sweep grid: expected a mapping of dotted keys to lists of values, got {grid!r}")
+    for key, values in grid.items():
+        if not isinstance(key, str) or not key or any(not part for part in key.split(".")):
+            raise ConfigError(f"sweep grid: {key!r} is not a dotted config key such as runtime.max_staleness")
+        if not isinstance(values, list) or not values:
+            raise ConfigError(f"sweep grid: {key} needs a non-empty list of values, got {values!r}")
+        if key == SEED_KEY:
+            raise ConfigError(f"sweep grid: vary {SEED_KEY} with `seeds`, not in the grid")
+    return grid
+
+
+def expand_grid(grid: dict[str, list], seeds: list[int]) -> list[SweepPoint]:
+    """Every combination of the grid's values (grid order, the last key fastest), times every seed."""
+    keys = list(grid)
+    return [
+        SweepPoint(tuple(zip(keys, combo)), seed)
+        for combo in itertools.product(*(grid[k] for k in keys))
+        for seed in seeds
+    ]
+
+
+def sweep_id(base: TrainConfig, grid: dict[str, list], seeds: list[int]) -> str:
+    """Deterministic: the same base config, grid and seeds give the same id (what a rerun resumes by)."""
+    blob = json.dumps({"base": base.model_dump(mode="json"), "grid": grid, "seeds": seeds}, sort_keys=True)
+    return "sweep-" + hashlib.sha256(blob.encode()).hexdigest()[:10]
+
+
+def point_config(base: TrainConfig, point: SweepPoint, sweep: str) -> dict:
+    """The child's config as a plain mapping, NOT validated (the child validates it: a bad value fails only
+    that child). Its own output directory `<run.output_dir>/<sweep id>/<point>` and run name."""
+    data = base.model_dump(mode="json")
+    apply_overrides(data, [f"{k}={json.dumps(v)}" for k, v in point.values])
+    apply_overrides(
+        data,
+        [
+            f"{SEED_KEY}={point.seed}",
+            f"run.output_dir={json.dumps(f'{base.run.output_dir}/{sweep}/{point.dirname}')}",
+            f"tracking.run_name={json.dumps(f'{sweep}/{point.name}')}",
+        ],
+    )
+    return data
