@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Optional
 
 from rlhf_core.config import RUN_CONFIG_FILE, ConfigError, TrainConfig, load_config, parse_grid_item
+from rlhf_core.sweep_grid import check_grid
 
 EXIT_CONFIG = 2
 EXIT_FAILED = 1
@@ -305,7 +306,7 @@ def parse_grid(items: Sequence[str]) -> dict[str, list]:
         if key in grid:
             raise ConfigError(f"--grid {key} is given twice; list all its values in one --grid")
         grid[key] = values
-    return grid
+    return check_grid(grid)  # a repeated value, say, is refused before anything starts
 
 
 def cmd_sweep(

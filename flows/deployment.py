@@ -28,6 +28,7 @@ from typing import Any
 import yaml
 
 from rlhf_core.config import ConfigError, load_config, parse_grid_item
+from rlhf_core.sweep_grid import check_grid, expand_grid, seed_list
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 _KNOWN_KEYS = {"config_file", "overrides", "resume_from"}
@@ -73,6 +74,10 @@ def load_sweep_parameters(file: str) -> dict[str, Any]:
     seeds = spec.get("seeds", 1)
     if isinstance(seeds, bool) or not isinstance(seeds, (int, list)):
         raise ConfigError(f"{path}: 'seeds' must be a count or a list of integers, got {seeds!r}")
+    try:  # repeated values or seeds are refused at deploy time
+        expand_grid(check_grid(checked), seed_list(cfg, seeds))
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
     max_parallel = spec.get("max_parallel", 1)
     if isinstance(max_parallel, bool) or not isinstance(max_parallel, int) or max_parallel < 1:
         raise ConfigError(f"{path}: 'max_parallel' must be an integer >= 1, got {max_parallel!r}")

@@ -57,6 +57,12 @@ def seed_list(base: TrainConfig, seeds: int | list[int]) -> list[int]:
         return [base.trainer.seed + i for i in range(seeds)]
     if not seeds or not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds):
         raise ConfigError(f"sweep seeds: expected a non-empty list of integers, got {seeds!r}")
+    repeated = _repeated([str(s) for s in seeds])
+    if repeated:
+        raise ConfigError(
+            f"sweep seeds: {', '.join(repeated)} listed more than once in {seeds!r}: two points would share one "
+            "name and one directory; list each seed once"
+        )
     return list(seeds)
 
 
@@ -71,17 +77,44 @@ def check_grid(grid: dict[str, list]) -> dict[str, list]:
             raise ConfigError(f"sweep grid: {key} needs a non-empty list of values, got {values!r}")
         if key == SEED_KEY:
             raise ConfigError(f"sweep grid: vary {SEED_KEY} with `seeds`, not in the grid")
+        repeated = _repeated([value_text(v) for v in values])
+        if repeated:
+            raise ConfigError(
+                f"sweep grid: {key} lists {', '.join(repeated)} more than once in {values!r}: two points would "
+                "share one name and one directory; list each value once"
+            )
     return grid
 
 
+def _repeated(texts: list[str]) -> list[str]:
+    """The texts that occur more than once, in order of their first occurrence."""
+    return [t for i, t in enumerate(texts) if texts.count(t) > 1 and texts.index(t) == i]
+
+
 def expand_grid(grid: dict[str, list], seeds: list[int]) -> list[SweepPoint]:
-    """Every combination of the grid's values (grid order, the last key fastest), times every seed."""
+    """Every combination of the grid's values (grid order, the last key fastest), times every seed. Two
+    points whose names or directory names coincide are refused (ConfigError): they would share one run."""
     keys = list(grid)
-    return [
+    points = [
         SweepPoint(tuple(zip(keys, combo)), seed)
         for combo in itertools.product(*(grid[k] for k in keys))
         for seed in seeds
     ]
+    seen: dict[str, SweepPoint] = {}
+    for point in points:
+        for taken in (point.name, point.dirname):
+            other = seen.setdefault(taken, point)
+            if other is not point:
+                why = (
+                    "list each value and seed once"
+                    if other.name == point.name
+                    else "their names differ only in characters a directory name replaces with '_'"
+                )
+                raise ConfigError(
+                    f"sweep points {other.name!r} and {point.name!r} would share one name or directory "
+                    f"({taken!r}): {why}"
+                )
+    return points
 
 
 def sweep_id(base: TrainConfig, grid: dict[str, list], seeds: list[int]) -> str:

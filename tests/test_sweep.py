@@ -87,6 +87,29 @@ def test_points_are_the_grid_times_the_seeds():
             seed_list(base, bad)
 
 
+def test_repeated_seeds_or_grid_values_are_refused(tmp_path, capsys):
+    """Two points with one name would share one directory and one MLflow point: refused, naming what repeats."""
+    base = load_config(None, ["trainer.seed=7"])
+    with pytest.raises(ConfigError, match=r"sweep seeds: 1 listed more than once in \[1, 2, 1\]"):
+        seed_list(base, [1, 2, 1])
+    with pytest.raises(ConfigError, match=r"runtime.max_staleness lists 4 more than once"):
+        check_grid({"runtime.max_staleness": [1, 4, 4]})
+    with pytest.raises(ConfigError, match=r"runtime.max_staleness lists 4 more than once"):
+        check_grid({"runtime.max_staleness": [4, "4"]})  # the same text: one name
+    with pytest.raises(ConfigError, match="would share one name or directory"):
+        expand_grid({"data.path": ["a/b.jsonl", "a_b.jsonl"]}, [0])  # one directory name
+    with pytest.raises(ConfigError, match="would share one name or directory"):
+        expand_grid({"algorithm.loss": ["grpo"]}, [3, 3])
+    assert len(expand_grid(check_grid({"runtime.max_staleness": [1, 4]}), seed_list(base, [1, 2]))) == 4
+    # the command line refuses before starting anything; a deployment's parameters at deploy time
+    assert main(["sweep", "--grid", "runtime.max_staleness=1,4,1"]) == 2
+    assert "runtime.max_staleness lists 1 more than once" in capsys.readouterr().err
+    spec = tmp_path / "dup.yaml"
+    spec.write_text("config_file: configs/staleness_sweep.yaml\ngrid: {algorithm.loss: grpo}\nseeds: [0, 0]\n")
+    with pytest.raises(ConfigError, match=r"dup.yaml: sweep seeds: 0 listed more than once"):
+        load_sweep_parameters(str(spec))
+
+
 def test_sweep_id_is_a_hash_of_base_grid_and_seeds():
     base = TrainConfig()
     grid = {"algorithm.loss": ["grpo", "m2po"]}
