@@ -1,7 +1,7 @@
 """Reward scoring throughput: tensor-native token matching vs. a per-row Python loop vs. decode + regex.
 
 For each batch shape (B rows x L response tokens) it times, single-threaded on the CPU:
-  tensor  rlhf_core.reward.tensor_native_reward on pre-packed patterns (PackedPatterns) — our hot path;
+  tensor  rlhf_core.reward.tensor_native.tensor_native_reward on pre-packed patterns (PackedPatterns) — our hot path;
   loop    a plain Python loop over rows: per row, slice to the first EOS, unfold, compare;
   regex   what verl / TRL reward functions do: move ids to the host, tokenizer.batch_decode the rows up
           to EOS with a real Hugging Face fast tokenizer, then a regex search for the answer text per row.
@@ -62,7 +62,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rlhf_core.reward import exact_match_reward, pack_patterns, tensor_native_reward, valid_lengths  # noqa: E402
+from rlhf_core.reward.components import exact_match_reward  # noqa: E402
+from rlhf_core.reward.tensor_native import pack_patterns, tensor_native_reward, valid_lengths  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/machine.py, also when imported
 from machine import cpu_model  # noqa: E402
@@ -311,7 +312,8 @@ def run_text(quick: bool, stages: bool = False) -> list[dict]:
     from rlhf_core.chat_model import build_chat_policy
     from rlhf_core.config import RewardConfig
     from rlhf_core.models import load_policy
-    from rlhf_core.reward import build_reward_fn, patterns_from_texts
+    from rlhf_core.reward.answers import patterns_from_texts
+    from rlhf_core.reward.components import build_reward_fn
 
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as d:
@@ -392,8 +394,9 @@ def run_functions(quick: bool) -> dict:
     from rlhf_core.config import RewardConfig
     from rlhf_core.data import Prompt
     from rlhf_core.models import load_policy
-    from rlhf_core.reward import build_reward_fn, patterns_from_texts
-    from rlhf_core.reward.functions import PythonFunctionRewards
+    from rlhf_core.reward.answers import patterns_from_texts
+    from rlhf_core.reward.components import build_reward_fn
+    from rlhf_core.reward.functions.external import PythonFunctionRewards
     from rlhf_core.types import RolloutBatch
 
     torch.set_num_threads(1)

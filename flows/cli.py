@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import tempfile
@@ -95,12 +96,15 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser(
         "score",
         help="score responses by hand with the configured reward",
-        description="Score responses with the config's reward exactly as training does (the same tokenizer, stop "
-        "set, answer tokenization and reward components) and print every component per line and the means. "
+        description="Score responses with the config's whole reward exactly as training does (the same tokenizer, "
+        "stop set, answer tokenization, reward components, reward.functions and reward model) and print the total "
+        "and every reward column per line, and the means. "
         "Each JSONL line holds the answer (under data.answer_key, default 'answer'; data.answer_after_marker "
         "applies) and either 'response' (text, tokenized with the model's tokenizer with NO special tokens "
         "added; special-token text such as <|im_end|> in it becomes that token) or 'response_ids' (token ids). "
-        "Responses are the generated tokens only, without the prompt.",
+        "Responses are the generated tokens only, without the prompt; the prompt may be given as a dataset "
+        "row gives it (data.prompt_key or data.messages_key): the reward functions and the reward model see it. "
+        "Other keys are columns the reward functions get.",
     )
     _add_config_args(s)
     s.add_argument("--input", required=True, metavar="FILE.jsonl", help="responses and answers, one JSON object a line")
@@ -454,62 +458,35 @@ def cmd_evaluate(cfg: TrainConfig, target: str, as_json: bool = False) -> int:
 
 
 # ------------------------------------------------------------------------------------------------ score
-def read_score_input(path: str | Path, answer_key: str = "answer") -> list[dict]:
-    """[{'line', 'where', 'answer', 'response' or 'response_ids'}] of a score input file; DatasetError names
-    file:line (not UTF-8, invalid JSON, a missing key with the keys found, both or neither response form)."""
-    from rlhf_core.data import DatasetError, get_field, read_jsonl
-
-    rows = []
-    for lineno, where, row in read_jsonl(path):
-        answer = get_field(row, answer_key, None)  # dotted keys reach nested objects, as in the datasets
-        if answer is None and row.get(answer_key, 0) is None:
-            raise DatasetError(f"{where}: {answer_key!r} is null; write the answer (text or a number) there")
-        if answer is None:
-            raise DatasetError(
-                f"{where}: no {answer_key!r} key (the line has keys {sorted(row)}); write the answer under "
-                f"{answer_key!r} or set data.answer_key"
-            )
-        given = [k for k in ("response", "response_ids") if k in row]
-        if len(given) != 1:
-            raise DatasetError(
-                f"{where}: needs exactly one of 'response' (text) or 'response_ids' (token ids); the line has keys "
-                f"{sorted(row)}"
-            )
-        value = row[given[0]]
-        if given[0] == "response" and not isinstance(value, str):
-            raise DatasetError(f"{where}: 'response' must be a string, got {type(value).__name__}")
-        if given[0] == "response_ids" and not isinstance(value, list):
-            raise DatasetError(f"{where}: 'response_ids' must be a list of token ids, got {type(value).__name__}")
-        rows.append({"line": lineno, "where": where, "answer": answer, given[0]: value})
-    if not rows:
-        raise DatasetError(f"{path} has no lines to score")
-    return rows
-
-
 def cmd_score(cfg: TrainConfig, input_path: str, as_json: bool = False) -> int:
-    """Score the responses of `input_path` with cfg's reward (rlhf_core.reward.Scorer); 1 on bad input."""
+    """Score the responses of `input_path` with cfg's whole reward (rlhf_core.scoring); 1 on bad input."""
     from rlhf_core.data import DatasetError
     from rlhf_core.models import ModelLoadError
-    from rlhf_core.reward import Scorer
+    from rlhf_core.reward.functions.external import RewardFunctionError
+    from rlhf_core.reward.functions.pool import FunctionLoadError
+    from rlhf_core.scoring import Scorer, column_means, reward_terms, score_file
 
     try:
-        rows = read_score_input(input_path, cfg.data.answer_key)
-        scorer = Scorer(cfg)
-        ids = [scorer.tokenize(r["response"]) if "response" in r else r["response_ids"] for r in rows]
-        scores = scorer.score(ids, [r["answer"] for r in rows], where=[r["where"] for r in rows])
-    except (DatasetError, ModelLoadError, ValueError) as exc:
+        with Scorer(cfg) as scorer:
+            rows, ids, scores = score_file(scorer, input_path)
+    except (DatasetError, ModelLoadError, ValueError, RewardFunctionError, FunctionLoadError) as exc:
         print(f"atrlhf: {exc}", file=sys.stderr)
         return EXIT_FAILED
-    names = list(scores)  # "total", then the components in config order
-    means = {name: sum(values) / len(values) for name, values in scores.items()}
+    names = list(scores)  # "total", then every reward column in config order
+    means = column_means(scores)
     if as_json:
+
+        def number(v: float):  # JSON has no NaN: a row a function does not apply to is null
+            return None if math.isnan(v) else v
+
         out_rows = [
-            {"line": r["line"], "tokens": len(t), **{name: scores[name][i] for name in names}}
+            {"line": r["line"], "tokens": len(t), **{name: number(scores[name][i]) for name in names}}
             for i, (r, t) in enumerate(zip(rows, ids))
         ]
-        print(json.dumps({"input": str(input_path), "rows": out_rows, "mean": means, "count": len(rows)}))
+        mean = {name: number(v) for name, v in means.items()}
+        print(json.dumps({"input": str(input_path), "rows": out_rows, "mean": mean, "count": len(rows)}))
         return 0
-    weights = " + ".join(f"{w:g} x {name}" for name, w in cfg.reward.components.items())
+    weights = " + ".join(f"{w:g} x {name}" for name, w in reward_terms(cfg))
     print(f"{input_path}: {len(rows)} responses; total = {weights}")
     width = max(len(n) for n in names)
     print("  line  tokens  " + "  ".join(f"{n:>{width}}" for n in names))

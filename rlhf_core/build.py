@@ -19,7 +19,10 @@ from rlhf_core.data import Prompt, build_prompt_splits
 from rlhf_core.evaluation import Evaluator
 from rlhf_core.lora import apply_lora
 from rlhf_core.models import ensure_policy, load_policy, load_tokenizer, stop_token_ids
-from rlhf_core.reward import build_reward_fn
+from rlhf_core.reward.components import build_reward_fn
+from rlhf_core.reward.functions.external import PythonFunctionRewards
+from rlhf_core.reward.model import LocalRewardModel, RewardModelScorer
+from rlhf_core.reward.overlong import OverlongPenalty
 from rlhf_core.rollout import HFEngine, RolloutWorker, SamplingParams, build_engine
 from rlhf_core.trainer import Trainer
 
@@ -79,24 +82,18 @@ def build_reward(cfg: TrainConfig, tokenizer, stop_ids: list[int]):
 def build_external_rewards(cfg: TrainConfig, tokenizer, stop_ids: list[int], reward_model=None) -> list:
     """The rewards scored beside the tensor-native one, on the rollout side (`RolloutWorker`'s contract), in
     the column order of `RewardConfig.column_names()`: reward.functions (Python functions in a process pool,
-    rlhf_core.reward.functions), then the reward model when reward.model.path is set, scored in this process
-    or through `reward_model` (an external reward over the same scorer elsewhere: the Ray runtime's
+    rlhf_core.reward.functions.external), then the reward model when reward.model.path is set, scored in this
+    process or through `reward_model` (an external reward over the same scorer elsewhere: the Ray runtime's
     reward-model actor); then reward.overlong's length penalty (rlhf_core.reward.overlong). Each has `weights`
     and `score(prompts, batch)`."""
     external = []
     if cfg.reward.functions:
-        from rlhf_core.reward.functions import PythonFunctionRewards
-
         external.append(PythonFunctionRewards(cfg.reward, tokenizer, stop_ids))
     if cfg.reward.model.path:
         if reward_model is None:
-            from rlhf_core.reward.model import LocalRewardModel, RewardModelScorer
-
             reward_model = LocalRewardModel(RewardModelScorer(cfg.reward.model, tokenizer, stop_ids))
         external.append(reward_model)
     if cfg.reward.overlong is not None:
-        from rlhf_core.reward.overlong import OverlongPenalty
-
         overlong = cfg.reward.overlong
         external.append(OverlongPenalty(cfg.rollout.max_new_tokens, overlong.buffer_len, overlong.penalty))
     return external

@@ -9,6 +9,7 @@ Bad input fails with `ConfigError`, whose message names the dotted field path an
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 from collections.abc import Iterable
@@ -17,6 +18,8 @@ from typing import Any, Literal, Optional
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from rlhf_core.reward.functions.spec import check_source, is_file_path
 
 RUN_CONFIG_FILE = "train_config.yaml"  # the run's config, inside every checkpoint and exported policy
 
@@ -282,10 +285,6 @@ class RewardConfig(_Section):
     def _functions_exist(self) -> RewardConfig:
         """Each function's file or module exists, defines the function, with TRL's or verl's signature (read
         from the source: nothing is imported or run here), and its metric names are free."""
-        import importlib.util
-
-        from rlhf_core.pyreward.spec import check_source, is_file_path
-
         seen = set(self.components)
         for i, fn in enumerate(self.functions):
             where = f"reward.functions[{i}]"

@@ -129,7 +129,7 @@ def time_ms(fn, device: torch.device, repeats: int, warmup: int) -> dict:
 def reward_batch(B: int, L: int, device: torch.device, vocab: int = 500, seed: int = 0):
     """Random responses [B, L] with a 3-5 token answer planted in half the rows, EOS somewhere (or not),
     padding after it; the answers packed once (outside the timed call), on the device."""
-    from rlhf_core.reward import pack_patterns
+    from rlhf_core.reward.tensor_native import pack_patterns
 
     g = torch.Generator().manual_seed(seed + B * 7 + L)
     ids = torch.randint(3, vocab, (B, L), generator=g)
@@ -206,7 +206,8 @@ def device_report(device: torch.device, rep: Report) -> dict:
 def check_rewards(device: torch.device, rep: Report, repeats: int, warmup: int) -> None:
     from rlhf_core.config import RewardConfig
     from rlhf_core.models import build_tiny_tokenizer
-    from rlhf_core.reward import build_reward_fn, tensor_native_reward
+    from rlhf_core.reward.components import build_reward_fn
+    from rlhf_core.reward.tensor_native import tensor_native_reward
 
     rep.say(f"[1/5] Tensor-native reward on {device.type.upper()} (median of {repeats}, {warmup} warm-up)")
     tok = build_tiny_tokenizer()
@@ -246,7 +247,8 @@ def check_no_host_sync(device: torch.device, rep: Report) -> None:
         return
     from rlhf_core.config import RewardConfig
     from rlhf_core.models import build_tiny_tokenizer
-    from rlhf_core.reward import build_reward_fn, exact_match_reward, tensor_native_reward
+    from rlhf_core.reward.components import build_reward_fn, exact_match_reward
+    from rlhf_core.reward.tensor_native import tensor_native_reward
 
     composed = build_reward_fn(
         RewardConfig(components={"exact_match": 1.0, "contains": 0.5}), build_tiny_tokenizer(), EOS, max_new_tokens=1024

@@ -144,6 +144,46 @@ def test_score_text_and_ids_per_line_and_means(chat_policy_dir, tmp_path, capsys
     assert result["rows"][1]["tokens"] == 3 and result["mean"]["total"] == 0.5
 
 
+def test_score_with_the_whole_reward_functions_included(chat_policy_dir, tmp_path, capsys):
+    """reward.functions are columns of their own and in the total, as in training; a row a function does not
+    apply to (its None) is NaN in the table, null in JSON, and left out of that column's mean."""
+    trl = Path(__file__).resolve().parents[1] / "examples" / "rewards" / "trl_style.py"
+    inp = _lines(
+        tmp_path / "responses.jsonl",
+        [
+            {"answer": "72", "response": "72<|im_end|>", "prompt": "max 70 72 3 ="},
+            {"answer": "seventy-two", "response": "72<|im_end|>"},
+            {"answer": "72", "response": "7<|im_end|>", "messages": [{"role": "user", "content": "max 7 72 ="}]},
+        ],
+    )
+    args = [
+        "score", "--input", str(inp), "--set", f"model.path={chat_policy_dir}", "rollout.max_new_tokens=16",
+        "reward.components={exact_match: 1.0}", "reward.function_workers=1",
+        f"reward.functions=[{{path: {trl}, name: last_number_matches, weight: 0.5}}]",
+    ]  # fmt: skip
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "3 responses; total = 1 x exact_match + 0.5 x last_number_matches" in out
+    lines = out.splitlines()
+    assert lines[1].split() == [
+        "line",
+        "tokens",
+        "total",
+        "exact_match",
+        "last_number_matches",
+        "last_number_matches/failed",
+    ]
+    table = [line.split() for line in lines[2:]]
+    assert table[0][2:] == ["1.500", "1.000", "1.000", "0.000"]
+    assert table[1][2:] == ["0.000", "0.000", "nan", "0.000"]  # 'seventy-two' is no number: None, adds 0
+    assert table[2][2:] == ["0.000", "0.000", "0.000", "0.000"]
+    assert table[3] == ["mean", "0.500", "0.333", "0.500", "0.000"]
+    assert main([*args, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert [r["last_number_matches"] for r in result["rows"]] == [1.0, None, 0.0]
+    assert result["mean"]["last_number_matches"] == 0.5 and result["mean"]["total"] == 0.5
+
+
 def test_score_bad_input_names_file_and_line(chat_policy_dir, tmp_path, capsys):
     base = ["--set", f"model.path={chat_policy_dir}", *SCORE_CHAT]
     cases = [

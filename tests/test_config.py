@@ -145,7 +145,7 @@ def test_unknown_reward_component_is_named():
 
 def test_reward_component_names_are_the_registry_keys():
     """config.py names the components without importing torch; the two lists must not drift apart."""
-    from rlhf_core.reward import REWARD_COMPONENTS
+    from rlhf_core.reward.components import REWARD_COMPONENTS
 
     assert sorted(REWARD_COMPONENT_NAMES) == sorted(REWARD_COMPONENTS)
     assert len(set(REWARD_COMPONENT_NAMES)) == len(REWARD_COMPONENT_NAMES)
@@ -158,7 +158,7 @@ def _fresh_python(code: str) -> subprocess.CompletedProcess:
 def test_loading_a_config_imports_neither_torch_nor_transformers():
     out = _fresh_python(
         "import sys; from rlhf_core.config import load_config; load_config('configs/tiny.yaml'); "
-        "print(sorted(m for m in ('torch', 'transformers', 'rlhf_core.reward') if m in sys.modules))"
+        "print(sorted(m for m in ('torch', 'transformers', 'rlhf_core.reward.components') if m in sys.modules))"
     )
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
 

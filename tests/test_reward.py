@@ -13,22 +13,22 @@ from torch.overrides import TorchFunctionMode
 from transformers import PreTrainedTokenizerFast
 
 from rlhf_core.config import ConfigError, RewardConfig, load_config
-from rlhf_core.reward import (
+from rlhf_core.reward.answers import (
+    answer_variants,
+    continuation_token_ids,
+    number_forms,
+    patterns_from_texts,
+    whitespace_token_ids,
+)
+from rlhf_core.reward.components import (
     REWARD_COMPONENTS,
     answer_after_marker_reward,
-    answer_variants,
     build_reward_fn,
-    continuation_token_ids,
     exact_match_reward,
     format_reward,
     length_penalty,
-    number_forms,
-    pack_patterns,
-    patterns_from_texts,
-    tensor_native_reward,
-    valid_lengths,
-    whitespace_token_ids,
 )
+from rlhf_core.reward.tensor_native import pack_patterns, tensor_native_reward, valid_lengths
 from rlhf_core.types import PackedPatterns
 
 EOS = 0

@@ -16,14 +16,16 @@ import pytest
 import torch
 
 from rlhf_core.config import ConfigError, RewardConfig, load_config
-from rlhf_core.pyreward import pool as pool_module
-from rlhf_core.pyreward.pool import Call, FunctionLoadError, FunctionPool
+from rlhf_core.reward.functions import pool as pool_module
+from rlhf_core.reward.functions.pool import Call, FunctionLoadError, FunctionPool
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "rewards"
 
 FUNCTIONS = '''
 import asyncio
+import os
 import signal
+import sys
 import time
 
 
@@ -71,6 +73,30 @@ def wrong_length(prompts, completions, **columns):
 def deaf_sleeper(prompts, completions, **columns):  # ignores the timer: only killing the process stops it
     signal.signal(signal.SIGALRM, signal.SIG_IGN)
     time.sleep(60)
+
+
+def hangs_once(data_source, solution_str, ground_truth, extra_info=None):
+    """1.0, except the first call of all (the one that creates extra_info['flag']), which hangs as a call stuck in
+    C code does: no signal reaches Python (the timer's and SIGTERM blocked), only SIGKILL ends it."""
+    try:
+        os.close(os.open(extra_info["flag"], os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+        return 1.0
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM, signal.SIGTERM})
+    time.sleep(60)
+    return 1.0
+
+
+def trl_nan(prompts, completions, **columns):
+    return [float("nan"), 2.0][: len(completions)]
+
+
+def verl_nan(data_source, solution_str, ground_truth, extra_info=None):
+    return float("nan") if solution_str == "nan" else {"score": float("inf")} if solution_str == "inf" else 1.0
+
+
+def heavy_modules(prompts, completions, **columns):
+    return [float(m in sys.modules) for m in ("torch", "transformers")][: len(completions)]
 '''
 NAMES = [
     "trl_len",
@@ -83,6 +109,10 @@ NAMES = [
     "sleeps",
     "wrong_length",
     "deaf_sleeper",
+    "hangs_once",
+    "trl_nan",
+    "verl_nan",
+    "heavy_modules",
 ]
 
 
@@ -118,7 +148,12 @@ def verl_call(name: str, solutions: list[str], truth: str = "a") -> Call:
 
 
 def test_pool_tells_the_signatures_apart(pool):
-    assert pool.kinds == ["trl", "trl", "trl", "verl", "verl", "trl", "verl", "trl", "trl", "trl"]
+    assert pool.kinds == ["trl", "trl", "trl", "verl", "verl", "trl", "verl", "trl", "trl", "trl"] + [
+        "verl",
+        "trl",
+        "verl",
+        "trl",
+    ]
 
 
 def test_pool_runs_trl_sync_async_and_verl_float_dict(pool):
@@ -169,6 +204,34 @@ def test_pool_kills_and_replaces_a_process_that_ignores_the_timer(pool, monkeypa
     assert out[1] == [(1.0, {}, None)]
     assert pool.replaced == replaced + 1
     assert pool.run([verl_call("verl_float", ["a"])] * 3) == [[(1.0, {}, None)]] * 3  # the replacement serves
+
+
+def test_one_hung_row_fails_alone_and_the_others_score(functions_file, tmp_path):
+    """The review's scenario, scaled down: 6 verl rows, function_timeout_s 1 s, one process; one row hangs where
+    no timer can interrupt it. That row alone fails (its process killed and replaced); the 5 others score, those
+    before it and those after it."""
+    p = FunctionPool([(str(functions_file), n, f"reward.functions[{i}]") for i, n in enumerate(NAMES)], 1, 1.0)
+    try:
+        flag = str(tmp_path / "hung")
+        rows = [{"data_source": "d", "solution_str": "s", "ground_truth": "g", "extra_info": {"flag": flag}}] * 6
+        (out,) = p.run([Call(NAMES.index("hangs_once"), "verl", rows, 6)])
+        failed = [r for r in out if r[2] is not None]
+        assert len(failed) == 1 and failed[0][0] is None and "killed and replaced" in failed[0][2]
+        assert [r for r in out if r[2] is None] == [(1.0, {}, None)] * 5
+        assert p.replaced == 1
+    finally:
+        p.close()
+
+
+def test_nan_means_does_not_apply_and_infinity_is_an_error(pool):
+    out = pool.run([trl_call("trl_nan", ["a", "b"]), verl_call("verl_nan", ["nan", "inf", "x"])])
+    assert out[0] == [(None, {}, None), (2.0, {}, None)]  # NaN as None: not applicable, not a failure (as TRL)
+    assert out[1][0] == (None, {}, None) and out[1][2] == (1.0, {}, None)
+    assert out[1][1][0] is None and "not a finite number" in out[1][1][2]
+
+
+def test_pool_processes_import_no_torch(pool):
+    assert pool.run([trl_call("heavy_modules", ["a", "b"])]) == [[(0.0, {}, None), (0.0, {}, None)]]
 
 
 def test_pool_names_the_function_that_cannot_be_imported(tmp_path):
@@ -245,7 +308,7 @@ def test_config_with_functions_imports_neither_torch_nor_the_functions(functions
 @pytest.fixture
 def worker_factory(tiny_model, tiny_tokenizer):
     from rlhf_core import build
-    from rlhf_core.reward import build_reward_fn
+    from rlhf_core.reward.components import build_reward_fn
     from rlhf_core.rollout import HFEngine, RolloutWorker, SamplingParams
 
     made = []
@@ -276,15 +339,14 @@ def reward_cfg(functions_file, *entries, **extra) -> RewardConfig:
     return RewardConfig(
         components={"exact_match": 1.0},
         functions=[{"path": str(functions_file), **e} for e in entries],
-        function_workers=2,
-        **extra,
+        **{"function_workers": 2, **extra},
     )
 
 
 def test_worker_adds_functions_by_weight_and_logs_their_columns(
     worker_factory, functions_file, max3_prompts, tiny_tokenizer
 ):
-    from rlhf_core.reward.functions import completion_ids
+    from rlhf_core.reward.functions.external import completion_ids
     from rlhf_core.trainer import Trainer
 
     cfg = reward_cfg(
@@ -347,7 +409,7 @@ def test_none_rows_add_zero_and_leave_the_mean(worker_factory, functions_file, m
 
 
 def test_failures_score_zero_warn_and_then_stop_the_run(worker_factory, functions_file, max3_prompts, caplog):
-    from rlhf_core.reward.functions import RewardFunctionError
+    from rlhf_core.reward.functions.external import RewardFunctionError
 
     cfg = reward_cfg(
         functions_file,
@@ -372,8 +434,30 @@ def test_failures_score_zero_warn_and_then_stop_the_run(worker_factory, function
         worker.rollout(max3_prompts[0][4:6])
 
 
+def test_a_hung_row_is_one_failed_call_and_the_run_goes_on(worker_factory, functions_file, max3_prompts, tmp_path):
+    """With one process and max_consecutive_failures=2, a row stuck past its deadline fails that row only and
+    counts once: the batch's other rows score and the run does not stop."""
+    cfg = reward_cfg(
+        functions_file,
+        {"name": "hangs_once", "weight": 1.0},
+        function_workers=1,
+        function_timeout_s=1.0,
+        max_consecutive_failures=2,
+    )
+    worker = worker_factory(cfg)
+    flag = {"flag": str(tmp_path / "hung")}
+    prompts = [type(p)(**{**p.__dict__, "meta": {**p.meta, "extra_info": flag}}) for p in max3_prompts[0][:2]]
+    batch, _ = worker.rollout(prompts)
+    comps = dict(zip(cfg.column_names(), batch.reward_components.T))
+    assert float(comps["hangs_once/failed"].sum()) == 1.0
+    assert float(comps["hangs_once"].sum()) == len(batch) - 1
+    stats = worker.external[0].stats()["hangs_once"]
+    assert (stats["calls"], stats["failures"]) == (len(batch), 1)
+    assert "killed and replaced" in stats["first_error"]
+
+
 def test_a_success_resets_the_consecutive_count(worker_factory, functions_file, max3_prompts):
-    from rlhf_core.reward.functions import RewardFunctionError
+    from rlhf_core.reward.functions.external import RewardFunctionError
 
     cfg = reward_cfg(functions_file, {"name": "raises_on_b"}, max_consecutive_failures=5)
     worker = worker_factory(cfg)
@@ -388,7 +472,7 @@ def test_a_success_resets_the_consecutive_count(worker_factory, functions_file, 
 # ----------------------------------------------------------------------------------------- math_verify
 def test_math_verify_builtin_scores_latex_and_boxed_answers():
     pytest.importorskip("math_verify")
-    from rlhf_core.pyreward.math_verify import math_verify
+    from rlhf_core.reward.functions.math_verify import math_verify
 
     out = math_verify(
         None,

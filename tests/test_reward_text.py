@@ -14,7 +14,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from rlhf_core.config import RewardConfig
-from rlhf_core.reward import build_reward_fn, patterns_from_texts
+from rlhf_core.reward.answers import patterns_from_texts
+from rlhf_core.reward.components import build_reward_fn
 from rlhf_core.reward.text import gpt2_byte_decoder, token_bytes
 
 BYTE_TO_CHAR = {b: c for c, b in gpt2_byte_decoder().items()}

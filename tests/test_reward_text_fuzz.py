@@ -15,7 +15,8 @@ import torch
 from test_reward_text import _byte_tokens, bpe_tok, word_tok  # noqa: F401 (fixtures)
 
 from rlhf_core.config import RewardConfig
-from rlhf_core.reward import build_reward_fn, patterns_from_texts
+from rlhf_core.reward.answers import patterns_from_texts
+from rlhf_core.reward.components import build_reward_fn
 from rlhf_core.reward.text import (
     BUFFER_SHAPES,
     CONTAINS_BLOCKS,

@@ -11,7 +11,7 @@ import torch
 
 from rlhf_core.config import RewardConfig
 from rlhf_core.data import Prompt, collate_prompts
-from rlhf_core.reward import build_reward_fn
+from rlhf_core.reward.components import build_reward_fn
 from rlhf_core.rollout import (
     HFEngine,
     RandomEngine,

@@ -3,15 +3,19 @@ the training path (prompt builder + collate_prompts + the built ComposedReward) 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from rlhf_core import build
 from rlhf_core.config import load_config
 from rlhf_core.data import DatasetError, build_chat_task, collate_prompts
-from rlhf_core.reward import Scorer, score_responses
+from rlhf_core.scoring import Scorer, score_responses
 
 CHAT_REWARD = ["reward.components={answer_after_marker: 1.0, exact_match: 0.5, length_penalty: 0.25}"]
+CHAT_COLUMNS = ["answer_after_marker", "exact_match", "length_penalty"]
+FUNCTION_COLUMNS = ["last_number_matches", "last_number_matches/failed", "verl", "verl/failed", "verl/length"]
 
 
 def chat_cfg(chat_policy_dir, *extra):
@@ -117,3 +121,53 @@ def test_bad_input_is_refused_naming_the_row(chat_policy_dir, chat_scorer):
     # with data.answer_after_marker the whole solution is reduced to its final answer, as the loader does
     cfg = chat_cfg(chat_policy_dir, "data.answer_after_marker=true")
     assert score_responses(cfg, ids, ["She sold 48 + 24 = 72 clips. #### 72"])["answer_after_marker"] == [1.0]
+
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "rewards"
+
+
+def test_functions_are_columns_of_their_own_and_in_the_total(chat_policy_dir, chat_scorer):
+    """With reward.functions configured, the total is training's: components + weight x each function's score;
+    each function's columns come back beside the components'."""
+    functions = (
+        f"reward.functions=[{{path: {EXAMPLES / 'trl_style.py'}, name: last_number_matches, weight: 0.5}}, "
+        f"{{path: {EXAMPLES / 'verl_style.py'}, name: compute_score, label: verl, weight: 2.0, metrics: [length]}}]"
+    )
+    cfg = chat_cfg(chat_policy_dir, functions, "reward.function_workers=1")
+    texts = ["72<|im_end|>", "so #### 72<|im_end|>", "the maximum is 7<|im_end|>"]
+    ids = [chat_scorer.tokenize(t) for t in texts]
+    out = score_responses(cfg, ids, ["72"] * 3)
+    assert list(out) == ["total", *CHAT_COLUMNS, *FUNCTION_COLUMNS]
+    assert out["last_number_matches"] == [1.0, 1.0, 0.0]
+    assert out["verl"] == pytest.approx([1.0, 0.1, 0.0])  # the first word is the answer / appears later / not at all
+    assert out["verl/length"] == [1.0, 3.0, 4.0] and out["verl/failed"] == [0.0] * 3
+    components = chat_scorer.score(ids, ["72"] * 3)  # the same config without the functions
+    for i in range(3):
+        for name in CHAT_COLUMNS:
+            assert out[name][i] == components[name][i]
+        expected = components["total"][i] + 0.5 * out["last_number_matches"][i] + 2.0 * out["verl"][i]
+        assert out["total"][i] == pytest.approx(expected, abs=1e-6)
+
+
+def test_the_reward_model_is_a_column_and_in_the_total(tiny_policy_dir, tiny_tokenizer, tiny_reward_model_dir):
+    """With reward.model.path set, the RM scores prompt + response (the prompt rendered as training renders it)
+    and its weighted score is in the total."""
+    from rlhf_core.reward.model import RewardModelScorer
+
+    tok = tiny_tokenizer
+    cfg = load_config(
+        None, [f"model.path={tiny_policy_dir}", f"reward.model.path={tiny_reward_model_dir}", "reward.model.weight=0.5"]
+    )
+    seven, eos = tok.convert_tokens_to_ids("7"), tok.eos_token_id
+    prompts = ["max 1 7 3 =", "max 7 0 0 ="]
+    rows = [[seven, eos], [seven, eos]]
+    with Scorer(cfg) as scorer:
+        out = scorer.score(rows, ["7", "7"], prompts=prompts)
+    assert list(out) == ["total", "exact_match", "reward_model"]
+    rm = RewardModelScorer(cfg.reward.model, tok, [eos])
+    for i, prompt in enumerate(prompts):
+        with torch.no_grad():
+            own = float(rm.model(input_ids=torch.tensor([tok(prompt)["input_ids"] + rows[i]])).logits[0, 0])
+        assert out["reward_model"][i] == pytest.approx(own, abs=1e-5)
+        assert out["total"][i] == pytest.approx(out["exact_match"][i] + 0.5 * own, abs=1e-5)
+    assert out["reward_model"][0] != out["reward_model"][1]  # the prompt is part of what the RM reads

@@ -1,6 +1,6 @@
 """Answer texts of a dataset row, checked against the reward that will score them, and their token patterns.
 
-Every prompt builder (JSONL datasets, synthetic and chat tasks) and `rlhf_core.reward.score_responses` turn
+Every prompt builder (JSONL datasets, synthetic and chat tasks) and `rlhf_core.scoring.score_responses` turn
 an answer text into `Prompt.answers` through `answer_patterns`, so a response is scored by hand exactly as it
 is in training. `prepare_answer` refuses, at load time and with `file:line`, answers that no response could
 ever match: a whole worked solution ('... #### 72') where the final answer belongs, or a non-number when the
@@ -10,6 +10,8 @@ numeric 'answer_after_marker' component scores the run.
 from __future__ import annotations
 
 from rlhf_core.data.errors import DatasetError
+from rlhf_core.data.tasks import SYNTHETIC_TASKS
+from rlhf_core.reward.answers import answer_variants, number_forms
 
 NUMERIC_COMPONENTS = ("answer_after_marker",)
 """Reward components that compare the response with the answer as a number (its `number_forms`)."""
@@ -55,8 +57,6 @@ def prepare_answer(
             raise DatasetError(f"{where}: nothing follows the last {marker!r} in the answer {_short(str(raw))}")
     numeric = sorted(components.intersection(NUMERIC_COMPONENTS))
     if numeric:
-        from rlhf_core.reward.answers import number_forms
-
         if not number_forms(text):
             raise DatasetError(
                 f"{where}: the answer {_short(text)} is not a number, but reward component {numeric[0]!r} "
@@ -71,14 +71,10 @@ def answer_patterns(tokenizer, text: str, task: str = "jsonl") -> list[list[int]
     """`Prompt.answers` of an answer text, as the prompt builder of data.task makes them.
 
     The word-level synthetic tasks ('max3', 'sum2') match the answer's one tokenization; every other task
-    (JSONL datasets, chat tasks) matches all `rlhf_core.reward.answer_variants` (as is, stripped, with a
+    (JSONL datasets, chat tasks) matches all `rlhf_core.reward.answers.answer_variants` (as is, stripped, with a
     leading space, number spellings). Returns a list of token-id lists; [] when the text tokenizes to nothing.
     """
-    from rlhf_core.data.synthetic import SYNTHETIC_TASKS
-
     if task in SYNTHETIC_TASKS:
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         return [ids] if ids else []
-    from rlhf_core.reward import answer_variants
-
     return answer_variants(tokenizer, text)

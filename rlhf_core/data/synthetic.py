@@ -15,8 +15,7 @@ import numpy as np
 
 from rlhf_core.data.answers import answer_patterns
 from rlhf_core.data.prompts import Prompt
-
-SYNTHETIC_TASKS = ("max3", "sum2")
+from rlhf_core.data.tasks import SYNTHETIC_TASKS
 
 
 def _problems(task: str) -> list[tuple[str, str]]:

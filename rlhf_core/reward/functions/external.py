@@ -1,19 +1,21 @@
 """Python reward functions as an external reward of the rollout worker (`reward.functions`).
 
 `PythonFunctionRewards.score(prompts, batch)` decodes each response up to the run's stop set with the policy
-tokenizer, calls every configured function in the worker's process pool (`rlhf_core.pyreward.pool`: TRL
-functions once per chunk of rows, verl functions once per row, each call under reward.function_timeout_s)
-and returns per-row tensors, one per reward column (`RewardConfig.column_names`):
+tokenizer, calls every configured function in the worker's process pool (`pool.FunctionPool`: TRL
+functions once per chunk of rows, verl functions once per row, each call with its own deadline from
+reward.function_timeout_s) and returns per-row tensors, one per reward column (`RewardConfig.column_names`):
 
-  <label>          the function's score; NaN where it returned None ("does not apply"): the rollout worker
-                   adds 0 for such a row to the total, and the logged mean reward/<label> leaves it out
-                   (a NaN-ignoring mean); a failed call scores 0 (not NaN) and counts in the mean
+  <label>          the function's score; NaN where it returned None or NaN ("does not apply", as TRL reads
+                   both): the rollout worker adds 0 for such a row to the total, and the logged mean
+                   reward/<label> leaves it out (a NaN-ignoring mean); a failed call scores 0 (not NaN) and
+                   counts in the mean
   <label>/failed   1.0 where the call raised or timed out, else 0.0 (its mean: the failure rate)
   <label>/<key>    a verl dict's extra value for each key in the function's `metrics`; NaN where absent
 
-A failing call is reported (a warning with the batch's and the run's failure counts and the first error);
-after reward.max_consecutive_failures failed calls in a row, `score` raises RewardFunctionError with the
-error, which fails the run.
+A failing call (it raised, timed out, or its process was killed past its deadline) is counted once, however
+many rows it covered, and reported (a warning with the batch's and the run's failure counts and the first
+error); after reward.max_consecutive_failures failed calls in a row, `score` raises RewardFunctionError with
+the error, which fails the run.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from collections.abc import Sequence
 import torch
 
 from rlhf_core.config import RewardConfig
-from rlhf_core.pyreward.pool import Call, FunctionPool
+from rlhf_core.reward.functions.pool import Call, FunctionPool
 
 log = logging.getLogger("rlhf_core.reward")
 
@@ -133,7 +135,7 @@ class PythonFunctionRewards:
         batch_failures = [0] * len(self.specs)
         for (f, rows), out, call in zip(owners, results, calls):
             errors = [e for _, _, e in out]
-            call_results = [errors[0]] if call.kind == "trl" else errors  # TRL: one call for the chunk
+            call_results = [errors[0]] if call.kind == "trl" else errors  # TRL: one call for the chunk; verl: per row
             for error in call_results:
                 self.calls[f] += 1
                 if error is None:

@@ -17,7 +17,7 @@ from typing import Literal, Optional
 
 Kind = Literal["trl", "verl"]
 
-BUILTIN_FUNCTIONS = {"math_verify": "rlhf_core.pyreward.math_verify"}
+BUILTIN_FUNCTIONS = {"math_verify": "rlhf_core.reward.functions.math_verify"}
 """Functions given by name alone (path empty): name -> the module that defines it."""
 
 VERL_PARAMS = ("data_source", "solution_str", "ground_truth")

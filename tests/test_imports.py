@@ -1,0 +1,154 @@
+"""Import layers: no circle among the project's modules, and the light modules stay light.
+
+The module-level imports of every module under rlhf_core/, flows/ and tasks/ (read from the source, not run;
+imports under `if TYPE_CHECKING:` and inside functions are not executed at import time and are left out)
+form a graph in which importing a module also imports the packages above it. A cycle in that graph is an
+import circle (build <-> data <-> reward was one): it works or fails depending on which module is imported
+first. Fresh interpreters check the modules that must import without torch.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("rlhf_core", "flows", "tasks")
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            found[name] = path
+    return found
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _imported(tree: ast.Module, hidden: bool = False) -> list[tuple[str, list[str]]]:
+    """(module, names) of every import executed when the module is imported; with `hidden`, those inside
+    functions too."""
+    out = []
+    if hidden:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                out.extend((a.name, []) for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                out.append((node.module, [a.name for a in node.names]))
+        return out
+
+    def visit(body):
+        for node in body:
+            if isinstance(node, ast.Import):
+                out.extend((a.name, []) for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                out.append((node.module, [a.name for a in node.names]))
+            elif isinstance(node, ast.If):
+                if not _is_type_checking(node):
+                    visit(node.body)
+                visit(node.orelse)
+            elif isinstance(node, (ast.Try, ast.With)):
+                visit(node.body)
+                for handler in getattr(node, "handlers", []):
+                    visit(handler.body)
+                visit(getattr(node, "orelse", []))
+                visit(getattr(node, "finalbody", []))
+
+    visit(tree.body)
+    return out
+
+
+def _ancestors(name: str) -> list[str]:
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def import_graph(hidden: bool = False) -> dict[str, set[str]]:
+    modules = _modules()
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        for module, names in _imported(ast.parse(path.read_text(encoding="utf-8")), hidden):
+            targets = [f"{module}.{n}" for n in names if f"{module}.{n}" in modules] or [module]
+            for target in targets:
+                if target not in modules:
+                    continue
+                own = set(_ancestors(name)) | {name}
+                graph[name] |= {m for m in [*_ancestors(target), target] if m in modules and m not in own}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1 on the path, 2 done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt) :] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_the_finder_sees_a_circle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_import_circle():
+    graph = import_graph()
+    assert "rlhf_core.build" in graph["rlhf_core.scoring"]  # scoring sits above build
+    assert "rlhf_core.reward.answers" in graph["rlhf_core.data.answers"]  # data uses the reward's answer forms
+    cycle = find_cycle(graph)
+    assert cycle is None, "import circle: " + " -> ".join(cycle)
+
+
+LAYERS = ("rlhf_core.build", "rlhf_core.scoring", "rlhf_core.data", "rlhf_core.reward")
+
+
+def test_build_data_and_reward_form_no_circle_even_through_imports_inside_functions():
+    """The circle the structure issue named (reward/scoring.py built a run and sat below build.py; data/answers.py
+    imported the reward package inside its functions): between these layers imports point one way, hidden
+    ones included."""
+
+    def layer(module: str) -> str | None:
+        return next((u for u in LAYERS if module == u or module.startswith(u + ".")), None)
+
+    units: dict[str, set[str]] = {u: set() for u in LAYERS}
+    for name, targets in import_graph(hidden=True).items():
+        if layer(name):
+            units[layer(name)] |= {layer(t) for t in targets if layer(t) and layer(t) != layer(name)}
+    cycle = find_cycle(units)
+    assert cycle is None, "import circle (imports inside functions included): " + " -> ".join(cycle)
+
+
+@pytest.mark.parametrize(
+    "module",
+    ["rlhf_core.config", "rlhf_core.reward.functions.pool", "rlhf_core.reward.functions.math_verify"],
+)
+def test_light_modules_import_no_torch(module):
+    """The config (loaded by every CLI call) and the reward-function pool's side (what its processes import)."""
+    code = f"import sys, {module}; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]"
