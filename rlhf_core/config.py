@@ -709,7 +709,13 @@ class ClusterConfig(_Section):
         "CPUs: a 2-core machine runs one rollout worker and 2 trainer ranks as they are).",
     )
     trainer_gpus: float = Field(0.0, ge=0, description="GPUs of each trainer rank (fractions allowed).")
-    reward_cpus: float = Field(1.0, ge=0, description="CPUs of the reward-model actor (when reward.model.path is set).")
+    reward_cpus: float = Field(
+        0.0,
+        ge=0,
+        description="CPUs reserved for the reward-model actor (when reward.model.path is set); 0 by default: the "
+        "rollout workers wait while it scores their rows, so a small RM runs in their share (a 2-core machine fits "
+        "the default roles); reserve CPUs for a large RM on CPU.",
+    )
     reward_gpus: float = Field(
         0.0, ge=0, description="GPUs of the reward-model actor (when reward.model.path is set; fractions allowed)."
     )

@@ -231,3 +231,15 @@ def test_atrlhf_train_refuses_a_bad_reward_model_path_before_starting_anything(t
         assert out.returncode == 2, out.stderr
         assert f"reward.model.path='{path}'" in out.stderr and reason in out.stderr
         assert not (tmp_path / "run").exists()  # nothing started, nothing written
+
+
+def test_default_roles_with_a_reward_model_fit_two_cpus(tiny_reward_model_dir):
+    """The README's reward-model example runs on a 2-core machine with the default resources: the RM actor
+    reserves no CPU by default (it scores while the rollout workers wait on it); a reservation is still honoured."""
+    from rlhf_core.distributed.cluster import required_resources
+
+    cfg = load_config("configs/tiny.yaml", [f"reward.model.path={tiny_reward_model_dir}"])
+    assert cfg.cluster.reward_cpus == 0.0
+    assert required_resources(cfg)["CPU"] <= 2
+    cfg = load_config("configs/tiny.yaml", [f"reward.model.path={tiny_reward_model_dir}", "cluster.reward_cpus=2"])
+    assert required_resources(cfg)["CPU"] == required_resources(load_config("configs/tiny.yaml", []))["CPU"] + 2
