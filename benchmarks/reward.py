@@ -14,6 +14,7 @@ synthetic task's default reward) on the same batch, for reference.
     python benchmarks/reward.py --json     # one JSON object on stdout, nothing else
     python benchmarks/reward.py --quick    # fewer shapes and repeats
     python benchmarks/reward.py --text     # also: GSM8K answers matched as TEXT (byte-level BPE), see below
+    python benchmarks/reward.py --text --device cuda   # the same with the responses on a GPU
     python benchmarks/reward.py --functions  # Python reward functions (reward.functions) per 1,000 samples
 
 --text times, at B=256 L=1024 (and B=64 L=256), each text-mode component (`answer_after_marker`,
@@ -36,6 +37,8 @@ training packs them per rollout batch, so the answers' text is not reused from t
 makes their answers' text once per prompt), repeated for 8 samples each, then scored. `--stages`
 also prints the CPU time of each stage (the one pass over the tokens, the host's prepare, the answers' text,
 each component's own work) and its aten operator calls per call (torch.profiler, nested calls included).
+`--device cuda`: the responses and the prepared answers on that GPU, ours timed until torch.cuda.synchronize
+returns; decode + regex copies the ids to the host first, as verl / TRL do (`--stages` is CPU only).
 
 --functions times the cost per 1,000 samples of scoring the --text GSM8K batch (B=256, L=256) with Python
 reward functions as a rollout worker does (`PythonFunctionRewards.score`: trim at the first stop, decode,
@@ -71,6 +74,7 @@ from machine import cpu_model  # noqa: E402
 from rlhf_core.reward.text import gpt2_byte_decoder  # noqa: E402
 
 TARGETS = {"shape": {"B": 256, "L": 1024}, "speedup_vs_regex": 20.0, "speedup_vs_loop": 2.0}
+TEXT_TARGET = 15.0  # --text: each component at least this many times decode + regex at B=256 L=1024, 1 thread
 PAD, EOS, UNK = 0, 1, 2
 
 
@@ -245,9 +249,12 @@ def make_gsm8k_batch(tokenizer, B: int, L: int, seed: int):
     return torch.tensor(rows, dtype=torch.long), answers
 
 
-def interleaved(fns: dict, repeats: int, budget_s: float) -> dict:
+def interleaved(fns: dict, repeats: int, budget_s: float, sync=None) -> dict:
     """Runs every fn once per round (after one warm-up round), `repeats` rounds (at least 3; fewer past the
-    budget); returns {name: {"wall": [ms], "cpu": [ms]}} (wall clock and the thread's CPU time)."""
+    budget); returns {name: {"wall": [ms], "cpu": [ms]}} (wall clock and the thread's CPU time). sync: called
+    after each fn, inside its timing (torch.cuda.synchronize on a GPU: the time until the work is done)."""
+    if sync is not None:
+        fns = {name: (lambda f: lambda: (f(), sync()))(fn) for name, fn in fns.items()}
     for fn in fns.values():
         fn()
     out = {name: {"wall": [], "cpu": []} for name in fns}
@@ -306,7 +313,7 @@ COMPONENTS = ("answer_after_marker", "exact_match", "contains", "format")
 SAMPLES_PER_PROMPT = 8  # G of the rollout worker's path (--text)
 
 
-def run_text(quick: bool, stages: bool = False) -> list[dict]:
+def run_text(quick: bool, stages: bool = False, device: str = "cpu") -> list[dict]:
     import tempfile
 
     from rlhf_core.chat_model import build_chat_policy
@@ -326,12 +333,15 @@ def run_text(quick: bool, stages: bool = False) -> list[dict]:
         for name in COMPONENTS
     }
     repeats, budget = (5, 5.0) if quick else (15, 60.0)
+    dev = torch.device(device)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else None
     results = []
     for B, L in [(64, 256), (256, 1024)]:
         ids, answers = make_gsm8k_batch(tokenizer, B, L, seed=B + L)
+        ids = ids.to(dev)  # generated there; decode + regex copies them to the host, as verl / TRL do
         packed = patterns_from_texts(tokenizer, answers)  # once per prompt batch, as the data layer does
         # and prepared on the host once per prompt batch, as the rollout worker does (ComposedReward.prepare)
-        prepared = {name: rewards[name].prepare(packed) for name in COMPONENTS}
+        prepared = {name: rewards[name].prepare(packed).to(dev) for name in COMPONENTS}
         regexes = contains_regexes(answers)
         baselines = {
             "answer_after_marker": lambda: decode_gsm8k_reward(ids, answers, tokenizer, stops),
@@ -353,18 +363,18 @@ def run_text(quick: bool, stages: bool = False) -> list[dict]:
         for name in COMPONENTS:
             fns[name] = (lambda f, p: lambda: f(ids, p))(rewards[name], prepared[name])
             fns[name + "_decode_regex"] = baselines[name]
-        fns["answer_after_marker_fresh_patterns"] = lambda: aam(ids, aam.prepare(next(fresh_iter)))
+        fns["answer_after_marker_fresh_patterns"] = lambda: aam(ids, aam.prepare(next(fresh_iter)).to(dev))
         fns["answer_after_marker_training_path"] = lambda: aam(
-            ids, aam.prepare(next(prompt_iter)).repeat_interleave(SAMPLES_PER_PROMPT)
+            ids, aam.prepare(next(prompt_iter)).to(dev).repeat_interleave(SAMPLES_PER_PROMPT)
         )
-        times = interleaved(fns, repeats, budget)
+        times = interleaved(fns, repeats, budget, sync)
         med = {name: {k: statistics.median(v) for k, v in t.items()} for name, t in times.items()}
         row = {"B": B, "L": L, "vocab_size": len(tokenizer), "repeats": len(times["format"]["cpu"]), "components": {}}
         for name in COMPONENTS:
             ours = rewards[name](ids, prepared[name])[0]
-            unprepared = rewards[name](ids, packed)[0]  # the static window bounds: the same scores
+            unprepared = rewards[name](ids, packed.to(dev))[0]  # the static window bounds: the same scores
             assert torch.equal(ours, unprepared), f"{name}: prepared and unprepared patterns disagree"
-            base = baselines[name]()
+            base = baselines[name]().to(dev)
             row["components"][name] = {
                 "match_rate": float(ours.mean()),
                 "agree_decode_regex": float((ours == base).float().mean()),
@@ -379,7 +389,7 @@ def run_text(quick: bool, stages: bool = False) -> list[dict]:
         row["text_fresh_patterns_cpu_ms"] = med["answer_after_marker_fresh_patterns"]["cpu"]
         row["text_training_path_ms"] = med["answer_after_marker_training_path"]["wall"]
         row["text_training_path_cpu_ms"] = med["answer_after_marker_training_path"]["cpu"]
-        if stages:
+        if stages and dev.type == "cpu":
             row["stages_cpu_ms"], row["stages_aten_calls"] = stage_times(
                 aam, ids, prepared["answer_after_marker"], repeats
             )
@@ -536,6 +546,7 @@ def main(argv=None) -> None:
     parser.add_argument("--text", action="store_true", help="only the GSM8K text-matching comparison")
     parser.add_argument("--stages", action="store_true", help="with --text: CPU time of each stage too")
     parser.add_argument("--functions", action="store_true", help="only Python reward functions vs tensor-native")
+    parser.add_argument("--device", default="cpu", help="with --text: the device of the responses (e.g. cuda)")
     args = parser.parse_args(argv)
     if args.functions:
         report = run_functions(args.quick)
@@ -561,18 +572,22 @@ def main(argv=None) -> None:
             "cpu": cpu_model(),
             "torch": torch.__version__,
         }
-        report["results"] = run_text(args.quick, args.stages)
-        report["target_speedup_vs_decode_regex"] = TARGETS["speedup_vs_regex"]
+        report["device"] = str(torch.device(args.device))
+        if torch.device(args.device).type == "cuda":
+            report["gpu"] = torch.cuda.get_device_name(torch.device(args.device))
+        report["results"] = run_text(args.quick, args.stages, args.device)
+        report["target_speedup_vs_decode_regex"] = TEXT_TARGET
         report["load_average"] = list(os.getloadavg())
         if args.json:
             print(json.dumps(report))
         else:
-            print(f"text components vs decode + regex, {report['cpu']}, 1 thread, torch {report['torch']}")
+            where = report.get("gpu", "CPU") + f" ({report['device']})"
+            print(f"text components vs decode + regex, on {where}, {report['cpu']}, 1 thread, torch {report['torch']}")
             print(f"load average {report['load_average']} (ratios: medians of interleaved repeats)")
             for r in report["results"]:
                 print(f"B={r['B']} L={r['L']} vocab {r['vocab_size']}, {r['repeats']} repeats")
                 for name, c in r["components"].items():
-                    met = "met" if c["speedup_cpu"] >= TARGETS["speedup_vs_regex"] else "NOT met"
+                    met = "met" if c["speedup"] >= TEXT_TARGET else "NOT met"
                     print(
                         f"  {name:20s} ours {c['ms']:7.2f} ms (cpu {c['cpu_ms']:6.2f}), decode+regex "
                         f"{c['decode_regex_ms']:7.1f} ms (cpu {c['decode_regex_cpu_ms']:6.1f}): x{c['speedup']:.1f} "

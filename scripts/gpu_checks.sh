@@ -5,7 +5,9 @@
 #
 # Writes under $OUT: nvidia-smi.txt, verify_gpu.txt + verify_gpu.json (scripts/verify_gpu.py: device report,
 # reward timings with CUDA events, the no-host-sync check, losses, buffers, closed loop, VRAM),
-# pytest_cuda.txt (the CUDA tests of rewards and losses), pytest_vllm.txt (skips unless vllm is importable),
+# pytest_cuda.txt (the CUDA tests of rewards, the text components included, and losses), reward_text.json (the text
+# reward's components on the GPU vs decode + regex: benchmarks/reward.py --text --device cuda),
+# pytest_vllm.txt (skips unless vllm is importable),
 # pytest_nccl.txt (the sharded trainer, N = 2 over NCCL vs N = 1; skips with fewer than 2 GPUs), lora_sync.json
 # (weight sync bytes and seconds, full vs LoRA, on the GPU) and summary.txt. Exit status: non-zero if verify_gpu or the CUDA tests failed.
 #
@@ -35,9 +37,19 @@ verify_rc=$?
 [ $verify_rc -eq 0 ] || status=1
 
 # -k cuda selects the CUDA tests (they skip where CUDA is missing); -rs lists the skips with their reasons
-"$PY" -m pytest -q -rs -p no:cacheprovider tests/test_reward.py tests/test_algorithms.py -k cuda > "$OUT/pytest_cuda.txt" 2>&1
+"$PY" -m pytest -q -rs -p no:cacheprovider tests/test_reward.py tests/test_reward_text.py tests/test_algorithms.py -k cuda \
+    > "$OUT/pytest_cuda.txt" 2>&1
 cuda_rc=$?
 [ $cuda_rc -eq 0 ] || status=1
+
+# the text reward's components on the GPU against decode + regex on the host, B=256 L=1024 (docs/benchmarks.md)
+if "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    "$PY" benchmarks/reward.py --text --device cuda --json > "$OUT/reward_text.json" 2> "$OUT/reward_text.txt"
+    text_rc=$?
+    [ $text_rc -eq 0 ] || status=1
+else
+    text_rc="skipped, no CUDA"
+fi
 
 "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_vllm.py > "$OUT/pytest_vllm.txt" 2>&1
 vllm_rc=$?
@@ -54,6 +66,7 @@ lora_rc=$?
 {
     echo "verify_gpu.py exit status: $verify_rc"
     echo "CUDA tests exit status:    $cuda_rc ($(tail -n 1 "$OUT/pytest_cuda.txt"))"
+    echo "text reward on the GPU:    $text_rc (reward_text.json)"
     echo "vLLM tests exit status:    $vllm_rc ($(tail -n 1 "$OUT/pytest_vllm.txt"))"
     echo "NCCL N=2 vs N=1 status:    $nccl_rc ($(tail -n 1 "$OUT/pytest_nccl.txt"))"
     echo "LoRA sync figures status:  $lora_rc (lora_sync.json)"

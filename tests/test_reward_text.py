@@ -336,6 +336,36 @@ def test_text_reward_makes_no_host_round_trip(bpe_tok):
         reward(batch, fresh)
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_text_reward_on_cuda_equals_cpu_without_a_sync(bpe_tok):
+    """On a GPU (scripts/gpu_checks.sh) every text component scores the case tables as on the CPU, prepared and
+    unprepared answers (their text made on the device), under set_sync_debug_mode('error')."""
+    eos = bpe_tok.eos_token_id
+    cfg = RewardConfig(components={**ALL, "length_penalty": 0.1}, format_sequences=["####"])
+    reward = build_reward_fn(cfg, bpe_tok, [eos, 0], 64)
+    rows, answers = [], []
+    for text, answer, _ in MARKER_CASES + EXACT_CASES + CONTAINS_CASES:
+        for seq in tokenizations(bpe_tok, text).values():
+            rows.append(seq)
+            answers.append(answer)
+    L = max(len(r) for r in rows) + 1
+    batch = torch.tensor([r + [eos] * (L - len(r)) for r in rows])
+    packed = patterns_from_texts(bpe_tok, answers)
+    want = {k: v.tolist() for k, v in reward(batch, reward.prepare(packed))[1].items()}
+    on_gpu = batch.cuda()
+    reward(on_gpu, packed.to("cuda"))  # caches the tables on the device
+    patterns = [reward.prepare(packed).to("cuda"), packed.to("cuda")]  # copied before the check: copies sync
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = [reward(on_gpu, p)[1] for p in patterns]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for parts in got:
+        assert {k: v.cpu().tolist() for k, v in parts.items()} == want
+
+
 def test_prepared_patterns_carry_the_answers_width_on_the_host(bpe_tok):
     """prepare reads, on the host, the byte width of the longest alternative, whether any is a number / a text
     and the most distinct texts of a row; to() and repeat_interleave keep it; another reward's hints are not
