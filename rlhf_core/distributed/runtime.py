@@ -220,10 +220,13 @@ class DistributedRun:
         if self.cfg.runtime.mode != "sync" or self.done:
             return
         n = self.cfg.trainer.prompts_per_step
-        shares = [n // len(self.workers) + (1 if i < n % len(self.workers) else 0) for i in range(len(self.workers))]
-        # algorithm.filter_groups: rounds until the buffer holds a step's groups (at most filter_max_rounds)
+        # algorithm.filter_groups: further rounds for the groups still missing (never more, so that no group is
+        # left over for a later step: lockstep stays on-policy), at most algorithm.filter_max_rounds
         rounds = self.cfg.algorithm.filter_max_rounds if self.cfg.algorithm.filter_groups else 1
+        missing = n
         for _ in range(rounds):
+            k = len(self.workers)
+            shares = [missing // k + (1 if i < missing % k else 0) for i in range(k)]
             try:
                 get_or_fail(
                     [w.generate_once.remote(s) for w, s in zip(self.workers, shares) if s],
@@ -233,11 +236,14 @@ class DistributedRun:
             except ray.exceptions.RayTaskError as exc:
                 self.failed = f"a rollout worker failed: {_task_error(exc)}"
                 raise RunFailed(self.failed) from exc
-            if rounds == 1 or self._get(self.buffer.stats.remote(), "buffer stats")["size"] >= n:
+            if rounds == 1:
+                break
+            missing = n - self._get(self.buffer.stats.remote(), "buffer stats")["size"]
+            if missing <= 0:
                 break
         else:
             raise RunFailed(
-                f"algorithm.filter_groups: {rounds} rounds of {n} prompts (algorithm.filter_max_rounds) left fewer "
+                f"algorithm.filter_groups: {rounds} generation rounds (algorithm.filter_max_rounds) left fewer "
                 f"than trainer.prompts_per_step={n} groups whose rewards differ; every other group had equal rewards"
             )
         m = get_or_fail(self.trainer.train_once.remote(self.timeout), self.timeout + 10, "the trainer step")
