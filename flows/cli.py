@@ -18,12 +18,11 @@ import json
 import math
 import os
 import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Optional
 
-from rlhf_core.config import RUN_CONFIG_FILE, ConfigError, TrainConfig, load_config, parse_grid_item
+from rlhf_core.config import ConfigError, TrainConfig, load_config, parse_grid_item
 from rlhf_core.sweep_grid import check_grid
 
 EXIT_CONFIG = 2
@@ -168,21 +167,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print("atrlhf: --seeds and --max-parallel must be at least 1", file=sys.stderr)
             return EXIT_CONFIG
         return cmd_sweep(cfg, grid, args.seeds, args.max_parallel, args.metric, args.target, args.sweep_id)
-    run_config = _run_config_of(args.checkpoint) if args.config is None else None
-    if run_config is not None:  # the config the policy was trained with, unless the user names one
-        try:
-            cfg = load_config(run_config, _overrides(args.overrides))
-        except ConfigError as exc:
-            print(f"atrlhf: the run's own config {run_config} does not load ({exc}); pass --config", file=sys.stderr)
-            return EXIT_CONFIG
-        print(f"atrlhf: using the run's config {run_config} (pass --config to use another)", file=sys.stderr)
-    return cmd_evaluate(cfg, args.checkpoint, as_json=args.json)
-
-
-def _run_config_of(target: str) -> Optional[Path]:
-    """train_config.yaml inside a checkpoint or exported policy directory, if there is one."""
-    candidate = Path(target).expanduser() / RUN_CONFIG_FILE
-    return candidate if candidate.is_file() else None
+    run_config_overrides = None if args.config else _overrides(args.overrides)  # no --config: the run's own
+    return cmd_evaluate(cfg, args.checkpoint, as_json=args.json, run_config_overrides=run_config_overrides)
 
 
 # ------------------------------------------------------------------------------------------------ train
@@ -376,77 +362,33 @@ def cmd_sweep(
 
 
 # --------------------------------------------------------------------------------------------- evaluate
-def resolve_policy(cfg: TrainConfig, target: str, scratch: Optional[Path] = None) -> tuple[Path, Optional[Path]]:
-    """(Hugging Face policy directory, checkpoint directory or None) for a path or an MLflow run id.
-
-    A checkpoint holds weights only: its architecture comes from model.path, or for the tiny default
-    from the `tiny_policy/` beside the run's `checkpoints/` (else the one the config builds).
-    """
-    from rlhf_core.build import resolve_policy_dir
-
-    path = Path(target).expanduser()
-    if path.is_dir() and (path / "config.json").is_file():
-        return path, None
-    if path.is_dir() and (path / "adapter" / "adapter_config.json").is_file() and not (path / "meta.json").is_file():
-        raise FileNotFoundError(
-            f"--checkpoint {target!r} holds a LoRA adapter only (PEFT format, in adapter/): export with "
-            "model.lora.export_merged=true for a merged model to evaluate, or load the adapter with peft"
-        )
-    if path.is_dir() and (path / "meta.json").is_file():
-        beside = path.parent.parent / ("tiny_chat_policy" if cfg.model.tiny_kind == "chat" else "tiny_policy")
-        if not cfg.model.path and (beside / "config.json").is_file():
-            return beside, path
-        return resolve_policy_dir(cfg), path
-    if not path.exists() and len(target) == 32 and all(c in "0123456789abcdef" for c in target.lower()):
-        from tasks.mlflow_client import download_logged_policy, resolve_tracking_uri
-
-        uri = resolve_tracking_uri(cfg)
-        try:
-            return download_logged_policy(target, uri, scratch), None
-        except Exception as exc:  # MlflowException and friends: name the run and the store
-            raise FileNotFoundError(
-                f"--checkpoint {target!r}: no logged model for that MLflow run in {uri} "
-                f"({type(exc).__name__}: {str(exc)[:300]})"
-            ) from None
-    raise FileNotFoundError(
-        f"--checkpoint {target!r} is not a checkpoint directory, a Hugging Face model directory or an MLflow run id"
-    )
-
-
-def evaluate_policy(cfg: TrainConfig, policy_dir: Path, checkpoint: Optional[Path] = None) -> dict:
-    """Greedy accuracy and mean reward on cfg's held-out prompts (the same scoring as eval/accuracy), and
-    eval/pass@k and eval/mean@k when eval.n_samples > 0."""
-    from rlhf_core import build
-    from rlhf_core.checkpoint import load_checkpoint
-
-    build.setup_process(cfg, cfg.trainer.seed)
-    # LoRA adapters (model.lora) come from a checkpoint; an exported policy has them merged already
-    model, tokenizer = build.build_policy(cfg, policy_dir, adapters=checkpoint is not None)
-    if checkpoint is not None:
-        load_checkpoint(checkpoint, model)
-    _, heldout = build.build_prompts(cfg, tokenizer)
-    result = build.build_evaluator(cfg, model, tokenizer, policy_dir, heldout)()
-    result["eval/prompts"] = len(heldout)
-    return result
-
-
-def cmd_evaluate(cfg: TrainConfig, target: str, as_json: bool = False) -> int:
+def cmd_evaluate(
+    cfg: TrainConfig, target: str, as_json: bool = False, run_config_overrides: Optional[list[str]] = None
+) -> int:
+    """Score `target` (flows.evaluate). `run_config_overrides`: when no --config was given, the --set items (the
+    policy's own train_config.yaml, with them, then replaces cfg); None when one was."""
+    from flows.evaluate import evaluate
     from rlhf_core.checkpoint import CheckpointError
     from rlhf_core.models import ModelLoadError
 
     try:
-        with tempfile.TemporaryDirectory(prefix="atrlhf-model-") as scratch:  # a downloaded policy goes with it
-            policy_dir, checkpoint = resolve_policy(cfg, target, scratch=Path(scratch))
-            result = evaluate_policy(cfg, policy_dir, checkpoint)
+        done = evaluate(cfg, target, run_config_overrides or [], use_run_config=run_config_overrides is not None)
+    except ConfigError as exc:
+        print(f"atrlhf: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
     except (FileNotFoundError, CheckpointError, ModelLoadError) as exc:
         print(f"atrlhf: {exc}", file=sys.stderr)
         return EXIT_FAILED
+    cfg, result = done.cfg, done.result
+    if done.run_config:
+        print(f"atrlhf: using the run's config {done.run_config} (pass --config to use another)", file=sys.stderr)
     if as_json:
-        print(json.dumps({"policy": str(checkpoint or policy_dir), **result}))
+        print(json.dumps({"policy": done.policy, **result}))
     else:
+        where = f"MLflow run {done.mlflow_run_id}" if done.mlflow_run_id else done.policy
         print(
             f"held-out accuracy {result['eval/accuracy']:.3f} (mean reward {result['eval/reward_mean']:.3f}) on "
-            f"{result['eval/prompts']} {cfg.data.task} prompts — {checkpoint or policy_dir}"
+            f"{result['eval/prompts']} {cfg.data.task} prompts — {where}"
         )
         if "eval/pass@k" in result:
             print(

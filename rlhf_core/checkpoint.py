@@ -46,9 +46,63 @@ from rlhf_core.lora import (
     save_adapter_weights,
     save_merged,
 )
+from rlhf_core.models import TINY_POLICY_DIRS
 from rlhf_core.trainer.sharding import is_dtensor, shard_like
 
 FORMAT_VERSION = 2
+CHECKPOINTS_DIR = "checkpoints"  # a run directory's checkpoints: <run_dir>/checkpoints/step_NNNNNN
+META_FILE = "meta.json"
+
+
+def checkpoint_dir(run_dir: str | Path, step: int, under: Optional[str | Path] = None) -> Path:
+    """Where the checkpoint of trainer step `step` of the run in `run_dir` goes: <run_dir>/checkpoints/step_NNNNNN
+    (`under`: another directory to hold the step directories instead of <run_dir>/checkpoints)."""
+    return Path(under if under is not None else Path(run_dir) / CHECKPOINTS_DIR) / f"step_{int(step):06d}"
+
+
+@dataclass(frozen=True)
+class PathContents:
+    """What a directory holds, in the layouts this project writes (`inspect_path`).
+
+    kind: "model"       a Hugging Face model directory (an exported policy, merged for LoRA, or any model)
+          "checkpoint"  a checkpoint of this layout (meta.json): weights or adapters only, no architecture
+          "adapter"     an exported LoRA policy without a merged model (the PEFT adapter in adapter/ only)
+          "missing"     nothing there
+          "unknown"     something else
+    run_config: the train_config.yaml of the run that wrote it, when there is one.
+    """
+
+    path: Path
+    kind: str
+    run_config: Optional[Path] = None
+
+    def policy_beside(self, tiny_kind: str = "word") -> Optional[Path]:
+        """For a checkpoint under <run_dir>/checkpoints/: the tiny policy (`tiny_kind`: word or chat) built in
+        <run_dir>, which holds the architecture a tiny run's checkpoint lacks; None when it is not there."""
+        if self.kind != "checkpoint":
+            return None
+        beside = self.path.parent.parent / TINY_POLICY_DIRS[tiny_kind]
+        return beside if (beside / "config.json").is_file() else None
+
+
+def inspect_path(path: str | Path) -> PathContents:
+    """What `path` holds (a checkpoint, an exported policy or another Hugging Face model, an adapter only, ...)."""
+    p = Path(path).expanduser()
+    config = p / CONFIG_FILE
+    run_config = config if config.is_file() else None
+    if not p.exists():
+        return PathContents(p, "missing")
+    if not p.is_dir():
+        return PathContents(p, "unknown")
+    if (p / "config.json").is_file():
+        kind = "model"
+    elif (p / META_FILE).is_file():
+        kind = "checkpoint"
+    elif (p / ADAPTER_DIR / "adapter_config.json").is_file():
+        kind = "adapter"
+    else:
+        kind = "unknown"
+    return PathContents(p, kind, run_config)
 
 
 class CheckpointError(ValueError):
@@ -163,7 +217,7 @@ def save_checkpoint(
         "params": _param_shapes(model),
         "lora": state.lora,
     }
-    (tmp / "meta.json").write_text(json.dumps(meta))
+    (tmp / META_FILE).write_text(json.dumps(meta))
     if config is not None:
         write_run_config(tmp, config)
     if final.exists():
@@ -191,13 +245,13 @@ def read_checkpoint(path: str | Path, model=None) -> tuple[CheckpointState, Opti
     p = Path(path)
     if not p.is_dir():
         raise CheckpointError(f"checkpoint {p} does not exist or is not a directory")
-    for name in ("state.pt", "meta.json"):
+    for name in ("state.pt", META_FILE):
         if not (p / name).is_file():
             raise CheckpointError(f"checkpoint {p} is missing {name}")
     try:
-        meta = json.loads((p / "meta.json").read_text())
+        meta = json.loads((p / META_FILE).read_text())
     except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{p / 'meta.json'} is corrupt: {exc}") from exc
+        raise CheckpointError(f"{p / META_FILE} is corrupt: {exc}") from exc
     saved_lora = meta.get("lora") if isinstance(meta, dict) else None
     weights_file = p / ADAPTER_DIR / ADAPTER_WEIGHTS if saved_lora else p / "policy.safetensors"
     if not weights_file.is_file():
@@ -210,7 +264,7 @@ def read_checkpoint(path: str | Path, model=None) -> tuple[CheckpointState, Opti
             "start a new run from its weights (policy.safetensors)"
         )
     if layout != FORMAT_VERSION:
-        raise CheckpointError(f"{p / 'meta.json'}: format_version {layout!r}, expected {FORMAT_VERSION}")
+        raise CheckpointError(f"{p / META_FILE}: format_version {layout!r}, expected {FORMAT_VERSION}")
     try:
         body = torch.load(p / "state.pt", map_location="cpu", weights_only=True)
     except Exception as exc:

@@ -27,6 +27,7 @@ from rlhf_core.checkpoint import (
     restore_rng,
     save_checkpoint,
 )
+from rlhf_core.checkpoint import checkpoint_dir as step_checkpoint_dir  # run_sync's argument has the name
 from rlhf_core.config import TrainConfig
 from rlhf_core.data import Prompt
 from rlhf_core.data.queue import PromptQueue
@@ -230,7 +231,7 @@ def run_sync(
     recorded at the start of the original run) and eval/accuracy (after training).
     """
     parts = parts or build_run(cfg, share_weights=True)
-    ckpt_dir = Path(checkpoint_dir or cfg.run.run_dir / "checkpoints")
+    ckpt_root = Path(checkpoint_dir) if checkpoint_dir else None  # None: <run_dir>/checkpoints
     run_facts: dict = {}
     if resume_from:
         run_facts.update(restore_run_checkpoint(parts, resume_from).run)
@@ -273,7 +274,7 @@ def run_sync(
         if on_step:
             on_step(metrics)
         if cfg.tracking.checkpoint_every and trainer.step % cfg.tracking.checkpoint_every == 0:
-            save_run_checkpoint(parts, ckpt_dir / f"step_{trainer.step:06d}", run_facts)
+            save_run_checkpoint(parts, step_checkpoint_dir(cfg.run.run_dir, trainer.step, under=ckpt_root), run_facts)
             saved_step = trainer.step
         if trainer.consecutive_skips >= cfg.supervision.nonfinite_limit:
             raise RuntimeError(
@@ -281,7 +282,7 @@ def run_sync(
                 f"supervision.nonfinite_limit={cfg.supervision.nonfinite_limit}); stopping"
             )
     if trainer.step != saved_step:  # tracking.checkpoint_every=0 means "only at the end"
-        save_run_checkpoint(parts, ckpt_dir / f"step_{trainer.step:06d}", run_facts)
+        save_run_checkpoint(parts, step_checkpoint_dir(cfg.run.run_dir, trainer.step, under=ckpt_root), run_facts)
     result = {k: v for k, v in run_facts.items() if k != "eval_start"}
     result["eval/accuracy_start"] = run_facts.get("eval_start")
     result.update(parts.history[-1] if parts.history else {})

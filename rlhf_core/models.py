@@ -287,6 +287,9 @@ def _build_once(target: Path, build) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+TINY_POLICY_DIRS = {"word": "tiny_policy", "chat": "tiny_chat_policy"}  # under run.output_dir, by model.tiny_kind
+
+
 def ensure_policy(model_cfg, task: str, output_dir: str | Path, seed: int = 0) -> Path:
     """The policy directory a run uses: `model.path`, or the tiny default built once under output_dir.
 
@@ -303,10 +306,10 @@ def ensure_policy(model_cfg, task: str, output_dir: str | Path, seed: int = 0) -
     if getattr(model_cfg, "tiny_kind", "word") == "chat":
         from rlhf_core.chat_model import build_chat_policy
 
-        tiny = Path(output_dir) / "tiny_chat_policy"
+        tiny = Path(output_dir) / TINY_POLICY_DIRS["chat"]
         _build_once(tiny, lambda out: build_chat_policy(out, seed=seed, **size))
     else:
-        tiny = Path(output_dir) / "tiny_policy"
+        tiny = Path(output_dir) / TINY_POLICY_DIRS["word"]
         _build_once(tiny, lambda out: build_tiny_policy(task, out, seed=seed, **size))
     built = json.loads((tiny / "config.json").read_text())
     differs = {k: (built.get(k), v) for k, v in shape.items() if built.get(k) != v}

@@ -15,7 +15,7 @@ from typing import Optional
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from rlhf_core.checkpoint import CheckpointError, read_checkpoint
+from rlhf_core.checkpoint import CheckpointError, checkpoint_dir, read_checkpoint
 from rlhf_core.config import TrainConfig
 from tasks import mlflow_client as tracking
 
@@ -26,10 +26,6 @@ class ResumeTarget:
     mlflow_run_id: Optional[str] = None  # the MLflow run this one resumes (its parent), if known
     eval_start: Optional[float] = None  # held-out accuracy recorded at the start of the original run
     step: int = 0  # the trainer step the checkpoint holds
-
-
-def checkpoint_dir(cfg: TrainConfig, step: int) -> Path:
-    return cfg.run.run_dir / "checkpoints" / f"step_{step:06d}"
 
 
 def export_dir(cfg: TrainConfig) -> Path:
@@ -90,7 +86,7 @@ def resolve_resume(cfg: TrainConfig, resume_from: Optional[str]) -> ResumeTarget
 def save_checkpoint(runtime, cfg: TrainConfig, step: int, tracker=None, run: Optional[dict] = None) -> str:
     """A full resumable checkpoint under the run directory's checkpoints/, logged to MLflow as artifacts.
     `run`: facts of the run kept in the checkpoint (its MLflow run id, held-out accuracy at the start)."""
-    path = runtime.checkpoint(str(checkpoint_dir(cfg, step)), run=run)
+    path = runtime.checkpoint(str(checkpoint_dir(cfg.run.run_dir, step)), run=run)
     artifact = tracking.log_checkpoint(tracker, path) if tracker is not None else None
     get_run_logger().info(
         "checkpoint at step %d: %s%s", step, path, f" (MLflow artifact {artifact})" if artifact else ""

@@ -12,6 +12,9 @@ from rlhf_core.checkpoint import (
     CheckpointError,
     CheckpointState,
     capture_rng,
+    checkpoint_dir,
+    export_policy,
+    inspect_path,
     read_checkpoint,
     restore_rng,
     save_checkpoint,
@@ -135,6 +138,28 @@ def test_full_run_wrote_checkpoints(full_run):
     assert state.run["eval_start"] == result["eval/accuracy_start"]
     assert state.config == cfg.model_dump(mode="json")
     assert result["steps"] == 4 and len(history) == 4
+
+
+def test_the_layout_is_named_and_inspected_in_one_place(full_run, tiny_model, tiny_tokenizer, tmp_path):
+    """checkpoint_dir is the one step-directory rule (both runtimes write there); inspect_path tells a
+    checkpoint, an exported policy, an adapter-only export and anything else apart."""
+    out = full_run[1]
+    assert checkpoint_dir(out, 2) == out / "checkpoints" / "step_000002"
+    assert checkpoint_dir(out, 2, under=tmp_path) == tmp_path / "step_000002"
+    held = inspect_path(checkpoint_dir(out, 4))
+    assert held.kind == "checkpoint" and held.run_config == checkpoint_dir(out, 4) / "train_config.yaml"
+    assert held.policy_beside("word") == out / "tiny_policy"  # the run's tiny policy holds the architecture
+    assert held.policy_beside("chat") is None
+    assert inspect_path(out / "tiny_policy").kind == "model"
+    exported = export_policy(tiny_model, tiny_tokenizer, {"a": 1}, tmp_path / "policy")
+    assert inspect_path(exported).kind == "model" and inspect_path(exported).run_config is not None
+    assert inspect_path(exported).policy_beside() is None
+    adapter_only = tmp_path / "adapter_only"
+    (adapter_only / "adapter").mkdir(parents=True)
+    (adapter_only / "adapter" / "adapter_config.json").write_text("{}")
+    assert inspect_path(adapter_only).kind == "adapter"
+    assert inspect_path(tmp_path / "nothing").kind == "missing"
+    assert inspect_path(tmp_path).kind == "unknown"
 
 
 def test_resume_equals_uninterrupted_run(full_run, fresh_parts, tmp_path):

@@ -47,3 +47,42 @@ def test_evaluate_uses_the_config_inside_the_checkpoint(tmp_path, capsys):
     # --set still applies on top of the run's config
     assert main(["evaluate", "--checkpoint", str(ckpt), "--json", "--set", "data.eval_size=3"]) == 0
     assert json.loads(capsys.readouterr().out)["eval/prompts"] == 3
+
+
+@pytest.mark.slow
+def test_evaluate_an_mlflow_run_id_uses_the_logged_models_config_and_names_the_run(tmp_path, mlflow_db, capsys):
+    """`atrlhf evaluate --checkpoint <MLflow run id>` scores on the run's own task (the train_config.yaml its
+    logged model holds, as a local path does) and names the run id, not a temporary download directory."""
+    from rlhf_core.build import export_run_policy
+    from tasks.mlflow_client import MlflowTracker, log_model
+
+    uri = f"sqlite:///{mlflow_db}"
+    cfg = load_config(
+        None,
+        [
+            f"run.output_dir={tmp_path / 'runs'}",
+            "model.tiny_hidden=32",
+            "model.tiny_heads=2",
+            "model.tiny_layers=1",
+            "data.task=sum2",
+            "data.eval_size=7",
+            f"tracking.tracking_uri={uri}",
+            "tracking.log_system_metrics=false",
+        ],
+    )
+    parts = build_run(cfg)
+    export = export_run_policy(cfg, parts.model, parts.tokenizer, tmp_path / "policy")
+    tracker = MlflowTracker.start(cfg)
+    log_model(tracker, export)
+    tracker.end("FINISHED")
+    run_id = tracker.run_id
+
+    # the default config would score 200 max3 prompts: the run's own config says 7 sum2 ones
+    assert main(["evaluate", "--checkpoint", run_id, "--set", f"tracking.tracking_uri={uri}"]) == 0
+    captured = capsys.readouterr()
+    assert "7 sum2 prompts" in captured.out and f"MLflow run {run_id}" in captured.out, captured.out
+    assert "atrlhf-model-" not in captured.out + captured.err  # no temporary directory named
+    assert f"MLflow run {run_id}'s logged model" in captured.err  # says whose config it used
+    assert main(["evaluate", "--checkpoint", run_id, "--json", "--set", f"tracking.tracking_uri={uri}"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["policy"] == run_id and result["eval/prompts"] == 7

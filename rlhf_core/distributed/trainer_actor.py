@@ -24,6 +24,7 @@ from rlhf_core.build import export_run_policy
 from rlhf_core.checkpoint import (
     CheckpointState,
     capture_rng,
+    checkpoint_dir,
     load_checkpoint,
     load_weights_into,
     restore_rng,
@@ -318,7 +319,7 @@ class TrainerActor:
         missing = [i for i, s in enumerate(rollout_rng) if s is None]
         if missing:
             facts["rollout_rng_missing"] = missing
-        path = self.cfg.run.run_dir / "checkpoints" / f"step_{step:06d}"
+        path = checkpoint_dir(self.cfg.run.run_dir, step)
         self.checkpoint(str(path), data, rollout_rng, facts)
         self.checkpoints_written.append({"step": step, "path": str(path), "rollout_rng_missing": missing})
 
