@@ -23,6 +23,7 @@ import torch
 
 ADAPTER_DIR = "adapter"  # the PEFT adapter inside an export or a checkpoint directory
 ADAPTER_WEIGHTS = "adapter_model.safetensors"  # peft's weights file name in it
+_CACHE = "_atrlhf_adapter_params"  # _adapter_params' cache on the model (forget_adapter_params drops it)
 
 
 class LoraConfigError(ValueError):
@@ -133,15 +134,22 @@ def load_adapter_state_dict(model, state_dict: dict[str, torch.Tensor]) -> None:
 def _adapter_params(model) -> dict[str, torch.Tensor]:
     """peft's saved name (as in get_peft_model_state_dict and adapter_model.safetensors) -> the live
     parameter; cached on the model (names never change), so a sync does not walk the whole state dict."""
-    cached = getattr(model, "_atrlhf_adapter_params", None)
+    cached = model.__dict__.get(_CACHE)
     if cached is None:
         adapter = model.active_adapter
         cached = {}
         for name, p in model.named_parameters():
             if "lora_" in name:
                 cached[name.replace(f".{adapter}.", ".")] = p
-        model._atrlhf_adapter_params = cached
+        model.__dict__[_CACHE] = cached
     return cached
+
+
+def forget_adapter_params(model) -> None:
+    """Drop `_adapter_params`' cache of the live adapter parameters: anything that replaces the model's
+    parameter objects (FSDP2's `fully_shard` swaps each for a sharded one) calls this, so that syncs and
+    checkpoints read the new parameters, not frozen copies of the old ones."""
+    model.__dict__.pop(_CACHE, None)
 
 
 def peft_config_dict(model) -> dict:

@@ -297,3 +297,33 @@ def test_a_tied_lm_head_adapter_checkpoints_adapters_only(tmp_path, tiny_policy_
     ids = torch.tensor([[3, 4, 5, 6, 7]])
     with torch.no_grad():
         torch.testing.assert_close(merged(input_ids=ids).logits, model(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_the_adapter_cache_follows_sharding(tiny_policy_dir):
+    """fully_shard replaces every parameter object: after sharding, the adapter tensors that syncs and
+    checkpoints read are the sharded model's live ones, not the ones cached before (a one-rank gloo group)."""
+    import socket
+
+    import torch.distributed as dist
+
+    from rlhf_core.lora import _adapter_params, adapter_shapes, apply_lora
+    from rlhf_core.models import load_policy
+    from rlhf_core.trainer.sharding import shard_model
+
+    cfg = load_config(None, LORA)
+    model = apply_lora(load_policy(tiny_policy_dir, dtype="float32", device="cpu")[0], cfg.model.lora)
+    assert adapter_shapes(model)  # fills the cache with the unsharded parameters
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        shard_model(model, dist.group.WORLD)
+        live = {n: p for n, p in model.named_parameters() if "lora_" in n}
+        cached = _adapter_params(model)
+        assert len(cached) == len(live) and cached
+        live_ids = {id(p) for p in live.values()}
+        assert all(id(p) in live_ids for p in cached.values())  # the sharded model's own parameters
+        assert all(hasattr(p, "device_mesh") for p in cached.values())  # DTensors: sharded
+    finally:
+        dist.destroy_process_group()

@@ -22,6 +22,8 @@ import math
 import torch
 import torch.distributed as dist
 
+from rlhf_core.lora import forget_adapter_params
+
 
 def world(group) -> tuple[int, int]:
     """(rank, world size) in `group`; (0, 1) without one."""
@@ -71,6 +73,7 @@ def shard_model(model: torch.nn.Module, group, device_type: str = "cpu") -> torc
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    forget_adapter_params(model)  # fully_shard replaced the parameter objects a LoRA model's cache holds
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)
