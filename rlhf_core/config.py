@@ -420,7 +420,13 @@ class LoraConfig(_Section):
 
     r: int = Field(8, ge=1, description="LoRA rank of every adapted linear layer (at least 1).")
     alpha: float = Field(16.0, gt=0, description="LoRA alpha: the adapter's update is scaled by alpha / r.")
-    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapters' input while training.")
+    dropout: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="Must be 0: the trainer computes log-probs without dropout (as the rollout does), so any other "
+        "value could only be ignored.",
+    )
     target_modules: list[str] = Field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
         min_length=1,
@@ -429,6 +435,17 @@ class LoraConfig(_Section):
     export_merged: bool = Field(
         True, description="At export, also write the adapters merged into the base weights as a plain HF model."
     )
+
+    @field_validator("dropout")
+    @classmethod
+    def _no_dropout(cls, dropout: float) -> float:
+        if dropout:
+            raise ValueError(
+                f"model.lora.dropout={dropout:g} cannot take effect: the trainer computes log-probs without dropout, "
+                "as the rollout engines do (with it, on-policy ratios differ from 1 and M2PO's mask comes from "
+                "another dropout sample than the gradient). Set model.lora.dropout=0"
+            )
+        return dropout
 
 
 class ModelConfig(_Section):

@@ -287,6 +287,31 @@ def _build_once(target: Path, build) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+_DROPOUT = (
+    torch.nn.Dropout,
+    torch.nn.Dropout1d,
+    torch.nn.Dropout2d,
+    torch.nn.Dropout3d,
+    torch.nn.AlphaDropout,
+    torch.nn.FeatureAlphaDropout,
+)
+
+
+def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
+    """Dropout off for good, in train mode too (as TRL's disable_dropout): every dropout module's p is set to 0,
+    and so is the attention dropout that Hugging Face attention modules keep as a float (`attention_dropout`).
+
+    The trainer computes its log-probs in train mode and the rollout engines theirs in eval mode: with dropout
+    the on-policy ratio would differ from 1 and a loss's token mask (M2PO) would come from another dropout
+    sample than its gradient. Returns the model."""
+    for module in model.modules():
+        if isinstance(module, _DROPOUT):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+    return model
+
+
 TINY_POLICY_DIRS = {"word": "tiny_policy", "chat": "tiny_chat_policy"}  # under run.output_dir, by model.tiny_kind
 
 

@@ -327,3 +327,41 @@ def test_the_adapter_cache_follows_sharding(tiny_policy_dir):
         assert all(hasattr(p, "device_mesh") for p in cached.values())  # DTensors: sharded
     finally:
         dist.destroy_process_group()
+
+
+def test_dropout_never_makes_on_policy_ratios_differ_from_one(tmp_path):
+    """The trainer computes log-probs in train mode, the rollout in eval mode: a policy with dropout (here LoRA
+    dropout 0.3, as a peft model built elsewhere would have) gets it disabled by the Trainer, so the first
+    step on its own fresh samples has ratios of 1 (with dropout on, ratio_max was ~1.4). model.lora.dropout > 0
+    is refused in the config, naming the field."""
+    from rlhf_core.data import collate_prompts
+    from rlhf_core.lora import apply_lora
+    from rlhf_core.models import load_policy
+    from rlhf_core.rollout import HFEngine, SamplingParams
+    from rlhf_core.trainer import Trainer
+
+    with pytest.raises(ConfigError, match=r"model\.lora\.dropout"):
+        load_config(None, [*LORA, "model.lora.dropout=0.3"])
+    cfg = small_cfg(tmp_path, "algorithm.loss=m2po", "trainer.micro_batch_size=4")  # M2PO's step mask pass too
+    policy_dir = build.resolve_policy_dir(cfg)
+    torch.manual_seed(0)
+    model = load_policy(policy_dir, dtype="float32", device="cpu")[0]
+    model = apply_lora(model, cfg.model.lora.model_copy(update={"dropout": 0.3}))
+    with torch.no_grad():  # adapters away from zero, so that their dropout changes the output
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.5)
+    assert any(isinstance(m, torch.nn.Dropout) and m.p == 0.3 for m in model.modules())
+    tokenizer = build.build_tokenizer(cfg, policy_dir)
+    trainer = Trainer(model, cfg, tokenizer.pad_token_id)
+    train_prompts, _ = build.build_prompts(cfg, tokenizer)
+    engine = HFEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id, seed=1)
+    batch = engine.generate(
+        collate_prompts(train_prompts[:4], tokenizer.pad_token_id),
+        cfg.rollout.samples_per_prompt,
+        SamplingParams(max_new_tokens=8),
+    )
+    batch.rewards = (torch.arange(len(batch)) % 2 == 0).float()
+    metrics = trainer.train_step(batch)
+    assert metrics["policy/ratio_max"] == pytest.approx(1.0, abs=1e-4)
+    assert not any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules())

@@ -24,6 +24,7 @@ from rlhf_core.algorithms import (
     step_keep_mask,
 )
 from rlhf_core.lora import adapter_state_dict, adapters_disabled, is_lora
+from rlhf_core.models import disable_dropout
 from rlhf_core.rollout.base import SamplingParams, processed_logits
 from rlhf_core.trainer.sharding import (
     full_tensor,
@@ -108,7 +109,7 @@ class Trainer:
     one Trainer on the whole batch. None: one process, no sharding."""
 
     def __init__(self, model, cfg, pad_token_id: int, ref_model=None, group=None, stop_ids=None, critic=None):
-        self.model = model
+        self.model = disable_dropout(model)  # log-probs as the rollout's (eval mode): ratios of 1 on-policy
         # the ids that end a response (algorithm.mask_truncated tells a cut response from a finished one)
         self.stop_ids = None if stop_ids is None else torch.tensor(sorted(stop_ids), dtype=torch.long)
         self.critic = critic  # algorithm.advantage 'gae': rlhf_core.trainer.critic.Critic
@@ -133,7 +134,7 @@ class Trainer:
             model.gradient_checkpointing_enable()
             if self.lora:  # frozen embeddings: checkpointed blocks need an input that requires grad
                 model.enable_input_require_grads()
-        self.ref_model = ref_model
+        self.ref_model = disable_dropout(ref_model) if ref_model is not None else None
         # With LoRA the KL reference is the same model with its adapters disabled (the frozen base): no copy.
         self.ref_is_base = self.lora and self.algo.kl_coef > 0 and ref_model is None
         if self.algo.kl_coef > 0 and self.ref_model is None and not self.ref_is_base:
