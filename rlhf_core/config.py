@@ -911,6 +911,19 @@ class TrainConfig(_Section):
                     f"within runtime.autopilot.min_staleness={pilot.min_staleness} and "
                     f"runtime.autopilot.max_staleness={pilot.max_staleness}"
                 )
+        ranks, micro = self.cluster.trainer_workers, self.trainer.micro_batch_size
+        if ranks > 1:  # each rank trains on its rows (trainer.sharding.rank_rows, sizes differing by at most 1) in
+            # as many micro-batches as the widest rank needs: every rank must have a row for each of them
+            fewest, widest = self.batch_size // ranks, -(-self.batch_size // ranks)
+            if fewest < -(-widest // micro):
+                raise ValueError(
+                    f"a sharded trainer group cannot split the batch: trainer.prompts_per_step="
+                    f"{self.trainer.prompts_per_step} x rollout.samples_per_prompt={self.rollout.samples_per_prompt} "
+                    f"= {self.batch_size} rows over cluster.trainer_workers={ranks} ranks leaves a rank {fewest} "
+                    f"row(s) for the {-(-widest // micro)} micro-batches of trainer.micro_batch_size={micro} every "
+                    "rank must run together. Make the batch a multiple of trainer.micro_batch_size x "
+                    "cluster.trainer_workers, or raise trainer.micro_batch_size"
+                )
         lowest = pilot.min_staleness if pilot.enabled else self.runtime.max_staleness
         bound = "runtime.autopilot.min_staleness" if pilot.enabled else "runtime.max_staleness"
         window = self.trainer.prompts_per_step * (lowest + 1)

@@ -268,3 +268,43 @@ def test_a_chat_task_needs_a_chat_model():
     with pytest.raises(ConfigError, match="model.tiny_kind=chat"):
         load_config(None, ["data.task=max3_chat"])
     assert load_config("configs/chat-smoke.yaml").model.tiny_kind == "chat"
+
+
+def test_a_batch_a_sharded_trainer_group_cannot_split_is_refused_at_validation():
+    """Issue 25 defect: a batch whose rows leave some rank fewer rows than the micro-batches every rank must
+    run raised ValueError at the first step, after the whole start-up. The config refuses exactly those
+    settings (checked against the trainer's own row split), naming the fields."""
+    from rlhf_core.trainer.sharding import micro_slices, rank_rows
+
+    def splits(rows: int, ranks: int, micro: int) -> bool:
+        widest = rank_rows(rows, 0, ranks)
+        n_micro = max(1, -(-(widest.stop - widest.start) // micro))
+        try:
+            for rank in range(ranks):
+                micro_slices(rank_rows(rows, rank, ranks), n_micro)
+        except ValueError:
+            return False
+        return True
+
+    checked = refused = 0
+    for prompts in (1, 2, 3, 5):
+        for g in (2, 3):
+            for ranks in (2, 3, 4):
+                for micro in (1, 2, 4, 64):
+                    overrides = [
+                        f"trainer.prompts_per_step={prompts}",
+                        f"rollout.prompts_per_batch={prompts}",
+                        f"rollout.samples_per_prompt={g}",
+                        f"cluster.trainer_workers={ranks}",
+                        f"trainer.micro_batch_size={micro}",
+                    ]
+                    if splits(prompts * g, ranks, micro):
+                        load_config(None, overrides)
+                    else:
+                        refused += 1
+                        with pytest.raises(ConfigError) as err:
+                            load_config(None, overrides)
+                        named = ("trainer.prompts_per_step", "cluster.trainer_workers", "trainer.micro_batch_size")
+                        assert all(field in str(err.value) for field in named)
+                    checked += 1
+    assert 0 < refused < checked
