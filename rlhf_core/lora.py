@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
+import os
 import warnings
 from pathlib import Path
 
@@ -158,11 +160,37 @@ def peft_config_dict(model) -> dict:
     return {k: (sorted(v) if isinstance(v, set) else v) for k, v in cfg.items()}
 
 
+def portable_base_path(base: str, adapter_dir: str | Path) -> str:
+    """What adapter_config.json names as the base model, portable: a model from the Hugging Face cache by its
+    hub id (as peft writes for a hub model: `.../models--Qwen--Qwen2.5-0.5B/snapshots/<rev>` -> `Qwen/Qwen2.5-0.5B`),
+    another local directory by its path relative to the adapter directory, anything else (a hub id) as it is."""
+    path = Path(base)
+    if not base or not path.is_absolute():
+        return base
+    parts = path.parts
+    for i, part in enumerate(parts[:-2]):
+        if part.startswith("models--") and parts[i + 1] == "snapshots":
+            return part[len("models--") :].replace("--", "/")
+    return os.path.relpath(path.resolve(), Path(adapter_dir).resolve())
+
+
+def _make_base_path_portable(adapter_dir: Path) -> None:
+    """peft writes the base model's name_or_path, for a local model its absolute path: rewrite it portably."""
+    config_file = adapter_dir / "adapter_config.json"
+    config = json.loads(config_file.read_text())
+    base = config.get("base_model_name_or_path")
+    if isinstance(base, str):
+        config["base_model_name_or_path"] = portable_base_path(base, adapter_dir)
+        config_file.write_text(json.dumps(config, indent=2, sort_keys=True))
+
+
 def save_adapter(model, directory: str | Path) -> Path:
-    """The adapter in PEFT format (adapter_config.json + adapter_model.safetensors) in `directory`."""
+    """The adapter in PEFT format (adapter_config.json + adapter_model.safetensors) in `directory`; the base
+    model is named portably (`portable_base_path`)."""
     out = Path(directory)
     # the base (embeddings included, even when a tied lm_head is adapted) is frozen: adapters only
     model.save_pretrained(str(out), save_embedding_layers=False)
+    _make_base_path_portable(out)
     return out
 
 
@@ -174,6 +202,7 @@ def save_adapter_weights(model, weights: dict[str, torch.Tensor], directory: str
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     model.peft_config[model.active_adapter].save_pretrained(str(out))
+    _make_base_path_portable(out)
     save_file(weights, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     return out
 

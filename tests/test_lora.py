@@ -162,6 +162,9 @@ def test_checkpoint_holds_the_adapters_in_peft_format(lora_run):
     assert not (ckpt / "policy.safetensors").exists()
     adapter_cfg = json.loads((ckpt / "adapter" / "adapter_config.json").read_text())
     assert adapter_cfg["r"] == 4 and adapter_cfg["lora_alpha"] == 8
+    # the base model by a path relative to the adapter (issue 29: was absolute, the adapter not portable)
+    base = adapter_cfg["base_model_name_or_path"]
+    assert not Path(base).is_absolute() and (ckpt / "adapter" / base).resolve() == (out / "tiny_policy").resolve()
     meta = json.loads((ckpt / "meta.json").read_text())
     assert meta["format_version"] == 2 and meta["lora"]["r"] == 4
     assert meta["params"] and all("lora_" in k for k in meta["params"])
@@ -215,6 +218,8 @@ def test_export_writes_the_peft_adapter_and_a_merged_model(lora_run, tmp_path):
     assert (path / "adapter" / "adapter_config.json").is_file()
     assert (path / "adapter" / "adapter_model.safetensors").is_file()
     assert (path / "config.json").is_file() and (path / "train_config.yaml").is_file()
+    base = json.loads((path / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert not Path(base).is_absolute() and (path / "adapter" / base).resolve() == parts.policy_dir.resolve()
 
     ids = torch.tensor([[3, 4, 5, 6, 7]])
     with torch.no_grad():
@@ -227,6 +232,34 @@ def test_export_writes_the_peft_adapter_and_a_merged_model(lora_run, tmp_path):
         torch.testing.assert_close(with_adapter(input_ids=ids).logits, expected, rtol=1e-5, atol=1e-5)
 
     assert main(["evaluate", "--checkpoint", str(path), "--json"]) == 0
+
+    # moved elsewhere together with its base model (the run's output directory), the adapter still finds it
+    import shutil
+
+    export_run(parts, out / "exported")
+    moved = tmp_path / "moved"
+    for name in ("exported", "tiny_policy"):
+        shutil.copytree(out / name, moved / name)
+    shutil.rmtree(out / "exported")
+    adapter_dir = moved / "exported" / "adapter"
+    base = json.loads((adapter_dir / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert base == "../../tiny_policy"
+    with torch.no_grad():
+        reloaded = PeftModel.from_pretrained(
+            AutoModelForCausalLM.from_pretrained(str(adapter_dir / base)), str(adapter_dir)
+        )
+        torch.testing.assert_close(reloaded(input_ids=ids).logits, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_adapter_names_its_base_model_portably(tmp_path):
+    from rlhf_core.lora import portable_base_path
+
+    cache = "/home/u/.cache/huggingface/hub/models--Qwen--Qwen2.5-0.5B-Instruct/snapshots/7ae557604adf67be"
+    assert portable_base_path(cache, tmp_path) == "Qwen/Qwen2.5-0.5B-Instruct"
+    assert portable_base_path("/x/hub/models--gpt2/snapshots/abc", tmp_path) == "gpt2"
+    assert portable_base_path("Qwen/Qwen2.5-0.5B", tmp_path) == "Qwen/Qwen2.5-0.5B"  # a hub id stays
+    local = tmp_path / "models" / "base"
+    assert portable_base_path(str(local), tmp_path / "run" / "policy" / "adapter") == "../../../models/base"
 
 
 def test_evaluate_a_lora_checkpoint(lora_run, capsys):
