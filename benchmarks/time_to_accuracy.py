@@ -8,6 +8,9 @@ its time is excluded from the clock). A run stops at --target accuracy or at --b
     python benchmarks/time_to_accuracy.py            # table
     python benchmarks/time_to_accuracy.py --json     # one JSON object
     python benchmarks/time_to_accuracy.py --quick    # sync and max_staleness 2 only
+    python benchmarks/time_to_accuracy.py --no-sync --staleness 0 1 2 4 8 --autopilot 1
+        # issue 28: the staleness autopilot (starting at max_staleness 1, range 0..8) against fixed bounds;
+        # the autopilot run is driven by the Supervisor (its health checks and the autopilot, as in the flow)
 """
 
 from __future__ import annotations
@@ -24,10 +27,25 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def one_run(
-    mode: str, max_staleness: int, target: float, budget_s: float, eval_every_s: float, overrides: list[str]
+    mode: str,
+    max_staleness: int,
+    target: float,
+    budget_s: float,
+    eval_every_s: float,
+    overrides: list[str],
+    autopilot: bool = False,
 ) -> dict:
     from rlhf_core.config import load_config
     from rlhf_core.distributed import DistributedRun
+    from rlhf_core.supervision import Supervisor
+
+    if autopilot:
+        overrides = [
+            *overrides,
+            "runtime.autopilot.enabled=true",
+            "runtime.autopilot.min_staleness=0",
+            "runtime.autopilot.max_staleness=8",
+        ]
 
     with tempfile.TemporaryDirectory() as out:
         cfg = load_config(
@@ -43,13 +61,17 @@ def one_run(
         )
         with DistributedRun(cfg) as run:
             run.launch()
+            supervisor = Supervisor(cfg, run) if autopilot else None
             curve = [(0.0, 0, run.evaluate()["eval/accuracy"])]
             train_clock, reached = 0.0, None
             run.start()
             last = time.perf_counter()
             next_eval = eval_every_s
             while train_clock < budget_s:
-                run.advance()
+                if supervisor is not None:
+                    supervisor.tick()
+                else:
+                    run.advance()
                 if mode == "async":
                     time.sleep(0.05)
                 now = time.perf_counter()
@@ -67,8 +89,11 @@ def one_run(
                 last = time.perf_counter()
             final = run.poll()
     return {
-        "mode": mode,
+        "mode": mode + (" autopilot" if autopilot else ""),
         "max_staleness": max_staleness if mode == "async" else 0,
+        "bound_changes": [(e.step, e.action) for e in supervisor.events if e.kind.startswith("autopilot")]
+        if supervisor is not None
+        else [],
         "seconds_to_target": reached,
         "final_accuracy": curve[-1][2],
         "steps": final["step"],
@@ -85,18 +110,26 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--set", dest="overrides", nargs="*", default=[])
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--no-sync", action="store_true", help="leave out the lockstep baseline")
+    ap.add_argument("--autopilot", type=int, default=None, help="add an autopilot run from this bound")
     args = ap.parse_args()
     staleness = [2] if args.quick else args.staleness
-    runs = [one_run("sync", 0, args.target, args.budget_s, args.eval_every_s, args.overrides)]
+    runs = [] if args.no_sync else [one_run("sync", 0, args.target, args.budget_s, args.eval_every_s, args.overrides)]
     runs += [one_run("async", k, args.target, args.budget_s, args.eval_every_s, args.overrides) for k in staleness]
+    if args.autopilot is not None:
+        runs.append(
+            one_run("async", args.autopilot, args.target, args.budget_s, args.eval_every_s, args.overrides, True)
+        )
     load = os.getloadavg()[0]
     if args.json:
         print(json.dumps({"target": args.target, "budget_s": args.budget_s, "runs": runs, "load_avg": load}))
         return
     print(f"{'run':14} {'s to ' + str(args.target):>9} {'final acc':>9} {'steps':>6}  curve (train s, step, acc)")
     for r in runs:
-        name = "sync" if r["mode"] == "sync" else f"async tau<={r['max_staleness']}"
+        name = "sync" if r["mode"] == "sync" else f"{r['mode']} tau<={r['max_staleness']}"
         print(f"{name:14} {str(r['seconds_to_target']):>9} {r['final_accuracy']:9.3f} {r['steps']:6d}  {r['curve']}")
+        if r["bound_changes"]:
+            print(f"{'':14} bound changes (step, change): {r['bound_changes']}")
     print(f"(load average {load:.1f})", file=sys.stderr)
 
 

@@ -95,3 +95,10 @@ def test_overlong_penalty_edges():
     assert overlong_penalty(torch.tensor([0, 2, 4]), 4, 4, 1.0).tolist() == pytest.approx([0.0, -0.5, -1.0])
     # never below -penalty (a longer length cannot happen, but the shape is bounded)
     assert overlong_penalty(torch.tensor([12]), 10, 4, 2.0).tolist() == [-2.0]
+
+
+def test_an_unscored_group_is_not_filtered():
+    g = make_experience(0, 0, [1.0, 1.0])
+    g.batch.rewards = None
+    buf = ExperienceBuffer(max_size=8, max_staleness=0, prompts_per_step=1, admission=False, filter_groups=True)
+    assert buf.push(pack_groups([g])) == 1 and buf.stats()["filtered_groups"] == 0

@@ -120,15 +120,14 @@ class ExperienceBuffer:
 
         accepted = 0
         for g in groups:
-            self.samples_pushed += group_rows(g)
-            self.groups_pushed += 1
-            if self.filter_groups:
-                r = group_rewards(g)
-                if r is not None and bool((r == r[:1]).all()):
-                    with self.lock:
-                        self.filtered_groups += 1
-                    continue
-            accepted += bool(self.buf.push(g))
+            r = group_rewards(g) if self.filter_groups else None
+            constant = r is not None and bool((r == r[:1]).all())
+            with self.lock:
+                self.samples_pushed += group_rows(g)
+                self.groups_pushed += 1
+                self.filtered_groups += constant
+            if not constant:
+                accepted += bool(self.buf.push(g))
         return accepted
 
     def take(self, n: int, timeout_s: float, for_version: Optional[int] = None) -> list[Experience]:

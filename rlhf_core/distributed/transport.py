@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import fields
+from typing import Optional
 
 import torch
 
@@ -70,10 +71,12 @@ def group_rows(group) -> int:
     return int(group["batch"]["response_ids"][1].shape[0])
 
 
-def group_rewards(group) -> torch.Tensor:
-    """A group's rewards [G] (packed (pack_groups) or not), without copying a packed array."""
+def group_rewards(group) -> Optional[torch.Tensor]:
+    """A group's rewards [G] (packed (pack_groups) or not), without copying a packed array; None if unscored."""
     if isinstance(group, Experience):
         return group.batch.rewards
+    if "rewards" not in group["batch"]:
+        return None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # a read-only received array: only read here
         return torch.from_numpy(group["batch"]["rewards"][1])
