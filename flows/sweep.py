@@ -28,6 +28,7 @@ from rlhf_core.sweep_grid import SweepPoint, check_grid, expand_grid, point_conf
 from rlhf_core.sweep_grid import sweep_id as make_sweep_id
 from tasks.mlflow_client.sweep_record import point_tags
 from tasks.sweep import compare_points, open_sweep_record, publish_comparison
+from tasks.tracking import link_mlflow_run
 
 
 @flow(name="atrlhf-sweep", validate_parameters=False, log_prints=True)
@@ -71,6 +72,7 @@ def sweep(
     params["points"] = len(points)
     record = open_sweep_record(cfg, sid, params, flow_run_id)
     parent = record.run_id
+    link_mlflow_run(flow_run_id, record.uri, record.experiment_id, parent, what="MLflow parent run")
     done = record.finished_points()
     todo = [p for p in points if p.name not in done]
     logger.info(

@@ -208,7 +208,9 @@ def finish(run: RunState) -> dict:
     exported = export_policy(run.runtime, cfg)
     if cfg.tracking.log_model:
         log_model(tracker, exported, step=run.step)
-    log_plots(tracker, run.history, (run.final_poll.get("trainer") or {}).get("staleness_hist") or {}, run.evals)
+    plots = log_plots(
+        tracker, run.history, (run.final_poll.get("trainer") or {}).get("staleness_hist") or {}, run.evals
+    )
     rows = event_rows(run.events)
     tracker.log_dict(rows, "health_events.json")
 
@@ -244,7 +246,9 @@ def finish(run: RunState) -> dict:
         description="Health events found by the supervising flow",
     )
     create_markdown_artifact(
-        markdown=_summary_markdown(cfg, result, tracker), key="atrlhf-summary", description="Run summary"
+        markdown=_summary_markdown(cfg, result, tracker) + plots.markdown,
+        key="atrlhf-summary",
+        description="Run summary",
     )
     run.logger.info(
         "done: step %d, held-out accuracy %.3f (start %.3f); MLflow run %s; policy exported to %s",

@@ -767,6 +767,12 @@ class TrackingConfig(_Section):
     eval_every: int = Field(
         20, ge=0, description="Evaluate on held-out prompts every this many steps (0 = only at start and end)."
     )
+    keep_checkpoints: int = Field(
+        3,
+        ge=0,
+        description="Checkpoints a run keeps, newest first, on disk and in MLflow's artifacts (older ones are "
+        "deleted; the newest complete one and the final one are always kept); 0 keeps every checkpoint.",
+    )
     log_system_metrics: bool = Field(True, description="Let MLflow sample CPU/GPU/memory during the run.")
     log_model: bool = Field(True, description="Log the final policy as an MLflow artifact that loads back.")
 

@@ -15,7 +15,7 @@ from typing import Optional
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from rlhf_core.checkpoint import CheckpointError, checkpoint_dir, read_checkpoint
+from rlhf_core.checkpoint import CheckpointError, checkpoint_dir, prune_checkpoints, read_checkpoint
 from rlhf_core.config import TrainConfig
 from tasks import mlflow_client as tracking
 
@@ -91,6 +91,7 @@ def save_checkpoint(runtime, cfg: TrainConfig, step: int, tracker=None, run: Opt
     get_run_logger().info(
         "checkpoint at step %d: %s%s", step, path, f" (MLflow artifact {artifact})" if artifact else ""
     )
+    _keep_bounded(path, step, cfg.tracking.keep_checkpoints, tracker)
     return str(path)
 
 
@@ -101,7 +102,22 @@ def record_checkpoint(tracker, path: str, step: int) -> str:
     get_run_logger().info(
         "checkpoint at step %d: %s%s", step, path, f" (MLflow artifact {artifact})" if artifact else ""
     )
+    _keep_bounded(path, step, tracker.keep_checkpoints if tracker is not None else 0, tracker)
     return str(path)
+
+
+def _keep_bounded(path: str, step: int, keep: int, tracker) -> None:
+    """tracking.keep_checkpoints: the run's checkpoints up to this one beyond the newest `keep` are deleted on
+    disk and in MLflow (newer ones the trainer wrote are recorded first)."""
+    removed = [p.name for p in prune_checkpoints(Path(path).parent, keep, newest_step=step)]
+    deleted = tracking.prune_checkpoint_artifacts(tracker, keep) if tracker is not None else []
+    if removed or deleted:
+        get_run_logger().info(
+            "tracking.keep_checkpoints=%d: deleted %s on disk, %s in MLflow",
+            keep,
+            ", ".join(removed) or "none",
+            ", ".join(Path(d).name for d in deleted) or "none",
+        )
 
 
 @task(name="export-policy", cache_policy=NO_CACHE, persist_result=False)

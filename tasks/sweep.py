@@ -20,6 +20,7 @@ from tasks.mlflow_client.sweep_comparison import (
     ChildHistory,
     comparison_plot,
     comparison_row,
+    display_rows,
     read_child,
     table_csv,
     table_markdown,
@@ -72,7 +73,7 @@ def publish_comparison(
             f"# Sweep {record.sweep}",
             "",
             table,
-            f"Time to target: seconds from the child's start to its first `eval/accuracy` ≥ {target:g} (— never). "
+            f"Time to target: seconds from the child's start to its first `eval/accuracy` ≥ {target:g}. "
             "Mean staleness and samples/s: means over the run's steps.",
             "",
             f"MLflow parent run `{record.run_id}`: [{url}]({url}) — open the UI with `{ui_command(record.uri)}`; "
@@ -84,7 +85,7 @@ def publish_comparison(
     if png is not None:
         markdown += f"\n![{metric} against steps](data:image/png;base64,{base64.b64encode(png).decode()})\n"
     create_table_artifact(
-        table=[{k: v for k, v in r.items()} for r in rows],
+        table=display_rows(rows),
         key="atrlhf-sweep-comparison",
         description=f"Sweep {record.sweep}: one row per point",
     )

@@ -1,4 +1,4 @@
-"""Prefect tasks of a run's MLflow tracking: open the run, log the final policy, log the plots.
+"""Prefect tasks of a run's MLflow tracking: open the run, link it to the flow run, log the final policy and plots.
 
 The MLflow client code they call is `tasks.mlflow_client` (runs, artifacts, plots); the flow puts the MLflow
 run id on the Prefect flow run (tag and artifact).
@@ -9,12 +9,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Optional
 
-from prefect import task
+from prefect import get_run_logger, task
+from prefect.artifacts import create_link_artifact
 from prefect.cache_policies import NO_CACHE
 
 from rlhf_core.config import TrainConfig
 from tasks.mlflow_client import artifacts, plots
-from tasks.mlflow_client.runs import MlflowTracker
+from tasks.mlflow_client.runs import MlflowTracker, run_url, ui_command
 
 
 @task(name="start-mlflow-run", cache_policy=NO_CACHE, persist_result=False)
@@ -56,6 +57,32 @@ def log_model(tracker: MlflowTracker, export_dir: str, step: Optional[int] = Non
 
 
 @task(name="log-plots", cache_policy=NO_CACHE, persist_result=False)
-def log_plots(tracker: MlflowTracker, history: list[dict], staleness_hist: dict, evals: list[dict]) -> list[str]:
-    """Reward curve and staleness histogram as PNG artifacts of the MLflow run."""
+def log_plots(
+    tracker: MlflowTracker, history: list[dict], staleness_hist: dict, evals: list[dict]
+) -> plots.LoggedPlots:
+    """Reward curve and staleness histogram as PNG artifacts of the MLflow run; `.markdown` of the result is the
+    reward curve as an inline image for the run's summary."""
     return plots.log_plots(tracker, history, staleness_hist, evals)
+
+
+@task(name="link-mlflow-run", cache_policy=NO_CACHE, persist_result=False)
+def link_mlflow_run(flow_run_id: str, uri: str, experiment_id: str, run_id: str, what: str = "MLflow run") -> str:
+    """Put an MLflow run on the Prefect flow run: a tag `mlflow-run:<id>` (what the flow runs list filters by)
+    and a link artifact `atrlhf-mlflow-run`. Returns the run's URL in the MLflow UI."""
+    url = run_url(uri, experiment_id, run_id)
+    if flow_run_id:
+        from prefect.client.orchestration import get_client
+
+        try:
+            with get_client(sync_client=True) as client:
+                fr = client.read_flow_run(flow_run_id)
+                client.update_flow_run(flow_run_id, tags=sorted(set(fr.tags) | {f"mlflow-run:{run_id}"}))
+        except Exception as exc:  # cosmetic; never fail a run over a tag
+            get_run_logger().warning("could not tag the flow run with the MLflow run id: %s", exc)
+    create_link_artifact(
+        link=url,
+        link_text=f"{what} {run_id}",
+        key="atrlhf-mlflow-run",
+        description=f"{what} of this flow run (store {uri}; open with `{ui_command(uri)}`)",
+    )
+    return url

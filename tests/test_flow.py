@@ -131,8 +131,9 @@ def read_flow_run_artifacts(flow_run_id) -> dict:
 
 @pytest.fixture(scope="module")
 def straight_run(prefect_api, ray_local, work):
-    """Six lockstep steps straight through (also the reference for the resume-equality test)."""
-    cfg = config(work, "straight")
+    """Six lockstep steps straight through (also the reference for the resume-equality test), keeping one
+    checkpoint (tracking.keep_checkpoints=1)."""
+    cfg = config(work, "straight", "tracking.keep_checkpoints=1")
     start = time.perf_counter()
     state = train(config=cfg, return_state=True)
     return cfg, state, time.perf_counter() - start
@@ -164,9 +165,14 @@ def test_flow_completes_and_records_everything(straight_run, work):
     evals = client.get_metric_history(run.info.run_id, "eval/accuracy")
     assert sorted(m.step for m in evals) == [0, 3, 6]
     assert client.get_metric_history(run.info.run_id, "eval/accuracy_start")
-    # artifacts: checkpoints every 3 steps, the model, plots, health events
+    # a constant learning rate also in millionths, which MLflow's chart reads (3e-4 as a flat 0)
+    lr = [m.value for m in client.get_metric_history(run.info.run_id, "policy/lr_micro")]
+    assert lr == pytest.approx([cfg.trainer.lr * 1e6] * 6)
+    # artifacts: a checkpoint every 3 steps, of which the newest one stays (keep_checkpoints=1) on disk and in
+    # MLflow; the model, plots, health events
     ckpts = sorted(a.path for a in client.list_artifacts(run.info.run_id, "checkpoints"))
-    assert ckpts == ["checkpoints/step_000003", "checkpoints/step_000006"]
+    assert ckpts == ["checkpoints/step_000006"]
+    assert sorted(p.name for p in Path(result["checkpoint"]).parent.iterdir()) == ["step_000006"]
     model_files = {Path(a.path).name for a in client.list_logged_model_artifacts(run.data.tags["model.id"])}
     assert {"config.json", "model.safetensors"} <= model_files
     assert not client.list_artifacts(run.info.run_id, "model")  # the policy is stored once, as the LoggedModel
@@ -205,6 +211,7 @@ def test_flow_completes_and_records_everything(straight_run, work):
     arts = read_flow_run_artifacts(state.state_details.flow_run_id)
     assert {"atrlhf-summary", "atrlhf-health-events", "atrlhf-progress", "atrlhf-mlflow-run"} <= set(arts)
     assert run.info.run_id in arts["atrlhf-summary"].data
+    assert "](data:image/png;base64," in arts["atrlhf-summary"].data  # the reward curve, inline
     assert arts["atrlhf-health-events"].type == "table"
     assert float(arts["atrlhf-progress"].data) == 100.0
 

@@ -6,6 +6,8 @@ sweep of the tiny task through the CLI with one bad grid value and a rerun that 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from flows.cli import main, parse_grid
@@ -16,6 +18,7 @@ from tasks.mlflow_client.sweep_comparison import (
     ChildHistory,
     comparison_plot,
     comparison_row,
+    display_rows,
     read_child,
     table_csv,
     table_markdown,
@@ -167,6 +170,11 @@ def test_comparison_row_table_and_plot():
     md = table_markdown(rows, 0.9)
     assert md.splitlines()[0].startswith("| runtime.max_staleness | trainer.seed | final eval/accuracy")
     assert "time to acc ≥ 0.9 (s)" in md and "bad \\| value" in md and len(md.splitlines()) == 5
+    assert md.count("| not reached |") == 2  # rows 1 and 2 never reached 0.9
+    shown = display_rows(rows)  # the Prefect table: rounded, and "not reached" rather than an empty cell
+    assert shown[1]["time to target (s)"] == "not reached" and shown[0]["time to target (s)"] == 10.0
+    assert display_rows([{**rows[0], "samples/s": 123.456789, "mean staleness": 1 / 3}])[0]["samples/s"] == 123.0
+    assert display_rows([{**rows[0], "mean staleness": 1 / 3}])[0]["mean staleness"] == 0.333
     csv_text = table_csv(rows)
     assert csv_text.splitlines()[0].startswith("point,runtime.max_staleness,trainer.seed,")
     png = comparison_plot(children, "eval/accuracy")
@@ -263,8 +271,14 @@ def test_cli_sweep_reports_a_bad_point_and_a_rerun_skips_the_finished(prefect_ap
     assert "(Failed, in " in out, "the sweep's flow run ends Failed when a point failed"
     assert "point algorithm.loss=nosuch,runtime.max_staleness=1,seed=0 failed" in err and "algorithm.loss" in err
 
+    assert "| not reached |" in out  # the failed points' time to target
     client, parent, children = _sweep_runs(db)
     sid = parent.data.tags["atrlhf.sweep_id"]
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as pc:  # the sweep's flow run names its MLflow parent run
+        flow_run = pc.read_flow_run(re.search(r"Prefect flow run\s+(\S+)", out).group(1))
+    assert f"mlflow-run:{parent.info.run_id}" in flow_run.tags
     assert parent.info.status == "FAILED" and parent.data.tags["atrlhf.sweep_failed_points"] == "2"
     assert parent.data.params["grid.algorithm.loss"] == '["m2po", "nosuch"]'
     assert parent.data.params["grid.runtime.max_staleness"] == "[1, 4]"
@@ -275,6 +289,9 @@ def test_cli_sweep_reports_a_bad_point_and_a_rerun_skips_the_finished(prefect_ap
         assert good.info.status == "FINISHED" and good.data.tags["atrlhf.sweep_id"] == sid
         assert good.data.params["runtime.max_staleness"] == good.data.tags["runtime.max_staleness"] == str(staleness)
         assert good.data.params["algorithm.loss"] == good.data.tags["algorithm.loss"] == "m2po"
+        # what differs between children by construction is no param the compare view would group by
+        assert not {"run.name", "run.output_dir", "tracking.run_name"} & set(good.data.params)
+        assert good.data.tags["run.output_dir"].endswith(f"runtime.max_staleness-{staleness}_seed-0")
         assert [m.step for m in client.get_metric_history(good.info.run_id, "reward/mean")] == [1, 2, 3, 4]
         assert (tmp_path / "runs" / sid / f"algorithm.loss-m2po_runtime.max_staleness-{staleness}_seed-0").is_dir()
         bad = by_point[f"algorithm.loss=nosuch,runtime.max_staleness={staleness},seed=0"]

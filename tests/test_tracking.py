@@ -146,7 +146,7 @@ def test_a_signal_while_the_run_is_being_opened_ends_it_killed(store, monkeypatc
     """Ctrl-C after MLflow created the run but before `start` returned: the run ends KILLED, not RUNNING."""
     from mlflow.tracking import MlflowClient
 
-    def interrupted(self, cfg):
+    def interrupted(self, cfg, exclude=()):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(MlflowTracker, "log_params", interrupted)
@@ -158,3 +158,82 @@ def test_a_signal_while_the_run_is_being_opened_ends_it_killed(store, monkeypatc
     [run] = client.search_runs([client.get_experiment_by_name("interrupted-start").experiment_id])
     assert run.info.status == "KILLED"
     assert [t.run_id for t in held] == [run.info.run_id]  # handed over as soon as it existed
+
+
+def _write_checkpoint(root: Path, step: int) -> Path:
+    ckpt = root / f"step_{step:06d}"
+    ckpt.mkdir(parents=True)
+    (ckpt / "state.pt").write_bytes(b"x" * 10)
+    return ckpt
+
+
+def test_keep_checkpoints_bounds_disk_and_mlflow_and_resume_still_finds_a_complete_one(store, tmp_path):
+    """tracking.keep_checkpoints=2, checkpoints recorded at steps 2, 4, 6, 8 as the flow records them (log, then
+    prune up to the step just recorded): the two newest stay on disk and in MLflow, a newer one the trainer
+    already wrote is left for its own turn, a newer upload without its marker is not taken for a checkpoint,
+    and resume by run id downloads the newest complete one."""
+    from rlhf_core.checkpoint import prune_checkpoints
+    from tasks.mlflow_client import download_artifact, latest_checkpoint_artifact, prune_checkpoint_artifacts
+
+    assert load_config(None, []).tracking.keep_checkpoints == 3  # the default: a few
+    tracker = MlflowTracker.start(tracking_cfg(store, "retention", "tracking.keep_checkpoints=2"))
+    assert tracker.keep_checkpoints == 2
+    root = tmp_path / "run" / "checkpoints"
+    (root / "step_000010.tmp").mkdir(parents=True)  # a checkpoint being written: never touched
+    for step in (2, 4, 6, 8):
+        ckpt = _write_checkpoint(root, step)
+        if step == 8:
+            _write_checkpoint(root, 10)  # the trainer wrote step 10 before the flow recorded step 8
+        log_checkpoint(tracker, ckpt)
+        prune_checkpoints(root, tracker.keep_checkpoints, newest_step=step)
+        prune_checkpoint_artifacts(tracker, tracker.keep_checkpoints)
+    assert sorted(p.name for p in root.iterdir()) == ["step_000006", "step_000008", "step_000010", "step_000010.tmp"]
+    listed = sorted(a.path for a in tracker.client.list_artifacts(tracker.run_id, "checkpoints"))
+    assert listed == ["checkpoints/step_000006", "checkpoints/step_000008"]
+    on_disk = Path(tracker.client.get_run(tracker.run_id).info.artifact_uri.removeprefix("file://")) / "checkpoints"
+    assert sorted(p.name for p in on_disk.iterdir()) == ["step_000006", "step_000008"]  # deleted, not just hidden
+
+    # an upload a killed driver left half done (no COMPLETE marker) is neither resumed from nor counted
+    tracker.client.log_artifacts(
+        tracker.run_id, str(_write_checkpoint(tmp_path / "half", 12)), "checkpoints/step_000012"
+    )
+    assert prune_checkpoint_artifacts(tracker, 2) == []
+    uri = f"sqlite:///{store}"
+    assert latest_checkpoint_artifact(tracker.run_id, uri) == "checkpoints/step_000008"
+    got = download_artifact(tracker.run_id, "checkpoints/step_000008", uri, tmp_path / "resume")
+    assert (got / "state.pt").read_bytes() == b"x" * 10
+    # keep=1 keeps the newest complete one only; 0 keeps everything
+    assert prune_checkpoint_artifacts(tracker, 0) == [] and prune_checkpoints(root, 0) == []
+    assert prune_checkpoint_artifacts(tracker, 1) == ["checkpoints/step_000006"]
+    assert latest_checkpoint_artifact(tracker.run_id, uri) == "checkpoints/step_000008"
+    assert [p.name for p in prune_checkpoints(root, 1)] == ["step_000006", "step_000008"]
+    tracker.end("FINISHED")
+
+
+def test_what_the_mlflow_ui_shows_reads(store):
+    """A sweep's child lists no per-run params (run.name, run.output_dir, tracking.run_name: tags instead), a run
+    carries `resumed_from` only when it resumed, and a constant learning rate of 3e-4 also goes as
+    policy/lr_micro = 300 (MLflow draws a constant series on value ± 1: 3e-4 reads as a flat 0)."""
+    from tasks.mlflow_client.plots import log_plots
+
+    parent = MlflowTracker.start(tracking_cfg(store, "ui"), tags={"resumed_from": ""})
+    cfg = tracking_cfg(store, "ui", "run.name=point-a", "run.output_dir=/tmp/sweep-x/point-a", "tracking.run_name=x/a")
+    child = MlflowTracker.start(cfg, tags={"resumed_from": "", "atrlhf.sweep_point": "a"}, parent_run_id=parent.run_id)
+    run = child.client.get_run(child.run_id)
+    for key in ("run.name", "run.output_dir", "tracking.run_name"):
+        assert key not in run.data.params and key in parent.client.get_run(parent.run_id).data.params
+    assert run.data.tags["run.output_dir"] == "/tmp/sweep-x/point-a" and run.data.tags["run.name"] == "point-a"
+    assert run.data.params["trainer.lr"] == "0.0003"
+    assert "resumed_from" not in run.data.tags and run.data.tags["atrlhf.sweep_point"] == "a"
+    resumed = MlflowTracker.start(tracking_cfg(store, "ui"), tags={"resumed_from": parent.run_id})
+    assert resumed.client.get_run(resumed.run_id).data.tags["resumed_from"] == parent.run_id
+
+    child.log_metrics([{"step": s, "policy/lr": 3e-4, "reward/mean": s / 4} for s in (1, 2)])
+    assert [m.value for m in child.metric_history("policy/lr")] == [3e-4, 3e-4]
+    assert [m.value for m in child.metric_history("policy/lr_micro")] == pytest.approx([300.0, 300.0])
+    # the reward curve comes back as a PNG for the run's summary artifact
+    plots = log_plots(child, [{"step": 1, "reward/mean": 0.25}, {"step": 2, "reward/mean": 0.5}], {0: 8}, [])
+    assert plots.reward_curve_png[:8] == b"\x89PNG\r\n\x1a\n" and "](data:image/png;base64," in plots.markdown
+    assert "plots/reward_curve.png" in plots.artifacts
+    for tracker in (parent, child, resumed):
+        tracker.end("FINISHED")

@@ -3,7 +3,7 @@ tasks/sweep.py wrap these in tasks).
 
     runs.py              the store (tracking URI, UI command and URL), the experiment, MlflowTracker: one run's
                          lifecycle, params, tags and metrics, and the lineage of runs it resumed
-    artifacts.py         checkpoints in MLflow (log, find the newest complete, download) and the final policy
+    artifacts.py         checkpoints in MLflow (log, prune, find the newest complete, download) and the final policy
                          (the LoggedModel; load_logged_policy)
     plots.py             the reward curve and staleness histogram of a run
     sweep_record.py      a sweep's parent run and its children (SweepRecord)
@@ -26,6 +26,7 @@ from tasks.mlflow_client.artifacts import (
     load_logged_policy,
     log_checkpoint,
     logged_model_id,
+    prune_checkpoint_artifacts,
 )
 from tasks.mlflow_client.runs import (
     EXPERIMENT_KIND,
@@ -61,6 +62,7 @@ __all__ = [
     "load_logged_policy",
     "log_checkpoint",
     "logged_model_id",
+    "prune_checkpoint_artifacts",
     "looks_like_run_id",
     "mlflow_metric_name",
     "resolve_tracking_uri",

@@ -9,6 +9,7 @@ versions also hold it under the artifact path `model/`. `load_logged_policy(run_
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 from pathlib import Path
@@ -33,6 +34,43 @@ def log_checkpoint(tracker: MlflowTracker, local_dir: str | Path) -> str:
     tracker.client.log_artifacts(tracker.run_id, str(local_dir), path)
     tracker.client.log_text(tracker.run_id, name, f"{path}/{CHECKPOINT_COMPLETE}")
     return path
+
+
+def prune_checkpoint_artifacts(tracker: MlflowTracker, keep: int) -> list[str]:
+    """Of the run's checkpoints in MLflow, keep the `keep` newest COMPLETE ones and delete every checkpoint older
+    than the oldest of them (complete or not); a newer one without its marker (an upload under way) is left.
+    keep=0 keeps everything. Returns the deleted artifact paths; a store that cannot delete artifacts keeps
+    them (one warning)."""
+    if keep <= 0:
+        return []
+    mlflow_client = tracker.client
+    entries = sorted(
+        (e.path for e in mlflow_client.list_artifacts(tracker.run_id, CHECKPOINT_ARTIFACT_PATH) if e.is_dir),
+        key=lambda p: Path(p).name,
+    )
+    complete = [
+        p
+        for p in entries
+        if any(Path(f.path).name == CHECKPOINT_COMPLETE for f in mlflow_client.list_artifacts(tracker.run_id, p))
+    ]
+    if len(complete) <= keep:
+        return []
+    oldest_kept = Path(complete[-keep]).name
+    doomed = [p for p in entries if Path(p).name < oldest_kept]
+    from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
+
+    try:
+        repo = get_artifact_repository(
+            mlflow_client.get_run(tracker.run_id).info.artifact_uri, tracking_uri=tracker.uri
+        )
+        for path in doomed:
+            repo.delete_artifacts(path)
+    except Exception as exc:  # NotImplementedError, a read-only store: the run keeps them, it goes on
+        logging.getLogger("tasks.mlflow_client").warning(
+            "older checkpoints stay in MLflow (tracking.keep_checkpoints=%d): deleting artifacts failed: %s", keep, exc
+        )
+        return []
+    return doomed
 
 
 def latest_checkpoint_artifact(run_id: str, uri: str) -> Optional[str]:

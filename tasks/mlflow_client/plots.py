@@ -3,10 +3,28 @@ with the runs it resumed) and the staleness histogram."""
 
 from __future__ import annotations
 
+import base64
+import io
+from dataclasses import dataclass
+
 from tasks.mlflow_client.runs import MlflowTracker
 
 
-def log_plots(tracker: MlflowTracker, history: list[dict], staleness_hist: dict, evals: list[dict]) -> list[str]:
+@dataclass
+class LoggedPlots:
+    """What log_plots wrote: the artifact paths, and the reward curve's PNG for summaries elsewhere."""
+
+    artifacts: list[str]
+    reward_curve_png: bytes
+
+    @property
+    def markdown(self) -> str:
+        """The reward curve as an inline markdown image (a Prefect markdown artifact shows it)."""
+        data = base64.b64encode(self.reward_curve_png).decode()
+        return f"\n![Reward curve: reward/mean and held-out eval/accuracy by step](data:image/png;base64,{data})\n"
+
+
+def log_plots(tracker: MlflowTracker, history: list[dict], staleness_hist: dict, evals: list[dict]) -> LoggedPlots:
     """Reward curve (with held-out accuracy) and staleness histogram as PNG artifacts; the curve's data as
     plots/reward_curve.json. A resumed run's curve starts with the runs it resumed (lineage_history)."""
     import matplotlib
@@ -37,6 +55,8 @@ def log_plots(tracker: MlflowTracker, history: list[dict], staleness_hist: dict,
     ax.set_title("Reward curve")
     ax.legend(loc="best")
     fig.tight_layout()
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=80)
     tracker.client.log_figure(tracker.run_id, fig, "plots/reward_curve.png")
     plt.close(fig)
     written.append("plots/reward_curve.png")
@@ -53,4 +73,4 @@ def log_plots(tracker: MlflowTracker, history: list[dict], staleness_hist: dict,
     tracker.client.log_figure(tracker.run_id, fig, "plots/staleness_histogram.png")
     plt.close(fig)
     written.append("plots/staleness_histogram.png")
-    return written
+    return LoggedPlots(written, png.getvalue())

@@ -26,10 +26,13 @@ EXPERIMENT_KIND = "custom_model_development"  # (the other values: genai_develop
 RESUMED_FROM_RUN = "atrlhf.resumed_from_run"  # tags of a run that resumed another
 RESUMED_FROM_STEP = "atrlhf.resumed_from_step"
 MLFLOW_PARENT_RUN = "mlflow.parentRunId"  # MLflow's own tag: the UI nests a run under this parent
+PER_RUN_KEYS = ("run.name", "run.output_dir", "tracking.run_name")  # differ between a sweep's children by construction
 PARAM_BATCH = 100  # MLflow accepts at most 100 params per log_batch call
 PARAM_VALUE_MAX = 6000  # and param values of at most 6000 characters
 METRIC_BATCH = 1000  # and at most 1000 metrics per call
 TERMINAL_STATUSES = ("FINISHED", "FAILED", "KILLED")
+LR_METRIC = "policy/lr"
+LR_MICRO_METRIC = "policy/lr_micro"  # the learning rate in millionths: 300 for 3e-4 (see numeric_metrics)
 
 
 def quiet_mlflow_env() -> None:
@@ -97,13 +100,19 @@ def mlflow_metric_name(key: str) -> str:
 
 
 def numeric_metrics(metrics: dict) -> dict[str, float]:
-    """The numeric values of a metrics row, under their MLflow names (`mlflow_metric_name`)."""
+    """The numeric values of a metrics row, under their MLflow names (`mlflow_metric_name`).
+
+    `policy/lr` also goes in millionths as `policy/lr_micro` (300 for 3e-4): MLflow's charts draw a constant
+    series on an axis of its value ± 1 (plotly's autorange), so a constant learning rate of 3e-4 reads as a
+    flat 0 there while 300 reads as 300. `policy/lr` itself keeps the exact value."""
     out = {}
     for key, value in metrics.items():
         if isinstance(value, bool):
             value = float(value)
         if isinstance(value, (int, float)) and key not in ("step",):
             out[mlflow_metric_name(key)] = float(value)
+    if LR_METRIC in out:
+        out[LR_MICRO_METRIC] = out[LR_METRIC] * 1e6
     return out
 
 
@@ -145,6 +154,7 @@ class MlflowTracker:
         experiment_id: str,
         parent_run_id: Optional[str] = None,
         resumed_from_step: Optional[int] = None,
+        keep_checkpoints: int = 0,
     ):
         self.uri = uri
         self.client = client(uri)
@@ -152,6 +162,7 @@ class MlflowTracker:
         self.experiment_id = experiment_id
         self.parent_run_id = parent_run_id  # the run this one resumed, if any
         self.resumed_from_step = resumed_from_step
+        self.keep_checkpoints = keep_checkpoints  # tracking.keep_checkpoints (0: keep all)
         self.system_monitor = None
         self.ended: Optional[str] = None
         self.flow_run_id: Optional[str] = None  # the Prefect flow run that started it (held until it ends)
@@ -172,11 +183,14 @@ class MlflowTracker:
         """Create the run, log params and tags, start system metrics. With `resume_run_id` the new run resumes
         that one at `resume_step`: it is tagged with both, and a parent left RUNNING by a dead driver is
         marked FAILED. With `parent_run_id` (a sweep's parent run) the run is its child (`mlflow.parentRunId`,
-        in the parent's experiment), which MLflow's UI nests under it.
+        in the parent's experiment), which MLflow's UI nests under it; its params leave out PER_RUN_KEYS
+        (tags instead), which differ between the children by construction and would otherwise head the
+        compare view's varying params.
 
         The run is named cfg.tracking.run_name, else `run_name` (the Prefect flow run's name), else MLflow
-        picks a name. `hold(tracker)` is called as soon as the run exists (the flow's cleanup then ends it, even
-        if a signal lands before this returns)."""
+        picks a name. A tag with an empty value is not set (`resumed_from` only on a resumed run, say).
+        `hold(tracker)` is called as soon as the run exists (the flow's cleanup then ends it, even if a signal
+        lands before this returns)."""
         from mlflow.entities import RunStatus
 
         uri = resolve_tracking_uri(cfg)
@@ -201,16 +215,27 @@ class MlflowTracker:
             exp_id = mlflow_client.get_run(parent_run_id).info.experiment_id
             run_tags[MLFLOW_PARENT_RUN] = parent_run_id
         run = mlflow_client.create_run(exp_id, run_name=name, tags=run_tags)
-        tracker = cls(uri, run.info.run_id, exp_id, parent_run_id=resume_run_id, resumed_from_step=resume_step)
+        tracker = cls(
+            uri,
+            run.info.run_id,
+            exp_id,
+            parent_run_id=resume_run_id,
+            resumed_from_step=resume_step,
+            keep_checkpoints=cfg.tracking.keep_checkpoints,
+        )
         tracker.flow_run_id = str(flow_run_id) if flow_run_id else None
         if hold is not None:  # the flow's cleanup ends it even if a signal lands before start returns
             hold(tracker)
         try:
-            all_tags = dict(tags or {})
+            all_tags = {k: v for k, v in (tags or {}).items() if v not in (None, "")}
             if flow_run_id:
                 all_tags["prefect.flow_run_id"] = str(flow_run_id)
+            per_run = PER_RUN_KEYS if parent_run_id else ()
+            if per_run:  # still on the run, but not among the params the compare view groups by
+                flat = flatten_config(cfg)
+                all_tags.update({k: flat[k] for k in per_run if flat.get(k) not in (None, "")})
             tracker.set_tags(all_tags)
-            tracker.log_params(cfg)
+            tracker.log_params(cfg, exclude=per_run)
             if cfg.tracking.log_system_metrics:
                 tracker._start_system_metrics(cfg)
         except BaseException as exc:  # a run created here is never left RUNNING
@@ -266,11 +291,12 @@ class MlflowTracker:
         if tags:
             self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
 
-    def log_params(self, cfg: TrainConfig) -> None:
-        """flatten_config(cfg) as params, ≤100 per call."""
+    def log_params(self, cfg: TrainConfig, exclude: Iterable[str] = ()) -> None:
+        """flatten_config(cfg) as params (but the keys in `exclude`), ≤100 per call."""
         from mlflow.entities import Param
 
-        params = {k: str(v)[:PARAM_VALUE_MAX] for k, v in flatten_config(cfg).items()}
+        skip = set(exclude)
+        params = {k: str(v)[:PARAM_VALUE_MAX] for k, v in flatten_config(cfg).items() if k not in skip}
         items = sorted(params.items())
         for s in range(0, len(items), PARAM_BATCH):
             self.client.log_batch(self.run_id, params=[Param(k, v) for k, v in items[s : s + PARAM_BATCH]])

@@ -13,11 +13,13 @@ from typing import Any, Optional
 from rlhf_core.sweep_grid import SEED_KEY, SweepPoint
 from tasks.mlflow_client.sweep_record import SweepRecord
 
+TIME_TO_TARGET = "time to target (s)"
+NOT_REACHED = "not reached"  # a point's time to target when no evaluation reached it
 TABLE_COLUMNS = (
     "point",
     "final eval/accuracy",
     "best eval/accuracy",
-    "time to target (s)",
+    TIME_TO_TARGET,
     "mean staleness",
     "samples/s",
     "steps",
@@ -73,7 +75,7 @@ def comparison_row(child: ChildHistory, target: float) -> dict:
         {
             "final eval/accuracy": acc[-1][1] if acc else None,
             "best eval/accuracy": max(v for _, v, _ in acc) if acc else None,
-            "time to target (s)": round(reached, 1) if reached is not None else None,
+            TIME_TO_TARGET: round(reached, 1) if reached is not None else None,
             "mean staleness": _mean([v for _, v, _ in child.histories.get("async/staleness_mean", [])]),
             "samples/s": _mean([v for _, v, _ in child.histories.get("throughput/samples_per_s", [])]),
             "steps": max(steps) if steps else 0,
@@ -85,11 +87,26 @@ def comparison_row(child: ChildHistory, target: float) -> dict:
     return row
 
 
-def _cell(value: Any) -> str:
+def display_value(column: str, value: Any) -> Any:
+    """A table value as a reader sees it: floats to 3 significant digits, a missing time to target "not reached"."""
+    if value is None and column == TIME_TO_TARGET:
+        return NOT_REACHED
+    if isinstance(value, float) and math.isfinite(value):
+        return float(f"{value:.3g}")
+    return value
+
+
+def display_rows(rows: list[dict]) -> list[dict]:
+    """The rows as the Prefect table artifact shows them (display_value)."""
+    return [{k: display_value(k, v) for k, v in row.items()} for row in rows]
+
+
+def _cell(column: str, value: Any) -> str:
+    value = display_value(column, value)
     if value is None:
         return "—"
     if isinstance(value, float):
-        return f"{value:.3g}"
+        return f"{value:g}"
     return str(value).replace("|", "\\|").replace("\n", " ")
 
 
@@ -100,9 +117,9 @@ def table_columns(rows: list[dict]) -> list[str]:
 
 def table_markdown(rows: list[dict], target: float) -> str:
     cols = table_columns(rows)
-    head = [c if c != "time to target (s)" else f"time to acc ≥ {target:g} (s)" for c in cols]
+    head = [c if c != TIME_TO_TARGET else f"time to acc ≥ {target:g} (s)" for c in cols]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(_cell(r.get(c)) for c in cols) + " |" for r in rows]
+    lines += ["| " + " | ".join(_cell(c, r.get(c)) for c in cols) + " |" for r in rows]
     return "\n".join(lines) + "\n"
 
 
