@@ -233,12 +233,13 @@ def save_checkpoint(
 
 
 def prune_checkpoints(checkpoints_dir: str | Path, keep: int, newest_step: Optional[int] = None) -> list[Path]:
-    """Delete a run's older checkpoints: of the `step_NNNNNN` directories in `checkpoints_dir` up to
-    `newest_step` (all when None), keep the `keep` newest and remove the rest; newer ones and anything else
-    (a `.tmp` being written) are left alone. keep=0 keeps everything. Returns the removed directories.
+    """Delete a run's older checkpoints: of the checkpoints in `checkpoints_dir` (named as `checkpoint_dir`
+    names them, holding what `inspect_path` takes for a checkpoint) up to `newest_step` (all when None), keep
+    the `keep` newest and remove the rest; newer ones and anything else (a `.tmp` being written) are left
+    alone. keep=0 keeps everything. Returns the removed directories.
 
-    Every `step_NNNNNN` directory is complete (save_checkpoint renames it into place last), so the newest
-    one kept is always a checkpoint to resume from."""
+    A checkpoint directory is complete once it has its name (save_checkpoint renames it into place last), so
+    the newest one kept is always a checkpoint to resume from."""
     if keep < 0:
         raise ValueError(f"keep must be >= 0, got {keep}")
     root = Path(checkpoints_dir)
@@ -246,11 +247,11 @@ def prune_checkpoints(checkpoints_dir: str | Path, keep: int, newest_step: Optio
         return []
     steps = []
     for entry in root.iterdir():
-        name = entry.name
-        if entry.is_dir() and name.startswith("step_") and name[5:].isdigit():
-            step = int(name[5:])
-            if newest_step is None or step <= newest_step:
-                steps.append((step, entry))
+        digits = entry.name.rpartition("_")[2]
+        if not digits.isdigit() or checkpoint_dir(root.parent, int(digits), under=root) != entry:
+            continue
+        if inspect_path(entry).kind == "checkpoint" and (newest_step is None or int(digits) <= newest_step):
+            steps.append((int(digits), entry))
     removed = [entry for _, entry in sorted(steps)[:-keep]]
     for entry in removed:
         shutil.rmtree(entry, ignore_errors=True)

@@ -161,9 +161,13 @@ def test_a_signal_while_the_run_is_being_opened_ends_it_killed(store, monkeypatc
 
 
 def _write_checkpoint(root: Path, step: int) -> Path:
-    ckpt = root / f"step_{step:06d}"
+    """A stand-in checkpoint where the layout puts step `step` (files, not weights: pruning reads no weights)."""
+    from rlhf_core.checkpoint import checkpoint_dir
+
+    ckpt = checkpoint_dir(root.parent, step, under=root)
     ckpt.mkdir(parents=True)
     (ckpt / "state.pt").write_bytes(b"x" * 10)
+    (ckpt / "meta.json").write_text(f'{{"step": {step}}}')
     return ckpt
 
 
@@ -180,6 +184,7 @@ def test_keep_checkpoints_bounds_disk_and_mlflow_and_resume_still_finds_a_comple
     assert tracker.keep_checkpoints == 2
     root = tmp_path / "run" / "checkpoints"
     (root / "step_000010.tmp").mkdir(parents=True)  # a checkpoint being written: never touched
+    (root / "step_000001").mkdir()  # not a checkpoint (no meta.json): not ours to delete
     for step in (2, 4, 6, 8):
         ckpt = _write_checkpoint(root, step)
         if step == 8:
@@ -187,7 +192,8 @@ def test_keep_checkpoints_bounds_disk_and_mlflow_and_resume_still_finds_a_comple
         log_checkpoint(tracker, ckpt)
         prune_checkpoints(root, tracker.keep_checkpoints, newest_step=step)
         prune_checkpoint_artifacts(tracker, tracker.keep_checkpoints)
-    assert sorted(p.name for p in root.iterdir()) == ["step_000006", "step_000008", "step_000010", "step_000010.tmp"]
+    kept = ["step_000001", "step_000006", "step_000008", "step_000010", "step_000010.tmp"]
+    assert sorted(p.name for p in root.iterdir()) == kept
     listed = sorted(a.path for a in tracker.client.list_artifacts(tracker.run_id, "checkpoints"))
     assert listed == ["checkpoints/step_000006", "checkpoints/step_000008"]
     on_disk = Path(tracker.client.get_run(tracker.run_id).info.artifact_uri.removeprefix("file://")) / "checkpoints"
