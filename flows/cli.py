@@ -228,6 +228,15 @@ def cmd_train(cfg: TrainConfig, resume_from: Optional[str]) -> int:
     return EXIT_FAILED
 
 
+def _console_script(name: str) -> str:
+    """`name` as typed from the working directory: the console script beside this interpreter
+    (.venv/bin/prefect from the repository root), so the hint runs without the virtualenv on PATH."""
+    path = Path(sys.executable).parent / name
+    if not path.exists():
+        return name
+    return os.path.relpath(path) if path.is_relative_to(Path.cwd()) else str(path)
+
+
 def _prefect_location(flow_run_id: Optional[str], temporary_api: bool = False) -> tuple[str, str]:
     """(where the records are, how to see them)."""
     from prefect.settings import get_current_settings
@@ -240,7 +249,8 @@ def _prefect_location(flow_run_id: Optional[str], temporary_api: bool = False) -
     home = Path(str(settings.home)).expanduser()
     return (
         f"the local Prefect database under {home}",
-        f"`prefect server start --host 127.0.0.1`, then http://127.0.0.1:4200/runs/flow-run/{flow_run_id}",
+        f"`{_console_script('prefect')} server start --host 127.0.0.1`, then "
+        f"http://127.0.0.1:4200/runs/flow-run/{flow_run_id}",
     )
 
 

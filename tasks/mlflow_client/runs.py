@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -55,11 +56,20 @@ def sqlite_path(uri: str) -> Optional[Path]:
     return None
 
 
+def _console_script(name: str) -> str:
+    """`name` as typed from the working directory: the console script beside this interpreter (.venv/bin/mlflow
+    from the repository root), so the command runs without the virtualenv on PATH; else the bare name."""
+    path = Path(sys.executable).parent / name
+    if not path.exists():
+        return name
+    return os.path.relpath(path) if path.is_relative_to(Path.cwd()) else str(path)
+
+
 def ui_command(uri: str) -> str:
     """The command that opens the MLflow UI on this store."""
     if uri.startswith(("http://", "https://")):
         return f"open {uri}"
-    return f"mlflow ui --backend-store-uri {uri} --host 127.0.0.1 --port 5000"
+    return f"{_console_script('mlflow')} ui --backend-store-uri {uri} --host 127.0.0.1 --port 5000"
 
 
 def run_url(uri: str, experiment_id: str, run_id: str) -> str:

@@ -1,0 +1,128 @@
+"""The README as written: its commands name the project's virtualenv, and its runnable blocks run.
+
+A fenced block whose info string is `bash runnable` (or `python runnable`) is run as a user would run it: from
+the repository root of a fresh clone (a scratch directory holding the repository's configs and examples and
+a `.venv` that is this interpreter's environment, so what the commands write stays there), with bash (or the
+virtualenv's python), and must exit 0. Only blocks cheap enough for the suite are marked; a block that starts
+training is not.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+FENCE = re.compile(r"^```(?P<info>[^\n`]*)\n(?P<body>.*?)^```\s*$", re.S | re.M)
+VENV_COMMANDS = ("python", "python3", "atrlhf", "prefect", "mlflow", "pip", "ruff", "pytest")
+SHARED = ("configs", "examples", "deployments", "prefect.yaml", "pyproject.toml", "Makefile")
+
+
+def blocks(text: str) -> list[tuple[int, str, str]]:
+    """(line number, info string, body) of every fenced block."""
+    return [(text[: m.start()].count("\n") + 1, m["info"].strip(), m["body"]) for m in FENCE.finditer(text)]
+
+
+def runnable_blocks() -> list[tuple[int, str, str]]:
+    return [b for b in blocks(README.read_text(encoding="utf-8")) if b[1].split()[1:2] == ["runnable"]]
+
+
+def commands(body: str) -> list[list[str]]:
+    """The commands of a bash block, as words: continuation lines joined, comments and heredoc bodies left out,
+    each command of a `&&` / `||` / `;` / `|` chain on its own (quotes respected)."""
+    out, heredoc, joined = [], None, ""
+    for line in body.splitlines():
+        if heredoc is not None:
+            heredoc = None if line.strip() == heredoc else heredoc
+            continue
+        joined += line[:-1] if line.endswith("\\") else line
+        if line.endswith("\\"):
+            continue
+        text, joined = joined, ""
+        if match := re.search(r"<<-?\s*['\"]?(\w+)", text):
+            heredoc = match.group(1)
+        lexer = shlex.shlex(text, posix=True, punctuation_chars=True)
+        lexer.commenters = "#"
+        command: list[str] = []
+        for token in lexer:
+            if token in ("&&", "||", ";", "|", "&"):
+                out.append(command) if command else None
+                command = []
+            else:
+                command.append(token)
+        if command:
+            out.append(command)
+    return out
+
+
+def test_the_parser_reads_commands_and_runnable_blocks():
+    text = "x\n```bash runnable\ncat > a <<'J'\npython no\nJ\na \\\n  b  # c\n.venv/bin/python -c 1 && atrlhf x\n```\n"
+    ((line, info, body),) = blocks(text)
+    assert line == 2 and info == "bash runnable"
+    assert commands(body) == [
+        ["cat", ">", "a", "<<", "J"],
+        ["a", "b"],
+        [".venv/bin/python", "-c", "1"],
+        ["atrlhf", "x"],
+    ]
+
+
+def test_readme_commands_name_the_virtualenv():
+    """Every command of every bash block runs as written from the repository root of a fresh clone: the
+    project's tools are called as .venv/bin/<tool> (or through make), never from a PATH the reader may not
+    have set up."""
+    bare = [
+        (line, command)
+        for line, info, body in blocks(README.read_text(encoding="utf-8"))
+        if info.split()[:1] == ["bash"]
+        for command in commands(body)
+        if command[0] in VENV_COMMANDS
+    ]
+    assert not bare, f"README commands without .venv/bin/: {bare}"
+    optional = [
+        (line, command)
+        for line, info, body in blocks(README.read_text(encoding="utf-8"))
+        if info.split()[:1] == ["bash"]
+        for command in commands(body)
+        if any(word.startswith("[-") for word in command)
+    ]
+    assert not optional, f"README commands with [optional] arguments, which do not run as written: {optional}"
+
+
+def test_some_blocks_are_marked_runnable():
+    assert len(runnable_blocks()) >= 2
+
+
+@pytest.fixture
+def fresh_clone(tmp_path) -> Path:
+    """A scratch repository root: the README's inputs linked in, `.venv` this interpreter's environment."""
+    for name in SHARED:
+        (tmp_path / name).symlink_to(ROOT / name)
+    (tmp_path / ".venv").symlink_to(Path(sys.prefix))
+    return tmp_path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "line, info, body", runnable_blocks(), ids=lambda v: f"README.md:{v}" if isinstance(v, int) else ""
+)
+def test_runnable_block_runs_as_written(fresh_clone, line, info, body):
+    env = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}
+    env["PATH"] = os.pathsep.join(
+        p for p in env.get("PATH", "").split(os.pathsep) if Path(p) != Path(sys.prefix) / "bin"
+    )
+    if info.startswith("python"):
+        argv = [str(fresh_clone / ".venv" / "bin" / "python"), "-c", body]
+    else:
+        argv = ["bash", "-euo", "pipefail", "-c", body]
+    out = subprocess.run(argv, cwd=fresh_clone, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, (
+        f"README.md:{line} failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    )
