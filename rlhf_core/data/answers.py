@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from rlhf_core.data.errors import DatasetError
 from rlhf_core.data.tasks import SYNTHETIC_TASKS
-from rlhf_core.reward.answers import answer_variants, number_forms
+from rlhf_core.reward.answer_forms import answer_variants, number_forms
 
 NUMERIC_COMPONENTS = ("answer_after_marker",)
 """Reward components that compare the response with the answer as a number (its `number_forms`)."""
