@@ -582,6 +582,22 @@ class RolloutConfig(_Section):
     random_tokens_per_s: float = Field(
         0.0, ge=0, description="RandomEngine only: simulated generation rate (0 = as fast as possible)."
     )
+    continuous_batching: bool = Field(
+        True,
+        description="HF engine: a row that ends leaves the batch and a waiting row takes its place (false: every "
+        "row of a batch is computed until the longest one ends).",
+    )
+    max_active_rows: Optional[int] = Field(
+        None,
+        ge=1,
+        description="HF engine with continuous batching: rows decoding at once (None: prompts_per_batch x "
+        "samples_per_prompt).",
+    )
+    partial_rollout: bool = Field(
+        False,
+        description="Adopt newly published weights between decode steps instead of between batches (the KV cache "
+        "is recomputed under them); token_versions records each token's version.",
+    )
     vllm_gpu_memory_utilization: float = Field(
         0.5, gt=0, le=1, description="vLLM engine: fraction of GPU memory it may take."
     )
@@ -621,6 +637,11 @@ class TrainerConfig(_Section):
         "with a number from the question, as an instruct model does, and RL learns which.",
     )
     seed: int = Field(0, description="Seed for torch, sampling and initialisation.")
+    padding_free: bool = Field(
+        True,
+        description="Pack a micro-batch's sequences end to end (own position ids, attention within each sequence) "
+        "instead of padding every row to the longest; falls back to padding where the model does not isolate them.",
+    )
 
     @field_validator("lr")
     @classmethod

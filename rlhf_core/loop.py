@@ -168,6 +168,9 @@ def _generate(parts: RunParts, n_groups: int, comp_sums: dict, comp_rows: dict, 
     # its groups (env.max_consecutive_failures stops a run whose environment keeps failing)
     while groups < n_groups:
         prompts = parts.prompts.get(n_groups - groups)
+        if getattr(parts.engine, "continuous_batching", False) and parts.worker.env is None:
+            # one call: the engine keeps rollout.max_active_rows rows decoding and starts waiting rows as rows end
+            chunk = max(1, len(prompts))
         for s in range(0, len(prompts), chunk):
             batch, components = parts.worker.rollout(prompts[s : s + chunk])
             batches.append(batch)

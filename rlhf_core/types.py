@@ -60,7 +60,8 @@ class RolloutBatch:
     response_lengths:  LongTensor [N] number of generated tokens (= response_mask.sum(-1)).
     group_ids:         LongTensor [N] index of the prompt (within the call) each completion answers;
                        completions of one prompt are contiguous.
-    policy_version:    LongTensor [N] version of the weights that generated each row.
+    policy_version:    LongTensor [N] version of the weights that generated each row: with partial rollouts
+                       (weights adopted mid-generation) the oldest version among the row's tokens.
     rewards:           FloatTensor [N] or None until scored.
     prompt_uids:       LongTensor [N] globally unique prompt id (data position) of each row.
     reward_components: FloatTensor [N, C] or None: each row's unweighted reward components, one column per
@@ -69,6 +70,8 @@ class RolloutBatch:
     loss_mask:         BoolTensor [N, L] or None: the tokens trained on, where they are not all of
                        response_mask (multi-turn trajectories: the model's tokens, not the observations
                        between them, which response_mask still covers as attended context).
+    token_versions:    LongTensor [N, L] or None: the version of the weights that produced each response token
+                       (padding: the row's policy_version). None: every token is of the row's policy_version.
     """
 
     prompt_ids: torch.Tensor
@@ -83,6 +86,7 @@ class RolloutBatch:
     prompt_uids: Optional[torch.Tensor] = None
     reward_components: Optional[torch.Tensor] = None
     loss_mask: Optional[torch.Tensor] = None
+    token_versions: Optional[torch.Tensor] = None
 
     @property
     def trained_mask(self) -> torch.Tensor:
@@ -95,6 +99,12 @@ class RolloutBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.response_lengths.sum())
+
+    def versions_per_token(self) -> torch.Tensor:
+        """LongTensor [N, L]: token_versions, or each row's policy_version repeated where there are none."""
+        if self.token_versions is not None:
+            return self.token_versions
+        return self.policy_version[:, None].expand_as(self.response_ids)
 
     def to(self, device: torch.device | str) -> RolloutBatch:
         return replace(
@@ -178,6 +188,11 @@ def cat_rollouts(batches: list[RolloutBatch], pad_token_id: int) -> RolloutBatch
         prompt_uids=cat("prompt_uids", lambda t: t),
         reward_components=cat("reward_components", lambda t: t),
         loss_mask=_cat_loss_masks(batches, L),
+        token_versions=(
+            torch.cat([pad_to(b.versions_per_token(), L, 0) for b in batches], 0)
+            if any(b.token_versions is not None for b in batches)
+            else None
+        ),
     )
 
 

@@ -605,3 +605,131 @@ def test_top_p_filter_in_chunks_is_the_same_filter(monkeypatch):
     monkeypatch.setattr(base, "TOP_P_CHUNK_ELEMENTS", 120)  # 2 rows at a time, the last chunk shorter
     assert torch.equal(removed_tokens(z, sp), whole) and 0 < float(whole.float().mean()) < 1
     assert removed_tokens(z, SamplingParams()) is None and removed_tokens(z, SamplingParams(temperature=0.5)) is None
+
+
+# ---------------------------------------------------------------------------------------------------
+# HFEngine: continuous batching and partial rollouts
+# ---------------------------------------------------------------------------------------------------
+
+LIVE_STOPS = [EOS, 5, 7]  # common tokens of the random tiny model: rows end at many different lengths
+
+
+def _decode_batch_sizes(model):
+    """Record the batch size of every forward pass of `model` (prefills and decode steps)."""
+    sizes = []
+    handle = model.register_forward_pre_hook(
+        lambda mod, args, kw: sizes.append(kw["input_ids"].shape), with_kwargs=True
+    )
+    return sizes, handle
+
+
+@pytest.mark.parametrize("max_active_rows", [None, 5, 1])
+def test_continuous_batching_logprobs_are_exact(tiny_model, mixed_length_batch, max_active_rows):
+    """Rows leave when they end and waiting rows join (their prompts prefilled into the running cache):
+    the recorded behaviour log-probs are still those of the distribution sampled from (top-k / top-p)."""
+    sampling = SamplingParams(max_new_tokens=12, temperature=0.7, top_k=3, top_p=0.9)
+    engine = HFEngine(tiny_model, LIVE_STOPS, PAD, seed=0, max_active_rows=max_active_rows)
+    batch = engine.generate(mixed_length_batch, 4, sampling)
+    _check_batch_invariants(batch, 16, 12, eos=LIVE_STOPS)
+    assert batch.response_lengths.min() < batch.response_lengths.max()
+    with torch.no_grad():
+        lp, _ = sequence_logprobs(
+            tiny_model, batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.response_mask, sampling=sampling
+        )
+    assert float(((lp - batch.behavior_logprobs) * batch.response_mask).abs().max()) < 1e-4
+    assert torch.equal(batch.token_versions, torch.zeros_like(batch.response_ids))
+    assert torch.equal(batch.group_ids, torch.arange(4).repeat_interleave(4))
+
+
+def test_continuous_batching_greedy_equals_batch_at_a_time(tiny_model, mixed_length_batch):
+    greedy = SamplingParams(max_new_tokens=10, temperature=0.0)
+    ref = HFEngine(tiny_model, LIVE_STOPS, PAD, continuous_batching=False).generate(mixed_length_batch, 1, greedy)
+    for rows in (None, 2, 1):
+        got = HFEngine(tiny_model, LIVE_STOPS, PAD, max_active_rows=rows).generate(mixed_length_batch, 1, greedy)
+        assert torch.equal(got.response_ids, ref.response_ids), rows
+        torch.testing.assert_close(got.behavior_logprobs, ref.behavior_logprobs, atol=1e-5, rtol=0)
+
+
+def test_continuous_batching_keeps_at_most_max_active_rows_and_drops_ended_rows(tiny_model, mixed_length_batch):
+    """No forward pass holds more than max_active_rows rows; decode work follows the tokens generated (each
+    row decodes once per token it keeps), where batch at a time computes every row until the longest ends."""
+    sampling = SamplingParams(max_new_tokens=12, temperature=1.0)
+    engine = HFEngine(tiny_model, LIVE_STOPS, PAD, seed=2, max_active_rows=3)
+    sizes, handle = _decode_batch_sizes(tiny_model)
+    try:
+        batch = engine.generate(mixed_length_batch, 4, sampling)
+    finally:
+        handle.remove()
+    assert max(s[0] for s in sizes) <= 3
+    decoded_rows = sum(s[0] for s in sizes if s[1] == 1)  # decode steps feed one token per row
+    assert decoded_rows == int(batch.response_lengths.sum())  # no row decodes past its end
+    assert int(batch.response_lengths.max()) * len(batch) > decoded_rows  # what batch at a time would cost
+
+    sizes, handle = _decode_batch_sizes(tiny_model)
+    try:
+        HFEngine(tiny_model, LIVE_STOPS, PAD, seed=2, continuous_batching=False).generate(
+            mixed_length_batch, 4, sampling
+        )
+    finally:
+        handle.remove()
+    assert all(s[0] == 16 for s in sizes)  # today's path: every row, every step
+
+
+def test_partial_rollout_adopts_weights_between_decode_steps(tiny_model, mixed_length_batch):
+    """between_steps hands new weights mid-generation: tokens before carry version 0, after version 1, each with
+    the behaviour log-prob of the weights that produced it (the cache is recomputed under the new weights);
+    policy_version is the oldest version in the row, and a group is as old as its oldest row."""
+    new = copy.deepcopy(tiny_model)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(0)))
+    state = {k: v.clone() for k, v in new.state_dict().items()}
+    engine = HFEngine(copy.deepcopy(tiny_model), LIVE_STOPS, PAD, seed=0, max_active_rows=6)
+    calls = []
+
+    def between_steps():
+        calls.append(1)
+        return (state, 1) if len(calls) == 4 else None
+
+    sampling = SamplingParams(max_new_tokens=12, temperature=0.7, top_k=3)
+    batch = engine.generate(mixed_length_batch, 4, sampling, between_steps=between_steps)
+    assert engine.version == 1 and engine.weight_updates == 1
+    versions, mask = batch.token_versions, batch.response_mask
+    assert bool((versions[mask] == 0).any()) and bool((versions[mask] == 1).any())
+    # within a row, versions never go back
+    assert bool((versions[:, 1:] >= versions[:, :-1])[mask[:, 1:]].all())
+    first_rows = versions[:6, :3][mask[:6, :3]]
+    assert bool((first_rows == 0).all())  # the first three tokens of the first rows came before the update
+    with torch.no_grad():
+        args = (batch.prompt_ids, batch.prompt_mask, batch.response_ids, mask)
+        lp0, _ = sequence_logprobs(tiny_model, *args, sampling=sampling)
+        lp1, _ = sequence_logprobs(new, *args, sampling=sampling)
+    expected = torch.where(versions == 0, lp0, lp1)
+    assert float(((expected - batch.behavior_logprobs) * mask).abs().max()) < 1e-4
+    oldest = versions.masked_fill(~mask, 99).amin(-1)
+    assert torch.equal(batch.policy_version[batch.response_lengths > 0], oldest[batch.response_lengths > 0])
+    batch.rewards = torch.zeros(len(batch))
+    groups = split_groups(batch, 4)
+    assert [g.policy_version for g in groups] == batch.policy_version.view(4, 4).amin(1).tolist()
+
+
+def test_batch_at_a_time_stamps_every_token_with_the_version(tiny_model, prompt_batch):
+    engine = HFEngine(tiny_model, EOS, PAD, seed=0, version=3, continuous_batching=False)
+    batch = engine.generate(prompt_batch, 2, SamplingParams(max_new_tokens=4))
+    assert torch.equal(batch.token_versions, torch.full_like(batch.response_ids, 3))
+
+
+def test_a_group_with_a_token_older_than_the_bound_is_evicted(tiny_model, mixed_length_batch):
+    """The staleness bound holds per token by eviction: a group is as old as its oldest token, so the buffer
+    evicts a group of which one token is older than max_staleness even if its other tokens are fresh."""
+    from rlhf_core.buffer import VersionedReplayBuffer
+
+    batch = HFEngine(tiny_model, LIVE_STOPS, PAD, seed=0).generate(mixed_length_batch, 2, SamplingParams(8))
+    batch.rewards = torch.zeros(len(batch))
+    batch.token_versions = torch.full_like(batch.response_ids, 3)
+    batch.token_versions[1, 0] = 1  # one token of group 0 is of version 1
+    batch.policy_version = batch.token_versions.masked_fill(~batch.response_mask, 99).amin(-1)
+    groups = split_groups(batch, 2)
+    assert [g.policy_version for g in groups] == [1, 3, 3, 3]
+    buffer = VersionedReplayBuffer(max_size=10, max_staleness=1, version=3)
+    assert buffer.push_many(groups) == 3  # group 0 (a token 2 versions old) refused; the rest fresh

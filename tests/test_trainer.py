@@ -507,3 +507,142 @@ def test_reward_components_are_step_metrics(tiny_model, batch):
     assert m["reward/mean"] == pytest.approx(0.35)
     batch.reward_components = None  # a batch without them (an older producer) just logs none
     assert not any(k in trainer.train_step(batch) for k in ("reward/format", "reward/exact_match"))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Padding-free training and per-token staleness
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("loss,agg", MICRO_CASES, ids=[f"{loss}-{agg}" for loss, agg in MICRO_CASES])
+def test_padding_free_matches_the_padded_path(tiny_model, eos_batch, loss, agg):
+    """trainer.padding_free (sequences packed end to end) gives the padded path's losses, metrics, gradients and
+    weights, for every loss and aggregation, with a KL reference, rows without tokens and 3 micro-batches."""
+    name, _, masking = loss.partition("-")
+    base = [
+        "trainer.lr=1e-4",
+        "trainer.grad_clip=1e9",
+        f"algorithm.agg={agg}",
+        f"algorithm.loss={name}",
+        "trainer.prompts_per_step=12",
+        "rollout.max_new_tokens=8",
+        "algorithm.kl_coef=0.05",
+        "trainer.micro_batch_size=16",
+    ]
+    if masking:
+        base.append(f"algorithm.masking={masking}")
+    if masking == "trust_region":
+        base.append("algorithm.clip_eps=null")
+    b = with_empty_rows(stale(eos_batch))
+    ref = perturbed(tiny_model)
+    models = {free: copy.deepcopy(tiny_model) for free in (True, False)}
+    metrics = {
+        free: Trainer(
+            models[free], make_cfg(*base, f"trainer.padding_free={free}"), pad_token_id=0, ref_model=ref
+        ).train_step(b)
+        for free in (True, False)
+    }
+    packed, padded = metrics[True], metrics[False]
+    for key in (
+        "loss/policy",
+        "loss/kl",
+        "loss/total",
+        "policy/ratio_max",
+        "policy/clip_frac",
+        "policy/approx_kl",
+        "policy/entropy",
+    ):
+        assert packed[key] == pytest.approx(padded[key], rel=1e-5, abs=1e-6), key
+    if name == "m2po":
+        assert packed["m2po/masked_frac"] == pytest.approx(padded["m2po/masked_frac"], abs=1e-6)
+    assert packed["policy/grad_norm"] == pytest.approx(padded["policy/grad_norm"], rel=1e-4)
+    for (pname, p), q in zip(models[False].named_parameters(), models[True].parameters()):
+        torch.testing.assert_close(q.grad, p.grad, atol=1e-6, rtol=1e-4, msg=lambda m, n=pname: f"{n}: {m}")
+        torch.testing.assert_close(q, p, atol=5e-6, rtol=0, msg=lambda m, n=pname: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("which", ["tiny", "chat"])
+def test_packed_logprobs_equal_padded_and_models_isolate_packed_sequences(which, tiny_policy_dir, chat_policy_dir):
+    from rlhf_core.trainer.trainer import packed_sequence_logprobs, packing_isolates
+
+    model, tok = _policy(which, tiny_policy_dir, chat_policy_dir)
+    assert packing_isolates(model)
+    cfg = make_cfg("rollout.max_new_tokens=10", "rollout.top_k=3", "rollout.temperature=0.7")
+    b = _on_policy_batch(model, tok, cfg)
+    sampling = SamplingParams.from_config(cfg.rollout)
+    args = (model, b.prompt_ids, b.prompt_mask, b.response_ids, b.response_mask)
+    with torch.no_grad():
+        padded, ent_padded = sequence_logprobs(*args, with_entropy=True, sampling=sampling)
+        packed, ent_packed = packed_sequence_logprobs(*args, with_entropy=True, sampling=sampling)
+    m = b.response_mask
+    torch.testing.assert_close(packed[m], padded[m], atol=1e-5, rtol=0)
+    torch.testing.assert_close(ent_packed[m], ent_padded[m], atol=1e-5, rtol=0)
+    assert bool((packed[~m] == 0).all())
+
+
+def test_pack_rows_places_whole_sequences_within_the_budget():
+    from rlhf_core.trainer.trainer import pack_rows
+
+    lengths = [5, 9, 2, 4, 9, 1, 3]
+    rows, offsets = pack_rows(lengths)
+    budget = max(lengths)
+    spans = {}
+    for n, (r, o) in enumerate(zip(rows, offsets)):
+        assert o + lengths[n] <= budget
+        spans.setdefault(r, []).append((o, o + lengths[n]))
+    for r, s in spans.items():  # no two sequences of a row overlap
+        s.sort()
+        assert all(a[1] <= b[0] for a, b in zip(s, s[1:])), r
+    assert len(spans) == 4  # 33 tokens in rows of 9: four rows, where padding needs seven
+
+
+class _NoPacking(torch.nn.Module):
+    """A policy that attends across the whole row (an explicit all-ones mask): packed sequences leak."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.inner = model
+
+    def forward(self, input_ids, attention_mask=None, **kw):
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        return self.inner(input_ids=input_ids, attention_mask=attention_mask, **kw)
+
+    def get_input_embeddings(self):
+        return self.inner.get_input_embeddings()
+
+
+def test_padding_free_falls_back_where_the_model_does_not_isolate_sequences(tiny_model, eos_batch):
+    from rlhf_core.trainer.trainer import packing_isolates
+
+    leaky = _NoPacking(copy.deepcopy(tiny_model))
+    assert not packing_isolates(leaky)
+    plain = copy.deepcopy(tiny_model)
+    cfg = make_cfg("trainer.lr=1e-4", "trainer.prompts_per_step=12", "rollout.max_new_tokens=8")
+    with pytest.warns(RuntimeWarning, match="does not keep packed sequences apart"):
+        got = Trainer(leaky, cfg, pad_token_id=0).train_step(eos_batch)
+    base = ["trainer.lr=1e-4", "trainer.prompts_per_step=12", "rollout.max_new_tokens=8"]
+    want = Trainer(plain, make_cfg(*base, "trainer.padding_free=false"), pad_token_id=0).train_step(eos_batch)
+    assert got["loss/total"] == pytest.approx(want["loss/total"], rel=1e-5, abs=1e-6)
+
+
+def test_token_staleness_metrics(tiny_model, batch):
+    """async/token_staleness_*: the trainer's version minus the version that produced each kept token; with
+    token_versions absent, every token is of its row's policy_version."""
+    trainer = Trainer(copy.deepcopy(tiny_model), make_cfg(), pad_token_id=0)
+    trainer.version = 5
+    b = copy.copy(batch)
+    b.policy_version = torch.full((len(b),), 2)
+    b.token_versions = None
+    m = trainer.train_step(b)
+    assert m["async/token_staleness_mean"] == 3 and m["async/token_staleness_max"] == 3
+    b.token_versions = torch.full_like(b.response_ids, 4)
+    b.token_versions[:, 0] = 2  # each row's first token came from an older version
+    trainer.version = 5
+    m = trainer.train_step(b)
+    tokens = b.response_mask.sum()
+    first = b.response_mask[:, 0].sum()
+    expected = float((3 * first + 1 * (tokens - first)) / tokens)
+    assert m["async/token_staleness_mean"] == pytest.approx(expected)
+    assert m["async/token_staleness_max"] == 3
+    assert m["async/staleness_max"] == 3

@@ -71,4 +71,17 @@ def build_engine(
             tokens_per_s=cfg.rollout.random_tokens_per_s,
             seed=seed,
         )
-    return HFEngine(model, stops, tokenizer.pad_token_id, seed=seed)
+    return HFEngine(
+        model,
+        stops,
+        tokenizer.pad_token_id,
+        seed=seed,
+        continuous_batching=getattr(cfg.rollout, "continuous_batching", True),
+        max_active_rows=max_active_rows(cfg),
+    )
+
+
+def max_active_rows(cfg) -> int:
+    """rollout.max_active_rows, or the rows of one generation batch (prompts_per_batch x samples_per_prompt)."""
+    rows = getattr(cfg.rollout, "max_active_rows", None)
+    return int(rows) if rows else cfg.rollout.prompts_per_batch * cfg.rollout.samples_per_prompt

@@ -67,8 +67,11 @@ class RolloutWorker:
         self.engine.load_weights(state_dict, version)
         return time.perf_counter() - start
 
-    def rollout(self, prompts: Sequence[Prompt]) -> tuple[RolloutBatch, dict[str, torch.Tensor]]:
+    def rollout(self, prompts: Sequence[Prompt], between_steps=None) -> tuple[RolloutBatch, dict[str, torch.Tensor]]:
         """Generate `samples_per_prompt` completions per prompt and score them; returns (batch, reward components).
+
+        between_steps (partial rollouts, HF engine): called between decode steps, returns None or
+        (state_dict, version) to adopt mid-generation (`HFEngine.generate`).
 
         The batch carries its rewards (the tensor-native reward plus each external reward's weighted scores)
         and, as `reward_components` [N, C], the per-row values of the components and external columns (NaN
@@ -77,7 +80,10 @@ class RolloutWorker:
         if self.env is not None:
             return self._rollout_env(prompts, start)
         pb = collate_prompts(prompts, self.pad_token_id, self.max_prompt_tokens)
-        batch = self.engine.generate(pb, self.samples_per_prompt, self.sampling)
+        if between_steps is not None:
+            batch = self.engine.generate(pb, self.samples_per_prompt, self.sampling, between_steps=between_steps)
+        else:
+            batch = self.engine.generate(pb, self.samples_per_prompt, self.sampling)
         rows = [p for p in prompts for _ in range(self.samples_per_prompt)]  # row-aligned with the batch
         rewards, components = self._score(rows, pb.patterns, self.samples_per_prompt, batch)
         return self._finish(batch, rewards, components, start)
@@ -176,7 +182,8 @@ def split_groups(batch: RolloutBatch, group_size: int) -> list[Experience]:
     """Split a batch whose completions of each prompt are contiguous into per-prompt Experiences (views)."""
     n = len(batch) // group_size
     index = torch.arange(len(batch)).view(n, group_size)
-    versions = batch.policy_version.view(n, group_size)[:, 0].tolist()
+    # a group is as old as its oldest token (partial rollouts: rows may span several versions)
+    versions = batch.policy_version.view(n, group_size).amin(1).tolist()
     uids = batch.prompt_uids.view(n, group_size)[:, 0].tolist() if batch.prompt_uids is not None else list(range(n))
     groups = []
     for g in range(n):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import math
 import time
+import warnings
 from typing import Optional
 
 import torch
@@ -100,6 +101,106 @@ def sequence_logprobs(
     return logprobs, entropy
 
 
+def packed_sequence_logprobs(
+    model,
+    prompt_ids,
+    prompt_mask,
+    response_ids,
+    response_mask,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    sampling: Optional[SamplingParams] = None,
+):
+    """`sequence_logprobs` without computing on padding: the same outputs ([N, L], 0 where response_mask is
+    False) from a forward pass over the sequences packed end to end.
+
+    Each sequence (its real prompt tokens, then its response tokens) keeps its own position ids 0..n-1 and is
+    placed whole in a row of a token budget (the longest sequence; first fit, longest first), so a forward
+    pass costs about the kept tokens rather than rows x the longest row. No attention mask is passed: the
+    model separates the sequences of a row by where their position ids restart (transformers' packed-sequence
+    masks for sdpa / eager, the varlen kernels for flash attention); `packing_isolates` checks that a model
+    does. Only the positions that predict a response token are read from the logits."""
+    sampling = sampling or SamplingParams(temperature=temperature)
+    dev = prompt_ids.device
+    N, L = response_ids.shape
+    full_ids = torch.cat([prompt_ids, response_ids], 1)
+    full_mask = torch.cat([prompt_mask, response_mask], 1).bool()
+    lens = full_mask.sum(-1)
+    prompt_lens = prompt_mask.sum(-1)
+    rows, offsets = pack_rows(lens.tolist())
+    budget = int(lens.max())
+    row_t = torch.tensor(rows, dtype=torch.long, device=dev)
+    off_t = torch.tensor(offsets, dtype=torch.long, device=dev)
+    # a sequence's real tokens are contiguous in its padded row (a left-padded prompt, a right-padded
+    # response), so the masked tokens in row-major order are the sequences one after the other
+    seq = torch.repeat_interleave(torch.arange(N, device=dev), lens)
+    within = torch.arange(seq.shape[0], device=dev) - (lens.cumsum(0) - lens)[seq]
+    input_ids = torch.zeros((max(rows) + 1, budget), dtype=full_ids.dtype, device=dev)
+    positions = torch.zeros_like(input_ids)
+    input_ids[row_t[seq], off_t[seq] + within] = full_ids[full_mask]
+    positions[row_t[seq], off_t[seq] + within] = within
+    hidden_logits = model(input_ids=input_ids, position_ids=positions, use_cache=False).logits
+    i, j = response_mask.nonzero(as_tuple=True)  # response token j of row i is predicted one position before it
+    logits = hidden_logits[row_t[i], off_t[i] + prompt_lens[i] + j - 1]
+    tokens = response_ids[i, j]
+    logp_all = torch.log_softmax(processed_logits(logits, sampling, keep=tokens), dim=-1)
+    values = logp_all.gather(-1, tokens[:, None]).squeeze(-1)
+    logprobs = torch.zeros((N, L), dtype=values.dtype, device=dev).index_put((i, j), values)
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            probs = logp_all.exp()
+            ent = -torch.special.xlogy(probs, probs).sum(-1)
+            entropy = torch.zeros((N, L), dtype=ent.dtype, device=dev).index_put((i, j), ent)
+    return logprobs, entropy
+
+
+def pack_rows(lengths: list[int]) -> tuple[list[int], list[int]]:
+    """Place sequences of `lengths` whole into rows of max(lengths) tokens: first fit, longest first.
+    Returns (row, offset) of each sequence, in the input order."""
+    budget = max(lengths)
+    fill: list[int] = []
+    rows, offsets = [0] * len(lengths), [0] * len(lengths)
+    for n in sorted(range(len(lengths)), key=lambda k: -lengths[k]):
+        r = next((r for r, used in enumerate(fill) if used + lengths[n] <= budget), len(fill))
+        if r == len(fill):
+            fill.append(0)
+        rows[n], offsets[n] = r, fill[r]
+        fill[r] += lengths[n]
+    return rows, offsets
+
+
+@torch.no_grad()
+def packing_isolates(model) -> bool:
+    """Whether `model` keeps packed sequences apart (attention within each sequence, as its position ids
+    restart): two short sequences' logits packed in one row equal their logits alone. Remembered per model."""
+    known = getattr(model, "_atrlhf_packing_isolates", None)
+    if known is not None:
+        return known
+    was_training = model.training
+    model.eval()
+    try:
+        dev = next(model.parameters()).device
+        V = int(model.get_input_embeddings().weight.shape[0])
+        a = (torch.arange(7, device=dev) * 7 + 3) % V
+        b = (torch.arange(5, device=dev) * 5 + 1) % V
+        alone = [
+            model(input_ids=x[None], position_ids=torch.arange(len(x), device=dev)[None], use_cache=False).logits[0]
+            for x in (a, b)
+        ]
+        pos = torch.cat([torch.arange(7, device=dev), torch.arange(5, device=dev)])[None]
+        packed = model(input_ids=torch.cat([a, b])[None], position_ids=pos, use_cache=False).logits[0]
+        ref = torch.cat(alone).float()
+        tol = (1e-4 if ref.dtype == packed.dtype == torch.float32 and alone[0].dtype == torch.float32 else 5e-2) * (
+            1 + float(ref.abs().max())
+        )
+        ok = bool((packed.float() - ref).abs().max() <= tol)
+    finally:
+        model.train(was_training)
+    model._atrlhf_packing_isolates = ok
+    return ok
+
+
 class Trainer:
     """Owns the policy being optimised, its optimizer and scheduler, and the policy version counter.
 
@@ -130,6 +231,7 @@ class Trainer:
         self.samples = 0
         self.tokens = 0
         self.lora = is_lora(model)
+        self._warned_padding = False
         if cfg.model.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
             model.gradient_checkpointing_enable()
             if self.lora:  # frozen embeddings: checkpointed blocks need an input that requires grad
@@ -200,7 +302,19 @@ class Trainer:
 
     # ------------------------------------------------------------------ step
     def _logprobs(self, model, batch: RolloutBatch, idx: slice, with_entropy: bool = False):
-        return sequence_logprobs(
+        fn = sequence_logprobs
+        if self.tcfg.padding_free:
+            if packing_isolates(model):
+                fn = packed_sequence_logprobs
+            elif not self._warned_padding:
+                self._warned_padding = True
+                warnings.warn(
+                    f"trainer.padding_free: {type(model).__name__} does not keep packed sequences apart here "
+                    "(attention across position-id restarts); training on padded rows",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+        return fn(
             model,
             batch.prompt_ids[idx],
             batch.prompt_mask[idx],
@@ -373,6 +487,13 @@ class Trainer:
         staleness = consumer_version - batch.policy_version  # tau = trainer version - data version
         metrics["async/staleness_mean"] = float(staleness.float().mean())
         metrics["async/staleness_max"] = int(staleness.max())
+        # per token: the version that produced each token (partial rollouts: several per row)
+        token_staleness = (consumer_version - batch.versions_per_token())[batch.trained_mask]
+        if token_staleness.numel():
+            metrics["async/token_staleness_mean"] = float(token_staleness.float().mean())
+            metrics["async/token_staleness_max"] = int(token_staleness.max())
+        else:
+            metrics["async/token_staleness_mean"] = metrics["async/token_staleness_max"] = 0
         return metrics
 
     def reward_component_means(self, batch: RolloutBatch) -> dict[str, float]:
