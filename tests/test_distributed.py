@@ -259,3 +259,28 @@ def test_async_checkpoints_are_taken_at_exact_multiples_and_named_by_the_step_th
         state, _ = read_checkpoint(tmp_path / "checkpoints" / name)
         assert state.step == int(name.removeprefix("step_")) == state.version
         assert state.run["eval_start"] == result["eval/accuracy_start"] and len(state.rng["rollout"]) == 1
+
+
+def test_partial_rollouts_adopt_weights_mid_batch_and_bound_every_tokens_staleness(ray_local, tmp_path):
+    """rollout.partial_rollout: the rollout worker adopts published weights between decode steps; rows then hold
+    tokens of several versions, the per-token staleness is logged and stays within max_staleness (groups are
+    as old as their oldest token), and every group is still accounted for."""
+    cfg = tiny_cfg(
+        tmp_path,
+        "trainer.total_steps=20",
+        "runtime.max_staleness=1",
+        "rollout.prompts_per_batch=8",
+        "rollout.max_new_tokens=16",
+        "rollout.partial_rollout=true",
+    )
+    result = run_distributed(cfg, poll_interval_s=0.2)
+    assert result["steps"] == 20
+    metrics = result["metrics"]
+    assert all("async/token_staleness_max" in m for m in metrics)
+    assert max(m["async/token_staleness_max"] for m in metrics) <= 1
+    assert max(m["async/staleness_max"] for m in metrics) <= 1
+    rollout = result["final_poll"]["rollout"]
+    rollout = rollout if isinstance(rollout, list) else [rollout]
+    assert sum(r["syncs_mid_batch"] for r in rollout) >= 1  # weights did change mid-generation
+    rec = result["reconcile"]
+    assert rec["in_flight"] == 0 and rec["unaccounted"] == 0, rec

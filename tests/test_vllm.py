@@ -128,6 +128,43 @@ def test_vllm_load_weights_changes_outputs_and_version(vllm_engine, tiny_policy_
     vllm_engine.load_weights({k: v.detach() for k, v in model.named_parameters()}, version=4)  # restore for other tests
 
 
+@pytest.mark.cuda
+def test_in_flight_weight_update(vllm_engine, tiny_policy_dir, max3_prompts, tiny_tokenizer):
+    """Partial rollouts on vLLM: weights handed over between engine steps are loaded while requests run; tokens
+    are stamped with the version in effect when produced, policy_version is each row's oldest, and the tokens
+    produced before the update have the old weights' log-probs."""
+    from rlhf_core.models import load_policy
+
+    model, _ = load_policy(tiny_policy_dir, dtype="float32", device="cpu")
+    new = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    state = {k: v.detach() for k, v in new.named_parameters()}
+    vllm_engine.load_weights({k: v.detach() for k, v in model.named_parameters()}, version=10)
+    calls = []
+
+    def between_steps():
+        calls.append(1)
+        return (state, 11) if len(calls) == 3 else None
+
+    pb = collate_prompts(max3_prompts[0][:8], tiny_tokenizer.pad_token_id)
+    sampling = SamplingParams(max_new_tokens=8, temperature=1.0)
+    batch = vllm_engine.generate(pb, 2, sampling, between_steps=between_steps).to("cpu")
+    m = batch.response_mask
+    assert vllm_engine.version == 11
+    tv = batch.token_versions
+    assert bool((tv[m] == 10).any()) and bool((tv[m] == 11).any())
+    assert torch.equal(batch.policy_version, tv.masked_fill(~m, 99).amin(-1).clamp(max=11))
+    with torch.no_grad():
+        old_lp, _ = sequence_logprobs(
+            model, batch.prompt_ids, batch.prompt_mask, batch.response_ids, m, sampling=sampling
+        )
+    first = m & (tv == 10)
+    torch.testing.assert_close(batch.behavior_logprobs[first], old_lp[first], atol=2e-3, rtol=0)
+    vllm_engine.load_weights({k: v.detach() for k, v in model.named_parameters()}, version=12)  # restore
+
+
 # ---------------------------------------------------------------------------------------------------
 # What VLLMEngine asks of vLLM, checked against a stand-in module (runs where vLLM is not installed)
 # ---------------------------------------------------------------------------------------------------

@@ -59,6 +59,9 @@ class RolloutActor:
             warnings.simplefilter("ignore")
             self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
         self.loop_running = False
+        # partial rollouts: the weight-store request in flight between decode steps, and when it was sent
+        self._newer_ref = None
+        self._newer_asked = 0.0
 
     def ping(self) -> dict:
         return {"index": self.index, "restarted": self.restarted, "version": self.worker.version}
@@ -100,7 +103,8 @@ class RolloutActor:
         if not prompts:
             return 0
         busy_before = self.worker.busy_s
-        groups = self.worker.generate_groups(prompts)
+        between_steps = self._between_steps if self.cfg.rollout.partial_rollout else None
+        groups = self.worker.generate_groups(prompts, between_steps=between_steps)
         t2 = time.perf_counter()
         self.phase_s["split"] += (t2 - t1) - (
             self.worker.busy_s - busy_before
@@ -115,6 +119,33 @@ class RolloutActor:
             self.pending_push = (self._push_pool.submit(self._push, groups), len(groups))
         self.phase_s["push"] += time.perf_counter() - t2
         return len(groups)
+
+    def _between_steps(self):
+        """Partial rollouts: called by the engine between decode steps. Asks the weight store for newer weights
+        without waiting (one request in flight, at most every 20 ms); when newer ones are published, fetches
+        them (the fetch is this worker's stall, recorded as a sync) and hands them to the engine."""
+        now = time.perf_counter()
+        ref = self._newer_ref
+        if ref is None:
+            if now - self._newer_asked < 0.02:
+                return None
+            self._newer_ref = self.store.get_if_newer.remote(self.worker.version)
+            self._newer_asked = now
+            return None
+        ready, _ = ray.wait([ref], timeout=0)
+        if not ready:
+            return None
+        self._newer_ref = None
+        found = get_or_fail(ref, self.timeout, "the weight store")
+        if found is None or found[0] <= self.worker.version:
+            return None
+        version, (weights_ref,) = found
+        state_dict = unpack_state_dict(get_or_fail(weights_ref, self.timeout, f"weights of version {version}"))
+        fetched = time.perf_counter()
+        self.syncs.append(
+            {"version": version, "fetch_s": fetched - now, "load_s": 0.0, "stall_s": fetched - now, "mid_batch": True}
+        )
+        return state_dict, version
 
     def _push(self, groups: list[Experience]) -> None:
         get_or_fail(self.buffer.push.remote(pack_groups(groups)), self.timeout, "the replay buffer to accept a push")
@@ -184,6 +215,7 @@ class RolloutActor:
                 "restarted": self.restarted,
                 "groups_pushed": self.groups_pushed,
                 "syncs": len(self.syncs),
+                "syncs_mid_batch": sum(1 for x in self.syncs if x.get("mid_batch")),
                 "sync_stall_s_mean": sum(stalls) / len(stalls) if stalls else 0.0,
                 "sync_stall_s_max": max(stalls) if stalls else 0.0,
                 "batch_s_mean": s["busy_s"] / s["batches"] if s["batches"] else 0.0,

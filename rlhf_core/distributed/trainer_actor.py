@@ -181,8 +181,11 @@ class TrainerActor:
             staleness = consumer_version - batch.policy_version
             pilot = self.cfg.runtime.autopilot  # the autopilot moves the buffer's bound up to its ceiling
             bound = pilot.max_staleness if pilot.enabled else self.cfg.runtime.max_staleness
-            if int(staleness.max()) > bound:  # the buffer guarantees this; never train on it
-                raise RuntimeError(f"staleness bound violated: tau={int(staleness.max())} > max_staleness")
+            # per token (partial rollouts: a row's tokens may be of several versions; policy_version is the oldest)
+            token_staleness = (consumer_version - batch.versions_per_token())[batch.trained_mask]
+            worst = max([int(staleness.max()), *([int(token_staleness.max())] if token_staleness.numel() else [])])
+            if worst > bound:  # the buffer guarantees this; never train on it
+                raise RuntimeError(f"staleness bound violated: tau={worst} > max_staleness")
             for tau, count in zip(*torch.unique(staleness, return_counts=True)):
                 self.staleness_hist[int(tau)] = self.staleness_hist.get(int(tau), 0) + int(count)
             m = self._on_all("train_step", batch)

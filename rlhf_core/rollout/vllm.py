@@ -276,7 +276,12 @@ class VLLMEngine:
         except TypeError:
             return VSamplingParams(**kwargs)
 
-    def generate(self, prompts: PromptBatch, samples_per_prompt: int, sampling: SamplingParams) -> RolloutBatch:
+    def generate(
+        self, prompts: PromptBatch, samples_per_prompt: int, sampling: SamplingParams, between_steps=None
+    ) -> RolloutBatch:
+        """between_steps (partial rollouts): see `_generate_in_flight`."""
+        if between_steps is not None:
+            return self._generate_in_flight(prompts, samples_per_prompt, sampling, between_steps)
         G = samples_per_prompt
         requests = [
             {"prompt_token_ids": row[mask].tolist()}
@@ -295,3 +300,62 @@ class VLLMEngine:
                 per_prompt.append((ids, lps))
             completions.append(per_prompt)
         return pack_completions(completions, prompts, self.pad_token_id, self.version, self.device)
+
+    def _generate_in_flight(
+        self, prompts: PromptBatch, G: int, sampling: SamplingParams, between_steps
+    ) -> RolloutBatch:
+        """Partial rollouts on vLLM: the engine is stepped here (`LLMEngine.add_request` / `step`, vLLM's own
+        loop), and between two steps between_steps() may hand over (weights, version), loaded in place
+        through `load_weights` while requests are in flight. vLLM keeps the running requests' KV cache (as
+        PipelineRL does: it has no API to recompute one request's cache), so unlike the HF engine a token
+        after an update attends to keys and values of the previous weights; its recorded log-prob is still
+        that of the distribution it was sampled from. Each token is stamped with the version in effect at
+        the step that produced it. Untested here (no CUDA): scripts/gpu_checks.sh runs
+        tests/test_vllm.py::test_in_flight_weight_update."""
+        import uuid
+
+        engine = self.llm.llm_engine
+        params = self._sampling_params(1, sampling)  # one request per row: per-row token counts are plain
+        extra = {"lora_request": self.lora_request} if self.lora_request is not None else {}
+        tag = uuid.uuid4().hex
+        ids = []
+        for i, (row, mask) in enumerate(zip(prompts.prompt_ids.cpu(), prompts.prompt_mask.cpu())):
+            for g in range(G):
+                rid = f"atrlhf-{tag}-{i}-{g}"
+                engine.add_request(rid, {"prompt_token_ids": row[mask].tolist()}, params, **extra)
+                ids.append(rid)
+        seen: dict[str, list[int]] = {rid: [] for rid in ids}  # the version of each token seen so far
+        done: dict[str, object] = {}
+        while engine.has_unfinished_requests():
+            update = between_steps()
+            if update is not None:
+                self.load_weights(update[0], update[1])
+            for out in engine.step():
+                if out.request_id not in seen:
+                    continue
+                comp = out.outputs[0]
+                new = len(comp.token_ids) - len(seen[out.request_id])
+                seen[out.request_id].extend([self.version] * max(0, new))
+                if out.finished:
+                    done[out.request_id] = comp
+        completions, versions = [], []
+        for i in range(len(prompts)):
+            per_prompt = []
+            for g in range(G):
+                rid = f"atrlhf-{tag}-{i}-{g}"
+                comp = done[rid]
+                toks = list(comp.token_ids)
+                lps = [float(comp.logprobs[t][tok].logprob) for t, tok in enumerate(toks)]
+                per_prompt.append((toks, lps))
+                versions.append(seen[rid][: len(toks)])
+            completions.append(per_prompt)
+        batch = pack_completions(completions, prompts, self.pad_token_id, self.version, "cpu")
+        L = batch.response_ids.shape[1]
+        tv = torch.full((len(versions), L), self.version, dtype=torch.long)
+        for r, v in enumerate(versions):
+            if v:
+                tv[r, : len(v)] = torch.tensor(v, dtype=torch.long)
+                tv[r, len(v) :] = min(v)
+        batch.token_versions = tv
+        batch.policy_version = tv.amin(-1)
+        return batch.to(self.device)

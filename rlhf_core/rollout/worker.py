@@ -148,9 +148,9 @@ class RolloutWorker:
         batch.group_ids = torch.arange(len(keep), device=batch.group_ids.device).repeat_interleave(G)
         return self._finish(batch, rewards, components, start)
 
-    def generate_groups(self, prompts: Sequence[Prompt]) -> list[Experience]:
+    def generate_groups(self, prompts: Sequence[Prompt], between_steps=None) -> list[Experience]:
         """`rollout`, then one Experience per prompt (its G completions), on CPU for transport."""
-        batch, _ = self.rollout(prompts)
+        batch, _ = self.rollout(prompts, between_steps=between_steps)
         return split_groups(batch.to("cpu"), self.samples_per_prompt)
 
     def close(self) -> None:
