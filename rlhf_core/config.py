@@ -244,7 +244,7 @@ class RewardConfig(_Section):
         "text",
         description="How exact_match, contains, answer_after_marker and format compare: 'text' = as text on the "
         "device, any tokenization, numbers normalised (docs/rewards.md); 'tokens' = the answers' token sequences "
-        "(special-token answers, one known tokenization).",
+        "(special-token answers, one known tokenization: docs/rewards.md).",
     )
     model: RewardModelConfig = Field(
         default_factory=RewardModelConfig,
