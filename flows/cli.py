@@ -36,6 +36,7 @@ _QUIET_ENV = {
     "DO_NOT_TRACK": "1",
     "MLFLOW_DISABLE_TELEMETRY": "true",
     "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
+    "MLFLOW_LOGGING_LEVEL": "WARNING",  # MLflow's own INFO lines (another format) say nothing the run does not
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",
@@ -154,6 +155,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             except ConfigError as exc:
                 print(f"atrlhf: {exc}", file=sys.stderr)
                 return EXIT_CONFIG
+        if args.resume_from:  # a run that already reached total_steps: say so before anything starts
+            from tasks.checkpoints import nothing_to_train
+
+            finished = nothing_to_train(cfg, args.resume_from)
+            if finished:
+                print(f"atrlhf: {finished}", file=sys.stderr)
+                return 0
         return cmd_train(cfg, args.resume_from)
     if args.command == "score":
         return cmd_score(cfg, args.input, as_json=args.json)
@@ -172,12 +180,28 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 # ------------------------------------------------------------------------------------------------ train
-class _HideCompletedTaskRuns:
-    """Drops Prefect's per-task "Finished in state Completed()" lines from the terminal only: they would bury
-    the progress lines. Failed or crashed task runs still print (at ERROR); the Prefect UI keeps every line."""
+class _QuietTerminal:
+    """What a healthy run need not print, dropped from the terminal only (the Prefect UI keeps every line):
+    Prefect's "Finished in state Completed()" per task run (and per child flow run of a sweep), which would bury
+    the progress lines, and the INFO lines of the long-running loops' task runs (their progress, every 30 s).
+    Failed or crashed runs still print (at ERROR)."""
+
+    def __init__(self, loop_tasks: tuple[str, ...]):
+        self.loop_tasks = loop_tasks
 
     def filter(self, record) -> bool:
-        return not (record.name == "prefect.task_runs" and str(record.msg).startswith("Finished in state Completed"))
+        if record.name in ("prefect.task_runs", "prefect.flow_runs") and str(record.msg).startswith(
+            "Finished in state Completed"
+        ):
+            return False
+        return not (record.levelno < 30 and getattr(record, "task_name", None) in self.loop_tasks)
+
+
+class _NoRayTokenNotice:
+    """Ray's notice that token authentication is on for the local cluster it starts (the default, not news)."""
+
+    def filter(self, record) -> bool:
+        return not str(record.msg).startswith("Token authentication is enabled")
 
 
 def _quiet_terminal() -> None:
@@ -185,13 +209,22 @@ def _quiet_terminal() -> None:
 
     from prefect.logging.handlers import PrefectConsoleHandler
 
+    from tasks.cluster import LOOP_TASKS
+
     seen = set()
-    for name in ("", "prefect", "prefect.task_runs"):  # the console handler sits on the root logger
+    for name in ("", "prefect", "prefect.task_runs", "prefect.flow_runs"):  # the console handler: root's
         for handler in logging.getLogger(name).handlers:
             if isinstance(handler, PrefectConsoleHandler) and id(handler) not in seen:
                 seen.add(id(handler))
-                if not any(isinstance(f, _HideCompletedTaskRuns) for f in handler.filters):
-                    handler.addFilter(_HideCompletedTaskRuns())
+                if not any(isinstance(f, _QuietTerminal) for f in handler.filters):
+                    handler.addFilter(_QuietTerminal(LOOP_TASKS))
+    ray_auth = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    if not any(isinstance(f, _NoRayTokenNotice) for f in ray_auth.filters):
+        ray_auth.addFilter(_NoRayTokenNotice())
+
+
+def _startup_line(line: str) -> None:
+    print(f"atrlhf: start-up: {line}", file=sys.stderr, flush=True)
 
 
 def cmd_train(cfg: TrainConfig, resume_from: Optional[str]) -> int:
@@ -204,7 +237,9 @@ def cmd_train(cfg: TrainConfig, resume_from: Optional[str]) -> int:
 
     with cli_signals():
         # the flow's imports (prefect, mlflow through tasks; ray is imported at launch) while the API starts
-        with local_prefect_api(while_starting=lambda: importlib.import_module("flows.train")) as temporary_api:
+        with local_prefect_api(
+            while_starting=lambda: importlib.import_module("flows.train"), progress=_startup_line
+        ) as temporary_api:
             from flows.train import train
 
             _quiet_terminal()
@@ -266,11 +301,17 @@ def _train_summary(
         "=" * 78,
         f"atrlhf train: {state.name}" + (f" — {state.message}" if state.message and not result else ""),
     ]
+    if result and result.get("nothing_to_train"):
+        lines.append(f"  {result['nothing_to_train']}")
+        result = None
     if result:
-        lines += [
-            f"  held-out accuracy   {result['eval/accuracy_start']:.3f} at the start -> {result['eval/accuracy']:.3f} "
-            f"after {result['steps']} steps",
-        ]
+        start = f"{result['eval/accuracy_start']:.3f} at the start"
+        if result.get("eval/accuracy_resumed") is not None:  # a resumed run: its lineage's start, and where it resumed
+            start = (
+                f"{result['eval/accuracy_start']:.3f} at the lineage's start, {result['eval/accuracy_resumed']:.3f} at "
+                f"the resume (step {result['resumed_at']})"
+            )
+        lines.append(f"  held-out accuracy   {start} -> {result['eval/accuracy']:.3f} after {result['steps']} steps")
         if "eval/pass@k" in result:
             lines.append(
                 f"  sampled held-out    pass@{cfg.eval.k} {result['eval/pass@k']:.3f}, mean@{cfg.eval.k} "
@@ -325,11 +366,14 @@ def cmd_sweep(
     from flows.local_api import local_prefect_api
 
     with cli_signals():
-        with local_prefect_api(while_starting=lambda: importlib.import_module("flows.sweep")) as temporary_api:
+        with local_prefect_api(
+            while_starting=lambda: importlib.import_module("flows.sweep"), progress=_startup_line
+        ) as temporary_api:
             from flows.sweep import sweep
             from tasks.mlflow_client import ui_command
             from tasks.mlflow_client.sweep_comparison import table_markdown
 
+            _quiet_terminal()
             try:
                 state = sweep(
                     base_config=cfg,

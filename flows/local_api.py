@@ -118,18 +118,24 @@ def stop_process_group(process: subprocess.Popen, grace_s: float = STOP_GRACE_S)
 
 @contextlib.contextmanager
 def local_prefect_api(
-    log_path: Optional[Path] = None, while_starting: Optional[Callable[[], object]] = None
+    log_path: Optional[Path] = None,
+    while_starting: Optional[Callable[[], object]] = None,
+    progress: Optional[Callable[[str], None]] = None,
 ) -> Iterator[Optional[str]]:
     """Yield the URL of a temporary Prefect API on 127.0.0.1 in its own session, set as PREFECT_API_URL for
     the block, and stop it (and its children) on every exit. Yields None when an API is configured.
 
     while_starting: called once before the block, while the server starts (after its process is spawned, before
     waiting for it to answer), or at once when an API is configured: the CLI imports its flow there, so that the
-    two processes' imports (7-8 s each on 2 cores) overlap instead of adding up."""
+    two processes' imports (7-8 s each on 2 cores) overlap instead of adding up. `progress(line)`: told what
+    starts and when it answers."""
+    say = progress or (lambda line: None)
+    t0 = time.monotonic()
     import prefect
     from prefect.settings import PREFECT_API_URL, get_current_settings, temporary_settings
 
     if get_current_settings().api.url:
+        say(f"Prefect API at {get_current_settings().api.url} (PREFECT_API_URL)")
         if while_starting is not None:
             while_starting()
         yield None
@@ -170,10 +176,12 @@ def local_prefect_api(
         start_new_session=True,
         preexec_fn=_die_with_parent(os.getpid()),
     )
+    say(f"starting a temporary Prefect API at {url} (PREFECT_API_URL is not set)")
     try:
         if while_starting is not None:
             while_starting()
         _wait_healthy(url, process, STARTUP_TIMEOUT_S)
+        say(f"Prefect API up ({time.monotonic() - t0:.1f} s)")
         with temporary_settings(updates={PREFECT_API_URL: url}):
             try:
                 yield url

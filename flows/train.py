@@ -1,7 +1,9 @@
 """The training flow: launch the Ray runtime, supervise it to cfg.trainer.total_steps, record everything.
 
     launch (task) -> open the MLflow run (task) -> evaluate at the start (task)
-    supervise: every supervision.supervise_interval_s (sync mode: every lockstep step), one Supervisor
+    async mode: the trainer's loop and each rollout worker's loop, task runs that span the run (submitted;
+        they wait on their Ray actors)
+    supervise, beside them: every supervision.supervise_interval_s (sync mode: every lockstep step), one Supervisor
         tick (poll, health checks and their actions: sync weights, throttle, top up prompts, fail), then
         metrics to MLflow, a checkpoint every tracking.checkpoint_every steps (task), an evaluation every
         tracking.eval_every steps (task), the progress artifact and a progress line
@@ -27,6 +29,7 @@ from prefect.artifacts import (
     create_table_artifact,
     update_progress_artifact,
 )
+from prefect.futures import wait
 from prefect.runtime import flow_run as current_flow_run
 from prefect.states import Cancelled
 
@@ -35,13 +38,21 @@ from rlhf_core.config import TrainConfig, validate_config
 from rlhf_core.preflight import LATEST, claim_run_dir, default_run_name
 from rlhf_core.supervision import HealthEvent, Supervisor
 from tasks.checkpoints import ResumeTarget, export_policy, record_checkpoint, resolve_resume, save_checkpoint
-from tasks.cluster import evaluate_heldout, launch_runtime, teardown_runtime, warm_start_policy
+from tasks.cluster import (
+    evaluate_heldout,
+    launch_runtime,
+    rollout_loop,
+    teardown_runtime,
+    trainer_loop,
+    warm_start_policy,
+)
 from tasks.mlflow_client import MlflowTracker, run_url, ui_command
 from tasks.supervision import CancelWatch, event_rows, progress_line, reward_component_keys
 from tasks.tracking import log_model, log_plots, start_tracking
 
 CANCEL_CHECK_INTERVAL_S = 1.0
 HEARTBEAT_S = 30.0
+LOOP_END_WAIT_S = 30.0  # for the loops' task runs to record their end once the loops are stopped
 
 
 @flow(name="atrlhf-train", validate_parameters=False, log_prints=True)
@@ -67,10 +78,16 @@ def train(
         cfg.run.name = default_run_name(current_flow_run.name or "")
     flow_run_id = str(current_flow_run.id) if current_flow_run.id else ""
 
+    resume = resolve_resume(cfg, resume_from)  # a bad checkpoint fails before the run directory exists
+    if resume.finished:  # nothing to train: said so, nothing started, nothing written
+        return {"nothing_to_train": resume.finished, "flow_run_id": flow_run_id}
     with RunResources(logger) as resources:
-        resume = resolve_resume(cfg, resume_from)  # a bad checkpoint fails before the run directory exists
         resources.hold(claim_run_dir(cfg.run.output_dir, cfg.run.name))
-        logger.info("run directory %s (%s points to it)", cfg.run.run_dir, Path(cfg.run.output_dir) / LATEST)
+        logger.info(
+            "run directory %s (%s points to it once it holds a checkpoint)",
+            cfg.run.run_dir,
+            Path(cfg.run.output_dir) / LATEST,
+        )
         with sigterm_kept():  # ray.init would leave SIGTERM to sys.exit
             runtime, info = launch_runtime(cfg, resume.checkpoint, hold=resources.hold)
         tracker = start_tracking(
@@ -88,7 +105,7 @@ def train(
             hold=resources.hold,
         )
         _link_mlflow_run(tracker, flow_run_id, logger)
-        run = RunState(cfg, runtime, tracker, logger, step=info["step"])
+        run = RunState(cfg, runtime, tracker, logger, step=info["step"], run_dir=resources.run_dir)
 
         evaluate_at_start(run, resume)
         if not supervise(run, CancelWatch(flow_run_id)):
@@ -113,7 +130,9 @@ class RunState:
     tracker: MlflowTracker
     logger: Any
     step: int = 0
-    eval_start: Optional[float] = None
+    run_dir: Any = None  # rlhf_core.preflight.RunDirClaim: output_dir/latest moves here at the first checkpoint
+    eval_start: Optional[float] = None  # held-out accuracy at the lineage's start (before its first step)
+    eval_resumed: Optional[float] = None  # held-out accuracy at the step this run resumed at
     history: list[dict] = field(default_factory=list)  # per-step trainer metrics
     evals: list[dict] = field(default_factory=list)  # held-out evaluations, with their step
     last_metrics: dict = field(default_factory=dict)
@@ -128,10 +147,17 @@ class RunState:
 
 # ------------------------------------------------------------------------------------------- the run
 def evaluate_at_start(run: RunState, resume: ResumeTarget) -> None:
-    """Held-out accuracy before training (on resume: the value the original run recorded)."""
+    """Held-out accuracy before training. On resume, eval_start stays the lineage's start (the value the original
+    run recorded) and the accuracy at the resume point is measured as eval/accuracy_resumed."""
     if resume.eval_start is not None:
         run.eval_start = resume.eval_start
+        run.logger.info("start-up: the held-out evaluation at the resume point (step %d)", run.step)
+        at_resume = evaluate_heldout(run.runtime, run.step)
+        run.eval_resumed = at_resume["eval/accuracy"]
+        run.evals.append({**at_resume, "step": run.step})
+        run.tracker.log_metrics_at({**at_resume, "eval/accuracy_resumed": run.eval_resumed}, run.step)
         return
+    run.logger.info("start-up: the first held-out evaluation (before training)")
     first = evaluate_heldout(run.runtime, run.step)
     run.eval_start = first["eval/accuracy"]
     run.evals.append({**first, "step": run.step})
@@ -162,15 +188,16 @@ def supervise(run: RunState, cancel: CancelWatch) -> bool:
     )
     run.runtime.run_facts = run.checkpoint_facts  # the async trainer writes its own checkpoints with these
     run.runtime.start()
+    loops = watch_loops(run)
     while True:
         raise_if_pending()  # a Ctrl-C whose KeyboardInterrupt a finalizer swallowed
         poll = supervisor.tick()
         _record(run, poll)
         if cfg.runtime.mode == "async":  # written by the trainer at exact multiples of checkpoint_every
             for written in run.runtime.new_checkpoints():
-                record_checkpoint(run.tracker, written["path"], written["step"])
+                _recorded(run, record_checkpoint(run.tracker, written["path"], written["step"]))
         elif checkpoints.due(run.step) and run.step < total:  # lockstep: the step is exact already
-            save_checkpoint(run.runtime, cfg, run.step, run.tracker, run=run.checkpoint_facts)
+            _recorded(run, save_checkpoint(run.runtime, cfg, run.step, run.tracker, run=run.checkpoint_facts))
         if evaluations.due(run.step) and run.step < total:
             _evaluate(run)
 
@@ -188,23 +215,38 @@ def supervise(run: RunState, cancel: CancelWatch) -> bool:
             if cancel.requested():
                 run.logger.warning("cancellation requested at step %d: stopping the loops", run.step)
                 run.runtime.stop()
+                wait(loops, timeout=LOOP_END_WAIT_S)
                 return False
         if cfg.runtime.mode == "async":
             time.sleep(cfg.supervision.supervise_interval_s)
 
     run.runtime.stop()
+    wait(loops, timeout=LOOP_END_WAIT_S)  # their task runs end now, not when the flow does
     _record(run, run.runtime.poll())
     for written in run.runtime.new_checkpoints():  # written between the last poll and the stop
-        record_checkpoint(run.tracker, written["path"], written["step"])
+        _recorded(run, record_checkpoint(run.tracker, written["path"], written["step"]))
     update_progress_artifact(artifact_id=progress_id, progress=100.0)
     return True
+
+
+def watch_loops(run: RunState) -> list:
+    """Async mode: one task run per long-running loop (the trainer's, each rollout worker's), submitted to run
+    beside the supervision for as long as the loop does; a worker Ray restarted is a new attempt of its task."""
+    cfg = run.cfg
+    if cfg.runtime.mode != "async":
+        return []
+    workers = rollout_loop.with_options(retries=cfg.cluster.max_restarts)
+    return [
+        trainer_loop.submit(run.runtime, cfg.trainer.total_steps),
+        *(workers.submit(run.runtime, i) for i in range(cfg.rollout.num_workers)),
+    ]
 
 
 def finish(run: RunState) -> dict:
     """Final evaluation, checkpoint, export and records; returns the run's result."""
     cfg, tracker = run.cfg, run.tracker
     final_eval = _evaluate(run)
-    checkpoint = save_checkpoint(run.runtime, cfg, run.step, tracker, run=run.checkpoint_facts)
+    checkpoint = _recorded(run, save_checkpoint(run.runtime, cfg, run.step, tracker, run=run.checkpoint_facts))
     exported = export_policy(run.runtime, cfg)
     if cfg.tracking.log_model:
         log_model(tracker, exported, step=run.step)
@@ -219,6 +261,8 @@ def finish(run: RunState) -> dict:
     result.update(
         {
             "eval/accuracy_start": run.eval_start,
+            **({"eval/accuracy_resumed": run.eval_resumed} if run.eval_resumed is not None else {}),
+            "resumed_at": run.tracker.resumed_from_step,
             "steps": run.step,
             "mlflow_run_id": tracker.run_id,
             "mlflow_experiment_id": tracker.experiment_id,
@@ -250,11 +294,14 @@ def finish(run: RunState) -> dict:
         key="atrlhf-summary",
         description="Run summary",
     )
+    resumed = f", {run.eval_resumed:.3f} at the resume" if run.eval_resumed is not None else ""
     run.logger.info(
-        "done: step %d, held-out accuracy %.3f (start %.3f); MLflow run %s; policy exported to %s",
+        "done: step %d, held-out accuracy %.3f (%.3f at the %s%s); MLflow run %s; policy exported to %s",
         run.step,
         result["eval/accuracy"],
         run.eval_start,
+        "lineage's start" if run.eval_resumed is not None else "start",
+        resumed,
         tracker.run_id,
         exported,
     )
@@ -283,6 +330,13 @@ def _record(run: RunState, poll: dict) -> None:
         run.history.extend(poll["metrics"])
         run.tracker.log_metrics(poll["metrics"])
         run.last_metrics = poll["metrics"][-1]
+
+
+def _recorded(run: RunState, checkpoint: str) -> str:
+    """A checkpoint is on disk: the run has produced something, so output_dir/latest points to it now."""
+    if run.run_dir is not None:
+        run.run_dir.point_latest()
+    return checkpoint
 
 
 def _evaluate(run: RunState) -> dict:
@@ -331,6 +385,7 @@ def _fmt(value: Any) -> str:
 def _summary_markdown(cfg: TrainConfig, result: dict, tracker: MlflowTracker) -> str:
     keys = [
         "eval/accuracy_start",
+        "eval/accuracy_resumed",
         "eval/accuracy",
         "eval/reward_mean",
         "eval/pass@k",
@@ -358,6 +413,12 @@ def _summary_markdown(cfg: TrainConfig, result: dict, tracker: MlflowTracker) ->
         rows,
         "",
     ]
+    if result.get("resumed_at") is not None:
+        lines += [
+            f"Resumed at step {result['resumed_at']}: `eval/accuracy_start` is the lineage's start (before its first "
+            "step), `eval/accuracy_resumed` the accuracy at the resume point.",
+            "",
+        ]
     if reward_component_keys(result):
         terms = [*cfg.reward.components.items(), *((f.metric_name, f.weight) for f in cfg.reward.functions)]
         weights = " + ".join(f"{w:g} x {name}" for name, w in terms)

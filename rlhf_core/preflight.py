@@ -7,7 +7,8 @@ the model is checked here, each failing with a `ConfigError` that names the fiel
 - `check_lengths(policy_dir, cfg, prompts)`: the longest prompt plus rollout.max_new_tokens fits the model's
   context (config.json max_position_embeddings, or its equivalent);
 - `claim_run_dir(output_dir, name)`: this run's own directory under run.output_dir, locked while the run is
-  alive so that a second live run refuses it, and `output_dir/latest` pointed at it.
+  alive so that a second live run refuses it; `output_dir/latest` is pointed at it once it holds something
+  (`RunDirClaim.point_latest`), so a run that fails before producing anything does not move it.
 - `check_reward_model_config(path)`: reward.model.path is a model directory whose config.json describes a
   sequence-classification model with one label (its weights and tokenizer are checked when it loads).
 
@@ -148,6 +149,13 @@ class RunDirClaim:
     def __init__(self, path: Path, lock: Path):
         self.path = path
         self.lock = lock
+        self.latest = False  # output_dir/latest points here (moved by point_latest)
+
+    def point_latest(self) -> None:
+        """Point output_dir/latest here (once): call it when the run has produced something (a checkpoint)."""
+        if not self.latest:
+            point_latest(self.path.parent, self.path.name)
+            self.latest = True
 
     def release(self) -> None:
         try:
@@ -159,7 +167,8 @@ class RunDirClaim:
 
 
 def claim_run_dir(output_dir: str | os.PathLike, name: str, field: str = "run.name") -> RunDirClaim:
-    """Create output_dir/name, lock it for this process and point output_dir/latest at it.
+    """Create output_dir/name and lock it for this process (output_dir/latest moves once the run has produced
+    something: `RunDirClaim.point_latest`).
 
     A directory locked by a live process (this host) refuses the claim with a ConfigError naming `field`, the
     directory and the process holding it; a lock left by a dead process is taken over. Other hosts' locks are
@@ -193,7 +202,6 @@ def claim_run_dir(output_dir: str | os.PathLike, name: str, field: str = "run.na
         with os.fdopen(fd, "w") as handle:
             json.dump(me, handle)
         break
-    point_latest(base, name)
     return RunDirClaim(run_dir, lock)
 
 

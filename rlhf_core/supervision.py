@@ -9,9 +9,9 @@ Thresholds come from `cfg.supervision`. Plain Python: no Ray, no Prefect.
 
 Policies (the runtime enforces the hard bound max_staleness on its own; these keep the run healthy):
 
-- staleness: mean staleness above staleness_warn x max_staleness -> an info event (staleness up to
-  max_staleness is the design working; only a mean above max_staleness is a warning), publish weights now (once per
-  trainer version, when runtime.sync_every > 1 leaves workers behind the trainer); still high for 3 polls
+- staleness: mean staleness above staleness_warn x max_staleness -> publish weights now (once per trainer
+  version, when runtime.sync_every > 1 leaves workers behind the trainer), with no event: staleness up to
+  max_staleness is the design working (a `staleness_high` warning only for a mean above it); still high for 3 polls
   -> narrow the rollout admission window to floor(staleness_warn x max_staleness) versions for the rest
   of the run. Rollout then runs ahead of the trainer by fewer versions, so staleness settles at the
   warning level instead of oscillating (pausing admission would starve the trainer and change nothing
@@ -85,6 +85,7 @@ class HealthMonitor:
         self.down_since: dict[int, float] = {}
         self.stale_polls = 0
         self.staleness_high = False
+        self.staleness_warned = False  # a staleness_high warning is out (a mean above max_staleness)
         self.last_sync_version = -1
         self.throttled = False
         self.admission_window: Optional[int] = None
@@ -225,11 +226,11 @@ class HealthMonitor:
             return
         stale = float(metrics[-1].get("async/staleness_mean", 0.0))
         if stale <= limit:
-            if self.staleness_high:
+            if self.staleness_warned:
                 self._event(
                     d, step, "staleness_ok", "info", "none", f"mean staleness {stale:.2f} back under {limit:.2f}"
                 )
-            self.staleness_high, self.stale_polls = False, 0
+            self.staleness_high, self.staleness_warned, self.stale_polls = False, False, 0
             return
         self.stale_polls += 1
         # publishing early only helps when the trainer publishes less often than every version and some
@@ -238,17 +239,18 @@ class HealthMonitor:
         loaded = [int(w["version"]) for w in poll.get("rollout") or [] if w.get("alive", True) and "version" in w]
         behind = bool(loaded) and min(loaded) < version
         can_sync = self.cfg.runtime.sync_every > 1
-        if not self.staleness_high:
+        if stale > max_tau and not self.staleness_warned:
             # Staleness up to runtime.max_staleness is the design working (async rollout runs ahead by up to
-            # that many versions): reported as info. Only a mean above the hard bound is a real problem.
+            # that many versions): no event. Only a mean above the hard bound is a real problem.
             self._event(
                 d,
                 step,
                 "staleness_high",
-                "warning" if stale > max_tau else "info",
+                "warning",
                 "publish weights now" if can_sync else "watch (weights are published every version)",
-                f"mean staleness {stale:.2f} > supervision.staleness_warn x runtime.max_staleness = {limit:.2f}",
+                f"mean staleness {stale:.2f} > runtime.max_staleness = {max_tau}",
             )
+            self.staleness_warned = True
         self.staleness_high = True
         if can_sync and behind and version > self.last_sync_version:
             d.request_sync = True
@@ -385,6 +387,8 @@ class Supervisor:
         self.cfg = cfg
         self.runtime = runtime
         self.monitor = HealthMonitor(cfg, start_step=start_step)
+        # a resumed run whose admission window was narrowed goes on with it (the runtime restored it)
+        self.monitor.admission_window = getattr(runtime, "admission_window", None)
         self.report = report or (lambda event: None)
 
     @property

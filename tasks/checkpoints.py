@@ -8,6 +8,7 @@ Either way the checkpoint is validated before anything starts.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -26,18 +27,54 @@ class ResumeTarget:
     mlflow_run_id: Optional[str] = None  # the MLflow run this one resumes (its parent), if known
     eval_start: Optional[float] = None  # held-out accuracy recorded at the start of the original run
     step: int = 0  # the trainer step the checkpoint holds
+    finished: Optional[str] = None  # the checkpoint already reaches trainer.total_steps: what to tell the user
 
 
 def export_dir(cfg: TrainConfig) -> Path:
     return cfg.run.run_dir / "policy"
 
 
+def resume_point(cfg: TrainConfig, resume_from: str) -> Optional[tuple[int, str]]:
+    """(step, what it is) of the checkpoint `resume_from` names, told without downloading or loading it: the
+    meta.json of a checkpoint directory, the artifact name of an MLflow run's newest complete checkpoint. None
+    when that cannot be told (`resolve_resume` then says what is wrong)."""
+    path = Path(resume_from).expanduser()
+    try:
+        if path.is_dir():
+            return int(json.loads((path / "meta.json").read_text())["step"]), f"checkpoint {path}"
+        if tracking.looks_like_run_id(resume_from):
+            artifact = tracking.latest_checkpoint_artifact(resume_from, tracking.resolve_tracking_uri(cfg))
+            if artifact is not None:
+                return int(Path(artifact).name.rsplit("_", 1)[1]), f"MLflow run {resume_from} ({artifact})"
+    except Exception:  # unreadable, no such run, a name of another form: resolve_resume reports it
+        return None
+    return None
+
+
+def nothing_to_train(cfg: TrainConfig, resume_from: Optional[str]) -> Optional[str]:
+    """What to tell the user when `resume_from` already reached trainer.total_steps (None otherwise, or when
+    that cannot be told without downloading)."""
+    point = resume_point(cfg, resume_from) if resume_from else None
+    if point is None or point[0] < cfg.trainer.total_steps:
+        return None
+    step, what = point
+    return (
+        f"nothing to train: {what} is at step {step}, which already reaches trainer.total_steps="
+        f"{cfg.trainer.total_steps}; to train on, raise it (e.g. --set trainer.total_steps={step + max(step // 5, 1)})"
+    )
+
+
 @task(name="resolve-resume", cache_policy=NO_CACHE, persist_result=False)
 def resolve_resume(cfg: TrainConfig, resume_from: Optional[str]) -> ResumeTarget:
-    """Turn `resume_from` (checkpoint directory or MLflow run id) into a validated local checkpoint."""
+    """Turn `resume_from` (checkpoint directory or MLflow run id) into a validated local checkpoint; a checkpoint
+    that already reaches trainer.total_steps is neither downloaded nor loaded (`finished` says so)."""
     if not resume_from:
         return ResumeTarget()
     logger = get_run_logger()
+    finished = nothing_to_train(cfg, resume_from)
+    if finished:
+        logger.info(finished)
+        return ResumeTarget(finished=finished)
     uri = tracking.resolve_tracking_uri(cfg)
     path = Path(resume_from).expanduser()
     run_id: Optional[str] = None
@@ -66,11 +103,11 @@ def resolve_resume(cfg: TrainConfig, resume_from: Optional[str]) -> ResumeTarget
     if run_id is None and logged_run and tracking.run_exists(logged_run, uri):
         run_id = logged_run
     logger.info(
-        "resuming from %s (step %d, version %d)%s",
+        "resuming from %s (step %d, version %d): a new MLflow run, %s",
         ckpt,
         state.step,
         state.version,
-        f", resuming MLflow run {run_id}" if run_id else "",
+        f"resumed from {run_id} at step {state.step}" if run_id else "(the checkpoint names no MLflow run)",
     )
     if state.step >= cfg.trainer.total_steps:
         raise CheckpointError(

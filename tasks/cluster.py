@@ -34,7 +34,7 @@ def launch_runtime(cfg: TrainConfig, resume_from: Optional[str] = None, hold: Op
     if hold is not None:
         hold(runtime)
     try:
-        info = runtime.launch(resume_from=resume_from)
+        info = runtime.launch(resume_from=resume_from, progress=lambda line: logger.info("start-up: %s", line))
     except BaseException:
         runtime.teardown()
         raise
@@ -80,3 +80,74 @@ def warm_start_policy(runtime, steps: int) -> dict:
 def teardown_runtime(runtime) -> None:
     """Stop the loops, kill exactly the actors this run created, shut Ray down if this run started it."""
     runtime.teardown()
+
+
+# ------------------------------------------------------------------------------ the long-running loops
+# Each loop runs in its Ray actor from the flow's `runtime.start()` to its `stop()`; these task runs span it
+# (submitted by the flow, which supervises beside them): Running while the loop works, its progress in their
+# own log lines, Failed with the loop's error. A rollout worker that Ray restarted runs a new loop: a new
+# attempt of the same task run (retries = cluster.max_restarts).
+LOOP_REPORT_S = 30.0
+LOOP_TASKS = ("rollout-worker-loop", "trainer-loop")
+
+
+def restarted_by_ray(task, task_run, state) -> bool:
+    """Retry condition of a rollout worker's loop: only a worker whose process died (and Ray restarts) runs a new
+    loop; a loop that raised failed for good."""
+    from rlhf_core.distributed.runtime import WorkerDied
+
+    return isinstance(state.result(raise_on_failure=False), WorkerDied)
+
+
+@task(
+    name="rollout-worker-loop",
+    task_run_name="rollout-worker-{index}",
+    retry_condition_fn=restarted_by_ray,
+    cache_policy=NO_CACHE,
+    persist_result=False,
+)
+def rollout_loop(runtime, index: int) -> dict:
+    """Rollout worker `index`'s loop: generate, score, push groups, load new weights, until the run stops it."""
+    from prefect.runtime import task_run
+
+    logger = get_run_logger()
+    attempt = max(1, int(task_run.run_count or 1))
+    logger.info("rollout worker %d: generating%s", index, f" (restarted by Ray, loop {attempt})" if attempt > 1 else "")
+
+    def report(s: dict) -> None:
+        logger.info(
+            "rollout worker %d: %d batches, %d groups pushed, weights version %d, busy %.0f%%",
+            index,
+            s.get("batches", 0),
+            s.get("groups_pushed", 0),
+            s.get("version", 0),
+            100 * s.get("busy_frac", 0.0),
+        )
+
+    final = runtime.wait_loop("rollout", index, attempt=attempt, report=report, report_every_s=LOOP_REPORT_S)
+    if final:
+        report(final)
+    logger.info("rollout worker %d: stopped", index)
+    return final
+
+
+@task(name="trainer-loop", task_run_name="trainer-loop", cache_policy=NO_CACHE, persist_result=False)
+def trainer_loop(runtime, total_steps: int) -> dict:
+    """The trainer's loop: take batches from the replay buffer, step, publish weights, until total_steps."""
+    logger = get_run_logger()
+    logger.info("trainer: training to step %d", total_steps)
+
+    def report(s: dict) -> None:
+        logger.info(
+            "trainer: step %d of %d, version %d, busy %.0f%%",
+            s.get("step", 0),
+            total_steps,
+            s.get("version", 0),
+            100 * s.get("busy_frac", 0.0),
+        )
+
+    final = runtime.wait_loop("trainer", report=report, report_every_s=LOOP_REPORT_S)
+    if final:
+        report(final)
+    logger.info("trainer: stopped")
+    return final

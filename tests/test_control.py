@@ -125,3 +125,13 @@ def test_experience_buffer_prefetch_take_and_give_back_keep_the_bound_and_the_ac
     assert admission.try_admit(2) and not admission.try_admit(1)  # capacity (0 + 0 + 1) x 2 groups
     admission.release(2)
     assert admission.try_admit(2) and admission.stats()["admitted"] == 2
+
+
+def test_a_resumed_buffer_admits_only_the_window_ahead():
+    """Admission counts groups from version 0: a run resumed at version 300 would have 300 versions of room, and
+    admission would never hold rollout back again. `start_at` counts from the resumed version."""
+    resumed = ExperienceBuffer(max_size=64, max_staleness=2, prompts_per_step=2)
+    resumed.start_at(300)
+    resumed.set_admission_window(1)
+    assert resumed.try_admit(4) and not resumed.try_admit(1)  # capacity (1 + 300 + 1) x 2 - 300 x 2 = 4 groups
+    assert resumed.stats()["admitted"] == 300 * 2 + 4

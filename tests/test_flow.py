@@ -394,3 +394,144 @@ def test_failure_mid_run_tears_down_and_marks_mlflow_failed(prefect_api, ray_loc
     assert run.info.status == "FAILED"
     assert "WaitTimeout" in run.data.tags["error"]
     assert not alive_actors()
+
+
+def flow_task_runs(flow_run_id) -> dict:
+    """{task run name: task run} of a flow run."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    return {r.name: r for r in runs}
+
+
+def task_run_logs(task_run_id) -> list[str]:
+    from prefect.client.schemas.filters import LogFilter, LogFilterTaskRunId
+
+    time.sleep(1.5)  # the log worker sends in batches (PREFECT_LOGGING_TO_API_BATCH_INTERVAL=0.5 here)
+
+    only = LogFilter(task_run_id=LogFilterTaskRunId(any_=[task_run_id]))
+    with get_client(sync_client=True) as client:
+        return [log.message for log in client.read_logs(log_filter=only)]
+
+
+def test_the_loops_are_task_runs_that_span_the_run(prefect_api, ray_local, work):
+    """Async mode: the trainer's loop and each rollout worker's loop are task runs of the flow run, Running while
+    the loop works and Completed when the run stops them, with their own log lines; a worker whose process died
+    (SIGKILL) and that Ray restarted is a second attempt of its task run."""
+    import signal
+
+    from ray._private import state as ray_state
+
+    cfg = config(
+        work,
+        "loops",
+        "runtime.mode=async",
+        "trainer.total_steps=3000",  # far more than the test waits for; it cancels the run when it has seen enough
+        "rollout.num_workers=2",
+        "cluster.rollout_cpus=0.5",
+        "tracking.checkpoint_every=0",
+        "tracking.eval_every=0",
+        "tracking.log_model=false",
+    )
+    box: dict = {}
+    thread = threading.Thread(target=lambda: box.update(state=train(config=cfg, return_state=True)), daemon=True)
+    thread.start()
+    names = ("trainer-loop", "rollout-worker-0", "rollout-worker-1")
+
+    def loops(flow_run_id) -> dict:
+        return {name: r for name, r in flow_task_runs(flow_run_id).items() if name in names}
+
+    deadline = time.monotonic() + 300
+    run = None
+    while time.monotonic() < deadline and thread.is_alive() and run is None:
+        found = runs_named(work, "loops")
+        run = (
+            found[0] if found and mlflow_client(work).get_metric_history(found[0].info.run_id, "reward/mean") else None
+        )
+        time.sleep(0.2)
+    assert run is not None, f"the flow never reached training: {box}"
+    flow_run_id = run.data.tags["prefect.flow_run_id"]
+    while (
+        time.monotonic() < deadline and [r.state.type for r in loops(flow_run_id).values()] != [StateType.RUNNING] * 3
+    ):
+        time.sleep(0.2)  # submitted beside the supervision: Running within moments
+    assert {n: r.state.type for n, r in loops(flow_run_id).items()} == dict.fromkeys(names, StateType.RUNNING)
+
+    actors = ray_state.actors().values()
+    workers = [a for a in actors if a["ActorClassName"] == "RolloutActor" and a["State"] == "ALIVE"]
+    os.kill(min(workers, key=lambda a: a["ActorID"])["Pid"], signal.SIGKILL)  # as an OOM kill would
+    while time.monotonic() < deadline and not any(  # Ray restarts it; the flow restarts its loop: attempt 2
+        r.run_count == 2 and r.state.type == StateType.RUNNING for r in loops(flow_run_id).values()
+    ):
+        time.sleep(0.5)
+    with get_client(sync_client=True) as pc:
+        pc.set_flow_run_state(flow_run_id, Cancelling(message="test: enough seen"), force=True)
+    thread.join(timeout=180)
+    assert not thread.is_alive() and box["state"].type == StateType.CANCELLED, box
+
+    ended = loops(flow_run_id)
+    assert {n: r.state.type for n, r in ended.items()} == dict.fromkeys(names, StateType.COMPLETED)
+    assert sorted(r.run_count for r in ended.values()) == [1, 1, 2]  # the killed worker's task ran twice
+    restarted = next(r for r in ended.values() if r.run_count == 2)
+    assert any("restarted by Ray" in line for line in task_run_logs(restarted.id))
+    assert any("training to step 3000" in line for line in task_run_logs(ended["trainer-loop"].id))
+    assert not alive_actors()
+
+
+def test_a_loop_that_fails_is_a_failed_task_run_with_its_error(prefect_api, ray_local, work, tmp_path):
+    """A rollout worker's loop that raises (a reward function that always fails): its task run ends Failed with
+    the worker's error, without a retry (only a worker whose process died gets a new attempt); the flow fails."""
+    (tmp_path / "bad_reward.py").write_text(
+        "def raises(prompts, completions, **kw):\n    raise ValueError('cannot score this')\n"
+    )
+    cfg = config(
+        work,
+        "loop-fails",
+        "runtime.mode=async",
+        "trainer.total_steps=40",
+        "tracking.checkpoint_every=0",
+        "tracking.eval_every=0",
+        f"reward.functions=[{{path: {tmp_path / 'bad_reward.py'}, name: raises}}]",
+        "reward.max_consecutive_failures=1",
+    )
+    state = train(config=cfg, return_state=True)
+    assert state.is_failed()
+    assert "cannot score this" in state.message
+    worker = flow_task_runs(state.state_details.flow_run_id)["rollout-worker-0"]
+    assert worker.state.type == StateType.FAILED and worker.run_count == 1
+    assert "cannot score this" in worker.state.message
+    assert not alive_actors()
+
+
+def test_resuming_a_finished_run_says_so_and_starts_nothing(straight_run, work, capsys):
+    """A run that already reached trainer.total_steps, resumed from its MLflow run id through the CLI or from its
+    checkpoint directory through the flow: it says so and stops before anything starts (nothing downloaded, no
+    MLflow run, no run directory, no Failed flow run, no traceback)."""
+    cfg, straight, _ = straight_run
+    result = straight.result()
+    before = sorted(p.name for p in (work / "finished").glob("*")) if (work / "finished").exists() else []
+    runs_before = len(runs_named(work, "finished"))
+    base = ["train", "--config", str(REPO / "configs" / "tiny.yaml"), "--set", *overrides(work, "finished")]
+    assert cli_main([*base, "--resume-from", result["mlflow_run_id"]]) == 0
+    captured = capsys.readouterr()
+    assert "nothing to train" in captured.err and "trainer.total_steps=6" in captured.err
+    assert "Traceback" not in captured.out + captured.err
+    state = train(config=config(work, "finished"), resume_from=result["checkpoint"], return_state=True)
+    assert state.is_completed()
+    assert "nothing to train" in state.result()["nothing_to_train"]
+    assert len(runs_named(work, "finished")) == runs_before
+    after = sorted(p.name for p in (work / "finished").glob("*")) if (work / "finished").exists() else []
+    assert after == before  # no run directory, no download
+
+
+def test_a_run_that_fails_before_producing_anything_does_not_move_latest(straight_run, work):
+    """`<output_dir>/latest` points to the newest run that produced something: a run refused for resources after
+    claiming its directory leaves it where it was."""
+    cfg, straight, _ = straight_run
+    latest = work / "straight" / "latest"
+    assert latest.resolve() == Path(straight.result()["run_dir"]).resolve()
+    refused = config(work, "straight", "cluster.rollout_cpus=64", "tracking.run_name=refused")
+    state = train(config=refused, return_state=True)
+    assert state.is_failed() and "not enough resources" in state.message
+    assert latest.resolve() == Path(straight.result()["run_dir"]).resolve()

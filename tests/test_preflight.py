@@ -146,11 +146,16 @@ time.sleep(60)
 """
 
 
-def test_each_run_claims_its_own_directory_and_latest_follows(tmp_path):
+def test_each_run_claims_its_own_directory_and_latest_follows_what_produced_something(tmp_path):
     a = claim_run_dir(tmp_path / "out", "20261130-000001-first")
+    latest = tmp_path / "out" / LATEST
+    assert not latest.exists()  # a claimed directory holds nothing yet
+    a.point_latest()
+    assert latest.resolve() == a.path.resolve()
     b = claim_run_dir(tmp_path / "out", "20261130-000002-second")
     assert a.path.is_dir() and b.path.is_dir() and a.path != b.path
-    latest = tmp_path / "out" / LATEST
+    assert latest.resolve() == a.path.resolve()  # b produced nothing (yet): latest stays
+    b.point_latest()
     assert latest.is_symlink() and latest.resolve() == b.path.resolve()
     assert os.readlink(latest) == "20261130-000002-second"  # relative: the tree can be moved or mounted elsewhere
     a.release()

@@ -117,6 +117,10 @@ def test_a_signal_ends_the_run_cleanly(tmp_path, how, mlflow_db, prefect_home_te
     assert _mlflow_status(tmp_path) == "KILLED", log[-4000:]
     assert "Task run '" in log and "step " in log  # task runs logged and progress was printed ...
     assert "Finished in state Completed" not in log  # ... without a completion line per task run in between
+    # start-up says what it is doing, phase by phase; a healthy run's noise stays out of the terminal
+    for phase in ("Prefect API up", "Ray up", "actors up", "first weights", "the first held-out evaluation"):
+        assert f"start-up: {phase}" in log, phase
+    assert "Token authentication" not in log and " INFO mlflow." not in log
     newest = max((tmp_path / "run" / "latest" / "checkpoints").glob("step_*"), key=lambda p: p.name)
     state, _ = read_checkpoint(newest)  # the last checkpoint is complete and readable
     assert state.step >= 2

@@ -147,6 +147,16 @@ class ExperienceBuffer:
         self.given_back += len(groups)
         return back
 
+    def start_at(self, version: int) -> None:
+        """The run starts at trainer version `version` (a resume): admission counts from there, as if the groups
+        of every version before had been admitted, so rollout runs at most admission_window versions ahead from
+        the first batch (counted from 0, a resume at version 300 left 300 versions of room: admission did nothing
+        for the rest of the run and staleness sat at the hard bound)."""
+        with self.lock:
+            self.admitted = max(self.admitted, int(version) * self.prompts_per_step)
+            self.weights_version = max(self.weights_version, int(version))
+        self.set_version(version)
+
     def set_version(self, version: int) -> int:
         """The consumer's version. Never moves back: the trainer's publish thread and a publish the flow
         asked for may report versions out of order."""

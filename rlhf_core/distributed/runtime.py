@@ -44,6 +44,10 @@ class RunFailed(RuntimeError):
     """The run cannot go on (trainer failure, worker restart limit, stall); the message names the cause."""
 
 
+class WorkerDied(RuntimeError):
+    """A rollout worker's process died (Ray restarts it, up to cluster.max_restarts): this loop ended with it."""
+
+
 def _remote(cls, **options):
     return ray.remote(cls).options(**options)
 
@@ -56,6 +60,7 @@ class DistributedRun:
         self.workers: list = []
         self.trainer_ranks: list = []  # ranks 1..N-1 of a sharded trainer group (cluster.trainer_workers)
         self.worker_loops: dict[int, object] = {}
+        self.worker_loop_starts: dict[int, list] = {}  # every loop each worker ran, oldest first (restarts)
         self.trainer_loop = None
         self.restarts = [0] * cfg.rollout.num_workers
         self.events: list[dict] = []
@@ -63,11 +68,13 @@ class DistributedRun:
         self.last_step = 0
         self.last_version = 0
         self.started = False
+        self.stopping = False  # stop() was called: the loops are ending
         self.failed: Optional[str] = None
         self.timeout = cfg.runtime.wait_timeout_s
         self.policy_dir: Optional[str] = None
         self.eval_start: Optional[float] = None
         self.run_facts: dict = {}  # what every checkpoint records about the run (the flow adds its MLflow run id)
+        self.admission_window: Optional[int] = None  # narrowed by the supervision; in checkpoints, restored on resume
 
     # ------------------------------------------------------------------ bring-up
     def _get(self, ref, what: str):
@@ -79,9 +86,12 @@ class DistributedRun:
         self._new_events.append(ev)
         log.warning("%s: %s", kind, detail)
 
-    def launch(self, resume_from: Optional[str] = None) -> dict:
-        """Join or start Ray, check resources, create the actors, restore a checkpoint if given."""
+    def launch(self, resume_from: Optional[str] = None, progress: Optional[Callable[[str], None]] = None) -> dict:
+        """Join or start Ray, check resources, create the actors, restore a checkpoint if given. `progress(line)`
+        is told each phase as it ends (Ray, the actors, the first weights): start-up takes a minute on a laptop."""
         cfg = self.cfg
+        say = progress or (lambda line: None)
+        t0 = time.monotonic()
         check_output_dir(cfg.run.output_dir)  # before anything starts, not at the first checkpoint
         self.policy_dir = str(build.resolve_policy_dir(cfg))
         # prompts are tokenized once here and shipped to the actors that need them
@@ -94,8 +104,11 @@ class DistributedRun:
         if resume_from:  # validate before starting anything (clear error, nothing half-started)
             read_checkpoint(resume_from)
 
+        say("starting Ray" if not cfg.cluster.address else f"joining Ray at {cfg.cluster.address}")
         self.handle = connect(cfg.cluster)
         try:
+            where = "a local instance started here" if self.handle.started_ray else f"joined {self.handle.address}"
+            say(f"Ray up ({where}, {time.monotonic() - t0:.1f} s); starting the actors")
             check_resources(cfg)
             pg = gpu_placement_group(cfg, self.timeout)
             self.handle.placement_group = pg
@@ -172,16 +185,22 @@ class DistributedRun:
                 max(self.timeout, 300),
                 "the rollout workers and the trainer to start",
             )
+            say(
+                f"actors up: the trainer and {len(self.workers)} rollout worker(s) "
+                f"({time.monotonic() - t0:.1f} s); loading the first weights"
+            )
             if resume_from:
                 self._restore(str(resume_from))
             version = self._get(self.trainer.version.remote(), "the trainer version")
-            self._get(self.buffer.set_version.remote(version), "the replay buffer version update")
+            self._get(self.buffer.start_at.remote(version), "the replay buffer version update")
             self.request_sync()
             self._get(
                 [w.maybe_load_weights.remote() for w in self.workers], "the rollout workers to load the initial weights"
             )
             stats = self._get(self.trainer.stats.remote(), "trainer stats")
             self.last_step, self.last_version = stats["step"], stats["version"]
+            took = time.monotonic() - t0
+            say(f"first weights (version {self.last_version}) loaded by every rollout worker ({took:.1f} s)")
         except BaseException:
             self.teardown()
             raise
@@ -203,6 +222,8 @@ class DistributedRun:
             if rng is not None:  # None: the worker was restarting when the checkpoint was taken
                 self._get(w.set_rng_state.remote(rng), "a rollout worker to restore its RNG")
         self.eval_start = state.run.get("eval_start")
+        if state.run.get("admission_window") is not None:  # the supervision had narrowed it: it stays narrowed
+            self.set_admission_window(int(state.run["admission_window"]))
 
     # ------------------------------------------------------------------ loops
     def start(self) -> None:
@@ -210,10 +231,66 @@ class DistributedRun:
         if self.cfg.runtime.mode != "async" or self.started:
             return
         facts = {"eval_start": self.eval_start, **self.run_facts}
+        if self.admission_window is not None:
+            facts["admission_window"] = self.admission_window
         self._get(self.trainer.set_checkpointing.remote(self.queue, self.workers, facts), "the trainer's checkpointing")
         self.trainer_loop = self.trainer.run_loop.remote(self.cfg.trainer.total_steps)
         self.worker_loops = {i: w.run_loop.remote() for i, w in enumerate(self.workers)}
+        for i, ref in self.worker_loops.items():
+            self.worker_loop_starts.setdefault(i, []).append(ref)
         self.started = True
+
+    def wait_loop(
+        self,
+        role: str,
+        index: int = 0,
+        attempt: int = 1,
+        report: Optional[Callable[[dict], None]] = None,
+        report_every_s: float = 30.0,
+    ) -> dict:
+        """Block until one loop ends (async mode; for whoever watches it, e.g. a Prefect task that spans it).
+
+        role "trainer", or "rollout" with the worker's `index` and `attempt` (1 for its first loop, n for the loop
+        Ray's (n-1)-th restart of it runs, waited for until the supervision starts it). Returns the loop's final
+        stats (empty when the run ended before the loop started); raises RunFailed with the loop's error when
+        it raised, WorkerDied when a rollout worker's process died. `report(stats)` gets the actor's stats
+        every `report_every_s`."""
+        actor = self.trainer if role == "trainer" else self.workers[index]
+        what = "the trainer" if role == "trainer" else f"rollout worker {index}"
+        next_report = time.monotonic() + report_every_s
+        while self.handle is not None and not (self.stopping and self._loop_ref(role, index, attempt) is None):
+            ref = self._loop_ref(role, index, attempt)
+            if ref is None:  # not started yet (or not restarted yet)
+                time.sleep(1.0)
+                continue
+            try:
+                if ray.wait([ref], timeout=1.0)[0]:
+                    return ray.get(ref)
+            except ray.exceptions.RayTaskError as exc:
+                raise RunFailed(f"{what} failed: {_task_error(exc)}") from exc
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
+                if self.stopping or self.handle is None:  # killed by the teardown
+                    return {}
+                if role == "trainer":
+                    raise RunFailed(f"the trainer actor died ({type(exc).__name__})") from exc
+                raise WorkerDied(f"{what} died ({type(exc).__name__}); Ray restarts it") from exc
+            except Exception:  # Ray shut down under us: the teardown
+                if self.handle is None:
+                    return {}
+                raise
+            if report is not None and time.monotonic() >= next_report:
+                next_report = time.monotonic() + report_every_s
+                try:
+                    report(ray.get(actor.stats.remote(), timeout=10))
+                except Exception:  # a worker restarting does not answer: the next report will
+                    pass
+        return {}
+
+    def _loop_ref(self, role: str, index: int, attempt: int):
+        if role == "trainer":
+            return self.trainer_loop
+        starts = self.worker_loop_starts.get(index, [])
+        return starts[attempt - 1] if len(starts) >= attempt else None
 
     def advance(self) -> None:
         """Sync mode: one lockstep step — every worker generates its share, the trainer steps, workers load."""
@@ -285,6 +362,7 @@ class DistributedRun:
                 f"rollout worker {i} restarted (reconstructed={info['restarted']}) and reloads the newest weights",
             )
             self.worker_loops[i] = self.workers[i].run_loop.remote()
+            self.worker_loop_starts.setdefault(i, []).append(self.worker_loops[i])
 
     def _wait_restarted(self, i: int) -> dict:
         """Wait (bounded by runtime.wait_timeout_s) for Ray to bring worker i back; it is 'unavailable' meanwhile."""
@@ -379,8 +457,15 @@ class DistributedRun:
         return self._get(self.buffer.set_max_staleness.remote(bound), "the replay buffer to change max_staleness")
 
     def set_admission_window(self, versions: int) -> None:
-        """Let rollout run at most `versions` (<= max_staleness) versions ahead of the published weights."""
+        """Let rollout run at most `versions` (<= max_staleness) versions ahead of the published weights; kept in
+        every checkpoint from now on, so that a resumed run goes on with the same window."""
         self._get(self.buffer.set_admission_window.remote(versions), "the replay buffer to change admission")
+        self.admission_window = int(versions)
+        if self.started:  # the async trainer writes its own checkpoints, with the facts it was given
+            facts = {"eval_start": self.eval_start, **self.run_facts, "admission_window": self.admission_window}
+            self._get(
+                self.trainer.set_checkpointing.remote(self.queue, self.workers, facts), "the trainer's checkpointing"
+            )
 
     def evaluate(self) -> dict:
         return get_or_fail(self.trainer.evaluate.remote(), max(self.timeout, 600), "held-out evaluation")
@@ -391,6 +476,8 @@ class DistributedRun:
         data = self._get(self.queue.state_dict.remote(), "the prompt queue position")
         rollout_rng = rollout_rng_states(self.workers)
         facts = {"eval_start": self.eval_start, **(run or {})}
+        if self.admission_window is not None:
+            facts["admission_window"] = self.admission_window
         missing = [i for i, s in enumerate(rollout_rng) if s is None]
         if missing:  # a worker Ray is restarting: the checkpoint records what it can, and says so
             facts["rollout_rng_missing"] = missing
@@ -435,6 +522,7 @@ class DistributedRun:
         """Stop the loops and wait (bounded) for them to return."""
         if self.trainer is None:
             return
+        self.stopping = True
         refs = []
         for actor in [self.trainer, *self.workers]:
             try:
