@@ -119,7 +119,7 @@ def test_the_finder_sees_a_circle():
 def test_no_import_circle():
     graph = import_graph()
     assert "rlhf_core.build" in graph["rlhf_core.scoring"]  # scoring sits above build
-    assert "rlhf_core.reward.answers" in graph["rlhf_core.data.answers"]  # data uses the reward's answer forms
+    assert "rlhf_core.reward.answer_forms" in graph["rlhf_core.data.answers"]  # data uses the reward's answer forms
     cycle = find_cycle(graph)
     assert cycle is None, "import circle: " + " -> ".join(cycle)
 
@@ -145,10 +145,17 @@ def test_build_data_and_reward_form_no_circle_even_through_imports_inside_functi
 
 @pytest.mark.parametrize(
     "module",
-    ["rlhf_core.config", "rlhf_core.reward.functions.pool", "rlhf_core.reward.functions.math_verify"],
+    [
+        "rlhf_core.config",
+        "rlhf_core.data",
+        "rlhf_core.reward.answer_forms",
+        "rlhf_core.reward.functions.pool",
+        "rlhf_core.reward.functions.math_verify",
+    ],
 )
 def test_light_modules_import_no_torch(module):
-    """The config (loaded by every CLI call) and the reward-function pool's side (what its processes import)."""
+    """The config (loaded by every CLI call), the data layer (the prompt queue's process) and the reward-function
+    pool's side (what its processes import)."""
     code = f"import sys, {module}; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "[]"
