@@ -26,7 +26,7 @@ from rlhf_core.reward.overlong import OverlongPenalty
 from rlhf_core.rollout import HFEngine, RolloutWorker, SamplingParams, build_engine
 from rlhf_core.trainer import Trainer
 
-ROLLOUT_SEED_STRIDE = 1000  # rollout worker i samples with seed trainer.seed + 1000 * (i + 1)
+ROLLOUT_SEED_STRIDE = 1000  # rollout worker i samples with seed trainer.seed + 1000 * i
 
 
 def setup_process(cfg: TrainConfig, seed: int) -> None:
@@ -38,8 +38,10 @@ def setup_process(cfg: TrainConfig, seed: int) -> None:
 
 
 def rollout_seed(cfg: TrainConfig, worker_index: int | None) -> int:
-    """Sampling seed of rollout worker `worker_index` (None: the single-process loop's one engine)."""
-    return cfg.trainer.seed if worker_index is None else cfg.trainer.seed + ROLLOUT_SEED_STRIDE * (worker_index + 1)
+    """Sampling seed of rollout worker `worker_index` (None: the single-process loop's one engine). Worker 0
+    samples with the loop's seed, so that one worker at max_staleness 0 draws the loop's samples (the tau = 0
+    invariant); worker i > 0 with trainer.seed + 1000 * i."""
+    return cfg.trainer.seed + ROLLOUT_SEED_STRIDE * (worker_index or 0)
 
 
 def resolve_policy_dir(cfg: TrainConfig) -> Path:
