@@ -733,3 +733,13 @@ def test_a_group_with_a_token_older_than_the_bound_is_evicted(tiny_model, mixed_
     assert [g.policy_version for g in groups] == [1, 3, 3, 3]
     buffer = VersionedReplayBuffer(max_size=10, max_staleness=1, version=3)
     assert buffer.push_many(groups) == 3  # group 0 (a token 2 versions old) refused; the rest fresh
+
+
+def test_an_engine_without_mid_generation_updates_ignores_between_steps(max3_prompts, tiny_tokenizer):
+    """rollout.partial_rollout with the random engine: the hook is not passed (weights change between batches)."""
+    tok = tiny_tokenizer
+    engine = RandomEngine(len(tok), [tok.eos_token_id], tok.pad_token_id, seed=0)
+    reward = build_reward_fn(RewardConfig(), tok, tok.eos_token_id, 4)
+    worker = RolloutWorker(engine, reward, SamplingParams(max_new_tokens=4), 2, tok.pad_token_id)
+    batch, _ = worker.rollout(max3_prompts[0][:3], between_steps=lambda: pytest.fail("called"))
+    assert len(batch) == 6

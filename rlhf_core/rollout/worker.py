@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Sequence
 
@@ -80,7 +81,7 @@ class RolloutWorker:
         if self.env is not None:
             return self._rollout_env(prompts, start)
         pb = collate_prompts(prompts, self.pad_token_id, self.max_prompt_tokens)
-        if between_steps is not None:
+        if between_steps is not None and _takes_between_steps(self.engine):
             batch = self.engine.generate(pb, self.samples_per_prompt, self.sampling, between_steps=between_steps)
         else:
             batch = self.engine.generate(pb, self.samples_per_prompt, self.sampling)
@@ -176,6 +177,11 @@ class RolloutWorker:
             "version": self.version,
             "reward_mean": self.reward_sum / self.samples if self.samples else 0.0,
         }
+
+
+def _takes_between_steps(engine) -> bool:
+    """Whether the engine adopts weights mid-generation (HF, vLLM); others (random) take them between batches."""
+    return "between_steps" in inspect.signature(engine.generate).parameters
 
 
 def split_groups(batch: RolloutBatch, group_size: int) -> list[Experience]:
