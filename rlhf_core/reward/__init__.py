@@ -5,7 +5,8 @@ import `rlhf_core.reward.functions`, stay free of torch):
   tensor_native   the matching primitives (pack_patterns, tensor_native_reward, window_matches, ...)
   components      the named reward components and their configured weighted sum (build_reward_fn,
                   ComposedReward, REWARD_COMPONENTS, prepare_patterns)
-  answers         the build-time tokenisation of answer texts (answer_variants, number_forms, ...)
+  answer_forms    an answer's spellings and their token ids, no torch (number_forms, answer_variants)
+  answers         those packed into tensors (patterns_from_texts), vocabulary-derived token sets
   text            the text matcher behind reward.match: text
   functions/      user Python reward functions (reward.functions): spec, the process pool, math_verify
                   (no torch), and `external.PythonFunctionRewards`, the rollout worker's external reward
