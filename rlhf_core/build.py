@@ -116,7 +116,7 @@ def build_rollout_worker(
         cfg.rollout.samples_per_prompt,
         tokenizer.pad_token_id,
         cfg.data.max_prompt_tokens,
-        component_names=cfg.reward.column_names(),
+        component_names=cfg.reward.column_names() + cfg.env.column_names(),
         external=build_external_rewards(cfg, tokenizer, stop_ids, reward_model=reward_model),
         env=build_env_runner(cfg, tokenizer, stop_ids, policy_dir),
     )

@@ -334,6 +334,9 @@ class RewardConfig(_Section):
         return names
 
 
+ENV_COLUMNS = ("env", "env/turns_mean", "env/tool_calls_mean", "env/truncated_frac")
+
+
 class EnvToolConfig(_Section):
     """A Python function offered to the model as a tool by the built-in ToolEnv."""
 
@@ -378,6 +381,12 @@ class EnvConfig(_Section):
     @property
     def enabled(self) -> bool:
         return bool(self.class_name)
+
+    def column_names(self) -> list[str]:
+        """The per-row columns a trajectory batch carries after the reward's (`RolloutBatch.reward_components`):
+        env (the summed environment reward, logged as reward/env), env/turns_mean, env/tool_calls_mean and
+        env/truncated_frac (logged under these names, as batch means); none without an environment."""
+        return list(ENV_COLUMNS) if self.enabled else []
 
     @property
     def class_name(self) -> str:

@@ -124,14 +124,12 @@ def generate_step_batch(parts: RunParts) -> tuple[RolloutBatch, dict]:
     need, G = cfg.trainer.prompts_per_step, cfg.rollout.samples_per_prompt
     comp_sums: dict = {}
     comp_rows: dict = {}
-    env_sums: dict = {}
     rounds = cfg.algorithm.filter_max_rounds if cfg.algorithm.filter_groups else 1
     kept: list[RolloutBatch] = []
-    n_kept = generated = filtered = rows = 0
+    n_kept = generated = filtered = 0
     batch = None
     for _ in range(rounds):
-        batch = _generate(parts, need, comp_sums, comp_rows, env_sums)
-        rows += len(batch)
+        batch = _generate(parts, need, comp_sums, comp_rows)
         if not cfg.algorithm.filter_groups:
             break
         rewards = batch.rewards.view(-1, G)
@@ -145,8 +143,10 @@ def generate_step_batch(parts: RunParts) -> tuple[RolloutBatch, dict]:
             n_kept += take
         if n_kept >= need:
             break
-    stats = {f"reward/{k}": v / comp_rows[k] for k, v in comp_sums.items() if comp_rows[k]}
-    stats.update({k: v / rows for k, v in env_sums.items() if k != "env/errors" and rows})
+    # a trajectory's env/* columns keep their names (env/turns_mean, ...); the others are reward/<column>
+    stats = {
+        (k if k.startswith("env/") else f"reward/{k}"): v / comp_rows[k] for k, v in comp_sums.items() if comp_rows[k]
+    }
     if parts.worker.env is not None:
         stats["env/errors"] = float(parts.worker.env.errors)  # failed trajectories in the run so far
     if cfg.algorithm.filter_groups:
@@ -155,10 +155,10 @@ def generate_step_batch(parts: RunParts) -> tuple[RolloutBatch, dict]:
     return batch, stats
 
 
-def _generate(parts: RunParts, n_groups: int, comp_sums: dict, comp_rows: dict, env_sums: dict) -> RolloutBatch:
+def _generate(parts: RunParts, n_groups: int, comp_sums: dict, comp_rows: dict) -> RolloutBatch:
     """n_groups scored groups, generated in chunks of prompts_per_batch; adds each reward column's sum and row
-    count (NaN: an external score that does not apply to the row) to comp_sums / comp_rows, and the env
-    metrics weighted by rows to env_sums."""
+    count (NaN: an external score that does not apply to the row; with an environment also its env/* columns)
+    to comp_sums / comp_rows."""
     cfg = parts.cfg
     chunk = cfg.rollout.prompts_per_batch
     G = cfg.rollout.samples_per_prompt
@@ -178,9 +178,6 @@ def _generate(parts: RunParts, n_groups: int, comp_sums: dict, comp_rows: dict, 
             for k, v in components.items():  # NaN: an external score that does not apply to the row
                 comp_sums[k] = comp_sums.get(k, 0.0) + float(v.float().nansum())
                 comp_rows[k] = comp_rows.get(k, 0) + int((~v.float().isnan()).sum())
-            if parts.worker.env is not None and len(batch):
-                for k, v in parts.worker.env_metrics.items():
-                    env_sums[k] = env_sums.get(k, 0.0) + v * len(batch)
     return cat_rollouts([b for b in batches if len(b)], parts.tokenizer.pad_token_id)
 
 

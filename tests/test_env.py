@@ -323,3 +323,29 @@ def test_groups_with_a_failed_trajectory_are_left_out(tmp_path):
         assert len(batch) == 0 and parts.worker.env_metrics["env/errors"] == 8
     finally:
         parts.worker.close()
+
+
+@pytest.mark.slow
+def test_the_ray_runtime_runs_environments(ray_local, tmp_path):
+    """Rollout workers run the episodes (their own environment pools), the trainer trains on trajectories and
+    logs env/* and reward/env from the groups, held-out evaluation runs the episodes greedily."""
+    from rlhf_core.distributed import run_distributed
+
+    cfg = loop_cfg(tmp_path, "CountEnv", kwargs={"turns": 2, "reward": 0.5}, max_turns=3)
+    cfg = validate_config(
+        {
+            **cfg.model_dump(mode="json"),
+            "cluster": {"num_cpus": 2},
+            "supervision": {"supervise_interval_s": 0.2},
+            "runtime": {"mode": "async", "max_staleness": 1, "wait_timeout_s": 60},
+            "trainer": {**cfg.trainer.model_dump(mode="json"), "total_steps": 3},
+        }
+    )
+    result = run_distributed(cfg, poll_interval_s=0.2)
+    assert result["steps"] == 3
+    for m in result["metrics"]:
+        assert m["env/turns_mean"] == 2 and m["reward/env"] == 1.0 and m["env/truncated_frac"] == 0
+        assert m["env/errors"] == 0
+    assert result["eval/accuracy"] == 1.0 and result["eval/turns_mean"] == 2
+    rec = result["reconcile"]
+    assert rec["unaccounted"] == 0, rec

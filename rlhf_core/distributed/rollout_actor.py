@@ -186,7 +186,10 @@ class RolloutActor:
                 prompts_ref = self.queue.get.remote(n)
                 self.maybe_load_weights()  # admitted against version v: weights >= v are published, load them
                 admit_ref = self.buffer.try_admit.remote(n)
-                self.generate_once(n, wait=False, prompts_ref=prompts_ref)
+                made = self.generate_once(n, wait=False, prompts_ref=prompts_ref)
+                if made < n and self.worker.env is not None:
+                    # groups with a failed trajectory are left out: their admission is free again
+                    self.buffer.release.remote(n - made)
             self.confirm_push()
         finally:
             self.loop_running = False

@@ -145,7 +145,13 @@ class RolloutWorker:
         rewards = rewards + self.env.cfg.reward_weight * env_reward
         for t, r in zip(kept, rewards.tolist()):
             t.reward = r
+        per_row = {
+            "env/turns_mean": [t.turns for t in kept],
+            "env/tool_calls_mean": [t.tool_calls for t in kept],
+            "env/truncated_frac": [float(t.truncated) for t in kept],
+        }
         components = {**components, "env": env_reward}
+        components.update({k: torch.tensor(v, dtype=torch.float32, device=rewards.device) for k, v in per_row.items()})
         batch.group_ids = torch.arange(len(keep), device=batch.group_ids.device).repeat_interleave(G)
         return self._finish(batch, rewards, components, start)
 
@@ -176,6 +182,7 @@ class RolloutWorker:
             "batches": self.batches,
             "version": self.version,
             "reward_mean": self.reward_sum / self.samples if self.samples else 0.0,
+            **({"env_errors": self.env.errors} if self.env is not None else {}),
         }
 
 
