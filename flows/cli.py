@@ -164,6 +164,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 return 0
         return cmd_train(cfg, args.resume_from)
     if args.command == "score":
+        if cfg.env.enabled:  # a trajectory file, replayed with the environment's rewards
+            return cmd_score_trajectories(cfg, args.input, as_json=args.json)
         return cmd_score(cfg, args.input, as_json=args.json)
     if args.command == "sweep":
         try:
@@ -489,6 +491,34 @@ def cmd_score(cfg: TrainConfig, input_path: str, as_json: bool = False) -> int:
     for i, (r, t) in enumerate(zip(rows, ids)):
         print(f"{r['line']:>6}  {len(t):>6}  " + "  ".join(f"{scores[n][i]:>{width}.3f}" for n in names))
     print("  mean" + " " * 10 + "  ".join(f"{means[n]:>{width}.3f}" for n in names))
+    return 0
+
+
+def cmd_score_trajectories(cfg: TrainConfig, input_path: str, as_json: bool = False) -> int:
+    """With an env: section, `atrlhf score` replays a trajectory file (rlhf_core/env/score.py): each line's
+    assistant turns stepped through a fresh environment; prints reward/env, turns and success per line."""
+    from rlhf_core.env.pool import EnvLoadError
+    from rlhf_core.env.score import read_trajectories, score_trajectories
+
+    try:
+        records = read_trajectories(input_path)
+        results = score_trajectories(cfg.env, records, cfg.reward.function_workers)
+    except (EnvLoadError, OSError, ValueError) as exc:
+        print(f"atrlhf: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    rows = [{"line": r["line"], **res} for r, res in zip(records, results)]
+    mean = sum(r["env_reward"] for r in rows) / len(rows)
+    if as_json:
+        print(json.dumps({"input": str(input_path), "rows": rows, "mean": {"reward/env": mean}, "count": len(rows)}))
+        return 0
+    print(f"{input_path}: {len(rows)} trajectories replayed in {cfg.env.class_name}")
+    print("  line  reward/env  turns  success  observations_match  error")
+    for r in rows:
+        print(
+            f"{r['line']:>6}  {r['env_reward']:>10.3f}  {r['turns']:>5}  {str(r['success']):>7}  "
+            f"{str(r['observations_match']):>18}  {r['error'] or ''}"
+        )
+    print(f"  mean  {mean:>10.3f}")
     return 0
 
 

@@ -349,3 +349,32 @@ def test_the_ray_runtime_runs_environments(ray_local, tmp_path):
     assert result["eval/accuracy"] == 1.0 and result["eval/turns_mean"] == 2
     rec = result["reconcile"]
     assert rec["unaccounted"] == 0, rec
+
+
+# ------------------------------------------------------------------------------------------ atrlhf score
+def test_atrlhf_score_replays_a_trajectory_file(tmp_path, capsys):
+    import json
+
+    from flows.cli import main
+    from rlhf_core.env.score import write_trajectories
+    from rlhf_core.env.trajectory import Trajectory, Turn
+
+    t = Trajectory(prompt=Prompt(0, [1], []), row={"answer": "3"})
+    t.transcript = [Turn("user", "count to 3"), Turn("assistant", "one", version=2), Turn("user", "turn 1")]
+    t.transcript += [Turn("assistant", "two", version=2)]
+    t.env_rewards, t.turns = [1.0, 1.0], 2
+    path = write_trajectories(tmp_path / "trajectories.jsonl", [t, t])
+    with path.open("a") as f:  # a line whose recorded observation differs from what the env says now
+        f.write(json.dumps({"messages": [{"role": "assistant", "content": "a"}, {"role": "user", "content": "no"}]}))
+        f.write("\n")
+    env = [f"env.path={FIXTURES}", "env.name=CountEnv", "env.kwargs={turns: 2}", "reward.function_workers=1"]
+    assert main(["score", "--input", str(path), "--json", "--set", *env]) == 0
+    out = json.loads(capsys.readouterr().out)
+    rows = out["rows"]
+    assert [r["env_reward"] for r in rows] == [2.0, 2.0, 1.0] and [r["turns"] for r in rows] == [2, 2, 1]
+    assert [r["success"] for r in rows] == [True, True, False]
+    assert [r["observations_match"] for r in rows] == [True, True, False]
+    assert out["mean"]["reward/env"] == pytest.approx(5 / 3)
+    (tmp_path / "bad.jsonl").write_text('{"messages": "x"}\n')
+    assert main(["score", "--input", str(tmp_path / "bad.jsonl"), "--set", *env]) == 1
+    assert "bad.jsonl:1: 'messages' must be a list" in capsys.readouterr().err

@@ -200,7 +200,8 @@ class EnvRunner:
         p = t.prompt
         if isinstance(opening, str) and opening in (p.text, t.row.get("prompt")):
             t.prompt_ids = list(p.prompt_ids)  # the row's own prompt, as the data pipeline tokenized it
-            t.transcript.append(Turn("prompt", p.text))
+            opening = p.messages or [{"role": "user", "content": p.text}]
+            t.transcript += [Turn(str(m.get("role")), str(m.get("content"))) for m in opening]
         else:
             messages = self.chat.as_messages(opening, "user")
             t.prompt_ids = self.chat.prompt_ids(messages)
