@@ -47,6 +47,7 @@ from tasks.cluster import (
     warm_start_policy,
 )
 from tasks.mlflow_client import MlflowTracker, run_url, ui_command
+from tasks.mlflow_client.traces import trace_evaluation
 from tasks.supervision import CancelWatch, event_rows, progress_line, reward_component_keys
 from tasks.tracking import log_model, log_plots, start_tracking
 
@@ -159,6 +160,7 @@ def evaluate_at_start(run: RunState, resume: ResumeTarget) -> None:
         return
     run.logger.info("start-up: the first held-out evaluation (before training)")
     first = evaluate_heldout(run.runtime, run.step)
+    trace_evaluation(run.tracker, first, run.step)  # a multi-turn run's episodes as MLflow traces
     run.eval_start = first["eval/accuracy"]
     run.evals.append({**first, "step": run.step})
     run.tracker.log_metrics_at({**first, "eval/accuracy_start": run.eval_start}, run.step)
@@ -341,6 +343,7 @@ def _recorded(run: RunState, checkpoint: str) -> str:
 
 def _evaluate(run: RunState) -> dict:
     result = evaluate_heldout(run.runtime, run.step)
+    trace_evaluation(run.tracker, result, run.step)  # a multi-turn run's episodes as MLflow traces
     run.evals.append({**result, "step": run.step})
     run.tracker.log_metrics_at(result, run.step)
     return result

@@ -39,6 +39,8 @@ def accuracy_from_components(total: torch.Tensor, components: dict[str, torch.Te
     return (total > 0).float()
 
 
+EVAL_TRAJECTORIES = "eval/trajectories"  # a multi-turn evaluation's traced episodes (records, not a metric)
+TRACED_TRAJECTORIES = 4  # episodes of each evaluation logged as MLflow traces
 PASS_AT_K = "eval/pass@k"
 MEAN_AT_K = "eval/mean@k"
 
@@ -126,8 +128,10 @@ def evaluate_env(env, engine, prompts: Sequence[Prompt], reward_fn, pad_token_id
     """Multi-turn held-out evaluation: each prompt's episode run once, greedily. eval/accuracy: the fraction
     whose last step's info["success"] is true (or, where the environment gives no success, whose reward is
     positive: env rewards x env.reward_weight + the configured reward of the last model turn); a failed
-    episode counts as not solved. Also eval/reward_mean, eval/turns_mean and eval/env_errors. The episodes
-    are kept on `env.last_eval` (MLflow traces)."""
+    episode counts as not solved. Also eval/reward_mean, eval/turns_mean and eval/env_errors, and under
+    "eval/trajectories" the first TRACED_TRAJECTORIES episodes as trajectory-file records (rlhf_core.env.score),
+    which the flow logs as MLflow traces. All episodes are kept on `env.last_eval`."""
+    from rlhf_core.env.score import trajectory_record
     from rlhf_core.env.trajectory import last_turn_batch
 
     greedy = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
@@ -150,6 +154,8 @@ def evaluate_env(env, engine, prompts: Sequence[Prompt], reward_fn, pad_token_id
         "eval/reward_mean": sum(totals.values()) / n,
         "eval/turns_mean": sum(t.turns for t in trajs) / n,
         "eval/env_errors": float(sum(t.error is not None for t in trajs)),
+        # the first few episodes as trajectory-file records (not a metric): logged as MLflow traces
+        EVAL_TRAJECTORIES: [trajectory_record(t) for t in trajs[:TRACED_TRAJECTORIES]],
     }
 
 

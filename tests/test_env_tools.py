@@ -178,3 +178,46 @@ def test_the_gym_style_wrapper_example_ports_a_gymnasium_env():
         assert answer() == (None, 1.0, True, {"success": True})
     finally:
         pool.close()
+
+
+@pytest.mark.slow
+def test_a_calculator_run_completes_on_the_small_chat_model(tmp_path):
+    """The single-process loop with ToolEnv and the calculator's add on the small chat model: the tools are
+    shown through its template, the run trains and evaluates (learning the calls is not required)."""
+    from rlhf_core.config import load_config
+    from rlhf_core.loop import build_run, run_sync
+
+    cfg = load_config(
+        None,
+        [
+            f"run.output_dir={tmp_path}",
+            "model.tiny_kind=chat",
+            "model.tiny_hidden=32",
+            "model.tiny_layers=1",
+            "model.tiny_heads=2",
+            "data.task=max3_chat",
+            "data.eval_size=2",
+            "reward.components={answer_after_marker: 1.0}",
+            "rollout.max_new_tokens=48",
+            "rollout.max_total_tokens=512",
+            "trainer.total_steps=2",
+            "trainer.prompts_per_step=2",
+            "rollout.samples_per_prompt=2",
+            "rollout.prompts_per_batch=2",
+            "reward.function_workers=1",
+            "tracking.eval_every=0",
+            "tracking.checkpoint_every=0",
+            f"env.tools=[{{path: {CALCULATOR}, name: add}}]",
+            "env.max_turns=2",
+        ],
+    )
+    parts = build_run(cfg)
+    seen = []
+    try:
+        result = run_sync(cfg, parts=parts, on_step=seen.append)
+    finally:
+        parts.worker.close()
+    assert result["steps"] == 2 and len(seen) == 2
+    assert all(1 <= m["env/turns_mean"] <= 2 and m["env/errors"] == 0 for m in seen)
+    assert "eval/accuracy" in result and len(result["eval/trajectories"]) == 2
+    assert '"name": "add"' in parts.tokenizer.decode(parts.worker.last_trajectories[0].prompt_ids)

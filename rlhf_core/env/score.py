@@ -30,7 +30,10 @@ def trajectory_record(t) -> dict:
     """A trajectory (rlhf_core.env.trajectory.Trajectory) as one line of a trajectory file."""
     messages = []
     for turn in t.transcript:
-        messages.append({"role": turn.role, "content": turn.text})
+        message = {"role": turn.role, "content": turn.text}
+        if turn.role == "assistant":  # what a trace shows beside the text
+            message.update({"reward": turn.reward, "policy_version": turn.version, "tool_calls": turn.tool_calls})
+        messages.append(message)
     return {
         "row": _jsonable(t.row),
         "messages": messages,

@@ -115,7 +115,7 @@ class ToolEnv:
         results = await asyncio.gather(*(self._run(call) for call in calls))
         messages = [{"role": "tool", "content": f"error: {e}"} for e in errors]
         messages += [{"role": "tool", "content": r} for r in results]
-        return messages, 0.0, False, {"tool_calls": [c["name"] for c in calls]}
+        return messages, 0.0, False, {"tool_calls": calls}
 
     async def _run(self, call: dict) -> str:
         fn = self.functions.get(call["name"])
