@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Optional
@@ -21,6 +22,21 @@ TINY_SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 TINY_WORDS = [str(d) for d in range(10)] + ["max", "sum", "+", "=", ","]
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# transformers resolves its classes lazily on first access, and that first access is not thread-safe: a sweep's
+# points build and load models in threads of one process, and one of them was seen to fail with "cannot import
+# name 'LlamaConfig' from 'transformers'". Every first access from this module goes through this lock.
+_TRANSFORMERS_IMPORT = threading.Lock()
+
+
+def _transformers(*names: str):
+    """The named attributes of `transformers`, resolved under `_TRANSFORMERS_IMPORT`."""
+    with _TRANSFORMERS_IMPORT:
+        import transformers
+
+        found = tuple(getattr(transformers, name) for name in names)
+    return found if len(found) > 1 else found[0]
 
 
 class ModelLoadError(ValueError):
@@ -142,7 +158,7 @@ def load_policy(
 
     The tokenizer pads on the left (generation) and gets a pad token (its EOS) when it has none.
     """
-    from transformers import AutoModelForCausalLM
+    AutoModelForCausalLM = _transformers("AutoModelForCausalLM")
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
@@ -164,7 +180,7 @@ def load_policy(
 def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
     """The tokenizer of a local model directory, padding on the left (generation), with a pad token (its
     EOS when it has none). Raises ModelLoadError naming the path when it cannot be loaded or has no EOS."""
-    from transformers import AutoTokenizer
+    AutoTokenizer = _transformers("AutoTokenizer")
 
     p = Path(path).expanduser()
     try:
@@ -209,7 +225,8 @@ def stop_token_ids(policy_dir: str | Path, tokenizer, extra: Sequence[int] = ())
 def build_tiny_tokenizer():
     """A word-level tokenizer for the synthetic tasks: special tokens, digits and a few operator words."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
+
+    PreTrainedTokenizerFast = _transformers("PreTrainedTokenizerFast")
 
     vocab = {tok: i for i, tok in enumerate(TINY_SPECIAL_TOKENS + TINY_WORDS)}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
@@ -237,7 +254,7 @@ def build_tiny_policy(
     Returns `out_dir`. The task name is recorded in the config (`task_name`); the vocabulary covers
     every synthetic task, so one tiny model serves all of them.
     """
-    from transformers import LlamaConfig, LlamaForCausalLM
+    LlamaConfig, LlamaForCausalLM = _transformers("LlamaConfig", "LlamaForCausalLM")
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
