@@ -378,3 +378,23 @@ def test_atrlhf_score_replays_a_trajectory_file(tmp_path, capsys):
     (tmp_path / "bad.jsonl").write_text('{"messages": "x"}\n')
     assert main(["score", "--input", str(tmp_path / "bad.jsonl"), "--set", *env]) == 1
     assert "bad.jsonl:1: 'messages' must be a list" in capsys.readouterr().err
+
+
+def test_the_multiturn_recipe_and_its_environment():
+    """configs/tiny-multiturn.yaml validates; examples/envs/reveal.py scores the observation's question only."""
+    import importlib.util
+
+    from rlhf_core.config import load_config
+
+    cfg = load_config(str(Path(__file__).resolve().parents[1] / "configs" / "tiny-multiturn.yaml"))
+    assert cfg.env.enabled and cfg.env.max_turns == 2 and cfg.runtime.mode == "sync"
+    spec = importlib.util.spec_from_file_location("reveal", cfg.env.path)
+    reveal = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(reveal)
+    env = reveal.RevealEnv(seed=0)
+    assert env.reset({"prompt": "max of 1, 2, 3? Answer with #### n."}) == "max of 1, 2, 3? Answer with #### n."
+    observation, reward, done, _ = env.step("#### 3")
+    assert reward == 0.0 and not done and observation.startswith("max of ")
+    right = max(env.numbers)
+    assert env.step(f"so #### {right}") == (None, 1.0, True, {"success": True})
+    assert reveal.blind_best() == pytest.approx(0.271)
