@@ -48,7 +48,8 @@ def main() -> None:
     finally:
         parts.worker.close()
     digits = int(cfg.env.kwargs.get("digits", 10))
-    blind = 1 - ((digits - 1) / digits) ** 3  # examples/envs/reveal.py: blind_best
+    same = bool(cfg.env.kwargs.get("same", False))
+    blind = 1 / digits if same else 1 - ((digits - 1) / digits) ** 3  # examples/envs/reveal.py: blind_best
     out = {
         "config": args.config,
         "overrides": args.set,

@@ -20,20 +20,23 @@ import re
 ANSWER = re.compile(r"####\s*(-?\d+)")
 
 
-def blind_best(digits: int = 10) -> float:
+def blind_best(digits: int = 10, same: bool = False) -> float:
     """The best success rate of a policy that does not read the observation: always the largest digit."""
-    return 1 - ((digits - 1) / digits) ** 3
+    return 1 / digits if same else 1 - ((digits - 1) / digits) ** 3
 
 
 class RevealEnv:
-    def __init__(self, digits: int = 10, seed: int | None = None):
+    def __init__(self, digits: int = 10, seed: int | None = None, same: bool = False):
         self.digits = digits
+        self.same = same  # one digit asked three times ("max of 7, 7, 7?"): reading it is the whole task
         self.rng = random.Random(seed)
         self.numbers = (0, 0, 0)
         self.turn = 0
 
     def reset(self, row: dict):
         self.numbers = tuple(self.rng.randrange(self.digits) for _ in range(3))
+        if self.same:
+            self.numbers = (self.numbers[0],) * 3
         self.turn = 0
         return row["prompt"]  # the row's own prompt: the ids the data pipeline made
 
