@@ -58,6 +58,9 @@ class RunParts:
     trainer: Trainer
     evaluator: Evaluator
     history: list[dict] = field(default_factory=list)
+    # prompt uid -> times consumed (trained on, or generated and filtered out): in every checkpoint, so that a
+    # resume serves each prompt of an epoch exactly once, as the Ray runtime's checkpoints do
+    trained: dict[int, int] = field(default_factory=dict)
 
     @property
     def shares_weights(self) -> bool:
@@ -168,6 +171,8 @@ def _generate(parts: RunParts, n_groups: int, comp_sums: dict, comp_rows: dict) 
     # its groups (env.max_consecutive_failures stops a run whose environment keeps failing)
     while groups < n_groups:
         prompts = parts.prompts.get(n_groups - groups)
+        for p in prompts:  # nothing stays in flight past the step: every prompt served is consumed by it
+            parts.trained[p.uid] = parts.trained.get(p.uid, 0) + 1
         if getattr(parts.engine, "continuous_batching", False) and parts.worker.env is None:
             # one call: the engine keeps rollout.max_active_rows rows decoding and starts waiting rows as rows end
             chunk = max(1, len(prompts))
@@ -185,7 +190,7 @@ def save_run_checkpoint(parts: RunParts, path: str | Path, run: Optional[dict] =
     """The one checkpoint layout; the engine's sampling RNG is rollout engine 0's."""
     state = CheckpointState(
         trainer=parts.trainer.state_dict(),
-        data=parts.prompts.state_dict(),
+        data={**parts.prompts.state_dict(), "trained": dict(parts.trained)},
         rng={
             "trainer": capture_rng(),
             "rollout": [parts.engine.generator.get_state()] if hasattr(parts.engine, "generator") else [],
@@ -208,7 +213,7 @@ def restore_run_checkpoint(parts: RunParts, path: str | Path) -> CheckpointState
     and prompts it had queued are served first."""
     state = load_checkpoint(path, parts.model)
     parts.trainer.load_state_dict(state.trainer)
-    parts.prompts.load_state_dict(state.data)
+    parts.trained = parts.prompts.load_state_dict(state.data)
     if not parts.shares_weights:
         parts.engine.load_weights(parts.trainer.state_dict_for_sync(), parts.trainer.version)
     parts.engine.version = parts.trainer.version

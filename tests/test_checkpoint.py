@@ -188,7 +188,9 @@ def test_restore_sets_everything(full_run, fresh_parts):
     state = restore_run_checkpoint(fresh_parts, out / "checkpoints" / "step_000002")
     assert fresh_parts.trainer.step == 2 and fresh_parts.trainer.version == 2
     assert fresh_parts.engine.version == 2
-    assert fresh_parts.prompts.state_dict() == state.data
+    # exactly-once resume: the prompts trained on (two steps of four), and the source serves the rest
+    assert fresh_parts.trained == state.data["trained"] and sorted(state.data["trained"].values()) == [1] * 8
+    assert fresh_parts.prompts.state_dict()["queued"] == []
     assert fresh_parts.trainer.optimizer.state_dict()["state"][0]["step"] == 2
 
 

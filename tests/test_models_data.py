@@ -205,6 +205,52 @@ def test_prompt_source_resume_gives_identical_prompts():
         PromptSource(_prompts(8)).load_state_dict(state)
 
 
+def test_prompt_source_resumed_from_trained_counts_serves_the_complement_then_whole_epochs():
+    """Exactly-once resume: restored from the prompts trained on (some of epoch 1 trained, one of epoch 2
+    already too, queued and buffered ones not), the source serves epoch 1's untrained prompts in epoch 1's
+    order, then epoch 2 less the one trained, then epoch 3 whole."""
+    prompts = _prompts(7)
+    ref = PromptSource(prompts, seed=5)
+    epoch0, epoch1, epoch2, epoch3 = ([p.uid for p in ref.next(7)] for _ in range(4))
+    trained = {u: 1 for u in epoch0}
+    for u in epoch1[:3] + epoch1[4:5]:  # epoch1[3] was buffered at the checkpoint: not trained on
+        trained[u] += 1
+    trained[epoch2[0]] = trained[epoch2[0]] + 1  # trained before some of epoch 1 (async)
+    src = PromptSource(prompts, seed=5)
+    src.resume_trained(trained, epoch=2)  # the source had served into epoch 2
+    rest1 = [u for u in epoch1 if trained[u] == 1]
+    rest2 = [u for u in epoch2 if trained[u] <= 2]
+    got = [p.uid for p in src.next(len(rest1) + len(rest2) + 7)]
+    assert got == rest1 + rest2 + epoch3
+    assert epoch1[3] in rest1 and len(rest1) + len(rest2) == 14 - 4 - 1
+    counts = {u: trained[u] + got.count(u) for u in trained}
+    assert set(counts.values()) == {4}  # every prompt of epochs 0..3 exactly once
+
+    # a prompt whose group was dropped long ago (never trained) is served once for the current epoch, not
+    # once for every epoch it missed
+    old = {u: 6 for u in epoch0}
+    old[epoch0[0]] = 0
+    src.resume_trained(old, epoch=6)
+    epoch6 = [p.uid for p in PromptSource(prompts, seed=5).next(7 * 7)][-7:]
+    assert [p.uid for p in src.next(8)] == [epoch0[0], *epoch6]
+
+
+def test_prompt_queue_restores_an_old_checkpoint_from_its_position_and_says_so(caplog):
+    from rlhf_core.data.queue import PromptQueue
+
+    q = PromptQueue(_prompts(7), seed=2)
+    q.top_up(4)
+    q.get(3)
+    state = q.state_dict()  # no "trained": a checkpoint written before exactly-once resume
+    expected = [p.uid for p in q.get(5)]
+    again = PromptQueue(_prompts(7), seed=2)
+    with caplog.at_level("WARNING"):
+        trained = again.load_state_dict(state)
+    assert "no record of the prompts trained on" in caplog.text
+    assert [p.uid for p in again.get(5)] == expected
+    assert sum(trained.values()) == 3 and set(trained.values()) <= {0, 1}  # the 3 taken, not the queued one
+
+
 # ---------------------------------------------------------------------------------------------------
 # Collation
 # ---------------------------------------------------------------------------------------------------

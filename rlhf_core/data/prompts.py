@@ -92,7 +92,9 @@ class PromptSource:
     """Yields prompts in a seeded shuffled order, epoch after epoch (endlessly, or for `epochs`).
 
     The position is (epoch, index); `state_dict()` / `load_state_dict()` save and restore it so that a
-    resumed run sees exactly the prompts an uninterrupted run would have seen.
+    resumed run sees exactly the prompts an uninterrupted run would have seen. `resume_trained` restores from
+    how often each prompt was trained on instead (exactly-once resume of an asynchronous run, where prompts
+    served but still buffered or in flight at the checkpoint were never trained on).
     """
 
     def __init__(self, prompts: Sequence[Prompt], seed: int = 0, epochs: Optional[int] = None, shuffle: bool = True):
@@ -105,6 +107,7 @@ class PromptSource:
         self.epoch = 0
         self.index = 0
         self._order = self._permutation(0)
+        self._skip: Optional[dict[int, int]] = None  # set by resume_trained
 
     def _permutation(self, epoch: int) -> np.ndarray:
         if not self.shuffle:
@@ -122,13 +125,21 @@ class PromptSource:
         """The next `n` prompts (fewer only when a finite source runs out)."""
         out: list[Prompt] = []
         while len(out) < n and not self.exhausted:
-            take = min(n - len(out), len(self.prompts) - self.index)
-            out.extend(self.prompts[i] for i in self._order[self.index : self.index + take])
-            self.index += take
+            if self._skip is None:
+                take = min(n - len(out), len(self.prompts) - self.index)
+                out.extend(self.prompts[i] for i in self._order[self.index : self.index + take])
+                self.index += take
+            else:  # resumed from trained counts: a prompt trained on more than `epoch` times is not served
+                p = self.prompts[self._order[self.index]]
+                self.index += 1
+                if self._skip.get(p.uid, 0) <= self.epoch:
+                    out.append(p)
             if self.index >= len(self.prompts):
                 self.epoch += 1
                 self.index = 0
                 self._order = self._permutation(self.epoch)
+                if self._skip is not None and self.epoch >= max(self._skip.values(), default=0):
+                    self._skip = None
         return out
 
     def __iter__(self) -> Iterable[Prompt]:
@@ -148,3 +159,27 @@ class PromptSource:
         self.epoch = int(state["epoch"])
         self.index = int(state["index"])
         self._order = self._permutation(self.epoch)
+        self._skip = None
+
+    def trained_estimate(self, queued: Sequence[int] = ()) -> dict[int, int]:
+        """How often each prompt uid was served, less `queued` (served but not yet taken): what a checkpoint
+        without a record of trained prompts implies was trained on (the estimate for older checkpoints)."""
+        counts = {p.uid: self.epoch for p in self.prompts}
+        for i in self._order[: self.index]:
+            counts[self.prompts[i].uid] += 1
+        for uid in queued:
+            counts[uid] -= 1
+        return counts
+
+    def resume_trained(self, trained: dict[int, int], epoch: int) -> None:
+        """Go on from `trained` (prompt uid -> times trained on) at source epoch `epoch` (the epoch the source
+        was serving at the checkpoint): starting at the oldest epoch a prompt still owes, each epoch e serves
+        its permutation less the prompts trained on more than e times, then the next epochs whole. A prompt
+        never trained in an epoch before `epoch - 1` (the buffer dropped its group) is not served again for it.
+        """
+        floor = max(0, int(epoch) - 1)
+        counts = {p.uid: max(floor, int(trained.get(p.uid, 0))) for p in self.prompts}
+        self.epoch = min(counts.values())
+        self.index = 0
+        self._order = self._permutation(self.epoch)
+        self._skip = counts if max(counts.values()) > self.epoch else None

@@ -7,10 +7,13 @@ tensors, so its actor process never loads it.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import deque
 
 from rlhf_core.data.prompts import Prompt, PromptSource
+
+log = logging.getLogger("rlhf_core.data")
 
 
 class PromptQueue:
@@ -57,7 +60,23 @@ class PromptQueue:
         with self.lock:
             return {"source": self.source.state_dict(), "queued": [p.uid for p in self.queue]}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict) -> dict[int, int]:
+        """Restore from a checkpoint's data state. With its record of trained prompts (`trained`: uid -> times
+        trained on) the source serves exactly the prompts not yet trained on, epoch by epoch: what was queued,
+        buffered or in flight at the checkpoint is served again, nothing trained on is. Without it (a checkpoint
+        written before that record existed) the saved position and queue are restored as they were.
+        Returns the trained counts to go on from (for the old layout: estimated from the position)."""
         with self.lock:
             self.source.load_state_dict(state["source"])
+            trained = state.get("trained")
+            if trained is not None:
+                self.queue = deque()
+                self.source.resume_trained(trained, state["source"]["epoch"])
+                return dict(trained)
+            log.warning(
+                "this checkpoint has no record of the prompts trained on (written before exactly-once resume): "
+                "resuming from its data position; groups buffered or in flight when it was written are not "
+                "regenerated"
+            )
             self.queue = deque(self.by_uid[u] for u in state["queued"])
+            return self.source.trained_estimate([p.uid for p in self.queue])

@@ -217,7 +217,8 @@ class DistributedRun:
         engines' RNG. A checkpoint with fewer rollout RNG states than workers (from the single-process loop,
         or a run with fewer workers) seeds the workers it has states for; the others keep their own seeds."""
         state: CheckpointState = self._get(self.trainer.restore.remote(path), "the checkpoint restore")
-        self._get(self.queue.load_state_dict.remote(state.data), "the prompt queue to restore its position")
+        trained = self._get(self.queue.load_state_dict.remote(state.data), "the prompt queue to restore its position")
+        self._get(self.trainer.set_trained.remote(trained), "the trainer's record of trained prompts")
         for w, rng in zip(self.workers, state.rng.get("rollout", [])):
             if rng is not None:  # None: the worker was restarting when the checkpoint was taken
                 self._get(w.set_rng_state.remote(rng), "a rollout worker to restore its RNG")

@@ -10,10 +10,12 @@ waited for.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Optional
 
 import ray
@@ -40,6 +42,7 @@ from rlhf_core.lora import adapter_state_dict, is_lora
 from rlhf_core.types import Experience, cat_rollouts
 
 log = logging.getLogger("rlhf_core.distributed")
+TRAINED_PROMPTS_FILE = "trained_prompts.jsonl"  # in the run dir: one line per step, {"step", "prompt_ids"}
 
 
 class TrainerActor:
@@ -71,6 +74,7 @@ class TrainerActor:
         self.error: Optional[str] = None
         self.staleness_hist: dict[int, int] = {}
         self.groups_trained = 0  # counted here, independently of the buffer's count (reconcile)
+        self.trained: dict[int, int] = {}  # prompt uid -> times trained on in the run: in every checkpoint
         self.checkpoints_written: list[dict] = []
         self.peers = None
         self.last_publish_s: Optional[float] = None
@@ -190,6 +194,9 @@ class TrainerActor:
                 self.staleness_hist[int(tau)] = self.staleness_hist.get(int(tau), 0) + int(count)
             m = self._on_all("train_step", batch)
             self.groups_trained += len(groups)
+            for g in groups:
+                self.trained[g.prompt_id] = self.trained.get(g.prompt_id, 0) + 1
+            self._record_trained(self.trainer.step, [g.prompt_id for g in groups])
             version = self.trainer.version
             due = bool(m["trainer/step_finite"]) and version % self.cfg.runtime.sync_every == 0
             # copied now, under the lock: the next optimizer step changes the weights in place
@@ -213,6 +220,18 @@ class TrainerActor:
         )
         self.metrics.append(m)
         return m
+
+    def _record_trained(self, step: int, prompt_ids: list[int]) -> None:
+        """Append the step's prompt ids to <run_dir>/trained_prompts.jsonl (what each step trained on)."""
+        path = Path(self.cfg.run.run_dir) / TRAINED_PROMPTS_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as f:
+            f.write(json.dumps({"step": int(step), "prompt_ids": [int(u) for u in prompt_ids]}) + "\n")
+
+    def set_trained(self, trained: dict) -> None:
+        """The prompts trained on so far (uid -> times), as a resumed run's prompt queue restored them."""
+        with self.lock:
+            self.trained = {int(k): int(v) for k, v in trained.items()}
 
     def run_loop(self, total_steps: int) -> dict:
         """Train until total_steps or stop(), continuously (async mode).
@@ -352,7 +371,7 @@ class TrainerActor:
         with self.lock:
             state = CheckpointState(
                 trainer=self._on_all("state_dict"),
-                data=data,
+                data={**data, "trained": dict(self.trained)},  # exactly-once resume: what was trained on
                 rng={"trainer": capture_rng(), "rollout": list(rollout_rng)},
                 run=dict(run),
                 config=self.cfg.model_dump(mode="json"),
