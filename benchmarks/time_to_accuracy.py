@@ -97,6 +97,11 @@ def one_run(
         "seconds_to_target": reached,
         "final_accuracy": curve[-1][2],
         "steps": final["step"],
+        # which role is the slower one: the busier (trainer busy ~1 and rollout idle: the trainer is slower)
+        "trainer_busy": round(final["trainer"].get("busy_frac", 0.0), 3),
+        "rollout_busy": round(
+            sum(w.get("busy_frac", 0.0) for w in final["rollout"] if w.get("alive")) / max(1, len(final["rollout"])), 3
+        ),
         "curve": curve,
     }
 

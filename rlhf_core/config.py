@@ -692,7 +692,8 @@ class AutopilotConfig(_Section):
         0.04,
         gt=0,
         description="Mismatch target: the mean squared behaviour/current log-ratio (async/mismatch_m2) above it "
-        "lowers the bound; below it, with the trainer waiting, the bound may rise.",
+        "lowers the bound; below it, with the trainer waiting and its data at the bound (async/staleness_max), the "
+        "bound rises.",
     )
     wait_frac: float = Field(
         0.2,

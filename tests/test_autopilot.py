@@ -23,8 +23,8 @@ PILOT = [
 ]
 
 
-def steps(n, m2, wait=0.0, train=1.0):
-    return [{"async/mismatch_m2": m2, "time/wait_s": wait, "time/train_s": train} for _ in range(n)]
+def steps(n, m2, wait=0.0, train=1.0, **extra):
+    return [{"async/mismatch_m2": m2, "time/wait_s": wait, "time/train_s": train, **extra} for _ in range(n)]
 
 
 def pilot(start=1):
@@ -129,3 +129,14 @@ def test_the_supervisor_moves_the_buffers_bound_and_reports_each_change():
     assert reported[-1].action == "runtime.max_staleness 3 -> 2" and "mismatch" in reported[-1].detail
     assert buffer.capacity() == (2 + 0 + 1) * 4  # admission counts with the new bound
     assert HealthMonitor(load_config(None, ["runtime.max_staleness=3"])).autopilot is None  # off by default
+
+
+def test_a_waiting_trainer_fed_fresher_data_than_the_bound_keeps_the_bound():
+    """The rollout is the slower role: the trainer waits, but its data is fresher than the bound (admission is not
+    what holds the rollout back), so a wider bound would only add staleness; at the bound it raises as before."""
+    p = pilot(start=2)
+    for step in range(2, 20, 2):
+        assert p.observe(steps(2, m2=0.01, wait=1.0, **{"async/staleness_max": 1}), step) is None
+    assert p.bound == 2
+    change = p.observe(steps(2, m2=0.01, wait=1.0, **{"async/staleness_max": 2}), 22)
+    assert change is not None and change.bound == 3 and "staleness 2" in change.reason
