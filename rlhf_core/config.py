@@ -397,7 +397,7 @@ class EnvConfig(_Section):
     def _env_exists(self) -> EnvConfig:
         """The class's file or module exists and defines it, and each tool's function (read from the source:
         nothing is imported or run here)."""
-        from rlhf_core.env.spec import check_env_source, check_tool_source, is_file_path
+        from rlhf_core.env.spec import check_env_source, check_tool_source
 
         if self.enabled:
             check_env_source(self.path, self.class_name, "env")

@@ -8,31 +8,14 @@ the built-ins) and `env.name` (the class), instantiated as `cls(**env.kwargs)` o
 from __future__ import annotations
 
 import ast
-import importlib
-import importlib.util
 import inspect
-import sys
 from pathlib import Path
 from typing import Optional
 
+from rlhf_core.reward.functions.spec import import_path, module_source
+
 BUILTIN_ENVS = {"ToolEnv": "rlhf_core.env.tools"}
 """Environments given by name alone (path empty): name -> the module that defines it."""
-
-
-def is_file_path(path: str) -> bool:
-    return path.endswith(".py") or "/" in path
-
-
-def module_source(path: str) -> Optional[Path]:
-    """The source file of a `path` entry (a .py file, or an importable module), or None if there is none."""
-    if is_file_path(path):
-        return Path(path) if Path(path).is_file() else None
-    try:
-        found = importlib.util.find_spec(path)
-    except (ImportError, ValueError):
-        return None
-    origin = getattr(found, "origin", None)
-    return Path(origin) if origin and origin.endswith(".py") else None
 
 
 def _read_tree(path: str, where: str) -> tuple[ast.Module, Path]:
@@ -102,19 +85,7 @@ def load_attr(path: str, name: str, where: str, builtins: Optional[dict] = None)
         path = builtins.get(name, "")
     if not path:
         raise ValueError(f"{where}: path is empty and {name!r} is not a built-in")
-    if is_file_path(path):
-        file = Path(path).resolve()
-        if not file.is_file():
-            raise ValueError(f"{where}: file {file} does not exist")
-        module_name = f"atrlhf_env_{abs(hash(str(file)))}"
-        module = sys.modules.get(module_name)
-        if module is None:
-            spec = importlib.util.spec_from_file_location(module_name, file)
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[module_name] = module  # pickling and dataclasses look modules up here
-            spec.loader.exec_module(module)
-    else:
-        module = importlib.import_module(path)
+    module = import_path(path, where)
     obj = getattr(module, name, None)
     if obj is None:
         raise ValueError(f"{where}: {path} defines no {name!r}")

@@ -93,21 +93,30 @@ def check_source(path: str, name: str, where: str) -> Kind:
     raise ValueError(f"{where}: {source} defines no function named {name!r}")
 
 
+def import_path(path: str, where: str, what: str = "file"):
+    """The module of a `path` entry: a .py file loaded as a module of its own (once per process, registered in
+    sys.modules, where pickling and dataclasses look modules up), or an importable module. Shared by reward
+    functions and environments (rlhf_core.env.spec)."""
+    if not is_file_path(path):
+        return importlib.import_module(path)
+    file = Path(path).resolve()
+    if not file.is_file():
+        raise ValueError(f"{where}: {what} {file} does not exist")
+    module_name = f"atrlhf_user_{abs(hash(str(file)))}"
+    module = sys.modules.get(module_name)
+    if module is None:
+        spec = importlib.util.spec_from_file_location(module_name, file)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module
+        spec.loader.exec_module(module)
+    return module
+
+
 def load_function(path: str, name: str, where: str):
     """Import the function (a .py file is loaded as a module of its own) and return (function, kind)."""
     if not path:
         path = BUILTIN_FUNCTIONS.get(name, "")
-    if is_file_path(path):
-        file = Path(path).resolve()
-        if not file.is_file():
-            raise ValueError(f"{where}: reward function file {file} does not exist")
-        module_name = f"atrlhf_reward_{abs(hash(str(file)))}"
-        spec = importlib.util.spec_from_file_location(module_name, file)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[module_name] = module  # pickling and dataclasses look modules up here
-        spec.loader.exec_module(module)
-    else:
-        module = importlib.import_module(path)
+    module = import_path(path, where, "reward function file")
     fn = getattr(module, name, None)
     if not callable(fn):
         raise ValueError(f"{where}: {path} has no function named {name!r}")
