@@ -23,7 +23,6 @@ from typing import Any, Optional
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import (
-    create_link_artifact,
     create_markdown_artifact,
     create_progress_artifact,
     create_table_artifact,
@@ -49,7 +48,7 @@ from tasks.cluster import (
 from tasks.mlflow_client import MlflowTracker, run_url, ui_command
 from tasks.mlflow_client.traces import trace_evaluation
 from tasks.supervision import CancelWatch, event_rows, progress_line, reward_component_keys
-from tasks.tracking import log_model, log_plots, start_tracking
+from tasks.tracking import link_mlflow_run, log_model, log_plots, start_tracking
 
 CANCEL_CHECK_INTERVAL_S = 1.0
 HEARTBEAT_S = 30.0
@@ -105,7 +104,14 @@ def train(
             parent_run_id=mlflow_parent_run_id,
             hold=resources.hold,
         )
-        _link_mlflow_run(tracker, flow_run_id, logger)
+        link_mlflow_run(flow_run_id, tracker.uri, tracker.experiment_id, tracker.run_id)
+        logger.info(
+            "MLflow run %s in experiment %s (%s); UI: %s",
+            tracker.run_id,
+            tracker.experiment_id,
+            tracker.uri,
+            ui_command(tracker.uri),
+        )
         run = RunState(cfg, runtime, tracker, logger, step=info["step"], run_dir=resources.run_dir)
 
         evaluate_at_start(run, resume)
@@ -352,33 +358,6 @@ def _evaluate(run: RunState) -> dict:
 def _log_event(logger, ev: HealthEvent) -> None:
     level = {"error": logger.error, "warning": logger.warning}.get(ev.severity, logger.info)
     level("health: %s at step %d -> %s: %s", ev.kind, ev.step, ev.action, ev.detail)
-
-
-def _link_mlflow_run(tracker: MlflowTracker, flow_run_id: str, logger) -> None:
-    """Put the MLflow run id on the Prefect flow run: a tag `mlflow-run:<id>` and a link artifact."""
-    url = run_url(tracker.uri, tracker.experiment_id, tracker.run_id)
-    if flow_run_id:
-        from prefect.client.orchestration import get_client
-
-        try:
-            with get_client(sync_client=True) as client:
-                fr = client.read_flow_run(flow_run_id)
-                client.update_flow_run(flow_run_id, tags=sorted(set(fr.tags) | {f"mlflow-run:{tracker.run_id}"}))
-        except Exception as exc:  # cosmetic; never fail a run over a tag
-            logger.warning("could not tag the flow run with the MLflow run id: %s", exc)
-    create_link_artifact(
-        link=url,
-        link_text=f"MLflow run {tracker.run_id}",
-        key="atrlhf-mlflow-run",
-        description=f"MLflow run of this flow run (store {tracker.uri}; open with `{ui_command(tracker.uri)}`)",
-    )
-    logger.info(
-        "MLflow run %s in experiment %s (%s); UI: %s",
-        tracker.run_id,
-        tracker.experiment_id,
-        tracker.uri,
-        ui_command(tracker.uri),
-    )
 
 
 def _fmt(value: Any) -> str:
