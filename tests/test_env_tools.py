@@ -218,6 +218,8 @@ def test_a_calculator_run_completes_on_the_small_chat_model(tmp_path):
     finally:
         parts.worker.close()
     assert result["steps"] == 2 and len(seen) == 2
-    assert all(1 <= m["env/turns_mean"] <= 2 and m["env/errors"] == 0 for m in seen)
+    assert all(1 <= m["env/turns_mean"] <= 2 and m["env/errors"] == 0 for m in seen), [
+        {k: v for k, v in m.items() if k.startswith("env/")} for m in seen
+    ]
     assert "eval/accuracy" in result and len(result["eval/trajectories"]) == 2
     assert '"name": "add"' in parts.tokenizer.decode(parts.worker.last_trajectories[0].prompt_ids)

@@ -512,3 +512,26 @@ def test_examples_follow_their_signatures():
     ]
     assert verl_style.compute_score("max3", "7 then", "7") == {"score": 1.0, "length": 2.0}
     assert math.isclose(verl_style.compute_score("max3", "then 7", "7")["score"], 0.1)
+
+
+def test_a_user_file_imported_from_several_threads_at_once_is_whole_in_each(tmp_path):
+    """Environments open many episodes in one process on threads, each loading its tools: every thread gets the
+    module after its code ran (a thread once found it registered but not yet executed: "defines no 'add'")."""
+    import threading
+
+    from rlhf_core.reward.functions.spec import import_path
+
+    path = tmp_path / "slow_tools.py"
+    path.write_text("import time\ntime.sleep(0.3)\n\ndef add(a, b):\n    return a + b\n")
+    found, start = [], threading.Barrier(6)
+
+    def load():
+        start.wait()
+        found.append(getattr(import_path(str(path), "env.tools[0]"), "add", None))
+
+    threads = [threading.Thread(target=load) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(found) == 6 and all(fn is not None and fn(2, 3) == 5 for fn in found)

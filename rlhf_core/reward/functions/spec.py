@@ -12,6 +12,7 @@ import importlib
 import importlib.util
 import inspect
 import sys
+import threading
 from pathlib import Path
 from typing import Literal, Optional
 
@@ -93,6 +94,11 @@ def check_source(path: str, name: str, where: str) -> Kind:
     raise ValueError(f"{where}: {source} defines no function named {name!r}")
 
 
+# Environments run many episodes in one process, on threads, and each opening loads its tools: without this lock
+# a second thread found the module registered but not yet executed ("defines no 'add'", a flaky test).
+_IMPORT_LOCK = threading.Lock()
+
+
 def import_path(path: str, where: str, what: str = "file"):
     """The module of a `path` entry: a .py file loaded as a module of its own (once per process, registered in
     sys.modules, where pickling and dataclasses look modules up), or an importable module. Shared by reward
@@ -103,12 +109,17 @@ def import_path(path: str, where: str, what: str = "file"):
     if not file.is_file():
         raise ValueError(f"{where}: {what} {file} does not exist")
     module_name = f"atrlhf_user_{abs(hash(str(file)))}"
-    module = sys.modules.get(module_name)
-    if module is None:
-        spec = importlib.util.spec_from_file_location(module_name, file)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[module_name] = module
-        spec.loader.exec_module(module)
+    with _IMPORT_LOCK:
+        module = sys.modules.get(module_name)
+        if module is None:
+            spec = importlib.util.spec_from_file_location(module_name, file)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[module_name] = module
+            try:
+                spec.loader.exec_module(module)
+            except BaseException:
+                del sys.modules[module_name]  # a file that fails to import is not left half-loaded for the next caller
+                raise
     return module
 
 
