@@ -272,20 +272,26 @@ def test_partial_rollouts_adopt_weights_mid_batch_and_bound_every_tokens_stalene
     cfg = tiny_cfg(
         tmp_path,
         "trainer.total_steps=20",
-        "runtime.max_staleness=1",
+        "runtime.max_staleness=2",
         "rollout.prompts_per_batch=8",
-        "rollout.max_new_tokens=16",
+        "rollout.max_new_tokens=32",
         "rollout.partial_rollout=true",
+        # responses stay long (a tiny lr: the untrained policy stops at random, ~1 token in 19), so each batch
+        # spans many decode steps while the trainer publishes: a run without a single update landing
+        # mid-generation (seen once with 16 tokens at the default lr, where responses shrink to the answer)
+        # would mean the hook is not called
+        "trainer.lr=1e-7",
     )
     result = run_distributed(cfg, poll_interval_s=0.2)
     assert result["steps"] == 20
     metrics = result["metrics"]
     assert all("async/token_staleness_max" in m for m in metrics)
-    assert max(m["async/token_staleness_max"] for m in metrics) <= 1
-    assert max(m["async/staleness_max"] for m in metrics) <= 1
+    assert max(m["async/token_staleness_max"] for m in metrics) <= 2
+    assert max(m["async/staleness_max"] for m in metrics) <= 2
     rollout = result["final_poll"]["rollout"]
     rollout = rollout if isinstance(rollout, list) else [rollout]
-    assert sum(r["syncs_mid_batch"] for r in rollout) >= 1  # weights did change mid-generation
+    mid_batch = sum(r["syncs_mid_batch"] for r in rollout)
+    assert mid_batch >= 1, rollout  # weights did change mid-generation
     rec = result["reconcile"]
     assert rec["in_flight"] == 0 and rec["unaccounted"] == 0, rec
 
