@@ -12,8 +12,8 @@ token (1/19, EOS), response lengths are geometric (mean ~19; the longest of 128 
 through the run. Every mode runs `rlhf_core.distributed.run_distributed` on one local Ray instance of 2 CPUs:
 one rollout worker (1 CPU) and the trainer (1 CPU), torch_threads 1, the same steps and prompts per step.
 
-- sync:             runtime.mode=sync, batch-at-a-time generation, padded training (as before issue 26)
-- async:            runtime.mode=async, batch-at-a-time generation, padded training (as before issue 26)
+- sync:             runtime.mode=sync, batch-at-a-time generation, padded training (the previous defaults)
+- async:            runtime.mode=async, batch-at-a-time generation, padded training (the previous defaults)
 - async_continuous: continuous batching (the same active rows, rollout.max_active_rows = one step's rows;
                     a call takes two steps' prompts, so ended rows are replaced) + padding-free training
 - async_partial:    async_continuous + rollout.partial_rollout (weights adopted between decode steps)

@@ -1,4 +1,4 @@
-"""Multi-turn learning on CPU: the small chat model learns examples/envs/reveal.py (issue 27).
+"""Multi-turn learning on CPU: the small chat model learns examples/envs/reveal.py.
 
     python benchmarks/multiturn.py                                   # configs/tiny-multiturn.yaml
     python benchmarks/multiturn.py --set trainer.total_steps=50      # any config override

@@ -9,7 +9,7 @@ its time is excluded from the clock). A run stops at --target accuracy or at --b
     python benchmarks/time_to_accuracy.py --json     # one JSON object
     python benchmarks/time_to_accuracy.py --quick    # sync and max_staleness 2 only
     python benchmarks/time_to_accuracy.py --no-sync --staleness 0 1 2 4 8 --autopilot 1
-        # issue 28: the staleness autopilot (starting at max_staleness 1, range 0..8) against fixed bounds;
+        # the staleness autopilot (starting at max_staleness 1, range 0..8) against fixed bounds;
         # the autopilot run is driven by the Supervisor (its health checks and the autopilot, as in the flow)
 """
 

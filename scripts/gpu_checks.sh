@@ -51,7 +51,7 @@ else
     text_rc="skipped, no CUDA"
 fi
 
-# includes test_in_flight_weight_update: partial rollouts on vLLM (weights loaded between engine steps, issue 26)
+# includes test_in_flight_weight_update: partial rollouts on vLLM (weights loaded between engine steps)
 "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_vllm.py > "$OUT/pytest_vllm.txt" 2>&1
 vllm_rc=$?
 

@@ -162,7 +162,7 @@ def test_checkpoint_holds_the_adapters_in_peft_format(lora_run):
     assert not (ckpt / "policy.safetensors").exists()
     adapter_cfg = json.loads((ckpt / "adapter" / "adapter_config.json").read_text())
     assert adapter_cfg["r"] == 4 and adapter_cfg["lora_alpha"] == 8
-    # the base model by a path relative to the adapter (issue 29: was absolute, the adapter not portable)
+    # the base model by a path relative to the adapter (an absolute path would make the adapter unportable)
     base = adapter_cfg["base_model_name_or_path"]
     assert not Path(base).is_absolute() and (ckpt / "adapter" / base).resolve() == (out / "tiny_policy").resolve()
     meta = json.loads((ckpt / "meta.json").read_text())

@@ -1,4 +1,4 @@
-"""A multi-turn evaluation's episodes as MLflow traces, linked to the run (issue 27).
+"""A multi-turn evaluation's episodes as MLflow traces, linked to the run.
 
 Each traced episode (a trajectory-file record, rlhf_core.env.score.trajectory_record) becomes one trace:
 its root span holds the dataset row and the outcome (reward, success, turns); under it one span per turn,
