@@ -90,12 +90,18 @@ def sequence_logprobs(
     attn = torch.cat([prompt_mask, response_mask], dim=1).long()
     positions = (attn.cumsum(-1) - 1).clamp_(min=0)
     logits = model(input_ids=input_ids, attention_mask=attn, position_ids=positions, use_cache=False).logits
-    logits = processed_logits(logits[:, P - 1 : P - 1 + L, :], sampling, keep=response_ids)
-    logp_all = torch.log_softmax(logits, dim=-1)
-    logprobs = logp_all.gather(-1, response_ids.unsqueeze(-1)).squeeze(-1)
+    return token_logprobs(logits[:, P - 1 : P - 1 + L, :], response_ids, sampling, with_entropy)
+
+
+def token_logprobs(logits, tokens, sampling: SamplingParams, with_entropy: bool = False):
+    """Log-probabilities of `tokens` [...] under `logits` [..., V] processed as the rollout samples them (the
+    token itself always kept in the set), and the entropies of that distribution (without gradient; filtered
+    tokens, p = 0, contribute 0) or None. Shared by the padded and the packed forward passes."""
+    logp_all = torch.log_softmax(processed_logits(logits, sampling, keep=tokens), dim=-1)
+    logprobs = logp_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     entropy = None
     if with_entropy:
-        with torch.no_grad():  # a metric: filtered tokens (p = 0, log p = -inf) contribute 0
+        with torch.no_grad():
             probs = logp_all.exp()
             entropy = -torch.special.xlogy(probs, probs).sum(-1)
     return logprobs, entropy
@@ -142,16 +148,9 @@ def packed_sequence_logprobs(
     hidden_logits = model(input_ids=input_ids, position_ids=positions, use_cache=False).logits
     i, j = response_mask.nonzero(as_tuple=True)  # response token j of row i is predicted one position before it
     logits = hidden_logits[row_t[i], off_t[i] + prompt_lens[i] + j - 1]
-    tokens = response_ids[i, j]
-    logp_all = torch.log_softmax(processed_logits(logits, sampling, keep=tokens), dim=-1)
-    values = logp_all.gather(-1, tokens[:, None]).squeeze(-1)
+    values, ent = token_logprobs(logits, response_ids[i, j], sampling, with_entropy)
     logprobs = torch.zeros((N, L), dtype=values.dtype, device=dev).index_put((i, j), values)
-    entropy = None
-    if with_entropy:
-        with torch.no_grad():
-            probs = logp_all.exp()
-            ent = -torch.special.xlogy(probs, probs).sum(-1)
-            entropy = torch.zeros((N, L), dtype=ent.dtype, device=dev).index_put((i, j), ent)
+    entropy = None if ent is None else torch.zeros((N, L), dtype=ent.dtype, device=dev).index_put((i, j), ent)
     return logprobs, entropy
 
 
