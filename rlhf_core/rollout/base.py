@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass
 from typing import Protocol
@@ -54,6 +55,12 @@ class RolloutEngine(Protocol):
     def generate(self, prompts: PromptBatch, samples_per_prompt: int, sampling: SamplingParams) -> RolloutBatch: ...
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None: ...
+
+
+def takes_between_steps(engine) -> bool:
+    """Whether the engine adopts weights mid-generation (`generate(..., between_steps=fn)`: HF, vLLM); others
+    (random) take them between generate calls only."""
+    return "between_steps" in inspect.signature(engine.generate).parameters
 
 
 TOP_P_CHUNK_ELEMENTS = 1 << 26  # logits sorted at once by the top-p filter (~0.8 GB of sort temporaries)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import time
 from collections.abc import Sequence
 
@@ -10,7 +9,7 @@ import torch
 
 from rlhf_core.data.prompts import Prompt, collate_prompts
 from rlhf_core.reward.components import prepare_patterns
-from rlhf_core.rollout.base import SamplingParams
+from rlhf_core.rollout.base import SamplingParams, takes_between_steps
 from rlhf_core.types import Experience, RolloutBatch
 
 
@@ -81,7 +80,7 @@ class RolloutWorker:
         if self.env is not None:
             return self._rollout_env(prompts, start)
         pb = collate_prompts(prompts, self.pad_token_id, self.max_prompt_tokens)
-        if between_steps is not None and _takes_between_steps(self.engine):
+        if between_steps is not None and takes_between_steps(self.engine):
             batch = self.engine.generate(pb, self.samples_per_prompt, self.sampling, between_steps=between_steps)
         else:
             batch = self.engine.generate(pb, self.samples_per_prompt, self.sampling)
@@ -184,11 +183,6 @@ class RolloutWorker:
             "reward_mean": self.reward_sum / self.samples if self.samples else 0.0,
             **({"env_errors": self.env.errors} if self.env is not None else {}),
         }
-
-
-def _takes_between_steps(engine) -> bool:
-    """Whether the engine adopts weights mid-generation (HF, vLLM); others (random) take them between batches."""
-    return "between_steps" in inspect.signature(engine.generate).parameters
 
 
 def split_groups(batch: RolloutBatch, group_size: int) -> list[Experience]:
