@@ -3,6 +3,8 @@ timeouts and concurrent episodes (real spawned environment processes, the real c
 
 from __future__ import annotations
 
+import copy
+import itertools
 from pathlib import Path
 
 import pytest
@@ -13,7 +15,7 @@ from rlhf_core.data.prompts import Prompt
 from rlhf_core.env.chat import ChatFormat, ChatFormatError
 from rlhf_core.env.trajectory import EnvError, EnvRunner, trajectory_batch
 from rlhf_core.models import load_policy, stop_token_ids
-from rlhf_core.rollout import HFEngine, SamplingParams
+from rlhf_core.rollout import HFEngine, RolloutWorker, SamplingParams
 from rlhf_core.trainer.trainer import sequence_logprobs
 
 FIXTURES = str(Path(__file__).parent / "env_fixtures.py")
@@ -164,6 +166,10 @@ def test_trained_ids_are_the_generated_ids_and_observations_are_masked(chat):
                 context += obs
                 pos += len(obs)
         assert pos == n
+        assert all(turn.version == 0 for turn in t.transcript if turn.role == "assistant")
+    # without partial rollouts every token is of the engine's one version
+    assert torch.equal(batch.token_versions, torch.zeros_like(batch.response_ids))
+    assert torch.equal(batch.policy_version, torch.zeros(4, dtype=torch.long))
     # the trainer's view of the same ids: on-policy, its log-probs of the model's tokens are the engine's
     with torch.no_grad():
         logps, _ = sequence_logprobs(
@@ -171,6 +177,119 @@ def test_trained_ids_are_the_generated_ids_and_observations_are_masked(chat):
         )
     m = batch.loss_mask
     assert torch.allclose(logps[m], batch.behavior_logprobs[m], atol=1e-4)
+
+
+class WeightVersions:
+    """Weights of policy versions 0, 1, 2, ...: version 0 is the model's own, each later one the model's moved by
+    noise of its own (made on first use, then kept for the on-policy check)."""
+
+    def __init__(self, model):
+        self.base = {k: v.clone() for k, v in model.state_dict().items()}
+        self.states = {0: self.base}
+
+    def __getitem__(self, version: int) -> dict:
+        if version not in self.states:
+            g = torch.Generator().manual_seed(version)
+            self.states[version] = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in self.base.items()}
+        return self.states[version]
+
+    def hook(self, engine, every: int):
+        """between_steps handing over the next version (after the engine's) at every `every`-th call."""
+        calls = []
+
+        def between_steps():
+            calls.append(1)
+            if len(calls) % every:
+                return None
+            return self[engine.version + 1], engine.version + 1
+
+        return between_steps
+
+
+class TurnAtATimeEngine:
+    """The HF engine behind a generate that takes no between_steps: weights can change between turns only."""
+
+    def __init__(self, engine: HFEngine):
+        self.engine = engine
+        self.device = engine.device
+
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    def load_weights(self, state_dict, version: int) -> None:
+        self.engine.load_weights(state_dict, version)
+
+    def generate(self, prompts, samples_per_prompt, sampling):
+        return self.engine.generate(prompts, samples_per_prompt, sampling)
+
+
+@pytest.mark.parametrize("mid_turn", [False, True], ids=["between_turns", "mid_turn"])
+def test_partial_rollouts_adopt_weights_between_turns_and_mid_turn(chat, mid_turn):
+    """rollout.partial_rollout with an environment, through the rollout worker's hook path (the Ray rollout
+    actor passes its weight-store hook the same way): weights handed over between turns (any engine) and
+    between decode steps (the HF engine) are adopted while trajectories are in flight. Each model token keeps
+    the version that generated it, observation tokens the version of the model token before them, the row's
+    policy_version is its oldest model token's, and every behaviour log-prob is that of the weights of the
+    token's recorded version (recomputed with a model holding them)."""
+    from rlhf_core.config import RewardConfig
+    from rlhf_core.env.score import trajectory_record
+    from rlhf_core.reward.components import build_reward_fn
+
+    model, tok, stops = chat
+    cfg = env_config("CountEnv", kwargs={"turns": 3}, max_turns=3)
+    sampling = SamplingParams.from_config(cfg.rollout)
+    weights = WeightVersions(model)
+    hf = HFEngine(copy.deepcopy(model), stops, tok.pad_token_id, seed=0)
+    engine = hf if mid_turn else TurnAtATimeEngine(hf)
+    reward = build_reward_fn(RewardConfig(), tok, stops, sampling.max_new_tokens)
+    worker = RolloutWorker(engine, reward, sampling, 2, tok.pad_token_id, env=runner_for(cfg, tok, stops))
+    try:
+        batch, _ = worker.rollout(prompts_for(tok, 2), between_steps=weights.hook(hf, every=3 if mid_turn else 1))
+    finally:
+        worker.close()
+    trajs = worker.last_trajectories
+    assert len(trajs) == 4 and all(t.turns == 3 and t.error is None for t in trajs)
+    versions, model_mask = batch.token_versions, batch.loss_mask
+    assert (hf.weight_updates > 0) == mid_turn
+    spans = []  # per trajectory, per model turn: the versions of its tokens
+    for row, t in enumerate(trajs):
+        n = len(t.ids)
+        v, m = versions[row, :n], model_mask[row, :n]
+        assert v.tolist() == t.versions
+        assert bool((v[1:] >= v[:-1]).all())  # a trajectory never goes back to older weights
+        # observation positions: masked out, with the version of the model token before them
+        before = torch.where(m, v, -1).cummax(0).values
+        assert bool((v[~m] == before[~m]).all())
+        assert int(batch.policy_version[row]) == int(v[m].min())
+        assert trajectory_record(t)["policy_version"] == int(batch.policy_version[row])
+        runs = itertools.groupby(zip(v.tolist(), m.tolist()), key=lambda pair: pair[1])
+        turns = [[version for version, _ in run] for is_model, run in runs if is_model]
+        assert [turn.version for turn in t.transcript if turn.role == "assistant"] == [x[0] for x in turns]
+        spans.append(turns)
+    assert len({int(x) for x in versions[model_mask]}) > 2  # several versions were adopted
+    if mid_turn:  # some turn's tokens are of two versions: adopted between decode steps
+        assert any(len(set(turn)) > 1 for turns in spans for turn in turns)
+    else:  # every turn of one version, a newer one each turn (the hook hands one over before every turn)
+        assert all(len(set(turn)) == 1 for turns in spans for turn in turns)
+        assert all(a[0] < b[0] for turns in spans for a, b in zip(turns, turns[1:]))
+    # on-policy per token: recomputed with the weights of each token's recorded version
+    reference = copy.deepcopy(model)
+    worst = 0.0
+    for version in sorted({int(x) for x in versions[model_mask]}):
+        reference.load_state_dict(weights[version])
+        with torch.no_grad():
+            logps, _ = sequence_logprobs(
+                reference,
+                batch.prompt_ids,
+                batch.prompt_mask,
+                batch.response_ids,
+                batch.response_mask,
+                sampling=sampling,
+            )
+        where = model_mask & (versions == version)
+        worst = max(worst, float((logps[where] - batch.behavior_logprobs[where]).abs().max()))
+    assert worst <= 1e-5, worst
 
 
 def test_trajectory_ends_truncated_at_max_total_tokens(chat):

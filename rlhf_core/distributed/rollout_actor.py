@@ -121,9 +121,10 @@ class RolloutActor:
         return len(groups)
 
     def _between_steps(self):
-        """Partial rollouts: called by the engine between decode steps. Asks the weight store for newer weights
-        without waiting (one request in flight, at most every 20 ms); when newer ones are published, fetches
-        them (the fetch is this worker's stall, recorded as a sync) and hands them to the engine."""
+        """Partial rollouts: called by the engine between decode steps (and, with an environment, by its runner
+        between a trajectory's turns). Asks the weight store for newer weights without waiting (one request in
+        flight, at most every 20 ms); when newer ones are published, fetches them (the fetch is this worker's
+        stall, recorded as a sync) and hands them to the engine."""
         now = time.perf_counter()
         ref = self._newer_ref
         if ref is None:

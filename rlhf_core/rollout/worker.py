@@ -70,15 +70,16 @@ class RolloutWorker:
     def rollout(self, prompts: Sequence[Prompt], between_steps=None) -> tuple[RolloutBatch, dict[str, torch.Tensor]]:
         """Generate `samples_per_prompt` completions per prompt and score them; returns (batch, reward components).
 
-        between_steps (partial rollouts, HF engine): called between decode steps, returns None or
-        (state_dict, version) to adopt mid-generation (`HFEngine.generate`).
+        between_steps (partial rollouts): returns None or (state_dict, version) to adopt mid-generation; called
+        between decode steps where the engine supports it (HF, vLLM: `HFEngine.generate`) and, with an
+        environment, also between a trajectory's turns (`EnvRunner.run`).
 
         The batch carries its rewards (the tensor-native reward plus each external reward's weighted scores)
         and, as `reward_components` [N, C], the per-row values of the components and external columns (NaN
         where an external score does not apply to the row)."""
         start = time.perf_counter()
         if self.env is not None:
-            return self._rollout_env(prompts, start)
+            return self._rollout_env(prompts, start, between_steps)
         pb = collate_prompts(prompts, self.pad_token_id, self.max_prompt_tokens)
         if between_steps is not None and takes_between_steps(self.engine):
             batch = self.engine.generate(pb, self.samples_per_prompt, self.sampling, between_steps=between_steps)
@@ -117,15 +118,16 @@ class RolloutWorker:
         self.reward_sum += float(rewards.sum())
         return batch, components
 
-    def _rollout_env(self, prompts: Sequence[Prompt], start: float):
+    def _rollout_env(self, prompts: Sequence[Prompt], start: float, between_steps=None):
         """Multi-turn: trajectories of the environment (rlhf_core.env), scored as the environment's summed
         rewards x env.reward_weight plus the configured rewards of the last model turn. A group with a failed
         trajectory (an environment error or timeout) is left out; the batch may then have fewer groups, or
-        none (then `rollout` returns an empty batch)."""
+        none (then `rollout` returns an empty batch). With between_steps (partial rollouts) trajectories adopt
+        newer weights between turns and within them; each token keeps its version (`trajectory_batch`)."""
         from rlhf_core.env.trajectory import last_turn_batch, trajectory_batch, trajectory_metrics
 
         G = self.samples_per_prompt
-        trajs = self.env.run(self.engine, prompts, G, self.sampling)
+        trajs = self.env.run(self.engine, prompts, G, self.sampling, between_steps=between_steps)
         keep = [g for g in range(len(prompts)) if not any(t.error for t in trajs[g * G : (g + 1) * G])]
         kept = [t for g in keep for t in trajs[g * G : (g + 1) * G]]
         self.last_trajectories = kept
