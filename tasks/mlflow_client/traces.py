@@ -2,9 +2,10 @@
 
 Each traced episode (a trajectory-file record, rlhf_core.env.score.trajectory_record) becomes one trace:
 its root span holds the dataset row and the outcome (reward, success, turns); under it one span per turn,
-in order: the model's turns (LLM spans: the text, the step's reward, the policy version that generated it,
-with one TOOL span per tool call the turn made: its name, arguments and result) and the opening and the
-environment's observations (CHAIN spans: role and text). The UI shows them in the run's Traces tab.
+in order: the model's turns (LLM spans: the text, the step's reward, the policy version that generated it
+(with partial rollouts, that of its first token), with one TOOL span per tool call the turn made: its name,
+arguments and result) and the opening and the environment's observations (CHAIN spans: role and text). The
+UI shows them in the run's Traces tab.
 """
 
 from __future__ import annotations
