@@ -447,7 +447,9 @@ def test_groups_with_a_failed_trajectory_are_left_out(tmp_path):
 @pytest.mark.slow
 def test_the_ray_runtime_runs_environments(ray_local, tmp_path):
     """Rollout workers run the episodes (their own environment pools), the trainer trains on trajectories and
-    logs env/* and reward/env from the groups, held-out evaluation runs the episodes greedily."""
+    logs env/* and reward/env from the groups, held-out evaluation runs the episodes greedily. With partial
+    rollouts on, the workers' weight-store hook reaches the episodes (weights may change between turns and
+    within them) and every model token trained on is within the staleness bound."""
     from rlhf_core.distributed import run_distributed
 
     cfg = loop_cfg(tmp_path, "CountEnv", kwargs={"turns": 2, "reward": 0.5}, max_turns=3)
@@ -458,6 +460,7 @@ def test_the_ray_runtime_runs_environments(ray_local, tmp_path):
             "supervision": {"supervise_interval_s": 0.2},
             "runtime": {"mode": "async", "max_staleness": 1, "wait_timeout_s": 60},
             "trainer": {**cfg.trainer.model_dump(mode="json"), "total_steps": 3},
+            "rollout": {**cfg.rollout.model_dump(mode="json"), "partial_rollout": True},
         }
     )
     result = run_distributed(cfg, poll_interval_s=0.2)
@@ -465,6 +468,7 @@ def test_the_ray_runtime_runs_environments(ray_local, tmp_path):
     for m in result["metrics"]:
         assert m["env/turns_mean"] == 2 and m["reward/env"] == 1.0 and m["env/truncated_frac"] == 0
         assert m["env/errors"] == 0
+        assert m["async/token_staleness_max"] <= 1
     assert result["eval/accuracy"] == 1.0 and result["eval/turns_mean"] == 2
     rec = result["reconcile"]
     assert rec["unaccounted"] == 0, rec
