@@ -605,7 +605,8 @@ class RolloutConfig(_Section):
     partial_rollout: bool = Field(
         False,
         description="Adopt newly published weights between decode steps instead of between batches (the KV cache "
-        "is recomputed under them); token_versions records each token's version.",
+        "is recomputed under them), and with an environment also between a trajectory's turns; token_versions "
+        "records each token's version.",
     )
     vllm_gpu_memory_utilization: float = Field(
         0.5, gt=0, le=1, description="vLLM engine: fraction of GPU memory it may take."
