@@ -12,9 +12,9 @@ Policies (the runtime enforces the hard bound max_staleness on its own; these ke
 - staleness: mean staleness above staleness_warn x max_staleness -> publish weights now (once per trainer
   version, when runtime.sync_every > 1 leaves workers behind the trainer), with no event: staleness up to
   max_staleness is the design working (a `staleness_high` warning only for a mean above it); still high for 3 polls
-  -> narrow the rollout admission window to floor(staleness_warn x max_staleness) versions for the rest
-  of the run. Rollout then runs ahead of the trainer by fewer versions, so staleness settles at the
-  warning level instead of oscillating (pausing admission would starve the trainer and change nothing
+  -> narrow the rollout admission window to floor(staleness_warn x max_staleness) versions (at least 1: never
+  lockstep) for the rest of the run. Rollout then runs ahead of the trainer by fewer versions, so staleness
+  settles at the warning level instead of oscillating (pausing admission would starve the trainer and change nothing
   once resumed).
 - buffer: trainer starving (buffer below one step and no step since the last poll) -> resume admission,
   schedule more prompts; overflow (buffer/dropped_overflow grew) -> pause admission until the buffer is
@@ -255,9 +255,11 @@ class HealthMonitor:
         if can_sync and behind and version > self.last_sync_version:
             d.request_sync = True
             self.last_sync_version = version
-        # never narrower than one prompts_per_batch of capacity, or admission could never grant a batch again
+        # never narrower than one prompts_per_batch of capacity, or admission could never grant a batch again,
+        # and never 0: a window of 0 turns the async run the user asked for into lockstep (at max_staleness 1 a
+        # trainer-bound run sits at staleness 1 by design, and was narrowed to 0 after three polls)
         per_batch, per_step = self.cfg.rollout.prompts_per_batch, self.cfg.trainer.prompts_per_step
-        window = max(int(limit), -(-per_batch // per_step) - 1)
+        window = max(int(limit), -(-per_batch // per_step) - 1, 1)
         narrow = self.autopilot is None  # with the autopilot, it owns the bound (and admission follows it)
         if (
             narrow

@@ -55,6 +55,17 @@ def test_high_staleness_syncs_then_narrows_the_admission_window_once():
     assert d.throttle is None and d.events == []
 
 
+def test_narrowing_never_turns_an_async_run_into_lockstep():
+    """At max_staleness 1 a trainer-bound async run sits at staleness 1 by design; floor(0.8 x 1) = 0 narrowed its
+    admission to 0 versions ahead (lockstep) after three polls, silently undoing the bound the user set."""
+    m = HealthMonitor(cfg("runtime.max_staleness=1", "supervision.staleness_warn=0.8"), now=0)
+    windows = [m.check(poll(t, staleness=1.0), now=t).admission_window for t in range(1, 6)]
+    assert windows == [None] * 5 and "narrow_admission" not in [e.kind for e in m.events]
+    m = HealthMonitor(cfg("runtime.max_staleness=4", "supervision.staleness_warn=0.8"), now=0)
+    windows = [m.check(poll(t, staleness=4.0), now=t).admission_window for t in range(1, 6)]
+    assert 3 in windows  # a wider bound still narrows, to floor(0.8 x 4)
+
+
 def test_staleness_within_the_bound_is_no_event_above_it_a_warning():
     """A healthy async run sits near runtime.max_staleness by design: no health event (a default run printed a
     staleness_high line every time); a mean above the hard bound is warned about once, and its end reported."""
