@@ -45,7 +45,8 @@ def micro_slices(rows: slice, n_micro: int) -> list[slice]:
     if n < n_micro:
         raise ValueError(
             f"a rank's {n} rows cannot make the {n_micro} micro-batches every rank must run (FSDP's forward and "
-            "backward are collectives): give the step more rows or raise trainer.micro_batch_size"
+            "backward are collectives): give the step more rows or raise the micro-batch size "
+            "(trainer.micro_batch_size, or critic.micro_batch_size for the critic)"
         )
     base, extra = divmod(n, n_micro)
     out, lo = [], rows.start
@@ -56,9 +57,20 @@ def micro_slices(rows: slice, n_micro: int) -> list[slice]:
     return out
 
 
+def rank_micro_slices(n: int, group, micro_batch_size: int) -> list[slice]:
+    """This rank's rows of an n-row step (`rank_rows`) in micro-batches of at most `micro_batch_size` rows,
+    as many as the widest rank's slice needs: every rank runs the same number of forward and backward passes
+    (FSDP's are collectives). Without a group: the whole batch."""
+    rank, size = world(group)
+    widest = rank_rows(n, 0, size)
+    n_micro = max(1, math.ceil((widest.stop - widest.start) / micro_batch_size))
+    return micro_slices(rank_rows(n, rank, size), n_micro)
+
+
 def decoder_layers(model) -> list[torch.nn.Module]:
-    """The repeated blocks to shard one by one: modules of the classes HF lists in `_no_split_modules`."""
-    names = set(getattr(model, "_no_split_modules", None) or [])
+    """The repeated blocks to shard one by one: modules of the classes HF lists in `_no_split_modules`, of
+    the model or of any module inside it (the critic's ValueModel wraps an HF body)."""
+    names = {name for m in model.modules() for name in (getattr(m, "_no_split_modules", None) or [])}
     return [m for m in model.modules() if type(m).__name__ in names]
 
 
@@ -155,6 +167,45 @@ def _gather_bucket(bucket: list, group, size: int):
         parts = out[:, offset : offset + n].reshape(size, chunk, *shape[1:])
         yield name, torch.cat([parts[r, :c] for r, c in enumerate(counts)])
         offset += n
+
+
+def whole_cpu_copies(named, group, keep: bool = True) -> dict[str, torch.Tensor]:
+    """Contiguous CPU copies of the whole tensors of `named` ((name, tensor) pairs; gathered when sharded,
+    `iter_full_tensors`: a collective) where `keep`; {} where not (a rank that holds no copy)."""
+    out = {}
+    with torch.no_grad():
+        for name, whole in iter_full_tensors([(n, t.detach()) for n, t in named], group):
+            if keep:
+                out[name] = whole.to("cpu", copy=True).contiguous()
+    return out
+
+
+def whole_optimizer_state(optimizer: torch.optim.Optimizer, group) -> dict:
+    """optimizer.state_dict() with whole tensors: the same for N ranks as for one process (a collective when
+    sharded: every rank calls it)."""
+    state = optimizer.state_dict()
+    if group is not None:
+        state["state"] = {
+            i: {k: full_tensor(v).cpu() if is_dtensor(v) else v for k, v in s.items()}
+            for i, s in state["state"].items()
+        }
+    return state
+
+
+def load_whole_optimizer_state(optimizer: torch.optim.Optimizer, state: dict, group) -> None:
+    """Load a whole-tensor optimizer state (`whole_optimizer_state`, of N ranks or one); sharded, each rank
+    keeps its shard of every parameter's state (no communication)."""
+    if group is not None:
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        state = dict(state)
+        state["state"] = {
+            i: {
+                k: shard_like(v, params[int(i)]) if torch.is_tensor(v) and v.shape == params[int(i)].shape else v
+                for k, v in s.items()
+            }
+            for i, s in state["state"].items()
+        }
+    optimizer.load_state_dict(state)
 
 
 def shard_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

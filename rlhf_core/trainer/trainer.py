@@ -28,16 +28,14 @@ from rlhf_core.lora import adapter_state_dict, adapters_disabled, is_lora
 from rlhf_core.models import disable_dropout
 from rlhf_core.rollout.base import SamplingParams, processed_logits
 from rlhf_core.trainer.sharding import (
-    full_tensor,
     gather_rows,
     global_grad_norm,
-    is_dtensor,
-    iter_full_tensors,
-    micro_slices,
-    rank_rows,
+    load_whole_optimizer_state,
+    rank_micro_slices,
     reduce_metrics,
-    shard_like,
     shard_model,
+    whole_cpu_copies,
+    whole_optimizer_state,
     world,
 )
 from rlhf_core.types import RolloutBatch
@@ -377,10 +375,8 @@ class Trainer:
         elif advantages is None:
             advantages = self.advantages(batch)
         N = len(batch)
-        rank, size = world(self.group)
-        rows = rank_rows(N, rank, size)
-        widest = rank_rows(N, 0, size)  # every rank runs as many micro-batches as the widest slice needs
-        micro = micro_slices(rows, max(1, math.ceil((widest.stop - widest.start) / self.tcfg.micro_batch_size)))
+        size = world(self.group)[1]
+        micro = rank_micro_slices(N, self.group, self.tcfg.micro_batch_size)  # this rank's rows
         total_tokens = step_mask.sum().clamp(min=1)
         loss_kwargs: dict = {"norm_len": self.cfg.rollout.max_new_tokens, "global_norm": global_normalisers(step_mask)}
         keep = None
@@ -517,7 +513,8 @@ class Trainer:
         keep = world(self.group)[0] == 0
         if self.lora:
             return adapter_state_dict(self.model, keep=keep)
-        return self._whole_cpu_copies(list(self.model.named_parameters()) + list(self.model.named_buffers()), keep)
+        named = list(self.model.named_parameters()) + list(self.model.named_buffers())
+        return whole_cpu_copies(named, self.group, keep)
 
     def full_weights(self) -> dict[str, torch.Tensor]:
         """The model's state dict as whole CPU tensors (a tensor tied to an earlier name is left out), for a
@@ -531,17 +528,7 @@ class Trainer:
             if id(t) not in seen:
                 seen.add(id(t))
                 named.append((name, t))
-        return self._whole_cpu_copies(named, keep)
-
-    def _whole_cpu_copies(self, named: list, keep: bool) -> dict[str, torch.Tensor]:
-        """Contiguous CPU copies of the whole tensors of `named` (gathered when sharded: a collective) on the
-        ranks that keep them; {} on the others."""
-        out = {}
-        with torch.no_grad():
-            for name, whole in iter_full_tensors([(n, t.detach()) for n, t in named], self.group):
-                if keep:
-                    out[name] = whole.to("cpu", copy=True).contiguous()
-        return out
+        return whole_cpu_copies(named, self.group, keep)
 
     def load_full_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Copy whole tensors (a state dict, as `full_weights` gives) into the model; sharded, each rank keeps
@@ -550,36 +537,11 @@ class Trainer:
 
         load_weights_into(self.model, weights)
 
-    def _optimizer_state(self) -> dict:
-        """optimizer.state_dict() with whole tensors: the same for N ranks as for one process (a collective
-        when sharded)."""
-        state = self.optimizer.state_dict()
-        if self.group is not None:
-            state["state"] = {
-                i: {k: full_tensor(v).cpu() if is_dtensor(v) else v for k, v in s.items()}
-                for i, s in state["state"].items()
-            }
-        return state
-
-    def _load_optimizer_state(self, state: dict) -> None:
-        """Load a whole-tensor optimizer state; sharded, each rank keeps its shard of every parameter's state."""
-        if self.group is not None:
-            params = [p for g in self.optimizer.param_groups for p in g["params"]]
-            state = dict(state)
-            state["state"] = {
-                i: {
-                    k: shard_like(v, params[int(i)]) if torch.is_tensor(v) and v.shape == params[int(i)].shape else v
-                    for k, v in s.items()
-                }
-                for i, s in state["state"].items()
-            }
-        self.optimizer.load_state_dict(state)
-
     def state_dict(self) -> dict:
         """Everything but the weights: optimizer, scheduler, counters (weights go to safetensors). Sharded:
         whole tensors, the same layout as one process (a collective)."""
         state = {
-            "optimizer": self._optimizer_state(),
+            "optimizer": whole_optimizer_state(self.optimizer, self.group),
             "scheduler": self.scheduler.state_dict(),
             "version": self.version,
             "step": self.step,
@@ -590,7 +552,7 @@ class Trainer:
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        self._load_optimizer_state(state["optimizer"])
+        load_whole_optimizer_state(self.optimizer, state["optimizer"], self.group)
         self.scheduler.load_state_dict(state["scheduler"])
         self.version = int(state["version"])
         self.step = int(state["step"])
