@@ -166,16 +166,17 @@ def build_trainer(cfg: TrainConfig, model, tokenizer, policy_dir: str | Path | N
     """The Trainer of `model` with the run's stop set (algorithm.mask_truncated) and, for algorithm.advantage
     'gae', its critic (critic.path, or the policy's architecture and weights from `policy_dir` with a value
     head). policy_dir: where the policy was loaded from (default: the tokenizer's directory). group: the
-    process group of a sharded trainer."""
+    process group of a sharded trainer (every rank builds its Trainer here: the policy and the critic are
+    sharded on it)."""
     policy_dir = Path(policy_dir if policy_dir is not None else tokenizer.name_or_path)
     stop_ids = build_stop_ids(cfg, tokenizer, policy_dir)
-    return Trainer(
-        model, cfg, tokenizer.pad_token_id, group=group, stop_ids=stop_ids, critic=build_critic(cfg, model, policy_dir)
-    )
+    critic = build_critic(cfg, model, policy_dir, group=group)
+    return Trainer(model, cfg, tokenizer.pad_token_id, group=group, stop_ids=stop_ids, critic=critic)
 
 
-def build_critic(cfg: TrainConfig, model, policy_dir: str | Path):
-    """The critic of algorithm.advantage 'gae' on the policy's device (None for the other estimators)."""
+def build_critic(cfg: TrainConfig, model, policy_dir: str | Path, group=None):
+    """The critic of algorithm.advantage 'gae' on the policy's device (None for the other estimators);
+    sharded on `group` (a sharded trainer's) when given."""
     if cfg.algorithm.advantage != "gae":
         return None
     from rlhf_core.models import resolve_dtype
@@ -184,7 +185,7 @@ def build_critic(cfg: TrainConfig, model, policy_dir: str | Path):
     path = cfg.critic.path or policy_dir
     device = next(model.parameters()).device
     value_model = load_value_model(path, resolve_dtype(cfg.model.dtype), device, cfg.model.trust_remote_code)
-    return Critic(value_model, cfg)
+    return Critic(value_model, cfg, group=group)
 
 
 def export_run_policy(cfg: TrainConfig, model, tokenizer, path: str | Path) -> Path:

@@ -3,7 +3,9 @@
     <dir>/policy.safetensors   policy weights (safetensors; shared/tied tensors handled); or, for a LoRA
                                run, <dir>/adapter/ instead: the adapters in PEFT format (adapter_config.json,
                                adapter_model.safetensors), and meta.json and the state say `lora`
-    <dir>/state.pt             CheckpointState: trainer (optimizer, scheduler, version, step), data position
+    <dir>/state.pt             CheckpointState: trainer (optimizer, scheduler, version, step; for
+                               algorithm.advantage 'gae' the critic's weights, optimizer and counters under
+                               trainer["critic"], `Critic.state_dict`), data position
                                (prompt source and queued prompts), RNG states (trainer process and each
                                rollout engine), run facts (held-out accuracy at the start, MLflow run id)
                                (torch.save, read back with weights_only=True)
@@ -12,8 +14,9 @@
 
 The single-process loop and the Ray runtime write the same layout, so either resumes from the other's
 checkpoint; so does a sharded trainer group (FSDP2, `trainer.sharding`): it writes whole tensors gathered
-from its ranks (`Trainer.full_weights`, and an optimizer state of whole tensors), and loads a checkpoint by
-keeping each rank's shard, so a run saved with N trainer ranks resumes with any other N.
+from its ranks (`Trainer.full_weights`, an optimizer state of whole tensors, and the critic's weights and
+optimizer state alike), and loads a checkpoint by keeping each rank's shard (`load_weights_into`, for the
+critic too), so a run saved with N trainer ranks resumes with any other N.
 
 A checkpoint is written to a temporary sibling directory and renamed into place, so a crash mid-write never
 leaves a half checkpoint under the final name. Loading validates every file and the

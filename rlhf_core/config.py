@@ -933,12 +933,6 @@ class TrainConfig(_Section):
                 f"reward.overlong.buffer_len={self.reward.overlong.buffer_len} is more than rollout.max_new_tokens="
                 f"{self.rollout.max_new_tokens}: the penalty would start before the first token. Lower buffer_len"
             )
-        if self.algorithm.advantage == "gae" and self.cluster.trainer_workers > 1:
-            raise ValueError(
-                f"algorithm.advantage 'gae' (a critic) runs in a single trainer process for now: "
-                f"cluster.trainer_workers={self.cluster.trainer_workers} would shard the policy but not the critic. "
-                "Set cluster.trainer_workers=1, or use a group advantage (grpo, rloo)"
-            )
         pilot = self.runtime.autopilot
         if pilot.enabled:
             if self.runtime.mode != "async":
@@ -949,18 +943,22 @@ class TrainConfig(_Section):
                     f"within runtime.autopilot.min_staleness={pilot.min_staleness} and "
                     f"runtime.autopilot.max_staleness={pilot.max_staleness}"
                 )
-        ranks, micro = self.cluster.trainer_workers, self.trainer.micro_batch_size
-        if ranks > 1:  # each rank trains on its rows (trainer.sharding.rank_rows, sizes differing by at most 1) in
-            # as many micro-batches as the widest rank needs: every rank must have a row for each of them
-            fewest, widest = self.batch_size // ranks, -(-self.batch_size // ranks)
-            if fewest < -(-widest // micro):
+        ranks = self.cluster.trainer_workers
+        micros = [("trainer.micro_batch_size", self.trainer.micro_batch_size)]
+        if self.algorithm.advantage == "gae":  # the critic is sharded on the same ranks, in its own micro-batches
+            micros.append(("critic.micro_batch_size", self.critic.micro_batch_size))
+        # each rank trains on its rows (trainer.sharding.rank_rows, sizes differing by at most 1) in as many
+        # micro-batches as the widest rank needs: every rank must have a row for each of them
+        fewest, widest = self.batch_size // ranks, -(-self.batch_size // ranks)
+        for field_name, micro in micros:
+            if ranks > 1 and fewest < -(-widest // micro):
                 raise ValueError(
                     f"a sharded trainer group cannot split the batch: trainer.prompts_per_step="
                     f"{self.trainer.prompts_per_step} x rollout.samples_per_prompt={self.rollout.samples_per_prompt} "
                     f"= {self.batch_size} rows over cluster.trainer_workers={ranks} ranks leaves a rank {fewest} "
-                    f"row(s) for the {-(-widest // micro)} micro-batches of trainer.micro_batch_size={micro} every "
-                    "rank must run together. Make the batch a multiple of trainer.micro_batch_size x "
-                    "cluster.trainer_workers, or raise trainer.micro_batch_size"
+                    f"row(s) for the {-(-widest // micro)} micro-batches of {field_name}={micro} every "
+                    f"rank must run together. Make the batch a multiple of {field_name} x "
+                    f"cluster.trainer_workers, or raise {field_name}"
                 )
         lowest = pilot.min_staleness if pilot.enabled else self.runtime.max_staleness
         bound = "runtime.autopilot.min_staleness" if pilot.enabled else "runtime.max_staleness"

@@ -63,8 +63,6 @@ def test_kl_in_reward_penalises_tokens_and_drops_the_kl_loss(tmp_path):
     assert "loss/kl" not in seen[0]  # the KL is in the reward, not the loss
     with pytest.raises(ConfigError, match="kl_in_reward needs algorithm.advantage 'gae'"):
         small_cfg(tmp_path, "algorithm.kl_coef=0.1", "algorithm.kl_in_reward=true")
-    with pytest.raises(ConfigError, match="trainer_workers"):
-        small_cfg(tmp_path, *GAE, "cluster.trainer_workers=2")
     with pytest.raises(ConfigError, match="algorithm.gamma has no effect"):
         small_cfg(tmp_path, "algorithm.gamma=0.9")
 

@@ -2,7 +2,9 @@
 Trainer on the whole batch, for every loss; its weight sync and checkpoints are those of one process, and a
 checkpoint saved with 2 ranks resumes with 1 and the other way round. With LoRA too: a frozen sharded base, the
 adapters sharded and trained, the KL reference the same model with its adapters disabled, the adapters alone
-synced and checkpointed (PEFT format).
+synced and checkpointed (PEFT format). PPO with a critic (GAE) too: the critic is sharded on the same ranks,
+its values gathered so that GAE and its whitening see the whole batch; the policy's and the critic's
+weights, the critic's metrics and its checkpointed state (weights, AdamW, counters) are those of one process.
 
 The two ranks run once per module (one spawn: every case in turn), each with the whole batch, training on its
 half of the rows in 3 micro-batches of 8; the reference is one plain Trainer (no FSDP) with the whole batch in
@@ -10,7 +12,9 @@ one micro-batch. The batch is stale (ratios != 1), of rows of different lengths 
 tokens (unevenly spread over the ranks: the seq-mean denominators are not row counts), and the gradient is
 clipped (the global norm is over the clip). Tolerance: float32, the same arithmetic up to summation order
 (matmuls over 24 rows instead of 48, reductions across ranks): metrics agree to rel 1e-5 / abs 1e-6 and the
-weights after 3 AdamW steps to atol 1e-6 (measured: ~2e-8), while the steps move the weights by ~3e-4.
+weights after 3 AdamW steps to atol 1e-6 (measured: ~2e-8; the GAE case 1.2e-7 for the policy, 1.9e-7 for the
+critic: the advantages pass through the gathered values and a whitening), while the steps move the weights by
+~3e-4. The critic's 4 micro-batches of 6 rows per rank are against one of 48.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from rlhf_core.build import build_critic
 from rlhf_core.checkpoint import CheckpointState, load_checkpoint, read_checkpoint, save_checkpoint
 from rlhf_core.config import load_config
 from rlhf_core.data import collate_prompts
@@ -30,7 +35,7 @@ from rlhf_core.lora import ADAPTER_DIR, adapter_state_dict, apply_lora
 from rlhf_core.models import load_policy
 from rlhf_core.rollout import HFEngine, SamplingParams
 from rlhf_core.trainer import Trainer
-from rlhf_core.trainer.sharding import iter_full_tensors
+from rlhf_core.trainer.sharding import is_dtensor, iter_full_tensors
 
 # ~40 s on 2 shared cores (two spawned ranks import torch and transformers): over the unit tier's budget
 pytestmark = pytest.mark.slow
@@ -77,11 +82,21 @@ CASES = {  # GRPO and PPO share their code: GRPO with a KL term, PPO without one
         "trainer.lr=1e-3",
         "trainer.grad_clip=0.05",
     ],
+    # PPO with a learned critic: the values (rank rows, gathered) make GAE advantages whitened over the whole
+    # batch; the critic trains alone in step 1 (its warm-up), then with the policy
+    "ppo-gae-critic": [
+        "algorithm.loss=ppo",
+        "algorithm.advantage=gae",
+        "algorithm.lam=0.95",
+        "critic.lr=1e-3",
+        "critic.warmup_steps=1",
+    ],
 }
 # no KL: a resumed run's reference is its resumed weights, with N ranks or one; full weights and LoRA adapters
-RESUME_CASES = ("m2po-ratio_sq", "lora-m2po")
-SHARDED_MICRO = "trainer.micro_batch_size=8"  # 24 rows per rank: 3 micro-batches
-SINGLE_MICRO = "trainer.micro_batch_size=128"  # the whole batch at once
+RESUME_CASES = ("m2po-ratio_sq", "lora-m2po", "ppo-gae-critic")
+# 24 rows per rank: 3 micro-batches (the critic's: 4 of 6 rows); one process: the whole batch at once
+SHARDED_MICRO = ("trainer.micro_batch_size=8", "critic.micro_batch_size=6")
+SINGLE_MICRO = ("trainer.micro_batch_size=128", "critic.micro_batch_size=128")
 METRICS = (
     "loss/total",
     "loss/policy",
@@ -96,12 +111,18 @@ METRICS = (
     "m2po/masked_frac",
     "trainer/step_finite",
     "version",
+    "critic/value_loss",
+    "critic/vf_clipfrac",
+    "critic/explained_variance",
+    "critic/values_mean",
+    "critic/grad_norm",
+    "critic/policy_trains",
 )
 WEIGHT_ATOL = 1e-6
 
 
-def make_cfg(case: str, micro: str):
-    return load_config(None, [*BASE, *CASES[case], micro])
+def make_cfg(case: str, micro: tuple[str, ...]):
+    return load_config(None, [*BASE, *CASES[case], *micro])
 
 
 def fresh_policy(policy_dir, cfg=None):
@@ -113,9 +134,16 @@ def fresh_policy(policy_dir, cfg=None):
     return model
 
 
-def trainer_for(policy_dir, case: str, micro: str, group=None) -> Trainer:
+def trainer_for(policy_dir, case: str, micro: tuple[str, ...], group=None) -> Trainer:
+    """The case's Trainer; with algorithm.advantage 'gae' its critic as every run builds it (on `group`)."""
     cfg = make_cfg(case, micro)
-    return Trainer(fresh_policy(policy_dir, cfg), cfg, 0, group=group)
+    model = fresh_policy(policy_dir, cfg)
+    return Trainer(model, cfg, 0, group=group, critic=build_critic(cfg, model, policy_dir, group=group))
+
+
+def critic_state(trainer: Trainer):
+    """The critic's checkpointed state (whole tensors; a collective when sharded), None without a critic."""
+    return None if trainer.critic is None else trainer.critic.state_dict()
 
 
 def _rank_main(rank: int, port: int, policy_dir: str, work: str) -> None:
@@ -130,7 +158,9 @@ def _rank_main(rank: int, port: int, policy_dir: str, work: str) -> None:
             trainer = trainer_for(policy_dir, case, SHARDED_MICRO, group)
             metrics = [trainer.train_step(batch) for _ in range(STEPS)]
             weights, sync = trainer.full_weights(), trainer.state_dict_for_sync()  # collectives: every rank
-            out[case] = {"metrics": metrics, "weights": weights, "sync": sync}
+            out[case] = {"metrics": metrics, "weights": weights, "sync": sync, "critic": critic_state(trainer)}
+            if trainer.critic is not None:  # its parameters are this rank's shards, not a whole copy per rank
+                out[case]["critic_sharded"] = all(is_dtensor(p) for p in trainer.critic.model.parameters())
         for case in RESUME_CASES:
             # saved with 2 ranks after STEPS - 1 steps (the parent resumes it with one process)
             trainer = trainer_for(policy_dir, case, SHARDED_MICRO, group)
@@ -143,7 +173,12 @@ def _rank_main(rank: int, port: int, policy_dir: str, work: str) -> None:
             # saved by one process after STEPS - 1 steps, resumed here with 2 ranks for the last step
             trainer = trainer_for(policy_dir, case, SHARDED_MICRO, group)
             trainer.load_state_dict(load_checkpoint(f"{work}/saved_by_1_{case}", trainer.model).trainer)
-            out[f"resumed_by_2_{case}"] = {"metrics": [trainer.train_step(batch)], "weights": trainer.full_weights()}
+            metrics = [trainer.train_step(batch)]
+            out[f"resumed_by_2_{case}"] = {
+                "metrics": metrics,
+                "weights": trainer.full_weights(),
+                "critic": critic_state(trainer),
+            }
         out["gathered"] = dict(_gather_odd_shapes(group))
         if rank == 0:
             torch.save(out, f"{work}/sharded.pt")
@@ -212,7 +247,12 @@ def single(tiny_policy_dir, batch):
             if case in RESUME_CASES and step == STEPS - 2:
                 out[f"state_before_last_{case}"] = copy.deepcopy(trainer.state_dict())
                 out[f"model_before_last_{case}"] = copy.deepcopy(trainer.model)
-        out[case] = {"metrics": metrics, "weights": trainer.full_weights(), "sync": trainer.state_dict_for_sync()}
+        out[case] = {
+            "metrics": metrics,
+            "weights": trainer.full_weights(),
+            "sync": trainer.state_dict_for_sync(),
+            "critic": critic_state(trainer),
+        }
     return out
 
 
@@ -243,6 +283,24 @@ def assert_same_weights(got: dict, want: dict) -> None:
         torch.testing.assert_close(got[name], want[name], atol=WEIGHT_ATOL, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
 
 
+def assert_same_optimizer_state(got: dict, want: dict) -> None:
+    """The optimizer state of one process: the same groups, and whole tensors equal within WEIGHT_ATOL."""
+    assert got["param_groups"] == want["param_groups"]
+    assert sorted(got["state"]) == sorted(want["state"])
+    for i, s in want["state"].items():
+        for k, v in s.items():
+            torch.testing.assert_close(got["state"][i][k], v, atol=WEIGHT_ATOL, rtol=0)
+
+
+def assert_same_critic(got, want) -> None:
+    """A critic's state (`Critic.state_dict`): weights, AdamW state and counters of one process; None alike."""
+    assert (got is None) == (want is None)
+    if want is not None:
+        assert got["updates"] == want["updates"]
+        assert_same_weights(got["weights"], want["weights"])
+        assert_same_optimizer_state(got["optimizer"], want["optimizer"])
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_two_ranks_make_the_update_of_one(case, sharded, single, tiny_policy_dir):
     got, want = sharded[case], single[case]
@@ -260,6 +318,16 @@ def test_two_ranks_make_the_update_of_one(case, sharded, single, tiny_policy_dir
     start = adapter_state_dict(start) if cfg.model.lora else start.state_dict()  # LoRA: the adapters only
     moved = max(float((want["weights"][k] - start[k]).abs().max()) for k in want["weights"])
     assert moved > 100 * WEIGHT_ATOL
+    assert_same_critic(got["critic"], want["critic"])
+    if want["critic"] is not None:
+        assert got["critic_sharded"]
+        last = want["metrics"][-1]
+        assert last["critic/value_loss"] > 0 and last["critic/explained_variance"] != 0
+        assert want["metrics"][0]["critic/grad_norm"] > cfg.trainer.grad_clip  # the critic's clip is active too
+        assert [m["critic/policy_trains"] for m in want["metrics"]] == [0.0, 1.0, 1.0]
+        start = build_critic(cfg, fresh_policy(tiny_policy_dir), tiny_policy_dir).model.state_dict()
+        moved = max(float((want["critic"]["weights"][k] - start[k]).abs().max()) for k in start)
+        assert moved > 100 * WEIGHT_ATOL
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -280,17 +348,15 @@ def test_checkpoint_saved_by_two_ranks_resumes_with_one(case, sharded, single, b
         assert (path / ADAPTER_DIR / "adapter_config.json").is_file() and not (path / "policy.safetensors").exists()
         assert state.lora["r"] == 4 and all("lora_" in k for k in weights)
     # the same layout as one process writes: whole tensors, the optimizer state of one process
-    want_opt = single[f"state_before_last_{case}"]["optimizer"]
-    assert state.trainer["optimizer"]["param_groups"] == want_opt["param_groups"]
-    assert sorted(state.trainer["optimizer"]["state"]) == sorted(want_opt["state"])
-    for i, s in want_opt["state"].items():
-        for k, v in s.items():
-            torch.testing.assert_close(state.trainer["optimizer"]["state"][i][k], v, atol=WEIGHT_ATOL, rtol=0)
+    want_state = single[f"state_before_last_{case}"]
+    assert_same_optimizer_state(state.trainer["optimizer"], want_state["optimizer"])
+    assert_same_critic(state.trainer.get("critic"), want_state.get("critic"))  # the critic's too
     assert (state.version, state.step) == (STEPS - 1, STEPS - 1)
     trainer = trainer_for(tiny_policy_dir, case, SINGLE_MICRO)
     trainer.load_state_dict(load_checkpoint(path, trainer.model).trainer)
     assert_same_metrics(trainer.train_step(batch), single[case]["metrics"][-1], STEPS - 1)
     assert_same_weights(trainer.full_weights(), single[case]["weights"])
+    assert_same_critic(critic_state(trainer), single[case]["critic"])
 
 
 @pytest.mark.parametrize("case", RESUME_CASES)
@@ -298,6 +364,7 @@ def test_checkpoint_saved_by_one_process_resumes_with_two_ranks(case, sharded, s
     got = sharded[f"resumed_by_2_{case}"]
     assert_same_metrics(got["metrics"][0], single[case]["metrics"][-1], STEPS - 1)
     assert_same_weights(got["weights"], single[case]["weights"])
+    assert_same_critic(got["critic"], single[case]["critic"])
 
 
 def test_shards_of_any_shape_and_dtype_gather_whole(sharded):

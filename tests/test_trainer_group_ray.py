@@ -1,6 +1,7 @@
 """cluster.trainer_workers = 2 on a real local Ray instance (2 CPUs): two trainer actors form a gloo group and
-shard the policy with FSDP2; the run takes the steps one trainer takes, its checkpoint resumes with one trainer,
-and a rank that dies fails the run with a message naming it."""
+shard the policy (and, with algorithm.advantage 'gae', the critic) with FSDP2; the run takes the steps one
+trainer takes, its checkpoint resumes with one trainer, and a rank that dies fails the run with a message
+naming it."""
 
 from __future__ import annotations
 
@@ -50,21 +51,36 @@ def sync_losses(cfg, steps: int, checkpoint_at=None, path=None) -> list[dict]:
         return metrics
 
 
+# PPO with a critic: every rank builds the critic (build.build_trainer) and shards it with the policy; the
+# overlong penalty makes the untrained policy's rewards (and so the returns and the value loss) non-zero
+GAE = (
+    "algorithm.advantage=gae",
+    "critic.lr=1e-3",
+    "critic.micro_batch_size=4",
+    "reward.overlong={buffer_len: 4, penalty: 1.0}",
+    "trainer.total_steps=3",
+)
+
+
 def test_two_trainer_ranks_take_the_steps_of_one_and_their_checkpoint_resumes_with_one(ray_local, tmp_path):
     """Sync mode, one rollout worker, the same seeds: the same batches reach both runs, so the losses and
-    gradient norms of 2 ranks and of 1 agree step by step (float32 tolerance, see test_sharded_trainer)."""
+    gradient norms of 2 ranks and of 1 agree step by step (float32 tolerance, see test_sharded_trainer), the
+    critic's too; the checkpoint holds the critic and resumes with one trainer."""
     from rlhf_core.checkpoint import read_checkpoint
 
     steps = 3
-    two = sync_losses(group_cfg(tmp_path / "two", 2, "trainer.total_steps=3"), steps, 2, tmp_path / "ckpt2")
-    one = sync_losses(group_cfg(tmp_path / "one", 1, "trainer.total_steps=3"), steps)
+    two = sync_losses(group_cfg(tmp_path / "two", 2, *GAE), steps, 2, tmp_path / "ckpt2")
+    one = sync_losses(group_cfg(tmp_path / "one", 1, *GAE), steps)
     assert [m["step"] for m in two] == [1, 2, 3]
+    assert two[0]["critic/value_loss"] > 0
     for a, b in zip(two, one):
-        for key in ("loss/total", "policy/grad_norm", "policy/entropy", "reward/mean"):
+        for key in ("loss/total", "policy/grad_norm", "policy/entropy", "reward/mean", "critic/value_loss"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key)
+        for key in ("critic/grad_norm", "critic/values_mean", "critic/explained_variance"):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key)
     state, _ = read_checkpoint(tmp_path / "ckpt2")
-    assert state.step == 2
-    resumed = group_cfg(tmp_path / "resumed", 1, "trainer.total_steps=3")
+    assert state.step == 2 and state.trainer["critic"]["updates"] == 2
+    resumed = group_cfg(tmp_path / "resumed", 1, *GAE)
     with DistributedRun(resumed) as run:
         info = run.launch(resume_from=str(tmp_path / "ckpt2"))
         assert (info["step"], info["version"]) == (2, 2)
@@ -72,6 +88,7 @@ def test_two_trainer_ranks_take_the_steps_of_one_and_their_checkpoint_resumes_wi
         last = run.poll()["metrics"][-1]
     assert last["step"] == 3
     assert last["loss/total"] == pytest.approx(one[-1]["loss/total"], rel=1e-4, abs=1e-6)
+    assert last["critic/value_loss"] == pytest.approx(one[-1]["critic/value_loss"], rel=1e-4, abs=1e-6)
 
 
 def test_a_dead_trainer_rank_fails_the_run_naming_it(ray_local, tmp_path):

@@ -8,7 +8,6 @@ import ray
 from rlhf_core import build
 from rlhf_core.checkpoint import load_checkpoint, restore_rng
 from rlhf_core.distributed.calls import die
-from rlhf_core.trainer import Trainer
 
 
 def group_address() -> str:
@@ -23,7 +22,9 @@ def group_address() -> str:
 
 def join_trainer_group(cfg, model, tokenizer, address: str, rank: int):
     """Join the torch.distributed group of cluster.trainer_workers ranks (NCCL on GPU, gloo on CPU; collectives
-    time out after runtime.wait_timeout_s) and build this rank's sharded Trainer of `model`."""
+    time out after runtime.wait_timeout_s) and build this rank's sharded Trainer of `model` the way one
+    process builds its Trainer (`build.build_trainer`: the stop set, and for algorithm.advantage 'gae' the
+    critic, sharded on the same group)."""
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -36,14 +37,14 @@ def join_trainer_group(cfg, model, tokenizer, address: str, rank: int):
         world_size=cfg.cluster.trainer_workers,
         timeout=timedelta(seconds=cfg.runtime.wait_timeout_s),
     )
-    stop_ids = build.build_stop_ids(cfg, tokenizer, tokenizer.name_or_path)  # algorithm.mask_truncated
-    return Trainer(model, cfg, tokenizer.pad_token_id, group=dist.group.WORLD, stop_ids=stop_ids)
+    return build.build_trainer(cfg, model, tokenizer, group=dist.group.WORLD)
 
 
 class TrainerRankActor:
     """Rank r > 0 of a sharded trainer group (cluster.trainer_workers > 1): holds its shard of the policy,
-    gradients and optimizer state, and runs each collective operation rank 0 (the TrainerActor) asks for, in
-    rank 0's order, on the same arguments. It talks to nothing else."""
+    gradients and optimizer state (and of the critic's, for algorithm.advantage 'gae'), and runs each
+    collective operation rank 0 (the TrainerActor) asks for, in rank 0's order, on the same arguments. It
+    talks to nothing else."""
 
     def __init__(self, cfg, policy_dir: str, rank: int, address: str):
         build.setup_process(cfg, cfg.trainer.seed)

@@ -6,6 +6,12 @@ critic at training time: values are not behaviour quantities, so stale samples n
 `update` (one pass of the clipped value loss over the step's batch in micro-batches of
 critic.micro_batch_size; the loss of every micro-batch is its exact share of the step's, as for the policy).
 Checkpointed inside the trainer's state (`Trainer.state_dict()["critic"]`).
+
+Sharded (a `group` of N trainer ranks, the policy's): the value model is sharded with FSDP2 as the policy is
+(`sharding.shard_model`) and every rank holds the whole step's batch. Each rank computes the values of its
+rows (`rank_rows`), gathered so that GAE, whitening included, sees the whole batch on every rank; its value
+loss is its share of the step's (over the whole step's token count), gradients are summed across ranks and
+clipped by the global norm, and the metrics are those of the whole batch: the update of one process.
 """
 
 from __future__ import annotations
@@ -18,6 +24,17 @@ import torch
 from torch import nn
 
 from rlhf_core.algorithms import explained_variance, value_loss
+from rlhf_core.trainer.sharding import (
+    gather_rows,
+    global_grad_norm,
+    load_whole_optimizer_state,
+    rank_micro_slices,
+    reduce_metrics,
+    shard_model,
+    whole_cpu_copies,
+    whole_optimizer_state,
+    world,
+)
 from rlhf_core.types import RolloutBatch
 
 
@@ -52,13 +69,18 @@ def load_value_model(path: str | Path, dtype: Optional[torch.dtype], device, tru
 
 
 class Critic:
-    """The value model, its optimizer and the warm-up counter. cfg: the run's TrainConfig."""
+    """The value model, its optimizer and the warm-up counter. cfg: the run's TrainConfig. group: the policy's
+    process group when the trainer is sharded (the value model is then sharded on it, in place, before its
+    optimizer is made), None for one process."""
 
-    def __init__(self, model: ValueModel, cfg):
+    def __init__(self, model: ValueModel, cfg, group=None):
         self.model = model
         self.cfg = cfg
         self.ccfg = cfg.critic
+        self.group = group
         self.device = next(model.parameters()).device
+        if group is not None:
+            shard_model(model, group, self.device.type)
         self.optimizer = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad],
             lr=self.ccfg.lr,
@@ -72,8 +94,8 @@ class Critic:
         return self.ccfg.warmup_steps
 
     def _micro(self, n: int) -> list[slice]:
-        size = self.ccfg.micro_batch_size
-        return [slice(s, min(n, s + size)) for s in range(0, n, size)]
+        """This rank's rows of an n-row step in micro-batches, as many on every rank (FSDP's collectives)."""
+        return rank_micro_slices(n, self.group, self.ccfg.micro_batch_size)
 
     def _forward(self, batch: RolloutBatch, idx: slice) -> torch.Tensor:
         """Values [n, L] of the states before each response token of rows `idx`."""
@@ -85,22 +107,27 @@ class Critic:
         return values[:, P - 1 : P - 1 + L].float()
 
     def values(self, batch: RolloutBatch) -> torch.Tensor:
-        """Values [N, L] of every row by the current critic, without gradient; 0 where the response is padding."""
+        """Values [N, L] of every row by the current critic, without gradient; 0 where the response is padding.
+        Sharded: each rank computes its rows and every rank gets all of them (a collective)."""
         was_training = self.model.training
         self.model.eval()
         try:
             with torch.no_grad():
-                out = torch.cat([self._forward(batch, idx) for idx in self._micro(len(batch))])
+                local = torch.cat([self._forward(batch, idx) for idx in self._micro(len(batch))])
         finally:
             self.model.train(was_training)
-        return out * batch.response_mask.float()
+        return gather_rows(local, len(batch), self.group) * batch.response_mask.float()
 
     def update(
         self, batch: RolloutBatch, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor
     ) -> dict[str, float]:
         """One optimizer step of the clipped value loss towards `returns` ([N, L]) on the tokens of `mask`.
         Returns critic/value_loss, critic/vf_clipfrac, critic/explained_variance, critic/values_mean (of the
-        values the advantages were computed with) and critic/grad_norm."""
+        values the advantages were computed with) and critic/grad_norm, all of the whole batch.
+
+        Sharded: every rank passes the whole batch and trains on its rows; the denominator is the whole
+        step's token count, so the losses (and clip fractions) of the ranks' micro-batches add up to the
+        step's, and FSDP sums their gradients. A collective: every rank calls it."""
         self.model.train()
         total = mask.float().sum().clamp(min=1)
         self.optimizer.zero_grad(set_to_none=True)
@@ -114,31 +141,42 @@ class Critic:
             loss.backward()
             loss_sum += loss.detach()
             clip_sum += clipfrac
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.trainer.grad_clip)
-        if math.isfinite(float(loss_sum)) and math.isfinite(float(grad_norm)):
+        # shares of the step's loss and clip fraction: summed over the ranks, they are the whole batch's
+        shares = reduce_metrics({"critic/value_loss": loss_sum, "critic/vf_clipfrac": clip_sum}, self.group)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        grad_norm = global_grad_norm(params)
+        torch.nn.utils.clip_grads_with_norm_(params, self.cfg.trainer.grad_clip, grad_norm)
+        # the same decision on every rank: both figures are the whole batch's
+        if math.isfinite(float(shares["critic/value_loss"])) and math.isfinite(float(grad_norm)):
             self.optimizer.step()
             self.updates += 1
         self.optimizer.zero_grad(set_to_none=True)
         self.model.eval()
         m = mask.float()
         return {
-            "critic/value_loss": float(loss_sum),
-            "critic/vf_clipfrac": float(clip_sum),
+            "critic/value_loss": float(shares["critic/value_loss"]),
+            "critic/vf_clipfrac": float(shares["critic/vf_clipfrac"]),
+            # whole-batch statistics of tensors every rank holds whole (gathered values, the batch's returns)
             "critic/explained_variance": float(explained_variance(old_values, returns, m)),
             "critic/values_mean": float((old_values * m).sum() / m.sum().clamp(min=1)),
             "critic/grad_norm": float(grad_norm),
         }
 
     def state_dict(self) -> dict:
-        """Weights (CPU copies), optimizer and counters: everything to resume the critic."""
+        """Weights (whole CPU copies), optimizer (whole tensors) and counters: everything to resume the critic,
+        the same layout for N ranks as for one process. Sharded: a collective (every rank calls it); rank 0
+        gets the weights, the others {}."""
+        keep = world(self.group)[0] == 0
         return {
-            "weights": {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
-            "optimizer": self.optimizer.state_dict(),
+            "weights": whole_cpu_copies(self.model.state_dict(keep_vars=True).items(), self.group, keep),
+            "optimizer": whole_optimizer_state(self.optimizer, self.group),
             "updates": self.updates,
         }
 
     def load_state_dict(self, state: dict) -> None:
-        self.model.load_state_dict(state["weights"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        """Resume from `state_dict()`'s layout (written by N ranks or one); sharded, each rank keeps its shard."""
+        from rlhf_core.checkpoint import load_weights_into  # checkpoint imports the trainer package
+
+        load_weights_into(self.model, state["weights"])
+        load_whole_optimizer_state(self.optimizer, state["optimizer"], self.group)
         self.updates = int(state.get("updates", 0))

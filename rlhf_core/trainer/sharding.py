@@ -11,6 +11,10 @@ slice of rows (`rank_rows`). What makes the update exactly that of one process o
 - the clipping norm is the global one (the norm of the sharded DTensor gradients, made whole);
 - metrics are reduced across ranks the way micro-batch metrics already are (sums of shares, maxima).
 
+The critic of algorithm.advantage 'gae' (`critic.Critic`) is sharded the same way on the same group: each
+rank computes the values of its rows, gathered so that GAE sees the whole batch on every rank, and its
+value loss is its share of the step's.
+
 Parameters, gradients and AdamW state are DTensors sharded on dim 0 (`fully_shard` per decoder layer, then
 the root). `full_tensor` gathers one whole tensor; every rank must call it (a collective).
 """

@@ -204,12 +204,15 @@ class Trainer:
     group: a torch.distributed process group of N trainer ranks (`sharding`): every rank builds its Trainer
     from the same model and config, the model (and the KL reference) is sharded with FSDP2, and every rank
     calls `train_step` with the same whole batch, training on its own slice of rows; the update is that of
-    one Trainer on the whole batch. None: one process, no sharding."""
+    one Trainer on the whole batch. None: one process, no sharding. critic: algorithm.advantage 'gae''s
+    `Critic`, built on the same group (`build.build_critic`): sharded and trained with the policy."""
 
     def __init__(self, model, cfg, pad_token_id: int, ref_model=None, group=None, stop_ids=None, critic=None):
         self.model = disable_dropout(model)  # log-probs as the rollout's (eval mode): ratios of 1 on-policy
         # the ids that end a response (algorithm.mask_truncated tells a cut response from a finished one)
         self.stop_ids = None if stop_ids is None else torch.tensor(sorted(stop_ids), dtype=torch.long)
+        if critic is not None and critic.group is not group:
+            raise ValueError("the critic must be sharded on the trainer's group (build.build_critic(..., group))")
         self.critic = critic  # algorithm.advantage 'gae': rlhf_core.trainer.critic.Critic
         self.group = group
         self.cfg = cfg
@@ -280,7 +283,8 @@ class Trainer:
 
         The sequence reward sits on the last response token; with algorithm.kl_in_reward every token also
         gets -kl_coef x KL(behaviour || reference) (kl_estimator, per token). Advantages are whitened over
-        the step's valid tokens when algorithm.whiten_advantages."""
+        the step's valid tokens when algorithm.whiten_advantages. Sharded: the values are gathered from the
+        ranks (`Critic.values`), so every rank computes the same whole-batch advantages."""
         values = self.critic.values(batch)
         token_rewards = torch.zeros_like(values)
         last = (batch.response_lengths.to(values.device) - 1).clamp(min=0).unsqueeze(1)
@@ -358,7 +362,8 @@ class Trainer:
         collectives). The denominators are the whole batch's, as for micro-batches; M2PO's mask is computed
         on every row's current log-probs, gathered from the ranks; gradients are summed across ranks, the
         clipping norm is the global one, and the metrics are reduced across ranks: the metrics, the
-        gradients and the update are those of one process on the whole batch.
+        gradients and the update are those of one process on the whole batch. The critic (GAE) is updated
+        the same way on the same group (`Critic.update`).
         """
         start = time.perf_counter()
         consumer_version = self.version
