@@ -52,7 +52,9 @@ class ValueModel(nn.Module):
         """Values [N, S], one per position (the value of the state after reading tokens up to it)."""
         out = self.body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
         hidden = out.last_hidden_state
-        return self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1)
+        # a tensor of its own, not a view of the head's [N, S, 1]: sharded, FSDP2 hooks the backward on this
+        # output, and warns on every forward that returns a view (an in-place op on it would lose the hook)
+        return self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).clone()
 
 
 def load_value_model(path: str | Path, dtype: Optional[torch.dtype], device, trust_remote_code: bool) -> ValueModel:
