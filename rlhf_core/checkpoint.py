@@ -19,9 +19,9 @@ optimizer state alike), and loads a checkpoint by keeping each rank's shard (`lo
 critic too), so a run saved with N trainer ranks resumes with any other N.
 
 A checkpoint is written to a temporary sibling directory and renamed into place, so a crash mid-write never
-leaves a half checkpoint under the final name. Loading validates every file and the
-parameter names and shapes against the model BEFORE anything is overwritten; a checkpoint of an older
-layout fails with a message that says so.
+leaves a half checkpoint under the final name. Loading validates every file and the parameter names and
+shapes against the model, and those of the critic's weights against the configured critic (`critic=`), BEFORE
+anything is overwritten; a checkpoint of an older layout fails with a message that says so.
 """
 
 from __future__ import annotations
@@ -173,6 +173,42 @@ def _param_shapes(model) -> dict[str, list[int]]:
     return {k: list(v.shape) for k, v in model.state_dict().items()}
 
 
+def _shape_mismatch(saved: dict, expected: dict[str, list[int]], may_lack=None) -> Optional[str]:
+    """What differs between the tensor names and shapes a checkpoint holds (`saved`) and those a model expects
+    (`expected`, `_param_shapes`: of a sharded model the whole tensors' shapes, a DTensor's shape being the
+    whole one), up to three of each kind; None when they agree. may_lack(name): whether the checkpoint may
+    leave out that expected name (a tied tensor stored once)."""
+    found = {
+        "missing": [k for k in expected if k not in saved and not (may_lack and may_lack(k))],
+        "unexpected": [k for k in saved if k not in expected],
+        "different shapes (checkpoint vs model)": [
+            f"{k}: {saved[k]} vs {expected[k]}" for k in expected if k in saved and saved[k] != expected[k]
+        ],
+    }
+    return ", ".join(f"{kind} {names[:3]}" for kind, names in found.items() if names) or None
+
+
+def _check_critic(p: Path, state: CheckpointState, critic) -> None:
+    """The critic's part of the trainer state (`Critic.state_dict`: weights, optimizer, counters) against the
+    live `critic`'s value model: the same names and whole shapes, or CheckpointError naming the first
+    mismatches. A checkpoint without a critic (of a group-advantage run) fails here too."""
+    saved = state.trainer.get("critic") if isinstance(state.trainer, dict) else None
+    if saved is None:
+        raise CheckpointError(
+            f"checkpoint {p} holds no critic, but algorithm.advantage is 'gae': resume it with the advantage "
+            "it was trained with (its train_config.yaml)"
+        )
+    weights = saved.get("weights") if isinstance(saved, dict) else None
+    if not isinstance(weights, dict) or not all(torch.is_tensor(v) for v in weights.values()):
+        raise CheckpointError(f"{p / 'state.pt'}: the critic's state has no weights (trainer['critic']['weights'])")
+    mismatch = _shape_mismatch({k: list(v.shape) for k, v in weights.items()}, _param_shapes(critic.model))
+    if mismatch:
+        raise CheckpointError(
+            f"checkpoint {p}: its critic (state.pt, trainer['critic']['weights']) does not match the configured "
+            f"critic (critic.path, or the policy's architecture when empty): {mismatch}"
+        )
+
+
 def lora_facts(model) -> Optional[dict]:
     """{r, alpha, dropout, target_modules} of a LoRA model's adapters (plain types), None for a full model."""
     if not is_lora(model):
@@ -261,12 +297,13 @@ def prune_checkpoints(checkpoints_dir: str | Path, keep: int, newest_step: Optio
     return removed
 
 
-def read_checkpoint(path: str | Path, model=None) -> tuple[CheckpointState, Optional[dict]]:
+def read_checkpoint(path: str | Path, model=None, critic=None) -> tuple[CheckpointState, Optional[dict]]:
     """Validate and read a checkpoint without touching any live object.
 
     Returns (state, weights): the CheckpointState, and the weights as a state dict when `model` is given
-    (their names and shapes checked against the model). Raises CheckpointError naming the file and the
-    problem.
+    (their names and shapes checked against the model). critic: the live `Critic` of an algorithm.advantage
+    'gae' run (`Trainer.critic`), whose value model the checkpoint's critic weights are checked against (None:
+    not checked). Raises CheckpointError naming the file and the problem.
     """
     from safetensors import SafetensorError
     from safetensors.torch import load_file
@@ -327,28 +364,24 @@ def read_checkpoint(path: str | Path, model=None) -> tuple[CheckpointState, Opti
                 "model.lora to resume it"
             )
         expected = _param_shapes(model)
-        if meta.get("params") != expected:
-            saved = meta.get("params") or {}
-            missing = sorted(set(expected) - set(saved))[:3]
-            extra = sorted(set(saved) - set(expected))[:3]
-            shape = [k for k in expected if k in saved and saved[k] != expected[k]][:3]
-            raise CheckpointError(
-                f"checkpoint {p} does not match the model: missing {missing}, unexpected {extra}, "
-                f"different shapes {shape}"
-            )
+        mismatch = _shape_mismatch(meta.get("params") or {}, expected)
+        if mismatch:
+            raise CheckpointError(f"checkpoint {p} does not match the model: {mismatch}")
         try:
             weights = load_file(str(weights_file), device="cpu")
         except (SafetensorError, OSError, Exception) as exc:
             raise CheckpointError(f"{weights_file} is corrupt: {exc}") from exc
         # meta.json can agree with the model while the weights file does not (swapped or edited file):
         # check the tensors themselves, so that nothing is half-copied later.
-        bad = [k for k, v in weights.items() if list(v.shape) != expected.get(k)]
-        missing = [k for k in expected if k not in weights and (live_lora or not _is_tied(model, k, weights))]
-        if bad or missing:
-            raise CheckpointError(
-                f"{weights_file} does not match the model: unexpected or differently "
-                f"shaped tensors {bad[:3]}, missing {missing[:3]}"
-            )
+        mismatch = _shape_mismatch(
+            {k: list(v.shape) for k, v in weights.items()},
+            expected,
+            may_lack=None if live_lora else lambda k: _is_tied(model, k, weights),
+        )
+        if mismatch:
+            raise CheckpointError(f"{weights_file} does not match the model: {mismatch}")
+    if critic is not None:
+        _check_critic(p, state, critic)
     return state, weights
 
 
@@ -406,8 +439,10 @@ def export_policy(model, tokenizer, config: dict, path: str | Path, merged: bool
     return out
 
 
-def load_checkpoint(path: str | Path, model) -> CheckpointState:
-    """Validate the whole checkpoint, then copy its weights into `model`; returns the rest for the caller."""
-    state, weights = read_checkpoint(path, model)
+def load_checkpoint(path: str | Path, model, critic=None) -> CheckpointState:
+    """Validate the whole checkpoint (with the critic's weights against `critic`, the live `Critic` of a 'gae'
+    run), then copy its weights into `model`; returns the rest for the caller (`Trainer.load_state_dict` loads
+    the critic from it)."""
+    state, weights = read_checkpoint(path, model, critic=critic)
     load_weights_into(model, weights)
     return state

@@ -211,7 +211,7 @@ def restore_run_checkpoint(parts: RunParts, path: str | Path) -> CheckpointState
 
     A checkpoint from the Ray runtime restores here too: its first rollout worker's RNG seeds the engine,
     and prompts it had queued are served first."""
-    state = load_checkpoint(path, parts.model)
+    state = load_checkpoint(path, parts.model, critic=parts.trainer.critic)
     parts.trainer.load_state_dict(state.trainer)
     parts.trained = parts.prompts.load_state_dict(state.data)
     if not parts.shares_weights:

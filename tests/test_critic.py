@@ -3,12 +3,15 @@ loop, and async/mismatch_kl: on the tiny policy, through the real entry points."
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
-from rlhf_core.checkpoint import load_checkpoint
+from rlhf_core import build
+from rlhf_core.checkpoint import CheckpointError, load_checkpoint
 from rlhf_core.config import ConfigError
-from rlhf_core.loop import build_run, generate_step_batch, run_sync
+from rlhf_core.loop import build_run, generate_step_batch, restore_run_checkpoint, run_sync, save_run_checkpoint
 from tests.test_loop import small_cfg
 
 GAE = [
@@ -53,6 +56,74 @@ def test_gae_run_trains_the_critic_and_resumes_it(tmp_path):
     again = build_run(small_cfg(tmp_path / "y", *GAE, "trainer.total_steps=3"))
     with pytest.raises(ValueError, match="holds no critic"):
         run_sync(again.cfg, resume_from=str(grpo_dir / "checkpoints" / "step_000001"), parts=again)
+
+
+@pytest.fixture(scope="module")
+def critic_checkpoints(tmp_path_factory):
+    """(run_dir, {name: checkpoint}) of untrained runs sharing run_dir's tiny policy: "gae" (a critic) and
+    "grpo" (none), their policy weights moved off the initial ones so that any load into a fresh run shows."""
+    root = tmp_path_factory.mktemp("critic_ckpts")
+    saved = {}
+    for name, overrides in (("gae", GAE), ("grpo", [])):
+        parts = build_run(small_cfg(root / "run", *overrides))
+        with torch.no_grad():
+            for p in parts.model.parameters():
+                p.add_(0.5)
+        saved[name] = save_run_checkpoint(parts, root / name)
+    return root / "run", saved
+
+
+def _edit_critic(path, edit):
+    state = torch.load(path / "state.pt", weights_only=True)
+    edit(state["trainer"]["critic"]["weights"])
+    torch.save(state, path / "state.pt")
+
+
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        ("wider_critic_path", r"body\.embed_tokens\.weight: \[\d+, 32\] vs \[\d+, 64\]"),
+        ("reshaped_head", r"value_head\.weight: \[1, 7\] vs \[1, 32\]"),
+        ("missing_head_bias", r"missing \['value_head\.bias'\]"),
+        ("renamed_head_bias", r"missing \['value_head\.bias'\], unexpected \['value_head\.offset'\]"),
+        ("grpo_checkpoint", "holds no critic, but algorithm.advantage is 'gae'"),
+    ],
+)
+def test_a_mismatched_critic_fails_before_any_weight_is_loaded(critic_checkpoints, tmp_path, case, expected):
+    """The critic's weights in the trainer state are checked with the policy's, up front: a critic that does not
+    fit the configured one fails with CheckpointError naming the checkpoint, the critic and the parameter, and
+    neither the live policy nor the live critic has changed."""
+    run_dir, saved = critic_checkpoints
+    overrides = list(GAE)
+    path = saved["grpo" if case == "grpo_checkpoint" else "gae"]
+    if case == "wider_critic_path":  # a critic body of another hidden size than the one that was saved
+        wide = build.resolve_policy_dir(small_cfg(tmp_path / "wide", "model.tiny_hidden=64"))
+        overrides.append(f"critic.path={wide}")
+    elif case != "grpo_checkpoint":
+        path = tmp_path / "edited"
+        shutil.copytree(saved["gae"], path)
+        if case == "reshaped_head":
+            _edit_critic(path, lambda w: w.update({"value_head.weight": torch.zeros(1, 7)}))
+        elif case == "missing_head_bias":
+            _edit_critic(path, lambda w: w.pop("value_head.bias"))
+        else:
+            _edit_critic(path, lambda w: w.update({"value_head.offset": w.pop("value_head.bias")}))
+    parts = build_run(small_cfg(run_dir, *overrides))
+    policy = {k: v.clone() for k, v in parts.model.state_dict().items()}
+    critic = {k: v.clone() for k, v in parts.trainer.critic.model.state_dict().items()}
+    with pytest.raises(CheckpointError, match=expected) as exc:
+        restore_run_checkpoint(parts, path)
+    assert str(path) in str(exc.value) and "critic" in str(exc.value)
+    for k, v in parts.model.state_dict().items():
+        assert torch.equal(v, policy[k]), f"policy {k} was loaded before the critic was checked"
+    for k, v in parts.trainer.critic.model.state_dict().items():
+        assert torch.equal(v, critic[k]), f"critic {k} changed"
+    assert parts.trainer.step == 0 and parts.trainer.critic.updates == 0
+    # the same checkpoint, unedited, resumes into a run of the critic it was written with
+    if case != "grpo_checkpoint":
+        fitting = build_run(small_cfg(run_dir, *GAE))
+        restore_run_checkpoint(fitting, saved["gae"])
+        assert not torch.equal(next(fitting.model.parameters()), next(iter(policy.values())))
 
 
 def test_kl_in_reward_penalises_tokens_and_drops_the_kl_loss(tmp_path):

@@ -20,6 +20,8 @@ critic: the advantages pass through the gathered values and a whitening), while 
 from __future__ import annotations
 
 import copy
+import re
+import shutil
 import socket
 
 import pytest
@@ -28,7 +30,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from rlhf_core.build import build_critic
-from rlhf_core.checkpoint import CheckpointState, load_checkpoint, read_checkpoint, save_checkpoint
+from rlhf_core.checkpoint import CheckpointError, CheckpointState, load_checkpoint, read_checkpoint, save_checkpoint
 from rlhf_core.config import load_config
 from rlhf_core.data import collate_prompts
 from rlhf_core.lora import ADAPTER_DIR, adapter_state_dict, apply_lora
@@ -172,13 +174,23 @@ def _rank_main(rank: int, port: int, policy_dir: str, work: str) -> None:
                 save_checkpoint(saved, trainer.model, CheckpointState(state, {}, {}), weights=weights)
             # saved by one process after STEPS - 1 steps, resumed here with 2 ranks for the last step
             trainer = trainer_for(policy_dir, case, SHARDED_MICRO, group)
-            trainer.load_state_dict(load_checkpoint(f"{work}/saved_by_1_{case}", trainer.model).trainer)
+            resumed = load_checkpoint(f"{work}/saved_by_1_{case}", trainer.model, critic=trainer.critic)
+            trainer.load_state_dict(resumed.trainer)
             metrics = [trainer.train_step(batch)]
             out[f"resumed_by_2_{case}"] = {
                 "metrics": metrics,
                 "weights": trainer.full_weights(),
                 "critic": critic_state(trainer),
             }
+            if trainer.critic is not None:  # a critic of other shapes: refused on every rank before any load
+                before = trainer.full_weights()
+                try:
+                    load_checkpoint(f"{work}/bad_critic", trainer.model, critic=trainer.critic)
+                    out["bad_critic"] = None
+                except CheckpointError as exc:
+                    out["bad_critic"] = str(exc)
+                after = trainer.full_weights()
+                out["bad_critic_policy_unchanged"] = all(torch.equal(v, after[k]) for k, v in before.items())
         out["gathered"] = dict(_gather_odd_shapes(group))
         if rank == 0:
             torch.save(out, f"{work}/sharded.pt")
@@ -264,6 +276,12 @@ def sharded(tiny_policy_dir, batch, single, tmp_path_factory):
     for case in RESUME_CASES:
         state = CheckpointState(single[f"state_before_last_{case}"], {}, {})
         save_checkpoint(work / f"saved_by_1_{case}", single[f"model_before_last_{case}"], state)
+    # the GAE case's checkpoint with a critic body one column narrower (what another critic.path would hold)
+    shutil.copytree(work / "saved_by_1_ppo-gae-critic", work / "bad_critic")
+    bad = torch.load(work / "bad_critic" / "state.pt", weights_only=True)
+    critic_weights = bad["trainer"]["critic"]["weights"]
+    critic_weights["body.embed_tokens.weight"] = critic_weights["body.embed_tokens.weight"][:, :-1].clone()
+    torch.save(bad, work / "bad_critic" / "state.pt")
     mp.spawn(_rank_main, args=(_free_port(), str(tiny_policy_dir), str(work)), nprocs=RANKS, join=True)
     out = torch.load(work / "sharded.pt", weights_only=False)
     out["work"] = work
@@ -353,7 +371,7 @@ def test_checkpoint_saved_by_two_ranks_resumes_with_one(case, sharded, single, b
     assert_same_critic(state.trainer.get("critic"), want_state.get("critic"))  # the critic's too
     assert (state.version, state.step) == (STEPS - 1, STEPS - 1)
     trainer = trainer_for(tiny_policy_dir, case, SINGLE_MICRO)
-    trainer.load_state_dict(load_checkpoint(path, trainer.model).trainer)
+    trainer.load_state_dict(load_checkpoint(path, trainer.model, critic=trainer.critic).trainer)
     assert_same_metrics(trainer.train_step(batch), single[case]["metrics"][-1], STEPS - 1)
     assert_same_weights(trainer.full_weights(), single[case]["weights"])
     assert_same_critic(critic_state(trainer), single[case]["critic"])
@@ -365,6 +383,19 @@ def test_checkpoint_saved_by_one_process_resumes_with_two_ranks(case, sharded, s
     assert_same_metrics(got["metrics"][0], single[case]["metrics"][-1], STEPS - 1)
     assert_same_weights(got["weights"], single[case]["weights"])
     assert_same_critic(got["critic"], single[case]["critic"])
+
+
+def test_sharded_ranks_refuse_a_mismatched_critic_before_any_load(sharded):
+    """The critic's saved weights are checked against the sharded critic's whole shapes (a DTensor's shape, not
+    this rank's shard): the matching checkpoints above resume, one whose critic differs fails on every rank
+    naming the critic and the parameter, the policy's shards untouched."""
+    message = sharded["bad_critic"]
+    assert message is not None and "critic" in message and "bad_critic" in message
+    found = re.search(r"body\.embed_tokens\.weight: \[(\d+), (\d+)\] vs \[(\d+), (\d+)\]", message)
+    assert found, message
+    vocab_saved, width_saved, vocab_live, width_live = map(int, found.groups())
+    assert vocab_saved == vocab_live and width_saved + 1 == width_live  # whole shapes on both sides
+    assert sharded["bad_critic_policy_unchanged"]
 
 
 def test_shards_of_any_shape_and_dtype_gather_whole(sharded):

@@ -385,7 +385,7 @@ class TrainerActor:
         """Validate, then restore weights, optimizer, versions and RNG; returns the state for the others."""
         with self.lock:
             refs = [f.restore.remote(path) for f in self.followers]  # each rank reads its shard
-            state = load_checkpoint(path, self.trainer.model)
+            state = load_checkpoint(path, self.trainer.model, critic=self.trainer.critic)
             self.trainer.load_state_dict(state.trainer)
             restore_rng(state.rng["trainer"])
             self._check_ranks(refs, "restore", self.timeout)

@@ -58,7 +58,7 @@ class TrainerRankActor:
 
     def restore(self, path: str) -> None:
         """This rank's shard of a checkpoint's weights and optimizer state, its versions and RNG."""
-        state = load_checkpoint(path, self.trainer.model)
+        state = load_checkpoint(path, self.trainer.model, critic=self.trainer.critic)
         self.trainer.load_state_dict(state.trainer)
         restore_rng(state.rng["trainer"])
 
