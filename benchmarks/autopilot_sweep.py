@@ -1,4 +1,4 @@
-"""The staleness autopilot against fixed bounds, through `atrlhf sweep` (issue: autopilot within 10 % of the best
+"""The staleness autopilot against fixed bounds, through `atrlhf sweep` (target: within 10 % of the best
 fixed bound of {0, 1, 2, 4, 8} in time to 0.9 held-out accuracy, far from the worst).
 
 For each setting, two sweeps of `configs/staleness_sweep.yaml` (the tiny task, async GRPO, one rollout worker,
