@@ -126,6 +126,17 @@ def test_a_mismatched_critic_fails_before_any_weight_is_loaded(critic_checkpoint
         assert not torch.equal(next(fitting.model.parameters()), next(iter(policy.values())))
 
 
+def test_a_gae_checkpoint_resumes_a_group_advantage_run_with_a_warning(critic_checkpoints):
+    """Switching a run from gae to group advantages keeps the policy and says that the critic is left behind."""
+    run_dir, saved = critic_checkpoints
+    parts = build_run(small_cfg(run_dir))
+    assert parts.trainer.critic is None
+    with pytest.warns(UserWarning, match="holds a critic .* the critic is not resumed"):
+        restore_run_checkpoint(parts, saved["gae"])
+    fresh = build_run(small_cfg(run_dir)).model
+    assert not torch.equal(next(parts.model.parameters()), next(fresh.parameters()))  # the policy was loaded
+
+
 def test_kl_in_reward_penalises_tokens_and_drops_the_kl_loss(tmp_path):
     cfg = small_cfg(tmp_path, *GAE, "algorithm.kl_coef=0.1", "algorithm.kl_in_reward=true", "trainer.total_steps=1")
     seen = []

@@ -521,3 +521,12 @@ def test_the_multiturn_recipe_and_its_environment():
     right = max(env.numbers)
     assert env.step(f"so #### {right}") == (None, 1.0, True, {"success": True})
     assert reveal.blind_best() == pytest.approx(0.271)
+    # opening_reward pays the row's own question on turn 1; success stays the observation's question
+    row = {"prompt": "max of 1, 2, 3? Answer with #### n.", "answer": "3"}
+    paid = reveal.RevealEnv(seed=0, opening_reward=0.5)
+    for action, expected in (("#### 3", 0.5), ("#### 2", 0.0), ("3", 0.0)):
+        paid.reset(row)
+        assert paid.step(action)[1] == expected
+    paid.reset(row)
+    paid.step("#### 3")
+    assert paid.step("#### -1") == (None, 0.0, True, {"success": False})

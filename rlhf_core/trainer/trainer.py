@@ -569,6 +569,12 @@ class Trainer:
                 "this checkpoint holds no critic, but algorithm.advantage is 'gae': resume it with the "
                 "advantage it was trained with"
             )
+        elif "critic" in state:
+            warnings.warn(
+                "this checkpoint holds a critic (it was trained with algorithm.advantage 'gae'), but this run's "
+                "advantage needs none: the critic is not resumed",
+                stacklevel=2,
+            )
 
     def stats(self) -> dict:
         return {
