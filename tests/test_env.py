@@ -521,12 +521,23 @@ def test_the_multiturn_recipe_and_its_environment():
     right = max(env.numbers)
     assert env.step(f"so #### {right}") == (None, 1.0, True, {"success": True})
     assert reveal.blind_best() == pytest.approx(0.271)
-    # opening_reward pays the row's own question on turn 1; success stays the observation's question
-    row = {"prompt": "max of 1, 2, 3? Answer with #### n.", "answer": "3"}
-    paid = reveal.RevealEnv(seed=0, opening_reward=0.5)
-    for action, expected in (("#### 3", 0.5), ("#### 2", 0.0), ("3", 0.0)):
-        paid.reset(row)
-        assert paid.step(action)[1] == expected
-    paid.reset(row)
-    paid.step("#### 3")
-    assert paid.step("#### -1") == (None, 0.0, True, {"success": False})
+
+
+@pytest.mark.slow
+def test_the_multiturn_recipe_learns_to_read_the_observation(tmp_path):
+    """The shipped recipe, shortened to 50 RL steps: held-out greedy episodes reach at least twice what the
+    best observation-blind policy scores (the 0.271 of always answering 9); docs/benchmarks.md has the curve."""
+    from rlhf_core.config import load_config
+    from rlhf_core.loop import build_run, run_sync
+
+    root = Path(__file__).resolve().parents[1]
+    sets = [f"run.output_dir={tmp_path}", "trainer.total_steps=50", "tracking.eval_every=0", "data.eval_size=100"]
+    cfg = load_config(str(root / "configs" / "tiny-multiturn.yaml"), sets)
+    cfg.env.path = str(root / cfg.env.path)
+    parts = build_run(cfg)
+    try:
+        result = run_sync(cfg, parts=parts)
+    finally:
+        parts.worker.close()
+    assert result["steps"] == 50
+    assert result["eval/accuracy"] >= 2 * 0.271, result

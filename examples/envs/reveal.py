@@ -26,13 +26,9 @@ def blind_best(digits: int = 10, same: bool = False) -> float:
 
 
 class RevealEnv:
-    def __init__(self, digits: int = 10, seed: int | None = None, same: bool = False, opening_reward: float = 0.0):
+    def __init__(self, digits: int = 10, seed: int | None = None, same: bool = False):
         self.digits = digits
         self.same = same  # one digit asked three times ("max of 7, 7, 7?"): reading it is the whole task
-        # paid for answering the row's own (opening) question on turn 1: it teaches the question where the
-        # prompt asks it; success (what evaluation counts) is still the observation's question alone
-        self.opening_reward = float(opening_reward)
-        self.opening_answer = ""
         self.rng = random.Random(seed)
         self.numbers = (0, 0, 0)
         self.turn = 0
@@ -42,15 +38,13 @@ class RevealEnv:
         if self.same:
             self.numbers = (self.numbers[0],) * 3
         self.turn = 0
-        self.opening_answer = str(row.get("answer") or "").strip()
         return row["prompt"]  # the row's own prompt: the ids the data pipeline made
 
     def step(self, action: str):
         self.turn += 1
-        found = ANSWER.findall(action)
         if self.turn == 1:
             a, b, c = self.numbers
-            opening = bool(found) and found[-1] == self.opening_answer
-            return f"max of {a}, {b}, {c}? Answer with #### n.", self.opening_reward * opening, False, {}
+            return f"max of {a}, {b}, {c}? Answer with #### n.", 0.0, False, {}
+        found = ANSWER.findall(action)
         correct = bool(found) and int(found[-1]) == max(self.numbers)
         return None, float(correct), True, {"success": correct}
