@@ -320,7 +320,7 @@ def _train_summary(
                 f"{result['eval/mean@k']:.3f} ({cfg.eval.n_samples} samples per prompt)"
             )
         if "reward/mean" in result:  # what the training reward is made of: correctness apart from format
-            from tasks.supervision import reward_breakdown
+            from flows.progress import reward_breakdown
 
             lines.append(f"  train reward        {reward_breakdown(result)} at the last step")
         if result.get("run_dir"):

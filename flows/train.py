@@ -33,6 +33,7 @@ from prefect.runtime import flow_run as current_flow_run
 from prefect.states import Cancelled
 
 from flows.lifecycle import RunResources, raise_if_pending, sigterm_kept
+from flows.progress import CancelWatch, event_rows, progress_line, reward_component_keys
 from rlhf_core.config import TrainConfig, validate_config
 from rlhf_core.preflight import LATEST, claim_run_dir, default_run_name
 from rlhf_core.supervision import HealthEvent, Supervisor
@@ -47,7 +48,6 @@ from tasks.cluster import (
 )
 from tasks.mlflow_client import MlflowTracker, run_url, ui_command
 from tasks.mlflow_client.traces import trace_evaluation
-from tasks.supervision import CancelWatch, event_rows, progress_line, reward_component_keys
 from tasks.tracking import link_mlflow_run, log_model, log_plots, start_tracking
 
 CANCEL_CHECK_INTERVAL_S = 1.0

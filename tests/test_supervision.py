@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from flows.progress import progress_line
 from rlhf_core.config import load_config
 from rlhf_core.supervision import HealthMonitor
-from tasks.supervision import progress_line
 
 
 def cfg(*extra):
@@ -147,7 +147,7 @@ def test_progress_line_is_compact():
 
 def test_progress_line_shows_what_the_reward_is_made_of():
     """A reward that is all format bonus must not read like progress: the components show beside it."""
-    from tasks.supervision import reward_breakdown, reward_component_keys
+    from flows.progress import reward_breakdown, reward_component_keys
 
     metrics = {"reward/mean": 0.1, "reward/std": 0.0, "reward/answer_after_marker": 0.0, "reward/format": 1.0}
     line = progress_line(7, 10, metrics, None, {})

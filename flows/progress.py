@@ -1,7 +1,8 @@
-"""What the flow shows of supervision: health-event rows, the progress line, and cancellation.
+"""What the training flow shows of a run: health-event rows, the progress line, the reward's breakdown,
+and whether the flow run was asked to cancel.
 
-The supervision policy itself (HealthMonitor, Supervisor) lives in rlhf_core.supervision; this module
-holds only what belongs to the Prefect side.
+The supervision policy itself (HealthMonitor, Supervisor) lives in rlhf_core.supervision; this module holds
+only presentation and the Prefect-side cancellation check (no @task: tasks/ holds the flow's task runs).
 """
 
 from __future__ import annotations
