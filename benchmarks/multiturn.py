@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rlhf_core.config import load_config  # noqa: E402
 from rlhf_core.loop import build_run, run_sync  # noqa: E402
+from rlhf_core.reward.functions.spec import import_path  # noqa: E402
 
 
 def main() -> None:
@@ -47,9 +48,9 @@ def main() -> None:
         result = run_sync(cfg, parts=parts, on_step=on_step)
     finally:
         parts.worker.close()
-    digits = int(cfg.env.kwargs.get("digits", 10))
-    same = bool(cfg.env.kwargs.get("same", False))
-    blind = 1 / digits if same else 1 - ((digits - 1) / digits) ** 3  # examples/envs/reveal.py: blind_best
+    env_module = import_path(cfg.env.path, "env.path")
+    kwargs = {k: cfg.env.kwargs[k] for k in ("digits", "same") if k in cfg.env.kwargs}
+    blind = env_module.blind_best(**kwargs)
     out = {
         "config": args.config,
         "overrides": args.set,

@@ -15,6 +15,7 @@ from rlhf_core.data.prompts import Prompt
 from rlhf_core.env.chat import ChatFormat, ChatFormatError
 from rlhf_core.env.trajectory import EnvError, EnvRunner, trajectory_batch
 from rlhf_core.models import load_policy, stop_token_ids
+from rlhf_core.reward.functions.spec import import_path
 from rlhf_core.rollout import HFEngine, RolloutWorker, SamplingParams
 from rlhf_core.trainer.trainer import sequence_logprobs
 
@@ -505,15 +506,11 @@ def test_atrlhf_score_replays_a_trajectory_file(tmp_path, capsys):
 
 def test_the_multiturn_recipe_and_its_environment():
     """configs/tiny-multiturn.yaml validates; examples/envs/reveal.py scores the observation's question only."""
-    import importlib.util
-
     from rlhf_core.config import load_config
 
     cfg = load_config(str(Path(__file__).resolve().parents[1] / "configs" / "tiny-multiturn.yaml"))
     assert cfg.env.enabled and cfg.env.max_turns == 2 and cfg.runtime.mode == "sync"
-    spec = importlib.util.spec_from_file_location("reveal", cfg.env.path)
-    reveal = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(reveal)
+    reveal = import_path(str(Path(__file__).resolve().parents[1] / cfg.env.path), "env.path")
     env = reveal.RevealEnv(seed=0)
     assert env.reset({"prompt": "max of 1, 2, 3? Answer with #### n."}) == "max of 1, 2, 3? Answer with #### n."
     observation, reward, done, _ = env.step("#### 3")
@@ -540,4 +537,6 @@ def test_the_multiturn_recipe_learns_to_read_the_observation(tmp_path):
     finally:
         parts.worker.close()
     assert result["steps"] == 50
-    assert result["eval/accuracy"] >= 2 * 0.271, result
+    blind = import_path(cfg.env.path, "env.path").blind_best()
+    assert blind == pytest.approx(0.271)
+    assert result["eval/accuracy"] >= 2 * blind, result

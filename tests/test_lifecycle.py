@@ -85,9 +85,8 @@ def test_a_signal_during_failure_cleanup_still_ends_everything_and_is_raised_aga
 class _SignalsItself:
     """A logger whose error / warning sends the main thread `count` SIGINTs the first time it is called.
 
-    raise_signal, not os.kill(getpid()): the kernel may hand a process-directed signal to any thread (MLflow's
-    and Ray's among them), and Python sees it only once that thread runs; on a loaded machine cleanup had
-    finished by then and the test failed. A thread-directed signal is delivered before raise_signal returns."""
+    raise_signal, not os.kill(getpid()): a signal raised in the main thread reaches its Python handler before
+    raise_signal returns, where a process-directed one may be taken by any thread and handled a little later."""
 
     def __init__(self, count: int = 1):
         self.count, self.calls = count, 0

@@ -30,7 +30,7 @@ SWEEP_POINT_TAG = "atrlhf.sweep_point"
 
 
 def point_tags(point: SweepPoint, sweep: str) -> dict[str, str]:
-    """The tags of a point's child run: the sweep, its role, the point's name, each varied value and the seed."""
+    """The tags of a point's child run: the sweep, its role, the point's name, each varied value and trainer.seed."""
     return {
         SWEEP_ID_TAG: sweep,
         SWEEP_ROLE_TAG: "child",
