@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from rlhf_core.data.queue import PromptQueue
-from rlhf_core.distributed.control import ExperienceBuffer, WeightStore, busy_fraction
+from rlhf_core.distributed.control import ExperienceBuffer, WeightStore, busy_fraction, reconcile
 from rlhf_core.distributed.transport import group_rows, pack_groups, pack_state_dict, unpack_groups, unpack_state_dict
 from tests.test_buffer import make_experience
 
@@ -125,6 +125,41 @@ def test_experience_buffer_prefetch_take_and_give_back_keep_the_bound_and_the_ac
     assert admission.try_admit(2) and not admission.try_admit(1)  # capacity (0 + 0 + 1) x 2 groups
     admission.release(2)
     assert admission.try_admit(2) and admission.stats()["admitted"] == 2
+
+
+def test_reconcile_balances_the_groups_and_shows_one_lost_or_trained_twice():
+    """generated = trained + evicted + dropped + filtered + buffered + in_flight, from the buffer's own counts and
+    each end's: a group lost between a worker and the buffer leaves `unaccounted` non-zero, one trained twice a
+    negative in_flight once the loops have stopped."""
+    buf = ExperienceBuffer(max_size=16, max_staleness=1, prompts_per_step=2, admission=False, filter_groups=True)
+    buf.set_version(3)
+    rewards = [[1.0, 0.0], [1.0, 0.0], [1.0, 0.0], [1.0, 1.0], [0.0, 1.0]]  # the fourth: all equal, filtered
+    # the first is of version 1, too stale for version 3: refused at the push and counted as evicted
+    buf.push(pack_groups([make_experience(i, v, r) for i, (v, r) in enumerate(zip([1, 3, 3, 4, 4], rewards))]))
+    assert len(unpack_groups(buf.take(2, timeout_s=0.1))) == 2
+
+    def poll(generated: int, trained: int) -> dict:
+        rollout = [{"alive": True, "groups_pushed": generated}, {"alive": False, "groups_pushed": 99}]
+        return {"buffer": buf.stats(), "rollout": rollout, "trainer": {"groups_trained": trained}}
+
+    rec = reconcile(poll(generated=5, trained=1))  # one of the two taken is still being trained
+    assert rec == {
+        "generated": 5,
+        "pushed": 4,
+        "trained": 1,
+        "consumed": 2,
+        "evicted": 1,
+        "dropped": 0,
+        "filtered": 1,
+        "buffered": 1,
+        "in_flight": 1,
+        "unaccounted": 0,
+    }
+    done = reconcile(poll(generated=5, trained=2))  # the step is done: nothing in flight
+    assert (done["in_flight"], done["unaccounted"]) == (0, 0)
+    assert reconcile(poll(generated=6, trained=2))["unaccounted"] == 1  # a group a worker pushed went missing
+    twice = reconcile(poll(generated=5, trained=3))  # the trainer counted a group it had already trained
+    assert (twice["in_flight"], twice["unaccounted"]) == (-1, 0)
 
 
 def test_a_resumed_buffer_admits_only_the_window_ahead():

@@ -1,7 +1,8 @@
 """The Ray runtime: the only Ray code.
 
-    control.py    experience buffer with admission control, weight-store bookkeeping (plain Python, no Ray
-                  import; the runtime wraps each, and the prompt queue of rlhf_core.data.queue, in a Ray actor)
+    control.py    experience buffer with admission control, weight-store bookkeeping, the conservation of
+                  prompt groups (reconcile); plain Python, no Ray import (the runtime wraps each object, and
+                  the prompt queue of rlhf_core.data.queue, in a Ray actor)
     transport.py  experience and weights packed for Ray's object store (no Ray import)
     calls.py      a bounded wait on a Ray reference (get_or_fail, WaitTimeout), the fault-injection death
     rollout_actor.py       the rollout actor (a RolloutWorker in its own process)
@@ -9,7 +10,8 @@
     trainer_group.py       ranks 1..N-1 of a sharded trainer group (FSDP2), joining the group
     reward_model_actor.py  the reward-model actor and the rollout worker's client of it
     cluster.py    joining or starting Ray, resources, placement groups, teardown
-    runtime.py    DistributedRun: launch, loops, poll, sync, checkpoint, teardown; run_distributed
+    runtime.py    DistributedRun: launch, loops, poll, sync, checkpoint, teardown
+    driver.py     run_distributed: a DistributedRun supervised without Prefect (tests, benchmarks)
 
 Importing this package does not import Ray; the names below load their modules (and Ray) on first use.
 """
@@ -24,7 +26,7 @@ _LAZY = {
     "connect": "cluster",
     "DistributedRun": "runtime",
     "RunFailed": "runtime",
-    "run_distributed": "runtime",
+    "run_distributed": "driver",
 }
 
 __all__ = sorted(_LAZY)

@@ -218,3 +218,36 @@ def busy_fraction(busy_s: float, since: Optional[float]) -> float:
     if since is None:
         return 0.0
     return min(1.0, busy_s / max(1e-9, time.perf_counter() - since))
+
+
+# --------------------------------------------------------------------------------------------- accounting
+def reconcile(poll: dict) -> dict:
+    """Conservation of prompt groups, from counts kept independently at each end, in groups:
+
+        generated (rollout workers' own count of pushes the buffer accepted)
+          = trained (the trainer's own count) + evicted + dropped + filtered + buffered + in_flight
+
+    where in_flight = taken from the buffer but not trained yet (0 once the loops have stopped: a
+    prefetched batch goes back). `unaccounted` is generated minus the right-hand side: a group lost between
+    a worker and the buffer makes it non-zero; a group trained twice (or taken and never trained) makes
+    in_flight non-zero once the loops have stopped. Rollout workers
+    that died lose their count (a restart starts from 0). filtered: groups algorithm.filter_groups kept
+    out (all rewards equal), counted as consumed."""
+    b = poll["buffer"]
+    generated = sum(s.get("groups_pushed", 0) for s in poll["rollout"] if s.get("alive"))
+    trained = int(poll["trainer"].get("groups_trained", 0))
+    in_flight = b["sampled"] - trained
+    filtered = int(b.get("filtered_groups", 0))
+    accounted = trained + b["evicted_stale"] + b["dropped_overflow"] + filtered + b["size"] + in_flight
+    return {
+        "generated": generated,
+        "pushed": b["pushed"],
+        "trained": trained,
+        "consumed": b["sampled"],
+        "evicted": b["evicted_stale"],
+        "dropped": b["dropped_overflow"],
+        "filtered": filtered,
+        "buffered": b["size"],
+        "in_flight": in_flight,
+        "unaccounted": generated - accounted,
+    }

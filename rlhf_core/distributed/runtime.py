@@ -2,8 +2,9 @@
 
 It launches the actors, runs the loops (async) or drives lockstep steps (sync), and answers the control
 plane: poll stats, schedule prompts, sync weights, throttle, evaluate, checkpoint, export, teardown.
-The Prefect flow (flows/train.py) decides WHEN to do these things; `run_distributed` is the same
-supervision (rlhf_core.supervision.Supervisor) without Prefect, for tests, benchmarks and debugging.
+The Prefect flow (flows/train.py) decides WHEN to do these things; `run_distributed`
+(rlhf_core.distributed.driver) is the same supervision (rlhf_core.supervision.Supervisor) without Prefect,
+for tests, benchmarks and debugging.
 """
 
 from __future__ import annotations
@@ -23,13 +24,12 @@ from rlhf_core.config import TrainConfig
 from rlhf_core.data.queue import PromptQueue
 from rlhf_core.distributed.calls import get_or_fail
 from rlhf_core.distributed.cluster import ClusterHandle, check_resources, connect, gpu_placement_group, teardown
-from rlhf_core.distributed.control import ExperienceBuffer, WeightStore
+from rlhf_core.distributed.control import ExperienceBuffer, WeightStore, reconcile
 from rlhf_core.distributed.reward_model_actor import RewardModelActor
 from rlhf_core.distributed.rollout_actor import RolloutActor, rollout_rng_states
 from rlhf_core.distributed.trainer_actor import TrainerActor
 from rlhf_core.distributed.trainer_group import TrainerRankActor
 from rlhf_core.preflight import check_lengths, check_output_dir
-from rlhf_core.supervision import Supervisor
 
 log = logging.getLogger("rlhf_core.distributed")
 
@@ -557,86 +557,4 @@ class DistributedRun:
         self.teardown()
 
     # ------------------------------------------------------------------ reconciliation
-    @staticmethod
-    def reconcile(poll: dict) -> dict:
-        """Conservation of prompt groups, from counts kept independently at each end, in groups:
-
-            generated (rollout workers' own count of pushes the buffer accepted)
-              = trained (the trainer's own count) + evicted + dropped + filtered + buffered + in_flight
-
-        where in_flight = taken from the buffer but not trained yet (0 once the loops have stopped: a
-        prefetched batch goes back). `unaccounted` is generated minus the right-hand side: exact once the
-        loops have stopped, so a group lost or trained twice shows up as a non-zero value. Rollout workers
-        that died lose their count (a restart starts from 0). filtered: groups algorithm.filter_groups kept
-        out (all rewards equal), counted as consumed."""
-        b = poll["buffer"]
-        generated = sum(s.get("groups_pushed", 0) for s in poll["rollout"] if s.get("alive"))
-        trained = int(poll["trainer"].get("groups_trained", 0))
-        in_flight = b["sampled"] - trained
-        filtered = int(b.get("filtered_groups", 0))
-        accounted = trained + b["evicted_stale"] + b["dropped_overflow"] + filtered + b["size"] + in_flight
-        return {
-            "generated": generated,
-            "pushed": b["pushed"],
-            "trained": trained,
-            "consumed": b["sampled"],
-            "evicted": b["evicted_stale"],
-            "dropped": b["dropped_overflow"],
-            "filtered": filtered,
-            "buffered": b["size"],
-            "in_flight": in_flight,
-            "unaccounted": generated - accounted,
-        }
-
-
-def run_distributed(
-    cfg: TrainConfig,
-    resume_from: Optional[str] = None,
-    on_poll: Optional[Callable[[dict], None]] = None,
-    poll_interval_s: Optional[float] = None,
-    on_launch: Optional[Callable[[DistributedRun], None]] = None,
-) -> dict:
-    """Run to cfg.trainer.total_steps on Ray without Prefect, supervised by the same Supervisor the flow
-    uses (health checks, their actions, the stall detector); returns final metrics and run facts.
-
-    `on_launch(run)` is called once the actors are up (benchmarks and fault tests use it)."""
-    interval = poll_interval_s if poll_interval_s is not None else cfg.supervision.supervise_interval_s
-    result: dict = {"metrics": [], "events": []}
-    with DistributedRun(cfg) as run:
-        info = run.launch(resume_from)
-        result.update(info)
-        if on_launch:
-            on_launch(run)
-        result["eval/accuracy_start"] = run.eval_start if resume_from else run.evaluate()["eval/accuracy"]
-        run.eval_start = result["eval/accuracy_start"]
-        if cfg.trainer.warm_start_steps and not resume_from:
-            result.update(run.warm_start(cfg.trainer.warm_start_steps))
-        supervisor = Supervisor(
-            cfg,
-            run,
-            start_step=run.last_step,
-            report=lambda ev: log.info("health: %s at step %d -> %s: %s", ev.kind, ev.step, ev.action, ev.detail),
-        )
-        start = time.perf_counter()
-        run.start()
-        while True:
-            poll = supervisor.tick()
-            result["metrics"].extend(poll["metrics"])
-            result["events"].extend(poll["events"])
-            if on_poll:
-                on_poll(poll)
-            if poll["done"]:
-                break
-            if cfg.runtime.mode == "async":  # wake as soon as the trainer loop ends, not up to a whole interval later
-                ray.wait([run.trainer_loop], timeout=interval)
-        result["wall_s"] = time.perf_counter() - start
-        run.stop()
-        final = run.poll()
-        result["metrics"].extend(final["metrics"])
-        result["final_poll"] = final
-        result["reconcile"] = run.reconcile(final)
-        result["health_events"] = [e.row() for e in supervisor.events]
-        result.update(run.evaluate())
-        result["steps"] = final["step"]
-        result["restarts"] = list(run.restarts)
-    return result
+    reconcile = staticmethod(reconcile)  # the conservation of groups (rlhf_core.distributed.control owns it)
