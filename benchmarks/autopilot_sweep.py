@@ -131,6 +131,8 @@ def summarise(rows: list[dict]) -> dict:
     return {
         "train_s_mean": round(statistics.fmean(vals), 1) if vals else None,
         "train_s_sd": round(statistics.pstdev(vals), 1) if len(vals) > 1 else 0.0,
+        # the standard error of the mean: two arms whose means differ by less than about twice it are not ranked
+        "train_s_se": round(statistics.stdev(vals) / len(vals) ** 0.5, 1) if len(vals) > 1 else None,
         "run_s_mean": round(statistics.fmean(runs), 1) if runs else None,
         # how many steps, and how fast: a bound changes the second (waiting), luck and staleness the first
         "steps_mean": round(statistics.fmean(r["steps"] for r in rows if r["steps"]), 1) if vals else None,
@@ -270,14 +272,13 @@ def main() -> None:
         return
     for setting, res in results["settings"].items():
         print(f"\n{setting} ({res['wall_s']} s): seconds from the first evaluation to held-out >= {args.target}")
-        print("| run | mean train s (sd) | mean run s | steps | s/step | reached | per seed (train s @ step) |")
+        print("| run | mean train s (sd, se) | mean run s | steps | s/step | reached | per seed (train s @ step) |")
         print("|---|---:|---:|---:|---:|---:|---|")
         for name, row in res["runs"].items():
             seeds = " · ".join(f"{r['train_s']}{'' if r['reached'] else '+'} @ {r['steps']}" for r in row["per_seed"])
             print(
-                f"| {name} | {row['train_s_mean']} ({row['train_s_sd']}) | {row['run_s_mean']} | {row['steps_mean']} "
-                f"| {row['s_per_step']} | {row['reached']} "
-                f"| {seeds} |"
+                f"| {name} | {row['train_s_mean']} ({row['train_s_sd']}, {row['train_s_se']}) | {row['run_s_mean']} "
+                f"| {row['steps_mean']} | {row['s_per_step']} | {row['reached']} | {seeds} |"
             )
         print(
             f"autopilot / best fixed ({res['best_fixed']}): {res['autopilot_over_best']}; "
