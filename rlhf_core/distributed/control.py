@@ -230,9 +230,9 @@ def reconcile(poll: dict) -> dict:
     where in_flight = taken from the buffer but not trained yet (0 once the loops have stopped: a
     prefetched batch goes back). `unaccounted` is generated minus the right-hand side: a group lost between
     a worker and the buffer makes it non-zero; a group trained twice (or taken and never trained) makes
-    in_flight non-zero once the loops have stopped. Rollout workers
-    that died lose their count (a restart starts from 0). filtered: groups algorithm.filter_groups kept
-    out (all rewards equal), counted as consumed."""
+    in_flight non-zero once the loops have stopped. Rollout workers that died lose their count (a restart
+    starts from 0). filtered: groups algorithm.filter_groups kept out (all rewards equal), counted as
+    consumed."""
     b = poll["buffer"]
     generated = sum(s.get("groups_pushed", 0) for s in poll["rollout"] if s.get("alive"))
     trained = int(poll["trainer"].get("groups_trained", 0))
