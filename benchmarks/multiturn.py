@@ -21,8 +21,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rlhf_core.config import load_config  # noqa: E402
+from rlhf_core.env.spec import load_attr  # noqa: E402
 from rlhf_core.loop import build_run, run_sync  # noqa: E402
-from rlhf_core.reward.functions.spec import import_path  # noqa: E402
 
 
 def main() -> None:
@@ -48,9 +48,8 @@ def main() -> None:
         result = run_sync(cfg, parts=parts, on_step=on_step)
     finally:
         parts.worker.close()
-    env_module = import_path(cfg.env.path, "env.path")
     kwargs = {k: cfg.env.kwargs[k] for k in ("digits", "same") if k in cfg.env.kwargs}
-    blind = env_module.blind_best(**kwargs)
+    blind = load_attr(cfg.env.path, "blind_best", "env.path")(**kwargs)
     out = {
         "config": args.config,
         "overrides": args.set,

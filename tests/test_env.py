@@ -13,9 +13,9 @@ import torch
 from rlhf_core.config import ConfigError, TrainConfig, validate_config
 from rlhf_core.data.prompts import Prompt
 from rlhf_core.env.chat import ChatFormat, ChatFormatError
+from rlhf_core.env.spec import load_attr, load_env_class
 from rlhf_core.env.trajectory import EnvError, EnvRunner, trajectory_batch
 from rlhf_core.models import load_policy, stop_token_ids
-from rlhf_core.reward.functions.spec import import_path
 from rlhf_core.rollout import HFEngine, RolloutWorker, SamplingParams
 from rlhf_core.trainer.trainer import sequence_logprobs
 
@@ -510,14 +510,14 @@ def test_the_multiturn_recipe_and_its_environment():
 
     cfg = load_config(str(Path(__file__).resolve().parents[1] / "configs" / "tiny-multiturn.yaml"))
     assert cfg.env.enabled and cfg.env.max_turns == 2 and cfg.runtime.mode == "sync"
-    reveal = import_path(str(Path(__file__).resolve().parents[1] / cfg.env.path), "env.path")
-    env = reveal.RevealEnv(seed=0)
+    path = str(Path(__file__).resolve().parents[1] / cfg.env.path)
+    env = load_env_class(path, cfg.env.name)(seed=0)
     assert env.reset({"prompt": "max of 1, 2, 3? Answer with #### n."}) == "max of 1, 2, 3? Answer with #### n."
     observation, reward, done, _ = env.step("#### 3")
     assert reward == 0.0 and not done and observation.startswith("max of ")
     right = max(env.numbers)
     assert env.step(f"so #### {right}") == (None, 1.0, True, {"success": True})
-    assert reveal.blind_best() == pytest.approx(0.271)
+    assert load_attr(path, "blind_best", "env.path")() == pytest.approx(0.271)
 
 
 @pytest.mark.slow
@@ -537,6 +537,6 @@ def test_the_multiturn_recipe_learns_to_read_the_observation(tmp_path):
     finally:
         parts.worker.close()
     assert result["steps"] == 50
-    blind = import_path(cfg.env.path, "env.path").blind_best()
+    blind = load_attr(cfg.env.path, "blind_best", "env.path")()
     assert blind == pytest.approx(0.271)
     assert result["eval/accuracy"] >= 2 * blind, result
