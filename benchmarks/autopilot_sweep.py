@@ -249,6 +249,7 @@ def main() -> None:
             pilot_sets = [*sets, "runtime.autopilot.enabled=true", "runtime.autopilot.min_staleness=0"]
             pilot_sets.append(f"runtime.autopilot.max_staleness={max(args.bounds)}")
             grid = "runtime.max_staleness=" + ",".join(map(str, args.bounds))
+            pilot_grid = f"runtime.max_staleness={args.start}"
             # seed by seed, the fixed bounds and the autopilot in turns (the autopilot first on odd seeds), so
             # that a machine whose speed drifts over the hour slows every arm alike: run one after the other,
             # the last arm met the slowest machine (per trainer step 0.18 s at the start of one hour, 0.35 s
@@ -256,8 +257,7 @@ def main() -> None:
             for seed in range(first, first + args.seeds) if not args.report_only else []:
                 arms = [(f"{setting}-fixed-s{seed}", sets, grid)]
                 if not args.no_autopilot:
-                    start = f"runtime.max_staleness={args.start}"
-                    arms.append((f"{setting}-autopilot{args.start}-s{seed}", pilot_sets, start))
+                    arms.append((f"{setting}-autopilot{args.start}-s{seed}", pilot_sets, pilot_grid))
                 for sweep_name, arm_sets, arm_grid in arms[:: -1 if seed % 2 else 1]:
                     run_sweep(sweep_name, [*arm_sets, f"trainer.seed={seed}"], arm_grid, 1, env, log)
             fixed, pilot = collect(stores, setting, args.start, args.target)
