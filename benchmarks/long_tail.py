@@ -12,8 +12,8 @@ token (1/19, EOS), response lengths are geometric (mean ~19; the longest of 128 
 through the run. Every mode runs `rlhf_core.distributed.run_distributed` on one local Ray instance of 2 CPUs:
 one rollout worker (1 CPU) and the trainer (1 CPU), torch_threads 1, the same steps and prompts per step.
 
-- sync:             runtime.mode=sync, batch-at-a-time generation, padded training (the previous defaults)
-- async:            runtime.mode=async, batch-at-a-time generation, padded training (the previous defaults)
+- sync:             lockstep (runtime.max_staleness=0), batch-at-a-time generation, padded training
+- async:            async (runtime.max_staleness as configured), batch-at-a-time generation, padded training
 - async_continuous: continuous batching (the same active rows, rollout.max_active_rows = one step's rows;
                     a call takes two steps' prompts, so ended rows are replaced) + padding-free training
 - async_partial:    async_continuous + rollout.partial_rollout (weights adopted between decode steps)
@@ -40,11 +40,10 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
 MODES = {
-    "sync": ["runtime.mode=sync", "rollout.continuous_batching=false", "trainer.padding_free=false"],
-    "async": ["runtime.mode=async", "rollout.continuous_batching=false", "trainer.padding_free=false"],
-    "async_continuous": ["runtime.mode=async", "rollout.continuous_batching=true", "trainer.padding_free=true"],
+    "sync": ["runtime.max_staleness=0", "rollout.continuous_batching=false", "trainer.padding_free=false"],
+    "async": ["rollout.continuous_batching=false", "trainer.padding_free=false"],
+    "async_continuous": ["rollout.continuous_batching=true", "trainer.padding_free=true"],
     "async_partial": [
-        "runtime.mode=async",
         "rollout.continuous_batching=true",
         "trainer.padding_free=true",
         "rollout.partial_rollout=true",

@@ -5,17 +5,17 @@
     python benchmarks/pipeline.py --quick    # ~1.5 min: 30 steps, a 50M-parameter sync
     python benchmarks/pipeline.py --steps 200 --sync-params 100000000
 
-Part 1 runs `rlhf_core.distributed.run_distributed` twice on the same config, `runtime.mode=async` then
-`runtime.mode=sync`, for the same number of trainer steps: one rollout worker (1 CPU) and the trainer
-(1 CPU) on a 2-CPU Ray instance, torch_threads=1. The policy is the tiny default model; the rollout engine
-is `random` with `rollout.random_tokens_per_s` calibrated (back-to-back train steps in a Ray worker, before
-the runs) so that one rollout batch takes about as long as one train step. The RandomEngine sleeps
-instead of computing, so the two roles never compete for a core and the ideal overlap is known. The sync
-run's own phase times (rollout seconds and train seconds per step) give the ideal async speedup
-(T_rollout + T_train) / max(T_rollout, T_train), which the measured speedup (sync wall / async wall) is
-compared with. Busy fractions are reported two ways: the runtime's util/* accounting (busy seconds /
-wall clock since the role's first piece of work) and busy seconds / the wall time of the measured run,
-next to what the async run's own phase times allow (the faster role must wait for the slower one).
+Part 1 runs `rlhf_core.distributed.run_distributed` twice on the same config, async (runtime.max_staleness as
+given) then lockstep (runtime.max_staleness=0, the same loops), for the same number of trainer steps: one
+rollout worker (1 CPU) and the trainer (1 CPU) on a 2-CPU Ray instance, torch_threads=1. The policy is the
+tiny default model; the rollout engine is `random` with `rollout.random_tokens_per_s` calibrated (back-to-back
+train steps in a Ray worker, before the runs) so that one rollout batch takes about as long as one train step.
+The RandomEngine sleeps instead of computing, so the two roles never compete for a core and the ideal overlap
+is known. The sync run's own phase times (rollout seconds and train seconds per step) give the ideal async
+speedup (T_rollout + T_train) / max(T_rollout, T_train), which the measured speedup (sync wall / async wall)
+is compared with. Busy fractions are reported two ways: the runtime's util/* accounting (busy seconds / wall
+clock since the role's first piece of work) and busy seconds / the wall time of the measured run, next to what
+the async run's own phase times allow (the faster role must wait for the slower one).
 
 Part 2 measures weight-sync bandwidth for a synthetic fp32 state dict (500M parameters = 2 GB by default)
 along the real path: one actor packs it (`pack_state_dict`) and `ray.put`s it, another actor `ray.get`s
@@ -60,8 +60,8 @@ def pipeline_config(args, mode: str, tokens_per_s: float, output_dir: str):
     return load_config(
         ROOT / "configs" / "tiny.yaml",
         [
-            f"runtime.mode={mode}",
-            f"runtime.max_staleness={args.max_staleness}",
+            # lockstep is max_staleness 0, the same loops
+            f"runtime.max_staleness={0 if mode == 'sync' else args.max_staleness}",
             "rollout.engine=random",
             f"rollout.random_tokens_per_s={tokens_per_s}",
             "rollout.num_workers=1",

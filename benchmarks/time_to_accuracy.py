@@ -53,8 +53,7 @@ def one_run(
             [
                 f"run.output_dir={out}",
                 "cluster.num_cpus=2",
-                f"runtime.mode={mode}",
-                f"runtime.max_staleness={max_staleness}",
+                f"runtime.max_staleness={max_staleness if mode == 'async' else 0}",  # lockstep: tau 0
                 "trainer.total_steps=100000",
                 *overrides,
             ],
@@ -70,10 +69,7 @@ def one_run(
             while train_clock < budget_s:
                 if supervisor is not None:
                     supervisor.tick()
-                else:
-                    run.advance()
-                if mode == "async":
-                    time.sleep(0.05)
+                time.sleep(0.05)
                 now = time.perf_counter()
                 train_clock += now - last
                 if train_clock >= next_eval:

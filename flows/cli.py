@@ -55,7 +55,7 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         nargs="+",
         action="append",
-        help="override a config field, e.g. --set trainer.total_steps=50 runtime.mode=sync",
+        help="override a config field, e.g. --set trainer.total_steps=50 runtime.max_staleness=0",
     )
 
 

@@ -1,11 +1,11 @@
 """The training flow: launch the Ray runtime, supervise it to cfg.trainer.total_steps, record everything.
 
     launch (task) -> open the MLflow run (task) -> evaluate at the start (task)
-    async mode: the trainer's loop and each rollout worker's loop, task runs that span the run (submitted;
-        they wait on their Ray actors)
-    supervise, beside them: every supervision.supervise_interval_s (sync mode: every lockstep step), one Supervisor
-        tick (poll, health checks and their actions: sync weights, throttle, top up prompts, fail), then
-        metrics to MLflow, a checkpoint every tracking.checkpoint_every steps (task), an evaluation every
+    the trainer's loop and each rollout worker's loop, task runs that span the run (submitted; they wait on
+        their Ray actors; in lockstep at runtime.max_staleness 0)
+    supervise, beside them: every supervision.supervise_interval_s, one Supervisor tick (poll, health checks
+        and their actions: sync weights, throttle, top up prompts, fail), then metrics to MLflow, the
+        checkpoints the trainer wrote every tracking.checkpoint_every steps (task), an evaluation every
         tracking.eval_every steps (task), the progress artifact and a progress line
     finish: final evaluation, checkpoint, HF export, model + plots to MLflow, summary and health-event
         artifacts -> teardown (task)
@@ -179,7 +179,7 @@ def supervise(run: RunState, cancel: CancelWatch) -> bool:
     cfg, total = run.cfg, run.cfg.trainer.total_steps
     supervisor = Supervisor(cfg, run.runtime, start_step=run.step, report=lambda ev: _log_event(run.logger, ev))
     run.events = supervisor.events
-    checkpoints, evaluations = Every(cfg.tracking.checkpoint_every, run.step), Every(cfg.tracking.eval_every, run.step)
+    evaluations = Every(cfg.tracking.eval_every, run.step)
     lines = Every(cfg.run.log_every, run.step)
     progress_id = create_progress_artifact(
         progress=100.0 * run.step / total, key="atrlhf-progress", description=f"trainer steps out of {total}"
@@ -187,8 +187,8 @@ def supervise(run: RunState, cancel: CancelWatch) -> bool:
     last_line = last_cancel_check = time.monotonic()
 
     run.logger.info(
-        "training %s mode to step %d (from step %d); loss %s, %d rollout worker(s)",
-        cfg.runtime.mode,
+        "training %s to step %d (from step %d); loss %s, %d rollout worker(s)",
+        pacing(cfg),
         total,
         run.step,
         cfg.algorithm.loss,
@@ -201,11 +201,8 @@ def supervise(run: RunState, cancel: CancelWatch) -> bool:
         raise_if_pending()  # a Ctrl-C whose KeyboardInterrupt a finalizer swallowed
         poll = supervisor.tick()
         _record(run, poll)
-        if cfg.runtime.mode == "async":  # written by the trainer at exact multiples of checkpoint_every
-            for written in run.runtime.new_checkpoints():
-                _recorded(run, record_checkpoint(run.tracker, written["path"], written["step"]))
-        elif checkpoints.due(run.step) and run.step < total:  # lockstep: the step is exact already
-            _recorded(run, save_checkpoint(run.runtime, cfg, run.step, run.tracker, run=run.checkpoint_facts))
+        for written in run.runtime.new_checkpoints():  # written by the trainer at multiples of checkpoint_every
+            _recorded(run, record_checkpoint(run.tracker, written["path"], written["step"]))
         if evaluations.due(run.step) and run.step < total:
             _evaluate(run)
 
@@ -225,8 +222,7 @@ def supervise(run: RunState, cancel: CancelWatch) -> bool:
                 run.runtime.stop()
                 wait(loops, timeout=LOOP_END_WAIT_S)
                 return False
-        if cfg.runtime.mode == "async":
-            time.sleep(cfg.supervision.supervise_interval_s)
+        time.sleep(cfg.supervision.supervise_interval_s)
 
     run.runtime.stop()
     wait(loops, timeout=LOOP_END_WAIT_S)  # their task runs end now, not when the flow does
@@ -238,11 +234,9 @@ def supervise(run: RunState, cancel: CancelWatch) -> bool:
 
 
 def watch_loops(run: RunState) -> list:
-    """Async mode: one task run per long-running loop (the trainer's, each rollout worker's), submitted to run
+    """One task run per long-running loop (the trainer's, each rollout worker's), submitted to run
     beside the supervision for as long as the loop does; a worker Ray restarted is a new attempt of its task."""
     cfg = run.cfg
-    if cfg.runtime.mode != "async":
-        return []
     workers = rollout_loop.with_options(retries=cfg.cluster.max_restarts)
     return [
         trainer_loop.submit(run.runtime, cfg.trainer.total_steps),
@@ -317,6 +311,16 @@ def finish(run: RunState) -> dict:
 
 
 # ------------------------------------------------------------------------------------------- helpers
+def pacing(cfg: TrainConfig) -> str:
+    """How rollout and training interleave, in words: lockstep at max_staleness 0, else the bound (or the
+    autopilot's range)."""
+    pilot = cfg.runtime.autopilot
+    if pilot.enabled:
+        return f"async (staleness autopilot, tau {pilot.min_staleness}..{pilot.max_staleness})"
+    tau = cfg.runtime.max_staleness
+    return "lockstep (tau = 0)" if tau == 0 else f"async (tau <= {tau})"
+
+
 class Every:
     """Fires at the first step at or after each multiple of `every`; never when every is 0."""
 
@@ -387,7 +391,7 @@ def _summary_markdown(cfg: TrainConfig, result: dict, tracker: MlflowTracker) ->
     lines = [
         "# AsyncTensorRLHF run summary",
         "",
-        f"**{cfg.algorithm.loss}** in **{cfg.runtime.mode}** mode, task `{cfg.data.task}`, model `{model}`, "
+        f"**{cfg.algorithm.loss}**, **{pacing(cfg)}**, task `{cfg.data.task}`, model `{model}`, "
         f"{cfg.trainer.total_steps} trainer steps.",
         "",
         "| metric | value |",

@@ -9,7 +9,9 @@ Bad input fails with `ConfigError`, whose message names the dotted field path an
 
 from __future__ import annotations
 
+import copy
 import importlib.util
+import logging
 import math
 import os
 from collections.abc import Iterable
@@ -69,8 +71,9 @@ class AlgorithmConfig(_Section):
     filter_max_rounds: int = Field(
         10,
         ge=1,
-        description="filter_groups, lockstep loops: generation rounds per step at most; a step still short then "
-        "trains on the groups it has (the last round's groups when none passed).",
+        description="filter_groups: once this many steps' worth of groups (x trainer.prompts_per_step) arrived "
+        "since the last step and fewer than a step passed, the step trains on the groups it has (the newest "
+        "filtered ones when none passed) instead of waiting; every host alike.",
     )
     mask_truncated: bool = Field(
         False,
@@ -686,7 +689,9 @@ class CriticConfig(_Section):
 class AutopilotConfig(_Section):
     """The staleness autopilot: the supervisor moves runtime.max_staleness within [min_staleness, max_staleness]."""
 
-    enabled: bool = Field(False, description="Let the supervisor raise and lower the staleness bound (async mode).")
+    enabled: bool = Field(
+        False, description="Let the supervisor raise and lower the staleness bound (the one policy over it)."
+    )
     min_staleness: int = Field(0, ge=0, description="Lowest bound the autopilot sets.")
     max_staleness: int = Field(8, ge=0, description="Highest bound the autopilot sets (also the trainer's hard check).")
     target_m2: float = Field(
@@ -710,11 +715,11 @@ class AutopilotConfig(_Section):
 class RuntimeConfig(_Section):
     """How rollout and training are interleaved."""
 
-    mode: Literal["sync", "async"] = Field(
-        "async", description="'sync': generate -> train -> sync in lockstep; 'async': both loops run continuously."
-    )
     max_staleness: int = Field(
-        2, ge=0, description="tau_max: every consumed sample has trainer_version - sample_version <= this."
+        2,
+        ge=0,
+        description="tau_max: every consumed sample has trainer_version - sample_version <= this; 0 is lockstep "
+        "(generate -> train -> load weights, every sample on-policy). The bound in force unless the autopilot is on.",
     )
     sync_every: int = Field(1, ge=1, description="Publish weights to rollout workers every this many trainer versions.")
     wait_timeout_s: float = Field(
@@ -724,7 +729,7 @@ class RuntimeConfig(_Section):
     )
     prefetch: bool = Field(
         True,
-        description="Async mode: the trainer takes the next batch (for version V + 1) from the buffer while step V trains.",
+        description="The trainer takes the next batch (for version V + 1) from the buffer while step V trains.",
     )
     autopilot: AutopilotConfig = Field(
         default_factory=AutopilotConfig,
@@ -817,8 +822,9 @@ class SupervisionConfig(_Section):
         0.8,
         gt=0,
         le=1,
-        description="Above this fraction of max_staleness, mean staleness is reported (info), weights are published "
-        "sooner where that helps, and after 3 polls the admission window narrows.",
+        description="Above this fraction of max_staleness, mean staleness is reported and weights are published "
+        "sooner where runtime.sync_every leaves workers behind; it never changes the staleness bound (only the "
+        "autopilot does, when enabled).",
     )
     nonfinite_limit: int = Field(
         5, ge=1, description="Fail after this many consecutive non-finite (skipped) trainer steps."
@@ -869,7 +875,7 @@ class TrainConfig(_Section):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Generation.")
     trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="Optimisation.")
     runtime: RuntimeConfig = Field(
-        default_factory=RuntimeConfig, description="Sync or async interleaving and staleness."
+        default_factory=RuntimeConfig, description="Staleness (0: lockstep), weight syncs and waits."
     )
     cluster: ClusterConfig = Field(default_factory=ClusterConfig, description="Ray placement.")
     tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="MLflow, checkpoints, evaluation.")
@@ -922,6 +928,12 @@ class TrainConfig(_Section):
                     f"alone would not fit in memory). Set {name} to what the model supports: data.max_prompt_tokens "
                     "+ rollout.max_new_tokens must fit its config.json max_position_embeddings"
                 )
+        if self.algorithm.filter_groups and self.rollout.samples_per_prompt < 2:
+            raise ValueError(
+                "algorithm.filter_groups drops groups whose rewards are all equal; with rollout.samples_per_prompt="
+                f"{self.rollout.samples_per_prompt} every group of one is 'all equal' and every group would be "
+                "dropped. Set rollout.samples_per_prompt to 2 or more, or algorithm.filter_groups to false"
+            )
         if self.algorithm.advantage in ("grpo", "rloo") and self.rollout.samples_per_prompt < 2:
             raise ValueError(
                 f"algorithm.advantage '{self.algorithm.advantage}' compares the completions of one prompt with "
@@ -935,8 +947,6 @@ class TrainConfig(_Section):
             )
         pilot = self.runtime.autopilot
         if pilot.enabled:
-            if self.runtime.mode != "async":
-                raise ValueError("runtime.autopilot needs runtime.mode 'async' (a lockstep run has no staleness)")
             if not pilot.min_staleness <= self.runtime.max_staleness <= pilot.max_staleness:
                 raise ValueError(
                     f"runtime.max_staleness={self.runtime.max_staleness} is the autopilot's starting bound and must lie "
@@ -963,7 +973,7 @@ class TrainConfig(_Section):
         lowest = pilot.min_staleness if pilot.enabled else self.runtime.max_staleness
         bound = "runtime.autopilot.min_staleness" if pilot.enabled else "runtime.max_staleness"
         window = self.trainer.prompts_per_step * (lowest + 1)
-        if self.runtime.mode == "async" and window < self.rollout.prompts_per_batch:
+        if window < self.rollout.prompts_per_batch:
             raise ValueError(
                 f"rollout.prompts_per_batch={self.rollout.prompts_per_batch} is more than trainer.prompts_per_step="
                 f"{self.trainer.prompts_per_step} x ({bound}={lowest} + 1) = "
@@ -1077,10 +1087,43 @@ def load_config(path: str | os.PathLike | None = None, overrides: Iterable[str] 
     return validate_config(data, source)
 
 
+def _runtime_mode(data: dict) -> Optional[str]:
+    """runtime.mode (removed): lockstep is runtime.max_staleness 0, and 'async' was the only other value."""
+    runtime = data.get("runtime")
+    if not isinstance(runtime, dict) or "mode" not in runtime:
+        return None
+    mode = runtime.pop("mode")
+    if mode == "sync":
+        runtime["max_staleness"] = 0
+        return "runtime.mode: sync is runtime.max_staleness: 0 now (lockstep); loaded as such"
+    if mode == "async":
+        return None  # what every run does: simply accepted
+    raise ConfigError(f"runtime.mode={mode!r}: the key is gone; lockstep is runtime.max_staleness: 0")
+
+
+# Keys that moved or went: each rewrites the raw mapping in place and returns the one line to print (or None).
+MIGRATIONS = [_runtime_mode]
+
+
+def migrate_config(data: dict) -> list[str]:
+    """Rewrite renamed or removed keys of a raw config mapping in place; returns one note per key rewritten."""
+    notes = []
+    for migration in MIGRATIONS:
+        note = migration(data)
+        if note:
+            notes.append(note)
+    return notes
+
+
 def validate_config(data: dict | TrainConfig, source: str = "") -> TrainConfig:
-    """Validate a nested dict (or re-validate a TrainConfig) into a TrainConfig, raising ConfigError."""
+    """Validate a nested dict (or re-validate a TrainConfig) into a TrainConfig, raising ConfigError. Renamed keys
+    load under their new name, with one logged line each (`migrate_config`)."""
     if isinstance(data, TrainConfig):
         data = data.model_dump(mode="python")
+    else:
+        data = copy.deepcopy(data)  # the caller's mapping stays as it was
+        for note in migrate_config(data):
+            logging.getLogger("rlhf_core.config").warning("%s%s", note, source)
     try:
         cfg = TrainConfig.model_validate(data)
     except ValidationError as err:

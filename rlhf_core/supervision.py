@@ -11,11 +11,9 @@ Policies (the runtime enforces the hard bound max_staleness on its own; these ke
 
 - staleness: mean staleness above staleness_warn x max_staleness -> publish weights now (once per trainer
   version, when runtime.sync_every > 1 leaves workers behind the trainer), with no event: staleness up to
-  max_staleness is the design working (a `staleness_high` warning only for a mean above it); still high for 3 polls
-  -> narrow the rollout admission window to floor(staleness_warn x max_staleness) versions (at least 1: never
-  lockstep) for the rest of the run. Rollout then runs ahead of the trainer by fewer versions, so staleness
-  settles at the warning level instead of oscillating (pausing admission would starve the trainer and change nothing
-  once resumed).
+  max_staleness is the design working (a `staleness_high` warning only for a mean above it). Supervision never
+  changes the bound itself: the buffer owns the bound in force (`async/max_staleness` reports it at each step)
+  and only the autopilot, when enabled, moves it.
 - buffer: trainer starving (buffer below one step and no step since the last poll) -> resume admission,
   schedule more prompts; overflow (buffer/dropped_overflow grew) -> pause admission until the buffer is
   back under half its capacity.
@@ -23,7 +21,7 @@ Policies (the runtime enforces the hard bound max_staleness on its own; these ke
   down for stall_timeout_s, fails the run.
 - non-finite losses: trainer/step_finite == 0 counted; nonfinite_limit in a row fails the run.
 - stall: no trainer step for stall_timeout_s fails the run, naming the role that is stuck.
-- staleness autopilot (runtime.autopilot.enabled, async): `rlhf_core.autopilot.StalenessAutopilot` decides
+- staleness autopilot (runtime.autopilot.enabled): `rlhf_core.autopilot.StalenessAutopilot` decides
   from the step metrics; a change of runtime.max_staleness is applied through the runtime
   (`set_max_staleness`) and reported as an info event (autopilot_raise / autopilot_lower) with its reason.
 """
@@ -37,8 +35,6 @@ from typing import Optional
 
 from rlhf_core.autopilot import StalenessAutopilot
 from rlhf_core.config import TrainConfig
-
-STALENESS_POLLS_BEFORE_THROTTLE = 3
 
 
 @dataclass
@@ -60,7 +56,6 @@ class HealthEvent:
 class Decision:
     request_sync: bool = False
     throttle: Optional[bool] = None  # True: pause admission, False: resume, None: leave as is
-    admission_window: Optional[int] = None  # narrow rollout admission to this many versions ahead
     top_up: Optional[int] = None  # prompts to schedule; None: the runtime's backpressure default
     max_staleness: Optional[int] = None  # the autopilot's new staleness bound
     fail: Optional[str] = None
@@ -74,7 +69,13 @@ class SupervisionError(RuntimeError):
 class HealthMonitor:
     """Stateful checks over successive polls, one method per check. Decides; acts on nothing itself."""
 
-    def __init__(self, cfg: TrainConfig, start_step: int = 0, now: Optional[float] = None):
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        start_step: int = 0,
+        now: Optional[float] = None,
+        start_bound: Optional[int] = None,
+    ):
         self.cfg = cfg
         self.sup = cfg.supervision
         now = time.monotonic() if now is None else now
@@ -83,22 +84,18 @@ class HealthMonitor:
         self.nonfinite_run = 0
         self.restarts_seen = 0
         self.down_since: dict[int, float] = {}
-        self.stale_polls = 0
         self.staleness_high = False
         self.staleness_warned = False  # a staleness_high warning is out (a mean above max_staleness)
         self.last_sync_version = -1
         self.throttled = False
-        self.admission_window: Optional[int] = None
         self.throttle_reason: Optional[str] = None
         self.starving = False
         self.dropped_seen = 0
         self.events: list[HealthEvent] = []
         pilot = cfg.runtime.autopilot
-        self.autopilot = (
-            StalenessAutopilot(pilot, cfg.runtime.max_staleness, start_step)
-            if pilot.enabled and cfg.runtime.mode == "async"
-            else None
-        )
+        # start_bound: the bound a resumed autopilot had reached (from the checkpoint)
+        bound = cfg.runtime.max_staleness if start_bound is None else start_bound
+        self.autopilot = StalenessAutopilot(pilot, bound, start_step) if pilot.enabled else None
 
     @property
     def max_staleness(self) -> int:
@@ -113,10 +110,17 @@ class HealthMonitor:
         step = int(poll.get("step", self.last_step))
         for ev in poll.get("events") or []:  # the runtime's own findings (worker died / restarted, ...)
             self._event(d, step, str(ev.get("kind", "runtime")), "warning", "observed", str(ev.get("detail", "")))
-        checks = [self._runtime_failure, self._nonfinite_losses, self._worker_restarts, self._worker_outages]
-        if self.cfg.runtime.mode == "async":
-            checks += [self._autopilot, self._staleness, self._overflow, self._starvation]
-        checks.append(self._stall)
+        checks = [
+            self._runtime_failure,
+            self._nonfinite_losses,
+            self._worker_restarts,
+            self._worker_outages,
+            self._autopilot,
+            self._staleness,
+            self._overflow,
+            self._starvation,
+            self._stall,
+        ]
         for check in checks:
             check(d, poll, step, now)
             if d.fail:
@@ -218,7 +222,7 @@ class HealthMonitor:
             )
 
     def _staleness(self, d: Decision, poll: dict, step: int, now: float) -> None:
-        """High mean staleness: publish early (when that helps), then narrow the admission window once."""
+        """High mean staleness: publish early (when that helps); a warning for a mean above the bound."""
         metrics = poll.get("metrics") or []
         max_tau = self.max_staleness
         limit = self.sup.staleness_warn * max_tau
@@ -230,9 +234,8 @@ class HealthMonitor:
                 self._event(
                     d, step, "staleness_ok", "info", "none", f"mean staleness {stale:.2f} back under {limit:.2f}"
                 )
-            self.staleness_high, self.staleness_warned, self.stale_polls = False, False, 0
+            self.staleness_high, self.staleness_warned = False, False
             return
-        self.stale_polls += 1
         # publishing early only helps when the trainer publishes less often than every version and some
         # worker still generates with older weights than the trainer's
         version = int(poll.get("version", step))
@@ -255,27 +258,6 @@ class HealthMonitor:
         if can_sync and behind and version > self.last_sync_version:
             d.request_sync = True
             self.last_sync_version = version
-        # never narrower than one prompts_per_batch of capacity, or admission could never grant a batch again,
-        # and never 0: a window of 0 turns the async run the user asked for into lockstep (at max_staleness 1 a
-        # trainer-bound run sits at staleness 1 by design, and was narrowed to 0 after three polls)
-        per_batch, per_step = self.cfg.rollout.prompts_per_batch, self.cfg.trainer.prompts_per_step
-        window = max(int(limit), -(-per_batch // per_step) - 1, 1)
-        narrow = self.autopilot is None  # with the autopilot, it owns the bound (and admission follows it)
-        if (
-            narrow
-            and self.stale_polls >= STALENESS_POLLS_BEFORE_THROTTLE
-            and self.admission_window is None
-            and window < max_tau
-        ):
-            self.admission_window = d.admission_window = window
-            self._event(
-                d,
-                step,
-                "narrow_admission",
-                "info",
-                f"rollout may now run at most {window} version(s) ahead of the trainer",
-                f"mean staleness {stale:.2f} above {limit:.2f} for {self.stale_polls} polls",
-            )
 
     def _overflow(self, d: Decision, poll: dict, step: int, now: float) -> None:
         """Groups dropped on overflow: pause admission until the buffer is back under half its capacity."""
@@ -336,7 +318,8 @@ class HealthMonitor:
 
     def stuck_role(self, poll: dict) -> str:
         workers = poll.get("rollout") or []
-        buffer_size = int((poll.get("buffer") or {}).get("size", 0))
+        buffer = poll.get("buffer") or {}
+        buffer_size = int(buffer.get("size", 0))
         if workers and not any(w.get("alive", True) for w in workers):
             return "rollout (every rollout worker is down)"
         if buffer_size >= self.cfg.trainer.prompts_per_step:
@@ -346,6 +329,14 @@ class HealthMonitor:
             )
         if self.throttled:
             return f"rollout (admission paused by the flow: {self.throttle_reason})"
+        filtered = float(buffer.get("filtered_groups_frac", 0.0))
+        if self.cfg.algorithm.filter_groups and filtered >= 0.5:
+            return (
+                f"rollout: algorithm.filter_groups dropped {filtered:.0%} of the groups generated (every reward of "
+                f"a group equal), so too few reach the buffer ({buffer_size} of {self.cfg.trainer.prompts_per_step} "
+                "needed); the task is saturated or too hard for the policy: raise algorithm.filter_max_rounds, or "
+                "turn filter_groups off"
+            )
         return (
             f"rollout (only {buffer_size} group(s) reached the buffer; queue: {poll.get('queue')}; "
             f"workers busy: {[round(float(w.get('busy_frac', 0.0)), 2) for w in workers]})"
@@ -377,7 +368,7 @@ class HealthMonitor:
 
 
 class Supervisor:
-    """One supervision tick: advance (sync mode), poll, check health, report the events, act on the decision.
+    """One supervision tick: poll, check health, report the events, act on the decision.
 
     `runtime` is a DistributedRun (or anything with its control methods); `report(event)` is called for
     every HealthEvent before the decision is applied, so a failure is reported before it is raised.
@@ -388,9 +379,9 @@ class Supervisor:
     ):
         self.cfg = cfg
         self.runtime = runtime
-        self.monitor = HealthMonitor(cfg, start_step=start_step)
-        # a resumed run whose admission window was narrowed goes on with it (the runtime restored it)
-        self.monitor.admission_window = getattr(runtime, "admission_window", None)
+        # a resumed autopilot goes on from the bound it had reached (the runtime restored it into the buffer)
+        start_bound = getattr(runtime, "restored_max_staleness", None)
+        self.monitor = HealthMonitor(cfg, start_step=start_step, start_bound=start_bound)
         self.report = report or (lambda event: None)
 
     @property
@@ -399,7 +390,6 @@ class Supervisor:
 
     def tick(self) -> dict:
         """Returns the poll. Raises SupervisionError when a health limit is exceeded."""
-        self.runtime.advance()  # sync mode: one lockstep generate -> train -> sync step; async: nothing
         poll = self.runtime.poll()
         decision = self.monitor.check(poll)
         for event in decision.events:
@@ -416,7 +406,5 @@ class Supervisor:
             self.runtime.throttle(d.throttle)
         if d.max_staleness is not None:
             self.runtime.set_max_staleness(d.max_staleness)
-        if d.admission_window is not None:
-            self.runtime.set_admission_window(d.admission_window)
-        if self.cfg.runtime.mode == "async" and not self.monitor.throttled:
+        if not self.monitor.throttled:
             self.runtime.top_up_prompts(d.top_up)

@@ -412,7 +412,7 @@ def check_closed_loop(device: torch.device, rep: Report, steps: int, workdir: st
     ]
 
     def on_policy():
-        cfg = load_config(ROOT / "configs" / "tiny.yaml", overrides + ["runtime.mode=sync"])
+        cfg = load_config(ROOT / "configs" / "tiny.yaml", overrides + ["runtime.max_staleness=0"])
         lines = []
         result = run_sync(cfg, on_step=lambda m: lines.append(m))
         for m in lines:

@@ -134,7 +134,7 @@ def save_checkpoint(runtime, cfg: TrainConfig, step: int, tracker=None, run: Opt
 
 @task(name="record-checkpoint", cache_policy=NO_CACHE, persist_result=False)
 def record_checkpoint(tracker, path: str, step: int) -> str:
-    """A checkpoint the trainer wrote at an exact step (async mode), logged to MLflow as artifacts."""
+    """A checkpoint the trainer wrote at an exact step, logged to MLflow as artifacts."""
     artifact = tracking.log_checkpoint(tracker, path) if tracker is not None else None
     get_run_logger().info(
         "checkpoint at step %d: %s%s", step, path, f" (MLflow artifact {artifact})" if artifact else ""

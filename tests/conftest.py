@@ -277,3 +277,23 @@ def prefect_deployed(prefect_server, tmp_path_factory):
     finally:
         _stop(worker)
         log.close()
+
+
+def drive(run, timeout_s: float = 240.0) -> list[dict]:
+    """Start a launched DistributedRun's loops and poll until its trainer reaches cfg.trainer.total_steps; stop
+    the loops and return every step's metrics (in lockstep at runtime.max_staleness 0, as any run)."""
+    import time
+
+    run.start()
+    metrics: list[dict] = []
+    deadline = time.monotonic() + timeout_s
+    while True:
+        poll = run.poll()
+        metrics.extend(poll["metrics"])
+        if poll["done"]:
+            break
+        assert time.monotonic() < deadline, f"the run did not reach its last step within {timeout_s:g} s"
+        time.sleep(0.1)
+    run.stop()
+    metrics.extend(run.poll()["metrics"])
+    return sorted(metrics, key=lambda m: m["step"])

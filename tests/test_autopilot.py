@@ -74,8 +74,8 @@ def test_steady_mismatch_oscillation_settles_between_two_bounds():
 def test_config_checks():
     with pytest.raises(ConfigError, match="within runtime.autopilot.min_staleness"):
         load_config(None, [*PILOT, "runtime.max_staleness=6"])
-    with pytest.raises(ConfigError, match="runtime.mode 'async'"):
-        load_config(None, [*PILOT, "runtime.mode=sync"])
+    with pytest.raises(ConfigError, match="within runtime.autopilot.min_staleness"):  # sync: tau 0, below 1
+        load_config(None, [*PILOT, "runtime.autopilot.min_staleness=1", "runtime.max_staleness=0"])
     with pytest.raises(ConfigError, match="runtime.autopilot.min_staleness=0"):
         load_config(None, [*PILOT, "rollout.prompts_per_batch=8"])  # 4 x (0 + 1) < 8: would stall at the floor
 

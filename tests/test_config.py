@@ -249,9 +249,27 @@ def test_async_batches_that_admission_can_never_admit_are_refused():
         assert part in msg
     assert "at most 12" in msg and "stall" in msg
     assert "<root>" not in msg and "(got {" not in msg  # a cross-field message, without a dump of the config
-    # the edge fits, and sync mode has no admission control
+    # the edge fits; lockstep is max_staleness 0 under the same rule (one step's groups at a time)
     assert load_config(None, ["trainer.prompts_per_step=4", "runtime.max_staleness=3", "rollout.prompts_per_batch=16"])
-    assert load_config(None, ["trainer.prompts_per_step=4", "runtime.mode=sync", "rollout.prompts_per_batch=16"])
+    assert "= 4" in _refused("trainer.prompts_per_step=4", "runtime.max_staleness=0", "rollout.prompts_per_batch=16")
+
+
+def test_runtime_mode_loads_under_its_replacement_with_one_line(caplog):
+    """runtime.mode is gone: lockstep is runtime.max_staleness 0. An old config still loads, with one line naming
+    the replacement; 'async' is simply accepted; anything else is refused naming the key."""
+    with caplog.at_level("WARNING", logger="rlhf_core.config"):
+        cfg = load_config(None, ["runtime.mode=sync", "runtime.max_staleness=3"])
+    assert cfg.runtime.max_staleness == 0 and "mode" not in cfg.runtime.model_dump()
+    notes = [r.getMessage() for r in caplog.records if r.name == "rlhf_core.config"]
+    assert len(notes) == 1 and "runtime.max_staleness: 0" in notes[0]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="rlhf_core.config"):
+        assert load_config(None, ["runtime.mode=async"]).runtime.max_staleness == 2
+    assert not [r for r in caplog.records if r.name == "rlhf_core.config"]
+    with pytest.raises(ConfigError, match="runtime.mode='lockstep'"):
+        load_config(None, ["runtime.mode=lockstep"])
+    with pytest.raises(ConfigError, match="filter_groups"):
+        load_config(None, ["algorithm.filter_groups=true", "rollout.samples_per_prompt=1", "algorithm.advantage=gae"])
 
 
 def test_shipped_configs_pass_the_new_rules():

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import torch
@@ -97,10 +99,10 @@ def test_group_packing_round_trips():
 
 def test_experience_buffer_prefetch_take_and_give_back_keep_the_bound_and_the_accounting():
     """The trainer's prefetch: take for version V + 1 while V trains; give back an untrained batch."""
-    buf = ExperienceBuffer(max_size=16, max_staleness=1, prompts_per_step=2, admission=False)
+    buf = ExperienceBuffer(max_size=16, max_staleness=1, prompts_per_step=2)
     buf.set_version(3)
     buf.push(pack_groups([make_experience(i, v, [1.0, 0.0]) for i, v in enumerate([2, 3, 3, 4])]))
-    got = unpack_groups(buf.take(2, timeout_s=0.1, for_version=4))  # for consumer version 4: version 2 is stale
+    got = unpack_groups(buf.take(2, timeout_s=0.1, for_version=4)[0])  # for consumer version 4: version 2 is stale
     assert [g.policy_version for g in got] == [3, 3]
     assert all(4 - g.policy_version <= 1 for g in got)
     assert buf.stats()["version"] == 3 and buf.stats()["evicted_stale"] == 1  # asking ahead moves nothing
@@ -108,18 +110,18 @@ def test_experience_buffer_prefetch_take_and_give_back_keep_the_bound_and_the_ac
     s = buf.stats()
     assert (s["sampled"], s["size"], s["given_back"]) == (0, 3, 2)
     assert s["pushed"] == s["sampled"] + s["evicted_stale"] + s["dropped_overflow"] + s["size"]
-    assert [g.prompt_id for g in unpack_groups(buf.take(3, timeout_s=0.1))] == [1, 2, 3]
+    assert [g.prompt_id for g in unpack_groups(buf.take(3, timeout_s=0.1)[0])] == [1, 2, 3]
     buf.advance(5)
     buf.advance(4)  # reported out of order: never moves back
     assert buf.stats()["version"] == 5
 
     # tau = 0 and a step that does not count: the prefetch asked for V + 1, which never comes; the trainer
     # takes for V again and finds V's data, because asking ahead did not make the buffer refuse it
-    strict = ExperienceBuffer(max_size=16, max_staleness=0, prompts_per_step=2, admission=False)
+    strict = ExperienceBuffer(max_size=16, max_staleness=0, prompts_per_step=2)
     strict.set_version(3)
-    assert strict.take(2, timeout_s=0.05, for_version=4) == []
+    assert strict.take(2, timeout_s=0.05, for_version=4) == ([], 0)
     assert strict.push(pack_groups([make_experience(i, 3, [1.0, 0.0]) for i in range(2)])) == 2
-    assert [g.policy_version for g in unpack_groups(strict.take(2, timeout_s=0.1, for_version=3))] == [3, 3]
+    assert [g.policy_version for g in unpack_groups(strict.take(2, timeout_s=0.1, for_version=3)[0])] == [3, 3]
 
     admission = ExperienceBuffer(max_size=16, max_staleness=0, prompts_per_step=2)
     assert admission.try_admit(2) and not admission.try_admit(1)  # capacity (0 + 0 + 1) x 2 groups
@@ -131,12 +133,12 @@ def test_reconcile_balances_the_groups_and_shows_one_lost_or_trained_twice():
     """generated = trained + evicted + dropped + filtered + buffered + in_flight, from the buffer's own counts and
     each end's: a group lost between a worker and the buffer leaves `unaccounted` non-zero, one trained twice a
     negative in_flight once the loops have stopped."""
-    buf = ExperienceBuffer(max_size=16, max_staleness=1, prompts_per_step=2, admission=False, filter_groups=True)
+    buf = ExperienceBuffer(max_size=16, max_staleness=1, prompts_per_step=2, filter_groups=True)
     buf.set_version(3)
     rewards = [[1.0, 0.0], [1.0, 0.0], [1.0, 0.0], [1.0, 1.0], [0.0, 1.0]]  # the fourth: all equal, filtered
     # the first is of version 1, too stale for version 3: refused at the push and counted as evicted
     buf.push(pack_groups([make_experience(i, v, r) for i, (v, r) in enumerate(zip([1, 3, 3, 4, 4], rewards))]))
-    assert len(unpack_groups(buf.take(2, timeout_s=0.1))) == 2
+    assert len(unpack_groups(buf.take(2, timeout_s=0.1)[0])) == 2
 
     def poll(generated: int, trained: int) -> dict:
         rollout = [{"alive": True, "groups_pushed": generated}, {"alive": False, "groups_pushed": 99}]
@@ -165,8 +167,24 @@ def test_reconcile_balances_the_groups_and_shows_one_lost_or_trained_twice():
 def test_a_resumed_buffer_admits_only_the_window_ahead():
     """Admission counts groups from version 0: a run resumed at version 300 would have 300 versions of room, and
     admission would never hold rollout back again. `start_at` counts from the resumed version."""
-    resumed = ExperienceBuffer(max_size=64, max_staleness=2, prompts_per_step=2)
+    resumed = ExperienceBuffer(max_size=64, max_staleness=1, prompts_per_step=2)
     resumed.start_at(300)
-    resumed.set_admission_window(1)
     assert resumed.try_admit(4) and not resumed.try_admit(1)  # capacity (1 + 300 + 1) x 2 - 300 x 2 = 4 groups
     assert resumed.stats()["admitted"] == 300 * 2 + 4
+
+
+def test_a_take_returns_the_bound_it_enforced_even_when_the_bound_moves_meanwhile():
+    """The buffer is the one owner of the bound: a take answers with the max_staleness it enforced, the one the
+    trainer checks its batch against (the autopilot may move the bound while a take waits)."""
+    buf = ExperienceBuffer(max_size=16, max_staleness=1, prompts_per_step=2, ceiling=3)
+    buf.set_version(4)
+    out = {}
+    taker = threading.Thread(target=lambda: out.setdefault("got", buf.take(2, timeout_s=30)))
+    taker.start()
+    time.sleep(0.2)
+    assert buf.set_max_staleness(3) == 3  # raised while the take waits: it enforces the bound it began with
+    buf.push(pack_groups([make_experience(i, 3, [1.0, 0.0]) for i in range(2)]))
+    taker.join(30)
+    groups, bound = out["got"]
+    assert bound == 1 and [g.policy_version for g in unpack_groups(groups)] == [3, 3]
+    assert buf.take(1, timeout_s=0.01) == ([], 3)  # the next take enforces the new one

@@ -191,3 +191,27 @@ def test_filter_groups_fills_the_step_in_the_single_process_loop(tmp_path):
     parts.cfg.algorithm.filter_max_rounds = 1
     batch, stats = generate_step_batch(parts)
     assert len(batch) % G == 0 and len(batch) > 0
+
+
+def test_the_critic_runs_without_dropout_as_the_policy_does(tiny_policy_dir):
+    """A critic built from a model with dropout (HF configs default attention_dropout and dropout modules > 0 in
+    some architectures): its values in train mode (the update) equal those in eval mode (GAE)."""
+    import torch
+
+    from rlhf_core.config import load_config
+    from rlhf_core.trainer.critic import Critic, load_value_model
+
+    body_model = load_value_model(tiny_policy_dir, torch.float32, "cpu", False)
+    for module in body_model.modules():  # dropout everywhere, as a model card might ship it
+        if hasattr(module, "attention_dropout"):
+            module.attention_dropout = 0.5
+    body_model.body.add_module("extra_dropout", torch.nn.Dropout(0.5))
+    critic = Critic(body_model, load_config(None, ["algorithm.advantage=gae"]))
+    assert all(m.p == 0 for m in critic.model.modules() if isinstance(m, torch.nn.Dropout))
+    ids = torch.randint(3, 10, (2, 6))
+    mask = torch.ones_like(ids)
+    positions = torch.arange(6).expand(2, 6)
+    critic.model.train()
+    train_values = critic.model(input_ids=ids, attention_mask=mask, position_ids=positions)
+    critic.model.eval()
+    torch.testing.assert_close(train_values, critic.model(input_ids=ids, attention_mask=mask, position_ids=positions))

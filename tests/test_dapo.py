@@ -29,7 +29,7 @@ def test_filtered_groups_count_as_consumed_for_admission():
     assert buf.push(_groups([[1.0, 0.0], [0.0, 0.0]], start=2)) == 1
     assert not buf.try_admit(2) and buf.try_admit(1)  # capacity 5 = 2 + 3 filtered: exactly one more group
     assert buf.push(_groups([[0.5, 0.0]], start=4)) == 1
-    got = unpack_groups(buf.take(2, timeout_s=0.1))
+    got = unpack_groups(buf.take(2, timeout_s=0.1)[0])
     assert [g.prompt_id for g in got] == [2, 4]
     s = buf.stats()
     # conservation: every pushed group is trained (sampled), filtered, evicted, dropped or buffered
@@ -41,7 +41,7 @@ def test_filtered_groups_count_as_consumed_for_admission():
 
 
 def test_without_filtering_constant_groups_are_kept():
-    buf = ExperienceBuffer(max_size=8, max_staleness=0, prompts_per_step=2, admission=False)
+    buf = ExperienceBuffer(max_size=8, max_staleness=0, prompts_per_step=2)
     assert buf.push(_groups([[1.0, 1.0]])) == 1 and buf.stats()["filtered_groups"] == 0
 
 
@@ -49,7 +49,7 @@ def test_a_waiting_trainer_is_filled_by_later_groups():
     """The trainer waits on a take while filtered groups arrive: it returns as soon as enough pass."""
     buf = ExperienceBuffer(max_size=64, max_staleness=2, prompts_per_step=2, filter_groups=True)
     out = {}
-    taker = threading.Thread(target=lambda: out.setdefault("got", buf.take(2, timeout_s=30)))
+    taker = threading.Thread(target=lambda: out.setdefault("got", buf.take(2, timeout_s=30)[0]))
     taker.start()
     buf.push(_groups([[1.0, 1.0]] * 3))  # filtered
     buf.push(_groups([[1.0, 0.0]], start=3))
@@ -64,16 +64,30 @@ def test_set_max_staleness_moves_the_bound_and_admission():
     buf.set_version(4)
     buf.push(_groups([[1.0, 0.0]] * 2, version=3))
     assert buf.set_max_staleness(9) == 4  # clamped to the ceiling
-    assert buf.stats()["max_staleness"] == 4 and buf.stats()["admission_window"] == 4
+    assert buf.stats()["max_staleness"] == 4
     assert buf.capacity() == (4 + 0 + 1) * 2
     assert buf.set_max_staleness(0) == 0  # lowering evicts what the new bound makes stale, at once
     s = buf.stats()
-    assert (s["size"], s["evicted_stale"], s["admission_window"]) == (0, 2, 0)
-    # a narrowed admission window stays narrowed when the bound rises
-    buf.set_max_staleness(3)
-    buf.set_admission_window(1)
-    buf.set_max_staleness(4)
-    assert buf.stats()["admission_window"] == 1
+    assert (s["size"], s["evicted_stale"], s["max_staleness"]) == (0, 2, 0)
+    assert buf.capacity() == (0 + 0 + 1) * 2 + 2  # admission counts with the bound (2 evicted: re-admitted)
+
+
+def test_spent_filter_rounds_train_on_the_groups_there_are():
+    """A saturated task under filter_groups: once filter_max_rounds x prompts_per_step groups arrived since the
+    last take, a step trains on the groups that passed, or on the newest filtered ones when none did (as the
+    config says, on every host), instead of waiting forever; the accounting still adds up."""
+    buf = ExperienceBuffer(max_size=64, max_staleness=0, prompts_per_step=2, filter_groups=True, filter_max_rounds=2)
+    buf.push(_groups([[1.0, 1.0], [0.0, 0.0], [1.0, 0.0]]))  # 3 of the 4 groups the rounds allow: wait
+    assert buf.take(2, timeout_s=0.2) == ([], 0)
+    buf.push(_groups([[1.0, 1.0]], start=3))  # the rounds are spent with one group passed
+    got, bound = buf.take(2, timeout_s=0.5)
+    assert [g.prompt_id for g in unpack_groups(got)] == [2] and bound == 0
+    buf.push(_groups([[1.0, 1.0]] * 4, start=4))  # none passes: the newest filtered ones are trained
+    got, _ = buf.take(2, timeout_s=0.5)
+    assert [g.prompt_id for g in unpack_groups(got)] == [6, 7]
+    s = buf.stats()
+    assert s["short_takes"] == 2 and s["filtered_groups"] == 3 + 2  # 2 of the 7 filtered were trained after all
+    assert s["sampled"] + s["filtered_groups"] + s["evicted_stale"] + s["dropped_overflow"] + s["size"] == 8
 
 
 def test_filter_and_overlong_config():
@@ -100,5 +114,5 @@ def test_overlong_penalty_edges():
 def test_an_unscored_group_is_not_filtered():
     g = make_experience(0, 0, [1.0, 1.0])
     g.batch.rewards = None
-    buf = ExperienceBuffer(max_size=8, max_staleness=0, prompts_per_step=1, admission=False, filter_groups=True)
+    buf = ExperienceBuffer(max_size=8, max_staleness=0, prompts_per_step=1, filter_groups=True)
     assert buf.push(pack_groups([g])) == 1 and buf.stats()["filtered_groups"] == 0

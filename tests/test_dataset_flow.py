@@ -67,7 +67,7 @@ def test_atrlhf_train_on_verl_parquet_logs_pass_at_k(
         "trainer.prompts_per_step=2",
         "rollout.samples_per_prompt=2",
         "rollout.max_new_tokens=4",
-        "runtime.mode=sync",
+        "runtime.max_staleness=0",
         "cluster.num_cpus=2",
         "tracking.eval_every=0",
         "tracking.checkpoint_every=0",

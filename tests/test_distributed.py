@@ -1,4 +1,4 @@
-"""The Ray runtime on a real local Ray instance (num_cpus=2): staleness bound, restarts, both modes learn,
+"""The Ray runtime on a real local Ray instance (num_cpus=2): staleness bound, restarts, lockstep and async learn,
 clear errors for bad clusters. One Ray instance serves the module; each run creates and kills its actors."""
 
 from __future__ import annotations
@@ -95,11 +95,22 @@ def test_stopping_mid_run_gives_the_prefetched_batch_back(ray_local, tmp_path):
     assert final["buffer"]["admitted"] == rec["generated"]
 
 
-def test_narrowed_admission_window_bounds_staleness_tighter(ray_local, tmp_path):
-    cfg = tiny_cfg(tmp_path, "trainer.total_steps=12", "runtime.max_staleness=2", "rollout.prompts_per_batch=8")
-    result = run_distributed(cfg, poll_interval_s=0.2, on_launch=lambda run: run.set_admission_window(0))
-    assert result["final_poll"]["buffer"]["admission_window"] == 0
-    assert set(result["final_poll"]["trainer"]["staleness_hist"]) == {0}  # generated with the weights it trains
+def test_the_bound_the_user_set_is_the_bound_trained_at(ray_local, tmp_path):
+    """tau = 4 where the trainer is the slower role: staleness reaches 4 (the supervisor once narrowed admission
+    on its own to tau <= 3), and async/max_staleness reports the bound in force at every step."""
+    cfg = tiny_cfg(
+        tmp_path,
+        "trainer.total_steps=40",
+        "runtime.max_staleness=4",
+        "trainer.prompts_per_step=4",
+        "rollout.prompts_per_batch=4",
+        "supervision.staleness_warn=0.5",
+    )
+    result = run_distributed(cfg, poll_interval_s=0.2)
+    hist = result["final_poll"]["trainer"]["staleness_hist"]
+    assert max(int(t) for t in hist) == 4, hist
+    assert {m["async/max_staleness"] for m in result["metrics"]} == {4}
+    assert not [e for e in result["events"] if "narrow" in str(e.get("kind"))]
 
 
 def test_killed_rollout_worker_is_restarted_and_run_completes(ray_local, tmp_path):
@@ -145,13 +156,13 @@ def test_trainer_failure_ends_run_with_clear_error_and_keeps_checkpoint(ray_loca
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["sync", "async"])
-def test_both_modes_learn(ray_local, tmp_path, mode):
-    cfg = tiny_cfg(tmp_path, "trainer.total_steps=70", f"runtime.mode={mode}", "trainer.lr=0.0005")
+@pytest.mark.parametrize("tau", [0, 2])
+def test_lockstep_and_async_learn(ray_local, tmp_path, tau):
+    cfg = tiny_cfg(tmp_path, "trainer.total_steps=70", f"runtime.max_staleness={tau}", "trainer.lr=0.0005")
     result = run_distributed(cfg, poll_interval_s=0.2)
     assert result["eval/accuracy_start"] <= 0.3
     assert result["eval/accuracy"] >= result["eval/accuracy_start"] + 0.3, result["eval/accuracy"]
-    if mode == "sync":
+    if tau == 0:
         assert set(result["final_poll"]["trainer"]["staleness_hist"]) == {0}
 
 
@@ -172,58 +183,60 @@ def test_too_few_resources_is_a_clear_error(ray_local, tmp_path):
 
 
 def test_the_loop_and_the_ray_runtime_resume_from_each_others_checkpoints(ray_local, tmp_path):
-    """One checkpoint layout: the single-process loop continues a Ray run's checkpoint (weights, optimizer,
-    versions, prompt position, run facts), and the Ray runtime continues the loop's."""
+    """One checkpoint layout, one writer and reader (the trainer role): the in-process host continues a Ray run's
+    checkpoint (weights, optimizer, versions, prompts trained on, run facts), and the Ray host continues the
+    in-process host's; every prompt of the epoch is trained exactly once across the three legs."""
     from rlhf_core.checkpoint import read_checkpoint
     from rlhf_core.loop import run_sync
 
-    cfg = tiny_cfg(
-        tmp_path,
-        "trainer.total_steps=4",
-        "runtime.mode=sync",
-        "tracking.checkpoint_every=2",
+    common = [
+        "runtime.max_staleness=0",
         "tracking.eval_every=0",
         "data.eval_size=20",
         "trainer.prompts_per_step=4",
         "rollout.prompts_per_batch=4",
         "rollout.samples_per_prompt=4",
-    )
+    ]
+    cfg = tiny_cfg(tmp_path, "trainer.total_steps=2", *common)
     per_step = cfg.trainer.prompts_per_step
     with DistributedRun(cfg) as run:
         run.launch()
         run.eval_start = 0.125
-        while run.poll()["step"] < 2:
-            run.advance()
+        run.start()
+        deadline = time.monotonic() + 120
+        while not run.poll()["done"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        run.stop()
         ray_ckpt = run.checkpoint(tmp_path / "ray_ckpt", run={"mlflow_run_id": "0" * 32})
     ray_state, _ = read_checkpoint(ray_ckpt)
-    assert ray_state.step == 2 and ray_state.data["source"]["index"] == 2 * per_step
-    assert sum(ray_state.data["trained"].values()) == 2 * per_step
+    assert ray_state.step == 2 and sorted(ray_state.data["trained"].values()) == [1] * 2 * per_step
     assert len(ray_state.rng["rollout"]) == cfg.rollout.num_workers and ray_state.config == cfg.model_dump(mode="json")
 
-    result = run_sync(cfg, resume_from=str(ray_ckpt), checkpoint_dir=tmp_path / "loop_ckpts")
+    loop_cfg = tiny_cfg(tmp_path, "trainer.total_steps=4", "tracking.checkpoint_every=2", *common)
+    result = run_sync(loop_cfg, resume_from=str(ray_ckpt), checkpoint_dir=tmp_path / "loop_ckpts")
     assert result["steps"] == 4 and result["eval/accuracy_start"] == 0.125  # the Ray run's fact, carried over
     loop_ckpt = tmp_path / "loop_ckpts" / "step_000004"
     loop_state, _ = read_checkpoint(loop_ckpt)
-    assert loop_state.version == 4 and loop_state.data["source"]["index"] == 4 * per_step  # prompts went on
-    assert sorted(loop_state.data["trained"].values()) == [1] * 4 * per_step  # none twice
+    assert loop_state.version == 4 and sorted(loop_state.data["trained"].values()) == [1] * 4 * per_step  # none twice
+    assert set(ray_state.data["trained"]) < set(loop_state.data["trained"])
     assert loop_state.run["mlflow_run_id"] == "0" * 32
 
-    more = tiny_cfg(
-        tmp_path,
-        "trainer.total_steps=5",
-        "runtime.mode=sync",
-        "data.eval_size=20",
-        "trainer.prompts_per_step=4",
-        "rollout.prompts_per_batch=4",
-        "rollout.samples_per_prompt=4",
-    )
+    more = tiny_cfg(tmp_path, "trainer.total_steps=5", *common)
     with DistributedRun(more) as run:
         info = run.launch(resume_from=str(loop_ckpt))
         assert (info["step"], info["version"]) == (4, 4) and run.eval_start == 0.125
         queue = ray.get(run.queue.state_dict.remote())  # the loop's record of trained prompts, not its queue
         assert queue["queued"] == [] and queue["source"]["seed"] == loop_state.data["source"]["seed"]
-        run.advance()
-        assert run.poll()["step"] == 5
+        run.start()
+        deadline = time.monotonic() + 120
+        while not run.poll()["done"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        run.stop()
+        final = run.checkpoint(tmp_path / "ray_ckpt2")
+    final_state, _ = read_checkpoint(final)
+    assert final_state.step == 5 and sorted(final_state.data["trained"].values()) == [1] * 5 * per_step
 
 
 def test_a_checkpoint_taken_while_a_worker_restarts_succeeds_and_the_run_recovers(ray_local, tmp_path):
@@ -254,7 +267,7 @@ def test_async_checkpoints_are_taken_at_exact_multiples_and_named_by_the_step_th
     """The async trainer moves on while the flow polls: it checkpoints itself at each exact multiple."""
     from rlhf_core.checkpoint import read_checkpoint
 
-    cfg = tiny_cfg(tmp_path, "trainer.total_steps=10", "tracking.checkpoint_every=3", "runtime.mode=async")
+    cfg = tiny_cfg(tmp_path, "trainer.total_steps=10", "tracking.checkpoint_every=3")
     result = run_distributed(cfg, poll_interval_s=1.0)
     assert result["steps"] == 10
     names = sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*"))
@@ -296,7 +309,7 @@ def test_partial_rollouts_adopt_weights_mid_batch_and_bound_every_tokens_stalene
     assert rec["in_flight"] == 0 and rec["unaccounted"] == 0, rec
 
 
-def test_tau_zero_async_trains_the_same_model_as_run_sync(ray_local, tmp_path):
+def test_tau_zero_the_in_process_host_and_the_ray_host_train_the_same_model(ray_local, tmp_path):
     """The invariant of the async path: runtime.max_staleness 0, one rollout worker, the same seed and rollout
     settings -> the asynchronous runtime trains the model run_sync trains: the same samples step by step (their
     rewards, lengths, losses) and weights equal within 1e-6 after 20 steps."""
@@ -315,12 +328,12 @@ def test_tau_zero_async_trains_the_same_model_as_run_sync(ray_local, tmp_path):
         "tracking.checkpoint_every=0",
         "data.eval_size=20",
     ]
-    sync_cfg = tiny_cfg(tmp_path / "sync", "runtime.mode=sync", *overrides)
+    sync_cfg = tiny_cfg(tmp_path / "sync", *overrides)
     parts = build_run(sync_cfg, share_weights=True)
     run_sync(sync_cfg, parts=parts)
     export_run(parts, tmp_path / "sync_export")
 
-    async_cfg = tiny_cfg(tmp_path / "async", "runtime.mode=async", *overrides)
+    async_cfg = tiny_cfg(tmp_path / "async", *overrides)
     box = []
 
     def export_when_done(poll):
@@ -372,7 +385,6 @@ def test_a_resumed_async_run_trains_on_every_prompt_of_each_epoch_exactly_once(t
         f"trainer.prompts_per_step={per_step}",
         "rollout.prompts_per_batch=4",
         "rollout.samples_per_prompt=4",
-        "runtime.mode=async",
         "tracking.eval_every=0",
         "tracking.checkpoint_every=3",
         "supervision.supervise_interval_s=0.2",

@@ -459,7 +459,7 @@ def test_the_ray_runtime_runs_environments(ray_local, tmp_path):
             **cfg.model_dump(mode="json"),
             "cluster": {"num_cpus": 2},
             "supervision": {"supervise_interval_s": 0.2},
-            "runtime": {"mode": "async", "max_staleness": 1, "wait_timeout_s": 60},
+            "runtime": {"max_staleness": 1, "wait_timeout_s": 60},
             "trainer": {**cfg.trainer.model_dump(mode="json"), "total_steps": 3},
             "rollout": {**cfg.rollout.model_dump(mode="json"), "partial_rollout": True},
         }
@@ -509,7 +509,7 @@ def test_the_multiturn_recipe_and_its_environment():
     from rlhf_core.config import load_config
 
     cfg = load_config(str(Path(__file__).resolve().parents[1] / "configs" / "tiny-multiturn.yaml"))
-    assert cfg.env.enabled and cfg.env.max_turns == 2 and cfg.runtime.mode == "sync"
+    assert cfg.env.enabled and cfg.env.max_turns == 2 and cfg.runtime.max_staleness == 0
     path = str(Path(__file__).resolve().parents[1] / cfg.env.path)
     env = load_env_class(path, cfg.env.name)(seed=0)
     assert env.reset({"prompt": "max of 1, 2, 3? Answer with #### n."}) == "max of 1, 2, 3? Answer with #### n."

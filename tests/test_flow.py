@@ -58,7 +58,7 @@ TINY = [
     "tracking.log_system_metrics=false",
     "algorithm.loss=m2po",
     "algorithm.kl_coef=0.01",
-    "runtime.mode=sync",
+    "runtime.max_staleness=0",
 ]
 
 CONTRACT_PER_STEP = [
@@ -261,7 +261,6 @@ def test_cancel_running_flow(prefect_api, ray_local, work):
     cfg = config(
         work,
         "cancel-me",
-        "runtime.mode=async",
         # far more steps than the test waits for (about 10 steps/s here), yet finite: if cancelling failed,
         # the run would still end on its own instead of holding the module's Ray for the tests after it
         "trainer.total_steps=3000",
@@ -426,7 +425,6 @@ def test_the_loops_are_task_runs_that_span_the_run(prefect_api, ray_local, work)
     cfg = config(
         work,
         "loops",
-        "runtime.mode=async",
         "trainer.total_steps=3000",  # far more than the test waits for; it cancels the run when it has seen enough
         "rollout.num_workers=2",
         "cluster.rollout_cpus=0.5",
@@ -488,7 +486,6 @@ def test_a_loop_that_fails_is_a_failed_task_run_with_its_error(prefect_api, ray_
     cfg = config(
         work,
         "loop-fails",
-        "runtime.mode=async",
         "trainer.total_steps=40",
         "tracking.checkpoint_every=0",
         "tracking.eval_every=0",

@@ -22,7 +22,7 @@ LORA = ["model.lora.r=4", "model.lora.alpha=8"]
 
 def small_cfg(output_dir, *overrides):
     """test_checkpoint's small run, with LoRA adapters, a higher lr and the sync loop."""
-    return checkpoint_cfg(output_dir, "trainer.lr=3e-2", "runtime.mode=sync", *LORA, *overrides)
+    return checkpoint_cfg(output_dir, "trainer.lr=3e-2", "runtime.max_staleness=0", *LORA, *overrides)
 
 
 def adapter_names(model) -> set[str]:
@@ -279,13 +279,13 @@ def test_lora_on_the_ray_runtime_checkpoints_resumes_and_exports(ray_local, tmp_
     from transformers import AutoModelForCausalLM
 
     from rlhf_core.distributed import DistributedRun
+    from tests.conftest import drive
 
     overrides = ["cluster.num_cpus=2", "runtime.wait_timeout_s=60", "supervision.supervise_interval_s=0.2"]
-    cfg = small_cfg(tmp_path, *overrides)
+    cfg = small_cfg(tmp_path, *overrides, "trainer.total_steps=2")
     with DistributedRun(cfg) as run:
         run.launch()
-        while run.poll()["step"] < 2:
-            run.advance()
+        drive(run)
         ckpt = Path(run.checkpoint(tmp_path / "ray_ckpt", run={}))
         exported = run.export(tmp_path / "policy")
     state, _ = read_checkpoint(ckpt)
@@ -293,14 +293,13 @@ def test_lora_on_the_ray_runtime_checkpoints_resumes_and_exports(ray_local, tmp_
     merged = AutoModelForCausalLM.from_pretrained(exported)
     assert not is_lora(merged)
 
-    result = run_sync(cfg, resume_from=str(ckpt), checkpoint_dir=tmp_path / "loop_ckpts")
+    result = run_sync(small_cfg(tmp_path, *overrides), resume_from=str(ckpt), checkpoint_dir=tmp_path / "loop_ckpts")
     assert result["steps"] == 4
     more = small_cfg(tmp_path, *overrides, "trainer.total_steps=5")
     with DistributedRun(more) as run:
         info = run.launch(resume_from=str(tmp_path / "loop_ckpts" / "step_000004"))
         assert (info["step"], info["version"]) == (4, 4)
-        run.advance()
-        assert run.poll()["step"] == 5
+        assert drive(run)[-1]["step"] == 5
 
 
 def test_a_tied_lm_head_adapter_checkpoints_adapters_only(tmp_path, tiny_policy_dir):

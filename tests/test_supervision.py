@@ -41,29 +41,40 @@ def poll(step, staleness=0.0, size=8, finite=(1.0,), dropped=0, workers=None, **
     }
 
 
-def test_high_staleness_syncs_then_narrows_the_admission_window_once():
+def test_high_staleness_publishes_early_and_never_changes_the_bound():
+    """The supervisor once narrowed rollout admission on its own (every tau = 4 sweep point ran at tau <= 3, a
+    default run at tau = 1 after step 30-90): it only publishes sooner now; the bound is the buffer's alone."""
     m = HealthMonitor(cfg("runtime.sync_every=4"), now=0)
     behind = [{"index": 0, "alive": True, "restarts": 0, "version": 0}]
     d = m.check(poll(1, staleness=1.5, workers=behind), now=1)
-    assert d.request_sync and d.admission_window is None and d.events == []  # within max_staleness: no event
+    assert d.request_sync and d.max_staleness is None and d.events == []  # within max_staleness: no event
     assert not m.check(poll(1, staleness=1.5, workers=behind), now=2).request_sync  # once per trainer version
-    d = m.check(poll(2, staleness=1.5, workers=behind), now=3)
-    # staleness_warn 0.5 x max_staleness 2 = 1.0: rollout may run one version ahead from now on
-    assert d.request_sync and d.admission_window == 1 and "narrow_admission" in [e.kind for e in d.events]
-    assert m.check(poll(3, staleness=1.5, workers=behind), now=4).admission_window is None  # only once
-    d = m.check(poll(4, staleness=0.5, workers=behind), now=5)
-    assert d.throttle is None and d.events == []
+    for t in range(2, 12):
+        d = m.check(poll(t, staleness=1.9, workers=behind), now=t + 1)
+        assert d.max_staleness is None and d.throttle is None
+    assert not hasattr(d, "admission_window")
+    assert [e.kind for e in m.events] == []  # nothing narrowed, nothing to report
+    assert m.max_staleness == 2
 
 
-def test_narrowing_never_turns_an_async_run_into_lockstep():
-    """At max_staleness 1 a trainer-bound async run sits at staleness 1 by design; floor(0.8 x 1) = 0 narrowed its
-    admission to 0 versions ahead (lockstep) after three polls, silently undoing the bound the user set."""
-    m = HealthMonitor(cfg("runtime.max_staleness=1", "supervision.staleness_warn=0.8"), now=0)
-    windows = [m.check(poll(t, staleness=1.0), now=t).admission_window for t in range(1, 6)]
-    assert windows == [None] * 5 and "narrow_admission" not in [e.kind for e in m.events]
-    m = HealthMonitor(cfg("runtime.max_staleness=4", "supervision.staleness_warn=0.8"), now=0)
-    windows = [m.check(poll(t, staleness=4.0), now=t).admission_window for t in range(1, 6)]
-    assert 3 in windows  # a wider bound still narrows, to floor(0.8 x 4)
+def test_a_resumed_autopilot_starts_from_the_bound_its_checkpoint_saved():
+    """The autopilot's bound is in every checkpoint; the runtime restores it into the buffer and the supervision
+    goes on from it (a resumed run started again from runtime.max_staleness)."""
+    from rlhf_core.supervision import Supervisor
+
+    class Restored:
+        restored_max_staleness = 3
+
+    pilot = ["runtime.autopilot.enabled=true", "runtime.autopilot.max_staleness=4"]
+    assert Supervisor(cfg(*pilot), Restored()).monitor.max_staleness == 3
+    assert Supervisor(cfg(*pilot), object()).monitor.max_staleness == 2  # a fresh run: the configured start
+    assert Supervisor(cfg(), Restored()).monitor.max_staleness == 2  # no autopilot: the configured bound
+
+
+def test_a_stall_under_filter_groups_names_filtering_as_the_cause():
+    m = HealthMonitor(cfg("algorithm.filter_groups=true"), now=0)
+    stuck = m.stuck_role(poll(3, size=1, buffer={"size": 1, "filtered_groups_frac": 0.9}))
+    assert "filter_groups dropped 90%" in stuck and "filter_max_rounds" in stuck
 
 
 def test_staleness_within_the_bound_is_no_event_above_it_a_warning():
@@ -116,14 +127,14 @@ def test_worker_restarts_are_waited_for_then_fail():
 
 
 def test_stall_fails_naming_the_stuck_role():
-    m = HealthMonitor(cfg("runtime.mode=sync"), now=0)
+    m = HealthMonitor(cfg("runtime.max_staleness=0"), now=0)
     assert m.check(poll(1, size=0), now=1).fail is None
     d = m.check(poll(1, size=0), now=20)
     assert d.fail and "stuck: rollout" in d.fail
-    m = HealthMonitor(cfg("runtime.mode=sync"), now=0)
+    m = HealthMonitor(cfg("runtime.max_staleness=0"), now=0)
     d = m.check(poll(0, size=8), now=20)
     assert d.fail and "stuck: trainer" in d.fail
-    m = HealthMonitor(cfg("runtime.mode=sync"), now=0)
+    m = HealthMonitor(cfg("runtime.max_staleness=0"), now=0)
     d = m.check(poll(0, size=0, workers=[{"index": 0, "alive": False, "restarts": 0}]), now=20)
     assert "every rollout worker is down" in d.fail
 
@@ -185,18 +196,3 @@ def test_run_summaries_show_the_reward_components():
     state = SimpleNamespace(name="Completed", message=None)
     text = _train_summary(config, state, result, None)
     assert "train reward        0.100 (answer_after_marker 0.000, format 1.000) at the last step" in text
-
-
-def test_a_resumed_run_keeps_the_admission_window_its_checkpoint_restored():
-    """The runtime restores a narrowed admission window from the checkpoint (a resume went on for ~20 steps at the
-    full window, two versions stale, before the supervision narrowed it again): the supervision starts from it."""
-    from rlhf_core.supervision import Supervisor
-
-    class Restored:
-        admission_window = 1
-
-    sup = Supervisor(cfg(), Restored())
-    behind = [{"index": 0, "alive": True, "restarts": 0, "version": 0}]
-    for t in range(1, 6):
-        d = sup.monitor.check(poll(t, staleness=1.5, workers=behind), now=t)
-        assert d.admission_window is None and "narrow_admission" not in [e.kind for e in d.events]

@@ -186,7 +186,7 @@ def test_the_sweep_deployment_parameters(tmp_path):
     params = load_sweep_parameters("deployments/staleness_sweep.yaml")
     assert params["grid"] == {"algorithm.loss": ["grpo", "m2po"], "runtime.max_staleness": [1, 4]}
     assert params["seeds"] == 2 and params["max_parallel"] == 1
-    assert validate_config(params["base_config"]).runtime.mode == "async"
+    assert validate_config(params["base_config"]).runtime.max_staleness == 2
     bad = tmp_path / "bad.yaml"
     bad.write_text("config_file: configs/staleness_sweep.yaml\ngrid: {algorithm.loss: []}\n")
     with pytest.raises(ConfigError, match=r"bad.yaml: grid.algorithm.loss"):

@@ -15,6 +15,7 @@ ray = pytest.importorskip("ray")
 
 from rlhf_core.config import load_config  # noqa: E402
 from rlhf_core.distributed import DistributedRun, RunFailed  # noqa: E402
+from tests.conftest import drive  # noqa: E402
 
 pytestmark = pytest.mark.slow  # starts a local Ray instance
 
@@ -27,7 +28,7 @@ def group_cfg(tmp_path, workers: int, *overrides):
             "cluster.num_cpus=2",
             f"cluster.trainer_workers={workers}",
             "runtime.wait_timeout_s=60",
-            "runtime.mode=sync",
+            "runtime.max_staleness=0",
             "tracking.eval_every=0",
             "data.eval_size=20",
             "trainer.prompts_per_step=4",
@@ -39,16 +40,11 @@ def group_cfg(tmp_path, workers: int, *overrides):
     )
 
 
-def sync_losses(cfg, steps: int, checkpoint_at=None, path=None) -> list[dict]:
+def sync_losses(cfg) -> list[dict]:
+    """Every step's metrics of a lockstep run to cfg.trainer.total_steps."""
     with DistributedRun(cfg) as run:
         run.launch()
-        metrics = []
-        while len(metrics) < steps:
-            run.advance()
-            metrics.extend(run.poll()["metrics"])
-            if checkpoint_at is not None and len(metrics) == checkpoint_at:
-                run.checkpoint(path)
-        return metrics
+        return drive(run)
 
 
 # PPO with a critic: every rank builds the critic (build.build_trainer) and shards it with the policy; the
@@ -63,14 +59,13 @@ GAE = (
 
 
 def test_two_trainer_ranks_take_the_steps_of_one_and_their_checkpoint_resumes_with_one(ray_local, tmp_path):
-    """Sync mode, one rollout worker, the same seeds: the same batches reach both runs, so the losses and
-    gradient norms of 2 ranks and of 1 agree step by step (float32 tolerance, see test_sharded_trainer), the
+    """Lockstep (max_staleness 0), one rollout worker, the same seeds: the same batches reach both runs, so the
+    losses and gradient norms of 2 ranks and of 1 agree step by step (float32 tolerance, see test_sharded_trainer), the
     critic's too; the checkpoint holds the critic and resumes with one trainer."""
     from rlhf_core.checkpoint import read_checkpoint
 
-    steps = 3
-    two = sync_losses(group_cfg(tmp_path / "two", 2, *GAE), steps, 2, tmp_path / "ckpt2")
-    one = sync_losses(group_cfg(tmp_path / "one", 1, *GAE), steps)
+    two = sync_losses(group_cfg(tmp_path / "two", 2, *GAE, "tracking.checkpoint_every=2"))
+    one = sync_losses(group_cfg(tmp_path / "one", 1, *GAE))
     assert [m["step"] for m in two] == [1, 2, 3]
     assert two[0]["critic/value_loss"] > 0
     for a, b in zip(two, one):
@@ -78,14 +73,14 @@ def test_two_trainer_ranks_take_the_steps_of_one_and_their_checkpoint_resumes_wi
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key)
         for key in ("critic/grad_norm", "critic/values_mean", "critic/explained_variance"):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key)
-    state, _ = read_checkpoint(tmp_path / "ckpt2")
+    ckpt2 = tmp_path / "two" / "checkpoints" / "step_000002"  # the trainer wrote it at step 2
+    state, _ = read_checkpoint(ckpt2)
     assert state.step == 2 and state.trainer["critic"]["updates"] == 2
     resumed = group_cfg(tmp_path / "resumed", 1, *GAE)
     with DistributedRun(resumed) as run:
-        info = run.launch(resume_from=str(tmp_path / "ckpt2"))
+        info = run.launch(resume_from=str(ckpt2))
         assert (info["step"], info["version"]) == (2, 2)
-        run.advance()
-        last = run.poll()["metrics"][-1]
+        last = drive(run)[-1]
     assert last["step"] == 3
     assert last["loss/total"] == pytest.approx(one[-1]["loss/total"], rel=1e-4, abs=1e-6)
     assert last["critic/value_loss"] == pytest.approx(one[-1]["critic/value_loss"], rel=1e-4, abs=1e-6)
@@ -96,7 +91,7 @@ def test_a_dead_trainer_rank_fails_the_run_naming_it(ray_local, tmp_path):
     the checkpoint written before stays intact."""
     from rlhf_core.checkpoint import read_checkpoint
 
-    cfg = group_cfg(tmp_path, 2, "trainer.total_steps=500", "runtime.mode=async")
+    cfg = group_cfg(tmp_path, 2, "trainer.total_steps=500", "runtime.max_staleness=2")
     with DistributedRun(cfg) as run:
         run.launch()
         run.start()

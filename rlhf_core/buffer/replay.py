@@ -227,9 +227,16 @@ class VersionedReplayBuffer(BoundedReplayBuffer, VersionWindow):
         own version is left as it is: a consumer that asks ahead, for the version its running step will
         produce, changes nothing for pushes, and can still ask for its current version if that step
         does not count (a skipped, non-finite step)."""
+        return self.take_for_bound(n, version, timeout)[0]
+
+    def take_for_bound(self, n: int, version: int, timeout: float | None) -> tuple[list, int | None]:
+        """`take_for`, plus the max_staleness it enforced (the bound in force when the take began): the one a
+        consumer checks what it took against, even if the bound moves while it waits."""
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
-        bound = self._fresh_bound(int(version))
+        with self._lock:
+            enforced = self._max_staleness
+            bound = self._fresh_bound(int(version))
 
         def fresh() -> int:  # evicting as it counts, so stale arrivals never count towards n
             self._evict_below(bound)
@@ -238,11 +245,17 @@ class VersionedReplayBuffer(BoundedReplayBuffer, VersionWindow):
         with self._lock:
             self._wait_until(fresh, n, timeout)
             if fresh() < n:
-                return []
+                return [], enforced
             queue = self._queue
             out = [queue.popleft() for _ in range(n)]
             self._sampled += n
-        return out
+        return out, enforced
+
+    def fresh_count(self, version: int) -> int:
+        """How many queued items are fresh for consumer version `version` (evicting the others, counted)."""
+        with self._lock:
+            self._evict_below(self._fresh_bound(int(version)))
+            return len(self._queue)
 
     def _evict_below(self, bound: float) -> int:
         """With the lock held: evict the queued items of version < bound; returns how many."""

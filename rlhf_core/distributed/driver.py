@@ -58,8 +58,7 @@ def run_distributed(
                 on_poll(poll)
             if poll["done"]:
                 break
-            if cfg.runtime.mode == "async":  # wake as soon as the trainer loop ends, not up to a whole interval later
-                ray.wait([run.trainer_loop], timeout=interval)
+            ray.wait([run.trainer_loop], timeout=interval)  # wake as soon as the trainer loop ends
         result["wall_s"] = time.perf_counter() - start
         run.stop()
         final = run.poll()

@@ -1,6 +1,6 @@
 """DistributedRun: the Ray runtime of one training run (mechanisms, not policies).
 
-It launches the actors, runs the loops (async) or drives lockstep steps (sync), and answers the control
+It launches the actors, runs their loops (in lockstep at runtime.max_staleness 0), and answers the control
 plane: poll stats, schedule prompts, sync weights, throttle, evaluate, checkpoint, export, teardown.
 The Prefect flow (flows/train.py) decides WHEN to do these things; `run_distributed`
 (rlhf_core.distributed.driver) is the same supervision (rlhf_core.supervision.Supervisor) without Prefect,
@@ -74,7 +74,8 @@ class DistributedRun:
         self.policy_dir: Optional[str] = None
         self.eval_start: Optional[float] = None
         self.run_facts: dict = {}  # what every checkpoint records about the run (the flow adds its MLflow run id)
-        self.admission_window: Optional[int] = None  # narrowed by the supervision; in checkpoints, restored on resume
+        # the autopilot's bound a resumed run goes on with (the checkpoint's); None: runtime.max_staleness
+        self.restored_max_staleness: Optional[int] = None
 
     # ------------------------------------------------------------------ bring-up
     def _get(self, ref, what: str):
@@ -123,7 +124,6 @@ class DistributedRun:
                     "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle)
                 }
 
-            sync = cfg.runtime.mode == "sync"
             # named, so that rollout workers look them up instead of taking handles in their constructor
             peers = {k: f"atrlhf-{k}-{uuid.uuid4().hex[:12]}" for k in ("queue", "buffer", "store")}
             self.queue = _remote(PromptQueue, num_cpus=0, max_concurrency=8, name=peers["queue"]).remote(
@@ -133,9 +133,9 @@ class DistributedRun:
                 cfg.buffer.max_size,
                 cfg.runtime.max_staleness,
                 cfg.trainer.prompts_per_step,
-                admission=not sync,
                 filter_groups=cfg.algorithm.filter_groups,
                 ceiling=cfg.runtime.autopilot.max_staleness if cfg.runtime.autopilot.enabled else None,
+                filter_max_rounds=cfg.algorithm.filter_max_rounds,
             )
             self.store = _remote(WeightStore, num_cpus=0, max_concurrency=8, name=peers["store"]).remote()
             if cfg.reward.model.path:  # its own process and resources; the last bundle of the placement group
@@ -223,17 +223,16 @@ class DistributedRun:
             if rng is not None:  # None: the worker was restarting when the checkpoint was taken
                 self._get(w.set_rng_state.remote(rng), "a rollout worker to restore its RNG")
         self.eval_start = state.run.get("eval_start")
-        if state.run.get("admission_window") is not None:  # the supervision had narrowed it: it stays narrowed
-            self.set_admission_window(int(state.run["admission_window"]))
+        if self.cfg.runtime.autopilot.enabled and state.run.get("max_staleness") is not None:
+            # the autopilot's bound goes on where it was (without it, the configured bound is the bound)
+            self.restored_max_staleness = self.set_max_staleness(int(state.run["max_staleness"]))
 
     # ------------------------------------------------------------------ loops
     def start(self) -> None:
-        """Async mode: start the rollout and trainer loops (non-blocking). Sync mode: nothing to start."""
-        if self.cfg.runtime.mode != "async" or self.started:
+        """Start the rollout and trainer loops (non-blocking); at max_staleness 0 they run in lockstep."""
+        if self.started:
             return
         facts = {"eval_start": self.eval_start, **self.run_facts}
-        if self.admission_window is not None:
-            facts["admission_window"] = self.admission_window
         self._get(self.trainer.set_checkpointing.remote(self.queue, self.workers, facts), "the trainer's checkpointing")
         self.trainer_loop = self.trainer.run_loop.remote(self.cfg.trainer.total_steps)
         self.worker_loops = {i: w.run_loop.remote() for i, w in enumerate(self.workers)}
@@ -292,42 +291,6 @@ class DistributedRun:
             return self.trainer_loop
         starts = self.worker_loop_starts.get(index, [])
         return starts[attempt - 1] if len(starts) >= attempt else None
-
-    def advance(self) -> None:
-        """Sync mode: one lockstep step — every worker generates its share, the trainer steps, workers load."""
-        if self.cfg.runtime.mode != "sync" or self.done:
-            return
-        n = self.cfg.trainer.prompts_per_step
-        # algorithm.filter_groups: further rounds for the groups still missing (never more, so that no group is
-        # left over for a later step: lockstep stays on-policy), at most algorithm.filter_max_rounds
-        rounds = self.cfg.algorithm.filter_max_rounds if self.cfg.algorithm.filter_groups else 1
-        missing = n
-        for _ in range(rounds):
-            k = len(self.workers)
-            shares = [missing // k + (1 if i < missing % k else 0) for i in range(k)]
-            try:
-                get_or_fail(
-                    [w.generate_once.remote(s) for w, s in zip(self.workers, shares) if s],
-                    self.timeout,
-                    "the rollout workers to generate a batch",
-                )
-            except ray.exceptions.RayTaskError as exc:
-                self.failed = f"a rollout worker failed: {_task_error(exc)}"
-                raise RunFailed(self.failed) from exc
-            if rounds == 1:
-                break
-            missing = n - self._get(self.buffer.stats.remote(), "buffer stats")["size"]
-            if missing <= 0:
-                break
-        else:
-            raise RunFailed(
-                f"algorithm.filter_groups: {rounds} generation rounds (algorithm.filter_max_rounds) left fewer "
-                f"than trainer.prompts_per_step={n} groups whose rewards differ; every other group had equal rewards"
-            )
-        m = get_or_fail(self.trainer.train_once.remote(self.timeout), self.timeout + 10, "the trainer step")
-        if m is None:
-            raise RunFailed("the trainer found no complete batch after the rollout workers generated one")
-        self._get([w.maybe_load_weights.remote() for w in self.workers], "the rollout workers to load weights")
 
     @property
     def done(self) -> bool:
@@ -391,7 +354,7 @@ class DistributedRun:
                     raise RunFailed(self.failed) from exc
         if self.started:
             self._check_worker_loops()
-        # all requests in flight at once: one round trip instead of one per actor (sync mode polls every step)
+        # all requests in flight at once: one round trip instead of one per actor
         bstats_ref, qstats_ref = self.buffer.stats.remote(), self.queue.stats.remote()
         wstats_refs = [w.stats.remote() for w in self.workers]
         try:
@@ -418,7 +381,6 @@ class DistributedRun:
             "buffer/evicted_stale": bstats["evicted_stale"],
             "buffer/dropped_overflow": bstats["dropped_overflow"],
             "buffer/filtered_groups_frac": bstats.get("filtered_groups_frac", 0.0),
-            "async/max_staleness": bstats.get("max_staleness", self.cfg.runtime.max_staleness),
             "util/rollout_busy": rollout_busy,
             "util/trainer_busy": tstats["busy_frac"],
         }
@@ -459,17 +421,6 @@ class DistributedRun:
         """Move the staleness bound at runtime (the autopilot), within runtime.autopilot's range; returns it."""
         return self._get(self.buffer.set_max_staleness.remote(bound), "the replay buffer to change max_staleness")
 
-    def set_admission_window(self, versions: int) -> None:
-        """Let rollout run at most `versions` (<= max_staleness) versions ahead of the published weights; kept in
-        every checkpoint from now on, so that a resumed run goes on with the same window."""
-        self._get(self.buffer.set_admission_window.remote(versions), "the replay buffer to change admission")
-        self.admission_window = int(versions)
-        if self.started:  # the async trainer writes its own checkpoints, with the facts it was given
-            facts = {"eval_start": self.eval_start, **self.run_facts, "admission_window": self.admission_window}
-            self._get(
-                self.trainer.set_checkpointing.remote(self.queue, self.workers, facts), "the trainer's checkpointing"
-            )
-
     def evaluate(self) -> dict:
         return get_or_fail(self.trainer.evaluate.remote(), max(self.timeout, 600), "held-out evaluation")
 
@@ -479,8 +430,6 @@ class DistributedRun:
         data = self._get(self.queue.state_dict.remote(), "the prompt queue position")
         rollout_rng = rollout_rng_states(self.workers)
         facts = {"eval_start": self.eval_start, **(run or {})}
-        if self.admission_window is not None:
-            facts["admission_window"] = self.admission_window
         missing = [i for i, s in enumerate(rollout_rng) if s is None]
         if missing:  # a worker Ray is restarting: the checkpoint records what it can, and says so
             facts["rollout_rng_missing"] = missing

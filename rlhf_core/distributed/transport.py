@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import fields
-from typing import Optional
 
 import torch
 
+from rlhf_core.run.control import group_rewards, group_rows  # noqa: F401  (importable from here too)
 from rlhf_core.types import Experience, RolloutBatch
 
 
@@ -62,24 +62,6 @@ def pack_groups(groups: list[Experience]) -> list:
             }
         )
     return out
-
-
-def group_rows(group) -> int:
-    """Completions in a group, packed (pack_groups) or not."""
-    if isinstance(group, Experience):
-        return len(group)
-    return int(group["batch"]["response_ids"][1].shape[0])
-
-
-def group_rewards(group) -> Optional[torch.Tensor]:
-    """A group's rewards [G] (packed (pack_groups) or not), without copying a packed array; None if unscored."""
-    if isinstance(group, Experience):
-        return group.batch.rewards
-    if "rewards" not in group["batch"]:
-        return None
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # a read-only received array: only read here
-        return torch.from_numpy(group["batch"]["rewards"][1])
 
 
 def unpack_groups(packed: list) -> list[Experience]:

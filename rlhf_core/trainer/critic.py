@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from rlhf_core.algorithms import explained_variance, value_loss
+from rlhf_core.models import disable_dropout
 from rlhf_core.trainer.sharding import (
     gather_rows,
     global_grad_norm,
@@ -76,7 +77,9 @@ class Critic:
     optimizer is made), None for one process."""
 
     def __init__(self, model: ValueModel, cfg, group=None):
-        self.model = model
+        # without dropout, as the policy: values in train mode (the update) and eval mode (GAE) are the same
+        # function, so the value loss measures the values the advantages were computed from
+        self.model = disable_dropout(model)
         self.cfg = cfg
         self.ccfg = cfg.critic
         self.group = group

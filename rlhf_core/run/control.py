@@ -1,0 +1,317 @@
+"""A run's control objects, in plain Python: the experience buffer with admission control (the one owner of
+the staleness bound), weight-store bookkeeping, and the conservation of prompt groups (`reconcile`). The
+prompt queue, plain Python too, sits beside the prompt source: `rlhf_core.data.queue`.
+
+Nothing here imports Ray: the in-process host (`rlhf_core.run.local`) uses these objects as they are, and the
+Ray runtime makes each one an actor as it is (`ray.remote(WeightStore)`), so every rule about admission,
+staleness and published versions is the same on both hosts and unit-tested without Ray. Importing this
+module imports no torch either: the weight store holds no tensors, so its actor process never loads it (the
+experience buffer imports what it needs when it is made).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    pass
+
+
+# --------------------------------------------------------------------------------------------- buffer
+class ExperienceBuffer:
+    """A VersionedReplayBuffer of prompt groups, plus admission control: the one owner of staleness.
+
+    The bound in force is `max_staleness` here and nowhere else: eviction, admission and every take use it,
+    and `take` returns the bound it enforced, which the trainer checks its batch against. It moves only by
+    `set_max_staleness` (the staleness autopilot, the one policy over it, within [0, ceiling]).
+
+    Admission (the capacity rule AReaL uses): a rollout worker may start a batch of n groups only while
+    admitted + n <= (max_staleness + version + 1) x prompts_per_step + wasted, so at steady state nothing
+    is generated that could not be consumed within max_staleness (wasted = evicted + dropped + filtered
+    groups, which are re-admitted so that eviction can never starve the trainer). At max_staleness 0 this is
+    lockstep: one step's groups are generated with the newest weights, trained on, and the next are admitted.
+
+    filter_groups (DAPO's dynamic sampling, algorithm.filter_groups): a pushed group whose rewards are all
+    equal is not stored; it counts as consumed for admission (in `wasted`, so its capacity is re-admitted and
+    the trainer's step is filled from further groups) and in `filtered_groups` for the accounting. Once
+    filter_max_rounds x prompts_per_step groups have arrived since the last take and a step is still short,
+    the take hands out the groups there are (the last filtered ones when none passed), so a saturated task
+    trains on what it has instead of stalling.
+    """
+
+    def __init__(
+        self,
+        max_size: int,
+        max_staleness: int,
+        prompts_per_step: int,
+        filter_groups: bool = False,
+        ceiling: Optional[int] = None,
+        filter_max_rounds: int = 10,
+    ):
+        from rlhf_core.buffer import VersionedReplayBuffer  # torch: only this actor holds tensors
+
+        self.buf = VersionedReplayBuffer(max_size, max_staleness)
+        self.max_staleness = max_staleness
+        self.prompts_per_step = prompts_per_step
+        self.admitted = 0
+        self.paused = False
+        self.lock = threading.Lock()
+        self.version = 0
+        self.weights_version = 0
+        self.samples_pushed = 0
+        self.given_back = 0
+        self.filter_groups = filter_groups
+        self.filter_max_rounds = max(1, int(filter_max_rounds))
+        self.filtered_groups = 0
+        self.groups_pushed = 0
+        self.arrived_since_take = 0  # groups pushed (kept or filtered) since the last take: the filter rounds
+        self.last_filtered: list = []  # the newest filtered groups (a step's worth): trained when none passed
+        self.short_takes = 0  # takes that handed out fewer than a step's groups (filter rounds spent)
+        self.filtered_trained = 0  # filtered groups handed out that way (counted as consumed, not filtered)
+        self.ceiling = max_staleness if ceiling is None else max(int(ceiling), max_staleness)
+
+    def capacity(self) -> int:
+        # Counted against the newest PUBLISHED weights (what new samples will be generated with), not the
+        # trainer's version: with sync_every > 1 the two differ and the trainer's would admit stale work.
+        s = self.buf.stats()
+        wasted = s["evicted_stale"] + s["dropped_overflow"] + self.filtered_groups + self.filtered_trained
+        return (self.max_staleness + self.weights_version + 1) * self.prompts_per_step + wasted
+
+    def set_max_staleness(self, bound: int) -> int:
+        """Move the staleness bound (the autopilot), clamped to [0, ceiling]: the buffer evicts by the new bound
+        from now on (a lower bound evicts at once) and admission counts with it. Returns the bound."""
+        bound = max(0, min(int(bound), self.ceiling))
+        with self.lock:
+            self.max_staleness = bound
+            self.buf.set_max_staleness(bound)
+        return bound
+
+    def set_weights_version(self, version: int) -> None:
+        self.weights_version = max(self.weights_version, int(version))
+
+    def advance(self, version: int, published_version: Optional[int] = None) -> int:
+        """After a trainer step, in one round trip: the consumer's version (evicting what became stale)
+        and, when the step published weights, their version for admission. Returns the number evicted."""
+        if published_version is not None:
+            self.set_weights_version(published_version)
+        return self.set_version(version)
+
+    def try_admit(self, n_groups: int) -> bool:
+        with self.lock:
+            if self.paused:
+                return False
+            if self.admitted + n_groups > self.capacity():  # would be consumed too stale
+                return False
+            self.admitted += n_groups
+            return True
+
+    def release(self, n_groups: int) -> None:
+        """Return an admission that will not be used (a worker loop stopping with one granted ahead, or groups
+        an environment failed)."""
+        with self.lock:
+            self.admitted = max(0, self.admitted - int(n_groups))
+
+    def set_paused(self, paused: bool) -> None:
+        self.paused = bool(paused)
+
+    def push(self, groups: list) -> int:
+        """Groups as pack_groups made them (or Experience objects). They are stored as they come: the
+        buffer reads only policy_version, so a group crosses rollout -> buffer -> trainer without being
+        unpacked and packed again in between."""
+        accepted = 0
+        for g in groups:
+            r = group_rewards(g) if self.filter_groups else None
+            constant = r is not None and bool((r == r[:1]).all())
+            with self.lock:
+                self.samples_pushed += group_rows(g)
+                self.groups_pushed += 1
+                self.filtered_groups += constant
+                self.arrived_since_take += 1
+                if constant:
+                    self.last_filtered = [*self.last_filtered, g][-self.prompts_per_step :]
+            if not constant:
+                accepted += bool(self.buf.push(g))
+        return accepted
+
+    def take(self, n: int, timeout_s: float, for_version: Optional[int] = None) -> tuple[list, int]:
+        """(groups, bound): exactly n groups, oldest first (packed: unpack_groups), or [] if they did not arrive
+        within timeout_s; and the max_staleness the take enforced, which the consumer checks against.
+
+        for_version: the trainer version that will consume them (default: the buffer's version). The
+        trainer prefetches the batch for V + 1 while step V trains; groups too stale for V + 1 are
+        evicted on the way, so every group taken satisfies the staleness bound at the version that
+        trains on it, while the buffer's own version stays V (pushes of V stay welcome, and a skipped
+        step can still take for V). With filter_groups, fewer than n once the filter rounds are spent."""
+        version = self.version if for_version is None else int(for_version)
+        if not self.filter_groups:
+            return self.buf.take_for_bound(n, version, timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while True:  # in slices: between them, whether the filter rounds are spent
+            groups, bound = self.buf.take_for_bound(n, version, min(0.05, max(0.0, deadline - time.monotonic())))
+            if not groups:
+                groups, bound = self._short_take(n, version)
+            if groups or time.monotonic() >= deadline:
+                if groups:
+                    with self.lock:
+                        self.arrived_since_take, self.last_filtered = 0, []
+                return groups, bound
+
+    def _short_take(self, n: int, version: int) -> tuple[list, int]:
+        """The filter rounds are spent (filter_max_rounds x prompts_per_step groups arrived since the last take)
+        and fewer than n groups passed: the ones that did, or, when none did, the newest filtered ones."""
+        from rlhf_core.buffer._base import read_version
+
+        with self.lock:
+            bound = self.max_staleness
+            if self.arrived_since_take < self.filter_max_rounds * self.prompts_per_step:
+                return [], bound
+        have = min(n, self.buf.fresh_count(version))
+        if have:
+            groups, bound = self.buf.take_for_bound(have, version, 0)
+        else:
+            with self.lock:
+                groups = [g for g in self.last_filtered if read_version(g) >= version - bound][:n]
+                self.filtered_groups -= len(groups)  # trained after all: consumed, not filtered
+                self.filtered_trained += len(groups)
+        if groups:
+            self.short_takes += 1
+        return groups, bound
+
+    def give_back(self, groups: list) -> int:
+        """Groups a take handed out that will not be trained on (the trainer stopped with a batch
+        prefetched): back to the front of the buffer, uncounted from consumed. Returns how many went back."""
+        back = self.buf.requeue(groups)
+        self.given_back += len(groups)
+        return back
+
+    def start_at(self, version: int) -> None:
+        """The run starts at trainer version `version` (a resume): admission counts from there, as if the groups
+        of every version before had been admitted, so rollout runs at most max_staleness versions ahead from
+        the first batch (counted from 0, a resume at version 300 left 300 versions of room: admission did nothing
+        for the rest of the run and staleness sat at the hard bound)."""
+        with self.lock:
+            self.admitted = max(self.admitted, int(version) * self.prompts_per_step)
+            self.weights_version = max(self.weights_version, int(version))
+        self.set_version(version)
+
+    def set_version(self, version: int) -> int:
+        """The consumer's version. Never moves back: the trainer's publish thread and a publish the flow
+        asked for may report versions out of order."""
+        with self.lock:
+            self.version = max(self.version, int(version))
+            return self.buf.set_version(self.version)
+
+    def stats(self) -> dict:
+        s = self.buf.stats()
+        s["sampled"] += self.filtered_trained  # filtered groups trained on a short step count as consumed
+        s.update(
+            {
+                "admitted": self.admitted,
+                "capacity": self.capacity(),
+                "paused": self.paused,
+                "samples_pushed": self.samples_pushed,
+                "given_back": self.given_back,
+                "filtered_groups": self.filtered_groups,
+                "filtered_groups_frac": self.filtered_groups / self.groups_pushed if self.groups_pushed else 0.0,
+                "short_takes": self.short_takes,
+                "max_staleness": self.max_staleness,
+            }
+        )
+        return s
+
+
+def group_rows(group) -> int:
+    """Completions in a group, packed (`rlhf_core.distributed.transport.pack_groups`) or not."""
+    if isinstance(group, dict):
+        return int(group["batch"]["response_ids"][1].shape[0])
+    return len(group)
+
+
+def group_rewards(group):
+    """A group's rewards [G] (packed or not), without copying a packed array; None if unscored."""
+    if not isinstance(group, dict):
+        return group.batch.rewards
+    if "rewards" not in group["batch"]:
+        return None
+    import warnings
+
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # a read-only received array: only read here
+        return torch.from_numpy(group["batch"]["rewards"][1])
+
+
+# --------------------------------------------------------------------------------------------- weights
+class WeightStore:
+    """The latest published weights and their version: on Ray an object reference (one ray.put of a packed CPU
+    state dict, `rlhf_core.distributed.peers.RemoteWeights`), in one process the state dict itself (or None
+    when the rollout engine generates with the trainer's own model: publishing is then only the version)."""
+
+    def __init__(self):
+        self.version = -1
+        self.ref = None
+        self.published = 0
+        self.publish_s_total = 0.0
+
+    def publish(self, version: int, ref_box: list, publish_s: float) -> None:
+        # the ref arrives inside a list so that Ray passes the reference instead of resolving it
+        if version > self.version:
+            self.version, self.ref = int(version), ref_box[0]
+        self.published += 1
+        self.publish_s_total += publish_s
+
+    def get_if_newer(self, version: int):
+        if self.version < 0 or self.version <= version:
+            return None
+        return self.version, [self.ref]
+
+    def stats(self) -> dict:
+        return {
+            "version": self.version,
+            "published": self.published,
+            "publish_s_mean": self.publish_s_total / self.published if self.published else 0.0,
+        }
+
+
+def busy_fraction(busy_s: float, since: Optional[float]) -> float:
+    """Busy seconds over wall-clock seconds since the role's first piece of work: every wait, round trip,
+    weight load and transfer counts as not busy, so the figure cannot flatter the pipeline."""
+    if since is None:
+        return 0.0
+    return min(1.0, busy_s / max(1e-9, time.perf_counter() - since))
+
+
+# --------------------------------------------------------------------------------------------- accounting
+def reconcile(poll: dict) -> dict:
+    """Conservation of prompt groups, from counts kept independently at each end, in groups:
+
+        generated (rollout workers' own count of pushes the buffer accepted)
+          = trained (the trainer's own count) + evicted + dropped + filtered + buffered + in_flight
+
+    where in_flight = taken from the buffer but not trained yet (0 once the loops have stopped: a
+    prefetched batch goes back). `unaccounted` is generated minus the right-hand side: a group lost between
+    a worker and the buffer makes it non-zero; a group trained twice (or taken and never trained) makes
+    in_flight non-zero once the loops have stopped. Rollout workers that died lose their count (a restart
+    starts from 0). filtered: groups algorithm.filter_groups kept out (all rewards equal), counted as
+    consumed."""
+    b = poll["buffer"]
+    generated = sum(s.get("groups_pushed", 0) for s in poll["rollout"] if s.get("alive"))
+    trained = int(poll["trainer"].get("groups_trained", 0))
+    in_flight = b["sampled"] - trained
+    filtered = int(b.get("filtered_groups", 0))
+    accounted = trained + b["evicted_stale"] + b["dropped_overflow"] + filtered + b["size"] + in_flight
+    return {
+        "generated": generated,
+        "pushed": b["pushed"],
+        "trained": trained,
+        "consumed": b["sampled"],
+        "evicted": b["evicted_stale"],
+        "dropped": b["dropped_overflow"],
+        "filtered": filtered,
+        "buffered": b["size"],
+        "in_flight": in_flight,
+        "unaccounted": generated - accounted,
+    }
