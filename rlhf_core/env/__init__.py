@@ -15,6 +15,32 @@ instance per trajectory, run in the rollout worker's environment process pool, n
   chat.py        ChatFormat: messages -> ids through the model's chat template (observations by difference)
   tools.py       ToolEnv: Python functions as tools, Qwen2.5 / Hermes <tool_call> format
   trajectory.py  EnvRunner: token-in/token-out trajectories -> one RolloutBatch (imports torch)
+  protocol.py    Environment: the interface above as a typing.Protocol
 
-This package's __init__ imports nothing: the pool's processes import spec.py and pool.py without torch.
+This package's __init__ imports nothing: the pool's processes import spec.py and pool.py without torch. The
+public names (docs/api.md: `Environment`, `ToolEnv`) load their module on first use.
 """
+
+from __future__ import annotations
+
+import importlib
+
+_LAZY = {
+    "Environment": "rlhf_core.env.protocol",
+    "ToolEnv": "rlhf_core.env.tools",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:  # a submodule not yet imported (`from rlhf_core.env import pool`) lands here too
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
