@@ -36,7 +36,9 @@ from flows.lifecycle import RunResources, raise_if_pending, sigterm_kept
 from flows.progress import CancelWatch, event_rows, progress_line, reward_component_keys
 from rlhf_core.config import TrainConfig, validate_config
 from rlhf_core.preflight import LATEST, claim_run_dir, default_run_name
-from rlhf_core.supervision import HealthEvent, Supervisor
+from rlhf_core.run.supervise import Every, Sinks
+from rlhf_core.run.supervise import supervise as run_supervision
+from rlhf_core.supervision import HealthEvent
 from tasks.checkpoints import ResumeTarget, export_policy, record_checkpoint, resolve_resume, save_checkpoint
 from tasks.cluster import (
     evaluate_heldout,
@@ -175,16 +177,31 @@ def evaluate_at_start(run: RunState, resume: ResumeTarget) -> None:
 
 
 def supervise(run: RunState, cancel: CancelWatch) -> bool:
-    """Poll, act and record until the trainer reaches total_steps. Returns False when the run was cancelled."""
+    """Poll, act and record until the trainer reaches total_steps: the one supervision loop
+    (rlhf_core.run.supervise), with MLflow and Prefect as its sinks. Returns False when the run was cancelled."""
     cfg, total = run.cfg, run.cfg.trainer.total_steps
-    supervisor = Supervisor(cfg, run.runtime, start_step=run.step, report=lambda ev: _log_event(run.logger, ev))
-    run.events = supervisor.events
-    evaluations = Every(cfg.tracking.eval_every, run.step)
     lines = Every(cfg.run.log_every, run.step)
     progress_id = create_progress_artifact(
         progress=100.0 * run.step / total, key="atrlhf-progress", description=f"trainer steps out of {total}"
     )
-    last_line = last_cancel_check = time.monotonic()
+    last_line = time.monotonic()
+
+    def tick(poll: dict) -> None:
+        nonlocal last_line
+        raise_if_pending()  # a Ctrl-C whose KeyboardInterrupt a finalizer swallowed
+        now = time.monotonic()
+        if lines.due(run.step) or poll["done"] or now - last_line > HEARTBEAT_S:
+            run.logger.info(
+                progress_line(run.step, total, run.last_metrics, run.evals[-1] if run.evals else None, poll)
+            )
+            update_progress_artifact(artifact_id=progress_id, progress=100.0 * min(run.step, total) / total)
+            last_line = now
+
+    def cancelled() -> bool:
+        if not cancel.requested():
+            return False
+        run.logger.warning("cancellation requested at step %d: stopping the loops", run.step)
+        return True
 
     run.logger.info(
         "training %s to step %d (from step %d); loss %s, %d rollout worker(s)",
@@ -194,49 +211,35 @@ def supervise(run: RunState, cancel: CancelWatch) -> bool:
         cfg.algorithm.loss,
         cfg.rollout.num_workers,
     )
-    run.runtime.run_facts = run.checkpoint_facts  # the async trainer writes its own checkpoints with these
-    run.runtime.start()
-    loops = watch_loops(run)
-    while True:
-        raise_if_pending()  # a Ctrl-C whose KeyboardInterrupt a finalizer swallowed
-        poll = supervisor.tick()
-        _record(run, poll)
-        for written in run.runtime.new_checkpoints():  # written by the trainer at multiples of checkpoint_every
-            _recorded(run, record_checkpoint(run.tracker, written["path"], written["step"]))
-        if evaluations.due(run.step) and run.step < total:
-            _evaluate(run)
-
-        now = time.monotonic()
-        if lines.due(run.step) or poll["done"] or now - last_line > HEARTBEAT_S:
-            run.logger.info(
-                progress_line(run.step, total, run.last_metrics, run.evals[-1] if run.evals else None, poll)
-            )
-            update_progress_artifact(artifact_id=progress_id, progress=100.0 * min(run.step, total) / total)
-            last_line = now
-        if poll["done"]:
-            break
-        if now - last_cancel_check > CANCEL_CHECK_INTERVAL_S:
-            last_cancel_check = now
-            if cancel.requested():
-                run.logger.warning("cancellation requested at step %d: stopping the loops", run.step)
-                run.runtime.stop()
-                wait(loops, timeout=LOOP_END_WAIT_S)
-                return False
-        time.sleep(cfg.supervision.supervise_interval_s)
-
-    run.runtime.stop()
-    wait(loops, timeout=LOOP_END_WAIT_S)  # their task runs end now, not when the flow does
-    _record(run, run.runtime.poll())
-    for written in run.runtime.new_checkpoints():  # written between the last poll and the stop
-        _recorded(run, record_checkpoint(run.tracker, written["path"], written["step"]))
-    update_progress_artifact(artifact_id=progress_id, progress=100.0)
-    return True
+    run.runtime.run_facts = run.checkpoint_facts  # the trainer writes its own checkpoints with these
+    loops: list = []
+    sinks = Sinks(
+        on_event=lambda ev: _log_event(run.logger, ev),
+        on_poll=lambda poll: _record(run, poll),
+        on_checkpoint=lambda c: _recorded(run, record_checkpoint(run.tracker, c["path"], c["step"])),
+        evaluate=lambda step: _evaluate(run),
+        on_tick=tick,
+        cancelled=cancelled,
+        cancel_check_s=CANCEL_CHECK_INTERVAL_S,
+        wait=time.sleep,
+        after_stop=lambda: wait(loops, timeout=LOOP_END_WAIT_S),  # their task runs end now, not with the flow
+    )
+    run.events = sinks.events
+    loops.extend(watch_loops(run, start=True))
+    finished = run_supervision(cfg, run.runtime, run.step, sinks)
+    run.events = sinks.events
+    if finished:
+        update_progress_artifact(artifact_id=progress_id, progress=100.0)
+    return finished
 
 
-def watch_loops(run: RunState) -> list:
+def watch_loops(run: RunState, start: bool = False) -> list:
     """One task run per long-running loop (the trainer's, each rollout worker's), submitted to run
-    beside the supervision for as long as the loop does; a worker Ray restarted is a new attempt of its task."""
+    beside the supervision for as long as the loop does; a worker Ray restarted is a new attempt of its task.
+    start: start the loops first (the supervision's own start is then a no-op)."""
     cfg = run.cfg
+    if start:
+        run.runtime.start()
     workers = rollout_loop.with_options(retries=cfg.cluster.max_restarts)
     return [
         trainer_loop.submit(run.runtime, cfg.trainer.total_steps),
@@ -319,20 +322,6 @@ def pacing(cfg: TrainConfig) -> str:
         return f"async (staleness autopilot, tau {pilot.min_staleness}..{pilot.max_staleness})"
     tau = cfg.runtime.max_staleness
     return "lockstep (tau = 0)" if tau == 0 else f"async (tau <= {tau})"
-
-
-class Every:
-    """Fires at the first step at or after each multiple of `every`; never when every is 0."""
-
-    def __init__(self, every: int, step: int):
-        self.every = every
-        self.next = (step // every + 1) * every if every else None
-
-    def due(self, step: int) -> bool:
-        if self.next is None or step < self.next:
-            return False
-        self.next = (step // self.every + 1) * self.every
-        return True
 
 
 def _record(run: RunState, poll: dict) -> None:

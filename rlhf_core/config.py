@@ -1057,8 +1057,41 @@ def parse_grid_item(item: str) -> tuple[str, list[Any]]:
     return key, values
 
 
+def _merge(base: dict, over: dict) -> dict:
+    """`over` on top of `base`, section by section (a mapping in both is merged, anything else replaced)."""
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def read_config_file(path: str | os.PathLike, _seen: tuple = ()) -> dict:
+    """A YAML config as a mapping, with `base: other.yaml` (relative to the file) read first and this file's
+    keys merged on top, section by section: a recipe states only what differs from its base."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {p} does not exist" + (f" (the base of {_seen[-1]})" if _seen else ""))
+    if p.resolve() in _seen:
+        raise ConfigError(f"config file {p}: its base: chain comes back to it ({' -> '.join(map(str, _seen))})")
+    try:
+        loaded = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {p} is not valid YAML: {exc}") from exc
+    if loaded is None:
+        loaded = {}
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"config file {p} must hold a mapping at the top level, got {type(loaded).__name__}")
+    base = loaded.pop("base", None)
+    if base is None:
+        return loaded
+    if not isinstance(base, str) or not base.strip():
+        raise ConfigError(f"config file {p}: base must name another YAML file (got {base!r})")
+    return _merge(read_config_file(p.parent / base, (*_seen, p.resolve())), loaded)
+
+
 def load_config(path: str | os.PathLike | None = None, overrides: Iterable[str] = ()) -> TrainConfig:
-    """Read a YAML config (or the defaults when `path` is None), apply dotted overrides, validate.
+    """Read a YAML config (or the defaults when `path` is None; `base: other.yaml` inherits), apply dotted
+    overrides, validate.
 
     >>> cfg = load_config(None, ["algorithm.clip_eps=0.1"])
     >>> cfg.algorithm.clip_eps
@@ -1067,19 +1100,8 @@ def load_config(path: str | os.PathLike | None = None, overrides: Iterable[str] 
     data: dict = {}
     source = ""
     if path is not None:
-        p = Path(path)
-        source = f" in {p}"
-        if not p.is_file():
-            raise ConfigError(f"config file {p} does not exist")
-        try:
-            loaded = yaml.safe_load(p.read_text())
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {p} is not valid YAML: {exc}") from exc
-        if loaded is None:
-            loaded = {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"config file {p} must hold a mapping at the top level, got {type(loaded).__name__}")
-        data = loaded
+        source = f" in {Path(path)}"
+        data = read_config_file(path)
     overrides = list(overrides)
     apply_overrides(data, overrides)
     if overrides:

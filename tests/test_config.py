@@ -338,3 +338,26 @@ def test_a_critic_shards_with_the_trainer_group_and_its_micro_batches_must_split
     with pytest.raises(ConfigError, match="critic.micro_batch_size=1"):  # 5 micro-batches, a rank of 4 rows
         load_config(None, [*gae, "critic.micro_batch_size=1"])
     load_config(None, [*gae[1:], "critic.micro_batch_size=1"])  # no critic without gae: nothing to split
+
+
+def test_a_recipe_states_only_what_differs_from_its_base(tmp_path):
+    """`base: other.yaml` (relative to the file) is read first and the recipe's keys merged on top, section by
+    section; a chain works, a loop and a missing base are named errors."""
+    (tmp_path / "a.yaml").write_text("trainer: {total_steps: 7, lr: 0.001}\nrollout: {samples_per_prompt: 4}\n")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "b.yaml").write_text("base: ../a.yaml\ntrainer: {total_steps: 9}\n")
+    (tmp_path / "c.yaml").write_text("base: sub/b.yaml\nrollout: {max_new_tokens: 3}\n")
+    cfg = load_config(tmp_path / "c.yaml", ["trainer.lr=0.002"])
+    assert (cfg.trainer.total_steps, cfg.trainer.lr) == (9, 0.002)
+    assert (cfg.rollout.samples_per_prompt, cfg.rollout.max_new_tokens) == (4, 3)
+    (tmp_path / "loop.yaml").write_text("base: loop2.yaml\n")
+    (tmp_path / "loop2.yaml").write_text("base: loop.yaml\n")
+    with pytest.raises(ConfigError, match="comes back to it"):
+        load_config(tmp_path / "loop.yaml")
+    (tmp_path / "orphan.yaml").write_text("base: nowhere.yaml\n")
+    with pytest.raises(ConfigError, match=r"nowhere.yaml does not exist \(the base of"):
+        load_config(tmp_path / "orphan.yaml")
+    # the shipped recipes that inherit load what they stated in full before
+    lora = load_config(REPO / "configs" / "tiny-lora.yaml")
+    assert lora.model.lora.r == 32 and lora.data.task == "max3" and lora.trainer.prompts_per_step == 16
+    assert load_config(REPO / "configs" / "sync_baseline.yaml").runtime.max_staleness == 0

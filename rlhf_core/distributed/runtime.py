@@ -292,6 +292,13 @@ class DistributedRun:
         starts = self.worker_loop_starts.get(index, [])
         return starts[attempt - 1] if len(starts) >= attempt else None
 
+    def wait(self, seconds: float) -> None:
+        """Between polls: wake as soon as the trainer loop ends, not up to a whole interval later."""
+        if self.trainer_loop is not None:
+            ray.wait([self.trainer_loop], timeout=seconds)
+        else:
+            time.sleep(seconds)
+
     @property
     def done(self) -> bool:
         return self.last_step >= self.cfg.trainer.total_steps

@@ -1,0 +1,100 @@
+"""The one supervision loop of a run: start the loops, then poll, act and record until the trainer reaches
+trainer.total_steps (or the run is cancelled), then stop the loops and record what came after the last poll.
+
+The Prefect flow (`flows/train.py`) and the driver without Prefect (`rlhf_core.distributed.run_distributed`)
+both run it; each passes its sinks (`Sinks`): the flow's log to MLflow and Prefect, the driver's to a list and
+the log. The decisions (health checks and their actions) are `rlhf_core.supervision.Supervisor`'s; this loop
+only paces them. Plain Python: no Ray, no Prefect.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Optional
+
+from rlhf_core.supervision import HealthEvent, Supervisor
+
+
+class Every:
+    """Fires at the first step at or after each multiple of `every`; never when every is 0."""
+
+    def __init__(self, every: int, step: int):
+        self.every = every
+        self.next = (step // every + 1) * every if every else None
+
+    def due(self, step: int) -> bool:
+        if self.next is None or step < self.next:
+            return False
+        self.next = (step // self.every + 1) * self.every
+        return True
+
+
+def _nothing(*args) -> None:
+    return None
+
+
+@dataclass
+class Sinks:
+    """What the host of the loop does with what the loop observes. Every hook is optional.
+
+    on_event(HealthEvent): a health finding, reported before the decision is applied (a failure before it raises)
+    on_poll(poll): each poll (its per-step metrics, stats, events)
+    on_checkpoint({step, path, rollout_rng_missing}): a checkpoint the trainer wrote
+    evaluate(step): a held-out evaluation is due (every tracking.eval_every steps, before the last)
+    on_tick(poll): after each poll's records (progress lines, artifacts)
+    cancelled() -> bool: checked every `cancel_check_s`; True stops the loops and ends the loop early
+    wait(seconds): between polls (default: the runtime's `wait`, else sleep)
+    after_stop(): once the loops are told to stop (e.g. wait for the task runs that watch them)"""
+
+    on_event: Callable[[HealthEvent], None] = _nothing
+    on_poll: Callable[[dict], None] = _nothing
+    on_checkpoint: Callable[[dict], None] = _nothing
+    evaluate: Optional[Callable[[int], None]] = None
+    on_tick: Callable[[dict], None] = _nothing
+    cancelled: Callable[[], bool] = lambda: False
+    cancel_check_s: float = 1.0
+    wait: Optional[Callable[[float], None]] = None
+    after_stop: Callable[[], None] = _nothing
+    events: list[HealthEvent] = field(default_factory=list)  # filled with the supervisor's findings
+
+
+def supervise(cfg, runtime, start_step: int, sinks: Sinks) -> bool:
+    """Supervise `runtime` (a DistributedRun, or anything with its control methods) from `start_step` to
+    cfg.trainer.total_steps. Returns False when `sinks.cancelled()` said so; raises SupervisionError when a health
+    limit is exceeded (the runtime is left to its owner's teardown)."""
+    total = cfg.trainer.total_steps
+    supervisor = Supervisor(cfg, runtime, start_step=start_step, report=sinks.on_event)
+    sinks.events = supervisor.events
+    evaluations = Every(cfg.tracking.eval_every, start_step)
+    interval = cfg.supervision.supervise_interval_s
+    wait = sinks.wait or getattr(runtime, "wait", None) or time.sleep
+    last_cancel_check = time.monotonic()
+
+    def record(poll: dict) -> None:
+        sinks.on_poll(poll)
+        for written in runtime.new_checkpoints():  # written by the trainer at multiples of checkpoint_every
+            sinks.on_checkpoint(written)
+
+    runtime.start()
+    while True:
+        poll = supervisor.tick()
+        record(poll)
+        if sinks.evaluate is not None and evaluations.due(poll["step"]) and poll["step"] < total:
+            sinks.evaluate(poll["step"])
+        sinks.on_tick(poll)
+        if poll["done"]:
+            break
+        now = time.monotonic()
+        if now - last_cancel_check > sinks.cancel_check_s:
+            last_cancel_check = now
+            if sinks.cancelled():
+                runtime.stop()
+                sinks.after_stop()
+                return False
+        wait(interval)
+    runtime.stop()
+    sinks.after_stop()
+    record(runtime.poll())  # what came after the last poll: the last steps' metrics and checkpoints
+    return True
