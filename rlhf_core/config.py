@@ -774,7 +774,12 @@ class ClusterConfig(_Section):
         0.0, ge=0, description="GPUs of the reward-model actor (when reward.model.path is set; fractions allowed)."
     )
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads per worker.")
-    max_restarts: int = Field(3, ge=0, description="Times Ray restarts a rollout worker that died.")
+    max_restarts: int = Field(
+        5,
+        ge=0,
+        description="The run's one restart budget: rollout-worker restarts it survives, all workers together (Ray "
+        "restarts a worker that died; one restart more fails the run, naming this field).",
+    )
     dashboard: bool = Field(
         False,
         description="Local Ray instance only: start the Ray dashboard (on 127.0.0.1:8265). A local instance binds "
@@ -832,7 +837,6 @@ class SupervisionConfig(_Section):
     stall_timeout_s: float = Field(
         180.0, gt=0, description="Fail when no trainer step completes for this long, naming the stuck role."
     )
-    restart_limit: int = Field(5, ge=0, description="Fail after this many rollout-worker restarts in one run.")
 
 
 class RunConfig(_Section):
@@ -1123,8 +1127,21 @@ def _runtime_mode(data: dict) -> Optional[str]:
     raise ConfigError(f"runtime.mode={mode!r}: the key is gone; lockstep is runtime.max_staleness: 0")
 
 
+def _restart_limit(data: dict) -> Optional[str]:
+    """supervision.restart_limit (removed): cluster.max_restarts is the run's one restart budget."""
+    sup = data.get("supervision")
+    if not isinstance(sup, dict) or "restart_limit" not in sup:
+        return None
+    limit = sup.pop("restart_limit")
+    cluster = data.setdefault("cluster", {})
+    if isinstance(cluster, dict) and "max_restarts" not in cluster:
+        cluster["max_restarts"] = limit
+        return "supervision.restart_limit is cluster.max_restarts now (the run's one restart budget); loaded as such"
+    return "supervision.restart_limit is gone (cluster.max_restarts, also given, is the run's one restart budget)"
+
+
 # Keys that moved or went: each rewrites the raw mapping in place and returns the one line to print (or None).
-MIGRATIONS = [_runtime_mode]
+MIGRATIONS = [_runtime_mode, _restart_limit]
 
 
 def migrate_config(data: dict) -> list[str]:

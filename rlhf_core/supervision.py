@@ -17,7 +17,8 @@ Policies (the runtime enforces the hard bound max_staleness on its own; these ke
 - buffer: trainer starving (buffer below one step and no step since the last poll) -> resume admission,
   schedule more prompts; overflow (buffer/dropped_overflow grew) -> pause admission until the buffer is
   back under half its capacity.
-- workers: a restart is reported and waited for; more than restart_limit restarts in the run, or a worker
+- workers: a restart is reported and waited for; more than cluster.max_restarts restarts in the run (all workers
+  together: the run's one restart budget), or a worker
   down for stall_timeout_s, fails the run.
 - non-finite losses: trainer/step_finite == 0 counted; nonfinite_limit in a row fails the run.
 - stall: no trainer step for stall_timeout_s fails the run, naming the role that is stuck.
@@ -165,16 +166,16 @@ class HealthMonitor:
                 "worker_restart",
                 "warning",
                 "waiting for Ray to restart it",
-                f"rollout worker restarts: {restarts} in this run (limit supervision.restart_limit="
-                f"{self.sup.restart_limit})",
+                f"rollout worker restarts: {restarts} in this run (budget cluster.max_restarts="
+                f"{self.cfg.cluster.max_restarts})",
             )
             self.restarts_seen = restarts
-        if restarts > self.sup.restart_limit:
+        if restarts > self.cfg.cluster.max_restarts:
             self._fail(
                 d,
                 step,
                 "restart_limit",
-                f"rollout workers restarted {restarts} times, above supervision.restart_limit={self.sup.restart_limit}",
+                f"rollout workers restarted {restarts} times, above cluster.max_restarts={self.cfg.cluster.max_restarts}",
             )
 
     def _worker_outages(self, d: Decision, poll: dict, step: int, now: float) -> None:

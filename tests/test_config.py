@@ -361,3 +361,12 @@ def test_a_recipe_states_only_what_differs_from_its_base(tmp_path):
     lora = load_config(REPO / "configs" / "tiny-lora.yaml")
     assert lora.model.lora.r == 32 and lora.data.task == "max3" and lora.trainer.prompts_per_step == 16
     assert load_config(REPO / "configs" / "sync_baseline.yaml").runtime.max_staleness == 0
+
+
+def test_the_restart_budget_is_one_knob(caplog):
+    """cluster.max_restarts and supervision.restart_limit were two controllers of one budget: the second loads as
+    the first, with one line."""
+    with caplog.at_level("WARNING", logger="rlhf_core.config"):
+        cfg = load_config(None, ["supervision.restart_limit=7"])
+    assert cfg.cluster.max_restarts == 7 and "restart_limit" not in cfg.supervision.model_dump()
+    assert any("cluster.max_restarts" in r.getMessage() for r in caplog.records)

@@ -16,7 +16,7 @@ def cfg(*extra):
             "runtime.max_staleness=2",
             "supervision.staleness_warn=0.5",
             "supervision.nonfinite_limit=3",
-            "supervision.restart_limit=1",
+            "cluster.max_restarts=1",
             "supervision.stall_timeout_s=10",
             "supervision.supervise_interval_s=1",
             "buffer.max_size=40",
@@ -123,7 +123,7 @@ def test_worker_restarts_are_waited_for_then_fail():
     d = m.check(poll(1, workers=[{"index": 0, "alive": True, "restarts": 1}]), now=1)
     assert d.fail is None and "worker_restart" in [e.kind for e in d.events]
     d = m.check(poll(2, workers=[{"index": 0, "alive": True, "restarts": 2}]), now=2)
-    assert d.fail and "supervision.restart_limit=1" in d.fail
+    assert d.fail and "cluster.max_restarts=1" in d.fail
 
 
 def test_stall_fails_naming_the_stuck_role():
