@@ -230,8 +230,8 @@ def main() -> None:
     }
     common = [
         f"trainer.total_steps={args.steps}",
-        f"tracking.eval_every={args.eval_every}",
-        "tracking.checkpoint_every=0",
+        f"eval.every={args.eval_every}",
+        "checkpoint.every=0",
         # a fixed bound stays fixed: the flow's staleness health policy would otherwise narrow admission to
         # floor(staleness_warn x bound) once data sits near the bound (with the autopilot it never narrows)
         "supervision.staleness_warn=1.0",

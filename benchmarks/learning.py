@@ -32,8 +32,8 @@ def run_one(loss: str, steps: int, eval_every: int, overrides: list[str]) -> dic
             [
                 f"algorithm.loss={loss}",
                 f"trainer.total_steps={steps}",
-                f"tracking.eval_every={eval_every}",
-                "tracking.checkpoint_every=0",
+                f"eval.every={eval_every}",
+                "checkpoint.every=0",
                 f"run.output_dir={out}",
                 *overrides,
             ],

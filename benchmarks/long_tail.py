@@ -109,7 +109,7 @@ def mode_config(args, mode: str, policy_dir: Path, output_dir: str):
             "cluster.trainer_cpus=1",
             "cluster.torch_threads=1",
             "data.eval_size=4",
-            "tracking.eval_every=0",
+            "eval.every=0",
             f"run.output_dir={output_dir}",
         ],
     )

@@ -5,7 +5,7 @@
     python benchmarks/multiturn.py --json                            # one JSON object on stdout
 
 Runs the single-process loop (rlhf_core.loop.run_sync) and prints held-out eval/accuracy (greedy episodes,
-info["success"]) before RL, after the format warm start, every tracking.eval_every steps and at the end,
+info["success"]) before RL, after the format warm start, every eval.every steps and at the end,
 with the seconds since the start, and the best accuracy a policy that ignores the observations can reach
 (examples/envs/reveal.py's blind_best: always answering the largest digit).
 """

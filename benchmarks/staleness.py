@@ -100,8 +100,8 @@ def build_cfg(loss: str, seed: int, steps: int, lr: float, eval_size: int, polic
             f"trainer.seed={seed}",
             f"data.eval_size={eval_size}",
             "cluster.torch_threads=1",
-            "tracking.eval_every=0",
-            "tracking.checkpoint_every=0",
+            "eval.every=0",
+            "checkpoint.every=0",
             f"run.output_dir={policy_root}/seed{seed}",
         ],
     )

@@ -5,8 +5,8 @@
         their Ray actors; in lockstep at runtime.max_staleness 0)
     supervise, beside them: every supervision.supervise_interval_s, one Supervisor tick (poll, health checks
         and their actions: sync weights, throttle, top up prompts, fail), then metrics to MLflow, the
-        checkpoints the trainer wrote every tracking.checkpoint_every steps (task), an evaluation every
-        tracking.eval_every steps (task), the progress artifact and a progress line
+        checkpoints the trainer wrote every checkpoint.every steps (task), an evaluation every
+        eval.every steps (task), the progress artifact and a progress line
     finish: final evaluation, checkpoint, HF export, model + plots to MLflow, summary and health-event
         artifacts -> teardown (task)
 

@@ -547,8 +547,11 @@ class DataConfig(_Section):
 
 
 class EvalConfig(_Section):
-    """Sampled held-out evaluation beside greedy eval/accuracy: eval/pass@k and eval/mean@k."""
+    """Held-out evaluation: greedy eval/accuracy every `every` steps, and sampled eval/pass@k and eval/mean@k."""
 
+    every: int = Field(
+        20, ge=0, description="Evaluate on held-out prompts every this many steps (0 = only at start and end)."
+    )
     n_samples: int = Field(
         0, ge=0, description="Samples per held-out prompt for eval/pass@k and eval/mean@k (0 = greedy accuracy only)."
     )
@@ -792,8 +795,20 @@ class ClusterConfig(_Section):
         return self.trainer_cpus / self.trainer_workers
 
 
+class CheckpointConfig(_Section):
+    """When the trainer writes a resumable checkpoint, and how many a run keeps."""
+
+    every: int = Field(20, ge=0, description="Checkpoint every this many trainer steps (0 = only at the end).")
+    keep: int = Field(
+        3,
+        ge=0,
+        description="Checkpoints a run keeps, newest first, on disk and in MLflow's artifacts (older ones are "
+        "deleted; the newest complete one and the final one are always kept); 0 keeps every checkpoint.",
+    )
+
+
 class TrackingConfig(_Section):
-    """MLflow tracking, checkpoints and evaluation."""
+    """MLflow tracking."""
 
     experiment: str = Field("asynctensorrlhf", description="MLflow experiment name.")
     tracking_uri: str = Field(
@@ -802,18 +817,6 @@ class TrackingConfig(_Section):
     )
     run_name: str = Field(
         "", description="MLflow run name; empty takes the Prefect flow run's name (MLflow picks one outside a flow)."
-    )
-    checkpoint_every: int = Field(
-        20, ge=0, description="Checkpoint every this many trainer steps (0 = only at the end)."
-    )
-    eval_every: int = Field(
-        20, ge=0, description="Evaluate on held-out prompts every this many steps (0 = only at start and end)."
-    )
-    keep_checkpoints: int = Field(
-        3,
-        ge=0,
-        description="Checkpoints a run keeps, newest first, on disk and in MLflow's artifacts (older ones are "
-        "deleted; the newest complete one and the final one are always kept); 0 keeps every checkpoint.",
     )
     log_system_metrics: bool = Field(True, description="Let MLflow sample CPU/GPU/memory during the run.")
     log_model: bool = Field(True, description="Log the final policy as an MLflow artifact that loads back.")
@@ -882,8 +885,13 @@ class TrainConfig(_Section):
         default_factory=RuntimeConfig, description="Staleness (0: lockstep), weight syncs and waits."
     )
     cluster: ClusterConfig = Field(default_factory=ClusterConfig, description="Ray placement.")
-    tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="MLflow, checkpoints, evaluation.")
-    eval: EvalConfig = Field(default_factory=EvalConfig, description="Sampled held-out evaluation (pass@k, mean@k).")
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="MLflow experiment and run.")
+    checkpoint: CheckpointConfig = Field(
+        default_factory=CheckpointConfig, description="Checkpoint cadence and retention {every, keep}."
+    )
+    eval: EvalConfig = Field(
+        default_factory=EvalConfig, description="Held-out evaluation: cadence, sampled pass@k and mean@k."
+    )
     critic: CriticConfig = Field(
         default_factory=CriticConfig, description="The critic of algorithm.advantage 'gae' (unused otherwise)."
     )
@@ -1140,8 +1148,39 @@ def _restart_limit(data: dict) -> Optional[str]:
     return "supervision.restart_limit is gone (cluster.max_restarts, also given, is the run's one restart budget)"
 
 
+def _moved(old: str, new: str):
+    """A key that moved: its value goes to the new key (unless that is given too) with one line naming it."""
+
+    def migrate(data: dict) -> Optional[str]:
+        *old_path, old_key = old.split(".")
+        *new_path, new_key = new.split(".")
+        node = data
+        for part in old_path:
+            node = node.get(part) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or old_key not in node:
+            return None
+        value = node.pop(old_key)
+        target = data
+        for part in new_path:
+            target = target.setdefault(part, {}) if isinstance(target, dict) else None
+        if not isinstance(target, dict):
+            raise ConfigError(f"{old} moved to {new}, but {'.'.join(new_path)} is not a section")
+        if new_key in target:
+            return f"{old} is {new} now; {new}, also given, wins"
+        target[new_key] = value
+        return f"{old} is {new} now; loaded as such"
+
+    return migrate
+
+
 # Keys that moved or went: each rewrites the raw mapping in place and returns the one line to print (or None).
-MIGRATIONS = [_runtime_mode, _restart_limit]
+MIGRATIONS = [
+    _runtime_mode,
+    _restart_limit,
+    _moved("tracking.checkpoint_every", "checkpoint.every"),
+    _moved("tracking.keep_checkpoints", "checkpoint.keep"),
+    _moved("tracking.eval_every", "eval.every"),
+]
 
 
 def migrate_config(data: dict) -> list[str]:

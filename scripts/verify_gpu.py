@@ -401,8 +401,8 @@ def check_closed_loop(device: torch.device, rep: Report, steps: int, workdir: st
         f"model.device={device}",
         f"trainer.total_steps={steps}",
         "data.eval_size=32",
-        "tracking.eval_every=0",
-        "tracking.checkpoint_every=0",
+        "eval.every=0",
+        "checkpoint.every=0",
         f"run.output_dir={workdir}",
         "trainer.lr=0.003",
         # a length term makes rewards differ within groups from the first step (the untrained tiny

@@ -128,7 +128,7 @@ def save_checkpoint(runtime, cfg: TrainConfig, step: int, tracker=None, run: Opt
     get_run_logger().info(
         "checkpoint at step %d: %s%s", step, path, f" (MLflow artifact {artifact})" if artifact else ""
     )
-    _keep_bounded(path, step, cfg.tracking.keep_checkpoints, tracker)
+    _keep_bounded(path, step, cfg.checkpoint.keep, tracker)
     return str(path)
 
 
@@ -144,13 +144,13 @@ def record_checkpoint(tracker, path: str, step: int) -> str:
 
 
 def _keep_bounded(path: str, step: int, keep: int, tracker) -> None:
-    """tracking.keep_checkpoints: the run's checkpoints up to this one beyond the newest `keep` are deleted on
+    """checkpoint.keep: the run's checkpoints up to this one beyond the newest `keep` are deleted on
     disk and in MLflow (newer ones the trainer wrote are recorded first)."""
     removed = [p.name for p in prune_checkpoints(Path(path).parent, keep, newest_step=step)]
     deleted = tracking.prune_checkpoint_artifacts(tracker, keep) if tracker is not None else []
     if removed or deleted:
         get_run_logger().info(
-            "tracking.keep_checkpoints=%d: deleted %s on disk, %s in MLflow",
+            "checkpoint.keep=%d: deleted %s on disk, %s in MLflow",
             keep,
             ", ".join(removed) or "none",
             ", ".join(Path(d).name for d in deleted) or "none",

@@ -26,8 +26,8 @@ COMMON = [
     "algorithm.filter_groups=true",
     "algorithm.mask_truncated=true",
     "reward.overlong={buffer_len: 3, penalty: 0.5}",  # lengths vary: most groups carry a signal
-    "tracking.eval_every=0",
-    "tracking.checkpoint_every=0",
+    "eval.every=0",
+    "checkpoint.every=0",
 ]
 
 

@@ -370,3 +370,15 @@ def test_the_restart_budget_is_one_knob(caplog):
         cfg = load_config(None, ["supervision.restart_limit=7"])
     assert cfg.cluster.max_restarts == 7 and "restart_limit" not in cfg.supervision.model_dump()
     assert any("cluster.max_restarts" in r.getMessage() for r in caplog.records)
+
+
+def test_checkpoint_and_eval_cadence_live_where_a_user_looks(caplog):
+    """checkpoint: {every, keep} and eval.every; the old tracking.* keys load under them, one line each."""
+    with caplog.at_level("WARNING", logger="rlhf_core.config"):
+        cfg = load_config(None, ["tracking.checkpoint_every=7", "tracking.keep_checkpoints=2", "tracking.eval_every=5"])
+    assert (cfg.checkpoint.every, cfg.checkpoint.keep, cfg.eval.every) == (7, 2, 5)
+    notes = [r.getMessage() for r in caplog.records if r.name == "rlhf_core.config"]
+    assert len(notes) == 3 and all(" is " in n and "now" in n for n in notes)
+    with caplog.at_level("WARNING", logger="rlhf_core.config"):
+        both = load_config(None, ["tracking.eval_every=5", "eval.every=9"])
+    assert both.eval.every == 9  # the new key wins, and the line says so

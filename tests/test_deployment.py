@@ -45,8 +45,8 @@ SMALL = [
     "rollout.samples_per_prompt=4",
     "cluster.num_cpus=2",
     "supervision.supervise_interval_s=0.2",
-    "tracking.eval_every=2",
-    "tracking.checkpoint_every=2",
+    "eval.every=2",
+    "checkpoint.every=2",
     "tracking.log_system_metrics=true",
 ]
 

@@ -191,7 +191,7 @@ def test_the_loop_and_the_ray_runtime_resume_from_each_others_checkpoints(ray_lo
 
     common = [
         "runtime.max_staleness=0",
-        "tracking.eval_every=0",
+        "eval.every=0",
         "data.eval_size=20",
         "trainer.prompts_per_step=4",
         "rollout.prompts_per_batch=4",
@@ -213,7 +213,7 @@ def test_the_loop_and_the_ray_runtime_resume_from_each_others_checkpoints(ray_lo
     assert ray_state.step == 2 and sorted(ray_state.data["trained"].values()) == [1] * 2 * per_step
     assert len(ray_state.rng["rollout"]) == cfg.rollout.num_workers and ray_state.config == cfg.model_dump(mode="json")
 
-    loop_cfg = tiny_cfg(tmp_path, "trainer.total_steps=4", "tracking.checkpoint_every=2", *common)
+    loop_cfg = tiny_cfg(tmp_path, "trainer.total_steps=4", "checkpoint.every=2", *common)
     result = run_sync(loop_cfg, resume_from=str(ray_ckpt), checkpoint_dir=tmp_path / "loop_ckpts")
     assert result["steps"] == 4 and result["eval/accuracy_start"] == 0.125  # the Ray run's fact, carried over
     loop_ckpt = tmp_path / "loop_ckpts" / "step_000004"
@@ -267,7 +267,7 @@ def test_async_checkpoints_are_taken_at_exact_multiples_and_named_by_the_step_th
     """The async trainer moves on while the flow polls: it checkpoints itself at each exact multiple."""
     from rlhf_core.checkpoint import read_checkpoint
 
-    cfg = tiny_cfg(tmp_path, "trainer.total_steps=10", "tracking.checkpoint_every=3")
+    cfg = tiny_cfg(tmp_path, "trainer.total_steps=10", "checkpoint.every=3")
     result = run_distributed(cfg, poll_interval_s=1.0)
     assert result["steps"] == 10
     names = sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*"))
@@ -324,8 +324,8 @@ def test_tau_zero_the_in_process_host_and_the_ray_host_train_the_same_model(ray_
         "trainer.prompts_per_step=4",
         "rollout.prompts_per_batch=4",
         "rollout.samples_per_prompt=4",
-        "tracking.eval_every=0",
-        "tracking.checkpoint_every=0",
+        "eval.every=0",
+        "checkpoint.every=0",
         "data.eval_size=20",
     ]
     sync_cfg = tiny_cfg(tmp_path / "sync", *overrides)
@@ -385,8 +385,8 @@ def test_a_resumed_async_run_trains_on_every_prompt_of_each_epoch_exactly_once(t
         f"trainer.prompts_per_step={per_step}",
         "rollout.prompts_per_batch=4",
         "rollout.samples_per_prompt=4",
-        "tracking.eval_every=0",
-        "tracking.checkpoint_every=3",
+        "eval.every=0",
+        "checkpoint.every=3",
         "supervision.supervise_interval_s=0.2",
         "runtime.wait_timeout_s=60",
         "model.tiny_layers=1",

@@ -400,8 +400,8 @@ def loop_cfg(tmp_path, name: str, **env):
             "rollout.samples_per_prompt=2",
             "rollout.prompts_per_batch=2",
             "reward.function_workers=1",
-            "tracking.eval_every=1",
-            "tracking.checkpoint_every=0",
+            "eval.every=1",
+            "checkpoint.every=0",
         ],
     )
     cfg.env = cfg.env.model_validate({"path": FIXTURES, "name": name, **env})
@@ -528,7 +528,7 @@ def test_the_multiturn_recipe_learns_to_read_the_observation(tmp_path):
     from rlhf_core.loop import build_run, run_sync
 
     root = Path(__file__).resolve().parents[1]
-    sets = [f"run.output_dir={tmp_path}", "trainer.total_steps=50", "tracking.eval_every=0", "data.eval_size=100"]
+    sets = [f"run.output_dir={tmp_path}", "trainer.total_steps=50", "eval.every=0", "data.eval_size=100"]
     cfg = load_config(str(root / "configs" / "tiny-multiturn.yaml"), sets)
     cfg.env.path = str(root / cfg.env.path)
     parts = build_run(cfg)

@@ -45,8 +45,8 @@ REPO = Path(__file__).resolve().parents[1]
 TINY = [
     "trainer.total_steps=6",
     "data.eval_size=20",
-    "tracking.eval_every=3",
-    "tracking.checkpoint_every=3",
+    "eval.every=3",
+    "checkpoint.every=3",
     "model.tiny_hidden=32",
     "model.tiny_heads=2",
     "model.tiny_layers=1",
@@ -132,8 +132,8 @@ def read_flow_run_artifacts(flow_run_id) -> dict:
 @pytest.fixture(scope="module")
 def straight_run(prefect_api, ray_local, work):
     """Six lockstep steps straight through (also the reference for the resume-equality test), keeping one
-    checkpoint (tracking.keep_checkpoints=1)."""
-    cfg = config(work, "straight", "tracking.keep_checkpoints=1")
+    checkpoint (checkpoint.keep=1)."""
+    cfg = config(work, "straight", "checkpoint.keep=1")
     start = time.perf_counter()
     state = train(config=cfg, return_state=True)
     return cfg, state, time.perf_counter() - start
@@ -264,8 +264,8 @@ def test_cancel_running_flow(prefect_api, ray_local, work):
         # far more steps than the test waits for (about 10 steps/s here), yet finite: if cancelling failed,
         # the run would still end on its own instead of holding the module's Ray for the tests after it
         "trainer.total_steps=3000",
-        "tracking.checkpoint_every=0",
-        "tracking.eval_every=0",
+        "checkpoint.every=0",
+        "eval.every=0",
     )
     box: dict = {}
     thread = threading.Thread(target=lambda: box.update(state=train(config=cfg, return_state=True)), daemon=True)
@@ -383,8 +383,8 @@ def test_failure_mid_run_tears_down_and_marks_mlflow_failed(prefect_api, ray_loc
         "rollout.random_tokens_per_s=0.5",
         "runtime.wait_timeout_s=5",
         "trainer.total_steps=20",
-        "tracking.eval_every=0",
-        "tracking.checkpoint_every=0",
+        "eval.every=0",
+        "checkpoint.every=0",
     )
     state = train(config=cfg, return_state=True)
     assert state.is_failed()
@@ -428,8 +428,8 @@ def test_the_loops_are_task_runs_that_span_the_run(prefect_api, ray_local, work)
         "trainer.total_steps=3000",  # far more than the test waits for; it cancels the run when it has seen enough
         "rollout.num_workers=2",
         "cluster.rollout_cpus=0.5",
-        "tracking.checkpoint_every=0",
-        "tracking.eval_every=0",
+        "checkpoint.every=0",
+        "eval.every=0",
         "tracking.log_model=false",
     )
     box: dict = {}
@@ -487,8 +487,8 @@ def test_a_loop_that_fails_is_a_failed_task_run_with_its_error(prefect_api, ray_
         work,
         "loop-fails",
         "trainer.total_steps=40",
-        "tracking.checkpoint_every=0",
-        "tracking.eval_every=0",
+        "checkpoint.every=0",
+        "eval.every=0",
         f"reward.functions=[{{path: {tmp_path / 'bad_reward.py'}, name: raises}}]",
         "reward.max_consecutive_failures=1",
     )

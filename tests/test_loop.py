@@ -27,8 +27,8 @@ def small_cfg(output_dir, *overrides):
             "rollout.samples_per_prompt=4",
             "rollout.prompts_per_batch=2",
             "data.eval_size=16",
-            "tracking.eval_every=1",
-            "tracking.checkpoint_every=0",
+            "eval.every=1",
+            "checkpoint.every=0",
             *overrides,
         ],
     )
@@ -63,12 +63,12 @@ def test_run_sync_metrics_and_history(tmp_path):
     assert 0.0 <= result["eval/accuracy"] <= 1.0
     assert result["async/staleness_max"] == 0  # lockstep: always on-policy
     assert (tmp_path / "tiny_policy" / "config.json").is_file()
-    # tracking.checkpoint_every=0 means one checkpoint, at the end
+    # checkpoint.every=0 means one checkpoint, at the end
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000002"]
 
 
 def test_engine_with_its_own_weights_is_synced(tmp_path):
-    cfg = small_cfg(tmp_path, "tracking.eval_every=0")
+    cfg = small_cfg(tmp_path, "eval.every=0")
     parts = build_run(cfg, share_weights=False)
     assert parts.engine.model is not parts.model
     run_sync(cfg, parts=parts)
@@ -78,7 +78,7 @@ def test_engine_with_its_own_weights_is_synced(tmp_path):
 
 
 def test_nonfinite_limit_stops_the_run(tmp_path):
-    cfg = small_cfg(tmp_path, "supervision.nonfinite_limit=2", "trainer.total_steps=5", "tracking.eval_every=0")
+    cfg = small_cfg(tmp_path, "supervision.nonfinite_limit=2", "trainer.total_steps=5", "eval.every=0")
     parts = build_run(cfg)
     before = {k: v.clone() for k, v in parts.model.state_dict().items()}
 
@@ -121,8 +121,8 @@ def test_tiny_default_learns_max3(tmp_path):
         [
             "trainer.total_steps=100",
             "data.eval_size=100",
-            "tracking.eval_every=0",
-            "tracking.checkpoint_every=0",
+            "eval.every=0",
+            "checkpoint.every=0",
             f"run.output_dir={tmp_path}",
         ],
     )

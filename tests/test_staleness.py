@@ -24,8 +24,8 @@ def tiny_cfg(tmp_path, steps: int = 8, *extra: str):
             "trainer.prompts_per_step=4",
             f"trainer.total_steps={steps}",
             "trainer.lr=0.01",
-            "tracking.eval_every=0",
-            "tracking.checkpoint_every=0",
+            "eval.every=0",
+            "checkpoint.every=0",
             f"run.output_dir={tmp_path}",
             # a reward that varies from the first step (length), so advantages are non-zero and weights move
             "reward.components={length_penalty: 1.0, exact_match: 1.0}",

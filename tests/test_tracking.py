@@ -172,15 +172,15 @@ def _write_checkpoint(root: Path, step: int) -> Path:
 
 
 def test_keep_checkpoints_bounds_disk_and_mlflow_and_resume_still_finds_a_complete_one(store, tmp_path):
-    """tracking.keep_checkpoints=2, checkpoints recorded at steps 2, 4, 6, 8 as the flow records them (log, then
+    """checkpoint.keep=2, checkpoints recorded at steps 2, 4, 6, 8 as the flow records them (log, then
     prune up to the step just recorded): the two newest stay on disk and in MLflow, a newer one the trainer
     already wrote is left for its own turn, a newer upload without its marker is not taken for a checkpoint,
     and resume by run id downloads the newest complete one."""
     from rlhf_core.checkpoint import prune_checkpoints
     from tasks.mlflow_client import download_artifact, latest_checkpoint_artifact, prune_checkpoint_artifacts
 
-    assert load_config(None, []).tracking.keep_checkpoints == 3  # the default: a few
-    tracker = MlflowTracker.start(tracking_cfg(store, "retention", "tracking.keep_checkpoints=2"))
+    assert load_config(None, []).checkpoint.keep == 3  # the default: a few
+    tracker = MlflowTracker.start(tracking_cfg(store, "retention", "checkpoint.keep=2"))
     assert tracker.keep_checkpoints == 2
     root = tmp_path / "run" / "checkpoints"
     (root / "step_000010.tmp").mkdir(parents=True)  # a checkpoint being written: never touched

@@ -29,7 +29,7 @@ def group_cfg(tmp_path, workers: int, *overrides):
             f"cluster.trainer_workers={workers}",
             "runtime.wait_timeout_s=60",
             "runtime.max_staleness=0",
-            "tracking.eval_every=0",
+            "eval.every=0",
             "data.eval_size=20",
             "trainer.prompts_per_step=4",
             "rollout.prompts_per_batch=4",
@@ -64,7 +64,7 @@ def test_two_trainer_ranks_take_the_steps_of_one_and_their_checkpoint_resumes_wi
     critic's too; the checkpoint holds the critic and resumes with one trainer."""
     from rlhf_core.checkpoint import read_checkpoint
 
-    two = sync_losses(group_cfg(tmp_path / "two", 2, *GAE, "tracking.checkpoint_every=2"))
+    two = sync_losses(group_cfg(tmp_path / "two", 2, *GAE, "checkpoint.every=2"))
     one = sync_losses(group_cfg(tmp_path / "one", 1, *GAE))
     assert [m["step"] for m in two] == [1, 2, 3]
     assert two[0]["critic/value_loss"] > 0

@@ -457,7 +457,7 @@ class DistributedRun:
         return {**metrics, "eval/accuracy_warm_start": self.evaluate()["eval/accuracy"]}
 
     def new_checkpoints(self) -> list[dict]:
-        """Checkpoints the async trainer wrote at exact multiples of tracking.checkpoint_every since the last
+        """Checkpoints the async trainer wrote at exact multiples of checkpoint.every since the last
         call ([{step, path, rollout_rng_missing}]); the flow uploads and reports them."""
         if self.trainer is None:
             return []

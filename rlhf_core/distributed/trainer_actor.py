@@ -125,7 +125,7 @@ class TrainerActor:
         return self.role.drain_metrics()
 
     def set_checkpointing(self, queue, workers: list, run_facts: dict) -> None:
-        """The trainer writes a checkpoint at every exact multiple of tracking.checkpoint_every (before
+        """The trainer writes a checkpoint at every exact multiple of checkpoint.every (before
         total_steps), asking `queue` and `workers` for their state; `run_facts` go into each checkpoint."""
         workers = list(workers)
         timeout = self.timeout

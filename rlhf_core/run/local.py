@@ -292,8 +292,8 @@ def run_sync(
     while trainer.step < cfg.trainer.total_steps:
         metrics = lockstep_step(parts)
         if (
-            cfg.tracking.eval_every
-            and trainer.step % cfg.tracking.eval_every == 0
+            cfg.eval.every
+            and trainer.step % cfg.eval.every == 0
             and trainer.step < cfg.trainer.total_steps
         ):
             metrics.update(evaluate_parts(parts))
@@ -306,7 +306,7 @@ def run_sync(
                 f"supervision.nonfinite_limit={cfg.supervision.nonfinite_limit}); stopping"
             )
     written = {c["step"] for c in parts.trainer_role.drain_checkpoints()}
-    if trainer.step not in written:  # tracking.checkpoint_every=0 means "only at the end"
+    if trainer.step not in written:  # checkpoint.every=0 means "only at the end"
         save_run_checkpoint(parts, step_checkpoint_dir(cfg.run.run_dir, trainer.step, under=ckpt_root), run_facts)
     result = {k: v for k, v in run_facts.items() if k != "eval_start"}
     result["eval/accuracy_start"] = run_facts.get("eval_start")

@@ -262,8 +262,8 @@ class TrainerRole:
 
     # ------------------------------------------------------------------ run state: the one writer and reader
     def checkpoint_if_due(self, total_steps: int) -> None:
-        """At every exact multiple of tracking.checkpoint_every before total_steps (the host writes the last)."""
-        every, step = self.cfg.tracking.checkpoint_every, self.trainer.step
+        """At every exact multiple of checkpoint.every before total_steps (the host writes the last)."""
+        every, step = self.cfg.checkpoint.every, self.trainer.step
         if not every or step % every or step >= total_steps or self.peer_state is None:
             return
         data, rollout_rng = self.peer_state()

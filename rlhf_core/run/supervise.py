@@ -42,7 +42,7 @@ class Sinks:
     on_event(HealthEvent): a health finding, reported before the decision is applied (a failure before it raises)
     on_poll(poll): each poll (its per-step metrics, stats, events)
     on_checkpoint({step, path, rollout_rng_missing}): a checkpoint the trainer wrote
-    evaluate(step): a held-out evaluation is due (every tracking.eval_every steps, before the last)
+    evaluate(step): a held-out evaluation is due (every eval.every steps, before the last)
     on_tick(poll): after each poll's records (progress lines, artifacts)
     cancelled() -> bool: checked every `cancel_check_s`; True stops the loops and ends the loop early
     wait(seconds): between polls (default: the runtime's `wait`, else sleep)
@@ -67,7 +67,7 @@ def supervise(cfg, runtime, start_step: int, sinks: Sinks) -> bool:
     total = cfg.trainer.total_steps
     supervisor = Supervisor(cfg, runtime, start_step=start_step, report=sinks.on_event)
     sinks.events = supervisor.events
-    evaluations = Every(cfg.tracking.eval_every, start_step)
+    evaluations = Every(cfg.eval.every, start_step)
     interval = cfg.supervision.supervise_interval_s
     wait = sinks.wait or getattr(runtime, "wait", None) or time.sleep
     last_cancel_check = time.monotonic()

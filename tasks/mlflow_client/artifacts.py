@@ -67,7 +67,7 @@ def prune_checkpoint_artifacts(tracker: MlflowTracker, keep: int) -> list[str]:
             repo.delete_artifacts(path)
     except Exception as exc:  # NotImplementedError, a read-only store: the run keeps them, it goes on
         logging.getLogger("tasks.mlflow_client").warning(
-            "older checkpoints stay in MLflow (tracking.keep_checkpoints=%d): deleting artifacts failed: %s", keep, exc
+            "older checkpoints stay in MLflow (checkpoint.keep=%d): deleting artifacts failed: %s", keep, exc
         )
         return []
     return doomed

@@ -172,7 +172,7 @@ class MlflowTracker:
         self.experiment_id = experiment_id
         self.parent_run_id = parent_run_id  # the run this one resumed, if any
         self.resumed_from_step = resumed_from_step
-        self.keep_checkpoints = keep_checkpoints  # tracking.keep_checkpoints (0: keep all)
+        self.keep_checkpoints = keep_checkpoints  # checkpoint.keep (0: keep all)
         self.system_monitor = None
         self.ended: Optional[str] = None
         self.flow_run_id: Optional[str] = None  # the Prefect flow run that started it (held until it ends)
@@ -231,7 +231,7 @@ class MlflowTracker:
             exp_id,
             parent_run_id=resume_run_id,
             resumed_from_step=resume_step,
-            keep_checkpoints=cfg.tracking.keep_checkpoints,
+            keep_checkpoints=cfg.checkpoint.keep,
         )
         tracker.flow_run_id = str(flow_run_id) if flow_run_id else None
         if hold is not None:  # the flow's cleanup ends it even if a signal lands before start returns
