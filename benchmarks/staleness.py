@@ -6,7 +6,8 @@ max(0, V − τ). Timing plays no part, so every consumed batch is exactly τ ve
 steps, and its behaviour log-probs (hence the importance ratios) are those of the τ-stale policy.
 
 Task: configs/tiny.yaml (max3, 2-layer Llama, 16 prompts × 8 samples per step), with the budget below.
-Grid: τ × loss × seed. Losses (exactly what each cell runs; advantages are GRPO group advantages for all):
+Grid: τ × loss × seed. Losses (exactly what each cell runs, the options under algorithm.loss_options;
+advantages are GRPO group advantages for all):
 
     ppo_clip0.2        algorithm.loss=ppo,  clip_eps=0.2                     clipped PPO surrogate
     grpo_noclip        algorithm.loss=grpo, clip_eps=null                    −A·r, no clipping, no masking
@@ -61,19 +62,19 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 LOSSES: dict[str, list[str]] = {
-    "ppo_clip0.2": ["algorithm.loss=ppo", "algorithm.clip_eps=0.2"],
-    "grpo_noclip": ["algorithm.loss=grpo", "algorithm.clip_eps=null"],
+    "ppo_clip0.2": ["algorithm.loss=ppo", "algorithm.loss_options.clip_eps=0.2"],
+    "grpo_noclip": ["algorithm.loss=grpo", "algorithm.loss_options.clip_eps=null"],
     "m2po_trust_region": [
         "algorithm.loss=m2po",
-        "algorithm.masking=trust_region",
-        "algorithm.m2_threshold=0.04",
-        "algorithm.clip_eps=null",
+        "algorithm.loss_options.masking=trust_region",
+        "algorithm.loss_options.m2_threshold=0.04",
+        "algorithm.loss_options.clip_eps=null",
     ],
     "m2po_ratio_sq": [
         "algorithm.loss=m2po",
-        "algorithm.masking=ratio_sq",
-        "algorithm.ratio_sq_threshold=4.0",
-        "algorithm.clip_eps=0.2",
+        "algorithm.loss_options.masking=ratio_sq",
+        "algorithm.loss_options.ratio_sq_threshold=4.0",
+        "algorithm.loss_options.clip_eps=0.2",
     ],
 }
 FULL_TAUS = [0, 2, 4, 8, 16, 32]

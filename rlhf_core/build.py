@@ -177,7 +177,7 @@ def build_trainer(cfg: TrainConfig, model, tokenizer, policy_dir: str | Path | N
 def build_critic(cfg: TrainConfig, model, policy_dir: str | Path, group=None):
     """The critic of algorithm.advantage 'gae' on the policy's device (None for the other estimators);
     sharded on `group` (a sharded trainer's) when given."""
-    if cfg.algorithm.advantage != "gae":
+    if not cfg.algorithm.advantage_spec.critic:
         return None
     from rlhf_core.models import resolve_dtype
     from rlhf_core.trainer.critic import Critic, load_value_model

@@ -19,8 +19,17 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from rlhf_core.algorithms.options import move_flat_keys
+from rlhf_core.algorithms.registry import (
+    REGISTRIES,
+    AdvantageSpec,
+    AlgorithmOptions,
+    OptionsField,
+    PolicyLossSpec,
+    options_for,
+)
 from rlhf_core.reward.functions.spec import check_source, is_file_path
 
 RUN_CONFIG_FILE = "train_config.yaml"  # the run's config, inside every checkpoint and exported policy
@@ -43,20 +52,30 @@ class _Section(BaseModel):
 
 
 class AlgorithmConfig(_Section):
-    """Policy loss and advantage estimator."""
+    """Policy loss and advantage estimator, each by registered name with its own options (rlhf_core.algorithms:
+    register_policy_loss, register_advantage; the options classes of the built-ins in algorithms/options.py)."""
 
-    loss: Literal["grpo", "ppo", "m2po"] = Field(
-        "grpo", description="Policy loss, by name from rlhf_core.algorithms.POLICY_LOSSES."
-    )
-    advantage: Literal["grpo", "rloo", "gae"] = Field(
+    loss: str = Field(
         "grpo",
-        description="Advantage estimator, by name from rlhf_core.algorithms.ADVANTAGE_ESTIMATORS ('gae': a learned "
-        "critic, configured under critic:).",
+        description="Policy loss by registered name: built in 'ppo' ('grpo' is the same loss) and 'm2po'; others "
+        "registered with rlhf_core.algorithms.register_policy_loss.",
     )
-    gamma: float = Field(1.0, ge=0, le=1, description="GAE discount over response tokens (advantage 'gae' only).")
-    lam: float = Field(1.0, ge=0, le=1, description="GAE lambda (advantage 'gae' only).")
-    whiten_advantages: bool = Field(
-        True, description="GAE: whiten advantages over the step's valid tokens (advantage 'gae' only)."
+    loss_options: OptionsField = Field(
+        default_factory=dict,
+        validate_default=True,
+        description="The options of algorithm.loss, validated against its options class: ppo/grpo clip_eps "
+        "(0.2), clip_eps_high, dual_clip; m2po those and m2_threshold, masking, ratio_sq_threshold.",
+    )
+    advantage: str = Field(
+        "grpo",
+        description="Advantage estimator by registered name: built in 'grpo', 'rloo' and 'gae' (a learned critic, "
+        "configured under critic:); others registered with rlhf_core.algorithms.register_advantage.",
+    )
+    advantage_options: OptionsField = Field(
+        default_factory=dict,
+        validate_default=True,
+        description="The options of algorithm.advantage, validated against its options class: grpo scale "
+        "(group|batch|none), eps; rloo none; gae gamma, lam, whiten.",
     )
     kl_in_reward: bool = Field(
         False,
@@ -79,37 +98,6 @@ class AlgorithmConfig(_Section):
         False,
         description="Samples cut at rollout.max_new_tokens (no stop id) contribute no tokens to the loss.",
     )
-    adv_scale: Literal["group", "batch", "none"] = Field(
-        "group",
-        description="GRPO advantage normalisation: group std, batch std, or none (Dr.GRPO). Not for advantage 'rloo'.",
-    )
-    adv_eps: float = Field(
-        1e-6, gt=0, description="Added to the std when normalising GRPO advantages. Not for advantage 'rloo'."
-    )
-    clip_eps: Optional[float] = Field(
-        0.2,
-        gt=0,
-        lt=1,
-        description="PPO clip range (lower, and upper unless clip_eps_high is set); M2PO clips only when set.",
-    )
-    clip_eps_high: Optional[float] = Field(
-        None, gt=0, description="Upper clip range (DAPO clip-higher); None uses clip_eps."
-    )
-    dual_clip: Optional[float] = Field(
-        None,
-        gt=1,
-        description="Dual-clip constant c > 1 bounding the loss of negative-advantage tokens; None disables.",
-    )
-    m2_threshold: float = Field(
-        0.04, gt=0, description="M2PO bound on the mean squared log-ratio over candidate tokens."
-    )
-    masking: Literal["trust_region", "ratio_sq"] = Field(
-        "trust_region",
-        description="M2PO masking: Algorithm 1 of arXiv 2510.01161, or the r^2 < ratio_sq_threshold rule; computed over the whole step's batch.",
-    )
-    ratio_sq_threshold: float = Field(
-        4.0, gt=0, description="M2PO 'ratio_sq' masking: keep tokens with r^2 below this."
-    )
     agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = Field(
         "token-mean",
         description="How per-token losses are aggregated into a scalar ('seq-mean-token-sum-norm' divides by rows x rollout.max_new_tokens).",
@@ -127,33 +115,51 @@ class AlgorithmConfig(_Section):
     )
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator used for the penalty.")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _flat_option_keys(cls, data: Any) -> Any:
+        # an option written under its old flat key (algorithm.clip_eps) moves to its home, with a note
+        return move_flat_keys(data, {kind: cls.model_fields[kind].default for kind in ("loss", "advantage")})
+
+    @field_validator("loss", "advantage")
+    @classmethod
+    def _registered(cls, name: str, info: ValidationInfo) -> str:
+        REGISTRIES[info.field_name].get(name)  # the ValueError names the registered ones
+        return name
+
+    @field_validator("loss_options", "advantage_options", mode="before")
+    @classmethod
+    def _options(cls, value: Any, info: ValidationInfo) -> AlgorithmOptions:
+        kind = info.field_name.removesuffix("_options")
+        if kind not in info.data:  # the name was refused, and its error says why
+            return AlgorithmOptions()
+        return options_for(kind, info.data[kind], value, getattr(value, "flat", None))
+
     @model_validator(mode="after")
-    def _advantage_options(self) -> AlgorithmConfig:
-        # Options the chosen estimator would ignore are refused rather than dropped silently. A value equal
-        # to the default is let through: a config dumped whole (a checkpoint, a Prefect parameter form)
-        # lists every field, and that must stay valid.
-        if self.advantage != "gae":
-            for name in ("gamma", "lam", "whiten_advantages"):
-                if name in self.model_fields_set and getattr(self, name) != type(self).model_fields[name].default:
-                    raise ValueError(
-                        f"algorithm.{name} has no effect with algorithm.advantage '{self.advantage}'; it is an "
-                        "option of algorithm.advantage 'gae'"
-                    )
-            if self.kl_in_reward:
-                raise ValueError(
-                    "algorithm.kl_in_reward needs algorithm.advantage 'gae' (a per-token reward penalty needs "
-                    "per-token advantages); with group advantages use the KL loss (algorithm.kl_coef alone)"
-                )
+    def _algorithm_rules(self) -> AlgorithmConfig:
+        for kind in ("loss", "advantage"):  # after an assignment of the name alone, its options follow
+            options = getattr(self, f"{kind}_options")
+            if type(options) is not REGISTRIES[kind].get(getattr(self, kind)).options:
+                self.__dict__[f"{kind}_options"] = options_for(kind, getattr(self, kind), options)
+        if self.kl_in_reward and not self.advantage_spec.critic:
+            raise ValueError(
+                "algorithm.kl_in_reward needs algorithm.advantage 'gae' (or another estimator with a critic: a "
+                "per-token reward penalty needs per-token advantages); with group advantages use the KL loss "
+                "(algorithm.kl_coef alone)"
+            )
         if self.kl_in_reward and self.kl_coef == 0:
             raise ValueError("algorithm.kl_in_reward needs algorithm.kl_coef > 0 (the penalty's weight)")
-        if self.advantage in ("rloo", "gae"):
-            for name in ("adv_scale", "adv_eps"):
-                if name in self.model_fields_set and getattr(self, name) != type(self).model_fields[name].default:
-                    raise ValueError(
-                        f"algorithm.{name} has no effect with algorithm.advantage '{self.advantage}' (only "
-                        f"GRPO's advantages are scaled); remove algorithm.{name} or use algorithm.advantage 'grpo'"
-                    )
         return self
+
+    @property
+    def loss_spec(self) -> PolicyLossSpec:
+        """The registered loss (its function, options class and step mask)."""
+        return REGISTRIES["loss"].get(self.loss)  # type: ignore[return-value]
+
+    @property
+    def advantage_spec(self) -> AdvantageSpec:
+        """The registered advantage estimator (its function, options class, grouped, critic)."""
+        return REGISTRIES["advantage"].get(self.advantage)  # type: ignore[return-value]
 
 
 REWARD_COMPONENT_NAMES: tuple[str, ...] = ("exact_match", "contains", "answer_after_marker", "format", "length_penalty")
@@ -946,7 +952,7 @@ class TrainConfig(_Section):
                 f"{self.rollout.samples_per_prompt} every group of one is 'all equal' and every group would be "
                 "dropped. Set rollout.samples_per_prompt to 2 or more, or algorithm.filter_groups to false"
             )
-        if self.algorithm.advantage in ("grpo", "rloo") and self.rollout.samples_per_prompt < 2:
+        if self.algorithm.advantage_spec.grouped and self.rollout.samples_per_prompt < 2:
             raise ValueError(
                 f"algorithm.advantage '{self.algorithm.advantage}' compares the completions of one prompt with "
                 f"each other; with rollout.samples_per_prompt={self.rollout.samples_per_prompt} every advantage is "
@@ -967,7 +973,7 @@ class TrainConfig(_Section):
                 )
         ranks = self.cluster.trainer_workers
         micros = [("trainer.micro_batch_size", self.trainer.micro_batch_size)]
-        if self.algorithm.advantage == "gae":  # the critic is sharded on the same ranks, in its own micro-batches
+        if self.algorithm.advantage_spec.critic:  # the critic is sharded on the same ranks, in its own micro-batches
             micros.append(("critic.micro_batch_size", self.critic.micro_batch_size))
         # each rank trains on its rows (trainer.sharding.rank_rows, sizes differing by at most 1) in as many
         # micro-batches as the widest rank needs: every rank must have a row for each of them
@@ -1105,8 +1111,8 @@ def load_config(path: str | os.PathLike | None = None, overrides: Iterable[str] 
     """Read a YAML config (or the defaults when `path` is None; `base: other.yaml` inherits), apply dotted
     overrides, validate.
 
-    >>> cfg = load_config(None, ["algorithm.clip_eps=0.1"])
-    >>> cfg.algorithm.clip_eps
+    >>> cfg = load_config(None, ["algorithm.loss_options.clip_eps=0.1"])
+    >>> cfg.algorithm.loss_options.clip_eps
     0.1
     """
     data: dict = {}

@@ -175,7 +175,8 @@ class HealthMonitor:
                 d,
                 step,
                 "restart_limit",
-                f"rollout workers restarted {restarts} times, above cluster.max_restarts={self.cfg.cluster.max_restarts}",
+                f"rollout workers restarted {restarts} times, above cluster.max_restarts="
+                f"{self.cfg.cluster.max_restarts}",
             )
 
     def _worker_outages(self, d: Decision, poll: dict, step: int, now: float) -> None:

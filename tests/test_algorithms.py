@@ -17,6 +17,7 @@ from rlhf_core.algorithms import (
     ADVANTAGE_ESTIMATORS,
     AGG_MODES,
     POLICY_LOSSES,
+    AlgorithmOptions,
     advantages_from_config,
     agg_loss,
     compute_advantages,
@@ -492,15 +493,8 @@ def test_micro_batch_losses_sum_exactly_to_the_full_batch(loss, agg):
     """Per-micro-batch losses with the step's normalisers (and, for M2PO, the step's keep mask) sum to the
     full-batch loss, gradients included, for every loss and aggregation (with KL and TIS on)."""
     name, _, masking = loss.partition("-")
-    cfg = AlgorithmConfig(
-        loss=name,
-        masking=masking or "trust_region",
-        agg=agg,
-        kl_coef=0.1,
-        tis_cap=2.0,
-        clip_eps=None if masking == "trust_region" else 0.2,
-        m2_threshold=0.05,
-    )
+    options = {"masking": masking, "clip_eps": None if masking == "trust_region" else 0.2, "m2_threshold": 0.05}
+    cfg = AlgorithmConfig(loss=name, loss_options=options if masking else {}, agg=agg, kl_coef=0.1, tis_cap=2.0)
     logp, beh, adv, mask, ref, roll = _stale_batch()
     logp = logp.requires_grad_()
     full, full_stats = compute_policy_loss(cfg, logp, beh, adv, mask, ref, roll, norm_len=9)
@@ -524,7 +518,7 @@ def test_micro_batch_losses_sum_exactly_to_the_full_batch(loss, agg):
     assert torch.allclose(part_grad, full_grad, atol=1e-12, rtol=0)
     if name == "m2po":
         # the step's mask is what the loss computes on the full batch, and it masks something
-        keep = m2po_keep_mask(logp, beh, adv, mask, 0.05, cfg.masking, cfg.ratio_sq_threshold)
+        keep = m2po_keep_mask(logp, beh, adv, mask, 0.05, masking, cfg.loss_options.ratio_sq_threshold)
         assert torch.equal(keep, step[0]) and float(full_stats["m2po/masked_frac"]) > 0
 
 
@@ -573,7 +567,8 @@ def test_m2po_mask_of_micro_batches_is_not_the_step_mask(masking):
 def test_step_keep_mask_only_for_m2po():
     logp, beh, adv, mask, _, _ = _stale_batch()
     assert step_keep_mask(AlgorithmConfig(loss="ppo"), logp, beh, adv, mask) is None
-    keep, kept_norm = step_keep_mask(AlgorithmConfig(loss="m2po", masking="ratio_sq"), logp, beh, adv, mask)
+    m2po = AlgorithmConfig(loss="m2po", loss_options={"masking": "ratio_sq"})
+    keep, kept_norm = step_keep_mask(m2po, logp, beh, adv, mask)
     assert keep.dtype == torch.bool and keep.shape == mask.shape
     assert close(kept_norm["global_tokens"], (keep & mask).sum(), 1e-12)
     with pytest.raises(ValueError, match="keep_mask"):
@@ -722,16 +717,17 @@ def _inputs(seed=12):
 
 def test_registry_dispatch_matches_direct_calls():
     logp, old, adv, mask, ref = _inputs()
-    assert set(POLICY_LOSSES) == {"ppo", "grpo", "m2po"}
-    cfg = AlgorithmConfig(loss="ppo", clip_eps=0.1, clip_eps_high=0.3, dual_clip=3.0, agg="seq-mean-token-sum")
+    assert {"ppo", "grpo", "m2po"} <= set(POLICY_LOSSES)  # and those the tests register
+    options = {"clip_eps": 0.1, "clip_eps_high": 0.3, "dual_clip": 3.0}
+    cfg = AlgorithmConfig(loss="ppo", loss_options=options, agg="seq-mean-token-sum")
     got, _ = compute_policy_loss(cfg, logp, old, adv, mask)
     want, _ = compute_ppo_loss(logp, old, adv, mask, 0.1, 0.3, 3.0, "seq-mean-token-sum")
     assert close(got, want, 1e-12)
-    cfg = AlgorithmConfig(loss="m2po", clip_eps=None, m2_threshold=0.02)
+    cfg = AlgorithmConfig(loss="m2po", loss_options={"clip_eps": None, "m2_threshold": 0.02})
     got, stats = compute_policy_loss(cfg, logp, old, adv, mask)
     assert close(got, compute_m2po_loss(logp, old, adv, mask, m2_threshold=0.02)[0], 1e-12)
     assert "m2po/masked_frac" in stats
-    cfg = AlgorithmConfig(loss="m2po", masking="ratio_sq", ratio_sq_threshold=1.5)
+    cfg = AlgorithmConfig(loss="m2po", loss_options={"masking": "ratio_sq", "ratio_sq_threshold": 1.5})
     got, _ = compute_policy_loss(cfg, logp, old, adv, mask)
     assert close(
         got, compute_m2po_loss(logp, old, adv, mask, masking="ratio_sq", clip_eps=0.2, ratio_sq_threshold=1.5)[0], 1e-12
@@ -800,25 +796,30 @@ def test_rloo_takes_no_scale_or_eps():
             compute_advantages("rloo", r, **option)
     # from a config: the estimator gets the options it takes, and only those
     assert torch.equal(advantages_from_config(AlgorithmConfig(advantage="rloo"), r), compute_rloo_advantages(r))
-    cfg = AlgorithmConfig(adv_scale="none", adv_eps=0.5)
+    cfg = AlgorithmConfig(advantage_options={"scale": "none", "eps": 0.5})
     assert torch.equal(advantages_from_config(cfg, r), compute_grpo_advantages(r, scale="none"))
-    cfg = AlgorithmConfig(adv_scale="group", adv_eps=0.5)
+    cfg = AlgorithmConfig(advantage_options={"scale": "group", "eps": 0.5})
     assert torch.equal(advantages_from_config(cfg, r), compute_grpo_advantages(r, eps=0.5))
 
 
-@pytest.mark.parametrize("field,value", [("adv_scale", "batch"), ("adv_scale", "none"), ("adv_eps", 0.01)])
+@pytest.mark.parametrize("field,value", [("scale", "batch"), ("scale", "none"), ("eps", 0.01)])
 def test_config_refuses_advantage_options_rloo_ignores(field, value):
-    with pytest.raises(ConfigError, match=f"algorithm.{field} has no effect with algorithm.advantage 'rloo'"):
-        load_config(None, ["algorithm.advantage=rloo", f"algorithm.{field}={value}"])
-    assert load_config(None, [f"algorithm.{field}={value}"]).algorithm.advantage == "grpo"  # fine with grpo
-    # a config dumped whole (checkpoint, Prefect form) lists the defaults and stays valid
+    key = f"algorithm.advantage_options.{field}"
+    with pytest.raises(ConfigError, match=f"{key} has no effect with algorithm.advantage 'rloo'"):
+        load_config(None, ["algorithm.advantage=rloo", f"{key}={value}"])
+    assert load_config(None, [f"{key}={value}"]).algorithm.advantage == "grpo"  # fine with grpo
+    # a config dumped whole (checkpoint, Prefect form) holds its options and stays valid
     cfg = load_config(None, ["algorithm.advantage=rloo"])
     assert validate_config(cfg.model_dump(mode="json")).algorithm.advantage == "rloo"
+    # and may be switched to another estimator: options at their defaults do not stand in the way
+    dumped = load_config(None).model_dump(mode="json")
+    dumped["algorithm"]["advantage"] = "rloo"
+    assert validate_config(dumped).algorithm.advantage_options == AlgorithmOptions()
 
 
 def test_compute_advantages_by_name():
     r = torch.tensor([[1.0, 0.0, 2.0]])
-    assert set(ADVANTAGE_ESTIMATORS) == {"grpo", "rloo", "gae"}
+    assert {"grpo", "rloo", "gae"} <= set(ADVANTAGE_ESTIMATORS)
     assert torch.equal(compute_advantages("grpo", r, scale="none"), compute_grpo_advantages(r, scale="none"))
     assert torch.equal(compute_advantages("rloo", r), compute_rloo_advantages(r))
     with pytest.raises(ValueError, match="unknown advantage estimator"):
@@ -855,8 +856,8 @@ def test_losses_do_not_sync_on_cuda():
         return compute_policy_loss(cfg, logp[:4], old[:4], adv[:4], mask[:4], ref[:4], roll[:4], **kw)
 
     cfgs = [
-        AlgorithmConfig(loss=loss, masking=masking, agg=agg, kl_coef=0.1, tis_cap=2.0)
-        for loss, masking in (("ppo", "trust_region"), ("m2po", "trust_region"), ("m2po", "ratio_sq"))
+        AlgorithmConfig(loss=loss, loss_options=options, agg=agg, kl_coef=0.1, tis_cap=2.0)
+        for loss, options in (("ppo", {}), ("m2po", {"masking": "trust_region"}), ("m2po", {"masking": "ratio_sq"}))
         for agg in AGG_MODES
     ]
     calls += [lambda cfg=cfg: micro_batch(cfg) for cfg in cfgs]

@@ -31,11 +31,11 @@ def test_defaults_are_valid():
 
 def test_yaml_file_and_dotted_overrides(tmp_path):
     path = tmp_path / "c.yaml"
-    path.write_text("algorithm:\n  loss: ppo\n  clip_eps: 0.3\ntrainer:\n  lr: 0.001\n")
+    path.write_text("algorithm:\n  loss: ppo\n  loss_options: {clip_eps: 0.3}\ntrainer:\n  lr: 0.001\n")
     cfg = load_config(
         path,
         [
-            "algorithm.clip_eps=0.1",
+            "algorithm.loss_options.clip_eps=0.1",
             "trainer.betas=[0.8, 0.95]",
             "reward.format_sequences=['=', '+']",
             "rollout.top_k=5",
@@ -43,15 +43,15 @@ def test_yaml_file_and_dotted_overrides(tmp_path):
         ],
     )
     assert cfg.algorithm.loss == "ppo"  # from the file
-    assert cfg.algorithm.clip_eps == 0.1  # override beats the file
+    assert cfg.algorithm.loss_options.clip_eps == 0.1  # override beats the file
     assert cfg.trainer.lr == 0.001
     assert cfg.trainer.betas == (0.8, 0.95)  # YAML list -> tuple field
     assert cfg.reward.format_sequences == ["=", "+"]
     assert cfg.rollout.top_k == 5
     assert cfg.run.output_dir == "/tmp/x"
     # overrides parse YAML scalars: an int-looking value stays int, null is None
-    assert load_config(None, ["algorithm.clip_eps_high=null"]).algorithm.clip_eps_high is None
-    assert load_config(None, ["algorithm.clip_eps_high=0.28"]).algorithm.clip_eps_high == 0.28
+    assert load_config(None, ["algorithm.loss_options.clip_eps_high=null"]).algorithm.loss_options.clip_eps_high is None
+    assert load_config(None, ["algorithm.loss_options.clip_eps_high=0.28"]).algorithm.loss_options.clip_eps_high == 0.28
 
 
 def test_apply_overrides_creates_sections_and_rejects_scalar_parent():
@@ -98,7 +98,7 @@ def test_unknown_key_in_yaml_file_names_file_and_path(tmp_path):
         ("rollout.temperature=0", "rollout.temperature", "0"),
         ("trainer.total_steps=abc", "trainer.total_steps", "'abc'"),
         ("algorithm.loss=sgd", "algorithm.loss", "'sgd'"),
-        ("algorithm.clip_eps=1.5", "algorithm.clip_eps", "1.5"),
+        ("algorithm.loss_options.clip_eps=1.5", "algorithm.loss_options.clip_eps", "1.5"),
         ("trainer.betas=[0.9]", "trainer.betas", "0.9"),
     ],
 )
@@ -184,9 +184,9 @@ def test_jsonl_task_needs_train_path_and_model_path():
 
 
 def test_flatten_config_gives_dotted_keys():
-    cfg = load_config(None, ["algorithm.clip_eps=0.1"])
+    cfg = load_config(None, ["algorithm.loss_options.clip_eps=0.1"])
     flat = flatten_config(cfg)
-    assert flat["algorithm.clip_eps"] == 0.1
+    assert flat["algorithm.loss_options.clip_eps"] == 0.1
     assert flat["trainer.lr"] == cfg.trainer.lr
     assert flat["reward.components.exact_match"] == 1.0
     assert flat["trainer.betas"] == list(cfg.trainer.betas)

@@ -17,8 +17,8 @@ from tests.test_loop import small_cfg
 GAE = [
     "algorithm.advantage=gae",
     "algorithm.loss=ppo",
-    "algorithm.gamma=1.0",
-    "algorithm.lam=0.95",
+    "algorithm.advantage_options.gamma=1.0",
+    "algorithm.advantage_options.lam=0.95",
     "critic.lr=0.001",
     "critic.micro_batch_size=5",
     "trainer.micro_batch_size=8",
@@ -145,8 +145,8 @@ def test_kl_in_reward_penalises_tokens_and_drops_the_kl_loss(tmp_path):
     assert "loss/kl" not in seen[0]  # the KL is in the reward, not the loss
     with pytest.raises(ConfigError, match="kl_in_reward needs algorithm.advantage 'gae'"):
         small_cfg(tmp_path, "algorithm.kl_coef=0.1", "algorithm.kl_in_reward=true")
-    with pytest.raises(ConfigError, match="algorithm.gamma has no effect"):
-        small_cfg(tmp_path, "algorithm.gamma=0.9")
+    with pytest.raises(ConfigError, match="algorithm.advantage_options.gamma has no effect"):
+        small_cfg(tmp_path, "algorithm.advantage_options.gamma=0.9")
 
 
 def test_mismatch_kl_is_zero_on_policy_and_masked_truncation(tmp_path):

@@ -147,6 +147,7 @@ def test_build_data_and_reward_form_no_circle_even_through_imports_inside_functi
     "module",
     [
         "rlhf_core.config",
+        "rlhf_core.algorithms",
         "rlhf_core.data",
         "rlhf_core.reward.answer_forms",
         "rlhf_core.reward.functions.pool",
@@ -154,7 +155,8 @@ def test_build_data_and_reward_form_no_circle_even_through_imports_inside_functi
     ],
 )
 def test_light_modules_import_no_torch(module):
-    """The config (loaded by every CLI call), the data layer (the prompt queue's process) and the reward-function
+    """The config (loaded by every CLI call), the algorithms' registry and options (the config validates with them;
+    the tensor functions load on first use), the data layer (the prompt queue's process) and the reward-function
     pool's side (what its processes import)."""
     code = f"import sys, {module}; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)

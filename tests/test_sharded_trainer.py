@@ -61,11 +61,15 @@ CASES = {  # GRPO and PPO share their code: GRPO with a KL term, PPO without one
     "ppo-seq-mean-token-sum-norm": ["algorithm.loss=ppo", "algorithm.agg=seq-mean-token-sum-norm"],
     "m2po-trust_region-kl": [
         "algorithm.loss=m2po",
-        "algorithm.masking=trust_region",
-        "algorithm.clip_eps=null",
+        "algorithm.loss_options.masking=trust_region",
+        "algorithm.loss_options.clip_eps=null",
         "algorithm.kl_coef=0.05",
     ],
-    "m2po-ratio_sq": ["algorithm.loss=m2po", "algorithm.masking=ratio_sq", "algorithm.agg=seq-mean-token-sum"],
+    "m2po-ratio_sq": [
+        "algorithm.loss=m2po",
+        "algorithm.loss_options.masking=ratio_sq",
+        "algorithm.agg=seq-mean-token-sum",
+    ],
     # LoRA on a sharded base (frozen base shards, trainable adapter shards); the KL reference is the same
     # sharded model with its adapters disabled. Adapters on every linear layer, lm_head (tied) included.
     "lora-grpo-kl": [
@@ -89,7 +93,7 @@ CASES = {  # GRPO and PPO share their code: GRPO with a KL term, PPO without one
     "ppo-gae-critic": [
         "algorithm.loss=ppo",
         "algorithm.advantage=gae",
-        "algorithm.lam=0.95",
+        "algorithm.advantage_options.lam=0.95",
         "critic.lr=1e-3",
         "critic.warmup_steps=1",
     ],

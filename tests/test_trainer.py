@@ -207,9 +207,9 @@ def test_micro_batch_size_does_not_change_the_update(tiny_model, eos_batch, loss
         "algorithm.kl_coef=0.05",
     ]
     if masking:
-        base.append(f"algorithm.masking={masking}")
+        base.append(f"algorithm.loss_options.masking={masking}")
     if masking == "trust_region":
-        base.append("algorithm.clip_eps=null")
+        base.append("algorithm.loss_options.clip_eps=null")
     b = with_empty_rows(stale(eos_batch))
     ref = perturbed(tiny_model)
     models = {size: copy.deepcopy(tiny_model) for size in (8, 128)}
@@ -530,9 +530,9 @@ def test_padding_free_matches_the_padded_path(tiny_model, eos_batch, loss, agg):
         "trainer.micro_batch_size=16",
     ]
     if masking:
-        base.append(f"algorithm.masking={masking}")
+        base.append(f"algorithm.loss_options.masking={masking}")
     if masking == "trust_region":
-        base.append("algorithm.clip_eps=null")
+        base.append("algorithm.loss_options.clip_eps=null")
     b = with_empty_rows(stale(eos_batch))
     ref = perturbed(tiny_model)
     models = {free: copy.deepcopy(tiny_model) for free in (True, False)}

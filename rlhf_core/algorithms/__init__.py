@@ -1,74 +1,118 @@
-"""Algorithms: pure functions on tensors, selected by name from small registries.
+"""Algorithms: pure functions on tensors, selected by name from registries.
 
-ADVANTAGE_ESTIMATORS  rewards [..., G] -> advantages [..., G]            (advantages.py); "gae":
-                      compute_gae_advantages(token_rewards, values, mask, gamma, lam) [N, T] -> (adv, returns)
-value_loss            clipped value loss of a critic                     (value_loss.py)
-POLICY_LOSSES         (logprobs, old_logprobs, advantages, mask, ...) -> (loss, stats)  (policy_loss.py)
-kl_penalty            per-token KL estimators k1/k2/k3                   (kl.py)
-agg_loss              per-token loss [N, L] -> scalar                    (aggregation.py)
+register_policy_loss  decorator: fn(inputs: LossInputs, options) -> (loss, stats) becomes `algorithm.loss: <name>`,
+                      its options class validated from `algorithm.loss_options`        (registry.py)
+register_advantage    decorator: fn(inputs: AdvantageInputs, options) -> advantages becomes `algorithm.advantage:
+                      <name>`, its options from `algorithm.advantage_options`          (registry.py)
+built-ins             losses ppo (alias grpo), m2po; estimators grpo, rloo, gae, with the options classes of
+                      options.py                                                         (builtin.py)
+compute_policy_loss   the configured loss on a (micro-)batch; step_keep_mask: a loss's step-wide mask (dispatch.py)
+compute_*_loss        the losses' tensor implementations                                (policy_loss.py)
+compute_*_advantages  rewards [..., G] -> advantages [..., G]; "gae": compute_gae_advantages(token_rewards,
+                      values, mask, gamma, lam) [N, T] -> (adv, returns)               (advantages.py)
+value_loss            clipped value loss of a critic                                    (value.py)
+kl_penalty            per-token KL estimators k1/k2/k3                                  (kl.py)
+agg_loss              per-token loss [N, L] -> scalar                                   (aggregation.py)
 global_normalisers    a step's mask [N, L] -> the denominators that make micro-batch losses sum
-                      exactly to the step's loss                         (aggregation.py)
+                      exactly to the step's loss                                        (aggregation.py)
+POLICY_LOSSES, STEP_MASK_LOSSES, ADVANTAGE_ESTIMATORS, GROUP_ESTIMATORS, ADVANTAGE_OPTIONS: read-only views of
+the registries.
+
+Importing this package does not import torch (the config imports the registry and the options classes to
+validate `algorithm:`): the registry, the options and the built-ins' registrations are imported here; the
+tensor functions are imported on first access (`from rlhf_core.algorithms import compute_ppo_loss` works as
+ever).
 """
 
-from rlhf_core.algorithms.advantages import (
-    ADVANTAGE_ESTIMATORS,
-    ADVANTAGE_OPTIONS,
-    GROUP_ESTIMATORS,
-    advantages_from_config,
-    compute_advantages,
-    compute_gae_advantages,
-    compute_grpo_advantages,
-    compute_rloo_advantages,
-    masked_whiten,
-)
-from rlhf_core.algorithms.aggregation import AGG_MODES, agg_loss, global_normalisers, masked_mean
-from rlhf_core.algorithms.kl import KL_ESTIMATORS, kl_penalty
-from rlhf_core.algorithms.policy_loss import (
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from rlhf_core.algorithms import builtin as _builtin  # noqa: F401  (registers the built-ins)
+from rlhf_core.algorithms.options import (
     IMPORTANCE_LEVELS,
     M2PO_MASKINGS,
-    POLICY_LOSSES,
-    STEP_MASK_LOSSES,
-    clipped_surrogate,
-    compute_grpo_loss,
-    compute_m2po_loss,
-    compute_policy_loss,
-    compute_ppo_loss,
-    importance_ratio,
-    m2po_keep_mask,
-    m2po_trust_region_mask,
-    step_keep_mask,
+    GAEOptions,
+    GRPOAdvantageOptions,
+    M2POOptions,
+    PPOOptions,
 )
-from rlhf_core.algorithms.value_loss import explained_variance, value_loss
+from rlhf_core.algorithms.registry import (
+    AdvantageSpec,
+    AlgorithmOptions,
+    PolicyLossSpec,
+    advantage_spec,
+    policy_loss_spec,
+    register_advantage,
+    register_policy_loss,
+)
+
+_LAZY = {  # torch modules: name -> the module that holds it, imported on first access
+    "rlhf_core.algorithms.advantages": (
+        "ADVANTAGE_ESTIMATORS",
+        "ADVANTAGE_OPTIONS",
+        "GROUP_ESTIMATORS",
+        "AdvantageInputs",
+        "advantages_from_config",
+        "compute_advantages",
+        "compute_gae_advantages",
+        "compute_grpo_advantages",
+        "compute_rloo_advantages",
+        "masked_whiten",
+    ),
+    "rlhf_core.algorithms.aggregation": ("AGG_MODES", "agg_loss", "global_normalisers", "masked_mean"),
+    "rlhf_core.algorithms.kl": ("KL_ESTIMATORS", "kl_penalty"),
+    "rlhf_core.algorithms.dispatch": (
+        "POLICY_LOSSES",
+        "STEP_MASK_LOSSES",
+        "LossInputs",
+        "compute_policy_loss",
+        "step_keep_mask",
+    ),
+    "rlhf_core.algorithms.policy_loss": (
+        "clipped_surrogate",
+        "compute_grpo_loss",
+        "compute_m2po_loss",
+        "compute_ppo_loss",
+        "importance_ratio",
+        "m2po_keep_mask",
+        "m2po_trust_region_mask",
+    ),
+    "rlhf_core.algorithms.value": (
+        "explained_variance",
+        "value_loss",
+    ),  # not value_loss.py: the submodule would shadow the function
+}
+_WHERE = {name: module for module, names in _LAZY.items() for name in names}
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    loaded = importlib.import_module(module)
+    globals().update({lazy: getattr(loaded, lazy) for lazy in _LAZY[module]})
+    return globals()[name]
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_WHERE))
+
 
 __all__ = [
-    "ADVANTAGE_ESTIMATORS",
-    "ADVANTAGE_OPTIONS",
-    "advantages_from_config",
-    "compute_advantages",
-    "compute_gae_advantages",
-    "GROUP_ESTIMATORS",
-    "masked_whiten",
-    "compute_grpo_advantages",
-    "compute_rloo_advantages",
-    "AGG_MODES",
-    "agg_loss",
-    "global_normalisers",
-    "masked_mean",
-    "KL_ESTIMATORS",
-    "kl_penalty",
+    "AlgorithmOptions",
+    "PolicyLossSpec",
+    "AdvantageSpec",
+    "register_policy_loss",
+    "register_advantage",
+    "policy_loss_spec",
+    "advantage_spec",
+    "PPOOptions",
+    "M2POOptions",
+    "GRPOAdvantageOptions",
+    "GAEOptions",
     "IMPORTANCE_LEVELS",
     "M2PO_MASKINGS",
-    "POLICY_LOSSES",
-    "STEP_MASK_LOSSES",
-    "clipped_surrogate",
-    "compute_grpo_loss",
-    "compute_m2po_loss",
-    "compute_policy_loss",
-    "compute_ppo_loss",
-    "importance_ratio",
-    "m2po_keep_mask",
-    "m2po_trust_region_mask",
-    "step_keep_mask",
-    "explained_variance",
-    "value_loss",
+    *_WHERE,
 ]

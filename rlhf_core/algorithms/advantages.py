@@ -5,13 +5,18 @@ completions of one prompt; they return a tensor of the same shape.
 GAE (`compute_gae_advantages`): per-token rewards and a critic's values [N, T] -> per-token advantages and
 returns [N, T]. It needs values, so `compute_advantages` (rewards only) refuses it; the trainer calls it
 with the critic's values.
+By name: each is registered (`rlhf_core.algorithms.builtin`) with its options class and called through the
+one signature fn(inputs: AdvantageInputs, options).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional
 
 import torch
+
+from rlhf_core.algorithms.registry import ADVANTAGE_REGISTRY, advantage_spec
 
 
 def compute_grpo_advantages(rewards: torch.Tensor, eps: float = 1e-8, scale: str = "group") -> torch.Tensor:
@@ -112,22 +117,39 @@ def compute_gae_advantages(
     return advantages, returns
 
 
-ADVANTAGE_ESTIMATORS = {
-    "grpo": compute_grpo_advantages,
-    "rloo": compute_rloo_advantages,
-    "gae": compute_gae_advantages,  # token-level, with a critic's values: the trainer calls it directly
-}
+@dataclasses.dataclass(frozen=True)
+class AdvantageInputs:
+    """What a registered advantage estimator gets besides its options: fn(inputs: AdvantageInputs, options).
 
-# Estimators that compare the completions of one prompt (group advantages: rewards [..., G] only).
-GROUP_ESTIMATORS = ("grpo", "rloo")
+    rewards:       FloatTensor [N], one reward per sequence; the G = group_size completions of a prompt are
+                   contiguous rows (`grouped()` gives them as [N/G, G]).
+    mask:          Bool/FloatTensor [N, T], the response tokens trained on (None when not known).
+    values:        FloatTensor [N, T], a critic's values (estimators registered with critic=True; else None).
+    token_rewards: FloatTensor [N, T], per-token rewards (critic=True): the sequence reward on its last
+                   response token, minus the per-token KL penalty with algorithm.kl_in_reward.
+    """
 
-# The options each estimator takes (compute_advantages refuses any other), and the AlgorithmConfig field
-# that sets each. RLOO has none: its baseline is the leave-one-out mean and it is never scaled.
-ADVANTAGE_OPTIONS: dict[str, dict[str, str]] = {
-    "grpo": {"eps": "adv_eps", "scale": "adv_scale"},
-    "rloo": {},
-    "gae": {},
-}
+    rewards: torch.Tensor
+    group_size: int
+    mask: Optional[torch.Tensor] = None
+    values: Optional[torch.Tensor] = None
+    token_rewards: Optional[torch.Tensor] = None
+
+    def grouped(self) -> torch.Tensor:
+        """rewards as [N/G, G], one row per prompt."""
+        if self.rewards.numel() % self.group_size:
+            raise ValueError(f"{self.rewards.numel()} rewards are not made of whole groups of {self.group_size}")
+        return self.rewards.reshape(-1, self.group_size)
+
+
+ADVANTAGE_ESTIMATORS = ADVANTAGE_REGISTRY.view(lambda spec: spec.fn)
+"""Read-only view of the registry: every estimator name -> its registered fn(inputs, options)."""
+GROUP_ESTIMATORS = ADVANTAGE_REGISTRY.names_where(lambda spec: spec.grouped)
+"""Read-only view: the estimators that compare the completions of one prompt (rewards only, no critic)."""
+ADVANTAGE_OPTIONS = ADVANTAGE_REGISTRY.view(
+    lambda spec: {name: f"advantage_options.{name}" for name in spec.options.model_fields}
+)
+"""Read-only view: every estimator -> {option: the AlgorithmConfig field that sets it}."""
 
 
 def compute_advantages(
@@ -135,32 +157,31 @@ def compute_advantages(
 ) -> torch.Tensor:
     """Advantages by estimator name (config `algorithm.advantage`). rewards: [..., G] -> [..., G].
 
-    eps, scale: options of the estimator (None: its default). Passing one the estimator does not take
-    (any of them to "rloo") is a ValueError, not silently ignored.
+    eps, scale: options of the estimator (None: the default of its options class). Passing one the estimator
+    does not take (any of them to "rloo") is a ValueError, not silently ignored.
     """
-    try:
-        fn = ADVANTAGE_ESTIMATORS[name]
-    except KeyError:
-        raise ValueError(f"unknown advantage estimator {name!r}; known: {sorted(ADVANTAGE_ESTIMATORS)}") from None
-    if name not in GROUP_ESTIMATORS:
+    spec = advantage_spec(name)
+    if spec.critic:
         raise ValueError(
             f"advantage estimator {name!r} needs a critic's values and per-token rewards, not group rewards: "
             "call compute_gae_advantages(token_rewards, values, response_mask, gamma, lam)"
         )
     options = {k: v for k, v in (("eps", eps), ("scale", scale)) if v is not None}
-    unused = sorted(set(options) - set(ADVANTAGE_OPTIONS.get(name, {})))
+    unused = sorted(set(options) - set(spec.options.model_fields))
     if unused:
         raise ValueError(f"advantage estimator {name!r} takes no option {unused[0]!r}")
-    return fn(rewards, **options)
+    inputs = AdvantageInputs(rewards.reshape(-1), rewards.shape[-1])
+    return spec.fn(inputs, spec.options(**options)).reshape(rewards.shape)
 
 
 def advantages_from_config(algo_cfg: Any, rewards: torch.Tensor) -> torch.Tensor:
-    """The advantages of `algo_cfg.advantage` (an AlgorithmConfig) with the options that estimator takes.
+    """The advantages of `algo_cfg.advantage` (an AlgorithmConfig) with `algo_cfg.advantage_options`.
 
-    rewards: FloatTensor [..., G]. Returns FloatTensor [..., G]. The config refuses adv_scale/adv_eps set
-    for an estimator that has no use for them, so leaving them out here hides nothing.
+    rewards: FloatTensor [..., G]. Returns FloatTensor [..., G] (one advantage per sequence; an estimator that
+    needs a critic is refused: the trainer calls it with the critic's values).
     """
-    fields = ADVANTAGE_OPTIONS.get(algo_cfg.advantage, {})
-    return compute_advantages(
-        algo_cfg.advantage, rewards, **{option: getattr(algo_cfg, field) for option, field in fields.items()}
-    )
+    spec = advantage_spec(algo_cfg.advantage)
+    if spec.critic:
+        return compute_advantages(algo_cfg.advantage, rewards)  # the error naming the critic
+    inputs = AdvantageInputs(rewards.reshape(-1), rewards.shape[-1])
+    return spec.fn(inputs, algo_cfg.advantage_options).reshape(rewards.shape)

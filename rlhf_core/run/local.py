@@ -291,11 +291,7 @@ def run_sync(
     trainer = parts.trainer
     while trainer.step < cfg.trainer.total_steps:
         metrics = lockstep_step(parts)
-        if (
-            cfg.eval.every
-            and trainer.step % cfg.eval.every == 0
-            and trainer.step < cfg.trainer.total_steps
-        ):
+        if cfg.eval.every and trainer.step % cfg.eval.every == 0 and trainer.step < cfg.trainer.total_steps:
             metrics.update(evaluate_parts(parts))
         parts.history.append(metrics)
         if on_step:

@@ -16,9 +16,8 @@ from typing import Optional
 import torch
 
 from rlhf_core.algorithms import (
-    STEP_MASK_LOSSES,
+    AdvantageInputs,
     advantages_from_config,
-    compute_gae_advantages,
     compute_policy_loss,
     global_normalisers,
     kl_penalty,
@@ -279,11 +278,12 @@ class Trainer:
         return full & ~torch.isin(last, self.stop_ids.to(last.device))
 
     def gae_advantages(self, batch: RolloutBatch, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
-        """(advantages [N, L], returns [N, L], values [N, L]) by GAE with the current critic's values.
+        """(advantages [N, L], returns [N, L], values [N, L]) by the estimator with a critic (algorithm.advantage
+        'gae', `AdvantageInputs`) from the current critic's values.
 
         The sequence reward sits on the last response token; with algorithm.kl_in_reward every token also
         gets -kl_coef x KL(behaviour || reference) (kl_estimator, per token). Advantages are whitened over
-        the step's valid tokens when algorithm.whiten_advantages. Sharded: the values are gathered from the
+        the step's valid tokens when algorithm.advantage_options.whiten. Sharded: the values are gathered from the
         ranks (`Critic.values`), so every rank computes the same whole-batch advantages."""
         values = self.critic.values(batch)
         token_rewards = torch.zeros_like(values)
@@ -296,9 +296,10 @@ class Trainer:
             kl = torch.where(mask.bool(), kl, torch.zeros_like(kl))
             token_rewards = token_rewards - self.algo.kl_coef * kl
             extra["reward/kl_penalty"] = float(kl.sum() / mask.sum().clamp(min=1))
-        advantages, returns = compute_gae_advantages(
-            token_rewards, values, mask, self.algo.gamma, self.algo.lam, whiten=self.algo.whiten_advantages
+        inputs = AdvantageInputs(
+            batch.rewards.float(), self.cfg.rollout.samples_per_prompt, mask, values, token_rewards
         )
+        advantages, returns = self.algo.advantage_spec.fn(inputs, self.algo.advantage_options)
         return advantages, returns, {"values": values, **extra}
 
     # ------------------------------------------------------------------ step
@@ -385,7 +386,7 @@ class Trainer:
         total_tokens = step_mask.sum().clamp(min=1)
         loss_kwargs: dict = {"norm_len": self.cfg.rollout.max_new_tokens, "global_norm": global_normalisers(step_mask)}
         keep = None
-        if self.algo.loss in STEP_MASK_LOSSES and (len(micro) > 1 or size > 1):
+        if self.algo.loss_spec.step_mask is not None and (len(micro) > 1 or size > 1):
             # One micro-batch is the whole step: the loss then computes its mask from its own rows.
             with torch.no_grad():
                 current = torch.cat([self._logprobs(self.model, batch, idx)[0] for idx in micro])
