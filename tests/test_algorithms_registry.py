@@ -28,7 +28,7 @@ from rlhf_core.algorithms import (
     register_policy_loss,
 )
 from rlhf_core.algorithms.options import FLAT_KEYS
-from rlhf_core.config import AlgorithmConfig, ConfigError, load_config, validate_config
+from rlhf_core.config import AlgorithmConfig, ConfigError, load_config, read_config_file, validate_config
 from rlhf_core.data import collate_prompts
 from rlhf_core.rollout import HFEngine, SamplingParams
 from rlhf_core.trainer import Trainer, sequence_logprobs
@@ -187,7 +187,7 @@ def _flat(algorithm: dict) -> dict:
 @pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_config_loads_and_so_does_its_old_flat_form(path, tmp_path):
     new = load_config(path)
-    data = yaml.safe_load(path.read_text())
+    data = read_config_file(path)  # with its base: merged in
     data["algorithm"] = _flat(data["algorithm"])
     old_path = tmp_path / path.name
     old_path.write_text(yaml.safe_dump(data))
