@@ -294,7 +294,7 @@ def _prefect_location(flow_run_id: Optional[str], temporary_api: bool = False) -
 def _train_summary(
     cfg: TrainConfig, state, result: Optional[dict], flow_run_id: Optional[str], temporary_api: bool = False
 ) -> str:
-    from tasks.mlflow_client import resolve_tracking_uri, ui_command
+    from tracking import resolve_tracking_uri, ui_command
 
     where, see = _prefect_location(flow_run_id, temporary_api)
     uri = (result or {}).get("mlflow_tracking_uri") or resolve_tracking_uri(cfg)
@@ -372,8 +372,8 @@ def cmd_sweep(
             while_starting=lambda: importlib.import_module("flows.sweep"), progress=_startup_line
         ) as temporary_api:
             from flows.sweep import sweep
-            from tasks.mlflow_client import ui_command
-            from tasks.mlflow_client.sweep_comparison import table_markdown
+            from tracking import ui_command
+            from tracking.sweep_comparison import table_markdown
 
             _quiet_terminal()
             try:

@@ -18,7 +18,7 @@ from typing import Optional
 from rlhf_core.checkpoint import inspect_path
 from rlhf_core.config import ConfigError, TrainConfig, load_config
 from rlhf_core.policy_eval import evaluate_policy, policy_to_evaluate
-from tasks.mlflow_client import download_logged_policy, looks_like_run_id, resolve_tracking_uri
+from tracking import download_logged_policy, looks_like_run_id, resolve_tracking_uri
 
 
 @dataclass

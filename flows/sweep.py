@@ -26,9 +26,9 @@ from flows.train import train
 from rlhf_core.config import ConfigError, TrainConfig, validate_config
 from rlhf_core.sweep_grid import SweepPoint, check_grid, expand_grid, point_config, seed_list
 from rlhf_core.sweep_grid import sweep_id as make_sweep_id
-from tasks.mlflow_client.sweep_record import point_tags
 from tasks.sweep import compare_points, open_sweep_record, publish_comparison
 from tasks.tracking import link_mlflow_run
+from tracking.sweep_record import point_tags
 
 
 @flow(name="atrlhf-sweep", validate_parameters=False, log_prints=True)

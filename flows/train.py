@@ -48,9 +48,9 @@ from tasks.cluster import (
     trainer_loop,
     warm_start_policy,
 )
-from tasks.mlflow_client import MlflowTracker, run_url, ui_command
-from tasks.mlflow_client.traces import trace_evaluation
 from tasks.tracking import link_mlflow_run, log_model, log_plots, start_tracking
+from tracking import MlflowTracker, run_url, ui_command
+from tracking.traces import trace_evaluation
 
 CANCEL_CHECK_INTERVAL_S = 1.0
 HEARTBEAT_S = 30.0
@@ -419,7 +419,7 @@ def _summary_markdown(cfg: TrainConfig, result: dict, tracker: MlflowTracker) ->
     ]
     if cfg.tracking.log_model:
         lines.append(
-            f"- Load the logged model: `from tasks.mlflow_client import load_logged_policy; "
+            f"- Load the logged model: `from tracking import load_logged_policy; "
             f'model, tok = load_logged_policy("{tracker.run_id}", "{tracker.uri}")`'
         )
     return "\n".join(lines) + "\n"

@@ -3,7 +3,7 @@
 `expand_grid` says what the points are, `sweep_id` names the sweep (a hash: a rerun with the same base
 config, grid and seeds finds the same sweep), `point_config` gives a point's config (its own output
 directory and run name). Plain Python on the config: no Prefect, no MLflow (flows/sweep.py runs the
-points; tasks/mlflow_client records them).
+points; tracking/ records them).
 """
 
 from __future__ import annotations

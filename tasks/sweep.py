@@ -15,8 +15,8 @@ from prefect.cache_policies import NO_CACHE
 
 from rlhf_core.config import TrainConfig
 from rlhf_core.sweep_grid import SweepPoint
-from tasks.mlflow_client.runs import run_url, ui_command
-from tasks.mlflow_client.sweep_comparison import (
+from tracking.runs import run_url, ui_command
+from tracking.sweep_comparison import (
     ChildHistory,
     comparison_plot,
     comparison_row,
@@ -25,7 +25,7 @@ from tasks.mlflow_client.sweep_comparison import (
     table_csv,
     table_markdown,
 )
-from tasks.mlflow_client.sweep_record import SweepRecord, plot_name
+from tracking.sweep_record import SweepRecord, plot_name
 
 
 @task(name="open-mlflow-sweep-run", cache_policy=NO_CACHE, persist_result=False)

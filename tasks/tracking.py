@@ -14,8 +14,8 @@ from prefect.artifacts import create_link_artifact
 from prefect.cache_policies import NO_CACHE
 
 from rlhf_core.config import TrainConfig
-from tasks.mlflow_client import artifacts, plots
-from tasks.mlflow_client.runs import MlflowTracker, run_url, ui_command
+from tracking import artifacts, plots
+from tracking.runs import MlflowTracker, run_url, ui_command
 
 
 @task(name="start-mlflow-run", cache_policy=NO_CACHE, persist_result=False)

@@ -25,7 +25,7 @@ from prefect.client.orchestration import get_client  # noqa: E402
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId  # noqa: E402
 
 from flows.cli import main as cli_main  # noqa: E402
-from tasks.mlflow_client import mlflow_metric_name  # noqa: E402
+from tracking import mlflow_metric_name  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

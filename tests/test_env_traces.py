@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from tasks.mlflow_client.traces import EVAL_TRAJECTORIES, trace_evaluation
+from tracking.traces import EVAL_TRAJECTORIES, trace_evaluation
 
 RECORD = {
     "row": {"question": "2 + 3?", "answer": "5"},

@@ -36,7 +36,7 @@ from safetensors.torch import load_file  # noqa: E402
 from flows.cli import main as cli_main  # noqa: E402
 from flows.train import train  # noqa: E402
 from rlhf_core.config import flatten_config, load_config  # noqa: E402
-from tasks.mlflow_client import load_logged_policy  # noqa: E402
+from tracking import load_logged_policy  # noqa: E402
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("rlhf_core", "flows", "tasks")
+PACKAGES = ("rlhf_core", "flows", "tasks", "tracking")
 
 
 def _modules() -> dict[str, Path]:

@@ -18,7 +18,7 @@ import pytest
 
 from flows.lifecycle import RunResources, sigterm_kept
 from rlhf_core.config import load_config
-from tasks.mlflow_client import MlflowTracker
+from tracking import MlflowTracker
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -54,8 +54,8 @@ def test_evaluate_an_mlflow_run_id_uses_the_logged_models_config_and_names_the_r
     """`atrlhf evaluate --checkpoint <MLflow run id>` scores on the run's own task (the train_config.yaml its
     logged model holds, as a local path does) and names the run id, not a temporary download directory."""
     from rlhf_core.build import export_run_policy
-    from tasks.mlflow_client import MlflowTracker
-    from tasks.mlflow_client.artifacts import log_model
+    from tracking import MlflowTracker
+    from tracking.artifacts import log_model
 
     uri = f"sqlite:///{mlflow_db}"
     cfg = load_config(

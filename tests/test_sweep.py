@@ -1,4 +1,4 @@
-"""Sweeps (flows/sweep.py, tasks/sweep.py, rlhf_core/sweep_grid.py, tasks/mlflow_client/sweep_*.py,
+"""Sweeps (flows/sweep.py, tasks/sweep.py, rlhf_core/sweep_grid.py, tracking/sweep_*.py,
 `atrlhf sweep`): grid parsing, points, ids, per-point configs, the comparison table and plot; and, slow, a
 sweep of the tiny task through the CLI with one bad grid value and a rerun that skips the finished points
 (real Prefect, real local Ray, MLflow on SQLite in a temp dir).
@@ -14,7 +14,7 @@ from flows.cli import main, parse_grid
 from flows.deployment import load_sweep_parameters
 from rlhf_core.config import ConfigError, TrainConfig, load_config, parse_grid_item, validate_config
 from rlhf_core.sweep_grid import SweepPoint, check_grid, expand_grid, point_config, seed_list, sweep_id
-from tasks.mlflow_client.sweep_comparison import (
+from tracking.sweep_comparison import (
     ChildHistory,
     comparison_plot,
     comparison_row,
@@ -23,7 +23,7 @@ from tasks.mlflow_client.sweep_comparison import (
     table_csv,
     table_markdown,
 )
-from tasks.mlflow_client.sweep_record import point_tags
+from tracking.sweep_record import point_tags
 
 SMALL = [
     "trainer.total_steps=4",
@@ -199,8 +199,8 @@ def test_the_sweep_deployment_parameters(tmp_path):
 def test_the_mlflow_parent_is_reopened_and_knows_the_finished_points(tmp_path, mlflow_db):
     """No training: the parent run, children made as a training run makes them (MlflowTracker.start with the
     parent and the point's tags), a failed point recorded by the sweep, and a second attempt."""
-    from tasks.mlflow_client import MlflowTracker
-    from tasks.mlflow_client.sweep_record import SweepRecord
+    from tracking import MlflowTracker
+    from tracking.sweep_record import SweepRecord
 
     base = load_config(
         None, [f"tracking.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}", "tracking.log_system_metrics=false"]

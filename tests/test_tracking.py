@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("mlflow")
 
 from rlhf_core.config import load_config  # noqa: E402
-from tasks.mlflow_client import (  # noqa: E402
+from tracking import (  # noqa: E402
     EXPERIMENT_KIND,
     EXPERIMENT_KIND_TAG,
     LOGGED_MODEL_NAME,
@@ -19,7 +19,7 @@ from tasks.mlflow_client import (  # noqa: E402
     load_logged_policy,
     log_checkpoint,
 )
-from tasks.mlflow_client.artifacts import log_model  # noqa: E402
+from tracking.artifacts import log_model  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +57,8 @@ def test_experiment_is_tagged_for_model_training_and_run_takes_the_flow_run_name
 
 def test_an_existing_untagged_experiment_gets_the_tag_but_a_chosen_kind_stays(store):
     cfg = tracking_cfg(store, "old")
-    from tasks.mlflow_client import client as mlflow_client
-    from tasks.mlflow_client import resolve_tracking_uri
+    from tracking import client as mlflow_client
+    from tracking import resolve_tracking_uri
 
     client = mlflow_client(resolve_tracking_uri(cfg))
     client.create_experiment("old")
@@ -112,7 +112,7 @@ def test_a_run_of_an_earlier_version_with_a_model_artifact_still_loads(store, ti
 def test_a_half_uploaded_checkpoint_is_skipped_and_a_dead_parent_is_marked(store, tmp_path):
     """kill -9 during an upload leaves a checkpoint without its COMPLETE marker and the run RUNNING: resume
     takes the newest complete checkpoint, and the new run names its parent, which is marked FAILED."""
-    from tasks.mlflow_client import RESUMED_FROM_RUN, RESUMED_FROM_STEP, latest_checkpoint_artifact
+    from tracking import RESUMED_FROM_RUN, RESUMED_FROM_STEP, latest_checkpoint_artifact
 
     cfg = tracking_cfg(store, "lineage")
     parent = MlflowTracker.start(cfg)
@@ -177,7 +177,7 @@ def test_keep_checkpoints_bounds_disk_and_mlflow_and_resume_still_finds_a_comple
     already wrote is left for its own turn, a newer upload without its marker is not taken for a checkpoint,
     and resume by run id downloads the newest complete one."""
     from rlhf_core.checkpoint import prune_checkpoints
-    from tasks.mlflow_client import download_artifact, latest_checkpoint_artifact, prune_checkpoint_artifacts
+    from tracking import download_artifact, latest_checkpoint_artifact, prune_checkpoint_artifacts
 
     assert load_config(None, []).checkpoint.keep == 3  # the default: a few
     tracker = MlflowTracker.start(tracking_cfg(store, "retention", "checkpoint.keep=2"))
@@ -220,7 +220,7 @@ def test_what_the_mlflow_ui_shows_reads(store):
     """A sweep's child lists no per-run params (run.name, run.output_dir, tracking.run_name: tags instead), a run
     carries `resumed_from` only when it resumed, and a constant learning rate of 3e-4 also goes as
     policy/lr_micro = 300 (MLflow draws a constant series on value ± 1: 3e-4 reads as a flat 0)."""
-    from tasks.mlflow_client.plots import log_plots
+    from tracking.plots import log_plots
 
     parent = MlflowTracker.start(tracking_cfg(store, "ui"), tags={"resumed_from": ""})
     cfg = tracking_cfg(store, "ui", "run.name=point-a", "run.output_dir=/tmp/sweep-x/point-a", "tracking.run_name=x/a")

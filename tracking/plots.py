@@ -7,7 +7,7 @@ import base64
 import io
 from dataclasses import dataclass
 
-from tasks.mlflow_client.runs import MlflowTracker
+from tracking.runs import MlflowTracker
 
 
 @dataclass

@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 from rlhf_core.config import TrainConfig
 from rlhf_core.sweep_grid import SEED_KEY, SweepPoint, value_text
-from tasks.mlflow_client.runs import (
+from tracking.runs import (
     MLFLOW_PARENT_RUN,
     PARAM_VALUE_MAX,
     client,

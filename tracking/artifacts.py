@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
-from tasks.mlflow_client.runs import MlflowTracker, client, quiet_mlflow_env
+from tracking.runs import MlflowTracker, client, quiet_mlflow_env
 
 MODEL_ARTIFACT_PATH = "model"  # where runs of earlier versions also copied the policy; still read
 LOGGED_MODEL_NAME = "policy"
@@ -109,7 +109,7 @@ def log_model(tracker: MlflowTracker, export_dir: str | Path, step: Optional[int
     Returns the model's URI, models:/<id>; the id is also the run tag `model.id`."""
     from mlflow.entities import LoggedModelOutput, LoggedModelStatus
 
-    load = f"tasks.mlflow_client.load_logged_policy('{tracker.run_id}')"
+    load = f"tracking.load_logged_policy('{tracker.run_id}')"
     model = tracker.client.create_logged_model(
         experiment_id=tracker.experiment_id,
         name=LOGGED_MODEL_NAME,

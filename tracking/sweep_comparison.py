@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from rlhf_core.sweep_grid import SEED_KEY, SweepPoint
-from tasks.mlflow_client.sweep_record import SweepRecord
+from tracking.sweep_record import SweepRecord
 
 TIME_TO_TARGET = "time to target (s)"
 NOT_REACHED = "not reached"  # a point's time to target when no evaluation reached it
