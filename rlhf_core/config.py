@@ -371,10 +371,22 @@ class EnvConfig(_Section):
     kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the class's __init__.")
     max_turns: int = Field(4, ge=1, description="Most model turns per trajectory; the trajectory ends after it.")
     step_timeout_s: float = Field(
-        30.0, gt=0, description="Longest one reset or step (and one tool call) may run; past it the trajectory fails."
+        30.0,
+        gt=0,
+        description="Longest one reset, step, finish or close (and one tool call) may run; past it the trajectory "
+        "fails.",
     )
     max_consecutive_failures: int = Field(
-        20, ge=1, description="Stop the run when this many environment steps in a row raise or time out."
+        20,
+        ge=1,
+        description="Stop the run when this many environment calls in a row fail (raise, time out, return something "
+        "malformed, or die with their process); a successful step clears the count, a successful reset does not.",
+    )
+    max_observation_chars: int = Field(
+        100_000,
+        ge=1,
+        description="Most characters of one observation (or of reset's opening), its messages' contents together; "
+        "a larger one fails its trajectory.",
     )
     observation_role: str = Field(
         "user", min_length=1, description="Chat role of an observation the environment returns as a plain string."

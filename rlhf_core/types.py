@@ -72,6 +72,9 @@ class RolloutBatch:
                        between them, which response_mask still covers as attended context).
     token_versions:    LongTensor [N, L] or None: the version of the weights that produced each response token
                        (padding: the row's policy_version). None: every token is of the row's policy_version.
+    truncated:         BoolTensor [N] or None: rows known to be cut before their end (multi-turn: by
+                       env.max_turns or rollout.max_total_tokens), which algorithm.mask_truncated masks besides
+                       the rows cut at rollout.max_new_tokens. None: none known.
     """
 
     prompt_ids: torch.Tensor
@@ -87,6 +90,7 @@ class RolloutBatch:
     reward_components: Optional[torch.Tensor] = None
     loss_mask: Optional[torch.Tensor] = None
     token_versions: Optional[torch.Tensor] = None
+    truncated: Optional[torch.Tensor] = None
 
     @property
     def trained_mask(self) -> torch.Tensor:
@@ -191,6 +195,11 @@ def cat_rollouts(batches: list[RolloutBatch], pad_token_id: int) -> RolloutBatch
         token_versions=(
             torch.cat([pad_to(b.versions_per_token(), L, 0) for b in batches], 0)
             if any(b.token_versions is not None for b in batches)
+            else None
+        ),
+        truncated=(
+            torch.cat([b.truncated if b.truncated is not None else b.response_lengths < 0 for b in batches], 0)
+            if any(b.truncated is not None for b in batches)
             else None
         ),
     )

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import random
+import sys
 import time
 from pathlib import Path
 
@@ -81,6 +84,124 @@ class MarkerEnv:
             (self.dir / f"done-{id(self)}").write_text("x")
             return None, 1.0, True, {}
         return "again", 0.0, False, {}
+
+
+class ChaosEnv:
+    """Fails at random, seeded per episode (seed, the row's problem, the instance's number in its process). At
+    each step, with probability `crash` it kills its process (os._exit), `raises` it raises, `hang` it sleeps
+    `hang_s` (past env.step_timeout_s), `bad` it returns a non-string observation; else 'turn <t>', reward 1,
+    done after `turns` steps. finish(reason) gives `finish_reward` when set. Every event is appended to
+    <dir>/<pid>.log as '<event> <instance>' (open, step, crash, raise, hang, bad, finish-<reason>, close; a
+    second close of an instance writes close-again)."""
+
+    made = 0  # instances made in this process
+
+    def __init__(self, dir: str, seed: int = 0, crash=0.0, raises=0.0, hang=0.0, bad=0.0, hang_s=1.0, turns=3, **kw):
+        ChaosEnv.made += 1
+        self.n, self.uid = ChaosEnv.made, f"{os.getpid()}-{ChaosEnv.made}"
+        self.dir, self.seed, self.turns, self.hang_s = Path(dir), seed, turns, hang_s
+        self.rates = (crash, raises, hang, bad)
+        self.finish_reward = kw.get("finish_reward")
+        self.t, self.closed = 0, False
+        self.rng = random.Random(0)
+
+    def log(self, event: str) -> None:
+        fd = os.open(self.dir / f"{os.getpid()}.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        try:
+            os.write(fd, f"{event} {self.uid}\n".encode())
+        finally:
+            os.close(fd)
+
+    def reset(self, row):
+        self.log("open")
+        self.rng = random.Random(f"{self.seed}:{row.get('problem', row.get('answer'))}:{self.n}")
+        return row["prompt"]
+
+    def step(self, action):
+        self.t += 1
+        self.log("step")
+        u = self.rng.random()
+        crash, raises, hang, bad = self.rates
+        if u < crash:
+            self.log("crash")
+            os._exit(17)
+        if u < crash + raises:
+            self.log("raise")
+            raise ValueError(f"injected failure at step {self.t}")
+        if u < crash + raises + hang:
+            self.log("hang")
+            time.sleep(self.hang_s)
+        elif u < crash + raises + hang + bad:
+            self.log("bad")
+            return [{"role": "user", "content": 42}], 0.0, False, {}
+        return f"turn {self.t}", 1.0, self.t >= self.turns, {}
+
+    def finish(self, reason):
+        self.log(f"finish-{reason}")
+        return self.finish_reward
+
+    def close(self):
+        self.log("close-again" if self.closed else "close")
+        self.closed = True
+
+
+class CrashOnceEnv(ChaosEnv):
+    """The first instance (in any process) to take a step waits until the other instances of its process have
+    taken `others` steps, then kills its process; once (the file <dir>/crashed says it happened). Its step is a
+    coroutine, as are the others' (which never wait): when it kills the process no other call is running."""
+
+    def __init__(self, dir: str, others: int = 3, **kwargs):
+        super().__init__(dir, **kwargs)
+        self.others = others
+
+    async def step(self, action):
+        if self.t == 0:
+            try:
+                os.close(os.open(self.dir / "crashed", os.O_CREAT | os.O_EXCL))
+            except FileExistsError:
+                pass
+            else:
+                log = self.dir / f"{os.getpid()}.log"
+                while log.read_text().count("step ") < self.others:
+                    await asyncio.sleep(0.005)
+                self.log("crash")
+                os._exit(17)
+        return ChaosEnv.step(self, action)
+
+
+class BadValuesEnv:
+    """Returns, for the row whose answer is `k`, the k-th malformed value below (the last one is well formed)."""
+
+    def __init__(self):
+        self.k = 0
+
+    def reset(self, row):
+        self.k = int(row["answer"])
+        return 42 if self.k == 9 else row["prompt"]
+
+    def step(self, action):
+        return [
+            ([{"role": "user", "content": 42}], 0.0, False, {}),
+            ("obs", float("nan"), False, {}),
+            ("obs", 0.0, "yes", {}),
+            ("obs", 0.0, False, "info"),
+            ("x" * 51, 0.0, False, {}),
+            (None, 1.0, True, {"success": "False"}),
+            ([{"content": "hi"}], 0.0, False, {}),
+            ("obs", 0.0, False, {"tool_calls": "two"}),
+            (None, 1.0, True, {"success": True}),
+        ][self.k]
+
+
+class RowEnv:
+    """Shows the row reset got (info['row'] at its one step) and whether its process imported torch."""
+
+    def reset(self, row):
+        self.row = row
+        return row["prompt"]
+
+    def step(self, action):
+        return None, 0.0, True, {"row": self.row, "torch": "torch" in sys.modules}
 
 
 class NoStep:

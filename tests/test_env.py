@@ -334,13 +334,14 @@ def test_a_step_that_raises_ends_the_trajectory_and_counts(chat):
     runner, trajs = run_env(chat, "CountEnv", kwargs={"turns": 3, "fail_at": 2})
     for t in trajs:
         assert t.error.startswith("step: ValueError: boom at step 2 (at ") and "env_fixtures.py" in t.error
-        assert t.turns == 2
-    assert runner.errors == 2
+        assert t.turns == 2 and t.error_kind == "raised"
+    assert runner.errors == 2 and runner.metrics()["env/errors/raised"] == 2
 
 
 def test_a_step_past_its_timeout_fails_sync_and_async(chat):
     runner, trajs = run_env(chat, "CountEnv", kwargs={"sleep": 5}, step_timeout_s=0.5)
     assert all("timed out after 0.5 s (env.step_timeout_s)" in t.error for t in trajs)
+    assert runner.metrics()["env/errors/timeout"] == 2
     runner, trajs = run_env(chat, "AsyncSleepEnv", kwargs={"sleep": 5}, step_timeout_s=0.5)
     assert all("timed out after 0.5 s (env.step_timeout_s)" in t.error for t in trajs)
     # a fast coroutine env with the row's own prompt: completes
@@ -349,21 +350,29 @@ def test_a_step_past_its_timeout_fails_sync_and_async(chat):
 
 
 def test_an_env_that_blocks_its_process_is_killed_and_replaced(chat, monkeypatch):
+    """Both episodes share one process; the first step blocks its event loop, so the second's never starts: the
+    first fails (timeout), the second starts again from reset in the new process, and blocks that one too."""
     import rlhf_core.env.pool as pool
 
     monkeypatch.setattr(pool, "KILL_GRACE_S", 0.5)
     runner, trajs = run_env(chat, "BlockingEnv", step_timeout_s=0.5)
-    assert all("killed and replaced" in t.error for t in trajs)
-    assert runner.pool.replaced == 1
+    assert all("killed and replaced" in t.error and t.error_kind == "timeout" for t in trajs)
+    assert sorted(t.restarts for t in trajs) == [0, 1]
+    assert runner.pool.replaced == 2
+    assert runner.metrics()["env/errors/timeout"] == 2 and runner.metrics()["env/process_restarts"] == 2
 
 
 def test_a_bad_step_result_names_what_is_wrong(chat):
     _, trajs = run_env(chat, "BadResultEnv")
-    assert all("step's reward is 'not a number', not a number" in t.error for t in trajs)
+    assert all("step's reward is 'not a number' (str), not a number" in t.error for t in trajs)
+    assert all(t.error_kind == "bad_result" for t in trajs)
 
 
 def test_consecutive_failures_stop_the_run_with_the_envs_error(chat):
-    with pytest.raises(EnvError, match=r"failed 3 steps in a row \(env.max_consecutive_failures=3\): step: ValueError"):
+    with pytest.raises(
+        EnvError,
+        match=r"failed 3 calls in a row \(env.max_consecutive_failures=3\); the last \(raised\): step: ValueError",
+    ):
         run_env(chat, "CountEnv", n=2, kwargs={"fail_at": 1}, max_consecutive_failures=3)
 
 

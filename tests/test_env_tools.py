@@ -41,6 +41,11 @@ def test_parse_tool_calls():
     calls, errors = parse_tool_calls("<tool_call>{nope</tool_call><tool_call>[1]</tool_call>")
     assert not calls and len(errors) == 2 and "is not JSON" in errors[0] and "has no string 'name'" in errors[1]
     assert parse_tool_calls("The answer is 5") == ([], [])
+    # a <tool_call> never closed is a malformed call, not an answer
+    calls, errors = parse_tool_calls('so <tool_call>{"name": "add", "arguments": {"a": 2}}')
+    assert not calls and errors == [
+        'the tool call \'{"name": "add", "arguments": {"a": 2}}\' is not closed with </tool_call>'
+    ]
 
 
 def test_tool_schemas_from_signature_and_docstring():
@@ -122,6 +127,36 @@ def test_a_tool_call_runs_and_its_result_comes_back_as_a_tool_message(chat_polic
     assert ids == first + obs + second
     assert loss == [True] * len(first) + [False] * len(obs) + [True] * len(second)
     assert "<tool_response>\n5\n</tool_response>" in tok.decode(obs)
+
+
+@pytest.mark.parametrize(
+    "answer, first, then, success, turns",
+    [
+        ("5", "I think it is 15.", "", False, 1),  # a substring test took this for 5
+        ("5", "It is 5.", "", True, 1),
+        ("1000", "It is 1,000 now.", "", True, 1),  # number forms
+        ("Paris", "Parisian, I guess", "", False, 1),  # a word stands alone
+        ("5", '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}', "So 5.", True, 2),  # unclosed: a call
+    ],
+)
+def test_tool_env_success_is_the_answer_matchers_on_the_final_answer(
+    chat_policy_dir, answer, first, then, success, turns
+):
+    """ToolEnv's info["success"]: the project's answer matcher (the contains component) on the final answer, a
+    turn with no <tool_call>; an unclosed <tool_call> gets its error back as a tool message, the episode goes on."""
+    _, tok = load_policy(chat_policy_dir, dtype="float32", device="cpu")
+    stops = stop_token_ids(chat_policy_dir, tok)
+    runner = tool_runner(tok, stops, [(CALCULATOR, "add")], max_turns=3)
+    prompts = prompts_for(tok, 1)
+    prompts[0].answer_text = answer
+    try:
+        (t,) = runner.run(ScriptedEngine(tok, stops, first, then), prompts, 1, SamplingParams(max_new_tokens=256))
+    finally:
+        runner.close()
+    assert t.error is None and t.done and t.turns == turns
+    assert t.success is success and "check_answer" not in t.info
+    if turns == 2:
+        assert "is not closed with </tool_call>" in t.transcript[2].text and t.transcript[2].role == "tool"
 
 
 def test_tool_errors_are_the_models_to_read_and_a_slow_tool_fails_the_step(chat_policy_dir):

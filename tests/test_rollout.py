@@ -743,3 +743,24 @@ def test_an_engine_without_mid_generation_updates_ignores_between_steps(max3_pro
     worker = RolloutWorker(engine, reward, SamplingParams(max_new_tokens=4), 2, tok.pad_token_id)
     batch, _ = worker.rollout(max3_prompts[0][:3], between_steps=lambda: pytest.fail("called"))
     assert len(batch) == 6
+
+
+def test_a_model_whose_cache_rows_cannot_be_edited_falls_back_and_says_so(mixed_length_batch):
+    """A sliding-window model's KV cache cannot have rows dropped and appended: the HF engine generates batch at a
+    time, and its warning says that partial rollouts then adopt weights only between generation calls (the
+    hook is not called within one)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, use_sliding_window=True, sliding_window=4, max_window_layers=0,
+    )  # fmt: skip
+    engine = HFEngine(Qwen2ForCausalLM(cfg), EOS, PAD, seed=0)
+    with pytest.warns(RuntimeWarning, match="partial rollouts") as caught:
+        batch = engine.generate(mixed_length_batch, 2, SamplingParams(max_new_tokens=6), lambda: pytest.fail("called"))
+    (warning,) = [w for w in caught if issubclass(w.category, RuntimeWarning)]
+    text = str(warning.message)
+    assert "rollout.continuous_batching has no effect" in text
+    assert "partial rollouts (rollout.partial_rollout) adopt new weights only between generation calls" in text
+    assert len(batch) == 8 and engine.version == 0

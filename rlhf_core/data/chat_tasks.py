@@ -46,7 +46,8 @@ def build_chat_task(
         out = []
         for uid, i in enumerate(indices):
             a, b, c = problems[int(i)]
-            messages = [{"role": "user", "content": max3_question(a, b, c)}]
+            question = max3_question(a, b, c)
+            messages = [{"role": "user", "content": question}]
             if system_prompt:
                 messages.insert(0, {"role": "system", "content": system_prompt})
             text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -59,6 +60,7 @@ def build_chat_task(
                     text=text,
                     answer_text=answer,
                     meta={"task": task, "problem": int(i)},
+                    prompt_text=question,
                 )
             )
         return out

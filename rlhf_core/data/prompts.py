@@ -27,6 +27,8 @@ class Prompt:
                 extra_info), for reward functions; a JSONL line also its 'line' number.
     messages:   the chat messages rendered (system prompt included) when the row's prompt was a
                 conversation; None for a plain-text prompt.
+    prompt_text: a plain-text prompt as the row wrote it, before any chat template or system prompt ('' for
+                a conversation: see messages); what a multi-turn environment's reset gets as row['prompt'].
     """
 
     uid: int
@@ -36,6 +38,7 @@ class Prompt:
     answer_text: str = ""
     meta: dict = field(default_factory=dict)
     messages: Optional[list[dict]] = None
+    prompt_text: str = ""
 
 
 @dataclass

@@ -181,6 +181,7 @@ def row_to_prompt(
         answer_text=answer,
         meta={**(extra_meta or {}), **{k: v for k, v in row.items() if k != top}},
         messages=rendered if conversational else None,
+        prompt_text="" if conversational else messages[0]["content"],
     )
 
 

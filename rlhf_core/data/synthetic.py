@@ -50,6 +50,7 @@ def build_synthetic_task(
                     text=text,
                     answer_text=answer,
                     meta={"task": task, "problem": int(i)},
+                    prompt_text=text,
                 )
             )
         return out

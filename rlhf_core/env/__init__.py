@@ -8,17 +8,22 @@ instance per trajectory, run in the rollout worker's environment process pool, n
         def reset(self, row: dict) -> list[dict] | str: ...          # the opening messages or prompt
         def step(self, action: str) -> tuple[list[dict] | str | None, float, bool, dict]: ...
                                                                        # (observation, reward, done, info)
+        def finish(self, reason: str) -> float | None: ...             # optional: cut short, a final reward
+        def close(self) -> None: ...                                   # optional: once per episode
 
-`reset` / `step` may be coroutines (awaited). Modules:
+Every method may be a coroutine (awaited). Modules:
   spec.py        find the class (config time: by reading the source) and import it (in the pool)
-  pool.py        EnvPool: spawned processes, many trajectories in flight per process, per-step timeouts
+  checks.py      every value an environment returns, checked where it arrives; the failure kinds
+  serve.py       a pool process: the instances, every call under the timeout, close() once per episode
+  pool.py        EnvPool: spawned processes, many trajectories in flight per process, failure isolation
   chat.py        ChatFormat: messages -> ids through the model's chat template (observations by difference)
   tools.py       ToolEnv: Python functions as tools, Qwen2.5 / Hermes <tool_call> format
-  trajectory.py  EnvRunner: token-in/token-out trajectories -> one RolloutBatch (imports torch)
+  trajectory.py  EnvRunner: token-in/token-out trajectories, how each ends (imports torch)
+  batch.py       trajectories -> RolloutBatch, their env/* metrics (imports torch)
   protocol.py    Environment: the interface above as a typing.Protocol
 
-This package's __init__ imports nothing: the pool's processes import spec.py and pool.py without torch. The
-public names (docs/api.md: `Environment`, `ToolEnv`) load their module on first use.
+This package's __init__ imports nothing: the pool's processes import serve.py, checks.py and spec.py, no torch.
+The public names (docs/api.md: `Environment`, `ToolEnv`) load their module on first use.
 """
 
 from __future__ import annotations

@@ -1,215 +1,68 @@
 """The environment process pool: spawned processes that hold environment instances, one per trajectory,
-many in flight per process. No torch.
+many in flight per process. This is the parent side; serve.py is what runs in a process. No torch.
 
-Each process imports the environment class once, then serves requests on an asyncio event loop:
-`reset` (make an instance with env.kwargs and call its reset(row)), `step` (call its step(action)) and
-`close` (drop it). Every reset and step runs as a task of its own, under `env.step_timeout_s`: a coroutine
-method is awaited, a plain one runs in a thread, so an environment waiting on a slow tool never holds up
-the other trajectories of its process. A call that raises or overruns its timeout answers with an error
-(one line: type, message, file:line). A process that does not answer within the timeout plus a grace (an
-environment that blocks its event loop, or dies) is killed and replaced; its trajectories fail.
+`EnvPool` is driven from one thread: `reset` / `step` / `finish` send a request, `close_episode` ends an episode
+(its instance's close() runs in its process, once), `poll` returns the replies that arrived. Nothing waits
+without a bound.
 
-The parent side (`EnvPool`) is driven from one thread: `reset`/`step`/`close` send, `poll` returns the
-replies that arrived (and failures of overdue requests). Nothing waits without a bound.
+Failure isolation. A failed request fails its trajectory alone: the reply carries the error (one line: type,
+message, file:line) and its kind (checks.ERROR_KINDS: raised, timeout, bad_result, process_died). A process that
+dies, or leaves a request unanswered past its timeout plus a grace (an environment that blocks its event loop),
+is killed and replaced (`replaced`: env/process_restarts):
+
+  - the trajectories whose call was running there when it died fail (process_died); of those it left
+    unanswered, the one whose call blocks it (timeout);
+  - every other trajectory it hosted is lost, not failed: its pending request, or the next one made for it, is
+    answered `EnvReply(restart=True)`, and the runner starts it again from reset (same row). A process that
+    died between calls charges nobody.
 """
 
 from __future__ import annotations
 
-import asyncio
-import inspect
-import math
 import multiprocessing as mp
-import threading
 import time
-import traceback
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import wait as wait_any
-from numbers import Real
 from typing import Any, Optional
+
+from rlhf_core.env.checks import check_step_result  # noqa: F401 (re-exported)
+from rlhf_core.env.serve import MARK_SLOTS, EnvStepTimeout, error_text, serve  # noqa: F401 (re-exported)
 
 START_TIMEOUT_S = 120.0  # a pool process must have imported the environment within this
 KILL_GRACE_S = 5.0  # beyond a request's timeout before its process is killed
-THREADS_PER_PROCESS = 64  # plain (non-async) reset/step calls in flight at once in one process
+DEFAULT_MAX_CHARS = 100_000  # env.max_observation_chars' default
 
 
 class EnvLoadError(RuntimeError):
     """The environment class could not be imported or instantiated in the pool."""
 
 
-class EnvStepTimeout(Exception):
-    pass
-
-
 @dataclass
 class EnvReply:
     """The answer to one request: `value` (reset: messages or a string; step: (observation, reward, done,
-    info)) or `error` (one line)."""
+    info); finish: a float or None), or `error` (one line) with its `kind`, or `restart`: the trajectory's
+    process was lost, start it again from reset."""
 
     eid: int
     op: str
     value: Any = None
     error: Optional[str] = None
+    kind: Optional[str] = None
+    restart: bool = False
 
 
-# ------------------------------------------------------------------------------------------ child side
-def error_text(exc: BaseException) -> str:
-    """'Type: message (at file:line)' of the innermost frame outside this package, one line."""
-    if isinstance(exc, EnvStepTimeout):
-        text = str(exc)
-    else:
-        text = "".join(traceback.format_exception_only(type(exc), exc)).strip().replace("\n", " ")
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "/rlhf_core/env/pool.py" not in f.filename]
-    if frames:
-        text += f" (at {frames[-1].filename}:{frames[-1].lineno})"
-    return text
-
-
-def _check_messages(value, what: str):
-    if isinstance(value, str):
-        return value
-    if isinstance(value, (list, tuple)) and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m for m in value
-    ):
-        return [dict(m) for m in value]
-    raise TypeError(f"{what} is {str(value)[:80]!r}: expected a string or a list of {{'role', 'content'}} messages")
-
-
-def check_step_result(result) -> tuple:
-    """(observation, reward, done, info) with observation None/str/messages, reward a finite float, done a
-    bool, info a dict; TypeError naming what is wrong otherwise."""
-    if not isinstance(result, tuple) or len(result) != 4:
-        raise TypeError(
-            f"step returned {type(result).__name__} {str(result)[:80]!r}: expected a tuple "
-            "(observation, reward, done, info)"
-        )
-    observation, reward, done, info = result
-    if observation is not None:
-        observation = _check_messages(observation, "step's observation")
-    if not (isinstance(reward, Real) or (hasattr(reward, "item") and callable(reward.item))) or isinstance(
-        reward, bool
-    ):
-        raise TypeError(f"step's reward is {reward!r}, not a number")
-    reward = float(reward)
-    if not math.isfinite(reward):
-        raise TypeError(f"step's reward is {reward!r}, not a finite number")
-    if info is None:
-        info = {}
-    if not isinstance(info, dict):
-        raise TypeError(f"step's info is {type(info).__name__}, not a dict")
-    return observation, reward, bool(done), info
-
-
-async def _call(loop, executor, fn, arg, timeout_s: float):
-    """fn(arg) under the timeout: awaited when it is a coroutine function, else run in a thread (a thread that
-    overruns is left to finish on its own: Python cannot stop it)."""
-    deadline = time.monotonic() + timeout_s
-    try:
-        if inspect.iscoroutinefunction(fn):
-            return await asyncio.wait_for(fn(arg), timeout_s)
-        result = await asyncio.wait_for(loop.run_in_executor(executor, fn, arg), timeout_s)
-        if inspect.isawaitable(result):
-            result = await asyncio.wait_for(result, max(0.0, deadline - time.monotonic()))
-        return result
-    except asyncio.TimeoutError:
-        name = getattr(fn, "__qualname__", getattr(fn, "__name__", "call"))
-        raise EnvStepTimeout(f"{name} timed out after {timeout_s:g} s (env.step_timeout_s)") from None
-
-
-def _serve(conn, path: str, name: str, kwargs: dict, timeout_s: float) -> None:
-    from rlhf_core.env.spec import load_env_class
-
-    try:
-        cls = load_env_class(path, name, "env")
-    except BaseException as exc:  # noqa: BLE001 - the user's module may raise anything at import
-        text = (
-            str(exc) if isinstance(exc, ValueError) else f"env: importing {name} from {path} failed: {error_text(exc)}"
-        )
-        conn.send(("load_error", text))
-        return
-    conn.send(("ready",))
-    try:
-        asyncio.run(_main(conn, cls, kwargs, timeout_s))
-    except KeyboardInterrupt:
-        pass
-
-
-async def _main(conn, cls, kwargs: dict, timeout_s: float) -> None:
-    loop = asyncio.get_running_loop()
-    executor = ThreadPoolExecutor(THREADS_PER_PROCESS, thread_name_prefix="env")
-    inbox: asyncio.Queue = asyncio.Queue()
-
-    def reader() -> None:
-        while True:
-            try:
-                message = conn.recv()
-            except (EOFError, OSError):  # the owner is gone
-                message = None
-            loop.call_soon_threadsafe(inbox.put_nowait, message)
-            if message is None:
-                return
-
-    threading.Thread(target=reader, daemon=True).start()
-    envs: dict[int, Any] = {}
-    tasks: set = set()
-
-    def send(message) -> None:
-        try:
-            conn.send(message)
-        except (OSError, ValueError):
-            pass
-        except Exception as exc:  # noqa: BLE001 - an unpicklable observation or info
-            conn.send(("error", message[1], message[2], f"its result cannot be sent between processes: {exc}"))
-
-    async def handle(op: str, eid: int, payload) -> None:
-        try:
-            if op == "reset":
-                env = await _call(loop, executor, lambda kw: cls(**kw), kwargs, timeout_s)
-                envs[eid] = env
-                value = _check_messages(await _call(loop, executor, env.reset, payload, timeout_s), "reset's result")
-            else:
-                env = envs.get(eid)
-                if env is None:
-                    raise RuntimeError(f"no environment for trajectory {eid} (it failed or was closed)")
-                value = check_step_result(await _call(loop, executor, env.step, payload, timeout_s))
-            send(("ok", eid, op, value))
-        except Exception as exc:  # noqa: BLE001 - the environment may raise anything: the trajectory fails
-            envs.pop(eid, None)
-            send(("error", eid, op, error_text(exc)))
-
-    while True:
-        message = await inbox.get()
-        if message is None:
-            break
-        op, eid, payload = message
-        if op == "close":
-            env = envs.pop(eid, None)
-            if env is not None and callable(getattr(env, "close", None)):
-                try:
-                    result = env.close()
-                    if inspect.isawaitable(result):
-                        await asyncio.wait_for(result, timeout_s)
-                except Exception:  # noqa: BLE001, S110 - closing is best effort
-                    pass
-            continue
-        task = asyncio.create_task(handle(op, eid, payload))
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
-    for task in tasks:
-        task.cancel()
-    executor.shutdown(wait=False, cancel_futures=True)
-
-
-# ----------------------------------------------------------------------------------------- parent side
 class _Slot:
     def __init__(self, ctx, spec: tuple):
         self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_serve, args=(child, *spec), daemon=True)
+        self.marks = ctx.RawArray("q", MARK_SLOTS)  # eid + 1 of each call running in the process (serve.py)
+        self.process = ctx.Process(target=serve, args=(child, self.marks, *spec), daemon=True)
         self.process.start()
         child.close()
-        self.ready = False
         self.pending: dict[int, tuple[str, float]] = {}  # eid -> (op, deadline) of requests in flight
         self.episodes: set[int] = set()
+
+    def running(self) -> set[int]:
+        return {int(v) - 1 for v in self.marks if v}
 
     def kill(self) -> None:
         if self.process.is_alive():
@@ -219,18 +72,24 @@ class _Slot:
 
 
 class EnvPool:
-    """`workers` spawned processes serving environment `name` from `path` (kwargs for each instance).
+    """`workers` spawned processes serving environment `name` from `path` (kwargs for each instance), every
+    call under `timeout_s`, observations within `max_chars` characters.
 
-    Trajectory `eid` lives in one process from its `reset` to its `close`; `poll` gives back replies."""
+    Trajectory `eid` lives in one process from its `reset` to its `close_episode`; `poll` gives back replies.
+    `has_finish`: whether the class defines finish(reason)."""
 
-    def __init__(self, path: str, name: str, kwargs: dict, workers: int, timeout_s: float):
-        self.spec = (path, name, dict(kwargs), float(timeout_s))
+    def __init__(
+        self, path: str, name: str, kwargs: dict, workers: int, timeout_s: float, max_chars: int = DEFAULT_MAX_CHARS
+    ):
+        self.spec = (path, name, dict(kwargs), float(timeout_s), int(max_chars))
         self.timeout_s = float(timeout_s)
         self.ctx = mp.get_context("spawn")
         self.replaced = 0
+        self.has_finish = False
         self.slots = [_Slot(self.ctx, self.spec) for _ in range(workers)]
         self.where: dict[int, int] = {}  # eid -> slot index
-        self.failed: list[EnvReply] = []  # replies made here (lost processes), handed out by the next poll
+        self.lost: set[int] = set()  # trajectories whose process was replaced: their next request restarts them
+        self.failed: list[EnvReply] = []  # replies made here, handed out by the next poll
         deadline = time.monotonic() + START_TIMEOUT_S
         for slot in self.slots:
             self._await_ready(slot, deadline)
@@ -249,11 +108,12 @@ class EnvPool:
         if message[0] == "load_error":
             self.close()
             raise EnvLoadError(message[1])
-        slot.ready = True
+        self.has_finish = bool(message[1])
 
     # ------------------------------------------------------------------ requests
     def reset(self, eid: int, row: dict) -> None:
         """Make trajectory `eid`'s environment (in the least loaded process) and reset it with `row`."""
+        self.lost.discard(eid)
         i = min(range(len(self.slots)), key=lambda k: len(self.slots[k].episodes))
         self.where[eid] = i
         self.slots[i].episodes.add(eid)
@@ -262,7 +122,13 @@ class EnvPool:
     def step(self, eid: int, action: str) -> None:
         self._send(eid, "step", action)
 
+    def finish(self, eid: int, reason: str) -> None:
+        """Ask an episode cut short (reason: 'max_turns' or 'max_total_tokens') for its final reward."""
+        self._send(eid, "finish", reason)
+
     def close_episode(self, eid: int) -> None:
+        """End trajectory `eid`: its instance's close() runs in its process (once; nothing when it is gone)."""
+        self.lost.discard(eid)
         i = self.where.pop(eid, None)
         if i is None:
             return
@@ -275,27 +141,32 @@ class EnvPool:
             pass
 
     def _send(self, eid: int, op: str, payload) -> None:
+        if eid in self.lost:
+            self.lost.discard(eid)
+            self.failed.append(EnvReply(eid, op, restart=True))
+            return
         i = self.where.get(eid)
         if i is None:
-            self.failed.append(EnvReply(eid, op, error="its environment process was lost"))
+            self.failed.append(EnvReply(eid, op, error="no environment for this trajectory (it ended)", kind="raised"))
             return
         slot = self.slots[i]
         slot.pending[eid] = (op, time.monotonic() + self.timeout_s + KILL_GRACE_S)
         try:
             slot.conn.send((op, eid, payload))
-        except (OSError, ValueError) as exc:
-            self._lose(i, f"its environment process could not be reached ({exc})")
+        except (OSError, ValueError):
+            self._lose(i)
         except Exception as exc:  # noqa: BLE001 - an unpicklable row
             slot.pending.pop(eid, None)
-            self.failed.append(EnvReply(eid, op, error=f"the {op} request cannot be sent to the process: {exc}"))
+            text = f"the {op} request cannot be sent to the process: {exc}"
+            self.failed.append(EnvReply(eid, op, error=text, kind="raised"))
 
     @property
     def in_flight(self) -> int:
         return sum(len(s.pending) for s in self.slots)
 
     def poll(self, timeout: float) -> list[EnvReply]:
-        """Replies that arrived within `timeout` seconds (returns as soon as there is one); requests past their
-        timeout plus a grace fail, and their process is killed and replaced."""
+        """Replies that arrived within `timeout` seconds (returns as soon as there is one); a process that died
+        or overran a request's timeout plus a grace is killed and replaced (see the module doc)."""
         out, self.failed = self.failed, []
         if out:
             timeout = 0.0
@@ -307,59 +178,77 @@ class EnvPool:
         else:
             ready = []
         for i, slot in enumerate(self.slots):
-            if slot.conn in ready:
-                while True:
-                    try:
-                        if not slot.conn.poll():
-                            break
-                        message = slot.conn.recv()
-                    except (EOFError, OSError):
-                        self._lose(i, f"its environment process died (exit code {slot.process.exitcode})")
+            if slot.conn not in ready:
+                continue
+            while True:
+                try:
+                    if not slot.conn.poll():
                         break
-                    tag, eid, op, value = message
-                    if eid not in slot.pending:
-                        continue  # closed meanwhile
-                    del slot.pending[eid]
-                    if tag == "ok":
-                        out.append(EnvReply(eid, op, value=value))
-                    else:
-                        out.append(EnvReply(eid, op, error=value))
-                        self.where.pop(eid, None)
-                        slot.episodes.discard(eid)
+                    message = slot.conn.recv()
+                except (EOFError, OSError):
+                    self._lose(i)
+                    break
+                tag, eid, op = message[:3]
+                if eid not in slot.pending:
+                    continue  # closed meanwhile
+                del slot.pending[eid]
+                if tag == "ok":
+                    out.append(EnvReply(eid, op, value=message[3]))
+                else:
+                    out.append(EnvReply(eid, op, error=message[4], kind=message[3]))
         now = time.monotonic()
         for i, slot in enumerate(self.slots):
-            if any(d < now for _, d in slot.pending.values()):
-                self._lose(
-                    i,
-                    f"no answer within {self.timeout_s + KILL_GRACE_S:g} s: its environment process was killed "
-                    "and replaced (an environment that blocks its event loop or its process)",
-                )
+            overdue = {eid for eid, (_, d) in slot.pending.items() if d < now}
+            if overdue:
+                self._lose(i, overdue)
         out += self.failed
         self.failed = []
         return out
 
-    def _lose(self, i: int, error: str) -> None:
-        """Kill and replace process i; every trajectory living there fails with `error`."""
+    def _lose(self, i: int, overdue: frozenset | set = frozenset()) -> None:
+        """Kill and replace process i (it died, or left the requests `overdue` unanswered): the trajectories it
+        was running (or `overdue`) fail, the others it hosted restart (see the module doc)."""
         slot = self.slots[i]
+        if overdue:  # the call blocking the process, when it is one of them (a request never started is innocent)
+            charged, kind = (slot.running() & set(overdue)) or set(overdue), "timeout"
+            error = (
+                f"no answer within {self.timeout_s + KILL_GRACE_S:g} s: its environment process was killed and "
+                "replaced (an environment that blocks its event loop or its process)"
+            )
+        else:
+            slot.process.join(1)  # its exit code, when it is exiting
+            charged, kind = slot.running() & set(slot.pending), "process_died"
+            error = f"its environment process died (exit code {slot.process.exitcode}) while running this call"
+            if len(charged) > 1:
+                error += f" ({len(charged)} calls were running there)"
         for eid in slot.episodes:
-            op = slot.pending.get(eid, ("step", 0.0))[0]
-            self.failed.append(EnvReply(eid, op, error=error))
             self.where.pop(eid, None)
+            op = slot.pending.get(eid, ("step", 0.0))[0]
+            if eid in charged:
+                self.failed.append(EnvReply(eid, op, error=error, kind=kind))
+            elif eid in slot.pending:
+                self.failed.append(EnvReply(eid, op, restart=True))
+            else:
+                self.lost.add(eid)
         slot.kill()
         self.slots[i] = _Slot(self.ctx, self.spec)
         self.replaced += 1
         self._await_ready(self.slots[i], time.monotonic() + START_TIMEOUT_S)
 
     def close(self) -> None:
+        """Stop every process; each first closes the instances it still holds (within the timeout)."""
         for slot in self.slots:
             try:
                 slot.conn.send(None)
             except (OSError, ValueError):
                 pass
+        deadline = time.monotonic() + self.timeout_s + 2
         for slot in self.slots:
-            slot.process.join(1)
+            slot.process.join(max(0.0, deadline - time.monotonic()))
             slot.kill()
         self.slots = []
+        self.where.clear()
+        self.lost.clear()
 
     def __del__(self):
         try:

@@ -43,7 +43,10 @@ def trajectory_record(t) -> dict:
         "tool_calls": t.tool_calls,
         "success": t.success,
         "truncated": t.truncated,
+        "cut": t.cut,
+        "finish_reward": t.finish_reward,
         "error": t.error,
+        "error_kind": t.error_kind,
         "policy_version": next((turn.version for turn in t.transcript if turn.version is not None), None),
     }
 
@@ -100,7 +103,9 @@ def score_trajectories(env_cfg, records: list[dict], workers: int = 1) -> list[d
     if env_cfg.tools:
         kwargs.setdefault("tools", [{"path": t.path, "name": t.name} for t in env_cfg.tools])
         kwargs.setdefault("timeout_s", env_cfg.step_timeout_s)
-    pool = EnvPool(env_cfg.path, env_cfg.class_name, kwargs, workers, env_cfg.step_timeout_s)
+    pool = EnvPool(
+        env_cfg.path, env_cfg.class_name, kwargs, workers, env_cfg.step_timeout_s, env_cfg.max_observation_chars
+    )
     results = [
         {"env_reward": 0.0, "turns": 0, "success": None, "observations_match": True, "done": False, "error": None}
         for _ in records
@@ -114,9 +119,10 @@ def score_trajectories(env_cfg, records: list[dict], workers: int = 1) -> list[d
             for reply in pool.poll(REPLAY_POLL_S):
                 i = reply.eid
                 res = results[i]
-                if reply.error is not None:
-                    res["error"] = f"{reply.op}: {reply.error}"
+                if reply.error is not None or reply.restart:
+                    res["error"] = f"{reply.op}: {reply.error or 'its environment process was lost'}"
                     waiting.discard(i)
+                    pool.close_episode(i)
                     continue
                 if reply.op == "step":
                     observation, reward, done, info = reply.value

@@ -9,10 +9,13 @@ template. It calls a tool by writing
     </tool_call>
 
 (one or more blocks in a turn). Each call runs under the step timeout (env.step_timeout_s, the calls of
-a turn at once); its result, or the error it raised, comes back as a `tool` message. The episode ends when
-the model answers without a tool call (or at env.max_turns). A call that overruns the timeout fails the
-step (an infrastructure failure, not a bad answer). The run's configured rewards score the final answer;
-info["success"] is set when the row has an `answer` and the final answer contains it.
+a turn at once); its result, or the error it raised, comes back as a `tool` message, as does what is wrong
+with a malformed call (not JSON, no name, a `<tool_call>` never closed). The episode ends when the model
+answers: a turn with no `<tool_call>` at all (or at env.max_turns). A call that overruns the timeout fails
+the step (an infrastructure failure, not a bad answer). The run's configured rewards score the final answer;
+when the row has an `answer`, the final step asks the runner to grade it (info["check_answer"]): the
+project's answer matcher on the final answer's tokens sets info["success"] (the answer as a whole number or
+word, number forms equal: "It is 1,000." answers 1000, "so 15" does not answer 5).
 
 The environment side imports no torch and no transformers.
 """
@@ -28,6 +31,7 @@ from typing import Any, Optional
 from rlhf_core.env.spec import load_tools
 
 TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+OPEN_TAG = "<tool_call>"
 
 
 def tool_schemas(tools: list[tuple[str, str]]) -> list[dict]:
@@ -49,8 +53,12 @@ def tool_schemas(tools: list[tuple[str, str]]) -> list[dict]:
 
 def parse_tool_calls(text: str) -> tuple[list[dict], list[str]]:
     """The <tool_call> blocks of a model turn: (calls [{name, arguments}], errors for blocks that are not a
-    JSON object with a string name and an object of arguments)."""
+    JSON object with a string name and an object of arguments, and for a <tool_call> never closed)."""
     calls, errors = [], []
+    unclosed = TOOL_CALL.sub("", text)
+    if OPEN_TAG in unclosed:
+        rest = unclosed[unclosed.index(OPEN_TAG) + len(OPEN_TAG) :].strip()
+        errors.append(f"the tool call {rest[:80]!r} is not closed with </tool_call>")
     for block in TOOL_CALL.findall(text):
         try:
             call = json.loads(block)
@@ -95,7 +103,7 @@ class ToolEnv:
 
     def reset(self, row: dict):
         self.answer = str(row.get("answer") or "")
-        prompt = row.get("prompt")
+        prompt = row.get("messages") or row.get("prompt")
         messages = (
             list(prompt)
             if isinstance(prompt, list)
@@ -107,10 +115,10 @@ class ToolEnv:
 
     async def step(self, action: str):
         calls, errors = parse_tool_calls(action)
-        if not calls and not errors:  # an answer: the episode ends
+        if not calls and not errors:  # an answer (no <tool_call> at all): the episode ends
             info = {"tool_calls": 0}
-            if self.answer:
-                info["success"] = self.answer in action
+            if self.answer.strip():
+                info["check_answer"] = self.answer  # graded by the runner (EnvRunner._grade)
             return None, 0.0, True, info
         results = await asyncio.gather(*(self._run(call) for call in calls))
         messages = [{"role": "tool", "content": f"error: {e}"} for e in errors]

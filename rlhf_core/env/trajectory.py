@@ -21,6 +21,18 @@ newer weights between its turns, with any engine, and within a turn, between dec
 takes the hook. Each turn is generated from the trajectory's ids so far, prefilled afresh by the engine (no KV
 cache or prefix computed under older weights is carried from one turn to the next), so every token's
 behaviour log-prob is that of the version it is stamped with.
+
+How an episode ends, and what follows (docs/environments.md, "Failures"):
+  done    the environment said so (or gave no observation);
+  cut     env.max_turns reached, or the next observation or model turn would pass rollout.max_total_tokens:
+          `truncated` (masked by algorithm.mask_truncated), and an environment defining finish(reason) is asked
+          for a final reward, added to its rewards;
+  failed  an environment call raised, overran env.step_timeout_s, returned something malformed, or its process
+          died while running it: `error`, `error_kind` (the group is left out of training).
+Its environment's close() runs once however it ended, the run stopping included. A trajectory whose process
+was lost while it ran another's call starts again from reset (same row), not a failure. The run stops with
+EnvError after env.max_consecutive_failures failed calls in a row (a successful step clears the count, a
+successful reset does not), carrying the environment's last error (message, file:line).
 """
 
 from __future__ import annotations
@@ -30,19 +42,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
-import torch
-
 from rlhf_core.data.prompts import Prompt, collate_prompts
+from rlhf_core.env.batch import last_turn_batch, trajectory_batch, trajectory_metrics  # noqa: F401 (re-exported)
 from rlhf_core.env.chat import ChatFormat
+from rlhf_core.env.checks import ERROR_KINDS
 from rlhf_core.env.pool import EnvPool
 from rlhf_core.rollout.base import takes_between_steps
-from rlhf_core.types import RolloutBatch
 
 _eids = itertools.count()
+MAX_RESTARTS = 3  # an episode whose process is lost under it more often than this fails (process_died)
 
 
 class EnvError(RuntimeError):
-    """The environment failed env.max_consecutive_failures steps in a row (the message has its error)."""
+    """The environment failed env.max_consecutive_failures calls in a row (the message has its error)."""
 
 
 @dataclass
@@ -69,12 +81,16 @@ class Trajectory:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)  # per id: the version that generated it (see the module doc)
     last_turn: tuple[int, int] = (0, 0)  # [start, end) of the last model turn in `ids`
-    env_rewards: list[float] = field(default_factory=list)
+    env_rewards: list[float] = field(default_factory=list)  # each step's, then finish's when it gave one
     turns: int = 0
     tool_calls: int = 0
     done: bool = False
-    truncated: bool = False
+    truncated: bool = False  # cut short: `cut` says where
+    cut: Optional[str] = None  # 'max_turns' or 'max_total_tokens'
+    finish_reward: Optional[float] = None  # what finish(reason) gave a cut episode
     error: Optional[str] = None
+    error_kind: Optional[str] = None  # checks.ERROR_KINDS
+    restarts: int = 0  # started again from reset after its process was lost
     info: dict = field(default_factory=dict)
     transcript: list[Turn] = field(default_factory=list)
     reward: Optional[float] = None  # the trajectory's total reward, once scored
@@ -92,13 +108,21 @@ class Trajectory:
         value = self.info.get("success")
         return None if value is None else bool(value)
 
+    def restart(self) -> None:
+        """Back to before its reset (its process was lost): everything but the row and the restart count."""
+        self.__dict__.update(Trajectory(self.prompt, self.row, self.eid, restarts=self.restarts + 1).__dict__)
+
 
 def prompt_row(prompt: Prompt) -> dict:
-    """The dataset row an environment's reset sees: its columns, the prompt (messages or text) and the answer."""
+    """The dataset row an environment's reset sees, as data: the row's other columns (`Prompt.meta`), `prompt`
+    (the row's prompt as written: its text, or its messages when it was a conversation), `messages` (a
+    conversation's messages, data.system_prompt included) and `answer`; never the chat-template rendering."""
     row = dict(prompt.meta)
-    row.setdefault("prompt", prompt.messages if prompt.messages else prompt.text)
     if prompt.messages:
+        row.setdefault("prompt", prompt.messages)
         row.setdefault("messages", prompt.messages)
+    else:  # `text`: a Prompt made without prompt_text (by hand)
+        row.setdefault("prompt", prompt.prompt_text or prompt.text)
     row.setdefault("answer", prompt.answer_text)
     return row
 
@@ -128,11 +152,26 @@ class EnvRunner:
         if limit is None and isinstance(model_limit, int) and model_limit < 1_000_000:
             limit = model_limit
         self.max_total_tokens = limit
-        self.pool = EnvPool(env_cfg.path, env_cfg.class_name, kwargs, workers, env_cfg.step_timeout_s)
-        self.consecutive_failures = 0
+        self.pool = EnvPool(
+            env_cfg.path, env_cfg.class_name, kwargs, workers, env_cfg.step_timeout_s, env_cfg.max_observation_chars
+        )
+        self.consecutive_failures = 0  # failed environment calls in a row, across the run
+        self.error_counts = dict.fromkeys(ERROR_KINDS, 0)  # failed trajectories over the run, by kind
         self.last_eval: list[Trajectory] = []  # the latest evaluation's episodes (MLflow traces)
-        self.errors = 0  # failed trajectories over the run (env/errors)
         self.steps = 0
+        self._grader = None
+
+    @property
+    def errors(self) -> int:
+        """Failed trajectories over the run (env/errors)."""
+        return sum(self.error_counts.values())
+
+    def metrics(self) -> dict[str, float]:
+        """env/errors and env/errors/<kind> (failed trajectories in the run so far), env/process_restarts."""
+        out = {"env/errors": float(self.errors)}
+        out.update({f"env/errors/{kind}": float(n) for kind, n in self.error_counts.items()})
+        out["env/process_restarts"] = float(self.pool.replaced)
+        return out
 
     def close(self) -> None:
         self.pool.close()
@@ -141,7 +180,8 @@ class EnvRunner:
     def run(
         self, engine, prompts: Sequence[Prompt], samples_per_prompt: int, sampling, between_steps=None
     ) -> list[Trajectory]:
-        """samples_per_prompt trajectories per prompt (contiguous per prompt), run to their end.
+        """samples_per_prompt trajectories per prompt (contiguous per prompt), run to their end; each one's
+        environment is closed however it ended (an exception out of here included).
 
         between_steps (partial rollouts): returns None or (state_dict, version) for the engine to adopt; asked
         before every turn and, where the engine takes it, between its decode steps (see the module doc)."""
@@ -149,45 +189,58 @@ class EnvRunner:
             Trajectory(prompt=p, row=prompt_row(p), eid=next(_eids)) for p in prompts for _ in range(samples_per_prompt)
         ]
         by_eid = {t.eid: t for t in trajs}
-        for t in trajs:
-            self.pool.reset(t.eid, t.row)
-        waiting = {t.eid for t in trajs}
-        ready: list[Trajectory] = []
-        while waiting or ready:
-            generate_now = bool(ready) and len(ready) >= len(waiting)
-            for reply in self.pool.poll(0.0 if generate_now else 1.0):
-                t = by_eid.get(reply.eid)
-                if t is None or reply.eid not in waiting:
-                    continue
-                waiting.discard(reply.eid)
-                if self._take_reply(t, reply):
-                    ready.append(t)
-                else:
-                    self.pool.close_episode(t.eid)
-            if ready and len(ready) >= len(waiting):
-                batch, ready = ready, []
-                for t in self._generate(engine, batch, sampling, between_steps):
-                    waiting.add(t.eid)
+        waiting = set(by_eid)  # waiting for the environment
+        ready: list[Trajectory] = []  # waiting for the model
+        try:
+            for t in trajs:
+                self.pool.reset(t.eid, t.row)
+            while waiting or ready:
+                generate_now = bool(ready) and len(ready) >= len(waiting)
+                for reply in self.pool.poll(0.0 if generate_now else 1.0):
+                    t = by_eid.get(reply.eid)
+                    if t is None or reply.eid not in waiting:
+                        continue
+                    turn = self._take_reply(t, reply)
+                    if turn != "env":
+                        waiting.discard(t.eid)
+                    if turn == "model":
+                        ready.append(t)
+                    elif turn == "end":
+                        self.pool.close_episode(t.eid)
+                if ready and len(ready) >= len(waiting):
+                    batch, ready = ready, []
+                    waiting.update(t.eid for t in self._generate(engine, batch, sampling, between_steps))
+        except BaseException as exc:
+            for t in trajs:  # the run stops: every episode of the call is closed (once: the pool forgets it)
+                self.pool.close_episode(t.eid)
+            if isinstance(exc, EnvError):
+                self.close()
+            raise
+        self._grade(trajs)
         return trajs
 
-    def _take_reply(self, t: Trajectory, reply) -> bool:
-        """Apply an environment reply; True when the trajectory goes on (its next model turn)."""
+    def _take_reply(self, t: Trajectory, reply) -> str:
+        """Apply an environment reply; returns who the trajectory waits for now: 'model' (its next turn), 'env'
+        (a restart's reset, a finish) or 'end'."""
+        if reply.restart:
+            if t.restarts >= MAX_RESTARTS:
+                return self._fail(
+                    t, reply.op, f"its environment process was lost {t.restarts + 1} times", "process_died"
+                )
+            t.restart()
+            self.pool.reset(t.eid, t.row)
+            return "env"
         self.steps += 1
         if reply.error is not None:
-            t.error = f"{reply.op}: {reply.error}"
-            self.errors += 1
-            self.consecutive_failures += 1
-            if self.consecutive_failures >= self.cfg.max_consecutive_failures:
-                self.close()
-                raise EnvError(
-                    f"environment {self.cfg.class_name} ({self.cfg.path or 'built-in'}) failed "
-                    f"{self.consecutive_failures} steps in a row (env.max_consecutive_failures="
-                    f"{self.cfg.max_consecutive_failures}): {t.error}"
-                )
-            return False
-        self.consecutive_failures = 0
+            return self._fail(t, reply.op, reply.error, reply.kind or "raised")
         if reply.op == "reset":
             return self._opened(t, reply.value)
+        if reply.op == "finish":
+            if reply.value is not None:
+                t.finish_reward = reply.value
+                t.env_rewards.append(reply.value)
+            return "end"
+        self.consecutive_failures = 0
         observation, reward, done, info = reply.value
         t.env_rewards.append(reward)
         t.info = info
@@ -197,15 +250,21 @@ class EnvRunner:
             t.transcript[-1].reward = reward
             if isinstance(calls, (list, tuple)):
                 t.transcript[-1].tool_calls = list(calls)
-        if done or observation is None or t.turns >= self.cfg.max_turns:
-            t.done = bool(done or observation is None)
-            return False
+        if done or observation is None:
+            t.done = True
+            return "end"
+        if t.turns >= self.cfg.max_turns:
+            return self._cut(t, "max_turns")
         messages = self.chat.as_messages(observation, self.cfg.observation_role)
         last = t.ids[t.last_turn[1] - 1] if t.ids else None
-        obs_ids = self.chat.observation_ids(messages, last)
+        try:
+            obs_ids = self.chat.observation_ids(messages, last)
+        except Exception as exc:  # noqa: BLE001 - the template's own error (an unknown role, ...): this trajectory's
+            return self._fail(
+                t, "step", f"its observation cannot be rendered: {type(exc).__name__}: {exc}", "bad_result"
+            )
         if self.max_total_tokens is not None and t.length + len(obs_ids) >= self.max_total_tokens:
-            t.truncated = True
-            return False
+            return self._cut(t, "max_total_tokens")
         t.ids += obs_ids
         t.model += [False] * len(obs_ids)
         t.logprobs += [0.0] * len(obs_ids)
@@ -213,25 +272,50 @@ class EnvRunner:
         t.versions += [t.versions[-1] if t.versions else t.transcript[-1].version] * len(obs_ids)
         for m in messages:
             t.transcript.append(Turn(str(m.get("role")), str(m.get("content"))))
-        return True
+        return "model"
 
-    def _opened(self, t: Trajectory, opening) -> bool:
+    def _fail(self, t: Trajectory, op: str, error: str, kind: str) -> str:
+        """Trajectory t failed (an environment call, or what it returned); at env.max_consecutive_failures
+        failed calls in a row the run stops with EnvError carrying the environment's error."""
+        t.error, t.error_kind = f"{op}: {error}", kind
+        self.error_counts[kind] += 1
+        self.consecutive_failures += 1
+        if self.consecutive_failures >= self.cfg.max_consecutive_failures:
+            raise EnvError(
+                f"environment {self.cfg.class_name} ({self.cfg.path or 'built-in'}) failed "
+                f"{self.consecutive_failures} calls in a row (env.max_consecutive_failures="
+                f"{self.cfg.max_consecutive_failures}); the last ({kind}): {t.error}"
+            )
+        return "end"
+
+    def _cut(self, t: Trajectory, reason: str) -> str:
+        """Trajectory t is cut short (`reason`): truncated; an environment with finish(reason) is asked for a
+        final reward."""
+        t.truncated, t.cut = True, reason
+        if self.pool.has_finish:
+            self.pool.finish(t.eid, reason)
+            return "env"
+        return "end"
+
+    def _opened(self, t: Trajectory, opening) -> str:
         p = t.prompt
         if isinstance(opening, str) and opening in (p.text, t.row.get("prompt")):
             t.prompt_ids = list(p.prompt_ids)  # the row's own prompt, as the data pipeline tokenized it
-            opening = p.messages or [{"role": "user", "content": p.text}]
+            opening = p.messages or [{"role": "user", "content": p.prompt_text or p.text}]
             t.transcript += [Turn(str(m.get("role")), str(m.get("content"))) for m in opening]
         else:
             messages = self.chat.as_messages(opening, "user")
-            t.prompt_ids = self.chat.prompt_ids(messages)
+            try:
+                t.prompt_ids = self.chat.prompt_ids(messages)
+            except Exception as exc:  # noqa: BLE001 - the template's own error: this trajectory's
+                return self._fail(
+                    t, "reset", f"its result cannot be rendered: {type(exc).__name__}: {exc}", "bad_result"
+                )
             t.transcript += [Turn(str(m.get("role")), str(m.get("content"))) for m in messages]
         if self.max_total_tokens is not None and t.length >= self.max_total_tokens:
-            t.error = (
-                f"reset: the opening prompt has {t.length} tokens, rollout.max_total_tokens={self.max_total_tokens}"
-            )
-            self.errors += 1
-            return False
-        return True
+            text = f"the opening prompt has {t.length} tokens, rollout.max_total_tokens={self.max_total_tokens}"
+            return self._fail(t, "reset", text, "bad_result")
+        return "model"
 
     def _generate(self, engine, batch: list[Trajectory], sampling, between_steps=None) -> list[Trajectory]:
         """One model turn for each trajectory of `batch`; sends each action to its environment. Returns the
@@ -276,104 +360,33 @@ class EnvRunner:
             t.transcript.append(Turn("assistant", text, version=int(versions[0] if n else row_version)))
             ended = bool(turn) and turn[-1] in self.stop_ids
             if not ended and self.max_total_tokens is not None and t.length >= self.max_total_tokens:
-                t.truncated = True  # the model's turn was cut at the budget: the trajectory ends here
-                self.pool.close_episode(t.eid)
+                # the model's turn was cut at the budget: the trajectory ends here
+                if self._cut(t, "max_total_tokens") == "env":
+                    sent.append(t)
+                else:
+                    self.pool.close_episode(t.eid)
                 continue
             self.pool.step(t.eid, text)
             sent.append(t)
         return sent
 
+    def _grade(self, trajs: Sequence[Trajectory]) -> None:
+        """info["success"] of the episodes whose environment asked for it with info["check_answer"] (the expected
+        answer, as ToolEnv does): the project's answer matcher on the last model turn, the `contains` component
+        of rlhf_core/reward/text (the answer as a whole number or word; number forms equal: 1,000 = 1000, 5 is
+        not 15)."""
+        todo = [t for t in trajs if t.error is None and str(t.info.get("check_answer") or "").strip()]
+        if not todo:
+            return
+        from rlhf_core.config import RewardConfig
+        from rlhf_core.reward.answers import patterns_from_texts
+        from rlhf_core.reward.components import build_reward_fn, prepare_patterns
 
-# ---------------------------------------------------------------------------------------------- tensors
-def trajectory_batch(trajs: Sequence[Trajectory], pad_token_id: int, version: int, device="cpu") -> RolloutBatch:
-    """The trajectories as one RolloutBatch (rows in order; group_ids by prompt, contiguous). token_versions:
-    each id's version (`Trajectory.versions`); policy_version: the oldest model token's, `version` for a row
-    without one; padding carries the row's policy_version (as RolloutBatch documents)."""
-    N = len(trajs)
-    P = max(1, max(len(t.prompt_ids) for t in trajs))
-    L = max(1, max(len(t.ids) for t in trajs))
-    prompt_ids = torch.full((N, P), pad_token_id, dtype=torch.long)
-    prompt_mask = torch.zeros((N, P), dtype=torch.bool)
-    ids = torch.full((N, L), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((N, L), dtype=torch.bool)
-    loss_mask = torch.zeros((N, L), dtype=torch.bool)
-    logps = torch.zeros((N, L), dtype=torch.float32)
-    versions = torch.full((N, L), int(version), dtype=torch.long)
-    for i, t in enumerate(trajs):
-        if t.prompt_ids:
-            prompt_ids[i, P - len(t.prompt_ids) :] = torch.tensor(t.prompt_ids)
-            prompt_mask[i, P - len(t.prompt_ids) :] = True
-        n = len(t.ids)
-        if n:
-            ids[i, :n] = torch.tensor(t.ids)
-            mask[i, :n] = True
-            loss_mask[i, :n] = torch.tensor(t.model, dtype=torch.bool)
-            logps[i, :n] = torch.tensor(t.logprobs, dtype=torch.float32)
-            versions[i, :n] = torch.tensor(t.versions, dtype=torch.long)
-    # a trajectory is as old as its oldest model token (the buffer's staleness bound then holds per token)
-    oldest = versions.masked_fill(~loss_mask, torch.iinfo(torch.long).max).amin(-1)
-    policy_version = torch.where(loss_mask.any(-1), oldest, int(version))
-    versions = torch.where(mask, versions, policy_version[:, None])
-    groups, g, previous = [], -1, None
-    for t in trajs:
-        if t.prompt is not previous:
-            g += 1
-            previous = t.prompt
-        groups.append(g)
-    return RolloutBatch(
-        prompt_ids=prompt_ids.to(device),
-        prompt_mask=prompt_mask.to(device),
-        response_ids=ids.to(device),
-        response_mask=mask.to(device),
-        behavior_logprobs=logps.to(device),
-        response_lengths=mask.sum(-1).to(device),
-        group_ids=torch.tensor(groups, dtype=torch.long, device=device),
-        policy_version=policy_version.to(device),
-        prompt_uids=torch.tensor([t.prompt.uid for t in trajs], dtype=torch.long, device=device),
-        loss_mask=loss_mask.to(device),
-        token_versions=versions.to(device),
-    )
-
-
-def last_turn_batch(trajs: Sequence[Trajectory], pad_token_id: int, version: int, device="cpu") -> RolloutBatch:
-    """Each trajectory's last model turn as a one-turn RolloutBatch (prompt: everything before it), for the
-    configured reward components and functions."""
-    rows = []
-    for t in trajs:
-        s, e = t.last_turn
-        rows.append((t.prompt_ids + t.ids[:s], t.ids[s:e]))
-    N = len(rows)
-    P = max(1, max(len(p) for p, _ in rows))
-    L = max(1, max(len(r) for _, r in rows))
-    prompt_ids = torch.full((N, P), pad_token_id, dtype=torch.long)
-    prompt_mask = torch.zeros((N, P), dtype=torch.bool)
-    ids = torch.full((N, L), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((N, L), dtype=torch.bool)
-    for i, (p, r) in enumerate(rows):
-        if p:
-            prompt_ids[i, P - len(p) :] = torch.tensor(p)
-            prompt_mask[i, P - len(p) :] = True
-        if r:
-            ids[i, : len(r)] = torch.tensor(r)
-            mask[i, : len(r)] = True
-    return RolloutBatch(
-        prompt_ids=prompt_ids.to(device),
-        prompt_mask=prompt_mask.to(device),
-        response_ids=ids.to(device),
-        response_mask=mask.to(device),
-        behavior_logprobs=torch.zeros((N, L), device=device),
-        response_lengths=mask.sum(-1).to(device),
-        group_ids=torch.zeros(N, dtype=torch.long, device=device),
-        policy_version=torch.full((N,), int(version), dtype=torch.long, device=device),
-    )
-
-
-def trajectory_metrics(trajs: Sequence[Trajectory]) -> dict[str, float]:
-    """env/turns_mean, env/tool_calls_mean, env/truncated_frac and reward/env (unweighted) over trajectories."""
-    n = max(1, len(trajs))
-    return {
-        "env/turns_mean": sum(t.turns for t in trajs) / n,
-        "env/tool_calls_mean": sum(t.tool_calls for t in trajs) / n,
-        "env/truncated_frac": sum(t.truncated for t in trajs) / n,
-        "reward/env": sum(t.env_reward for t in trajs) / n,
-    }
+        if self._grader is None:
+            self._grader = build_reward_fn(RewardConfig(components={"contains": 1.0}), self.tokenizer, self.stop_ids, 1)
+        answers = [str(t.info.pop("check_answer")) for t in todo]
+        batch = last_turn_batch(todo, self.pad_token_id, 0)
+        patterns = prepare_patterns(self._grader, patterns_from_texts(self.tokenizer, answers))
+        _, components = self._grader(batch.response_ids, patterns)
+        for t, value in zip(todo, components["contains"].tolist()):
+            t.info["success"] = value > 0

@@ -10,9 +10,10 @@ from rlhf_core.rollout.base import (
     SamplingParams,
     processed_logits,
     removed_tokens,
+    response_mask_from_eos,
     sampling_logprobs,
 )
-from rlhf_core.rollout.hf import HFEngine, response_mask_from_eos
+from rlhf_core.rollout.hf import HFEngine
 from rlhf_core.rollout.random_engine import RandomEngine
 from rlhf_core.rollout.worker import RolloutWorker, split_groups
 

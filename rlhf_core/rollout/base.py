@@ -1,9 +1,10 @@
-"""The rollout-engine interface and sampling parameters."""
+"""The rollout-engine interface, sampling parameters and the stop-set helpers every engine shares."""
 
 from __future__ import annotations
 
 import inspect
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -130,3 +131,20 @@ def sampling_logprobs(logits: torch.Tensor, sampling: SamplingParams) -> torch.T
     these are the model's log-softmax (temperature 1, nothing filtered).
     """
     return torch.log_softmax(processed_logits(logits, sampling), dim=-1)
+
+
+def as_stop_ids(stop_token_ids: int | Sequence[int]) -> list[int]:
+    """A stop set as a non-empty list of ints (one int is a set of one)."""
+    ids = [int(stop_token_ids)] if isinstance(stop_token_ids, int) else [int(i) for i in stop_token_ids]
+    if not ids:
+        raise ValueError("the stop set is empty: a response could never end")
+    return ids
+
+
+def response_mask_from_eos(tokens: torch.Tensor, stop_token_ids: int | Sequence[int] | torch.Tensor) -> torch.Tensor:
+    """True up to and including the first stop token of each row (all True where there is none).
+
+    tokens: LongTensor [N, L]; stop_token_ids: an id, a list of ids or a LongTensor of them. Returns [N, L]."""
+    stops = torch.as_tensor(stop_token_ids, dtype=tokens.dtype, device=tokens.device).reshape(-1)
+    is_eos = torch.isin(tokens, stops).long()
+    return (is_eos.cumsum(-1) - is_eos) == 0  # no EOS strictly before this position

@@ -28,7 +28,7 @@ import torch
 
 from rlhf_core.data.prompts import PromptBatch
 from rlhf_core.lora import is_lora, load_adapter_state_dict
-from rlhf_core.rollout.base import SamplingParams, processed_logits
+from rlhf_core.rollout.base import SamplingParams, as_stop_ids, processed_logits, response_mask_from_eos
 from rlhf_core.types import RolloutBatch
 
 # between_steps(): None, or (state_dict or None, version) to adopt before the next decode step
@@ -109,12 +109,7 @@ class HFEngine:
             except _NoCacheSurgery as e:  # found at the first prefill, before anything is sampled
                 self.model.train(was_training)
                 self.model._atrlhf_cache_surgery = False
-                warnings.warn(
-                    f"continuous batching needs a DynamicCache of full-attention layers; this model's cache is "
-                    f"{e}: generating batch at a time (rollout.continuous_batching has no effect)",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
+                warnings.warn(NO_CACHE_SURGERY.format(e), RuntimeWarning, stacklevel=2)
         return self._generate_batch(prompts, samples_per_prompt, sampling)
 
     @torch.no_grad()
@@ -349,21 +344,11 @@ class HFEngine:
         return cache if cache is not None else out.past_key_values
 
 
-def as_stop_ids(stop_token_ids: int | Sequence[int]) -> list[int]:
-    """A stop set as a non-empty list of ints (one int is a set of one)."""
-    ids = [int(stop_token_ids)] if isinstance(stop_token_ids, int) else [int(i) for i in stop_token_ids]
-    if not ids:
-        raise ValueError("the stop set is empty: a response could never end")
-    return ids
-
-
-def response_mask_from_eos(tokens: torch.Tensor, stop_token_ids: int | Sequence[int] | torch.Tensor) -> torch.Tensor:
-    """True up to and including the first stop token of each row (all True where there is none).
-
-    tokens: LongTensor [N, L]; stop_token_ids: an id, a list of ids or a LongTensor of them. Returns [N, L]."""
-    stops = torch.as_tensor(stop_token_ids, dtype=tokens.dtype, device=tokens.device).reshape(-1)
-    is_eos = torch.isin(tokens, stops).long()
-    return (is_eos.cumsum(-1) - is_eos) == 0  # no EOS strictly before this position
+NO_CACHE_SURGERY = (
+    "this model's KV cache ({}) is not a DynamicCache of full-attention layers, whose rows can be edited: generating "
+    "batch at a time, so rollout.continuous_batching has no effect, and partial rollouts (rollout.partial_rollout) "
+    "adopt new weights only between generation calls (a multi-turn trajectory's between its turns), never within one"
+)
 
 
 class _NoCacheSurgery(Exception):

@@ -13,8 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from rlhf_core.data.prompts import PromptBatch
-from rlhf_core.rollout.base import SamplingParams
-from rlhf_core.rollout.hf import as_stop_ids, response_mask_from_eos
+from rlhf_core.rollout.base import SamplingParams, as_stop_ids, response_mask_from_eos
 from rlhf_core.types import RolloutBatch
 
 

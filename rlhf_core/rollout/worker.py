@@ -123,7 +123,8 @@ class RolloutWorker:
         rewards x env.reward_weight plus the configured rewards of the last model turn. A group with a failed
         trajectory (an environment error or timeout) is left out; the batch may then have fewer groups, or
         none (then `rollout` returns an empty batch). With between_steps (partial rollouts) trajectories adopt
-        newer weights between turns and within them; each token keeps its version (`trajectory_batch`)."""
+        newer weights between turns and within them; each token keeps its version (`trajectory_batch`).
+        env_metrics: the batch's env/* means and the run's env/errors (by kind) and env/process_restarts."""
         from rlhf_core.env.trajectory import last_turn_batch, trajectory_batch, trajectory_metrics
 
         G = self.samples_per_prompt
@@ -131,11 +132,12 @@ class RolloutWorker:
         keep = [g for g in range(len(prompts)) if not any(t.error for t in trajs[g * G : (g + 1) * G])]
         kept = [t for g in keep for t in trajs[g * G : (g + 1) * G]]
         self.last_trajectories = kept
-        self.env_metrics = {**trajectory_metrics(kept), "env/errors": float(self.env.errors)}
+        self.env_metrics = {**trajectory_metrics(kept), **self.env.metrics()}
         version = int(self.engine.version)
         device = getattr(self.engine, "device", "cpu")
-        if not kept:
-            batch = trajectory_batch(trajs[:0] or trajs[:1], self.pad_token_id, version, device).select(torch.arange(0))
+        if not kept:  # every group failed: an empty batch, on the engine's device as any other
+            batch = trajectory_batch(trajs[:1], self.pad_token_id, version, device)
+            batch = batch.select(torch.arange(0, device=batch.response_ids.device))
             return self._finish(batch, torch.zeros(0, device=batch.response_ids.device), {}, start)
         kept_prompts = [prompts[g] for g in keep]
         batch = trajectory_batch(kept, self.pad_token_id, version, device)
@@ -183,7 +185,8 @@ class RolloutWorker:
             "batches": self.batches,
             "version": self.version,
             "reward_mean": self.reward_sum / self.samples if self.samples else 0.0,
-            **({"env_errors": self.env.errors} if self.env is not None else {}),
+            # env/errors, env/errors/<kind>, env/process_restarts: the run's so far
+            **({"env_errors": self.env.errors, **self.env.metrics()} if self.env is not None else {}),
         }
 
 

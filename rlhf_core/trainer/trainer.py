@@ -269,13 +269,16 @@ class Trainer:
 
     def truncated_rows(self, batch: RolloutBatch) -> torch.Tensor:
         """BoolTensor [N]: rows cut at rollout.max_new_tokens, i.e. as long as that and not ending with a stop
-        id (without the stop set: every row of that length)."""
+        id (without the stop set: every row of that length), and the rows the batch marks cut
+        (`RolloutBatch.truncated`: trajectories cut by env.max_turns or rollout.max_total_tokens)."""
         lengths = batch.response_lengths.to(batch.response_ids.device)
         full = lengths >= self.cfg.rollout.max_new_tokens
-        if self.stop_ids is None:
-            return full
-        last = batch.response_ids.gather(1, (lengths - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
-        return full & ~torch.isin(last, self.stop_ids.to(last.device))
+        if self.stop_ids is not None:
+            last = batch.response_ids.gather(1, (lengths - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
+            full = full & ~torch.isin(last, self.stop_ids.to(last.device))
+        if batch.truncated is not None:
+            full = full | batch.truncated.to(full.device)
+        return full
 
     def gae_advantages(self, batch: RolloutBatch, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """(advantages [N, L], returns [N, L], values [N, L]) by the estimator with a critic (algorithm.advantage

@@ -1,0 +1,203 @@
+"""Environments that fail safely (real spawned environment processes, the real chat model and HF engine): a
+failure fails its episode alone, a dead process is replaced and its other episodes start again, every result
+is checked where it arrives, every episode is closed once however it ended, an episode cut short is told
+(finish) and masked, reset gets the dataset row as data."""
+
+from __future__ import annotations
+
+import collections
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlhf_core.config import validate_config
+from rlhf_core.data.prompts import Prompt
+from rlhf_core.env.trajectory import EnvError, EnvRunner, trajectory_batch
+from rlhf_core.models import load_policy, stop_token_ids
+from rlhf_core.rollout import HFEngine, SamplingParams
+
+FIXTURES = str(Path(__file__).parent / "env_fixtures.py")
+
+
+@pytest.fixture(scope="module")
+def chat(chat_policy_dir):
+    model, tok = load_policy(chat_policy_dir, dtype="float32", device="cpu")
+    return model, tok, stop_token_ids(chat_policy_dir, tok)
+
+
+def prompts_for(tok, n: int) -> list[Prompt]:
+    """n plain-text prompts as the data pipeline makes them (text rendered, prompt_text as written); answer i."""
+    out = []
+    for i in range(n):
+        question = f"count to {i + 2}"
+        text = tok.apply_chat_template(
+            [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
+        )
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        out.append(Prompt(i, ids, [], text, str(i), {"problem": i}, prompt_text=question))
+    return out
+
+
+def run_env(chat, name: str, n: int = 1, G: int = 2, workers: int = 1, runs: int = 1, rollout=None, **env):
+    """`runs` calls of EnvRunner.run on n prompts x G; returns (runner, trajectories of the last call)."""
+    model, tok, stops = chat
+    cfg = validate_config(
+        {"env": {"path": FIXTURES, "name": name, **env}, "rollout": {"max_new_tokens": 4, **(rollout or {})}}
+    )
+    runner = EnvRunner(cfg.env, cfg.rollout, tok, stops, workers)
+    engine = HFEngine(model, stops, tok.pad_token_id, seed=0)
+    try:
+        for _ in range(runs):
+            trajs = runner.run(engine, prompts_for(tok, n), G, SamplingParams(max_new_tokens=4))
+        return runner, trajs
+    finally:
+        runner.close()
+
+
+def events(dir: Path) -> tuple[collections.Counter, dict]:
+    """(count of each event, {instance: [its events]}) from ChaosEnv's logs."""
+    counts, by_instance = collections.Counter(), collections.defaultdict(list)
+    for log in dir.glob("*.log"):
+        for line in log.read_text().splitlines():
+            event, instance = line.split()
+            counts[event] += 1
+            by_instance[instance].append(event)
+    return counts, by_instance
+
+
+def assert_closed_once(by_instance: dict) -> None:
+    """Every instance opened was closed exactly once, but those whose process was killed under them."""
+    crashed = {i.split("-")[0] for i, ev in by_instance.items() if "crash" in ev}
+    for instance, ev in by_instance.items():
+        assert "close-again" not in ev, (instance, ev)
+        if "open" in ev and instance.split("-")[0] not in crashed:
+            assert ev.count("close") == 1, (instance, ev)
+
+
+# ---------------------------------------------------------------------------------------- failure isolation
+def test_a_dead_process_fails_its_episode_alone_and_the_others_start_again(chat, tmp_path):
+    """Four episodes of 6 turns in one process; the first to step kills it once the three others are in
+    mid-episode: that episode fails (process_died), the three others start again from reset in the new process
+    and finish; one replacement; nothing else is counted."""
+    kwargs = {"dir": str(tmp_path), "others": 3, "turns": 6}
+    runner, trajs = run_env(chat, "CrashOnceEnv", G=4, kwargs=kwargs, max_turns=6)
+    failed = [t for t in trajs if t.error]
+    assert len(failed) == 1 and failed[0].error_kind == "process_died"
+    assert "its environment process died (exit code 17) while running this call" in failed[0].error
+    others = [t for t in trajs if not t.error]
+    assert all(t.done and t.turns == 6 and t.restarts == 1 and len(t.env_rewards) == 6 for t in others)
+    assert runner.metrics() == {
+        "env/errors": 1.0,
+        "env/errors/raised": 0.0,
+        "env/errors/timeout": 0.0,
+        "env/errors/bad_result": 0.0,
+        "env/errors/process_died": 1.0,
+        "env/process_restarts": 1.0,
+    }
+    counts, by_instance = events(tmp_path)
+    assert counts["crash"] == 1 and counts["open"] == 4 + 3  # the three opened again
+    assert_closed_once(by_instance)
+
+
+def test_a_successful_reset_does_not_clear_the_failure_count_a_step_does(chat, tmp_path):
+    # every step raises: 4 failures per call; the second call trips the limit of 6 (its resets succeed)
+    with pytest.raises(EnvError, match=r"failed 6 calls in a row .* the last \(raised\): step: ValueError: "
+                       r"injected failure at step 1 \(at .*env_fixtures.py:\d+\)"):  # fmt: skip
+        run_env(chat, "ChaosEnv", n=2, runs=2, kwargs={"dir": str(tmp_path), "raises": 1.0}, max_consecutive_failures=6)
+    counts, by_instance = events(tmp_path)
+    assert 6 <= counts["raise"] <= 8 and counts["open"] == 8  # the second call's other episodes: reset too
+    assert_closed_once(by_instance)  # the run stopped: every episode it opened was closed
+    # a step that succeeds clears it: one failure per call (at step 2), never two in a row
+    runner, trajs = run_env(
+        chat, "CountEnv", G=1, runs=3, kwargs={"turns": 3, "fail_at": 2}, max_consecutive_failures=2
+    )
+    assert runner.errors == 3 and runner.consecutive_failures == 1
+
+
+# ------------------------------------------------------------------------------------------ results checked
+def test_every_result_is_checked_and_a_bad_one_fails_its_trajectory_alone(chat):
+    runner, trajs = run_env(chat, "BadValuesEnv", n=10, G=1, workers=2, max_observation_chars=50)
+    expected = [
+        "step's observation: message 0 (user) has content 42 (int): expected a string",
+        "step's reward is nan, not a finite number",
+        "step's done is 'yes' (str), not a bool",
+        "step's info is str, not a dict",
+        "step's observation has 51 characters, more than env.max_observation_chars=50",
+        "step's info['success'] is 'False' (str), not a bool",
+        "step's observation: message 0 has role None: expected a non-empty string",
+        "step's info['tool_calls'] is 'two': expected a count or a list of calls",
+        None,
+        "reset's result is 42 (int): expected a string or a list of messages",
+    ]
+    assert len(trajs) == 10
+    for t, want in zip(trajs, expected):
+        if want is None:
+            assert t.error is None and t.done and t.success is True
+        else:
+            assert t.error_kind == "bad_result" and want in t.error, (t.error, want)
+    assert runner.metrics()["env/errors/bad_result"] == 9 and runner.errors == 9
+
+
+# ------------------------------------------------------------------------------ closed once, cut, finish
+def test_cut_episodes_are_told_masked_and_every_episode_is_closed_once(chat, tmp_path):
+    """Cut by env.max_turns and by rollout.max_total_tokens: finish(reason) is called and its value added to the
+    rewards; the rows are marked truncated, which algorithm.mask_truncated masks; failed and timed-out episodes
+    are closed too, each once."""
+    from rlhf_core.trainer.trainer import Trainer
+    from rlhf_core.types import cat_rollouts
+
+    kwargs = {"dir": str(tmp_path), "turns": 9, "finish_reward": 0.5}
+    runner, trajs = run_env(chat, "ChaosEnv", G=2, kwargs=kwargs, max_turns=2)
+    assert all(t.cut == "max_turns" and t.truncated and not t.done for t in trajs)
+    assert all(t.env_rewards == [1.0, 1.0, 0.5] and t.finish_reward == 0.5 for t in trajs)
+    model, tok, stops = chat
+    limit = len(prompts_for(tok, 1)[0].prompt_ids) + 6
+    _, cut = run_env(chat, "ChaosEnv", G=2, kwargs=kwargs, max_turns=9, rollout={"max_total_tokens": limit})
+    assert all(t.cut == "max_total_tokens" and t.truncated and t.env_rewards[-1] == 0.5 for t in cut)
+    # failed (raised) and timed out episodes: closed as well
+    run_env(chat, "ChaosEnv", G=4, kwargs={**kwargs, "raises": 0.5, "hang": 0.5, "hang_s": 1.5}, step_timeout_s=0.5)
+    counts, by_instance = events(tmp_path)
+    assert counts["finish-max_turns"] == 2 and counts["finish-max_total_tokens"] == 2
+    assert counts["raise"] + counts["hang"] >= 1 and counts["open"] == counts["close"] == 8
+    assert_closed_once(by_instance)
+    # the trainer masks cut rows (algorithm.mask_truncated), through cat_rollouts as the loop batches them
+    batch = trajectory_batch(trajs, tok.pad_token_id, 0)
+    assert batch.truncated.tolist() == [True, True]
+    cfg = validate_config({"algorithm": {"mask_truncated": True}, "rollout": {"max_new_tokens": 64}})
+    trainer = Trainer(model, cfg, tok.pad_token_id, stop_ids=stops)
+    both = cat_rollouts([batch, trajectory_batch(cut, tok.pad_token_id, 0)], tok.pad_token_id)
+    assert trainer.truncated_rows(both).tolist() == [True] * 4
+    batch.truncated = torch.zeros(2, dtype=torch.bool)  # the same rows unmarked: shorter than max_new_tokens
+    assert trainer.truncated_rows(batch).tolist() == [False, False]
+
+
+# ---------------------------------------------------------------------------------------- what reset gets
+def test_reset_gets_the_row_as_data_not_the_rendered_prompt(chat):
+    """Rows through the data pipeline (row_to_prompt, the chat template and a system prompt): a plain-text row's
+    `prompt` is its text as written, a conversation's `prompt` and `messages` its messages; `answer` and the
+    other columns as they are. Returning row['prompt'] keeps the pipeline's prompt ids."""
+    from rlhf_core.data.rows import RowKeys, row_to_prompt
+
+    model, tok, stops = chat
+    rows = [
+        {"prompt": "What is 2 + 3?", "answer": "5", "level": 3, "tags": ["sum"]},
+        {"messages": [{"role": "user", "content": "And 3 + 4?"}], "answer": "7", "source": "x"},
+    ]
+    prompts = [row_to_prompt(r, f"row {i}", i, tok, RowKeys(), system_prompt="Be brief.") for i, r in enumerate(rows)]
+    assert "<|im_start|>" in prompts[0].text  # what the model sees: rendered, with the system prompt
+    cfg = validate_config({"env": {"path": FIXTURES, "name": "RowEnv"}})
+    runner = EnvRunner(cfg.env, cfg.rollout, tok, stops, 1)
+    try:
+        trajs = runner.run(
+            HFEngine(model, stops, tok.pad_token_id, seed=0), prompts, 1, SamplingParams(max_new_tokens=4)
+        )
+    finally:
+        runner.close()
+    assert [t.info["torch"] for t in trajs] == [False, False]  # an environment process imports no torch
+    plain, conversation = (t.info["row"] for t in trajs)
+    assert plain == {"prompt": "What is 2 + 3?", "answer": "5", "level": 3, "tags": ["sum"]}
+    system = {"role": "system", "content": "Be brief."}
+    messages = [system, {"role": "user", "content": "And 3 + 4?"}]
+    assert conversation == {"prompt": messages, "messages": messages, "answer": "7", "source": "x"}
+    assert trajs[0].prompt_ids == prompts[0].prompt_ids and trajs[1].prompt_ids == prompts[1].prompt_ids
