@@ -317,3 +317,25 @@ def test_cli_sweep_reports_a_bad_point_and_a_rerun_skips_the_finished(prefect_ap
     _, parent_again, children = _sweep_runs(db)
     assert parent_again.info.run_id == parent.info.run_id
     assert sum(c.info.status == "FINISHED" for c in children) == 2 and len(children) == 6
+
+
+def test_every_grid_value_and_point_is_validated_before_the_sweep_starts():
+    """The sweep flow (and `atrlhf sweep` before it) validates each value as --set would, naming the --grid
+    item, then each combination: a typo'd key no longer starts doomed children under a FAILED parent."""
+    from rlhf_core.sweep_grid import check_points
+
+    base = load_config(None, ["trainer.seed=3"])
+    configs = check_points(base, {"algorithm.loss": ["grpo", "m2po"], "runtime.max_staleness": [1, 4]}, [3, 4])
+    assert [(c.algorithm.loss, c.runtime.max_staleness, c.trainer.seed) for c in configs] == [
+        ("grpo", 1, 3),
+        ("grpo", 4, 3),
+        ("m2po", 1, 3),
+        ("m2po", 4, 3),
+    ]
+    with pytest.raises(ConfigError, match=r"^--grid algorithm.lose=grpo: algorithm.lose: unknown field"):
+        check_points(base, {"algorithm.lose": ["grpo"]}, [0])
+    with pytest.raises(ConfigError, match=r"^--grid runtime.max_staleness=-1: runtime.max_staleness: "):
+        check_points(base, {"runtime.max_staleness": [1, -1]}, [0])
+    with pytest.raises(ConfigError, match="not a section"):
+        check_points(base, {"trainer.lr.x": [1]}, [0])
+    assert "\n" not in str(pytest.raises(ConfigError, check_points, base, {"trainer.lr": [-1, 0]}, [0]).value)
