@@ -7,8 +7,9 @@
                  [--max-parallel N] [--metric NAME] [--target ACC] [--sweep-id ID]
 
 The config is validated before anything else is imported or started: a bad field exits with status 2 and
-a message naming it. Prefect, Ray and MLflow are imported inside the commands only, so a bad command line
-fails fast without loading them.
+a message naming it; so does every path and name it uses (model, data, resume target, LoRA target modules,
+sweep grid, reward functions and environment: flows/checks.py), each with one line, nothing created. Prefect,
+Ray and MLflow are imported inside the commands only, so a bad command line fails fast without loading them.
 """
 
 from __future__ import annotations
@@ -22,8 +23,19 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Optional
 
-from rlhf_core.config import ConfigError, TrainConfig, load_config, parse_grid_item
-from rlhf_core.sweep_grid import check_grid
+from flows.checks import check_evaluate, check_sweep, check_train, parse_grid
+from flows.terminal import (
+    RUN_LOG,
+    RunLog,
+    failure_line,
+    prefect_location,
+    quiet_terminal,
+    startup_line,
+    sweep_summary,
+    train_summary,
+)
+from flows.terminal import train_summary as _train_summary  # noqa: F401 (the name tests import)
+from rlhf_core.config import ConfigError, TrainConfig, load_config
 
 EXIT_CONFIG = 2
 EXIT_FAILED = 1
@@ -77,7 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument(
         "--resume-from",
         metavar="RUN_OR_PATH",
-        help="an MLflow run id (continue that run from its newest checkpoint) or a checkpoint directory",
+        help="an MLflow run id (continue that run from its newest checkpoint), a checkpoint directory, or a run "
+        "directory (its newest checkpoint: runs/tiny/latest continues the newest run)",
     )
     e = sub.add_parser(
         "evaluate",
@@ -90,7 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--checkpoint",
         required=True,
         metavar="PATH_OR_RUN",
-        help="checkpoint directory, exported model directory, or MLflow run id",
+        help="checkpoint directory, exported model directory, run directory (its exported policy, else its newest "
+        "checkpoint: runs/tiny/latest) or MLflow run id (its logged model, else its newest checkpoint)",
     )
     e.add_argument("--json", action="store_true", help="print one JSON object instead of a sentence")
     s = sub.add_parser(
@@ -137,101 +151,59 @@ def _load(args) -> TrainConfig:
     return load_config(args.config, _overrides(args.overrides))
 
 
+def _refuse(exc: ConfigError) -> int:
+    print(f"atrlhf: {exc}", file=sys.stderr)
+    return EXIT_CONFIG
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         cfg = _load(args)
     except ConfigError as exc:
-        print(f"atrlhf: {exc}", file=sys.stderr)
-        return EXIT_CONFIG
+        return _refuse(exc)
     for key, value in _QUIET_ENV.items():
         os.environ.setdefault(key, value)
     if args.command == "train":
-        if cfg.reward.model.path:  # before the Prefect API, Ray or MLflow start
-            from rlhf_core.preflight import check_reward_model_config
+        try:  # every path and name, before the Prefect API, Ray or MLflow start (flows/checks.py)
+            resume_from = check_train(cfg, args.resume_from)
+        except ConfigError as exc:
+            return _refuse(exc)
+        if resume_from:  # a run that already reached total_steps: say so before anything starts
+            from tasks.resume import nothing_to_train
 
-            try:
-                check_reward_model_config(cfg.reward.model.path)
-            except ConfigError as exc:
-                print(f"atrlhf: {exc}", file=sys.stderr)
-                return EXIT_CONFIG
-        if args.resume_from:  # a run that already reached total_steps: say so before anything starts
-            from tasks.checkpoints import nothing_to_train
-
-            finished = nothing_to_train(cfg, args.resume_from)
+            finished = nothing_to_train(cfg, resume_from)
             if finished:
                 print(f"atrlhf: {finished}", file=sys.stderr)
                 return 0
-        return cmd_train(cfg, args.resume_from)
+        return cmd_train(cfg, resume_from)
     if args.command == "score":
         if cfg.env.enabled:  # a trajectory file, replayed with the environment's rewards
             return cmd_score_trajectories(cfg, args.input, as_json=args.json)
         return cmd_score(cfg, args.input, as_json=args.json)
     if args.command == "sweep":
-        try:
-            grid = parse_grid(args.grid)
-        except ConfigError as exc:
-            print(f"atrlhf: {exc}", file=sys.stderr)
-            return EXIT_CONFIG
         if args.seeds < 1 or args.max_parallel < 1:
             print("atrlhf: --seeds and --max-parallel must be at least 1", file=sys.stderr)
             return EXIT_CONFIG
+        try:  # every value of the grid and every point, before any point starts
+            grid = parse_grid(args.grid)
+            check_sweep(cfg, grid, args.seeds)
+        except ConfigError as exc:
+            return _refuse(exc)
         return cmd_sweep(cfg, grid, args.seeds, args.max_parallel, args.metric, args.target, args.sweep_id)
+    try:
+        check_evaluate(cfg, args.checkpoint, config_given=bool(args.config))
+    except ConfigError as exc:
+        return _refuse(exc)
     run_config_overrides = None if args.config else _overrides(args.overrides)  # no --config: the run's own
     return cmd_evaluate(cfg, args.checkpoint, as_json=args.json, run_config_overrides=run_config_overrides)
 
 
 # ------------------------------------------------------------------------------------------------ train
-class _QuietTerminal:
-    """What a healthy run need not print, dropped from the terminal only (the Prefect UI keeps every line):
-    Prefect's "Finished in state Completed()" per task run (and per child flow run of a sweep), which would bury
-    the progress lines, and the INFO lines of the long-running loops' task runs (their progress, every 30 s).
-    Failed or crashed runs still print (at ERROR)."""
-
-    def __init__(self, loop_tasks: tuple[str, ...]):
-        self.loop_tasks = loop_tasks
-
-    def filter(self, record) -> bool:
-        if record.name in ("prefect.task_runs", "prefect.flow_runs") and str(record.msg).startswith(
-            "Finished in state Completed"
-        ):
-            return False
-        return not (record.levelno < 30 and getattr(record, "task_name", None) in self.loop_tasks)
-
-
-class _NoRayTokenNotice:
-    """Ray's notice that token authentication is on for the local cluster it starts (the default, not news)."""
-
-    def filter(self, record) -> bool:
-        return not str(record.msg).startswith("Token authentication is enabled")
-
-
-def _quiet_terminal() -> None:
-    import logging
-
-    from prefect.logging.handlers import PrefectConsoleHandler
-
-    from tasks.cluster import LOOP_TASKS
-
-    seen = set()
-    for name in ("", "prefect", "prefect.task_runs", "prefect.flow_runs"):  # the console handler: root's
-        for handler in logging.getLogger(name).handlers:
-            if isinstance(handler, PrefectConsoleHandler) and id(handler) not in seen:
-                seen.add(id(handler))
-                if not any(isinstance(f, _QuietTerminal) for f in handler.filters):
-                    handler.addFilter(_QuietTerminal(LOOP_TASKS))
-    ray_auth = logging.getLogger("ray._private.authentication.authentication_token_setup")
-    if not any(isinstance(f, _NoRayTokenNotice) for f in ray_auth.filters):
-        ray_auth.addFilter(_NoRayTokenNotice())
-
-
-def _startup_line(line: str) -> None:
-    print(f"atrlhf: start-up: {line}", file=sys.stderr, flush=True)
-
-
 def cmd_train(cfg: TrainConfig, resume_from: Optional[str]) -> int:
     """Run the flow in this process. SIGTERM ends it like Ctrl-C: the runtime is torn down, the MLflow run
-    ends KILLED, and the temporary Prefect API (when no API is configured) is stopped last."""
+    ends KILLED, and the temporary Prefect API (when no API is configured) is stopped last. Everything the run
+    logs, and its Ray workers print, goes in full to <run dir>/train.log; the terminal gets one line a failure."""
     import importlib
 
     from flows.lifecycle import cli_signals
@@ -240,118 +212,67 @@ def cmd_train(cfg: TrainConfig, resume_from: Optional[str]) -> int:
     with cli_signals():
         # the flow's imports (prefect, mlflow through tasks; ray is imported at launch) while the API starts
         with local_prefect_api(
-            while_starting=lambda: importlib.import_module("flows.train"), progress=_startup_line
+            while_starting=lambda: importlib.import_module("flows.train"), progress=startup_line
         ) as temporary_api:
             from flows.train import train
 
-            _quiet_terminal()
-            try:
-                state = train(config=cfg, resume_from=resume_from, return_state=True)
-            except KeyboardInterrupt:
-                print(
-                    "\natrlhf: interrupted; the runtime was torn down and the MLflow run ended KILLED.", file=sys.stderr
-                )
-                return EXIT_INTERRUPTED
+            quiet_terminal()
+            cfg, flow = _named_run(cfg, train)
+            run_log = RunLog(cfg.run.run_dir / RUN_LOG)
+            with run_log:
+                try:
+                    state = flow(config=cfg, resume_from=resume_from, return_state=True)
+                except KeyboardInterrupt:
+                    print(
+                        "\natrlhf: interrupted; the runtime was torn down and the MLflow run ended KILLED. "
+                        + _where_it_stopped(cfg),
+                        file=sys.stderr,
+                    )
+                    return EXIT_INTERRUPTED
             flow_run_id = str(state.state_details.flow_run_id) if state.state_details.flow_run_id else None
             result = state.result(raise_on_failure=False)
             ok = state.is_completed() and isinstance(result, dict)
-            print(_train_summary(cfg, state, result if ok else None, flow_run_id, temporary_api is not None))
+            print(train_summary(cfg, state, result if ok else None, flow_run_id, temporary_api is not None))
     if ok:
         return 0
     if state.is_cancelled():
         return EXIT_INTERRUPTED
     if isinstance(result, BaseException):
-        print(f"atrlhf: the run failed: {type(result).__name__}: {result}", file=sys.stderr)
+        log = f" (the full trace: {run_log.path})" if run_log.written() else ""
+        print(f"atrlhf: the run failed: {failure_line(result)}{log}", file=sys.stderr)
     return EXIT_FAILED
 
 
-def _console_script(name: str) -> str:
-    """`name` as typed from the working directory: the console script beside this interpreter
-    (.venv/bin/prefect from the repository root), so the hint runs without the virtualenv on PATH."""
-    path = Path(sys.executable).parent / name
-    if not path.exists():
-        return name
-    return os.path.relpath(path) if path.is_relative_to(Path.cwd()) else str(path)
+def _named_run(cfg: TrainConfig, train):
+    """(cfg, flow): the run's directory named here, as the flow would name it (<UTC time>-<flow run name>), so that
+    its log file is known before the flow starts; a run.name the user set stays."""
+    if cfg.run.name:
+        return cfg, train
+    from prefect.utilities.names import generate_slug
+
+    from rlhf_core.preflight import default_run_name
+
+    flow_run_name = generate_slug(2)
+    cfg = cfg.model_copy(deep=True)
+    cfg.run.name = default_run_name(flow_run_name)
+    return cfg, train.with_options(flow_run_name=flow_run_name)
 
 
-def _prefect_location(flow_run_id: Optional[str], temporary_api: bool = False) -> tuple[str, str]:
-    """(where the records are, how to see them)."""
-    from prefect.settings import get_current_settings
+def _where_it_stopped(cfg: TrainConfig) -> str:
+    """After Ctrl-C: what to resume or evaluate (the run's newest checkpoint), in the user's words."""
+    from rlhf_core.checkpoint_paths import newest_checkpoint
 
-    settings = get_current_settings()
-    api = settings.api.url
-    if api and not temporary_api:
-        ui = (settings.ui_url or api.rsplit("/api", 1)[0]).rstrip("/")
-        return f"the Prefect API at {api}", f"{ui}/runs/flow-run/{flow_run_id}" if flow_run_id else ui
-    home = Path(str(settings.home)).expanduser()
+    run_dir = cfg.run.run_dir
+    newest = newest_checkpoint(run_dir) if run_dir.is_dir() else None
+    if newest is None:
+        return "It wrote no checkpoint."
     return (
-        f"the local Prefect database under {home}",
-        f"`{_console_script('prefect')} server start --host 127.0.0.1`, then "
-        f"http://127.0.0.1:4200/runs/flow-run/{flow_run_id}",
+        f"Its newest checkpoint is {newest}: --resume-from {run_dir} continues it, "
+        f"evaluate --checkpoint {run_dir} scores it."
     )
 
 
-def _train_summary(
-    cfg: TrainConfig, state, result: Optional[dict], flow_run_id: Optional[str], temporary_api: bool = False
-) -> str:
-    from tracking import resolve_tracking_uri, ui_command
-
-    where, see = _prefect_location(flow_run_id, temporary_api)
-    uri = (result or {}).get("mlflow_tracking_uri") or resolve_tracking_uri(cfg)
-    lines = [
-        "",
-        "=" * 78,
-        f"atrlhf train: {state.name}" + (f" — {state.message}" if state.message and not result else ""),
-    ]
-    if result and result.get("nothing_to_train"):
-        lines.append(f"  {result['nothing_to_train']}")
-        result = None
-    if result:
-        start = f"{result['eval/accuracy_start']:.3f} at the start"
-        if result.get("eval/accuracy_resumed") is not None:  # a resumed run: its lineage's start, and where it resumed
-            start = (
-                f"{result['eval/accuracy_start']:.3f} at the lineage's start, {result['eval/accuracy_resumed']:.3f} at "
-                f"the resume (step {result['resumed_at']})"
-            )
-        lines.append(f"  held-out accuracy   {start} -> {result['eval/accuracy']:.3f} after {result['steps']} steps")
-        if "eval/pass@k" in result:
-            lines.append(
-                f"  sampled held-out    pass@{cfg.eval.k} {result['eval/pass@k']:.3f}, mean@{cfg.eval.k} "
-                f"{result['eval/mean@k']:.3f} ({cfg.eval.n_samples} samples per prompt)"
-            )
-        if "reward/mean" in result:  # what the training reward is made of: correctness apart from format
-            from flows.progress import reward_breakdown
-
-            lines.append(f"  train reward        {reward_breakdown(result)} at the last step")
-        if result.get("run_dir"):
-            latest = Path(cfg.run.output_dir) / "latest"
-            lines.append(f"  run directory       {result['run_dir']}  ({latest} points to it)")
-        lines += [
-            f"  final checkpoint    {result['checkpoint']}",
-            f"  exported policy     {result['export']}  (rlhf_core.models.load_policy loads it)",
-            f"  MLflow run          {result['mlflow_run_id']}  (experiment '{cfg.tracking.experiment}', {uri})",
-        ]
-    lines += [
-        f"  Prefect flow run    {flow_run_id}  (in {where})",
-        f"  Prefect UI          {see}",
-        f"  MLflow UI           {ui_command(uri)}  -> http://127.0.0.1:5000",
-        "=" * 78,
-    ]
-    return "\n".join(lines)
-
-
 # ------------------------------------------------------------------------------------------------ sweep
-def parse_grid(items: Sequence[str]) -> dict[str, list]:
-    """--grid arguments -> {dotted key: [values]}; a key given twice is an error."""
-    grid: dict[str, list] = {}
-    for item in items:
-        key, values = parse_grid_item(item)
-        if key in grid:
-            raise ConfigError(f"--grid {key} is given twice; list all its values in one --grid")
-        grid[key] = values
-    return check_grid(grid)  # a repeated value, say, is refused before anything starts
-
-
 def cmd_sweep(
     cfg: TrainConfig,
     grid: dict[str, list],
@@ -361,59 +282,51 @@ def cmd_sweep(
     target: float,
     sweep_id: Optional[str],
 ) -> int:
-    """Run the sweep flow in this process (against a temporary Prefect API when none is configured)."""
+    """Run the sweep flow in this process (against a temporary Prefect API when none is configured); everything it
+    logs goes in full to <run.output_dir>/<sweep id>/sweep.log, the terminal gets one line a failed point."""
     import importlib
 
     from flows.lifecycle import cli_signals
     from flows.local_api import local_prefect_api
+    from rlhf_core.sweep_grid import seed_list
+    from rlhf_core.sweep_grid import sweep_id as make_sweep_id
 
+    sweep_id = sweep_id or make_sweep_id(cfg, grid, seed_list(cfg, seeds))  # the flow's own, known before it runs
     with cli_signals():
         with local_prefect_api(
-            while_starting=lambda: importlib.import_module("flows.sweep"), progress=_startup_line
+            while_starting=lambda: importlib.import_module("flows.sweep"), progress=startup_line
         ) as temporary_api:
             from flows.sweep import sweep
-            from tracking import ui_command
-            from tracking.sweep_comparison import table_markdown
 
-            _quiet_terminal()
-            try:
-                state = sweep(
-                    base_config=cfg,
-                    grid=grid,
-                    seeds=seeds,
-                    max_parallel=max_parallel,
-                    metric=metric,
-                    target=target,
-                    sweep_id=sweep_id,
-                    return_state=True,
-                )
-            except KeyboardInterrupt:
-                print("\natrlhf: interrupted; the sweep stopped.", file=sys.stderr)
-                return EXIT_INTERRUPTED
+            quiet_terminal()
+            run_log = RunLog(Path(cfg.run.output_dir) / sweep_id / "sweep.log")
+            with run_log:
+                try:
+                    state = sweep(
+                        base_config=cfg,
+                        grid=grid,
+                        seeds=seeds,
+                        max_parallel=max_parallel,
+                        metric=metric,
+                        target=target,
+                        sweep_id=sweep_id,
+                        return_state=True,
+                    )
+                except KeyboardInterrupt:
+                    print("\natrlhf: interrupted; the sweep stopped.", file=sys.stderr)
+                    return EXIT_INTERRUPTED
             flow_run_id = str(state.state_details.flow_run_id) if state.state_details.flow_run_id else None
             result = state.result(raise_on_failure=False)
             ok = isinstance(result, dict)  # a Failed sweep with failed points still carries its table
-            where, see = _prefect_location(flow_run_id, temporary_api is not None)
+            where, see = prefect_location(flow_run_id, temporary_api is not None)
+    log = f" (the full trace: {run_log.path})" if run_log.written() else ""
     if not ok:
-        print(f"atrlhf: the sweep failed: {type(result).__name__}: {result}", file=sys.stderr)
+        print(f"atrlhf: the sweep failed: {failure_line(result)}{log}", file=sys.stderr)
         return EXIT_CONFIG if isinstance(result, ConfigError) else EXIT_FAILED
-    lines = [
-        "",
-        "=" * 78,
-        f"atrlhf sweep {result['sweep_id']}: {result['points']} point(s), {result['ran']} ran, "
-        f"{result['skipped']} skipped (finished before), {result['failed']} failed",
-        "",
-        table_markdown(result["rows"], target),
-        f"  MLflow parent run   {result['mlflow_parent_run_id']}  ({result['mlflow_tracking_uri']})",
-        f"  MLflow UI           {ui_command(result['mlflow_tracking_uri'])}  -> http://127.0.0.1:5000",
-        f"  Prefect flow run    {flow_run_id}  ({state.name}, in {where})",
-        f"  Prefect UI          {see}",
-        "=" * 78,
-    ]
-    print("\n".join(lines))
+    print(sweep_summary(result, target, f"{flow_run_id}  ({state.name}, in {where})", see))
     for row in result["rows"]:
         if row["error"]:
-            print(f"atrlhf: point {row['point']} failed: {row['error']}", file=sys.stderr)
+            print(f"atrlhf: point {row['point']} failed: {failure_line(row['error'])}{log}", file=sys.stderr)
     return EXIT_FAILED if result["failed"] else 0
 
 
@@ -436,6 +349,8 @@ def cmd_evaluate(
         print(f"atrlhf: {exc}", file=sys.stderr)
         return EXIT_FAILED
     cfg, result = done.cfg, done.result
+    if done.note:  # a run directory or an MLflow run without an exported policy: its newest checkpoint
+        print(f"atrlhf: scoring {done.note}", file=sys.stderr)
     if done.run_config:
         print(f"atrlhf: using the run's config {done.run_config} (pass --config to use another)", file=sys.stderr)
     if as_json:

@@ -1,6 +1,7 @@
 """The sweep flow: a grid of training runs as child flow runs of `atrlhf-train`, compared in Prefect and MLflow.
 
-    validate the base config and the grid's shape -> name the sweep (hash of base, grid, seeds, or given)
+    validate the base config, the grid and every point (values, paths) -> name the sweep (hash of base, grid,
+    seeds, or given)
     -> open (or, on a rerun, reopen) the MLflow parent run -> skip the points a child already FINISHED
     -> run the rest, at most `max_parallel` at once, each as a child flow run of atrlhf-train whose MLflow
        run is a child of the parent (a failing point fails only its child) -> comparison table and plot
@@ -24,7 +25,8 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from flows.lifecycle import shared_ray
 from flows.train import train
 from rlhf_core.config import ConfigError, TrainConfig, validate_config
-from rlhf_core.sweep_grid import SweepPoint, check_grid, expand_grid, point_config, seed_list
+from rlhf_core.preflight import check_paths
+from rlhf_core.sweep_grid import SweepPoint, check_grid, check_points, expand_grid, point_config, seed_list
 from rlhf_core.sweep_grid import sweep_id as make_sweep_id
 from tasks.sweep import compare_points, open_sweep_record, publish_comparison
 from tasks.tracking import link_mlflow_run
@@ -62,6 +64,8 @@ def sweep(
         raise ConfigError(f"sweep max_parallel: expected an integer >= 1, got {max_parallel!r}")
     seeds_used = seed_list(cfg, seeds)
     points = expand_grid(grid, seeds_used)
+    for point_cfg in check_points(cfg, grid, seeds_used):  # every value and point, before anything starts
+        check_paths(point_cfg)
     sid = sweep_id or make_sweep_id(cfg, grid, seeds_used)
     flow_run_id = str(current_flow_run.id) if current_flow_run.id else ""
 

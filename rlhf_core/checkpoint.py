@@ -37,6 +37,7 @@ import numpy as np
 import torch
 import yaml
 
+from rlhf_core.checkpoint_paths import CHECKPOINTS_DIR, META_FILE
 from rlhf_core.config import RUN_CONFIG_FILE as CONFIG_FILE
 from rlhf_core.lora import (
     ADAPTER_DIR,
@@ -53,8 +54,6 @@ from rlhf_core.models import TINY_POLICY_DIRS
 from rlhf_core.trainer.sharding import is_dtensor, shard_like
 
 FORMAT_VERSION = 2
-CHECKPOINTS_DIR = "checkpoints"  # a run directory's checkpoints: <run_dir>/checkpoints/step_NNNNNN
-META_FILE = "meta.json"
 
 
 def checkpoint_dir(run_dir: str | Path, step: int, under: Optional[str | Path] = None) -> Path:

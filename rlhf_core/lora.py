@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from rlhf_core.model_dir import target_modules_problem
+
 ADAPTER_DIR = "adapter"  # the PEFT adapter inside an export or a checkpoint directory
 ADAPTER_WEIGHTS = "adapter_model.safetensors"  # peft's weights file name in it
 _CACHE = "_atrlhf_adapter_params"  # _adapter_params' cache on the model (forget_adapter_params drops it)
@@ -42,6 +44,31 @@ def linear_module_names(model) -> list[str]:
     return sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
 
 
+def config_linear_module_names(config_dir=None, model_type: str = "", trust_remote_code: bool = False):
+    """`linear_module_names` of the model that `config_dir`'s config.json describes (or a small one of
+    `model_type`), built on the meta device: no weights read, no memory taken, no Ray. None when the
+    architecture cannot be built that way (the check is then left to the model's loading)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if config_dir is not None:
+                config = AutoConfig.from_pretrained(str(config_dir), trust_remote_code=trust_remote_code)
+            else:
+                config = AutoConfig.for_model(model_type, num_hidden_layers=1, tie_word_embeddings=True)
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    except Exception:  # an architecture transformers cannot build from its config alone (or on meta)
+        return None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    return linear_module_names(model)
+
+
 def apply_lora(model, lora_cfg):
     """Wrap `model` with LoRA adapters of `lora_cfg` (rlhf_core.config.LoraConfig); base weights frozen.
 
@@ -56,13 +83,9 @@ def apply_lora(model, lora_cfg):
             "model.lora is set but peft is not installed: pip install 'asynctensorrlhf[lora]' (or unset model.lora)"
         ) from None
 
-    linear = linear_module_names(model)
-    unknown = [t for t in lora_cfg.target_modules if t not in linear]
-    if unknown:
-        raise LoraConfigError(
-            f"model.lora.target_modules: {unknown} match no linear layer of the model; its linear modules are "
-            f"{linear} (name some of these)"
-        )
+    problem = target_modules_problem(lora_cfg.target_modules, linear_module_names(model))
+    if problem:
+        raise LoraConfigError(problem)
     targets = list(lora_cfg.target_modules)
     peft_cfg = LoraConfig(
         r=lora_cfg.r,

@@ -18,9 +18,10 @@ from typing import Optional
 
 import torch
 
+from rlhf_core.model_dir import TINY_POLICY_DIRS, ModelLoadError, check_model_dir
+
 TINY_SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 TINY_WORDS = [str(d) for d in range(10)] + ["max", "sum", "+", "=", ","]
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -37,10 +38,6 @@ def _transformers(*names: str):
 
         found = tuple(getattr(transformers, name) for name in names)
     return found if len(found) > 1 else found[0]
-
-
-class ModelLoadError(ValueError):
-    """A model directory is missing, incomplete or unreadable."""
 
 
 def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
@@ -62,90 +59,6 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> Optional[torch.dtype]:
         return _DTYPES[dtype]
     except KeyError:
         raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(_DTYPES)} or 'auto'") from None
-
-
-def check_model_dir(path: str | Path) -> Path:
-    """Fail with a message naming the path and what is missing, before transformers gives a vaguer one."""
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise ModelLoadError(f"model path {p} does not exist")
-    if not p.is_dir():
-        raise ModelLoadError(f"model path {p} is not a directory")
-    cfg = p / "config.json"
-    if not cfg.is_file():
-        raise ModelLoadError(f"model directory {p} has no config.json")
-    try:
-        model_config = json.loads(cfg.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ModelLoadError(f"{cfg} is not valid JSON: {exc}") from exc
-    if not isinstance(model_config, dict) or not model_config.get("model_type"):
-        raise ModelLoadError(
-            f"{cfg} is not a Hugging Face model config (it has no 'model_type'); model.path must be a directory "
-            "written by save_pretrained (or downloaded from the Hub) with the model's own config.json"
-        )
-    if not any(
-        (p / name).is_file()
-        for name in (
-            "model.safetensors",
-            "pytorch_model.bin",
-            "model.safetensors.index.json",
-            "pytorch_model.bin.index.json",
-        )
-    ):
-        raise ModelLoadError(
-            f"model directory {p} has no weights (model.safetensors, pytorch_model.bin or a sharded index)"
-        )
-    if not any((p / name).is_file() for name in _TOKENIZER_FILES):
-        raise ModelLoadError(f"model directory {p} has no tokenizer files (expected one of {list(_TOKENIZER_FILES)})")
-    _check_weight_files(p)
-    return p
-
-
-def _check_weight_files(p: Path) -> None:
-    """Read the safetensors headers (a few KB, not the weights): a garbage, truncated or missing weight file is
-    named here, where transformers would say only 'Error while deserializing header'."""
-    index = p / "model.safetensors.index.json"
-    if (p / "model.safetensors").is_file():
-        shards = [p / "model.safetensors"]
-    elif index.is_file():
-        try:
-            weight_map = json.loads(index.read_text()).get("weight_map")
-        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:
-            raise ModelLoadError(f"{index} is not a valid safetensors index: {exc}") from exc
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise ModelLoadError(f"{index} has no 'weight_map'; re-download or re-export the model")
-        shards = [p / name for name in sorted(set(map(str, weight_map.values())))]
-        missing = [s.name for s in shards if not s.is_file()]
-        if missing:
-            raise ModelLoadError(
-                f"{index} lists weight files that are not in {p}: {missing[:5]}"
-                f"{' ...' if len(missing) > 5 else ''}; the download is incomplete"
-            )
-    else:
-        return  # pytorch_model.bin (and its index): torch.load's own error is wrapped by load_policy
-    for shard in shards:
-        size = shard.stat().st_size
-        problem = None
-        with shard.open("rb") as fh:
-            head = fh.read(8)
-            n = int.from_bytes(head, "little") if len(head) == 8 else -1
-            if n <= 0 or n > min(size - 8, 100 * 2**20):
-                problem = "its header is unreadable"
-            else:
-                try:
-                    header = json.loads(fh.read(n))
-                    end = max((int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"), default=0)
-                except (json.JSONDecodeError, UnicodeDecodeError, AttributeError, KeyError, TypeError, ValueError):
-                    problem = "its header is not valid safetensors JSON"
-                else:
-                    if 8 + n + end > size:
-                        problem = f"it is truncated ({size} bytes, its header describes {8 + n + end})"
-        if problem:
-            raise ModelLoadError(
-                f"could not load the model from {p}: {shard} is not a usable safetensors weight file: {problem}. "
-                "Re-download or re-export the model "
-                "(save_pretrained) into the model directory"
-            )
 
 
 def load_policy(
@@ -327,9 +240,6 @@ def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
         if isinstance(getattr(module, "attention_dropout", None), float):
             module.attention_dropout = 0.0
     return model
-
-
-TINY_POLICY_DIRS = {"word": "tiny_policy", "chat": "tiny_chat_policy"}  # under run.output_dir, by model.tiny_kind
 
 
 def ensure_policy(model_cfg, task: str, output_dir: str | Path, seed: int = 0) -> Path:

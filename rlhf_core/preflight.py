@@ -11,8 +11,13 @@ the model is checked here, each failing with a `ConfigError` that names the fiel
   (`RunDirClaim.point_latest`), so a run that fails before producing anything does not move it.
 - `check_reward_model_config(path)`: reward.model.path is a model directory whose config.json describes a
   sequence-classification model with one label (its weights and tokenizer are checked when it loads).
+- `check_paths(cfg)`: every other local path the config names (model.path, critic.path, data files), the user
+  code it imports (reward functions, environment, tools: imported here, as the workers will) and a run.name
+  held by a live run; `check_lora_targets(cfg)`: model.lora.target_modules against the model's linear layers.
+  The command line calls them before the Prefect API, Ray or MLflow start.
 
-Plain Python: no torch, no transformers.
+Plain Python: no torch, no transformers (`check_lora_targets` alone imports them, to build the model on the
+meta device).
 """
 
 from __future__ import annotations
@@ -249,3 +254,132 @@ def check_reward_model_config(path: str | os.PathLike, field: str = "reward.mode
             "per sequence: num_labels must be 1"
         )
     return p
+
+
+# ----------------------------------------------------------------- every path and name, before anything starts
+def check_paths(cfg) -> None:
+    """Every local path the config names, and the user code it imports, without starting anything: model.path
+    (config.json, tokenizer, weight headers), critic.path, reward.model.path, data.train_path / eval_path,
+    reward.functions, env and env.tools (imported, as the workers will), a run.name held by a live run.
+    ConfigError, one line naming the field, for the first that fails. Nothing is created."""
+    from rlhf_core.model_dir import ModelLoadError, check_model_dir
+
+    if cfg.model.path:
+        try:
+            check_model_dir(cfg.model.path)
+        except ModelLoadError as exc:
+            raise ConfigError(f"model.path={cfg.model.path!r}: {exc}") from None
+    if cfg.critic.path:
+        critic = Path(cfg.critic.path).expanduser()
+        if not (critic / "config.json").is_file():
+            state = "has no config.json" if critic.is_dir() else "does not exist"
+            raise ConfigError(f"critic.path={cfg.critic.path!r}: {critic} {state}; give a Hugging Face model directory")
+    if cfg.reward.model.path:
+        check_reward_model_config(cfg.reward.model.path)
+    for field in ("train_path", "eval_path"):
+        path = getattr(cfg.data, field)
+        if path and cfg.data.task in ("jsonl", "dataset"):
+            check_data_path(path, f"data.{field}", cfg.data.task)
+    check_user_code(cfg)
+    if cfg.run.name:
+        holder = live_lock(Path(cfg.run.output_dir).expanduser() / cfg.run.name / LOCK_FILE)
+        if holder:
+            raise ConfigError(
+                f"run.name={cfg.run.name!r}: {Path(cfg.run.output_dir) / cfg.run.name} is in use by a live run (pid "
+                f"{holder.get('pid')}, started {holder.get('started', '?')}); leave run.name empty or choose another"
+            )
+
+
+def check_data_path(path: str, field: str, task: str) -> None:
+    """data.task 'jsonl': a file. 'dataset': a file, a folder, or a hub id (with HF_HUB_OFFLINE=1, the default of
+    the command line, one in the Hugging Face cache)."""
+    p = Path(path).expanduser()
+    if task == "jsonl":
+        if not p.is_file():
+            state = "is a directory, not a JSONL file" if p.is_dir() else "does not exist"
+            raise ConfigError(f"{field}={path!r}: {p} {state} (data.task 'jsonl' reads one JSONL file)")
+        return
+    if p.exists():
+        return
+    from rlhf_core.data.dataset import _looks_local  # (no torch)
+
+    if _looks_local(path) or path.count("/") > 1:
+        raise ConfigError(f"{field}={path!r}: {p} does not exist")
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on") and not _in_hf_cache(path):
+        raise ConfigError(
+            f"{field}={path!r}: no such local file or folder, and no hub dataset of that id in the Hugging Face cache "
+            "(HF_HUB_OFFLINE=1: the hub is not asked); give a local path, or download it first"
+        )
+
+
+def _in_hf_cache(repo_id: str) -> bool:
+    """A hub dataset id downloaded into the hub cache (datasets--org--name) or `datasets`' own (org___name)."""
+    home = Path(os.environ.get("HF_HOME") or Path.home() / ".cache" / "huggingface").expanduser()
+    hub = Path(os.environ.get("HF_HUB_CACHE") or home / "hub").expanduser()
+    datasets_cache = Path(os.environ.get("HF_DATASETS_CACHE") or home / "datasets").expanduser()
+    return (hub / ("datasets--" + repo_id.replace("/", "--"))).is_dir() or (
+        datasets_cache / repo_id.replace("/", "___")
+    ).is_dir()
+
+
+def check_user_code(cfg) -> None:
+    """reward.functions, the env class and env.tools imported here as the workers will import them (the config
+    only read their source): a missing dependency or an error at import is named before anything starts."""
+    from rlhf_core.env.spec import load_env_class, load_tools
+    from rlhf_core.reward.functions.spec import load_function
+
+    checks = [
+        (f"reward.functions[{i}]", fn.path or fn.name, lambda fn=fn, i=i: load_function(fn.path, fn.name, ""))
+        for i, fn in enumerate(cfg.reward.functions)
+    ]
+    if cfg.env.enabled:
+        checks.append(
+            ("env", cfg.env.path or cfg.env.class_name, lambda: load_env_class(cfg.env.path, cfg.env.class_name))
+        )
+    checks += [
+        (f"env.tools[{i}]", tool.path, lambda tool=tool: load_tools([(tool.path, tool.name)]))
+        for i, tool in enumerate(cfg.env.tools)
+    ]
+    for where, path, load in checks:
+        try:
+            load()
+        except Exception as exc:  # whatever the user's module raises on import
+            text = " ".join(str(exc).split()).removeprefix(": ")
+            raise ConfigError(f"{where}: importing {path} failed: {type(exc).__name__}: {text}") from None
+
+
+def check_lora_targets(cfg) -> None:
+    """model.lora.target_modules against the linear layers of the model: read from model.path's (or the tiny
+    default's) safetensors headers when they tell, else from the model built on the meta device from its config
+    (no weights, no Ray; imports torch and transformers)."""
+    if cfg.model.lora is None:
+        return
+    from rlhf_core.model_dir import TINY_MODEL_TYPES, TINY_POLICY_DIRS, linear_layer_names, target_modules_problem
+
+    kind = cfg.model.tiny_kind
+    policy_dir = Path(cfg.model.path or Path(cfg.run.output_dir) / TINY_POLICY_DIRS[kind]).expanduser()
+    names = linear_layer_names(policy_dir)
+    if names is None:
+        from rlhf_core.lora import config_linear_module_names
+
+        if cfg.model.path:
+            names = config_linear_module_names(policy_dir, trust_remote_code=cfg.model.trust_remote_code)
+        else:  # the tiny default, not built yet
+            names = config_linear_module_names(model_type=TINY_MODEL_TYPES[kind])
+    if names is None:
+        return  # an architecture that cannot be built on the meta device: the workers' loading checks it
+    problem = target_modules_problem(cfg.model.lora.target_modules, names)  # as the workers' apply_lora checks
+    if problem:
+        raise ConfigError(problem)
+
+
+def live_lock(lock: Path) -> Optional[dict]:
+    """What a run directory's lock file says, when a live process on this host holds it (else None)."""
+    try:
+        held = json.loads(lock.read_text())
+    except (OSError, ValueError):
+        return None
+    pid = held.get("pid") if isinstance(held, dict) else None
+    if isinstance(pid, int) and held.get("host") == socket.gethostname() and _pid_alive(pid):
+        return held
+    return None

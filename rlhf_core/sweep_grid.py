@@ -2,8 +2,9 @@
 
 `expand_grid` says what the points are, `sweep_id` names the sweep (a hash: a rerun with the same base
 config, grid and seeds finds the same sweep), `point_config` gives a point's config (its own output
-directory and run name). Plain Python on the config: no Prefect, no MLflow (flows/sweep.py runs the
-points; tracking/ records them).
+directory and run name), `check_points` validates every value and every point before any point starts.
+Plain Python on the config: no Prefect, no MLflow (flows/sweep.py runs the points; tracking/
+records them).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from rlhf_core.config import ConfigError, TrainConfig, apply_overrides
+from rlhf_core.config import ConfigError, TrainConfig, apply_overrides, validate_config
 
 SEED_KEY = "trainer.seed"
 
@@ -67,7 +68,7 @@ def seed_list(base: TrainConfig, seeds: int | list[int]) -> list[int]:
 
 
 def check_grid(grid: dict[str, list]) -> dict[str, list]:
-    """A grid is {dotted.key: [values]}. Only its shape is checked here: values are validated per point."""
+    """A grid is {dotted.key: [values]}. Only its shape is checked here: `check_points` validates the values."""
     if not isinstance(grid, dict):
         raise ConfigError(f"sweep grid: expected a mapping of dotted keys to lists of values, got {grid!r}")
     for key, values in grid.items():
@@ -124,8 +125,8 @@ def sweep_id(base: TrainConfig, grid: dict[str, list], seeds: list[int]) -> str:
 
 
 def point_config(base: TrainConfig, point: SweepPoint, sweep: str) -> dict:
-    """The child's config as a plain mapping, NOT validated (the child validates it: a bad value fails only
-    that child). Its own output directory `<run.output_dir>/<sweep id>/<point>` and run name."""
+    """The child's config as a plain mapping, NOT validated (`check_points` does, before the sweep starts; the
+    child validates it again). Its own output directory `<run.output_dir>/<sweep id>/<point>` and run name."""
     data = base.model_dump(mode="json")
     apply_overrides(data, [f"{k}={json.dumps(v)}" for k, v in point.values])
     apply_overrides(
@@ -137,3 +138,33 @@ def point_config(base: TrainConfig, point: SweepPoint, sweep: str) -> dict:
         ],
     )
     return data
+
+
+def check_points(base: TrainConfig, grid: dict[str, list], seeds: list[int], sweep: str = "sweep") -> list[TrainConfig]:
+    """Every point's config validated before any point starts: each grid value first on its own, as `--set key=value`
+    on the base config would be (a typo'd key or a bad value is named with its --grid item), then each combination
+    (the rules between fields). Returns the validated configs, one per point of the first seed. ConfigError, one
+    line, naming the --grid item or the point."""
+    for key, values in grid.items():
+        for value in values:
+            data = base.model_dump(mode="json")
+            try:
+                apply_overrides(data, [f"{key}={json.dumps(value)}"])
+                validate_config(data)
+            except ConfigError as exc:
+                raise ConfigError(f"--grid {key}={value_text(value)}: {_one_line(exc)}") from None
+    configs = []
+    for point in expand_grid(grid, seeds[:1]):
+        try:
+            configs.append(validate_config(point_config(base, point, sweep)))
+        except ConfigError as exc:
+            raise ConfigError(f"sweep point {point.group}: {_one_line(exc)}") from None
+    return configs
+
+
+def _one_line(exc: ConfigError) -> str:
+    """A validation message on one line, without its 'invalid configuration (...):' header."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    if len(lines) > 1 and lines[0].startswith("invalid configuration"):
+        lines = lines[1:]
+    return "; ".join(lines)

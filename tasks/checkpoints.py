@@ -1,6 +1,7 @@
 """Prefect tasks for checkpoints, the exported policy, and resolving `resume_from`.
 
-`resume_from` is either a checkpoint directory or an MLflow run id. For a run id, the newest checkpoint
+`resume_from` is a checkpoint directory, a run directory (its newest checkpoint) or an MLflow run id
+(tasks/resume.py tells which, without Prefect). For a run id, the newest checkpoint
 artifact (checkpoints/step_NNNNNN, complete uploads only) is downloaded; a checkpoint directory written by a
 tracked run names its MLflow run too. That run becomes the parent of the resumed run's new MLflow run.
 Either way the checkpoint is validated before anything starts.
@@ -8,7 +9,6 @@ Either way the checkpoint is validated before anything starts.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -17,8 +17,9 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from rlhf_core.checkpoint import CheckpointError, checkpoint_dir, prune_checkpoints, read_checkpoint
-from rlhf_core.config import TrainConfig
+from rlhf_core.config import ConfigError, TrainConfig
 from tasks import mlflow_client as tracking
+from tasks.resume import local_checkpoint, nothing_to_train
 
 
 @dataclass
@@ -34,40 +35,11 @@ def export_dir(cfg: TrainConfig) -> Path:
     return cfg.run.run_dir / "policy"
 
 
-def resume_point(cfg: TrainConfig, resume_from: str) -> Optional[tuple[int, str]]:
-    """(step, what it is) of the checkpoint `resume_from` names, told without downloading or loading it: the
-    meta.json of a checkpoint directory, the artifact name of an MLflow run's newest complete checkpoint. None
-    when that cannot be told (`resolve_resume` then says what is wrong)."""
-    path = Path(resume_from).expanduser()
-    try:
-        if path.is_dir():
-            return int(json.loads((path / "meta.json").read_text())["step"]), f"checkpoint {path}"
-        if tracking.looks_like_run_id(resume_from):
-            artifact = tracking.latest_checkpoint_artifact(resume_from, tracking.resolve_tracking_uri(cfg))
-            if artifact is not None:
-                return int(Path(artifact).name.rsplit("_", 1)[1]), f"MLflow run {resume_from} ({artifact})"
-    except Exception:  # unreadable, no such run, a name of another form: resolve_resume reports it
-        return None
-    return None
-
-
-def nothing_to_train(cfg: TrainConfig, resume_from: Optional[str]) -> Optional[str]:
-    """What to tell the user when `resume_from` already reached trainer.total_steps (None otherwise, or when
-    that cannot be told without downloading)."""
-    point = resume_point(cfg, resume_from) if resume_from else None
-    if point is None or point[0] < cfg.trainer.total_steps:
-        return None
-    step, what = point
-    return (
-        f"nothing to train: {what} is at step {step}, which already reaches trainer.total_steps="
-        f"{cfg.trainer.total_steps}; to train on, raise it (e.g. --set trainer.total_steps={step + max(step // 5, 1)})"
-    )
-
-
 @task(name="resolve-resume", cache_policy=NO_CACHE, persist_result=False)
 def resolve_resume(cfg: TrainConfig, resume_from: Optional[str]) -> ResumeTarget:
-    """Turn `resume_from` (checkpoint directory or MLflow run id) into a validated local checkpoint; a checkpoint
-    that already reaches trainer.total_steps is neither downloaded nor loaded (`finished` says so)."""
+    """Turn `resume_from` (a checkpoint directory, a run directory: its newest checkpoint, or an MLflow run id) into
+    a validated local checkpoint; a checkpoint that already reaches trainer.total_steps is neither downloaded nor
+    loaded (`finished` says so)."""
     if not resume_from:
         return ResumeTarget()
     logger = get_run_logger()
@@ -76,11 +48,12 @@ def resolve_resume(cfg: TrainConfig, resume_from: Optional[str]) -> ResumeTarget
         logger.info(finished)
         return ResumeTarget(finished=finished)
     uri = tracking.resolve_tracking_uri(cfg)
-    path = Path(resume_from).expanduser()
+    try:
+        ckpt = local_checkpoint(cfg, resume_from, "resume_from")  # a run directory: its newest checkpoint
+    except ConfigError as exc:  # names the checkpoints that do exist near the path
+        raise CheckpointError(str(exc)) from None
     run_id: Optional[str] = None
-    if path.exists():
-        ckpt = path
-    elif tracking.looks_like_run_id(resume_from):
+    if ckpt is None:  # an MLflow run id
         if not tracking.run_exists(resume_from, uri):
             raise CheckpointError(f"resume_from={resume_from!r}: no MLflow run with that id in {uri}")
         run_id = resume_from
@@ -93,11 +66,6 @@ def resolve_resume(cfg: TrainConfig, resume_from: Optional[str]) -> ResumeTarget
         dst = cfg.run.run_dir / "resume" / run_id
         ckpt = tracking.download_artifact(run_id, artifact, uri, dst)
         logger.info("downloaded checkpoint %s of MLflow run %s to %s", artifact, run_id, ckpt)
-    else:
-        raise CheckpointError(
-            f"resume_from={resume_from!r} is neither an existing checkpoint directory nor an "
-            "MLflow run id (32 hex characters)"
-        )
     state, _ = read_checkpoint(ckpt)  # structure and files; the runtime checks shapes against the model
     logged_run = state.run.get("mlflow_run_id")
     if run_id is None and logged_run and tracking.run_exists(logged_run, uri):

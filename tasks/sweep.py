@@ -1,6 +1,6 @@
 """Prefect tasks of a sweep: open its MLflow parent run, compare its points, publish the comparison.
 
-The MLflow client code they call is `tasks.mlflow_client` (sweep_record, sweep_comparison); the points
+The MLflow client code they call is `tracking` (sweep_record, sweep_comparison); the points
 themselves are `rlhf_core.sweep_grid`.
 """
 

@@ -1,6 +1,6 @@
 """Prefect tasks of a run's MLflow tracking: open the run, link it to the flow run, log the final policy and plots.
 
-The MLflow client code they call is `tasks.mlflow_client` (runs, artifacts, plots); the flow puts the MLflow
+The MLflow client code they call is `tracking` (runs, artifacts, plots); the flow puts the MLflow
 run id on the Prefect flow run (tag and artifact).
 """
 

@@ -101,8 +101,12 @@ def test_evaluate_a_checkpoint_of_another_shape_fails_clearly(tiny_model, tmp_pa
 
 
 def test_evaluate_something_that_is_not_a_policy(tmp_path, capsys):
-    assert main(["evaluate", "--checkpoint", str(tmp_path / "missing")]) == 1
-    assert "is not a checkpoint directory" in capsys.readouterr().err
+    """Refused before anything loads (exit 2, one line; tests/test_cli_checks.py has the rest)."""
+    assert main(["evaluate", "--checkpoint", str(tmp_path / "missing")]) == 2
+    assert "it does not exist" in capsys.readouterr().err
+    (tmp_path / "junk").mkdir()
+    assert main(["evaluate", "--checkpoint", str(tmp_path / "junk")]) == 2
+    assert "not a checkpoint, an exported policy, a run directory or an MLflow run id" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------------------------ score

@@ -37,8 +37,8 @@ def chaos_cfg(tmp_path, steps: int, prompts: int, **env_kwargs):
             "rollout.samples_per_prompt=2",
             f"rollout.prompts_per_batch={prompts}",
             "reward.function_workers=2",
-            "tracking.eval_every=0",
-            "tracking.checkpoint_every=0",
+            "eval.every=0",
+            "checkpoint.every=0",
         ],
     )
     (tmp_path / "events").mkdir()

@@ -209,3 +209,72 @@ def test_two_runs_building_the_tiny_policy_at_once_both_get_a_whole_one(tmp_path
     assert outs[0] == outs[1] == str(tmp_path / "tiny_policy")
     assert (tmp_path / "tiny_policy" / "model.safetensors").is_file()
     assert [p.name for p in tmp_path.iterdir()] == ["tiny_policy"]  # no temporary build left behind
+
+
+# ----------------------------------------------------------------- LoRA targets, data paths (rlhf_core/preflight.py)
+def test_lora_targets_from_the_weight_headers_agree_with_the_model_built_on_meta(tiny_policy_dir, chat_policy_dir):
+    """The command line reads the linear layers from the safetensors headers (no torch); the workers check
+    against the model itself: both give the same names (the tied lm_head included)."""
+    from pathlib import Path
+
+    from rlhf_core.lora import config_linear_module_names
+    from rlhf_core.model_dir import linear_layer_names
+
+    for model_dir in (tiny_policy_dir, chat_policy_dir):
+        from_headers = linear_layer_names(Path(model_dir))
+        assert from_headers == config_linear_module_names(model_dir) and "lm_head" in from_headers
+    # the tiny default before it is built: its architecture on the meta device
+    assert config_linear_module_names(model_type="llama") == linear_layer_names(Path(tiny_policy_dir))
+
+
+def test_lora_targets_are_checked_before_anything_starts(tiny_policy_dir, tmp_path):
+    from rlhf_core.preflight import check_lora_targets
+
+    check_lora_targets(load_config(None, [f"model.path={tiny_policy_dir}", "model.lora.target_modules=[q_proj]"]))
+    with pytest.raises(ConfigError, match=r"\['c_attn'\] match no linear layer.*'v_proj'"):
+        check_lora_targets(load_config(None, [f"model.path={tiny_policy_dir}", "model.lora.target_modules=[c_attn]"]))
+    unbuilt = [f"run.output_dir={tmp_path / 'fresh'}", "model.lora.target_modules=[c_attn]"]
+    with pytest.raises(ConfigError, match="c_attn"):  # the tiny default, not built: read on the meta device
+        check_lora_targets(load_config(None, unbuilt))
+    assert not (tmp_path / "fresh").exists()
+
+
+def test_a_hub_dataset_id_is_accepted_offline_when_it_is_in_the_cache(tmp_path, monkeypatch):
+    from rlhf_core.preflight import check_data_path
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.delenv("HF_DATASETS_CACHE", raising=False)
+    with pytest.raises(ConfigError, match="data.train_path='openai/gsm8k'.*Hugging Face cache"):
+        check_data_path("openai/gsm8k", "data.train_path", "dataset")
+    (tmp_path / "hub" / "datasets--openai--gsm8k").mkdir(parents=True)
+    check_data_path("openai/gsm8k", "data.train_path", "dataset")
+    (tmp_path / "datasets" / "gsm8k").mkdir(parents=True)  # `datasets`' own cache
+    check_data_path("gsm8k", "data.train_path", "dataset")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # the hub is asked when the run loads it
+    check_data_path("someone/else", "data.train_path", "dataset")
+    with pytest.raises(ConfigError, match="does not exist"):  # a local path is never looked up on the hub
+        check_data_path("./data/train.parquet", "data.train_path", "dataset")
+
+
+def test_checkpoints_near_a_path_climb_to_the_nearest_run(tmp_path):
+    from rlhf_core.checkpoint_paths import checkpoint_target, checkpoints_near, newest_checkpoint
+
+    for run, steps in (("a", (20, 40)), ("b", (60,))):
+        for step in steps:
+            (tmp_path / "runs" / run / "checkpoints" / f"step_{step:06d}").mkdir(parents=True)
+            (tmp_path / "runs" / run / "checkpoints" / f"step_{step:06d}" / "meta.json").write_text("{}")
+    (tmp_path / "runs" / "a" / "checkpoints" / "step_000080.tmp").mkdir()  # half-written: never a checkpoint
+    assert newest_checkpoint(tmp_path / "runs" / "a").name == "step_000040"
+    assert [c.name for c in checkpoints_near(tmp_path / "runs" / "a" / "checkpoints" / "step_000010")] == [
+        "step_000040",
+        "step_000020",
+    ]
+    assert [c.name for c in checkpoints_near(tmp_path / "runs" / "c" / "x")] == [
+        "step_000060",
+        "step_000040",
+        "step_000020",
+    ]
+    with pytest.raises(ConfigError, match=r"^--resume-from .*step_000010: it does not exist; checkpoints that"):
+        checkpoint_target(tmp_path / "runs" / "a" / "checkpoints" / "step_000010", "--resume-from")

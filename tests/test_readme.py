@@ -126,3 +126,56 @@ def test_runnable_block_runs_as_written(fresh_clone, line, info, body):
     assert out.returncode == 0, (
         f"README.md:{line} failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
     )
+
+
+def readme_command(option: str) -> list[str]:
+    """The words of the README's `.venv/bin/atrlhf ...` command that gives `option` a path (no <placeholder>)."""
+    found = [
+        command
+        for _, info, body in blocks(README.read_text(encoding="utf-8"))
+        if info.split()[:1] == ["bash"]
+        for command in commands(body)
+        if command[0] == ".venv/bin/atrlhf" and option in command and not any("<" in w for w in command)
+    ]
+    assert found, f"the README has no atrlhf command with {option} <a path>"
+    return found[0]
+
+
+def test_the_readme_resume_and_evaluate_examples_run_as_written_after_make_train(fresh_clone, monkeypatch):
+    """After `make train` (configs/tiny.yaml: 400 steps, a checkpoint every 20, checkpoint.keep=3 keeps
+    360, 380 and 400) the README's resume command resumes the newest checkpoint and trains on, and its evaluate
+    command finds what to score, exported or not (after Ctrl-C): both as written, up to where training or scoring
+    starts (what follows is tests/test_flow.py's and tests/test_cli_checks.py's)."""
+    import flows.cli
+
+    run = fresh_clone / "runs" / "tiny" / "20261130-231502-witty-otter"
+    for step in (360, 380, 400):
+        ckpt = run / "checkpoints" / f"step_{step:06d}"
+        ckpt.mkdir(parents=True)
+        (ckpt / "meta.json").write_text(f'{{"format_version": 2, "step": {step}}}')
+    (run.parent / "latest").symlink_to(run.name, target_is_directory=True)
+    monkeypatch.chdir(fresh_clone)
+    started = {}
+
+    def train(cfg, resume_from):
+        started["train"] = (cfg, resume_from)
+        return 0
+
+    def evaluate(cfg, target, **options):
+        started["evaluate"] = target
+        return 0
+
+    monkeypatch.setattr(flows.cli, "cmd_train", train)
+    monkeypatch.setattr(flows.cli, "cmd_evaluate", evaluate)
+
+    resume = readme_command("--resume-from")
+    assert flows.cli.main(resume[1:]) == 0
+    cfg, resume_from = started["train"]
+    assert resume_from == str((run / "checkpoints" / "step_000400").resolve())
+    assert cfg.trainer.total_steps > 400, "the example trains on past what make train reached"
+
+    evaluate = readme_command("--checkpoint")
+    assert flows.cli.main(evaluate[1:]) == 0  # no policy/: the run was stopped before its export
+    (run / "policy").mkdir()
+    (run / "policy" / "config.json").write_text("{}")
+    assert flows.cli.main(evaluate[1:]) == 0 and started["evaluate"] == "runs/tiny/latest"

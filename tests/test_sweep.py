@@ -1,6 +1,6 @@
 """Sweeps (flows/sweep.py, tasks/sweep.py, rlhf_core/sweep_grid.py, tracking/sweep_*.py,
 `atrlhf sweep`): grid parsing, points, ids, per-point configs, the comparison table and plot; and, slow, a
-sweep of the tiny task through the CLI with one bad grid value and a rerun that skips the finished points
+sweep of the tiny task through the CLI with points that fail at run time and a rerun that skips the finished points
 (real Prefect, real local Ray, MLflow on SQLite in a temp dir).
 """
 
@@ -61,6 +61,10 @@ def test_grid_values_parse_like_set_values():
 def test_cli_rejects_a_bad_grid_before_starting_anything(capsys):
     assert main(["sweep", "--grid", "algorithm.loss"]) == 2
     assert "dotted.key=value" in capsys.readouterr().err
+    assert main(["sweep", "--grid", "algorithm.loss=m2po,nosuch"]) == 2  # a value: validated as --set would be
+    assert "--grid algorithm.loss=nosuch: algorithm.loss: Input should be" in capsys.readouterr().err
+    assert main(["sweep", "--grid", "algorithm.los=m2po"]) == 2  # a key
+    assert "--grid algorithm.los=m2po: algorithm.los: unknown field" in capsys.readouterr().err
     assert main(["sweep", "--grid", "algorithm.loss=grpo", "--seeds", "0"]) == 2
     assert main(["sweep", "--set", "trainer.total_steps=0", "--grid", "algorithm.loss=grpo"]) == 2
     assert "trainer.total_steps" in capsys.readouterr().err
@@ -248,7 +252,8 @@ def _sweep_runs(db):
 
 @pytest.mark.slow
 def test_cli_sweep_reports_a_bad_point_and_a_rerun_skips_the_finished(prefect_api, tmp_path, mlflow_db, capsys):
-    """2 x 2 x 1 seed, two points with a bad loss: the two good points finish (two at once, on the one Ray
+    """2 x 2 x 1 seed, two points whose responses cannot fit the tiny model's context (a failure only the run
+    finds: every value is valid, so the sweep starts): the two good points finish (two at once, on the one Ray
     the sweep starts), the bad ones fail alone and are reported; the MLflow parent shows four children with
     the varied keys as params and tags, and the comparison artifacts; a rerun skips the two finished."""
     db = tmp_path / "mlflow.db"
@@ -259,7 +264,7 @@ def test_cli_sweep_reports_a_bad_point_and_a_rerun_skips_the_finished(prefect_ap
         f"run.output_dir={tmp_path / 'runs'}",
         f"tracking.tracking_uri=sqlite:///{db}",
         "--grid",
-        "algorithm.loss=m2po,nosuch",
+        "rollout.max_new_tokens=4,200",
         "--grid",
         "runtime.max_staleness=1,4",
         "--max-parallel",
@@ -269,7 +274,8 @@ def test_cli_sweep_reports_a_bad_point_and_a_rerun_skips_the_finished(prefect_ap
     out, err = capsys.readouterr()
     assert "4 point(s), 4 ran, 0 skipped (finished before), 2 failed" in out
     assert "(Failed, in " in out, "the sweep's flow run ends Failed when a point failed"
-    assert "point algorithm.loss=nosuch,runtime.max_staleness=1,seed=0 failed" in err and "algorithm.loss" in err
+    assert "point rollout.max_new_tokens=200,runtime.max_staleness=1,seed=0 failed" in err
+    assert "rollout.max_new_tokens=200" in err and "context" in err and "Traceback" not in err
 
     assert "| not reached |" in out  # the failed points' time to target
     client, parent, children = _sweep_runs(db)
@@ -280,22 +286,23 @@ def test_cli_sweep_reports_a_bad_point_and_a_rerun_skips_the_finished(prefect_ap
         flow_run = pc.read_flow_run(re.search(r"Prefect flow run\s+(\S+)", out).group(1))
     assert f"mlflow-run:{parent.info.run_id}" in flow_run.tags
     assert parent.info.status == "FAILED" and parent.data.tags["atrlhf.sweep_failed_points"] == "2"
-    assert parent.data.params["grid.algorithm.loss"] == '["m2po", "nosuch"]'
+    assert parent.data.params["grid.rollout.max_new_tokens"] == "[4, 200]"
     assert parent.data.params["grid.runtime.max_staleness"] == "[1, 4]"
     assert len(children) == 4
     by_point = {c.data.tags["atrlhf.sweep_point"]: c for c in children}
     for staleness in (1, 4):
-        good = by_point[f"algorithm.loss=m2po,runtime.max_staleness={staleness},seed=0"]
+        good = by_point[f"rollout.max_new_tokens=4,runtime.max_staleness={staleness},seed=0"]
         assert good.info.status == "FINISHED" and good.data.tags["atrlhf.sweep_id"] == sid
         assert good.data.params["runtime.max_staleness"] == good.data.tags["runtime.max_staleness"] == str(staleness)
-        assert good.data.params["algorithm.loss"] == good.data.tags["algorithm.loss"] == "m2po"
+        assert good.data.params["rollout.max_new_tokens"] == good.data.tags["rollout.max_new_tokens"] == "4"
         # what differs between children by construction is no param the compare view would group by
         assert not {"run.name", "run.output_dir", "tracking.run_name"} & set(good.data.params)
         assert good.data.tags["run.output_dir"].endswith(f"runtime.max_staleness-{staleness}_seed-0")
         assert [m.step for m in client.get_metric_history(good.info.run_id, "reward/mean")] == [1, 2, 3, 4]
-        assert (tmp_path / "runs" / sid / f"algorithm.loss-m2po_runtime.max_staleness-{staleness}_seed-0").is_dir()
-        bad = by_point[f"algorithm.loss=nosuch,runtime.max_staleness={staleness},seed=0"]
-        assert bad.info.status == "FAILED" and "algorithm.loss" in bad.data.tags["error"]
+        point_dir = f"rollout.max_new_tokens-4_runtime.max_staleness-{staleness}_seed-0"
+        assert (tmp_path / "runs" / sid / point_dir).is_dir()
+        bad = by_point[f"rollout.max_new_tokens=200,runtime.max_staleness={staleness},seed=0"]
+        assert bad.info.status == "FAILED" and "rollout.max_new_tokens" in bad.data.tags["error"]
     artifacts = {a.path for a in client.list_artifacts(parent.info.run_id, "comparison")}
     assert {"comparison/comparison.csv", "comparison/comparison.md", "comparison/sweep_eval_accuracy.png"} <= artifacts
     csv_text = client.download_artifacts(parent.info.run_id, "comparison/comparison.csv", str(tmp_path))
@@ -310,3 +317,25 @@ def test_cli_sweep_reports_a_bad_point_and_a_rerun_skips_the_finished(prefect_ap
     _, parent_again, children = _sweep_runs(db)
     assert parent_again.info.run_id == parent.info.run_id
     assert sum(c.info.status == "FINISHED" for c in children) == 2 and len(children) == 6
+
+
+def test_every_grid_value_and_point_is_validated_before_the_sweep_starts():
+    """The sweep flow (and `atrlhf sweep` before it) validates each value as --set would, naming the --grid
+    item, then each combination: a typo'd key no longer starts doomed children under a FAILED parent."""
+    from rlhf_core.sweep_grid import check_points
+
+    base = load_config(None, ["trainer.seed=3"])
+    configs = check_points(base, {"algorithm.loss": ["grpo", "m2po"], "runtime.max_staleness": [1, 4]}, [3, 4])
+    assert [(c.algorithm.loss, c.runtime.max_staleness, c.trainer.seed) for c in configs] == [
+        ("grpo", 1, 3),
+        ("grpo", 4, 3),
+        ("m2po", 1, 3),
+        ("m2po", 4, 3),
+    ]
+    with pytest.raises(ConfigError, match=r"^--grid algorithm.lose=grpo: algorithm.lose: unknown field"):
+        check_points(base, {"algorithm.lose": ["grpo"]}, [0])
+    with pytest.raises(ConfigError, match=r"^--grid runtime.max_staleness=-1: runtime.max_staleness: "):
+        check_points(base, {"runtime.max_staleness": [1, -1]}, [0])
+    with pytest.raises(ConfigError, match="not a section"):
+        check_points(base, {"trainer.lr.x": [1]}, [0])
+    assert "\n" not in str(pytest.raises(ConfigError, check_points, base, {"trainer.lr": [-1, 0]}, [0]).value)

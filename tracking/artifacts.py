@@ -66,7 +66,7 @@ def prune_checkpoint_artifacts(tracker: MlflowTracker, keep: int) -> list[str]:
         for path in doomed:
             repo.delete_artifacts(path)
     except Exception as exc:  # NotImplementedError, a read-only store: the run keeps them, it goes on
-        logging.getLogger("tasks.mlflow_client").warning(
+        logging.getLogger("tracking").warning(
             "older checkpoints stay in MLflow (checkpoint.keep=%d): deleting artifacts failed: %s", keep, exc
         )
         return []

@@ -270,7 +270,7 @@ class MlflowTracker:
             )
             monitor.start()
         except Exception as exc:  # psutil missing, say: the run goes on without system metrics
-            logging.getLogger("tasks.mlflow_client").warning("system metrics are off: %s", exc)
+            logging.getLogger("tracking").warning("system metrics are off: %s", exc)
             self.set_tags({"system_metrics": f"off: {exc}"[:500]})
             return
         self.system_monitor = monitor

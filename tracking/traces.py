@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-log = logging.getLogger("tasks.mlflow_client")
+log = logging.getLogger("tracking")
 
 TRACE_STEP_TAG = "atrlhf.step"
 EVAL_TRAJECTORIES = "eval/trajectories"  # the key of an evaluation's traced episodes (rlhf_core.evaluation)

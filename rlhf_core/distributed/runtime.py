@@ -388,8 +388,8 @@ class DistributedRun:
             "util/rollout_busy": rollout_busy,
             "util/trainer_busy": tstats["busy_frac"],
         }
-        if any("env_errors" in s for s in alive):  # failed environment trajectories so far, all workers
-            shared["env/errors"] = sum(s.get("env_errors", 0) for s in alive)
+        for key in sorted({k for s in alive for k in s if k.startswith("env/")}):  # the run's so far, all workers
+            shared[key] = float(sum(s.get(key, 0.0) for s in alive))
         for m in metrics:
             m.update(shared)
         self.last_step, self.last_version = tstats["step"], tstats["version"]

@@ -212,7 +212,7 @@ def lockstep_step(parts: RunParts) -> dict:
 def _rollout_metrics(parts: RunParts) -> dict:
     out = {"buffer/filtered_groups_frac": parts.buffer.stats()["filtered_groups_frac"]}
     if parts.worker.env is not None:
-        out["env/errors"] = float(parts.worker.env.errors)  # failed trajectories in the run so far
+        out.update(parts.worker.env.metrics())  # env/errors (by kind), env/process_restarts: the run's so far
     return out
 
 
