@@ -62,7 +62,7 @@ def test_cli_rejects_a_bad_grid_before_starting_anything(capsys):
     assert main(["sweep", "--grid", "algorithm.loss"]) == 2
     assert "dotted.key=value" in capsys.readouterr().err
     assert main(["sweep", "--grid", "algorithm.loss=m2po,nosuch"]) == 2  # a value: validated as --set would be
-    assert "--grid algorithm.loss=nosuch: algorithm.loss: Input should be" in capsys.readouterr().err
+    assert "--grid algorithm.loss=nosuch: algorithm.loss: Value error, unknown policy loss" in capsys.readouterr().err
     assert main(["sweep", "--grid", "algorithm.los=m2po"]) == 2  # a key
     assert "--grid algorithm.los=m2po: algorithm.los: unknown field" in capsys.readouterr().err
     assert main(["sweep", "--grid", "algorithm.loss=grpo", "--seeds", "0"]) == 2
