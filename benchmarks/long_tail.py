@@ -56,7 +56,7 @@ def build_uniform_policy(out_dir: Path, layers: int, hidden: int, heads: int) ->
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from rlhf_core.models import build_tiny_tokenizer
+    from rlhf_core.model.policy import build_tiny_tokenizer
 
     tokenizer = build_tiny_tokenizer()
     torch.manual_seed(0)

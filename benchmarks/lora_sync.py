@@ -52,7 +52,7 @@ from generation import build_model as build_llama  # noqa: E402
 
 from rlhf_core.config import LoraConfig, load_config  # noqa: E402
 from rlhf_core.distributed.transport import pack_state_dict, unpack_state_dict  # noqa: E402
-from rlhf_core.lora import apply_lora  # noqa: E402
+from rlhf_core.model.lora import apply_lora  # noqa: E402
 from rlhf_core.rollout import HFEngine  # noqa: E402
 from rlhf_core.trainer import Trainer  # noqa: E402
 

@@ -21,8 +21,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rlhf_core.config import load_config  # noqa: E402
-from rlhf_core.env.spec import load_attr  # noqa: E402
 from rlhf_core.loop import build_run, run_sync  # noqa: E402
+from rlhf_core.usercode import load_attr  # noqa: E402
 
 
 def main() -> None:

@@ -316,9 +316,9 @@ SAMPLES_PER_PROMPT = 8  # G of the rollout worker's path (--text)
 def run_text(quick: bool, stages: bool = False, device: str = "cpu") -> list[dict]:
     import tempfile
 
-    from rlhf_core.chat_model import build_chat_policy
     from rlhf_core.config import RewardConfig
-    from rlhf_core.models import load_policy
+    from rlhf_core.model.chat import build_chat_policy
+    from rlhf_core.model.policy import load_policy
     from rlhf_core.reward.answers import patterns_from_texts
     from rlhf_core.reward.components import build_reward_fn
 
@@ -400,10 +400,10 @@ def run_text(quick: bool, stages: bool = False, device: str = "cpu") -> list[dic
 def run_functions(quick: bool) -> dict:
     import tempfile
 
-    from rlhf_core.chat_model import build_chat_policy
     from rlhf_core.config import RewardConfig
     from rlhf_core.data import Prompt
-    from rlhf_core.models import load_policy
+    from rlhf_core.model.chat import build_chat_policy
+    from rlhf_core.model.policy import load_policy
     from rlhf_core.reward.answers import patterns_from_texts
     from rlhf_core.reward.components import build_reward_fn
     from rlhf_core.reward.functions.external import PythonFunctionRewards

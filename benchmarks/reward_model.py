@@ -38,12 +38,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/machine.p
 
 from machine import cpu_model  # noqa: E402
 
-from rlhf_core import build  # noqa: E402
-from rlhf_core.chat_model import build_chat_policy  # noqa: E402
 from rlhf_core.config import RewardModelConfig, load_config  # noqa: E402
 from rlhf_core.data.prompts import collate_prompts  # noqa: E402
+from rlhf_core.model.chat import build_chat_policy  # noqa: E402
 from rlhf_core.reward.model import RewardModelScorer, build_tiny_reward_model, prompt_messages  # noqa: E402
 from rlhf_core.rollout import SamplingParams  # noqa: E402
+from rlhf_core.run import build  # noqa: E402
 
 
 def per_1000_ms(fn, rows: int, repeats: int) -> tuple[float, float]:

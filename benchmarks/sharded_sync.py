@@ -39,7 +39,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from rlhf_core.config import LoraConfig, load_config  # noqa: E402
-from rlhf_core.lora import apply_lora  # noqa: E402
+from rlhf_core.model.lora import apply_lora  # noqa: E402
 from rlhf_core.trainer import Trainer  # noqa: E402
 
 SYNC_MODES = ("full", "lora-r8")

@@ -266,7 +266,7 @@ def run_jobs(jobs: list[dict], workers: int, log) -> list[dict]:
 def prebuild_policies(seeds: list[int], policy_root: str) -> None:
     """Build each seed's tiny policy once, here, so parallel runs never race to create it."""
     from rlhf_core.config import load_config
-    from rlhf_core.models import ensure_policy
+    from rlhf_core.model.policy import ensure_policy
 
     cfg = load_config(ROOT / "configs" / "tiny.yaml")
     for seed in seeds:

@@ -3,7 +3,7 @@ failing with one line that names the field or the option (`ConfigError`; the CLI
 and nothing is started: no run directory, no Prefect API, no Ray, no MLflow run (an MLflow run id given to
 --resume-from or --checkpoint is looked up in the tracking store, that is all).
 
-    train     rlhf_core.preflight.check_paths (model.path, critic.path, reward.model.path, data files, reward
+    train     rlhf_core.run.preflight.check_paths (model.path, critic.path, reward.model.path, data files, reward
               functions, environment and tools imported, a run.name in use), check_lora_targets (on the meta
               device), --resume-from (tasks.resume: a checkpoint, a run directory's newest, or an MLflow run
               holding one; a missing one lists the checkpoints that exist near it)
@@ -18,9 +18,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Optional
 
-from rlhf_core.checkpoint_paths import describe_near, holds_policy, policy_in
 from rlhf_core.config import ConfigError, TrainConfig, parse_grid_item
-from rlhf_core.preflight import check_lora_targets, check_paths
+from rlhf_core.run.checkpoint_paths import describe_near, holds_policy, policy_in
+from rlhf_core.run.preflight import check_lora_targets, check_paths
 from rlhf_core.sweep_grid import check_grid, check_points, seed_list
 
 

@@ -250,7 +250,7 @@ def _named_run(cfg: TrainConfig, train):
         return cfg, train
     from prefect.utilities.names import generate_slug
 
-    from rlhf_core.preflight import default_run_name
+    from rlhf_core.run.preflight import default_run_name
 
     flow_run_name = generate_slug(2)
     cfg = cfg.model_copy(deep=True)
@@ -260,7 +260,7 @@ def _named_run(cfg: TrainConfig, train):
 
 def _where_it_stopped(cfg: TrainConfig) -> str:
     """After Ctrl-C: what to resume or evaluate (the run's newest checkpoint), in the user's words."""
-    from rlhf_core.checkpoint_paths import newest_checkpoint
+    from rlhf_core.run.checkpoint_paths import newest_checkpoint
 
     run_dir = cfg.run.run_dir
     newest = newest_checkpoint(run_dir) if run_dir.is_dir() else None
@@ -337,8 +337,8 @@ def cmd_evaluate(
     """Score `target` (flows.evaluate). `run_config_overrides`: when no --config was given, the --set items (the
     policy's own train_config.yaml, with them, then replaces cfg); None when one was."""
     from flows.evaluate import evaluate
-    from rlhf_core.checkpoint import CheckpointError
-    from rlhf_core.models import ModelLoadError
+    from rlhf_core.model.policy import ModelLoadError
+    from rlhf_core.run.checkpoint import CheckpointError
 
     try:
         done = evaluate(cfg, target, run_config_overrides or [], use_run_config=run_config_overrides is not None)
@@ -374,7 +374,7 @@ def cmd_evaluate(
 def cmd_score(cfg: TrainConfig, input_path: str, as_json: bool = False) -> int:
     """Score the responses of `input_path` with cfg's whole reward (rlhf_core.scoring); 1 on bad input."""
     from rlhf_core.data import DatasetError
-    from rlhf_core.models import ModelLoadError
+    from rlhf_core.model.policy import ModelLoadError
     from rlhf_core.reward.functions.external import RewardFunctionError
     from rlhf_core.reward.functions.pool import FunctionLoadError
     from rlhf_core.scoring import Scorer, column_means, reward_terms, score_file

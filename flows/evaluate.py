@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from rlhf_core.checkpoint import inspect_path
-from rlhf_core.checkpoint_paths import is_checkpoint, policy_in
 from rlhf_core.config import ConfigError, TrainConfig, load_config
 from rlhf_core.policy_eval import evaluate_policy, policy_to_evaluate
+from rlhf_core.run.checkpoint import inspect_path
+from rlhf_core.run.checkpoint_paths import is_checkpoint, policy_in
 from tracking import (
     download_artifact,
     download_logged_policy,

@@ -125,7 +125,7 @@ class RunResources:
         self.logger = logger
         self.runtime: Any = None  # rlhf_core.distributed.DistributedRun
         self.tracker: Any = None  # the MLflow run's tracker (tracking.MlflowTracker)
-        self.run_dir: Any = None  # this run's directory (rlhf_core.preflight.RunDirClaim), locked until release
+        self.run_dir: Any = None  # this run's directory (rlhf_core.run.preflight.RunDirClaim), locked until release
         self.status = "FAILED"  # until the body says otherwise
         self.interrupted = False  # a signal landed during cleanup
 

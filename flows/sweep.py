@@ -25,7 +25,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from flows.lifecycle import shared_ray
 from flows.train import train
 from rlhf_core.config import ConfigError, TrainConfig, validate_config
-from rlhf_core.preflight import check_paths
+from rlhf_core.run.preflight import check_paths
 from rlhf_core.sweep_grid import SweepPoint, check_grid, check_points, expand_grid, point_config, seed_list
 from rlhf_core.sweep_grid import sweep_id as make_sweep_id
 from tasks.sweep import compare_points, open_sweep_record, publish_comparison

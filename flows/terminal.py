@@ -137,7 +137,7 @@ def train_summary(
                 lines.append(f"  run log             {Path(result['run_dir']) / RUN_LOG}")
         lines += [
             f"  final checkpoint    {result['checkpoint']}",
-            f"  exported policy     {result['export']}  (rlhf_core.models.load_policy loads it)",
+            f"  exported policy     {result['export']}  (rlhf_core.model.policy.load_policy loads it)",
             f"  MLflow run          {result['mlflow_run_id']}  (experiment '{cfg.tracking.experiment}', {uri})",
         ]
     lines += [

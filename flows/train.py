@@ -35,7 +35,7 @@ from prefect.states import Cancelled
 from flows.lifecycle import RunResources, raise_if_pending, sigterm_kept
 from flows.progress import CancelWatch, event_rows, progress_line, reward_component_keys
 from rlhf_core.config import TrainConfig, validate_config
-from rlhf_core.preflight import LATEST, claim_run_dir, default_run_name
+from rlhf_core.run.preflight import LATEST, claim_run_dir, default_run_name
 from rlhf_core.run.supervise import Every, Sinks
 from rlhf_core.run.supervise import supervise as run_supervision
 from rlhf_core.supervision import HealthEvent
@@ -139,7 +139,7 @@ class RunState:
     tracker: MlflowTracker
     logger: Any
     step: int = 0
-    run_dir: Any = None  # rlhf_core.preflight.RunDirClaim: output_dir/latest moves here at the first checkpoint
+    run_dir: Any = None  # rlhf_core.run.preflight.RunDirClaim: output_dir/latest moves here at the first checkpoint
     eval_start: Optional[float] = None  # held-out accuracy at the lineage's start (before its first step)
     eval_resumed: Optional[float] = None  # held-out accuracy at the step this run resumed at
     history: list[dict] = field(default_factory=list)  # per-step trainer metrics

@@ -1,5 +1,5 @@
 """A trained policy scored on held-out prompts, outside training: which policy a local path names (through
-`rlhf_core.checkpoint.inspect_path`) and its greedy accuracy (`atrlhf evaluate` without the command line).
+`rlhf_core.run.checkpoint.inspect_path`) and its greedy accuracy (`atrlhf evaluate` without the command line).
 
 A checkpoint holds weights (or adapters) only: its architecture comes from model.path, or for the tiny default
 from the tiny policy the run built beside its `checkpoints/` (else the one the config builds).
@@ -10,9 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from rlhf_core import build
-from rlhf_core.checkpoint import inspect_path, load_checkpoint
 from rlhf_core.config import TrainConfig
+from rlhf_core.run import build
+from rlhf_core.run.checkpoint import inspect_path, load_checkpoint
 
 
 def policy_to_evaluate(cfg: TrainConfig, path: str | Path) -> tuple[Path, Optional[Path]]:

@@ -3,7 +3,7 @@
     score_responses("configs/qwen2.5-0.5b-gsm8k.yaml", [ids_of("so #### 72<|im_end|>")], ["72"])
     # -> {'total': [1.1], 'answer_after_marker': [1.0], 'format': [1.0]}   (total = weighted sum, float32)
 
-`Scorer` builds, from a `TrainConfig`, what a rollout worker builds (`rlhf_core.build`): the tokenizer of
+`Scorer` builds, from a `TrainConfig`, what a rollout worker builds (`rlhf_core.run.build`): the tokenizer of
 `model.path` (or of the tiny default policy), the one stop set (tokenizer EOS, generation_config.json,
 rollout.stop_token_ids), the `ComposedReward` and the external rewards: `reward.functions` (in their
 process pool) and the reward model when `reward.model.path` is set. The responses are then scored by a
@@ -18,7 +18,7 @@ responses are right-padded with the pad token, as the engines return them. A res
 is scored as a truncated one (in training those fill the whole batch width, so each is scored in a batch of
 its own length; padding never follows it).
 
-This module sits above `rlhf_core.build` (it builds a run's parts), beside `evaluation` and the loop.
+This module sits above `rlhf_core.run.build` (it builds a run's parts), beside `evaluation` and the loop.
 """
 
 from __future__ import annotations
@@ -31,11 +31,11 @@ from typing import Any, Optional
 
 import torch
 
-from rlhf_core import build
 from rlhf_core.config import TrainConfig, load_config
 from rlhf_core.data import DatasetError, Prompt, PromptBatch, answer_patterns, get_field, prepare_answer, read_jsonl
 from rlhf_core.data.rows import RowKeys, prompt_messages, render_prompt
 from rlhf_core.rollout import RolloutWorker, SamplingParams, response_mask_from_eos
+from rlhf_core.run import build
 from rlhf_core.types import RolloutBatch
 
 

@@ -24,9 +24,9 @@ from typing import Optional
 import torch
 
 from rlhf_core.config import TrainConfig
-from rlhf_core.evaluation import evaluate
 from rlhf_core.loop import RunParts, build_run, generate_step_batch
 from rlhf_core.rollout import HFEngine
+from rlhf_core.run.evaluation import evaluate
 
 
 class WeightHistory:

@@ -205,7 +205,7 @@ def device_report(device: torch.device, rep: Report) -> dict:
 
 def check_rewards(device: torch.device, rep: Report, repeats: int, warmup: int) -> None:
     from rlhf_core.config import RewardConfig
-    from rlhf_core.models import build_tiny_tokenizer
+    from rlhf_core.model.policy import build_tiny_tokenizer
     from rlhf_core.reward.components import build_reward_fn
     from rlhf_core.reward.tensor_native import tensor_native_reward
 
@@ -246,7 +246,7 @@ def check_no_host_sync(device: torch.device, rep: Report) -> None:
         rep.say("  -> skipped: CUDA only")
         return
     from rlhf_core.config import RewardConfig
-    from rlhf_core.models import build_tiny_tokenizer
+    from rlhf_core.model.policy import build_tiny_tokenizer
     from rlhf_core.reward.components import build_reward_fn, exact_match_reward
     from rlhf_core.reward.tensor_native import tensor_native_reward
 

@@ -16,8 +16,8 @@ from typing import Optional
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from rlhf_core.checkpoint import CheckpointError, checkpoint_dir, prune_checkpoints, read_checkpoint
 from rlhf_core.config import ConfigError, TrainConfig
+from rlhf_core.run.checkpoint import CheckpointError, checkpoint_dir, prune_checkpoints, read_checkpoint
 from tasks import mlflow_client as tracking
 from tasks.resume import local_checkpoint, nothing_to_train
 
@@ -127,7 +127,7 @@ def _keep_bounded(path: str, step: int, keep: int, tracker) -> None:
 
 @task(name="export-policy", cache_policy=NO_CACHE, persist_result=False)
 def export_policy(runtime, cfg: TrainConfig) -> str:
-    """The trained policy as a Hugging Face model directory (loadable by rlhf_core.models.load_policy)."""
+    """The trained policy as a Hugging Face model directory (loadable by rlhf_core.model.policy.load_policy)."""
     path = runtime.export(str(export_dir(cfg)))
     get_run_logger().info("exported the policy to %s", path)
     return str(path)

@@ -12,8 +12,8 @@ import json
 from pathlib import Path
 from typing import Optional
 
-from rlhf_core.checkpoint_paths import META_FILE, checkpoint_step, checkpoint_target
 from rlhf_core.config import ConfigError, TrainConfig
+from rlhf_core.run.checkpoint_paths import META_FILE, checkpoint_step, checkpoint_target
 from tasks import mlflow_client as tracking
 from tracking.runs import sqlite_path
 

@@ -38,7 +38,7 @@ def pytest_ignore_collect(collection_path, config):
 @pytest.fixture(scope="session")
 def tiny_policy_dir(tmp_path_factory):
     """A 1-layer, hidden-32 tiny Llama policy and its tokenizer, saved once for the session (read-only use)."""
-    from rlhf_core.models import build_tiny_policy
+    from rlhf_core.model.policy import build_tiny_policy
 
     return build_tiny_policy("max3", tmp_path_factory.mktemp("tiny_policy"), layers=1, hidden=32, heads=2, seed=0)
 
@@ -47,7 +47,7 @@ def tiny_policy_dir(tmp_path_factory):
 def chat_policy_dir(tmp_path_factory):
     """A user's real model in miniature: Qwen2 architecture, byte-level BPE tokenizer trained locally, ChatML
     chat template, generation_config.json listing <|im_end|> and <|endoftext|>; tokenizer EOS <|im_end|>."""
-    from rlhf_core.chat_model import build_chat_policy
+    from rlhf_core.model.chat import build_chat_policy
 
     return build_chat_policy(tmp_path_factory.mktemp("chat_policy"), style="instruct", layers=1, hidden=32, heads=2)
 
@@ -55,7 +55,7 @@ def chat_policy_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def base_chat_policy_dir(tmp_path_factory):
     """The same chat model with a base-style tokenizer: its EOS is <|endoftext|>, not the turn end <|im_end|>."""
-    from rlhf_core.chat_model import build_chat_policy
+    from rlhf_core.model.chat import build_chat_policy
 
     return build_chat_policy(tmp_path_factory.mktemp("base_chat_policy"), style="base", layers=1, hidden=32, heads=2)
 
@@ -80,7 +80,7 @@ def chat_reward_model_dir(chat_policy_dir, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_tokenizer(tiny_policy_dir):
-    from rlhf_core.models import load_policy
+    from rlhf_core.model.policy import load_policy
 
     _, tok = load_policy(tiny_policy_dir, dtype="float32", device="cpu")
     return tok
@@ -89,7 +89,7 @@ def tiny_tokenizer(tiny_policy_dir):
 @pytest.fixture
 def tiny_model(tiny_policy_dir):
     """A fresh copy of the tiny policy (tests may train or overwrite it)."""
-    from rlhf_core.models import load_policy
+    from rlhf_core.model.policy import load_policy
 
     model, _ = load_policy(tiny_policy_dir, dtype="float32", device="cpu")
     return model

@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from rlhf_core.chat_model import ENDOFTEXT, IM_END, max3_question
-from rlhf_core.models import load_policy
+from rlhf_core.model.chat import ENDOFTEXT, IM_END, max3_question
+from rlhf_core.model.policy import load_policy
 
 
 def test_chat_model_is_a_real_qwen2_with_byte_level_bpe_and_chatml(chat_policy_dir, base_chat_policy_dir):
@@ -33,7 +33,7 @@ def test_max3_chat_prompts_keep_digits_apart_and_warm_start_teaches_only_the_for
     the answer uses, and the warm start's targets are '#### d' + EOS for every digit, not the prompt's answer."""
     from rlhf_core.config import load_config
     from rlhf_core.data import build_chat_task
-    from rlhf_core.warm_start import warm_start_targets
+    from rlhf_core.run.warm_start import warm_start_targets
 
     _, tok = load_policy(chat_policy_dir, dtype="float32", device="cpu")
     train, heldout = build_chat_task("max3_chat", tok, eval_size=50)
@@ -58,7 +58,7 @@ def test_prompt_number_warm_start_quotes_the_questions_own_numbers(chat_policy_d
 
     from rlhf_core.config import load_config
     from rlhf_core.data import build_chat_task
-    from rlhf_core.warm_start import prompt_number_targets, warm_start
+    from rlhf_core.run.warm_start import prompt_number_targets, warm_start
 
     model, tok = load_policy(chat_policy_dir, dtype="float32", device="cpu")
     train, _ = build_chat_task("max3_chat", tok, eval_size=10)

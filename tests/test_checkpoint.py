@@ -8,7 +8,9 @@ import shutil
 import pytest
 import torch
 
-from rlhf_core.checkpoint import (
+from rlhf_core.config import load_config
+from rlhf_core.loop import build_run, restore_run_checkpoint, run_sync
+from rlhf_core.run.checkpoint import (
     CheckpointError,
     CheckpointState,
     capture_rng,
@@ -19,8 +21,6 @@ from rlhf_core.checkpoint import (
     restore_rng,
     save_checkpoint,
 )
-from rlhf_core.config import load_config
-from rlhf_core.loop import build_run, restore_run_checkpoint, run_sync
 
 
 def small_cfg(output_dir, *overrides):

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from flows.cli import main
-from rlhf_core.checkpoint import save_checkpoint
+from rlhf_core.run.checkpoint import save_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 ATRLHF = str(Path(sys.executable).with_name("atrlhf"))
@@ -63,7 +63,7 @@ def test_cli_module_imports_no_orchestration_at_top_level():
 
 
 def bare_state(step: int):
-    from rlhf_core.checkpoint import CheckpointState
+    from rlhf_core.run.checkpoint import CheckpointState
 
     return CheckpointState(trainer={"step": step, "version": step}, data={}, rng={})
 
@@ -119,7 +119,7 @@ def _lines(path, rows):
 
 
 def test_score_text_and_ids_per_line_and_means(chat_policy_dir, tmp_path, capsys):
-    from rlhf_core.models import load_tokenizer
+    from rlhf_core.model.policy import load_tokenizer
 
     tok = load_tokenizer(chat_policy_dir)
     inp = _lines(

@@ -1,4 +1,4 @@
-"""Every path and every name checked before anything starts (flows/checks.py, rlhf_core/preflight.py): `atrlhf
+"""Every path and every name checked before anything starts (flows/checks.py, rlhf_core/run/preflight.py): `atrlhf
 train`, `sweep` and `evaluate` exit 2 with ONE line naming the field or the option, creating nothing (no run
 directory, no MLflow store) and starting nothing (Prefect, Ray and MLflow not even imported). And no dead ends:
 a run directory stands for its exported policy or its newest checkpoint (evaluate, resume), an MLflow run
@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from flows.cli import main
-from rlhf_core.checkpoint import CheckpointState, save_checkpoint
+from rlhf_core.run.checkpoint import CheckpointState, save_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_EVAL = ["data.eval_size=10", "model.tiny_hidden=32", "model.tiny_heads=2", "model.tiny_layers=1"]

@@ -292,7 +292,7 @@ def test_a_batch_a_sharded_trainer_group_cannot_split_is_refused_at_validation()
     """Issue 25 defect: a batch whose rows leave some rank fewer rows than the micro-batches every rank must
     run raised ValueError at the first step, after the whole start-up. The config refuses exactly those
     settings (checked against the trainer's own row split), naming the fields."""
-    from rlhf_core.trainer.sharding import micro_slices, rank_rows
+    from rlhf_core.model.sharding import micro_slices, rank_rows
 
     def splits(rows: int, ranks: int, micro: int) -> bool:
         widest = rank_rows(rows, 0, ranks)

@@ -8,10 +8,10 @@ import shutil
 import pytest
 import torch
 
-from rlhf_core import build
-from rlhf_core.checkpoint import CheckpointError, load_checkpoint
 from rlhf_core.config import ConfigError
 from rlhf_core.loop import build_run, generate_step_batch, restore_run_checkpoint, run_sync, save_run_checkpoint
+from rlhf_core.run import build
+from rlhf_core.run.checkpoint import CheckpointError, load_checkpoint
 from tests.test_loop import small_cfg
 
 GAE = [

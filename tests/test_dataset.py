@@ -20,7 +20,7 @@ from rlhf_core.data import (  # noqa: E402
     load_dataset_prompts,
     load_jsonl_prompts,
 )
-from rlhf_core.models import load_tokenizer  # noqa: E402
+from rlhf_core.model.policy import load_tokenizer  # noqa: E402
 
 
 @pytest.fixture(scope="module")

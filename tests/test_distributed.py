@@ -135,8 +135,8 @@ def test_killed_rollout_worker_is_restarted_and_run_completes(ray_local, tmp_pat
 
 
 def test_trainer_failure_ends_run_with_clear_error_and_keeps_checkpoint(ray_local, tmp_path):
-    from rlhf_core.checkpoint import read_checkpoint
     from rlhf_core.distributed import RunFailed
+    from rlhf_core.run.checkpoint import read_checkpoint
 
     cfg = tiny_cfg(tmp_path, "trainer.total_steps=500")
     with DistributedRun(cfg) as run:
@@ -186,8 +186,8 @@ def test_the_loop_and_the_ray_runtime_resume_from_each_others_checkpoints(ray_lo
     """One checkpoint layout, one writer and reader (the trainer role): the in-process host continues a Ray run's
     checkpoint (weights, optimizer, versions, prompts trained on, run facts), and the Ray host continues the
     in-process host's; every prompt of the epoch is trained exactly once across the three legs."""
-    from rlhf_core.checkpoint import read_checkpoint
     from rlhf_core.loop import run_sync
+    from rlhf_core.run.checkpoint import read_checkpoint
 
     common = [
         "runtime.max_staleness=0",
@@ -240,7 +240,7 @@ def test_the_loop_and_the_ray_runtime_resume_from_each_others_checkpoints(ray_lo
 
 
 def test_a_checkpoint_taken_while_a_worker_restarts_succeeds_and_the_run_recovers(ray_local, tmp_path):
-    from rlhf_core.checkpoint import read_checkpoint
+    from rlhf_core.run.checkpoint import read_checkpoint
 
     cfg = tiny_cfg(tmp_path, "trainer.total_steps=20", "cluster.max_restarts=2")
     with DistributedRun(cfg) as run:
@@ -265,7 +265,7 @@ def test_a_checkpoint_taken_while_a_worker_restarts_succeeds_and_the_run_recover
 
 def test_async_checkpoints_are_taken_at_exact_multiples_and_named_by_the_step_they_hold(ray_local, tmp_path):
     """The async trainer moves on while the flow polls: it checkpoints itself at each exact multiple."""
-    from rlhf_core.checkpoint import read_checkpoint
+    from rlhf_core.run.checkpoint import read_checkpoint
 
     cfg = tiny_cfg(tmp_path, "trainer.total_steps=10", "checkpoint.every=3")
     result = run_distributed(cfg, poll_interval_s=1.0)

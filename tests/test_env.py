@@ -13,11 +13,11 @@ import torch
 from rlhf_core.config import ConfigError, TrainConfig, validate_config
 from rlhf_core.data.prompts import Prompt
 from rlhf_core.env.chat import ChatFormat, ChatFormatError
-from rlhf_core.env.spec import load_attr, load_env_class
-from rlhf_core.env.trajectory import EnvError, EnvRunner, trajectory_batch
-from rlhf_core.models import load_policy, stop_token_ids
+from rlhf_core.model.policy import load_policy, stop_token_ids
 from rlhf_core.rollout import HFEngine, RolloutWorker, SamplingParams
-from rlhf_core.trainer.trainer import sequence_logprobs
+from rlhf_core.rollout.multiturn import EnvError, EnvRunner, trajectory_batch
+from rlhf_core.trainer import sequence_logprobs
+from rlhf_core.usercode import load_attr, load_env_class
 
 FIXTURES = str(Path(__file__).parent / "env_fixtures.py")
 
@@ -490,7 +490,7 @@ def test_atrlhf_score_replays_a_trajectory_file(tmp_path, capsys):
 
     from flows.cli import main
     from rlhf_core.env.score import write_trajectories
-    from rlhf_core.env.trajectory import Trajectory, Turn
+    from rlhf_core.rollout.multiturn import Trajectory, Turn
 
     t = Trajectory(prompt=Prompt(0, [1], []), row={"answer": "3"})
     t.transcript = [Turn("user", "count to 3"), Turn("assistant", "one", version=2), Turn("user", "turn 1")]

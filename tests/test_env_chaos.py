@@ -13,7 +13,7 @@ import pytest
 from test_env_failures import assert_closed_once, events
 
 from rlhf_core.config import load_config
-from rlhf_core.env.trajectory import EnvError
+from rlhf_core.rollout.multiturn import EnvError
 
 FIXTURES = str(Path(__file__).parent / "env_fixtures.py")
 RATES = {"crash": 0.02, "raises": 0.05, "hang": 0.02, "bad": 0.02}  # per step

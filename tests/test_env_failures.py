@@ -13,9 +13,9 @@ import torch
 
 from rlhf_core.config import validate_config
 from rlhf_core.data.prompts import Prompt
-from rlhf_core.env.trajectory import EnvError, EnvRunner, trajectory_batch
-from rlhf_core.models import load_policy, stop_token_ids
+from rlhf_core.model.policy import load_policy, stop_token_ids
 from rlhf_core.rollout import HFEngine, SamplingParams
+from rlhf_core.rollout.multiturn import EnvError, EnvRunner, trajectory_batch
 
 FIXTURES = str(Path(__file__).parent / "env_fixtures.py")
 

@@ -12,9 +12,9 @@ from rlhf_core.config import validate_config
 from rlhf_core.data.prompts import Prompt
 from rlhf_core.env.chat import ChatFormatError
 from rlhf_core.env.tools import parse_tool_calls, tool_schemas
-from rlhf_core.env.trajectory import EnvRunner, trajectory_batch
-from rlhf_core.models import load_policy, stop_token_ids
+from rlhf_core.model.policy import load_policy, stop_token_ids
 from rlhf_core.rollout import SamplingParams
+from rlhf_core.rollout.multiturn import EnvRunner, trajectory_batch
 from rlhf_core.types import RolloutBatch
 
 REPO = Path(__file__).resolve().parents[1]

@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 
-from rlhf_core import build
 from rlhf_core.config import load_config
-from rlhf_core.evaluation import MEAN_AT_K, PASS_AT_K, pass_at_k
+from rlhf_core.run import build
+from rlhf_core.run.evaluation import MEAN_AT_K, PASS_AT_K, pass_at_k
 
 
 def brute_force_pass_at_k(n: int, c: int, k: int) -> float:

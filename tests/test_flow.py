@@ -323,7 +323,7 @@ def test_a_run_directory_in_use_by_a_live_run_is_refused_at_start(prefect_api, w
         [
             sys.executable,
             "-c",
-            "import sys, time; from rlhf_core.preflight import claim_run_dir; "
+            "import sys, time; from rlhf_core.run.preflight import claim_run_dir; "
             "claim_run_dir(sys.argv[1], 'shared'); print('claimed', flush=True); time.sleep(120)",
             str(work / "clash"),
         ],

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from rlhf_core.config import load_config
-from rlhf_core.evaluation import accuracy_from_components
 from rlhf_core.loop import build_run, run_sync, warm_start
+from rlhf_core.run.evaluation import accuracy_from_components
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlhf_core import build
-from rlhf_core.checkpoint import CheckpointError, load_checkpoint, read_checkpoint
 from rlhf_core.config import ConfigError, load_config
 from rlhf_core.loop import build_run, export_run, generate_step_batch, run_sync
-from rlhf_core.lora import LoraConfigError, adapter_state_dict, is_lora
-from rlhf_core.trainer.trainer import sequence_logprobs
+from rlhf_core.model.lora import LoraConfigError, adapter_state_dict, is_lora
+from rlhf_core.run import build
+from rlhf_core.run.checkpoint import CheckpointError, load_checkpoint, read_checkpoint
+from rlhf_core.trainer import sequence_logprobs
 from tests.test_checkpoint import small_cfg as checkpoint_cfg
 
 LORA = ["model.lora.r=4", "model.lora.alpha=8"]
@@ -252,7 +252,7 @@ def test_export_writes_the_peft_adapter_and_a_merged_model(lora_run, tmp_path):
 
 
 def test_the_adapter_names_its_base_model_portably(tmp_path):
-    from rlhf_core.lora import portable_base_path
+    from rlhf_core.model.lora import portable_base_path
 
     cache = "/home/u/.cache/huggingface/hub/models--Qwen--Qwen2.5-0.5B-Instruct/snapshots/7ae557604adf67be"
     assert portable_base_path(cache, tmp_path) == "Qwen/Qwen2.5-0.5B-Instruct"
@@ -307,7 +307,7 @@ def test_a_tied_lm_head_adapter_checkpoints_adapters_only(tmp_path, tiny_policy_
     adapters only and reads back into the same model."""
     from safetensors.torch import load_file
 
-    from rlhf_core.checkpoint import CheckpointState, save_checkpoint
+    from rlhf_core.run.checkpoint import CheckpointState, save_checkpoint
 
     cfg = load_config(None, ["model.device=cpu", "model.lora.r=4", "model.lora.target_modules=[q_proj,lm_head]"])
     model, _ = build.build_policy(cfg, tiny_policy_dir)
@@ -319,7 +319,7 @@ def test_a_tied_lm_head_adapter_checkpoints_adapters_only(tmp_path, tiny_policy_
     # the merged export of a tied, adapted lm_head: embeddings stay the base's, logits are the peft model's
     from transformers import AutoModelForCausalLM
 
-    from rlhf_core.lora import save_merged
+    from rlhf_core.model.lora import save_merged
 
     with torch.no_grad():
         for n, p in model.named_parameters():
@@ -338,9 +338,9 @@ def test_the_adapter_cache_follows_sharding(tiny_policy_dir):
 
     import torch.distributed as dist
 
-    from rlhf_core.lora import _adapter_params, adapter_shapes, apply_lora
-    from rlhf_core.models import load_policy
-    from rlhf_core.trainer.sharding import shard_model
+    from rlhf_core.model.lora import _adapter_params, adapter_shapes, apply_lora
+    from rlhf_core.model.policy import load_policy
+    from rlhf_core.model.sharding import shard_model
 
     cfg = load_config(None, LORA)
     model = apply_lora(load_policy(tiny_policy_dir, dtype="float32", device="cpu")[0], cfg.model.lora)
@@ -367,8 +367,8 @@ def test_dropout_never_makes_on_policy_ratios_differ_from_one(tmp_path):
     step on its own fresh samples has ratios of 1 (with dropout on, ratio_max was ~1.4). model.lora.dropout > 0
     is refused in the config, naming the field."""
     from rlhf_core.data import collate_prompts
-    from rlhf_core.lora import apply_lora
-    from rlhf_core.models import load_policy
+    from rlhf_core.model.lora import apply_lora
+    from rlhf_core.model.policy import load_policy
     from rlhf_core.rollout import HFEngine, SamplingParams
     from rlhf_core.trainer import Trainer
 

@@ -17,7 +17,7 @@ from rlhf_core.data import (
     collate_prompts,
     load_jsonl_prompts,
 )
-from rlhf_core.models import TINY_SPECIAL_TOKENS, TINY_WORDS, ModelLoadError, check_model_dir, load_policy
+from rlhf_core.model.policy import TINY_SPECIAL_TOKENS, TINY_WORDS, ModelLoadError, check_model_dir, load_policy
 
 # ---------------------------------------------------------------------------------------------------
 # Models
@@ -107,7 +107,7 @@ def test_tiny_policy_round_trip(tiny_policy_dir):
 
 
 def test_tiny_policy_rejects_bad_heads(tmp_path):
-    from rlhf_core.models import build_tiny_policy
+    from rlhf_core.model.policy import build_tiny_policy
 
     with pytest.raises(ValueError, match="divisible"):
         build_tiny_policy("max3", tmp_path / "x", layers=1, hidden=30, heads=4)
@@ -357,7 +357,7 @@ def test_jsonl_raw_gsm8k_lines_load_as_they_are(chat_policy_dir, tmp_path):
     """{question, answer: '... #### 72'} with prompt_key=question and answer_after_marker: the answer scored is
     the number after the reward marker, and the prompt is the chat-templated question."""
     from rlhf_core.config import load_config
-    from rlhf_core.models import load_tokenizer
+    from rlhf_core.model.policy import load_tokenizer
 
     tok = load_tokenizer(chat_policy_dir)
     rows = [

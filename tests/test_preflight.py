@@ -1,5 +1,5 @@
 """Launch-time checks that need the model or the machine: refused before anything starts, naming the field,
-the file and what to do (rlhf_core/preflight.py, rlhf_core.models.check_model_dir)."""
+the file and what to do (rlhf_core/run/preflight.py, rlhf_core.model.policy.check_model_dir)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,15 @@ import sys
 import pytest
 
 from rlhf_core.config import ConfigError, load_config
-from rlhf_core.models import ModelLoadError, check_model_dir, load_policy
-from rlhf_core.preflight import LATEST, LOCK_FILE, check_lengths, check_output_dir, claim_run_dir, model_context_length
+from rlhf_core.model.policy import ModelLoadError, check_model_dir, load_policy
+from rlhf_core.run.preflight import (
+    LATEST,
+    LOCK_FILE,
+    check_lengths,
+    check_output_dir,
+    claim_run_dir,
+    model_context_length,
+)
 
 
 def _copy(src, dst):
@@ -139,7 +146,7 @@ def test_a_shard_missing_from_the_index_is_named(tiny_policy_dir, tmp_path):
 # ------------------------------------------------------------------------------------------ run directory
 HOLD = """
 import sys, time
-from rlhf_core.preflight import claim_run_dir
+from rlhf_core.run.preflight import claim_run_dir
 claim_run_dir(sys.argv[1], sys.argv[2])
 print("claimed", flush=True)
 time.sleep(60)
@@ -192,7 +199,7 @@ def test_run_name_must_be_a_plain_directory_name():
 BUILD = """
 import sys
 from types import SimpleNamespace
-from rlhf_core.models import ensure_policy
+from rlhf_core.model.policy import ensure_policy
 m = SimpleNamespace(path="", tiny_kind="word", tiny_layers=1, tiny_hidden=32, tiny_heads=2)
 print(ensure_policy(m, "max3", sys.argv[1]), flush=True)
 """
@@ -211,14 +218,14 @@ def test_two_runs_building_the_tiny_policy_at_once_both_get_a_whole_one(tmp_path
     assert [p.name for p in tmp_path.iterdir()] == ["tiny_policy"]  # no temporary build left behind
 
 
-# ----------------------------------------------------------------- LoRA targets, data paths (rlhf_core/preflight.py)
+# ---------------------------------------------------------- LoRA targets, data paths (rlhf_core/run/preflight.py)
 def test_lora_targets_from_the_weight_headers_agree_with_the_model_built_on_meta(tiny_policy_dir, chat_policy_dir):
     """The command line reads the linear layers from the safetensors headers (no torch); the workers check
     against the model itself: both give the same names (the tied lm_head included)."""
     from pathlib import Path
 
-    from rlhf_core.lora import config_linear_module_names
-    from rlhf_core.model_dir import linear_layer_names
+    from rlhf_core.model.directory import linear_layer_names
+    from rlhf_core.model.lora import config_linear_module_names
 
     for model_dir in (tiny_policy_dir, chat_policy_dir):
         from_headers = linear_layer_names(Path(model_dir))
@@ -228,7 +235,7 @@ def test_lora_targets_from_the_weight_headers_agree_with_the_model_built_on_meta
 
 
 def test_lora_targets_are_checked_before_anything_starts(tiny_policy_dir, tmp_path):
-    from rlhf_core.preflight import check_lora_targets
+    from rlhf_core.run.preflight import check_lora_targets
 
     check_lora_targets(load_config(None, [f"model.path={tiny_policy_dir}", "model.lora.target_modules=[q_proj]"]))
     with pytest.raises(ConfigError, match=r"\['c_attn'\] match no linear layer.*'v_proj'"):
@@ -240,7 +247,7 @@ def test_lora_targets_are_checked_before_anything_starts(tiny_policy_dir, tmp_pa
 
 
 def test_a_hub_dataset_id_is_accepted_offline_when_it_is_in_the_cache(tmp_path, monkeypatch):
-    from rlhf_core.preflight import check_data_path
+    from rlhf_core.run.preflight import check_data_path
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path))
@@ -259,7 +266,7 @@ def test_a_hub_dataset_id_is_accepted_offline_when_it_is_in_the_cache(tmp_path, 
 
 
 def test_checkpoints_near_a_path_climb_to_the_nearest_run(tmp_path):
-    from rlhf_core.checkpoint_paths import checkpoint_target, checkpoints_near, newest_checkpoint
+    from rlhf_core.run.checkpoint_paths import checkpoint_target, checkpoints_near, newest_checkpoint
 
     for run, steps in (("a", (20, 40)), ("b", (60,))):
         for step in steps:

@@ -55,11 +55,11 @@ LAZY_PACKAGES = ("rlhf_core.reward", "rlhf_core.env")
 LIGHT_MODULES = (
     "rlhf_core.reward",
     "rlhf_core.reward.functions",
-    "rlhf_core.reward.functions.spec",
+    "rlhf_core.usercode",
     "rlhf_core.reward.functions.pool",
     "rlhf_core.reward.functions.math_verify",
     "rlhf_core.env",
-    "rlhf_core.env.spec",
+    "rlhf_core.usercode",
     "rlhf_core.env.pool",
     "rlhf_core.env.protocol",
     "rlhf_core.env.tools",

@@ -307,9 +307,9 @@ def test_config_with_functions_imports_neither_torch_nor_the_functions(functions
 # ------------------------------------------------------------------------------------ the worker's sum
 @pytest.fixture
 def worker_factory(tiny_model, tiny_tokenizer):
-    from rlhf_core import build
     from rlhf_core.reward.components import build_reward_fn
     from rlhf_core.rollout import HFEngine, RolloutWorker, SamplingParams
+    from rlhf_core.run import build
 
     made = []
 
@@ -519,7 +519,7 @@ def test_a_user_file_imported_from_several_threads_at_once_is_whole_in_each(tmp_
     module after its code ran (a thread once found it registered but not yet executed: "defines no 'add'")."""
     import threading
 
-    from rlhf_core.reward.functions.spec import import_path
+    from rlhf_core.usercode import import_path
 
     path = tmp_path / "slow_tools.py"
     path.write_text("import time\ntime.sleep(0.3)\n\ndef add(a, b):\n    return a + b\n")

@@ -73,12 +73,12 @@ def test_reward_model_actor_scores_as_the_in_process_scorer(ray_local, tmp_path,
     import ray
     import torch
 
-    from rlhf_core import build
     from rlhf_core.config import load_config
     from rlhf_core.distributed.cluster import required_resources
     from rlhf_core.distributed.reward_model_actor import RemoteRewardModel, RewardModelActor
     from rlhf_core.loop import build_run
     from rlhf_core.reward.model import REWARD_MODEL_NAME
+    from rlhf_core.run import build
 
     cfg = load_config(
         None,

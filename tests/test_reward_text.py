@@ -194,7 +194,7 @@ def word_tok():
 
 @pytest.fixture(scope="module")
 def bpe_tok(chat_policy_dir):
-    from rlhf_core.models import load_policy
+    from rlhf_core.model.policy import load_policy
 
     return load_policy(chat_policy_dir, dtype="float32", device="cpu")[1]
 
@@ -286,7 +286,7 @@ def test_two_tokenizers_agree_on_the_same_text(word_tok, bpe_tok):
 
 def test_row_is_read_up_to_its_first_stop(base_chat_policy_dir):
     """Tokenizer EOS <|endoftext|>, the turn ends at <|im_end|>: text after the first stop is never read."""
-    from rlhf_core.models import load_policy
+    from rlhf_core.model.policy import load_policy
 
     tok = load_policy(base_chat_policy_dir, dtype="float32", device="cpu")[1]
     im_end = tok.convert_tokens_to_ids("<|im_end|>")

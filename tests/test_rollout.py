@@ -437,7 +437,7 @@ CHAT_STYLES = ["chat_policy_dir", "base_chat_policy_dir"]
 def _chat_parts(request, fixture, *overrides):
     """(policy dir, model, tokenizer, cfg, the ids of <|im_end|> and <|endoftext|>) of a chat fixture."""
     from rlhf_core.config import load_config
-    from rlhf_core.models import load_policy
+    from rlhf_core.model.policy import load_policy
 
     policy_dir = request.getfixturevalue(fixture)
     model, tok = load_policy(policy_dir, dtype="float32", device="cpu")
@@ -468,7 +468,7 @@ def _chat_prompts(tok, n=8):
 def test_generation_stops_at_every_id_of_the_stop_set(request, fixture):
     """Both chat styles: the stop set holds <|im_end|> and <|endoftext|> whichever the tokenizer's EOS is; a
     response ends at the first of either, and its mask, length and padding end there."""
-    from rlhf_core import build
+    from rlhf_core.run import build
 
     policy_dir, model, tok, cfg, (im_end, eot) = _chat_parts(request, fixture)
     stops = build.build_stop_ids(cfg, tok, policy_dir)
@@ -501,7 +501,7 @@ def test_generation_stops_at_every_id_of_the_stop_set(request, fixture):
 def test_engine_evaluator_and_reward_share_the_stop_set(request, fixture):
     """build_rollout_worker and build_evaluator give engine and reward the same set; the reward ends a row at
     whichever stop id comes first, as the engine does."""
-    from rlhf_core import build
+    from rlhf_core.run import build
 
     policy_dir, model, tok, cfg, (im_end, eot) = _chat_parts(request, fixture)
     stops = build.build_stop_ids(cfg, tok, policy_dir)
@@ -519,7 +519,7 @@ def test_engine_evaluator_and_reward_share_the_stop_set(request, fixture):
 
 
 def test_extra_stop_token_ids_are_added_and_stop_generation(request):
-    from rlhf_core import build
+    from rlhf_core.run import build
 
     policy_dir, model, tok, _, (im_end, eot) = _chat_parts(request, "chat_policy_dir")
     extra = tok.convert_tokens_to_ids("<|im_start|>")
@@ -542,9 +542,9 @@ def test_extra_stop_token_ids_are_added_and_stop_generation(request):
 
 @pytest.mark.parametrize("bad", [100_000, -1])
 def test_stop_id_outside_the_vocabulary_fails_clearly(request, bad):
-    from rlhf_core import build
     from rlhf_core.config import load_config
-    from rlhf_core.models import ModelLoadError
+    from rlhf_core.model.policy import ModelLoadError
+    from rlhf_core.run import build
 
     policy_dir, model, tok, _, _ = _chat_parts(request, "chat_policy_dir")
     cfg = load_config(None, [f"rollout.stop_token_ids=[{bad}]"])

@@ -9,7 +9,7 @@ import pytest
 from flows.cli import main
 from rlhf_core.config import load_config
 from rlhf_core.loop import build_run, save_run_checkpoint
-from rlhf_core.models import ModelLoadError, ensure_policy
+from rlhf_core.model.policy import ModelLoadError, ensure_policy
 
 
 def test_a_tiny_policy_of_another_shape_is_refused_not_ignored(tmp_path):
@@ -53,7 +53,7 @@ def test_evaluate_uses_the_config_inside_the_checkpoint(tmp_path, capsys):
 def test_evaluate_an_mlflow_run_id_uses_the_logged_models_config_and_names_the_run(tmp_path, mlflow_db, capsys):
     """`atrlhf evaluate --checkpoint <MLflow run id>` scores on the run's own task (the train_config.yaml its
     logged model holds, as a local path does) and names the run id, not a temporary download directory."""
-    from rlhf_core.build import export_run_policy
+    from rlhf_core.run.build import export_run_policy
     from tracking import MlflowTracker
     from tracking.artifacts import log_model
 

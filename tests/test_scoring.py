@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlhf_core import build
 from rlhf_core.config import load_config
 from rlhf_core.data import DatasetError, build_chat_task, collate_prompts
+from rlhf_core.run import build
 from rlhf_core.scoring import Scorer, score_responses
 
 CHAT_REWARD = ["reward.components={answer_after_marker: 1.0, exact_match: 0.5, length_penalty: 0.25}"]

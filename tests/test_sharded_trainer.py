@@ -29,15 +29,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from rlhf_core.build import build_critic
-from rlhf_core.checkpoint import CheckpointError, CheckpointState, load_checkpoint, read_checkpoint, save_checkpoint
 from rlhf_core.config import load_config
 from rlhf_core.data import collate_prompts
-from rlhf_core.lora import ADAPTER_DIR, adapter_state_dict, apply_lora
-from rlhf_core.models import load_policy
+from rlhf_core.model.lora import ADAPTER_DIR, adapter_state_dict, apply_lora
+from rlhf_core.model.policy import load_policy
+from rlhf_core.model.sharding import is_dtensor, iter_full_tensors
 from rlhf_core.rollout import HFEngine, SamplingParams
+from rlhf_core.run.build import build_critic
+from rlhf_core.run.checkpoint import CheckpointError, CheckpointState, load_checkpoint, read_checkpoint, save_checkpoint
 from rlhf_core.trainer import Trainer
-from rlhf_core.trainer.sharding import is_dtensor, iter_full_tensors
 
 # ~40 s on 2 shared cores (two spawned ranks import torch and transformers): over the unit tier's budget
 pytestmark = pytest.mark.slow

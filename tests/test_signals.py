@@ -91,7 +91,7 @@ def _mlflow_status(tmp_path: Path) -> str:
 
 @pytest.mark.parametrize("how", ["sigint_to_group", "sigterm_to_cli"])
 def test_a_signal_ends_the_run_cleanly(tmp_path, how, mlflow_db, prefect_home_template):
-    from rlhf_core.checkpoint import read_checkpoint
+    from rlhf_core.run.checkpoint import read_checkpoint
 
     shutil.copytree(prefect_home_template, tmp_path / "prefect")  # a user's PREFECT_HOME has its database
     proc = _start(tmp_path)

@@ -26,9 +26,9 @@ ACTOR_DIED = (
     '  File "/repo/rlhf_core/distributed/trainer_actor.py", line 62, in __init__\n'
     "    self.model, self.tokenizer = build.build_policy(cfg, policy_dir)\n"
     "                                 ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^\n"
-    '  File "/repo/rlhf_core/lora.py", line 62, in apply_lora\n'
+    '  File "/repo/rlhf_core/model/lora.py", line 62, in apply_lora\n'
     "    raise LoraConfigError(problem)\n"
-    "rlhf_core.lora.LoraConfigError: model.lora.target_modules: ['q_projx'] match no linear layer of the model"
+    "rlhf_core.model.lora.LoraConfigError: model.lora.target_modules: ['q_projx'] match no linear layer of the model"
 )
 
 

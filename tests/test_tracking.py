@@ -162,7 +162,7 @@ def test_a_signal_while_the_run_is_being_opened_ends_it_killed(store, monkeypatc
 
 def _write_checkpoint(root: Path, step: int) -> Path:
     """A stand-in checkpoint where the layout puts step `step` (files, not weights: pruning reads no weights)."""
-    from rlhf_core.checkpoint import checkpoint_dir
+    from rlhf_core.run.checkpoint import checkpoint_dir
 
     ckpt = checkpoint_dir(root.parent, step, under=root)
     ckpt.mkdir(parents=True)
@@ -176,7 +176,7 @@ def test_keep_checkpoints_bounds_disk_and_mlflow_and_resume_still_finds_a_comple
     prune up to the step just recorded): the two newest stay on disk and in MLflow, a newer one the trainer
     already wrote is left for its own turn, a newer upload without its marker is not taken for a checkpoint,
     and resume by run id downloads the newest complete one."""
-    from rlhf_core.checkpoint import prune_checkpoints
+    from rlhf_core.run.checkpoint import prune_checkpoints
     from tracking import download_artifact, latest_checkpoint_artifact, prune_checkpoint_artifacts
 
     assert load_config(None, []).checkpoint.keep == 3  # the default: a few

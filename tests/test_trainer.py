@@ -373,7 +373,7 @@ SAMPLING_SETTINGS = [
 
 
 def _policy(which, tiny_policy_dir, chat_policy_dir):
-    from rlhf_core.models import load_policy
+    from rlhf_core.model.policy import load_policy
 
     return load_policy(tiny_policy_dir if which == "tiny" else chat_policy_dir, dtype="float32", device="cpu")
 
@@ -563,7 +563,7 @@ def test_padding_free_matches_the_padded_path(tiny_model, eos_batch, loss, agg):
 
 @pytest.mark.parametrize("which", ["tiny", "chat"])
 def test_packed_logprobs_equal_padded_and_models_isolate_packed_sequences(which, tiny_policy_dir, chat_policy_dir):
-    from rlhf_core.trainer.trainer import packed_sequence_logprobs, packing_isolates
+    from rlhf_core.trainer.logprobs import packed_sequence_logprobs, packing_isolates
 
     model, tok = _policy(which, tiny_policy_dir, chat_policy_dir)
     assert packing_isolates(model)
@@ -581,7 +581,7 @@ def test_packed_logprobs_equal_padded_and_models_isolate_packed_sequences(which,
 
 
 def test_pack_rows_places_whole_sequences_within_the_budget():
-    from rlhf_core.trainer.trainer import pack_rows
+    from rlhf_core.trainer.logprobs import pack_rows
 
     lengths = [5, 9, 2, 4, 9, 1, 3]
     rows, offsets = pack_rows(lengths)
@@ -613,7 +613,7 @@ class _NoPacking(torch.nn.Module):
 
 
 def test_padding_free_falls_back_where_the_model_does_not_isolate_sequences(tiny_model, eos_batch):
-    from rlhf_core.trainer.trainer import packing_isolates
+    from rlhf_core.trainer.logprobs import packing_isolates
 
     leaky = _NoPacking(copy.deepcopy(tiny_model))
     assert not packing_isolates(leaky)

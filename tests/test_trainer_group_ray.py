@@ -62,7 +62,7 @@ def test_two_trainer_ranks_take_the_steps_of_one_and_their_checkpoint_resumes_wi
     """Lockstep (max_staleness 0), one rollout worker, the same seeds: the same batches reach both runs, so the
     losses and gradient norms of 2 ranks and of 1 agree step by step (float32 tolerance, see test_sharded_trainer), the
     critic's too; the checkpoint holds the critic and resumes with one trainer."""
-    from rlhf_core.checkpoint import read_checkpoint
+    from rlhf_core.run.checkpoint import read_checkpoint
 
     two = sync_losses(group_cfg(tmp_path / "two", 2, *GAE, "checkpoint.every=2"))
     one = sync_losses(group_cfg(tmp_path / "one", 1, *GAE))
@@ -89,7 +89,7 @@ def test_two_trainer_ranks_take_the_steps_of_one_and_their_checkpoint_resumes_wi
 def test_a_dead_trainer_rank_fails_the_run_naming_it(ray_local, tmp_path):
     """As a trainer failure is reported today (RunFailed "trainer failed: ..."), with the rank and the step;
     the checkpoint written before stays intact."""
-    from rlhf_core.checkpoint import read_checkpoint
+    from rlhf_core.run.checkpoint import read_checkpoint
 
     cfg = group_cfg(tmp_path, 2, "trainer.total_steps=500", "runtime.max_staleness=2")
     with DistributedRun(cfg) as run:

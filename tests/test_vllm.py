@@ -78,7 +78,7 @@ def vllm_engine(tiny_policy_dir, tiny_tokenizer):
 def test_vllm_logprobs_match_full_forward(
     vllm_engine, tiny_policy_dir, max3_prompts, tiny_tokenizer, temperature, top_k, top_p, min_p
 ):
-    from rlhf_core.models import load_policy
+    from rlhf_core.model.policy import load_policy
     from rlhf_core.rollout import sampling_logprobs
 
     model, _ = load_policy(tiny_policy_dir, dtype="float32", device="cuda")
@@ -109,7 +109,7 @@ def test_vllm_logprobs_match_full_forward(
 
 @pytest.mark.cuda
 def test_vllm_load_weights_changes_outputs_and_version(vllm_engine, tiny_policy_dir, max3_prompts, tiny_tokenizer):
-    from rlhf_core.models import load_policy
+    from rlhf_core.model.policy import load_policy
 
     model, _ = load_policy(tiny_policy_dir, dtype="float32", device="cpu")
     pb = collate_prompts(max3_prompts[0][:8], tiny_tokenizer.pad_token_id)
@@ -133,7 +133,7 @@ def test_in_flight_weight_update(vllm_engine, tiny_policy_dir, max3_prompts, tin
     """Partial rollouts on vLLM: weights handed over between engine steps are loaded while requests run; tokens
     are stamped with the version in effect when produced, policy_version is each row's oldest, and the tokens
     produced before the update have the old weights' log-probs."""
-    from rlhf_core.models import load_policy
+    from rlhf_core.model.policy import load_policy
 
     model, _ = load_policy(tiny_policy_dir, dtype="float32", device="cpu")
     new = copy.deepcopy(model)
@@ -277,9 +277,9 @@ def test_vllm_engine_with_lora_loads_adapters_through_lora_requests(
 
     from safetensors.torch import load_file
 
-    from rlhf_core import build
-    from rlhf_core.lora import adapter_state_dict
+    from rlhf_core.model.lora import adapter_state_dict
     from rlhf_core.rollout.vllm import VLLMEngine
+    from rlhf_core.run import build
 
     record = _fake_vllm(monkeypatch)
     cfg = load_config(None, ["rollout.engine=vllm", "model.lora.r=4", "model.lora.target_modules=[q_proj,v_proj]"])
@@ -317,9 +317,9 @@ def test_vllm_lora_adapter_matches_the_peft_model(tiny_policy_dir, tiny_tokenize
     pytest.importorskip("vllm")
     if not torch.cuda.is_available():
         pytest.skip("vLLM needs a CUDA device")
-    from rlhf_core import build
-    from rlhf_core.lora import adapter_state_dict
+    from rlhf_core.model.lora import adapter_state_dict
     from rlhf_core.rollout.vllm import VLLMEngine
+    from rlhf_core.run import build
 
     cfg = load_config(
         None,

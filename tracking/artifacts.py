@@ -4,7 +4,7 @@ Checkpoints go under the run's artifact path `checkpoints/<dir name>`, each mark
 COMPLETE). The final policy is logged as a plain Hugging Face directory as an MLflow 3 LoggedModel (named
 `policy`, output of the run: it shows under the run's "Logged models", `models:/<model_id>`); runs of earlier
 versions also hold it under the artifact path `model/`. `load_logged_policy(run_id)` downloads it (from
-`model/`, else from the run's logged model) and loads it with `rlhf_core.models.load_policy`.
+`model/`, else from the run's logged model) and loads it with `rlhf_core.model.policy.load_policy`.
 """
 
 from __future__ import annotations
@@ -166,7 +166,7 @@ def load_logged_policy(run_id: str, tracking_uri: Optional[str] = None, dtype: s
     >>> model, tokenizer = load_logged_policy("0123456789abcdef0123456789abcdef",
     ...                                       tracking_uri="sqlite:///mlflow.db")   # doctest: +SKIP
     """
-    from rlhf_core.models import load_policy
+    from rlhf_core.model.policy import load_policy
 
     with tempfile.TemporaryDirectory(prefix=f"atrlhf-model-{run_id[:8]}-") as scratch:  # removed once loaded
         return load_policy(download_logged_policy(run_id, tracking_uri, scratch), dtype=dtype, device=device)

@@ -16,7 +16,7 @@ from typing import Any
 log = logging.getLogger("tracking")
 
 TRACE_STEP_TAG = "atrlhf.step"
-EVAL_TRAJECTORIES = "eval/trajectories"  # the key of an evaluation's traced episodes (rlhf_core.evaluation)
+EVAL_TRAJECTORIES = "eval/trajectories"  # the key of an evaluation's traced episodes (rlhf_core.run.evaluation)
 
 
 def _short(value: Any, limit: int = 20_000) -> Any:

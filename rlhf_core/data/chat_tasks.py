@@ -1,4 +1,4 @@
-"""Synthetic tasks in chat format, for chat models (a local one built by rlhf_core.chat_model, or a real one).
+"""Synthetic tasks in chat format, for chat models (a local one built by rlhf_core.model.chat, or a real one).
 
 - "max3_chat": the user asks for the maximum of three digits and to end with '#### <number>'; the prompt
   is the model's chat template with the generation prompt added. Answers are scored after the marker
@@ -12,9 +12,9 @@ import itertools
 
 import numpy as np
 
-from rlhf_core.chat_model import max3_question
 from rlhf_core.data.answers import answer_patterns
 from rlhf_core.data.prompts import Prompt
+from rlhf_core.model.chat import max3_question
 
 CHAT_TASKS = ("max3_chat",)
 

@@ -23,3 +23,17 @@ def get_or_fail(ref, timeout_s: float, what: str):
 def die() -> None:
     """Fault-injection hook of every actor: exit the way a segfault or an OOM kill would."""
     os._exit(1)
+
+
+def task_error(exc: ray.exceptions.RayTaskError) -> str:
+    """'Type: message' of the exception an actor method raised (without Ray's remote traceback)."""
+    cause = getattr(exc, "cause", None) or exc
+    return f"{type(cause).__name__}: {cause}"
+
+
+class RunFailed(RuntimeError):
+    """The run cannot go on (trainer failure, worker restart limit, stall); the message names the cause."""
+
+
+class WorkerDied(RuntimeError):
+    """A rollout worker's process died (Ray restarts it, up to cluster.max_restarts): this loop ended with it."""

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from rlhf_core import build
 from rlhf_core.distributed.calls import get_or_fail
+from rlhf_core.run import build
 
 
 class RewardModelActor:

@@ -14,10 +14,10 @@ import warnings
 import ray
 import torch
 
-from rlhf_core import build
 from rlhf_core.distributed.calls import die
 from rlhf_core.distributed.peers import RemoteBuffer, RemotePeer, RemoteWeights
 from rlhf_core.distributed.reward_model_actor import RemoteRewardModel
+from rlhf_core.run import build
 from rlhf_core.run.roles import RolloutRole
 
 log = logging.getLogger("rlhf_core.distributed")

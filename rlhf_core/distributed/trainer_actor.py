@@ -15,15 +15,15 @@ from typing import Optional
 
 import ray
 
-from rlhf_core import build
-from rlhf_core.build import export_run_policy
-from rlhf_core.checkpoint import CheckpointState, load_weights_into
 from rlhf_core.data import Prompt
 from rlhf_core.distributed.calls import WaitTimeout, die, get_or_fail
 from rlhf_core.distributed.peers import RemoteBuffer, RemoteWeights
 from rlhf_core.distributed.rollout_actor import rollout_rng_states
 from rlhf_core.distributed.trainer_group import group_address, join_trainer_group
-from rlhf_core.lora import adapter_state_dict, is_lora
+from rlhf_core.model.lora import adapter_state_dict, is_lora
+from rlhf_core.run import build
+from rlhf_core.run.build import export_run_policy
+from rlhf_core.run.checkpoint import CheckpointState, load_weights_into
 from rlhf_core.run.roles import TRAINED_PROMPTS_FILE, TrainerRole  # noqa: F401  (TRAINED_PROMPTS_FILE: importable here)
 
 log = logging.getLogger("rlhf_core.distributed")
@@ -167,7 +167,7 @@ class TrainerActor:
 
     def warm_start(self, steps: int) -> dict:
         """The supervised format warm start on this trainer's model (before the first publish)."""
-        from rlhf_core.warm_start import warm_start
+        from rlhf_core.run.warm_start import warm_start
 
         with self.role.lock:
             out = warm_start(self.model, self.tokenizer, self.train_prompts, self.cfg, steps)

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import ray
 
-from rlhf_core import build
-from rlhf_core.checkpoint import load_checkpoint, restore_rng
 from rlhf_core.distributed.calls import die
+from rlhf_core.run import build
+from rlhf_core.run.checkpoint import load_checkpoint, restore_rng
 
 
 def group_address() -> str:

@@ -18,8 +18,9 @@ Every method may be a coroutine (awaited). Modules:
   pool.py        EnvPool: spawned processes, many trajectories in flight per process, failure isolation
   chat.py        ChatFormat: messages -> ids through the model's chat template (observations by difference)
   tools.py       ToolEnv: Python functions as tools, Qwen2.5 / Hermes <tool_call> format
-  trajectory.py  EnvRunner: token-in/token-out trajectories, how each ends (imports torch)
-  batch.py       trajectories -> RolloutBatch, their env/* metrics (imports torch)
+The runner of episodes (EnvRunner: token-in/token-out trajectories, how each ends, and their RolloutBatch) sits
+beside the rollout engines, in rlhf_core/rollout/multiturn.py and multiturn_batch.py: it drives an engine and
+this package's pool, so the environment package never imports the rollout package.
   protocol.py    Environment: the interface above as a typing.Protocol
 
 This package's __init__ imports nothing: the pool's processes import serve.py, checks.py and spec.py, no torch.

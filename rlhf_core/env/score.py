@@ -27,7 +27,7 @@ REPLAY_POLL_S = 1.0
 
 
 def trajectory_record(t) -> dict:
-    """A trajectory (rlhf_core.env.trajectory.Trajectory) as one line of a trajectory file."""
+    """A trajectory (rlhf_core.rollout.multiturn.Trajectory) as one line of a trajectory file."""
     messages = []
     for turn in t.transcript:
         message = {"role": turn.role, "content": turn.text}

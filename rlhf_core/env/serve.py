@@ -136,7 +136,7 @@ async def _call(marks: _Marks, eid: int, executor, fn, arg, timeout_s: float):
 
 def serve(conn, marks, path: str, name: str, kwargs: dict, timeout_s: float, max_chars: int) -> None:
     """A pool process's main: load the class, say ("ready", has_finish), serve until told to stop."""
-    from rlhf_core.env.spec import load_env_class
+    from rlhf_core.usercode import load_env_class
 
     try:
         cls = load_env_class(path, name, "env")

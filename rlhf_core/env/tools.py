@@ -28,7 +28,7 @@ import json
 import re
 from typing import Any, Optional
 
-from rlhf_core.env.spec import load_tools
+from rlhf_core.usercode import load_tools
 
 TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 OPEN_TAG = "<tool_call>"

@@ -34,8 +34,8 @@ from typing import Optional
 import torch
 
 from rlhf_core.config import ConfigError, RewardModelConfig
-from rlhf_core.models import ModelLoadError, check_model_dir, load_tokenizer, resolve_device, resolve_dtype
-from rlhf_core.preflight import check_reward_model_config, model_context_length
+from rlhf_core.model.policy import ModelLoadError, check_model_dir, load_tokenizer, resolve_device, resolve_dtype
+from rlhf_core.run.preflight import check_reward_model_config, model_context_length
 
 REWARD_MODEL_NAME = "reward_model"  # the component name: logged as reward/reward_model
 FIELD = "reward.model.path"

@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 
 from rlhf_core.data.prompts import PromptBatch
-from rlhf_core.lora import is_lora, load_adapter_state_dict
+from rlhf_core.model.lora import is_lora, load_adapter_state_dict
 from rlhf_core.rollout.base import SamplingParams, as_stop_ids, processed_logits, response_mask_from_eos
 from rlhf_core.types import RolloutBatch
 
@@ -78,7 +78,7 @@ class HFEngine:
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Copy new weights into the model in place (no reallocation) and adopt their version. A LoRA model
-        takes adapter tensors (rlhf_core.lora names) and keeps its base weights."""
+        takes adapter tensors (rlhf_core.model.lora names) and keeps its base weights."""
         if state_dict is not None and is_lora(self.model):
             load_adapter_state_dict(self.model, state_dict)
         elif state_dict is not None:

@@ -16,7 +16,7 @@ repository's CI, which has no GPU — see tests/test_vllm.py, which runs it wher
 
 LoRA (`model.lora`). The engine is built with `enable_lora=True, max_loras=1, max_lora_rank` (the smallest
 rank vLLM accepts that is >= r); a weight sync carries the adapter tensors only (peft's saved names,
-`rlhf_core.lora`), which `load_weights` writes as a PEFT adapter directory (adapter_model.safetensors +
+`rlhf_core.model.lora`), which `load_weights` writes as a PEFT adapter directory (adapter_model.safetensors +
 adapter_config.json) and every later `generate` passes as `lora_request=LoRARequest(name, int_id, path)`,
 with a new int id per version so that vLLM loads it afresh (the previous one is removed where the engine
 offers `remove_lora`). Before the first sync no adapter is used: fresh adapters are zero (B = 0).
@@ -56,7 +56,7 @@ from typing import Optional
 import torch
 
 from rlhf_core.data.prompts import PromptBatch
-from rlhf_core.lora import ADAPTER_WEIGHTS
+from rlhf_core.model.lora import ADAPTER_WEIGHTS
 from rlhf_core.rollout.base import SamplingParams
 from rlhf_core.types import RolloutBatch
 

@@ -46,7 +46,7 @@ class RolloutWorker:
         # external rewards (Python functions, a reward model): each has `weights` {name: weight} and
         # score(prompts, batch) -> {name: FloatTensor [N]}; NaN marks a row a score does not apply to
         self.external = list(external)
-        # a multi-turn environment (rlhf_core.env.trajectory.EnvRunner): each sample is then a trajectory
+        # a multi-turn environment (rlhf_core.rollout.multiturn.EnvRunner): each sample is then a trajectory
         self.env = env
         self.env_metrics: dict[str, float] = {}  # of the last rollout (env/*, reward/env)
         self.last_trajectories: list = []
@@ -125,7 +125,7 @@ class RolloutWorker:
         none (then `rollout` returns an empty batch). With between_steps (partial rollouts) trajectories adopt
         newer weights between turns and within them; each token keeps its version (`trajectory_batch`).
         env_metrics: the batch's env/* means and the run's env/errors (by kind) and env/process_restarts."""
-        from rlhf_core.env.trajectory import last_turn_batch, trajectory_batch, trajectory_metrics
+        from rlhf_core.rollout.multiturn import last_turn_batch, trajectory_batch, trajectory_metrics
 
         G = self.samples_per_prompt
         trajs = self.env.run(self.engine, prompts, G, self.sampling, between_steps=between_steps)

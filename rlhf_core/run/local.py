@@ -21,20 +21,20 @@ from typing import Optional
 
 import torch
 
-from rlhf_core import build
-from rlhf_core.checkpoint import CheckpointError, CheckpointState
-from rlhf_core.checkpoint import checkpoint_dir as step_checkpoint_dir
 from rlhf_core.config import TrainConfig
 from rlhf_core.data import Prompt
 from rlhf_core.data.queue import PromptQueue
-from rlhf_core.evaluation import Evaluator
-from rlhf_core.preflight import check_lengths, check_output_dir
 from rlhf_core.rollout import RolloutWorker
+from rlhf_core.run import build
+from rlhf_core.run.checkpoint import CheckpointError, CheckpointState
+from rlhf_core.run.checkpoint import checkpoint_dir as step_checkpoint_dir
 from rlhf_core.run.control import ExperienceBuffer, WeightStore
+from rlhf_core.run.evaluation import Evaluator
+from rlhf_core.run.preflight import check_lengths, check_output_dir
 from rlhf_core.run.roles import RolloutRole, TrainerRole
+from rlhf_core.run.warm_start import warm_start as run_warm_start
 from rlhf_core.trainer import Trainer
 from rlhf_core.types import RolloutBatch, cat_rollouts
-from rlhf_core.warm_start import warm_start as run_warm_start
 
 log = logging.getLogger("rlhf_core")
 
@@ -178,7 +178,7 @@ def _publish_now(parts: RunParts) -> None:
 
 
 def warm_start(parts: RunParts, steps: int) -> dict:
-    """The supervised format warm start (rlhf_core.warm_start) on the trainer's model, then its held-out
+    """The supervised format warm start (rlhf_core.run.warm_start) on the trainer's model, then its held-out
     accuracy as eval/accuracy_warm_start."""
     metrics = run_warm_start(parts.model, parts.tokenizer, parts.train_prompts, parts.cfg, steps)
     _publish_now(parts)

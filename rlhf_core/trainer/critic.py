@@ -24,8 +24,8 @@ import torch
 from torch import nn
 
 from rlhf_core.algorithms import explained_variance, value_loss
-from rlhf_core.models import disable_dropout
-from rlhf_core.trainer.sharding import (
+from rlhf_core.model.policy import disable_dropout
+from rlhf_core.model.sharding import (
     gather_rows,
     global_grad_norm,
     load_whole_optimizer_state,
@@ -180,7 +180,7 @@ class Critic:
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from `state_dict()`'s layout (written by N ranks or one); sharded, each rank keeps its shard."""
-        from rlhf_core.checkpoint import load_weights_into  # checkpoint imports the trainer package
+        from rlhf_core.run.checkpoint import load_weights_into  # checkpoint imports the trainer package
 
         load_weights_into(self.model, state["weights"])
         load_whole_optimizer_state(self.optimizer, state["optimizer"], self.group)

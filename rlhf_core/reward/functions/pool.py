@@ -32,7 +32,7 @@ from typing import Any, Optional
 
 from pebble import ProcessExpired, ProcessPool
 
-from rlhf_core.reward.functions.spec import load_function
+from rlhf_core.usercode import load_function
 
 Row = tuple[Optional[float], dict, Optional[str]]  # (value or None, extra metrics, error or None)
 START_TIMEOUT_S = 120.0  # a pool process must have imported every function within this

@@ -23,11 +23,11 @@ from pathlib import Path
 
 import torch
 
-from rlhf_core.model_dir import target_modules_problem
+from rlhf_core.model.directory import target_modules_problem
+from rlhf_core.model.sharding import _CACHE, forget_adapter_params, iter_full_tensors, shard_like  # noqa: F401
 
 ADAPTER_DIR = "adapter"  # the PEFT adapter inside an export or a checkpoint directory
 ADAPTER_WEIGHTS = "adapter_model.safetensors"  # peft's weights file name in it
-_CACHE = "_atrlhf_adapter_params"  # _adapter_params' cache on the model (forget_adapter_params drops it)
 
 
 class LoraConfigError(ValueError):
@@ -119,7 +119,6 @@ def adapter_state_dict(model, keep: bool = True) -> dict[str, torch.Tensor]:
     A model sharded by FSDP2 (a trainer group) holds DTensor shards: the adapters are gathered whole, many
     per all-gather (`iter_full_tensors`), so every rank must call this (a collective); ranks with keep=False
     get {}."""
-    from rlhf_core.trainer.sharding import iter_full_tensors  # the trainer package imports this module
 
     out = {}
     params = [(name, p.detach()) for name, p in _adapter_params(model).items()]
@@ -148,7 +147,6 @@ def load_adapter_state_dict(model, state_dict: dict[str, torch.Tensor]) -> None:
             f"adapter tensors do not fit the model's adapters: unknown {unknown[:3]}, missing {missing[:3]} "
             "(is model.lora the same as the run's that wrote them?)"
         )
-    from rlhf_core.trainer.sharding import shard_like
 
     with torch.no_grad():
         for name, tensor in state_dict.items():
@@ -168,13 +166,6 @@ def _adapter_params(model) -> dict[str, torch.Tensor]:
                 cached[name.replace(f".{adapter}.", ".")] = p
         model.__dict__[_CACHE] = cached
     return cached
-
-
-def forget_adapter_params(model) -> None:
-    """Drop `_adapter_params`' cache of the live adapter parameters: anything that replaces the model's
-    parameter objects (FSDP2's `fully_shard` swaps each for a sharded one) calls this, so that syncs and
-    checkpoints read the new parameters, not frozen copies of the old ones."""
-    model.__dict__.pop(_CACHE, None)
 
 
 def peft_config_dict(model) -> dict:

@@ -1,5 +1,5 @@
 """Trajectories as tensors: one RolloutBatch of whole trajectories (training), one of their last model turns
-(the configured rewards), and their env/* metrics. Layout: rlhf_core/env/trajectory.py."""
+(the configured rewards), and their env/* metrics. Layout: rlhf_core/rollout/multiturn.py."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from rlhf_core.types import RolloutBatch
 
 if TYPE_CHECKING:
-    from rlhf_core.env.trajectory import Trajectory
+    from rlhf_core.rollout.multiturn import Trajectory
 
 
 def trajectory_batch(trajs: Sequence[Trajectory], pad_token_id: int, version: int, device="cpu") -> RolloutBatch:

@@ -4,7 +4,7 @@
 a token, `Ġ` marks a leading space, merges learned from a corpus), gives it the special tokens and the
 ChatML chat template of Qwen2.5, builds a `Qwen2ForCausalLM` with random weights, and writes both with
 `save_pretrained` plus a `generation_config.json` whose `eos_token_id` lists `<|im_end|>` and
-`<|endoftext|>`. It loads back through `rlhf_core.models.load_policy`, exactly as a real model directory
+`<|endoftext|>`. It loads back through `rlhf_core.model.policy.load_policy`, exactly as a real model directory
 does. Tests use it wherever a word-level tokenizer would hide a real tokenizer's behaviour; the CPU smoke
 recipe trains it.
 

@@ -132,7 +132,7 @@ def evaluate_env(env, engine, prompts: Sequence[Prompt], reward_fn, pad_token_id
     "eval/trajectories" the first TRACED_TRAJECTORIES episodes as trajectory-file records (rlhf_core.env.score),
     which the flow logs as MLflow traces. All episodes are kept on `env.last_eval`."""
     from rlhf_core.env.score import trajectory_record
-    from rlhf_core.env.trajectory import last_turn_batch
+    from rlhf_core.rollout.multiturn import last_turn_batch
 
     greedy = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
     trajs = env.run(engine, prompts, 1, greedy)
@@ -171,7 +171,7 @@ class Evaluator:
     max_prompt_tokens: Optional[int] = None
     eval_cfg: object = None  # EvalConfig: sampled pass@k / mean@k when its n_samples > 0
     seed: int = 0  # seed of the sampled evaluation's random stream
-    env: object = None  # a multi-turn environment's runner (rlhf_core.env.trajectory.EnvRunner): episodes
+    env: object = None  # a multi-turn environment's runner (rlhf_core.rollout.multiturn.EnvRunner): episodes
 
     def __call__(self) -> dict:
         if self.env is not None:

@@ -262,7 +262,7 @@ def check_paths(cfg) -> None:
     (config.json, tokenizer, weight headers), critic.path, reward.model.path, data.train_path / eval_path,
     reward.functions, env and env.tools (imported, as the workers will), a run.name held by a live run.
     ConfigError, one line naming the field, for the first that fails. Nothing is created."""
-    from rlhf_core.model_dir import ModelLoadError, check_model_dir
+    from rlhf_core.model.directory import ModelLoadError, check_model_dir
 
     if cfg.model.path:
         try:
@@ -325,8 +325,7 @@ def _in_hf_cache(repo_id: str) -> bool:
 def check_user_code(cfg) -> None:
     """reward.functions, the env class and env.tools imported here as the workers will import them (the config
     only read their source): a missing dependency or an error at import is named before anything starts."""
-    from rlhf_core.env.spec import load_env_class, load_tools
-    from rlhf_core.reward.functions.spec import load_function
+    from rlhf_core.usercode import load_env_class, load_function, load_tools
 
     checks = [
         (f"reward.functions[{i}]", fn.path or fn.name, lambda fn=fn, i=i: load_function(fn.path, fn.name, ""))
@@ -354,13 +353,13 @@ def check_lora_targets(cfg) -> None:
     (no weights, no Ray; imports torch and transformers)."""
     if cfg.model.lora is None:
         return
-    from rlhf_core.model_dir import TINY_MODEL_TYPES, TINY_POLICY_DIRS, linear_layer_names, target_modules_problem
+    from rlhf_core.model.directory import TINY_MODEL_TYPES, TINY_POLICY_DIRS, linear_layer_names, target_modules_problem
 
     kind = cfg.model.tiny_kind
     policy_dir = Path(cfg.model.path or Path(cfg.run.output_dir) / TINY_POLICY_DIRS[kind]).expanduser()
     names = linear_layer_names(policy_dir)
     if names is None:
-        from rlhf_core.lora import config_linear_module_names
+        from rlhf_core.model.lora import config_linear_module_names
 
         if cfg.model.path:
             names = config_linear_module_names(policy_dir, trust_remote_code=cfg.model.trust_remote_code)

@@ -26,7 +26,14 @@ import math
 import torch
 import torch.distributed as dist
 
-from rlhf_core.lora import forget_adapter_params
+_CACHE = "_atrlhf_adapter_params"  # lora._adapter_params' cache on the model (forget_adapter_params drops it)
+
+
+def forget_adapter_params(model) -> None:
+    """Drop `_adapter_params`' cache of the live adapter parameters: anything that replaces the model's
+    parameter objects (FSDP2's `fully_shard` swaps each for a sharded one) calls this, so that syncs and
+    checkpoints read the new parameters, not frozen copies of the old ones."""
+    model.__dict__.pop(_CACHE, None)
 
 
 def world(group) -> tuple[int, int]:

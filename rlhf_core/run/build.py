@@ -13,17 +13,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rlhf_core.checkpoint import export_policy
 from rlhf_core.config import TrainConfig
 from rlhf_core.data import Prompt, build_prompt_splits
-from rlhf_core.evaluation import Evaluator
-from rlhf_core.lora import apply_lora
-from rlhf_core.models import ensure_policy, load_policy, load_tokenizer, stop_token_ids
+from rlhf_core.model.lora import apply_lora
+from rlhf_core.model.policy import ensure_policy, load_policy, load_tokenizer, stop_token_ids
 from rlhf_core.reward.components import build_reward_fn
 from rlhf_core.reward.functions.external import PythonFunctionRewards
 from rlhf_core.reward.model import LocalRewardModel, RewardModelScorer
 from rlhf_core.reward.overlong import OverlongPenalty
 from rlhf_core.rollout import HFEngine, RolloutWorker, SamplingParams, build_engine
+from rlhf_core.run.checkpoint import export_policy
+from rlhf_core.run.evaluation import Evaluator
 from rlhf_core.trainer import Trainer
 
 ROLLOUT_SEED_STRIDE = 1000  # rollout worker i samples with seed trainer.seed + 1000 * i
@@ -55,7 +55,7 @@ def build_tokenizer(cfg: TrainConfig, policy_dir: str | Path):
 
 def build_policy(cfg: TrainConfig, policy_dir: str | Path, adapters: bool = True):
     """(model, tokenizer) from the policy directory, with the config's dtype and device; with model.lora (and
-    `adapters`) wrapped with its LoRA adapters (rlhf_core.lora), the same in every process so that adapter
+    `adapters`) wrapped with its LoRA adapters (rlhf_core.model.lora), the same in every process so that adapter
     names agree between the trainer, the rollout engines and checkpoints."""
     model, tokenizer = load_policy(
         policy_dir, dtype=cfg.model.dtype, device=cfg.model.device, trust_remote_code=cfg.model.trust_remote_code
@@ -127,7 +127,7 @@ def build_env_runner(cfg: TrainConfig, tokenizer, stop_ids: list[int], policy_di
     env.name or env.tools is set, else None."""
     if not cfg.env.enabled:
         return None
-    from rlhf_core.env.trajectory import EnvRunner
+    from rlhf_core.rollout.multiturn import EnvRunner
 
     return EnvRunner(cfg.env, cfg.rollout, tokenizer, stop_ids, cfg.reward.function_workers, where=str(policy_dir))
 
@@ -179,7 +179,7 @@ def build_critic(cfg: TrainConfig, model, policy_dir: str | Path, group=None):
     sharded on `group` (a sharded trainer's) when given."""
     if not cfg.algorithm.advantage_spec.critic:
         return None
-    from rlhf_core.models import resolve_dtype
+    from rlhf_core.model.policy import resolve_dtype
     from rlhf_core.trainer.critic import Critic, load_value_model
 
     path = cfg.critic.path or policy_dir
@@ -189,7 +189,7 @@ def build_critic(cfg: TrainConfig, model, policy_dir: str | Path, group=None):
 
 
 def export_run_policy(cfg: TrainConfig, model, tokenizer, path: str | Path) -> Path:
-    """The trained policy exported to `path` (rlhf_core.checkpoint.export_policy): a Hugging Face model
+    """The trained policy exported to `path` (rlhf_core.run.checkpoint.export_policy): a Hugging Face model
     directory; with LoRA the PEFT adapter under adapter/ and, when model.lora.export_merged, the merged model."""
     merged = cfg.model.lora is None or cfg.model.lora.export_merged
     return export_policy(model, tokenizer, cfg.model_dump(mode="json"), path, merged=merged)

@@ -1,6 +1,6 @@
 """A local Hugging Face model directory, checked before anything loads it: config.json, tokenizer files and the
 safetensors headers (a few KB each, never the weights). Plain Python: no torch, no transformers, so the command
-line checks `model.path` before anything starts (rlhf_core.preflight); `rlhf_core.models` loads what passes.
+line checks `model.path` before anything starts (rlhf_core.run.preflight); `rlhf_core.model.policy` loads what passes.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Optional
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 TINY_POLICY_DIRS = {"word": "tiny_policy", "chat": "tiny_chat_policy"}  # under run.output_dir, by model.tiny_kind
-TINY_MODEL_TYPES = {"word": "llama", "chat": "qwen2"}  # their architectures (rlhf_core.models builds them)
+TINY_MODEL_TYPES = {"word": "llama", "chat": "qwen2"}  # their architectures (rlhf_core.model.policy builds them)
 
 
 class ModelLoadError(ValueError):

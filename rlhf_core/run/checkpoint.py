@@ -37,9 +37,8 @@ import numpy as np
 import torch
 import yaml
 
-from rlhf_core.checkpoint_paths import CHECKPOINTS_DIR, META_FILE
 from rlhf_core.config import RUN_CONFIG_FILE as CONFIG_FILE
-from rlhf_core.lora import (
+from rlhf_core.model.lora import (
     ADAPTER_DIR,
     ADAPTER_WEIGHTS,
     adapter_shapes,
@@ -50,8 +49,9 @@ from rlhf_core.lora import (
     save_adapter_weights,
     save_merged,
 )
-from rlhf_core.models import TINY_POLICY_DIRS
-from rlhf_core.trainer.sharding import is_dtensor, shard_like
+from rlhf_core.model.policy import TINY_POLICY_DIRS
+from rlhf_core.model.sharding import is_dtensor, shard_like
+from rlhf_core.run.checkpoint_paths import CHECKPOINTS_DIR, META_FILE
 
 FORMAT_VERSION = 2
 

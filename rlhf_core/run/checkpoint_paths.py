@@ -2,7 +2,7 @@
 anything starts).
 
     <run.output_dir>/latest -> <run dir>          the newest run that produced something
-    <run dir>/checkpoints/step_NNNNNN/meta.json   one checkpoint (rlhf_core.checkpoint writes the layout)
+    <run dir>/checkpoints/step_NNNNNN/meta.json   one checkpoint (rlhf_core.run.checkpoint writes the layout)
     <run dir>/policy/                             the exported policy, once the run finished
 
 A path given to resume or evaluate may name a checkpoint, a run directory or its checkpoints/ directory: the

@@ -43,11 +43,11 @@ from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from rlhf_core.data.prompts import Prompt, collate_prompts
-from rlhf_core.env.batch import last_turn_batch, trajectory_batch, trajectory_metrics  # noqa: F401 (re-exported)
 from rlhf_core.env.chat import ChatFormat
 from rlhf_core.env.checks import ERROR_KINDS
 from rlhf_core.env.pool import EnvPool
 from rlhf_core.rollout.base import takes_between_steps
+from rlhf_core.rollout.multiturn_batch import last_turn_batch, trajectory_batch, trajectory_metrics  # noqa: F401 (re-exported)
 
 _eids = itertools.count()
 MAX_RESTARTS = 3  # an episode whose process is lost under it more often than this fails (process_died)

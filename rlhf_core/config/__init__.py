@@ -1,0 +1,96 @@
+"""One configuration object for a whole run.
+
+`TrainConfig` is loaded once (`load_config(path, overrides)`) and handed down. Every field carries a
+one-line description; the defaults run the embedded tiny demo on a laptop CPU. Prefect renders the model
+as the flow's parameter form and MLflow logs it flattened as params (`flatten_config`).
+
+Bad input fails with `ConfigError`, whose message names the dotted field path and the offending value.
+A renamed key still loads under its new name, with one line saying so (`load.MIGRATIONS`); a YAML file may
+start from another (`base: other.yaml`). Importing this package imports neither torch nor transformers.
+
+    base.py       ConfigError, the section base class, limits that need no model
+    algorithm.py  the policy loss and advantage estimator (registered names, their options)
+    reward.py     components, Python reward functions, the reward model, overlong shaping
+    env.py        a multi-turn environment or ToolEnv tools
+    data.py       buffer, model (LoRA), data, held-out evaluation, rollout
+    run.py        trainer, critic, runtime (staleness, autopilot), cluster, checkpoint, tracking, supervision, run
+    train.py      TrainConfig and its rules across sections
+    load.py       YAML (base:), overrides, migrations of renamed keys, validation, flatten_config
+"""
+
+from rlhf_core.config.algorithm import AlgorithmConfig
+from rlhf_core.config.base import MAX_LR, MAX_SEQUENCE_TOKENS, RUN_CONFIG_FILE, ConfigError, _Section
+from rlhf_core.config.data import BufferConfig, DataConfig, EvalConfig, LoraConfig, ModelConfig, RolloutConfig
+from rlhf_core.config.env import ENV_COLUMNS, EnvConfig, EnvToolConfig
+from rlhf_core.config.load import (
+    MIGRATIONS,
+    _format_validation_error,
+    apply_overrides,
+    flatten_config,
+    load_config,
+    migrate_config,
+    parse_grid_item,
+    read_config_file,
+    validate_config,
+)
+from rlhf_core.config.reward import (
+    REWARD_COMPONENT_NAMES,
+    OverlongConfig,
+    RewardConfig,
+    RewardFunctionConfig,
+    RewardModelConfig,
+)
+from rlhf_core.config.run import (
+    AutopilotConfig,
+    CheckpointConfig,
+    ClusterConfig,
+    CriticConfig,
+    RunConfig,
+    RuntimeConfig,
+    SupervisionConfig,
+    TrackingConfig,
+    TrainerConfig,
+)
+from rlhf_core.config.train import TrainConfig
+
+__all__ = [
+    "AlgorithmConfig",
+    "AutopilotConfig",
+    "BufferConfig",
+    "CheckpointConfig",
+    "ClusterConfig",
+    "ConfigError",
+    "CriticConfig",
+    "DataConfig",
+    "ENV_COLUMNS",
+    "EnvConfig",
+    "EnvToolConfig",
+    "EvalConfig",
+    "LoraConfig",
+    "MAX_LR",
+    "MAX_SEQUENCE_TOKENS",
+    "MIGRATIONS",
+    "ModelConfig",
+    "OverlongConfig",
+    "REWARD_COMPONENT_NAMES",
+    "RUN_CONFIG_FILE",
+    "RewardConfig",
+    "RewardFunctionConfig",
+    "RewardModelConfig",
+    "RolloutConfig",
+    "RunConfig",
+    "RuntimeConfig",
+    "SupervisionConfig",
+    "TrackingConfig",
+    "TrainConfig",
+    "TrainerConfig",
+    "_Section",
+    "_format_validation_error",
+    "apply_overrides",
+    "flatten_config",
+    "load_config",
+    "migrate_config",
+    "parse_grid_item",
+    "read_config_file",
+    "validate_config",
+]

@@ -1,0 +1,23 @@
+"""The base of every config section: ConfigError, the section base class and the limits that need no model."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+RUN_CONFIG_FILE = "train_config.yaml"  # the run's config, inside every checkpoint and exported policy
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown, of the wrong type or out of range."""
+
+
+MAX_LR = 1.0
+"""Largest trainer.lr accepted: above it AdamW diverges at once (1e38 overflows to inf in its update)."""
+MAX_SEQUENCE_TOKENS = 131072
+"""Largest rollout.max_new_tokens (and data.max_prompt_tokens) accepted before any model is loaded: the
+longest context of current open models. The model's own limit is checked at launch
+(rlhf_core.run.preflight.check_lengths)."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)

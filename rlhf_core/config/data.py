@@ -1,0 +1,209 @@
+"""The sections of what is trained and on what: buffer, model (and LoRA), data, held-out evaluation, rollout."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional
+
+from pydantic import Field, field_validator
+
+from rlhf_core.config.base import _Section
+
+
+class BufferConfig(_Section):
+    """Replay buffer between rollout and trainer."""
+
+    max_size: int = Field(
+        4096, ge=1, description="Capacity in samples; the oldest ready data is dropped (and counted) on overflow."
+    )
+
+
+class LoraConfig(_Section):
+    """LoRA adapters (peft): the trainer optimises them only; the base weights stay frozen."""
+
+    r: int = Field(8, ge=1, description="LoRA rank of every adapted linear layer (at least 1).")
+    alpha: float = Field(16.0, gt=0, description="LoRA alpha: the adapter's update is scaled by alpha / r.")
+    dropout: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="Must be 0: the trainer computes log-probs without dropout (as the rollout does), so any other "
+        "value could only be ignored.",
+    )
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        min_length=1,
+        description="Linear modules that get adapters, by name suffix (peft's target_modules); must match some.",
+    )
+    export_merged: bool = Field(
+        True, description="At export, also write the adapters merged into the base weights as a plain HF model."
+    )
+
+    @field_validator("dropout")
+    @classmethod
+    def _no_dropout(cls, dropout: float) -> float:
+        if dropout:
+            raise ValueError(
+                f"model.lora.dropout={dropout:g} cannot take effect: the trainer computes log-probs without dropout, "
+                "as the rollout engines do (with it, on-policy ratios differ from 1 and M2PO's mask comes from "
+                "another dropout sample than the gradient). Set model.lora.dropout=0"
+            )
+        return dropout
+
+
+class ModelConfig(_Section):
+    """Policy model. `path` empty builds the tiny default model for the synthetic task."""
+
+    path: str = Field(
+        "", description="Local Hugging Face model directory; empty builds the tiny default policy under run.output_dir."
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "float32", description="Parameter dtype; 'auto' takes the checkpoint's."
+    )
+    device: str = Field("auto", description="'auto' (CUDA when available, else CPU), 'cpu', 'cuda' or 'cuda:N'.")
+    trust_remote_code: bool = Field(False, description="Allow model code shipped inside the model directory to run.")
+    gradient_checkpointing: bool = Field(False, description="Trade compute for memory in the trainer's forward pass.")
+    tiny_layers: int = Field(2, ge=1, description="Tiny default policy: number of transformer layers.")
+    tiny_hidden: int = Field(128, ge=16, description="Tiny default policy: hidden width.")
+    tiny_heads: int = Field(4, ge=1, description="Tiny default policy: attention heads.")
+    tiny_kind: Literal["word", "chat"] = Field(
+        "word",
+        description="Tiny default policy: 'word' (Llama, word-level tokenizer, synthetic tasks) or 'chat' (Qwen2, "
+        "byte-level BPE tokenizer trained locally, ChatML template, generation_config with two EOS ids).",
+    )
+    lora: Optional[LoraConfig] = Field(
+        None, description="LoRA adapters {r, alpha, dropout, target_modules}; empty or null is full fine-tuning."
+    )
+
+    @field_validator("lora", mode="before")
+    @classmethod
+    def _empty_lora_is_full(cls, v: Any) -> Any:
+        return None if v in ({}, "", False) else v
+
+
+class DataConfig(_Section):
+    """Prompt source."""
+
+    task: Literal["max3", "sum2", "max3_chat", "jsonl", "dataset"] = Field(
+        "max3",
+        description="Synthetic task ('max3': maximum of three digits; 'sum2': a+b; 'max3_chat': max3 in chat format, "
+        "answered after '####', for chat models), a JSONL file ('jsonl'), or any table the `datasets` library reads "
+        "('dataset': parquet, JSON, JSONL, a save_to_disk directory or a hub id; verl's parquet schema as it is).",
+    )
+    train_path: str = Field(
+        "",
+        description="Training prompts (task 'jsonl' or 'dataset'): rows with 'prompt' (text or chat list) or "
+        "'messages', and 'answer' or verl's reward_model.ground_truth (key names: prompt_key, messages_key, answer_key).",
+    )
+    eval_path: str = Field(
+        "", description="Held-out prompts (task 'jsonl' or 'dataset'); empty holds out eval_size rows of train_path."
+    )
+    train_split: str = Field(
+        "train",
+        min_length=1,
+        description="Task 'dataset': split of train_path read from a hub id or a saved DatasetDict.",
+    )
+    eval_split: str = Field(
+        "test",
+        min_length=1,
+        description="Task 'dataset': split of eval_path read from a hub id or a saved DatasetDict.",
+    )
+    eval_size: int = Field(200, ge=1, description="Held-out prompts used for eval/accuracy.")
+    heldout_frac: float = Field(
+        0.2, gt=0, lt=1, description="Synthetic tasks: fraction of all problems held out from training."
+    )
+    max_prompt_tokens: int = Field(256, ge=1, description="Prompts longer than this are left-truncated.")
+    system_prompt: str = Field("", description="System message for chat-template models (task 'jsonl' or 'dataset').")
+    prompt_key: str = Field(
+        "prompt",
+        min_length=1,
+        description="The key holding the prompt: text or a chat list (e.g. 'question' for raw GSM8K); dotted for nested keys.",
+    )
+    messages_key: str = Field(
+        "messages",
+        min_length=1,
+        description="The key holding chat messages [{role, content}] (used instead of prompt_key when present).",
+    )
+    answer_key: str = Field(
+        "answer",
+        min_length=1,
+        description="The key holding the answer, dotted for nested keys; with 'answer', rows without it use verl's reward_model.ground_truth.",
+    )
+    answer_after_marker: bool = Field(
+        False,
+        description="The answer field holds a whole solution: score the text after its last reward.marker (raw "
+        "GSM8K lines {question, answer: '... #### 72'} load with prompt_key=question and this set).",
+    )
+    seed: int = Field(0, description="Shuffling seed of the prompt source.")
+
+
+class EvalConfig(_Section):
+    """Held-out evaluation: greedy eval/accuracy every `every` steps, and sampled eval/pass@k and eval/mean@k."""
+
+    every: int = Field(
+        20, ge=0, description="Evaluate on held-out prompts every this many steps (0 = only at start and end)."
+    )
+    n_samples: int = Field(
+        0, ge=0, description="Samples per held-out prompt for eval/pass@k and eval/mean@k (0 = greedy accuracy only)."
+    )
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature of the sampled evaluation.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass of the sampled evaluation.")
+    k: int = Field(
+        1,
+        ge=1,
+        description="k of eval/pass@k (unbiased estimator, Chen et al. 2021) and eval/mean@k; at most n_samples.",
+    )
+
+
+class RolloutConfig(_Section):
+    """Generation."""
+
+    engine: Literal["hf", "vllm", "random"] = Field(
+        "hf", description="Rollout engine; 'random' emits uniform random tokens (load tests only)."
+    )
+    num_workers: int = Field(1, ge=1, description="Rollout workers (Ray actors in the distributed runtime).")
+    prompts_per_batch: int = Field(16, ge=1, description="Prompts per generation batch on one worker.")
+    samples_per_prompt: int = Field(8, ge=1, description="Completions per prompt (the GRPO group size G).")
+    max_new_tokens: int = Field(4, ge=1, description="Maximum generated tokens per completion.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    top_k: int = Field(0, ge=0, description="Top-k sampling (0 disables).")
+    min_p: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="Min-p sampling: drop tokens whose probability is below min_p x the most likely one's (0 disables).",
+    )
+    stop_token_ids: list[int] = Field(
+        default_factory=list,
+        description="Extra token ids that end a response, besides the tokenizer's EOS and every id of the model's "
+        "generation_config.json eos_token_id.",
+    )
+    max_total_tokens: Optional[int] = Field(
+        None,
+        ge=2,
+        description="Multi-turn (env): most tokens of a trajectory, prompt plus every turn; it ends, truncated, "
+        "where it would pass this (None: the model's context).",
+    )
+    random_tokens_per_s: float = Field(
+        0.0, ge=0, description="RandomEngine only: simulated generation rate (0 = as fast as possible)."
+    )
+    continuous_batching: bool = Field(
+        True,
+        description="HF engine: a row that ends leaves the batch and a waiting row takes its place (false: every "
+        "row of a batch is computed until the longest one ends).",
+    )
+    max_active_rows: Optional[int] = Field(
+        None,
+        ge=1,
+        description="HF engine with continuous batching: rows decoding at once (None: prompts_per_batch x "
+        "samples_per_prompt).",
+    )
+    partial_rollout: bool = Field(
+        False,
+        description="Adopt newly published weights between decode steps instead of between batches (the KV cache "
+        "is recomputed under them), and with an environment also between a trajectory's turns; token_versions "
+        "records each token's version.",
+    )
+    vllm_gpu_memory_utilization: float = Field(
+        0.5, gt=0, le=1, description="vLLM engine: fraction of GPU memory it may take."
+    )

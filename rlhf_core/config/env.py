@@ -1,0 +1,104 @@
+"""The environment section: a multi-turn environment class (or ToolEnv tools) and its limits."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, model_validator
+
+from rlhf_core.config.base import _Section
+from rlhf_core.usercode import is_file_path
+
+ENV_COLUMNS = ("env", "env/turns_mean", "env/tool_calls_mean", "env/truncated_frac")
+
+
+class EnvToolConfig(_Section):
+    """A Python function offered to the model as a tool by the built-in ToolEnv."""
+
+    path: str = Field(
+        ..., min_length=1, description="A .py file (relative to the working directory) or an importable module."
+    )
+    name: str = Field(..., min_length=1, description="The function's name there (also the tool's name).")
+
+
+class EnvConfig(_Section):
+    """A multi-turn environment (docs/environments.md): a class with reset(row) and step(action), one instance
+    per trajectory, run in the rollout worker's process pool; empty name = single-turn prompts as before."""
+
+    path: str = Field(
+        "",
+        description="A .py file (relative to the working directory) or an importable module holding the class; "
+        "empty for the built-in ToolEnv.",
+    )
+    name: str = Field(
+        "",
+        description="The environment class's name there; empty = no environment (ToolEnv when env.tools is set).",
+    )
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the class's __init__.")
+    max_turns: int = Field(4, ge=1, description="Most model turns per trajectory; the trajectory ends after it.")
+    step_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="Longest one reset, step, finish or close (and one tool call) may run; past it the trajectory "
+        "fails.",
+    )
+    max_consecutive_failures: int = Field(
+        20,
+        ge=1,
+        description="Stop the run when this many environment calls in a row fail (raise, time out, return something "
+        "malformed, or die with their process); a successful step clears the count, a successful reset does not.",
+    )
+    max_observation_chars: int = Field(
+        100_000,
+        ge=1,
+        description="Most characters of one observation (or of reset's opening), its messages' contents together; "
+        "a larger one fails its trajectory.",
+    )
+    observation_role: str = Field(
+        "user", min_length=1, description="Chat role of an observation the environment returns as a plain string."
+    )
+    reward_weight: float = Field(
+        1.0, description="Weight of the environment's summed rewards (reward/env) in the trajectory's reward."
+    )
+    tools: list[EnvToolConfig] = Field(
+        default_factory=list,
+        description="Python functions [{path, name}] the built-in ToolEnv offers as tools (schemas from signature and docstring).",
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.class_name)
+
+    def column_names(self) -> list[str]:
+        """The per-row columns a trajectory batch carries after the reward's (`RolloutBatch.reward_components`):
+        env (the summed environment reward, logged as reward/env), env/turns_mean, env/tool_calls_mean and
+        env/truncated_frac (logged under these names, as batch means); none without an environment."""
+        return list(ENV_COLUMNS) if self.enabled else []
+
+    @property
+    def class_name(self) -> str:
+        """The class to load: `name`, or ToolEnv when only tools are given."""
+        return self.name or ("ToolEnv" if self.tools else "")
+
+    @model_validator(mode="after")
+    def _env_exists(self) -> EnvConfig:
+        """The class's file or module exists and defines it, and each tool's function (read from the source:
+        nothing is imported or run here)."""
+        from rlhf_core.usercode import check_env_source, check_tool_source
+
+        if self.enabled:
+            check_env_source(self.path, self.class_name, "env")
+            resolved = str(Path(self.path).resolve()) if is_file_path(self.path) else self.path
+            if resolved != self.path:  # absolute: Ray workers need not share the working directory
+                self.path = resolved  # (assignment validates again: only when it changes)
+        seen = set()
+        for i, tool in enumerate(self.tools):
+            where = f"env.tools[{i}]"
+            check_tool_source(tool.path, tool.name, where)
+            if tool.name in seen:
+                raise ValueError(f"{where}: tool name {tool.name!r} is given twice; tool names must be unique")
+            seen.add(tool.name)
+            if is_file_path(tool.path):
+                tool.path = str(Path(tool.path).resolve())
+        return self

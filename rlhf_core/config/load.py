@@ -1,0 +1,246 @@
+"""Loading a config: YAML files (with `base:` inheritance), dotted overrides, renamed keys, validation with
+errors that name the field, and the flattened view MLflow logs."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+from pydantic import ValidationError
+
+from rlhf_core.config.base import ConfigError
+from rlhf_core.config.train import TrainConfig
+
+
+def _format_validation_error(err: ValidationError, source: str) -> str:
+    lines = []
+    for e in err.errors():
+        path = ".".join(str(p) for p in e["loc"] if p not in ("function-after",)) or "<root>"
+        if path == "<root>" and e["type"] == "value_error":  # a cross-field rule: its message names the fields
+            lines.append(str(e["msg"]).removeprefix("Value error, "))
+            continue
+        value = e.get("input")
+        shown = repr(value)
+        if len(shown) > 80:
+            shown = shown[:77] + "..."
+        if e["type"] == "extra_forbidden":
+            lines.append(f"{path}: unknown field (value {shown})")
+        elif e["type"] == "missing":
+            lines.append(f"{path}: required field is missing")
+        else:
+            lines.append(f"{path}: {e['msg']} (got {shown})")
+    return f"invalid configuration{source}:\n  " + "\n  ".join(lines)
+
+
+def _parse_override(item: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} is not of the form dotted.key=value")
+    key, raw = item.split("=", 1)
+    key = key.strip()
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {item!r} has an empty key segment")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.split("."), value
+
+
+def apply_overrides(data: dict, overrides: Iterable[str]) -> dict:
+    """Apply `a.b.c=value` overrides (values parsed as YAML scalars/lists) to a nested dict, in place."""
+    for item in overrides:
+        parts, value = _parse_override(item)
+        node = data
+        for i, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {item!r}: {'.'.join(parts[: i + 1])} is not a section")
+            node = child
+        node[parts[-1]] = value
+    return data
+
+
+def parse_grid_item(item: str) -> tuple[str, list[Any]]:
+    """`dotted.key=v1,v2,...` (or `dotted.key=[v1, v2]`) -> (key, values), each value parsed like an override
+    value. Values are not validated here: a sweep validates each point on its own.
+
+    >>> parse_grid_item("runtime.max_staleness=1,4,16")
+    ('runtime.max_staleness', [1, 4, 16])
+    """
+    parts, whole = _parse_override(item)
+    key, raw = ".".join(parts), item.split("=", 1)[1].strip()
+    if isinstance(whole, list):
+        values = whole
+    else:
+        values = [_parse_override(f"{key}={piece}")[1] for piece in raw.split(",")]
+    if not values or any(v == "" for v in values):
+        raise ConfigError(f"grid {item!r}: expected dotted.key=value1,value2,... with no empty value")
+    return key, values
+
+
+def _merge(base: dict, over: dict) -> dict:
+    """`over` on top of `base`, section by section (a mapping in both is merged, anything else replaced)."""
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def read_config_file(path: str | os.PathLike, _seen: tuple = ()) -> dict:
+    """A YAML config as a mapping, with `base: other.yaml` (relative to the file) read first and this file's
+    keys merged on top, section by section: a recipe states only what differs from its base."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {p} does not exist" + (f" (the base of {_seen[-1]})" if _seen else ""))
+    if p.resolve() in _seen:
+        raise ConfigError(f"config file {p}: its base: chain comes back to it ({' -> '.join(map(str, _seen))})")
+    try:
+        loaded = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {p} is not valid YAML: {exc}") from exc
+    if loaded is None:
+        loaded = {}
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"config file {p} must hold a mapping at the top level, got {type(loaded).__name__}")
+    base = loaded.pop("base", None)
+    if base is None:
+        return loaded
+    if not isinstance(base, str) or not base.strip():
+        raise ConfigError(f"config file {p}: base must name another YAML file (got {base!r})")
+    return _merge(read_config_file(p.parent / base, (*_seen, p.resolve())), loaded)
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: Iterable[str] = ()) -> TrainConfig:
+    """Read a YAML config (or the defaults when `path` is None; `base: other.yaml` inherits), apply dotted
+    overrides, validate.
+
+    >>> cfg = load_config(None, ["algorithm.loss_options.clip_eps=0.1"])
+    >>> cfg.algorithm.loss_options.clip_eps
+    0.1
+    """
+    data: dict = {}
+    source = ""
+    if path is not None:
+        source = f" in {Path(path)}"
+        data = read_config_file(path)
+    overrides = list(overrides)
+    apply_overrides(data, overrides)
+    if overrides:
+        source += f" (with overrides {overrides})"
+    return validate_config(data, source)
+
+
+def _runtime_mode(data: dict) -> Optional[str]:
+    """runtime.mode (removed): lockstep is runtime.max_staleness 0, and 'async' was the only other value."""
+    runtime = data.get("runtime")
+    if not isinstance(runtime, dict) or "mode" not in runtime:
+        return None
+    mode = runtime.pop("mode")
+    if mode == "sync":
+        runtime["max_staleness"] = 0
+        return "runtime.mode: sync is runtime.max_staleness: 0 now (lockstep); loaded as such"
+    if mode == "async":
+        return None  # what every run does: simply accepted
+    raise ConfigError(f"runtime.mode={mode!r}: the key is gone; lockstep is runtime.max_staleness: 0")
+
+
+def _restart_limit(data: dict) -> Optional[str]:
+    """supervision.restart_limit (removed): cluster.max_restarts is the run's one restart budget."""
+    sup = data.get("supervision")
+    if not isinstance(sup, dict) or "restart_limit" not in sup:
+        return None
+    limit = sup.pop("restart_limit")
+    cluster = data.setdefault("cluster", {})
+    if isinstance(cluster, dict) and "max_restarts" not in cluster:
+        cluster["max_restarts"] = limit
+        return "supervision.restart_limit is cluster.max_restarts now (the run's one restart budget); loaded as such"
+    return "supervision.restart_limit is gone (cluster.max_restarts, also given, is the run's one restart budget)"
+
+
+def _moved(old: str, new: str):
+    """A key that moved: its value goes to the new key (unless that is given too) with one line naming it."""
+
+    def migrate(data: dict) -> Optional[str]:
+        *old_path, old_key = old.split(".")
+        *new_path, new_key = new.split(".")
+        node = data
+        for part in old_path:
+            node = node.get(part) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or old_key not in node:
+            return None
+        value = node.pop(old_key)
+        target = data
+        for part in new_path:
+            target = target.setdefault(part, {}) if isinstance(target, dict) else None
+        if not isinstance(target, dict):
+            raise ConfigError(f"{old} moved to {new}, but {'.'.join(new_path)} is not a section")
+        if new_key in target:
+            return f"{old} is {new} now; {new}, also given, wins"
+        target[new_key] = value
+        return f"{old} is {new} now; loaded as such"
+
+    return migrate
+
+
+# Keys that moved or went: each rewrites the raw mapping in place and returns the one line to print (or None).
+MIGRATIONS = [
+    _runtime_mode,
+    _restart_limit,
+    _moved("tracking.checkpoint_every", "checkpoint.every"),
+    _moved("tracking.keep_checkpoints", "checkpoint.keep"),
+    _moved("tracking.eval_every", "eval.every"),
+]
+
+
+def migrate_config(data: dict) -> list[str]:
+    """Rewrite renamed or removed keys of a raw config mapping in place; returns one note per key rewritten."""
+    notes = []
+    for migration in MIGRATIONS:
+        note = migration(data)
+        if note:
+            notes.append(note)
+    return notes
+
+
+def validate_config(data: dict | TrainConfig, source: str = "") -> TrainConfig:
+    """Validate a nested dict (or re-validate a TrainConfig) into a TrainConfig, raising ConfigError. Renamed keys
+    load under their new name, with one logged line each (`migrate_config`)."""
+    if isinstance(data, TrainConfig):
+        data = data.model_dump(mode="python")
+    else:
+        data = copy.deepcopy(data)  # the caller's mapping stays as it was
+        for note in migrate_config(data):
+            logging.getLogger("rlhf_core.config").warning("%s%s", note, source)
+    try:
+        cfg = TrainConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err, source)) from None
+    if not cfg.cluster.address and os.environ.get("RAY_ADDRESS"):
+        cfg.cluster.address = os.environ["RAY_ADDRESS"]
+    if not cfg.tracking.tracking_uri and os.environ.get("MLFLOW_TRACKING_URI"):
+        cfg.tracking.tracking_uri = os.environ["MLFLOW_TRACKING_URI"]
+    return cfg
+
+
+def flatten_config(cfg: TrainConfig) -> dict[str, Any]:
+    """Dotted-key view of the config, as logged to MLflow params."""
+    out: dict[str, Any] = {}
+
+    def walk(prefix: str, node: Any) -> None:
+        if isinstance(node, dict) and node and all(isinstance(k, str) for k in node):
+            for k, v in node.items():
+                walk(f"{prefix}.{k}" if prefix else k, v)
+        elif isinstance(node, dict) and not node:
+            out[prefix] = "{}"  # an empty mapping (env.kwargs): a param value, not a section
+        else:
+            out[prefix] = node
+
+    walk("", cfg.model_dump(mode="json"))
+    return out

@@ -1,0 +1,261 @@
+"""The sections of how a run goes: trainer, critic, staleness (runtime, autopilot), cluster, checkpoints,
+tracking, supervision, outputs."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Literal, Optional
+
+from pydantic import Field, field_validator
+
+from rlhf_core.config.base import MAX_LR, _Section
+
+
+class TrainerConfig(_Section):
+    """Optimisation."""
+
+    total_steps: int = Field(400, ge=1, description="Trainer steps (policy versions) in the run.")
+    prompts_per_step: int = Field(
+        16, ge=1, description="Prompt groups consumed per trainer step (batch = prompts_per_step x samples_per_prompt)."
+    )
+    micro_batch_size: int = Field(
+        64, ge=1, description="Sequences per forward/backward; gradients accumulate over micro-batches."
+    )
+    lr: float = Field(3e-4, gt=0, description=f"AdamW peak learning rate (at most {MAX_LR:g}).")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.99), description="AdamW betas.")
+    grad_clip: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
+    lr_schedule: Literal["constant", "cosine"] = Field("constant", description="Learning-rate schedule after warmup.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup steps.")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Cosine schedule floor as a fraction of lr.")
+    warm_start_steps: int = Field(
+        0,
+        ge=0,
+        description="Supervised steps that teach the answer format (not the task) before RL, on both runtimes "
+        "(reported as eval/accuracy_warm_start; 0 = none).",
+    )
+    warm_start_lr: Optional[float] = Field(
+        None, gt=0, le=1.0, description="AdamW learning rate of the warm start; None uses trainer.lr."
+    )
+    warm_start_targets: Literal["any_answer", "prompt_number"] = Field(
+        "any_answer",
+        description="What the warm start imitates, in the reward's format: any_answer, a training answer drawn "
+        "uniformly regardless of the prompt; prompt_number, a number quoted in the prompt's own question "
+        "(drawn uniformly among them; the right one only by chance), so that the policy learns to answer "
+        "with a number from the question, as an instruct model does, and RL learns which.",
+    )
+    seed: int = Field(0, description="Seed for torch, sampling and initialisation.")
+    padding_free: bool = Field(
+        True,
+        description="Pack a micro-batch's sequences end to end (own position ids, attention within each sequence) "
+        "instead of padding every row to the longest; falls back to padding where the model does not isolate them.",
+    )
+
+    @field_validator("lr")
+    @classmethod
+    def _sane_lr(cls, lr: float) -> float:
+        # 1e38 passes gt=0 and then overflows inside AdamW; nothing above 1 is a learning rate anyone means
+        if not math.isfinite(lr) or lr > MAX_LR:
+            raise ValueError(
+                f"trainer.lr={lr:g} is not a usable learning rate: it must be at most {MAX_LR:g} "
+                "(RL fine-tuning uses about 1e-6 to 1e-4; the tiny demo 3e-4)"
+            )
+        return lr
+
+
+class CriticConfig(_Section):
+    """The learned critic of algorithm.advantage 'gae': trained in the trainer role, checkpointed with it."""
+
+    path: str = Field(
+        "",
+        description="Local Hugging Face model directory of the critic's body (the policy's tokenizer); empty = the "
+        "policy's architecture and weights, with a scalar value head.",
+    )
+    lr: float = Field(1e-5, gt=0, le=1.0, description="AdamW learning rate of the critic.")
+    value_clip: Optional[float] = Field(
+        0.5, gt=0, description="Clip range of new values around the step's old values in the value loss; null = none."
+    )
+    micro_batch_size: int = Field(64, ge=1, description="Sequences per critic forward/backward.")
+    warmup_steps: int = Field(
+        0, ge=0, description="First trainer steps in which only the critic trains (the policy's weights stay)."
+    )
+
+
+class AutopilotConfig(_Section):
+    """The staleness autopilot: the supervisor moves runtime.max_staleness within [min_staleness, max_staleness]."""
+
+    enabled: bool = Field(
+        False, description="Let the supervisor raise and lower the staleness bound (the one policy over it)."
+    )
+    min_staleness: int = Field(0, ge=0, description="Lowest bound the autopilot sets.")
+    max_staleness: int = Field(8, ge=0, description="Highest bound the autopilot sets (also the trainer's hard check).")
+    target_m2: float = Field(
+        0.04,
+        gt=0,
+        description="Mismatch target: the mean squared behaviour/current log-ratio (async/mismatch_m2) above it "
+        "lowers the bound; below it, with the trainer waiting and its data at the bound (async/staleness_max), the "
+        "bound rises.",
+    )
+    wait_frac: float = Field(
+        0.2,
+        gt=0,
+        lt=1,
+        description="The trainer counts as waiting for data when time/wait_s is above this fraction of its step time.",
+    )
+    cooldown_steps: int = Field(
+        4, ge=1, description="Trainer steps after a change before the next one (the new bound takes effect first)."
+    )
+
+
+class RuntimeConfig(_Section):
+    """How rollout and training are interleaved."""
+
+    max_staleness: int = Field(
+        2,
+        ge=0,
+        description="tau_max: every consumed sample has trainer_version - sample_version <= this; 0 is lockstep "
+        "(generate -> train -> load weights, every sample on-policy). The bound in force unless the autopilot is on.",
+    )
+    sync_every: int = Field(1, ge=1, description="Publish weights to rollout workers every this many trainer versions.")
+    wait_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        description="Longest any blocking wait may last before failing with a message naming what it waited for.",
+    )
+    prefetch: bool = Field(
+        True,
+        description="The trainer takes the next batch (for version V + 1) from the buffer while step V trains.",
+    )
+    autopilot: AutopilotConfig = Field(
+        default_factory=AutopilotConfig,
+        description="Staleness autopilot {enabled, min_staleness, max_staleness, target_m2, ...}: the supervisor "
+        "moves max_staleness at runtime.",
+    )
+
+
+class ClusterConfig(_Section):
+    """Ray placement. Only rlhf_core.distributed reads it."""
+
+    address: str = Field(
+        "",
+        description="'' starts a local Ray instance; 'auto' or 'ray://host:port' joins a cluster. Defaults from RAY_ADDRESS.",
+    )
+    num_cpus: Optional[int] = Field(None, ge=1, description="CPUs of a local Ray instance (None = all).")
+    num_gpus: Optional[int] = Field(None, ge=0, description="GPUs of a local Ray instance (None = detected).")
+    rollout_cpus: float = Field(1.0, ge=0, description="CPUs per rollout worker.")
+    rollout_gpus: float = Field(0.0, ge=0, description="GPUs per rollout worker (fractions allowed).")
+    trainer_workers: int = Field(
+        1,
+        ge=1,
+        description="Trainer ranks: N > 1 starts N trainer actors in one placement group that form a torch.distributed "
+        "group (gloo on CPU, NCCL on GPU), shard the policy with FSDP2 and each train on a slice of every step's "
+        "batch, with the update of one process; 1 keeps the single trainer actor.",
+    )
+    trainer_cpus: float = Field(
+        1.0,
+        ge=0,
+        description="CPUs of the trainer role, split evenly across its cluster.trainer_workers ranks (Ray's logical "
+        "CPUs: a 2-core machine runs one rollout worker and 2 trainer ranks as they are).",
+    )
+    trainer_gpus: float = Field(0.0, ge=0, description="GPUs of each trainer rank (fractions allowed).")
+    reward_cpus: float = Field(
+        0.0,
+        ge=0,
+        description="CPUs reserved for the reward-model actor (when reward.model.path is set); 0 by default: the "
+        "rollout workers wait while it scores their rows, so a small RM runs in their share (a 2-core machine fits "
+        "the default roles); reserve CPUs for a large RM on CPU.",
+    )
+    reward_gpus: float = Field(
+        0.0, ge=0, description="GPUs of the reward-model actor (when reward.model.path is set; fractions allowed)."
+    )
+    torch_threads: int = Field(1, ge=1, description="torch intra-op threads per worker.")
+    max_restarts: int = Field(
+        5,
+        ge=0,
+        description="The run's one restart budget: rollout-worker restarts it survives, all workers together (Ray "
+        "restarts a worker that died; one restart more fails the run, naming this field).",
+    )
+    dashboard: bool = Field(
+        False,
+        description="Local Ray instance only: start the Ray dashboard (on 127.0.0.1:8265). A local instance binds "
+        "every port to 127.0.0.1 either way; joining a cluster (address set) is unaffected.",
+    )
+
+    @property
+    def trainer_rank_cpus(self) -> float:
+        """Ray CPUs of each trainer rank: trainer_cpus split across the trainer_workers ranks."""
+        return self.trainer_cpus / self.trainer_workers
+
+
+class CheckpointConfig(_Section):
+    """When the trainer writes a resumable checkpoint, and how many a run keeps."""
+
+    every: int = Field(20, ge=0, description="Checkpoint every this many trainer steps (0 = only at the end).")
+    keep: int = Field(
+        3,
+        ge=0,
+        description="Checkpoints a run keeps, newest first, on disk and in MLflow's artifacts (older ones are "
+        "deleted; the newest complete one and the final one are always kept); 0 keeps every checkpoint.",
+    )
+
+
+class TrackingConfig(_Section):
+    """MLflow tracking."""
+
+    experiment: str = Field("asynctensorrlhf", description="MLflow experiment name.")
+    tracking_uri: str = Field(
+        "",
+        description="MLflow tracking URI; empty uses MLFLOW_TRACKING_URI or sqlite:///mlflow.db in the working directory.",
+    )
+    run_name: str = Field(
+        "", description="MLflow run name; empty takes the Prefect flow run's name (MLflow picks one outside a flow)."
+    )
+    log_system_metrics: bool = Field(True, description="Let MLflow sample CPU/GPU/memory during the run.")
+    log_model: bool = Field(True, description="Log the final policy as an MLflow artifact that loads back.")
+
+
+class SupervisionConfig(_Section):
+    """The Prefect flow's health checks and their limits."""
+
+    supervise_interval_s: float = Field(2.0, gt=0, description="Seconds between polls of the actors' stats.")
+    staleness_warn: float = Field(
+        0.8,
+        gt=0,
+        le=1,
+        description="Above this fraction of max_staleness, mean staleness is reported and weights are published "
+        "sooner where runtime.sync_every leaves workers behind; it never changes the staleness bound (only the "
+        "autopilot does, when enabled).",
+    )
+    nonfinite_limit: int = Field(
+        5, ge=1, description="Fail after this many consecutive non-finite (skipped) trainer steps."
+    )
+    stall_timeout_s: float = Field(
+        180.0, gt=0, description="Fail when no trainer step completes for this long, naming the stuck role."
+    )
+
+
+class RunConfig(_Section):
+    """Where outputs go."""
+
+    output_dir: str = Field(
+        "runs/tiny",
+        description="Directory for the built tiny model and the runs: each flow run writes its checkpoints, export and resume downloads under output_dir/<run.name>/, and output_dir/latest points to the newest run.",
+    )
+    name: str = Field(
+        "",
+        description="This run's directory under run.output_dir. Empty: the flow names it <UTC time>-<flow run name> (the single-process loop writes to run.output_dir itself). Two live runs never share one: the second is refused at start.",
+    )
+    log_every: int = Field(5, ge=1, description="Print a progress line every this many trainer steps.")
+
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, v: str) -> str:
+        if v and (v in (".", "..", "latest") or "/" in v or "\\" in v or v != v.strip()):
+            raise ValueError(f"must be a plain directory name (no '/', not '.', '..' or 'latest'); got {v!r}")
+        return v
+
+    @property
+    def run_dir(self) -> Path:
+        """Where this run's checkpoints, export and downloads go: output_dir/name, or output_dir when unnamed."""
+        return Path(self.output_dir) / self.name if self.name else Path(self.output_dir)

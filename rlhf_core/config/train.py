@@ -1,0 +1,154 @@
+"""TrainConfig: every section of a run, and the rules across sections."""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+
+from rlhf_core.config.algorithm import AlgorithmConfig
+from rlhf_core.config.base import MAX_SEQUENCE_TOKENS, _Section
+from rlhf_core.config.data import BufferConfig, DataConfig, EvalConfig, ModelConfig, RolloutConfig
+from rlhf_core.config.env import EnvConfig
+from rlhf_core.config.reward import RewardConfig
+from rlhf_core.config.run import (
+    CheckpointConfig,
+    ClusterConfig,
+    CriticConfig,
+    RunConfig,
+    RuntimeConfig,
+    SupervisionConfig,
+    TrackingConfig,
+    TrainerConfig,
+)
+
+
+class TrainConfig(_Section):
+    """Everything a run needs. Load with `load_config`."""
+
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="Policy loss and advantages.")
+    reward: RewardConfig = Field(
+        default_factory=RewardConfig,
+        description="Rewards: tensor-native components, Python reward functions and a learned reward model.",
+    )
+    buffer: BufferConfig = Field(default_factory=BufferConfig, description="Replay buffer.")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="Policy model.")
+    data: DataConfig = Field(default_factory=DataConfig, description="Prompt source.")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Generation.")
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="Optimisation.")
+    runtime: RuntimeConfig = Field(
+        default_factory=RuntimeConfig, description="Staleness (0: lockstep), weight syncs and waits."
+    )
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig, description="Ray placement.")
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="MLflow experiment and run.")
+    checkpoint: CheckpointConfig = Field(
+        default_factory=CheckpointConfig, description="Checkpoint cadence and retention {every, keep}."
+    )
+    eval: EvalConfig = Field(
+        default_factory=EvalConfig, description="Held-out evaluation: cadence, sampled pass@k and mean@k."
+    )
+    critic: CriticConfig = Field(
+        default_factory=CriticConfig, description="The critic of algorithm.advantage 'gae' (unused otherwise)."
+    )
+    supervision: SupervisionConfig = Field(default_factory=SupervisionConfig, description="Flow health checks.")
+    env: EnvConfig = Field(
+        default_factory=EnvConfig, description="Multi-turn environment and tools (empty: single-turn prompts)."
+    )
+    run: RunConfig = Field(default_factory=RunConfig, description="Outputs.")
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> TrainConfig:
+        if self.data.task in ("jsonl", "dataset") and not self.data.train_path:
+            raise ValueError(f"data.train_path is required when data.task is '{self.data.task}'")
+        if self.data.task in ("jsonl", "dataset") and not self.model.path:
+            raise ValueError(
+                f"model.path is required when data.task is '{self.data.task}' (the tiny model only speaks the "
+                "synthetic tasks)"
+            )
+        keys = {f"data.{k}": getattr(self.data, k) for k in ("prompt_key", "messages_key", "answer_key")}
+        if len(set(keys.values())) < len(keys):
+            raise ValueError(f"{', '.join(keys)} must name different keys (got {list(keys.values())})")
+        if self.eval.n_samples and self.eval.k > self.eval.n_samples:
+            raise ValueError(
+                f"eval.k={self.eval.k} is more than eval.n_samples={self.eval.n_samples}: pass@k needs at least k "
+                f"samples per prompt. Set eval.n_samples to {self.eval.k} or more, or lower eval.k"
+            )
+        if self.data.answer_after_marker and not self.reward.marker.strip():
+            raise ValueError("data.answer_after_marker needs a non-empty reward.marker to split the answer at")
+        if self.data.task == "max3_chat" and not self.model.path and self.model.tiny_kind != "chat":
+            raise ValueError(
+                "data.task 'max3_chat' needs a chat model: set model.tiny_kind=chat (the small local chat model) "
+                "or model.path to a chat model"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _run_can_learn(self) -> TrainConfig:
+        """Settings that validate field by field but would crash, stall or learn nothing once the run started."""
+        for name, value in (
+            ("rollout.max_new_tokens", self.rollout.max_new_tokens),
+            ("data.max_prompt_tokens", self.data.max_prompt_tokens),
+        ):
+            if value > MAX_SEQUENCE_TOKENS:
+                raise ValueError(
+                    f"{name}={value} is above {MAX_SEQUENCE_TOKENS}, longer than any model's context (the KV cache "
+                    f"alone would not fit in memory). Set {name} to what the model supports: data.max_prompt_tokens "
+                    "+ rollout.max_new_tokens must fit its config.json max_position_embeddings"
+                )
+        if self.algorithm.filter_groups and self.rollout.samples_per_prompt < 2:
+            raise ValueError(
+                "algorithm.filter_groups drops groups whose rewards are all equal; with rollout.samples_per_prompt="
+                f"{self.rollout.samples_per_prompt} every group of one is 'all equal' and every group would be "
+                "dropped. Set rollout.samples_per_prompt to 2 or more, or algorithm.filter_groups to false"
+            )
+        if self.algorithm.advantage_spec.grouped and self.rollout.samples_per_prompt < 2:
+            raise ValueError(
+                f"algorithm.advantage '{self.algorithm.advantage}' compares the completions of one prompt with "
+                f"each other; with rollout.samples_per_prompt={self.rollout.samples_per_prompt} every advantage is "
+                "zero and the run learns nothing. Set rollout.samples_per_prompt to 2 or more (8 is usual)"
+            )
+        if self.reward.overlong is not None and self.reward.overlong.buffer_len > self.rollout.max_new_tokens:
+            raise ValueError(
+                f"reward.overlong.buffer_len={self.reward.overlong.buffer_len} is more than rollout.max_new_tokens="
+                f"{self.rollout.max_new_tokens}: the penalty would start before the first token. Lower buffer_len"
+            )
+        pilot = self.runtime.autopilot
+        if pilot.enabled:
+            if not pilot.min_staleness <= self.runtime.max_staleness <= pilot.max_staleness:
+                raise ValueError(
+                    f"runtime.max_staleness={self.runtime.max_staleness} is the autopilot's starting bound and must lie "
+                    f"within runtime.autopilot.min_staleness={pilot.min_staleness} and "
+                    f"runtime.autopilot.max_staleness={pilot.max_staleness}"
+                )
+        ranks = self.cluster.trainer_workers
+        micros = [("trainer.micro_batch_size", self.trainer.micro_batch_size)]
+        if self.algorithm.advantage_spec.critic:  # the critic is sharded on the same ranks, in its own micro-batches
+            micros.append(("critic.micro_batch_size", self.critic.micro_batch_size))
+        # each rank trains on its rows (trainer.sharding.rank_rows, sizes differing by at most 1) in as many
+        # micro-batches as the widest rank needs: every rank must have a row for each of them
+        fewest, widest = self.batch_size // ranks, -(-self.batch_size // ranks)
+        for field_name, micro in micros:
+            if ranks > 1 and fewest < -(-widest // micro):
+                raise ValueError(
+                    f"a sharded trainer group cannot split the batch: trainer.prompts_per_step="
+                    f"{self.trainer.prompts_per_step} x rollout.samples_per_prompt={self.rollout.samples_per_prompt} "
+                    f"= {self.batch_size} rows over cluster.trainer_workers={ranks} ranks leaves a rank {fewest} "
+                    f"row(s) for the {-(-widest // micro)} micro-batches of {field_name}={micro} every "
+                    f"rank must run together. Make the batch a multiple of {field_name} x "
+                    f"cluster.trainer_workers, or raise {field_name}"
+                )
+        lowest = pilot.min_staleness if pilot.enabled else self.runtime.max_staleness
+        bound = "runtime.autopilot.min_staleness" if pilot.enabled else "runtime.max_staleness"
+        window = self.trainer.prompts_per_step * (lowest + 1)
+        if window < self.rollout.prompts_per_batch:
+            raise ValueError(
+                f"rollout.prompts_per_batch={self.rollout.prompts_per_batch} is more than trainer.prompts_per_step="
+                f"{self.trainer.prompts_per_step} x ({bound}={lowest} + 1) = "
+                f"{window}: admission control only lets a worker start a batch that can be consumed within "
+                "runtime.max_staleness, so no batch would ever be admitted and the run would stall. Lower "
+                f"rollout.prompts_per_batch to at most {window}, or raise trainer.prompts_per_step or {bound}"
+            )
+        return self
+
+    @property
+    def batch_size(self) -> int:
+        """Samples per trainer step."""
+        return self.trainer.prompts_per_step * self.rollout.samples_per_prompt
