@@ -98,14 +98,16 @@ class ExperienceBuffer:
             self.set_weights_version(published_version)
         return self.set_version(version)
 
-    def try_admit(self, n_groups: int) -> bool:
+    def try_admit(self, n_groups: int) -> int:
+        """How many of n_groups a worker may start now: all of them, as many as the capacity has room for (a
+        smaller batch: at max_staleness 0 a filtered or failed group frees one group's room, and a batch that
+        waited for a whole batch's room would wait forever), or 0 (paused, or no room)."""
         with self.lock:
             if self.paused:
-                return False
-            if self.admitted + n_groups > self.capacity():  # would be consumed too stale
-                return False
-            self.admitted += n_groups
-            return True
+                return 0
+            granted = max(0, min(int(n_groups), self.capacity() - self.admitted))  # more would be consumed too stale
+            self.admitted += granted
+            return granted
 
     def release(self, n_groups: int) -> None:
         """Return an admission that will not be used (a worker loop stopping with one granted ahead, or groups

@@ -107,17 +107,17 @@ class RolloutRole:
             self.groups_pushed += n_groups
 
     def step(self) -> bool:
-        """One batch, whole: False when admission refuses it (the buffer holds what the bound allows)."""
-        n = self.cfg.rollout.prompts_per_batch
+        """One batch, whole: False when admission refuses it (the buffer holds what the bound allows). A batch is
+        rollout.prompts_per_batch prompts, or fewer when admission has room for fewer."""
         t0 = time.perf_counter()
-        admitted = self.buffer.try_admit(n)
+        granted = self.buffer.try_admit(self.cfg.rollout.prompts_per_batch)
         self.worker.add_idle(time.perf_counter() - t0)
-        if not admitted:
+        if not granted:
             return False
         self.adopt_weights()
-        made = self.generate(n)
-        if made < n:  # groups an environment failed (or prompts that ran out): their admission is free again
-            self.buffer.release(n - made)
+        made = self.generate(granted)
+        if made < granted:  # groups an environment failed (or prompts that ran out): their admission is free again
+            self.buffer.release(granted - made)
         return True
 
     def run(self) -> dict:
@@ -136,19 +136,19 @@ class RolloutRole:
         try:
             while not self.stop_event.is_set():
                 t0 = time.perf_counter()
-                admitted = (admit or self.buffer.submit("try_admit", n)).result()
+                granted = (admit or self.buffer.submit("try_admit", n)).result()
                 admit = None
-                if not admitted:
+                if not granted:
                     self.stop_event.wait(0.005)
                     self.worker.add_idle(time.perf_counter() - t0)
                     continue
                 self.worker.add_idle(time.perf_counter() - t0)
-                prompts = self.queue.submit("get", n)
+                prompts = self.queue.submit("get", granted)
                 self.adopt_weights()  # admitted against version v: weights >= v are published, load them
                 admit = self.buffer.submit("try_admit", n)
-                made = self.generate(n, prompts_call=prompts, wait=False)
-                if made < n:
-                    self.buffer.release(n - made)
+                made = self.generate(granted, prompts_call=prompts, wait=False)
+                if made < granted:
+                    self.buffer.release(granted - made)
             self.confirm_push()
         finally:
             self.loop_running = False
@@ -160,8 +160,9 @@ class RolloutRole:
         """Return a grant for a batch that will not be generated, so the capacity stays exact (best effort:
         the loop may be ending because the buffer is unreachable)."""
         try:
-            if admit.result():
-                self.buffer.release(n)
+            granted = admit.result()
+            if granted:
+                self.buffer.release(granted)
         except Exception as exc:
             log.warning("rollout worker %d could not release an unused admission: %s", self.index, exc)
 
