@@ -131,10 +131,10 @@ def test_deployments_from_prefect_yaml(deployed):
         tiny = client.read_deployment_by_name("atrlhf-train/tiny-async")
         sync = client.read_deployment_by_name("atrlhf-train/sync-baseline")
         real = client.read_deployment_by_name("atrlhf-train/qwen2.5-0.5b-gsm8k")
-    assert tiny.parameters["config"]["runtime"]["mode"] == "async"
+    assert tiny.parameters["config"]["runtime"]["max_staleness"] == 2  # async
     assert tiny.parameters["config"]["run"]["output_dir"] == "runs/deployments/tiny-async"
     assert [s.schedule.cron for s in tiny.schedules] == ["0 3 * * *"] and not tiny.schedules[0].active
-    assert sync.parameters["config"]["runtime"]["mode"] == "sync"
+    assert sync.parameters["config"]["runtime"]["max_staleness"] == 0  # lockstep
     assert real.parameters["config"]["rollout"]["engine"] == "vllm"
     assert real.parameters["config"]["cluster"]["address"] == "auto"
     for d in (tiny, sync, real):
