@@ -139,7 +139,7 @@ def test_unknown_reward_component_is_named():
         load_config(None, ["reward.components={exact_match: 1.0, exactmatch: 0.5}"])
     msg = str(exc.value)
     assert "exactmatch" in msg and "reward" in msg
-    with pytest.raises(ConfigError, match="at least one reward component"):
+    with pytest.raises(ConfigError, match="the reward is empty"):
         load_config(None, ["reward.components={}"])
 
 

@@ -29,6 +29,7 @@ from rlhf_core.data import Prompt
 from rlhf_core.data.queue import PromptQueue
 from rlhf_core.evaluation import Evaluator
 from rlhf_core.preflight import check_lengths, check_output_dir
+from rlhf_core.reward.functions.external import PythonFunctionRewards
 from rlhf_core.rollout import RolloutWorker
 from rlhf_core.run.control import ExperienceBuffer, WeightStore
 from rlhf_core.run.roles import RolloutRole, TrainerRole
@@ -135,7 +136,15 @@ def build_run(cfg: TrainConfig, share_weights: bool = True, checkpoint_root: Opt
     )
     trainer = build.build_trainer(cfg, model, tokenizer, policy_dir)
     evaluator = build.build_evaluator(
-        cfg, model, tokenizer, policy_dir, heldout, reward_fn=reward_fn, engine=worker.engine, env=worker.env
+        cfg,
+        model,
+        tokenizer,
+        policy_dir,
+        heldout,
+        reward_fn=reward_fn,
+        engine=worker.engine,
+        env=worker.env,
+        functions=next((e for e in worker.external if isinstance(e, PythonFunctionRewards)), None),
     )
     pilot = cfg.runtime.autopilot
     buffer = ExperienceBuffer(
