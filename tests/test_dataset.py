@@ -145,15 +145,13 @@ def test_unreadable_inputs_fail_naming_the_path(chat_tok, tmp_path):
         load_dataset_prompts(empty, chat_tok, RowKeys(), limit=0)
 
 
-def test_text_ground_truths_load_unless_the_reward_needs_a_number(chat_tok, tmp_path):
+def test_text_ground_truths_load_for_every_reward(chat_tok, tmp_path):
     rows = verl_rows(2)
     rows[1]["reward_model"]["ground_truth"] = "\\frac{3}{4}"
     path = write_parquet(tmp_path / "latex.parquet", rows)
-    for reward in (RewardConfig(), RewardConfig(components={"contains": 1.0, "format": 0.1})):
+    for components in ({"exact_match": 1.0}, {"contains": 1.0, "format": 0.1}, {"answer_after_marker": 1.0}):
+        reward = RewardConfig(components=components)  # answer_after_marker matches a text answer as text
         assert load_dataset_prompts(path, chat_tok, RowKeys(reward_cfg=reward))[1].answer_text == "\\frac{3}{4}"
-    numeric = RewardConfig(components={"answer_after_marker": 1.0})
-    with pytest.raises(DatasetError, match=r"latex.parquet, row 1: the answer '\\\\frac\{3\}\{4\}' is not a number"):
-        load_dataset_prompts(path, chat_tok, RowKeys(reward_cfg=numeric))
 
 
 def test_get_field_dotted_and_literal_keys():

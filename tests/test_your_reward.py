@@ -145,3 +145,125 @@ def test_jsonl_task_runs_on_the_built_chat_model(tmp_path):
     result = run_sync(cfg)
     assert result["steps"] == 1 and 0.0 <= result["eval/accuracy"] <= 1.0
     assert (tmp_path / "run" / "tiny_chat_policy" / "config.json").is_file()
+
+
+# ------------------------------------------------------------------------------------ one number parser
+GOLD = {"50": ["$50", "50.00", "50.", "$ 50", "050", "50"], "5000": ["5,000", "$5,000.00", "5000"]}
+
+
+def test_one_number_grammar_on_the_host_and_the_device(chat_policy_dir):
+    """canonical_number (prompt builders, token spellings) reads every gold answer as the device's parser does."""
+    import torch
+
+    from rlhf_core.reward.answer_forms import canonical_number, number_forms
+    from rlhf_core.reward.text import TextMatcher
+    from rlhf_core.reward.text.answers import answer_fields
+
+    tok = build.build_tokenizer(load_config(None, []), chat_policy_dir)
+    texts = [g for golds in GOLD.values() for g in golds]
+    texts += ["-7.50", "7,2", "1.2.3", "1.000,5", "+5", ".5", "-$5", "$-5", "72abc", "Paris", "-0", "1,00"]
+    canonicals = [canonical_number(t) for t in texts]
+    texts += [c for c in canonicals if c is not None]  # each canonical form, read on the device too
+    ids = [tok.encode(t, add_special_tokens=False) for t in texts]
+    width = max(map(len, ids))
+    tokens = torch.tensor([[i + [0] * (width - len(i))] for i in ids])
+    lengths = torch.tensor([[len(i)] for i in ids])
+    _, _, canon, is_num = answer_fields(TextMatcher.build(tok, "####", []).on("cpu")[0], tokens, lengths, 64)
+    for k, host in enumerate(canonicals):
+        assert bool(is_num[k, 0]) == (host is not None), texts[k]
+        if host is not None:  # the device's canonical value of the text = that of the host's canonical form
+            assert torch.equal(canon[k, 0], canon[texts.index(host, len(canonicals)), 0]), (texts[k], host)
+    for canonical, golds in GOLD.items():
+        assert {canonical_number(g) for g in golds} == {canonical}
+        assert all(number_forms(g)[0] == canonical for g in golds)
+
+
+@pytest.mark.parametrize("match", ["text", "tokens"])
+def test_a_gold_answer_parses_the_same_in_every_component(chat_policy_dir, match):
+    """'$50', '50.00', '5,000' are the numbers 50 / 5000 to exact_match, contains and answer_after_marker alike,
+    in both match modes, and load (prepare_answer) for each."""
+    import torch
+
+    from rlhf_core.config import RewardConfig
+    from rlhf_core.data import answer_patterns, prepare_answer
+    from rlhf_core.reward.components import build_reward_fn
+    from rlhf_core.reward.tensor_native import pack_patterns
+
+    tok = build.build_tokenizer(load_config(None, []), chat_policy_dir)
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    comps = {"exact_match": 1.0, "contains": 1.0, "answer_after_marker": 1.0}
+    cfg = RewardConfig(components=comps, match=match)
+    reward = build_reward_fn(cfg, tok, [eos], 16)
+    for canonical, golds in GOLD.items():
+        responses = {
+            "exact_match": canonical,
+            "contains": f"it is {canonical} now",
+            "answer_after_marker": f"#### {canonical}",
+        }
+        for gold in golds:
+            text = prepare_answer(gold, "row", reward_cfg=cfg)
+            for name, response in responses.items():
+                ids = torch.tensor([tok.encode(response, add_special_tokens=False) + [eos]])
+                patterns = reward.prepare(pack_patterns([[torch.tensor(v) for v in answer_patterns(tok, text)]]))
+                _, parts = reward(ids, patterns)
+                assert float(parts[name][0]) == 1.0, (match, gold, name, response)
+
+
+def test_text_answers_load_and_score_after_the_marker(chat_policy_dir):
+    """answer_after_marker matches text answers (docs/rewards.md): they load, and score where the docs say."""
+    import torch
+
+    from rlhf_core.config import RewardConfig
+    from rlhf_core.data import answer_patterns, prepare_answer
+    from rlhf_core.reward.components import build_reward_fn
+    from rlhf_core.reward.tensor_native import pack_patterns
+
+    tok = build.build_tokenizer(load_config(None, []), chat_policy_dir)
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    cfg = RewardConfig(components={"answer_after_marker": 1.0})
+    reward = build_reward_fn(cfg, tok, [eos], 16)
+    answer = prepare_answer("Paris", "row", reward_cfg=cfg)
+    for response, want in (("#### Paris.", 1.0), ("so #### Paris", 1.0), ("#### Parisian", 0.0), ("Paris", 0.0)):
+        ids = torch.tensor([tok.encode(response, add_special_tokens=False) + [eos]])
+        patterns = reward.prepare(pack_patterns([[torch.tensor(v) for v in answer_patterns(tok, answer)]]))
+        assert float(reward(ids, patterns)[1]["answer_after_marker"][0]) == want, response
+
+
+# ------------------------------------------------------------------------------------ \boxed{...} answers
+BOXED = r"""
+data: {task: max3_chat}
+reward:
+  components: {answer_after_marker: 1.0}
+  marker: '\boxed{'
+  functions: [{name: math_verify, label: mv, weight: 1.0}]
+eval: {metric: mv}
+"""
+
+
+def test_boxed_answers_with_the_marker_and_math_verify(chat_policy_dir, tmp_path):
+    """`reward.marker: '\\boxed{'` reads the answer in the last \\boxed{...} (a number, or a text answer closed by
+    '}'); the math_verify function compares it symbolically. Both through `atrlhf score`'s Scorer."""
+    pytest.importorskip("math_verify")
+    from rlhf_core.scoring import Scorer
+    from rlhf_core.warm_start import marked
+
+    (tmp_path / "boxed.yaml").write_text(BOXED)
+    cfg = load_config(tmp_path / "boxed.yaml", [f"model.path={chat_policy_dir}", "rollout.max_new_tokens=32"])
+    assert cfg.reward.marker == "\\boxed{" and marked(cfg, "72") == "\\boxed{72}"
+    cases = [  # (response, answer, marker score, math_verify score)
+        (r"so \boxed{72}", "72", 1.0, 1.0),
+        (r"\boxed{ $72.00 }.", "72", 1.0, 1.0),
+        (r"first \boxed{7}, then \boxed{72}", "72", 1.0, None),  # the last \boxed (math-verify: its own pick)
+        (r"\boxed{720}", "72", 0.0, 0.0),
+        (r"\boxed{1,000}", "1000", 1.0, 1.0),
+        (r"\boxed{\frac{1}{2}}", r"\frac{1}{2}", 1.0, 1.0),  # a text answer, closed by '}'
+        (r"\boxed{0.5}", r"\frac{1}{2}", 0.0, 1.0),  # equal in value: math_verify only
+        (r"\boxed{Paris}", "Paris", 1.0, None),
+        ("the answer is 72", "72", 0.0, None),  # no \boxed: the marker scores 0
+    ]
+    with Scorer(cfg) as s:
+        out = s.score([s.tokenize(r + "<|im_end|>") for r, _, _, _ in cases], [a for _, a, _, _ in cases])
+    for i, (response, answer, by_marker, by_function) in enumerate(cases):
+        assert out["answer_after_marker"][i] == by_marker, (response, answer)
+        if by_function is not None:
+            assert out["mv"][i] == by_function, (response, answer)
