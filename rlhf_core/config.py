@@ -942,6 +942,11 @@ class TrainConfig(_Section):
                 "environment; name a component (e.g. {exact_match: 1.0}) or add a function"
             )
         metrics = self.eval_metric_names()
+        if self.env.enabled and self.eval.metric != "accuracy":
+            raise ValueError(
+                f"eval.metric {self.eval.metric!r} applies to single-turn evaluation; with an environment "
+                "eval/accuracy is the fraction of solved episodes (docs/environments.md): leave eval.metric unset"
+            )
         if self.eval.metric not in metrics:
             raise ValueError(
                 f"eval.metric {self.eval.metric!r} is not a reward column; choose one of {metrics} ('accuracy': "

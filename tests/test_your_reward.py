@@ -17,6 +17,7 @@ from rlhf_core.config import ConfigError, load_config
 from rlhf_core.loop import run_sync
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "rewards"
+CALC = Path(__file__).resolve().parents[1] / "examples" / "envs" / "calculator.py"
 TRL = f"{{path: {EXAMPLES / 'trl_style.py'}, name: last_number_matches, weight: 1.0}}"
 QUARTER = '''
 def quarter(prompts, completions, **columns):
@@ -75,6 +76,8 @@ def test_eval_metric_is_validated_against_the_reward_columns():
     with pytest.raises(ConfigError, match=r"'last_number_matches/failed'\]"):
         load_config(None, ["eval.metric=nope", f"reward.functions=[{TRL}]"])
     assert load_config(None, ["eval.metric=exact_match"]).eval.metric == "exact_match"
+    with pytest.raises(ConfigError, match=r"eval.metric 'exact_match' applies to single-turn evaluation"):
+        load_config(None, ["eval.metric=exact_match", f"env.tools=[{{path: {CALC}, name: add}}]"])
     cfg = load_config(None, ["eval.metric=last_number_matches", f"reward.functions=[{TRL}]"])
     assert build.evaluation_needs_functions(cfg)
     assert not build.evaluation_needs_functions(load_config(None, [f"reward.functions=[{TRL}]"]))
