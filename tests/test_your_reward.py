@@ -270,3 +270,15 @@ def test_boxed_answers_with_the_marker_and_math_verify(chat_policy_dir, tmp_path
         assert out["answer_after_marker"][i] == by_marker, (response, answer)
         if by_function is not None:
             assert out["mv"][i] == by_function, (response, answer)
+
+
+def test_atrlhf_evaluate_reports_the_metric(tiny_policy_dir, capsys):
+    from flows.cli import main
+
+    overrides = [f"model.path={tiny_policy_dir}", "data.eval_size=10", "rollout.max_new_tokens=2"]
+    assert main(["evaluate", "--checkpoint", str(tiny_policy_dir), "--set", *overrides, f"reward.functions=[{TRL}]",
+                 "eval.metric=last_number_matches", "--json"]) == 0  # fmt: skip
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["eval/accuracy"] == result["eval/last_number_matches"]
+    assert main(["evaluate", "--checkpoint", str(tiny_policy_dir), "--set", *overrides, "eval.metric=exact_match"]) == 0
+    assert "held-out mean exact_match" in capsys.readouterr().out
