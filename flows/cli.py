@@ -358,7 +358,8 @@ def cmd_evaluate(
     else:
         where = f"MLflow run {done.mlflow_run_id}" if done.mlflow_run_id else done.policy
         print(
-            f"held-out accuracy {result['eval/accuracy']:.3f} (mean reward {result['eval/reward_mean']:.3f}) on "
+            f"held-out {'accuracy' if cfg.eval.metric == 'accuracy' else 'mean ' + cfg.eval.metric} "
+            f"{result['eval/accuracy']:.3f} (mean reward {result['eval/reward_mean']:.3f}) on "
             f"{result['eval/prompts']} {cfg.data.task} prompts — {where}"
         )
         if "eval/pass@k" in result:

@@ -45,6 +45,10 @@ def evaluate_policy(cfg: TrainConfig, policy_dir: Path, checkpoint: Optional[Pat
     if checkpoint is not None:
         load_checkpoint(checkpoint, model)
     _, heldout = build.build_prompts(cfg, tokenizer)
-    result = build.build_evaluator(cfg, model, tokenizer, policy_dir, heldout)()
+    evaluator = build.build_evaluator(cfg, model, tokenizer, policy_dir, heldout)
+    try:
+        result = evaluator()
+    finally:
+        evaluator.close()
     result["eval/prompts"] = len(heldout)
     return result

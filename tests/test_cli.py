@@ -197,7 +197,6 @@ def test_score_bad_input_names_file_and_line(chat_policy_dir, tmp_path, capsys):
         ({"answer": "72", "response": "x", "response_ids": [1]}, "exactly one of"),
         ({"answer": "72", "response_ids": [1, 10**6]}, "token id 1000000"),
         ({"answer": "... #### 72", "response": "#### 72"}, "contains the reward marker '####'"),
-        ({"answer": "many", "response": "#### 72"}, "'many' is not a number"),
         ('{"answer": "72", ', "invalid JSON"),
     ]
     for row, reason in cases:

@@ -139,7 +139,7 @@ def test_unknown_reward_component_is_named():
         load_config(None, ["reward.components={exact_match: 1.0, exactmatch: 0.5}"])
     msg = str(exc.value)
     assert "exactmatch" in msg and "reward" in msg
-    with pytest.raises(ConfigError, match="at least one reward component"):
+    with pytest.raises(ConfigError, match="the reward is empty"):
         load_config(None, ["reward.components={}"])
 
 
@@ -382,3 +382,16 @@ def test_checkpoint_and_eval_cadence_live_where_a_user_looks(caplog):
     with caplog.at_level("WARNING", logger="rlhf_core.config"):
         both = load_config(None, ["tracking.eval_every=5", "eval.every=9"])
     assert both.eval.every == 9  # the new key wins, and the line says so
+
+
+def test_a_typod_key_gets_did_you_mean():
+    with pytest.raises(ConfigError) as exc:
+        load_config(
+            None,
+            ["reward.componets={}", "trainer.totl_steps=3", "reward.functions=[{nmae: x}]", "bogus_section=1"],
+        )
+    msg = str(exc.value)
+    assert "reward.componets: unknown field (value {}); did you mean reward.components?" in msg
+    assert "trainer.totl_steps: unknown field (value 3); did you mean trainer.total_steps?" in msg
+    assert "reward.functions.0.nmae: unknown field (value 'x'); did you mean reward.functions.0.name?" in msg
+    assert "bogus_section: unknown field (value 1)\n" in msg + "\n"  # nothing close: no guess

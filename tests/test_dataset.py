@@ -145,15 +145,13 @@ def test_unreadable_inputs_fail_naming_the_path(chat_tok, tmp_path):
         load_dataset_prompts(empty, chat_tok, RowKeys(), limit=0)
 
 
-def test_text_ground_truths_load_unless_the_reward_needs_a_number(chat_tok, tmp_path):
+def test_text_ground_truths_load_for_every_reward(chat_tok, tmp_path):
     rows = verl_rows(2)
     rows[1]["reward_model"]["ground_truth"] = "\\frac{3}{4}"
     path = write_parquet(tmp_path / "latex.parquet", rows)
-    for reward in (RewardConfig(), RewardConfig(components={"contains": 1.0, "format": 0.1})):
+    for components in ({"exact_match": 1.0}, {"contains": 1.0, "format": 0.1}, {"answer_after_marker": 1.0}):
+        reward = RewardConfig(components=components)  # answer_after_marker matches a text answer as text
         assert load_dataset_prompts(path, chat_tok, RowKeys(reward_cfg=reward))[1].answer_text == "\\frac{3}{4}"
-    numeric = RewardConfig(components={"answer_after_marker": 1.0})
-    with pytest.raises(DatasetError, match=r"latex.parquet, row 1: the answer '\\\\frac\{3\}\{4\}' is not a number"):
-        load_dataset_prompts(path, chat_tok, RowKeys(reward_cfg=numeric))
 
 
 def test_get_field_dotted_and_literal_keys():
@@ -187,8 +185,10 @@ def test_prompts_with_meta_and_messages_survive_pickling(chat_tok, tmp_path):
 def test_config_rules_for_dataset_and_eval():
     with pytest.raises(ConfigError, match="data.train_path is required when data.task is 'dataset'"):
         load_config(None, ["data.task=dataset", "model.path=/m"])
-    with pytest.raises(ConfigError, match="model.path is required when data.task is 'dataset'"):
+    with pytest.raises(ConfigError, match="data.task 'dataset' needs a model that reads text: set model.path"):
         load_config(None, ["data.task=dataset", "data.train_path=/d.parquet"])
+    cfg = load_config(None, ["data.task=dataset", "data.train_path=/d.parquet", "model.tiny_kind=chat"])
+    assert cfg.model.path == "" and cfg.model.tiny_kind == "chat"  # the small chat model reads any text
     with pytest.raises(ConfigError, match=r"eval.k=4 is more than eval.n_samples=2"):
         load_config(None, ["eval.n_samples=2", "eval.k=4"])
     cfg = load_config(None, ["eval.n_samples=8", "eval.k=4", "eval.temperature=0.6", "eval.top_p=0.95"])

@@ -205,8 +205,8 @@ def test_lora_and_full_checkpoints_do_not_cross(lora_run, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- export
-def test_export_writes_the_peft_adapter_and_a_merged_model(lora_run, tmp_path):
-    from peft import PeftModel
+def test_export_writes_the_peft_adapter_and_a_merged_model(lora_run, tmp_path, monkeypatch):
+    from peft import AutoPeftModelForCausalLM, PeftModel
     from transformers import AutoModelForCausalLM
 
     from flows.cli import main
@@ -219,7 +219,7 @@ def test_export_writes_the_peft_adapter_and_a_merged_model(lora_run, tmp_path):
     assert (path / "adapter" / "adapter_model.safetensors").is_file()
     assert (path / "config.json").is_file() and (path / "train_config.yaml").is_file()
     base = json.loads((path / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"]
-    assert not Path(base).is_absolute() and (path / "adapter" / base).resolve() == parts.policy_dir.resolve()
+    assert Path(base).is_absolute() and Path(base) == parts.policy_dir.resolve()  # found from any directory
 
     ids = torch.tensor([[3, 4, 5, 6, 7]])
     with torch.no_grad():
@@ -233,25 +233,16 @@ def test_export_writes_the_peft_adapter_and_a_merged_model(lora_run, tmp_path):
 
     assert main(["evaluate", "--checkpoint", str(path), "--json"]) == 0
 
-    # moved elsewhere together with its base model (the run's output directory), the adapter still finds it
-    import shutil
-
-    export_run(parts, out / "exported")
-    moved = tmp_path / "moved"
-    for name in ("exported", "tiny_policy"):
-        shutil.copytree(out / name, moved / name)
-    shutil.rmtree(out / "exported")
-    adapter_dir = moved / "exported" / "adapter"
-    base = json.loads((adapter_dir / "adapter_config.json").read_text())["base_model_name_or_path"]
-    assert base == "../../tiny_policy"
+    # loaded by peft alone, from another working directory: the adapter names its base by absolute path
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
     with torch.no_grad():
-        reloaded = PeftModel.from_pretrained(
-            AutoModelForCausalLM.from_pretrained(str(adapter_dir / base)), str(adapter_dir)
-        )
+        reloaded = AutoPeftModelForCausalLM.from_pretrained(str(path / "adapter"))
         torch.testing.assert_close(reloaded(input_ids=ids).logits, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_the_adapter_names_its_base_model_portably(tmp_path):
+def test_the_adapter_names_its_base_model_portably(tmp_path, monkeypatch):
     from rlhf_core.model.lora import portable_base_path
 
     cache = "/home/u/.cache/huggingface/hub/models--Qwen--Qwen2.5-0.5B-Instruct/snapshots/7ae557604adf67be"
@@ -259,7 +250,11 @@ def test_the_adapter_names_its_base_model_portably(tmp_path):
     assert portable_base_path("/x/hub/models--gpt2/snapshots/abc", tmp_path) == "gpt2"
     assert portable_base_path("Qwen/Qwen2.5-0.5B", tmp_path) == "Qwen/Qwen2.5-0.5B"  # a hub id stays
     local = tmp_path / "models" / "base"
-    assert portable_base_path(str(local), tmp_path / "run" / "policy" / "adapter") == "../../../models/base"
+    local.mkdir(parents=True)
+    adapter = tmp_path / "run" / "policy" / "adapter"
+    assert portable_base_path(str(local), adapter) == str(local.resolve())  # absolute: any working directory
+    monkeypatch.chdir(tmp_path)
+    assert portable_base_path("models/base", adapter) == str(local.resolve())  # relative: from the cwd
 
 
 def test_evaluate_a_lora_checkpoint(lora_run, capsys):

@@ -385,8 +385,6 @@ def test_jsonl_raw_gsm8k_lines_load_as_they_are(chat_policy_dir, tmp_path):
     "answer, options, reason",
     [
         ("She sold 48 + 24 = 72 clips.\n#### 72", {}, r"contains the reward marker '####'.*answer_after_marker=true"),
-        ("seventy-two", {"numeric": True}, r"'seventy-two' is not a number.*'answer_after_marker'"),
-        ("#### 72 clips", {"numeric": True, "after": True}, r"'72 clips' is not a number"),
         ("the sum ####", {"after": True}, r"nothing follows the last '####'"),
     ],
 )
@@ -407,6 +405,12 @@ def test_jsonl_numbers_pass_the_numeric_check(tiny_tokenizer, tmp_path):
     path = _write(tmp_path / "d.jsonl", [{"prompt": "p", "answer": a} for a in ("3", 7, "1,000", "-0.5", 2.5)])
     rows = load_jsonl_prompts(path, tiny_tokenizer, reward_cfg=reward)
     assert [r.answer_text for r in rows] == ["3", "7", "1,000", "-0.5", "2.5"]
+    # text answers load too: answer_after_marker matches them as text after the marker (docs/rewards.md)
+    path = _write(
+        tmp_path / "t.jsonl", [{"prompt": "p", "answer": "seventy-two"}, {"prompt": "q", "answer": "#### 72 clips"}]
+    )
+    rows = load_jsonl_prompts(path, tiny_tokenizer, answer_after_marker=True, reward_cfg=reward)
+    assert [r.answer_text for r in rows] == ["seventy-two", "72 clips"]
     # without a numeric component a text answer is fine
     text = _write(tmp_path / "t.jsonl", [{"prompt": "p", "answer": "yes"}])
     assert load_jsonl_prompts(text, tiny_tokenizer, reward_cfg=RewardConfig())[0].answer_text == "yes"

@@ -142,3 +142,27 @@ def test_a_raising_function_stops_the_run_with_its_error(prefect_server, tmp_pat
     assert "rollout_worker_restarted" not in text  # failed once, not restarted
     assert run.info.status == "FAILED"
     assert "reward.functions[0]" in run.data.tags["error"] and "ValueError: cannot score" in run.data.tags["error"]
+
+
+def test_a_reward_of_only_functions_scores_training_and_held_out_evaluation(prefect_server, tmp_path, mlflow_db):
+    """reward.components {} with one function, eval.metric its label: the Ray runtime trains on the function alone,
+    and the trainer actor's held-out evaluation reports the function's mean as eval/accuracy and eval/<label>."""
+    out, (client, run) = train(
+        prefect_server,
+        tmp_path,
+        "functions-only",
+        "[{path: examples/rewards/trl_style.py, name: last_number_matches}]",
+        "reward.components={}",
+        "eval.metric=last_number_matches",
+    )
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    assert run.info.status == "FINISHED"
+
+    def history(key):
+        return [m.value for m in client.get_metric_history(run.info.run_id, key)]
+
+    assert len(history("reward/last_number_matches")) == 3 and history("reward/exact_match") == []
+    assert history("reward/mean") == pytest.approx(history("reward/last_number_matches"), abs=1e-6)
+    final = run.data.metrics
+    assert final["eval/last_number_matches"] == final["eval/accuracy"]
+    assert 0.0 <= final["eval/accuracy"] <= 1.0

@@ -116,8 +116,8 @@ def test_bad_input_is_refused_naming_the_row(chat_policy_dir, chat_scorer):
         s.score([[1, 99999]], ["72"])
     with pytest.raises(DatasetError, match=r"row 0: .*contains the reward marker '####'.*answer_after_marker=true"):
         s.score(ids, ["She sold 48 + 24 = 72 clips. #### 72"])
-    with pytest.raises(DatasetError, match=r"a.jsonl:3: .*'seventy-two' is not a number.*'answer_after_marker'"):
-        s.score(ids, ["seventy-two"], where=["a.jsonl:3"])
+    # a text answer is matched as text after the marker (docs/rewards.md), not refused
+    assert s.score([s.tokenize("#### seventy-two<|im_end|>")], ["seventy-two"])["answer_after_marker"] == [1.0]
     # with data.answer_after_marker the whole solution is reduced to its final answer, as the loader does
     cfg = chat_cfg(chat_policy_dir, "data.answer_after_marker=true")
     assert score_responses(cfg, ids, ["She sold 48 + 24 = 72 clips. #### 72"])["answer_after_marker"] == [1.0]

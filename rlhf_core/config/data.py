@@ -152,6 +152,13 @@ class EvalConfig(_Section):
         ge=1,
         description="k of eval/pass@k (unbiased estimator, Chen et al. 2021) and eval/mean@k; at most n_samples.",
     )
+    metric: str = Field(
+        "accuracy",
+        min_length=1,
+        description="The held-out score reported as eval/accuracy: 'accuracy' (the first answer-checking component, "
+        "else a total reward above 0), or any reward column (a component's name or a reward function's label, "
+        "reward.column_names()): its mean over the greedy held-out answers, also logged as eval/<metric>.",
+    )
 
 
 class RolloutConfig(_Section):

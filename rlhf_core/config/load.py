@@ -4,17 +4,44 @@ errors that name the field, and the flattened view MLflow logs."""
 from __future__ import annotations
 
 import copy
+import difflib
 import logging
 import os
+import typing
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Optional
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from rlhf_core.config.base import ConfigError
 from rlhf_core.config.train import TrainConfig
+
+
+def _model_in(annotation) -> Optional[type[BaseModel]]:
+    """The config section class an annotation holds (itself, or inside Optional / list), else None."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        model = _model_in(arg)
+        if model is not None:
+            return model
+    return None
+
+
+def _field_names_at(loc: tuple) -> list[str]:
+    """The fields of the section a validation error's location points into (its last part the unknown key):
+    ('reward', 'componets') -> RewardConfig's fields; [] where the path leaves the config's sections."""
+    model: Optional[type[BaseModel]] = TrainConfig
+    for part in loc[:-1]:
+        if isinstance(part, int):  # a list item: the list's section class
+            continue
+        field = model.model_fields.get(part) if model is not None else None
+        model = _model_in(field.annotation) if field is not None else None
+        if model is None:
+            return []
+    return list(model.model_fields)
 
 
 def _format_validation_error(err: ValidationError, source: str) -> str:
@@ -29,7 +56,9 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
         if len(shown) > 80:
             shown = shown[:77] + "..."
         if e["type"] == "extra_forbidden":
-            lines.append(f"{path}: unknown field (value {shown})")
+            guess = difflib.get_close_matches(str(e["loc"][-1]), _field_names_at(e["loc"]), n=1, cutoff=0.6)
+            hint = f"; did you mean {'.'.join([*path.split('.')[:-1], guess[0]])}?" if guess else ""
+            lines.append(f"{path}: unknown field (value {shown}){hint}")
         elif e["type"] == "missing":
             lines.append(f"{path}: required field is missing")
         else:

@@ -135,8 +135,6 @@ class RewardConfig(_Section):
         unknown = sorted(set(self.components) - set(REWARD_COMPONENT_NAMES))
         if unknown:
             raise ValueError(f"unknown reward component(s) {unknown}; known: {sorted(REWARD_COMPONENT_NAMES)}")
-        if not self.components:
-            raise ValueError("at least one reward component is required")
         return self
 
     @model_validator(mode="after")

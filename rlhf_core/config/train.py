@@ -58,10 +58,27 @@ class TrainConfig(_Section):
     def _cross_field(self) -> TrainConfig:
         if self.data.task in ("jsonl", "dataset") and not self.data.train_path:
             raise ValueError(f"data.train_path is required when data.task is '{self.data.task}'")
-        if self.data.task in ("jsonl", "dataset") and not self.model.path:
+        if self.data.task in ("jsonl", "dataset") and not self.model.path and self.model.tiny_kind != "chat":
             raise ValueError(
-                f"model.path is required when data.task is '{self.data.task}' (the tiny model only speaks the "
-                "synthetic tasks)"
+                f"data.task '{self.data.task}' needs a model that reads text: set model.path to a Hugging Face "
+                "model directory, or model.tiny_kind=chat (the small chat model built locally; the word-level "
+                "tiny model only speaks the synthetic tasks)"
+            )
+        if not (self.reward.components or self.reward.functions or self.reward.model.path or self.env.enabled):
+            raise ValueError(
+                "the reward is empty: reward.components is {} and there are no reward.functions, reward.model or "
+                "environment; name a component (e.g. {exact_match: 1.0}) or add a function"
+            )
+        metrics = self.eval_metric_names()
+        if self.env.enabled and self.eval.metric != "accuracy":
+            raise ValueError(
+                f"eval.metric {self.eval.metric!r} applies to single-turn evaluation; with an environment "
+                "eval/accuracy is the fraction of solved episodes (docs/environments.md): leave eval.metric unset"
+            )
+        if self.eval.metric not in metrics:
+            raise ValueError(
+                f"eval.metric {self.eval.metric!r} is not a reward column; choose one of {metrics} ('accuracy': "
+                "the first answer-checking component, else a total reward above 0)"
             )
         keys = {f"data.{k}": getattr(self.data, k) for k in ("prompt_key", "messages_key", "answer_key")}
         if len(set(keys.values())) < len(keys):
@@ -147,6 +164,11 @@ class TrainConfig(_Section):
                 f"rollout.prompts_per_batch to at most {window}, or raise trainer.prompts_per_step or {bound}"
             )
         return self
+
+    def eval_metric_names(self) -> list[str]:
+        """What eval.metric may name: 'accuracy', each reward component and each reward function's columns
+        (its label, <label>/failed, <label>/<key> of its declared verl metrics)."""
+        return ["accuracy", *self.reward.components, *self.reward.function_column_names()]
 
     @property
     def batch_size(self) -> int:

@@ -3,18 +3,16 @@
 Every prompt builder (JSONL datasets, synthetic and chat tasks) and `rlhf_core.scoring.score_responses` turn
 an answer text into `Prompt.answers` through `answer_patterns`, so a response is scored by hand exactly as it
 is in training. `prepare_answer` refuses, at load time and with `file:line`, answers that no response could
-ever match: a whole worked solution ('... #### 72') where the final answer belongs, or a non-number when the
-numeric 'answer_after_marker' component scores the run.
+ever match: a whole worked solution ('... #### 72') where the final answer belongs. Numbers ('$50', '5,000',
+'50.00') are read by the one grammar of `rlhf_core.reward.answer_forms.canonical_number`; any other text is a
+text answer, which every answer-checking component matches as text (docs/rewards.md).
 """
 
 from __future__ import annotations
 
 from rlhf_core.data.errors import DatasetError
 from rlhf_core.data.tasks import SYNTHETIC_TASKS
-from rlhf_core.reward.answer_forms import answer_variants, number_forms
-
-NUMERIC_COMPONENTS = ("answer_after_marker",)
-"""Reward components that compare the response with the answer as a number (its `number_forms`)."""
+from rlhf_core.reward.answer_forms import answer_variants
 
 DEFAULT_MARKER = "####"
 
@@ -36,15 +34,14 @@ def prepare_answer(
 
     raw: the value under `key` (a non-empty string or number); where: 'file:line' (or another location);
     answer_after_marker: take the text after the LAST reward marker (raw GSM8K answers '... #### 72');
-    reward_cfg: the RewardConfig that will score it (None: the defaults, marker '####', no numeric check).
-    Refused: an answer that still contains the marker (a whole solution: no response could match it), and,
-    when a numeric component (answer_after_marker) is configured, an answer that is not a plain number.
+    reward_cfg: the RewardConfig that will score it (None: the defaults, marker '####').
+    Refused: an answer that still contains the marker (a whole solution: no response could match it). A text
+    answer ('Paris', '72 clips') is kept: answer_after_marker matches it as text after the marker.
     """
     if isinstance(raw, bool) or not isinstance(raw, (str, int, float)) or str(raw).strip() == "":
         raise DatasetError(f"{where}: {key!r} must be a non-empty string or number (got {raw!r:.60})")
     text = str(raw).strip()
     marker = reward_cfg.marker if reward_cfg is not None else DEFAULT_MARKER
-    components = set(reward_cfg.components) if reward_cfg is not None else set()
     if marker.strip() and marker in text:
         if not answer_after_marker:
             raise DatasetError(
@@ -55,15 +52,6 @@ def prepare_answer(
         text = text.rsplit(marker, 1)[1].strip()
         if not text:
             raise DatasetError(f"{where}: nothing follows the last {marker!r} in the answer {_short(str(raw))}")
-    numeric = sorted(components.intersection(NUMERIC_COMPONENTS))
-    if numeric:
-        if not number_forms(text):
-            raise DatasetError(
-                f"{where}: the answer {_short(text)} is not a number, but reward component {numeric[0]!r} "
-                f"scores the number after {marker!r}. Write the answer as a plain number ('72', '1,000', '-0.5')"
-                + ("" if answer_after_marker else f", set data.answer_after_marker=true for '... {marker} 72' answers")
-                + ", or choose other reward.components"
-            )
     return text
 
 

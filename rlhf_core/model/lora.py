@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
-import os
 import warnings
 from pathlib import Path
 
@@ -175,17 +174,23 @@ def peft_config_dict(model) -> dict:
 
 
 def portable_base_path(base: str, adapter_dir: str | Path) -> str:
-    """What adapter_config.json names as the base model, portable: a model from the Hugging Face cache by its
-    hub id (as peft writes for a hub model: `.../models--Qwen--Qwen2.5-0.5B/snapshots/<rev>` -> `Qwen/Qwen2.5-0.5B`),
-    another local directory by its path relative to the adapter directory, anything else (a hub id) as it is."""
-    path = Path(base)
-    if not base or not path.is_absolute():
+    """What adapter_config.json names as the base model, so that `AutoPeftModelForCausalLM.from_pretrained(
+    <adapter dir>)` finds it from any working directory (peft hands the name to `from_pretrained` as it is, a
+    relative path read from the working directory): a model from the Hugging Face cache by its hub id (as peft
+    writes for a hub model: `.../models--Qwen--Qwen2.5-0.5B/snapshots/<rev>` -> `Qwen/Qwen2.5-0.5B`), another
+    local directory by its absolute path (a relative one resolved from the working directory), anything else (a
+    hub id) as it is. `adapter_dir` is where the adapter is written (kept for callers; the name does not
+    depend on it)."""
+    path = Path(base).expanduser()
+    if not base:
         return base
+    if not path.is_absolute():
+        return str(path.resolve()) if path.is_dir() else base  # a local directory, else a hub id
     parts = path.parts
     for i, part in enumerate(parts[:-2]):
         if part.startswith("models--") and parts[i + 1] == "snapshots":
             return part[len("models--") :].replace("--", "/")
-    return os.path.relpath(path.resolve(), Path(adapter_dir).resolve())
+    return str(path.resolve())
 
 
 def _make_base_path_portable(adapter_dir: Path) -> None:

@@ -4,7 +4,8 @@ The modules:
   tensor_native   the matching primitives (pack_patterns, tensor_native_reward, window_matches, ...)
   components      the named reward components and their configured weighted sum (build_reward_fn,
                   ComposedReward, REWARD_COMPONENTS, prepare_patterns)
-  answer_forms    an answer's spellings and their token ids, no torch (number_forms, answer_variants)
+  answer_forms    an answer's spellings and their token ids, no torch (canonical_number, number_forms,
+                  answer_variants)
   answers         those packed into tensors (patterns_from_texts), vocabulary-derived token sets
   text            the text matcher behind reward.match: text
   functions/      user Python reward functions (reward.functions): spec, the process pool, math_verify
@@ -41,6 +42,7 @@ _LAZY = {
     "prepare_patterns": "rlhf_core.reward.components",
     "answer_variants": "rlhf_core.reward.answer_forms",
     "number_forms": "rlhf_core.reward.answer_forms",
+    "canonical_number": "rlhf_core.reward.answer_forms",
     "text_variants": "rlhf_core.reward.answer_forms",
     "continuation_token_ids": "rlhf_core.reward.answers",
     "patterns_from_texts": "rlhf_core.reward.answers",

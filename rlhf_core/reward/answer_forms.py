@@ -13,30 +13,49 @@ SPACE_PREFIXES = (" ", "\u2581", "\u0120", "##")  # ' ', SentencePiece '▁', by
 # Whitespace as it appears inside vocab strings: plain, SentencePiece '▁', byte-level Ġ Ċ ĉ č (space, \n, \t, \r).
 WHITESPACE_CHARS = frozenset(" \t\n\r\u2581\u0120\u010a\u0109\u010d")
 
-_GROUPED_NUMBER = re.compile(r"[+-]?\d{1,3}(,\d{3})+(\.\d*)?")
-_PLAIN_NUMBER = re.compile(r"([+-]?)(\d+)(?:\.(\d*))?")
+# The one number grammar (docs/rewards.md, "Numbers"), read the same on the device (`reward.text.numbers.numbers`):
+# spaces and '$' in any order, an optional '-', then a run of digits, ',' and '.' that starts with a digit.
+_NUMBER = re.compile(r"[ \t\n\r\v\f$]*(-?)([0-9][0-9.,]*)")
+_SPACES = " \t\n\r\v\f"  # ASCII whitespace only, as the device's byte classes
+
+
+def canonical_number(text: str) -> str | None:
+    """The canonical form of `text` when its whole text (without surrounding whitespace) is one number, else None.
+
+    The grammar every component reads numbers by (the text components on the device, token matching's answer
+    spellings, the answer checks of the prompt builders): spaces and '$' before, an optional '-', digits with
+    ',' anywhere (dropped: thousands separators) and at most one '.' with no ',' after it, trailing '.' / ','
+    (sentence punctuation) allowed. Canonical: no ',', no leading integer zeros, no trailing fraction zeros,
+    no bare '.', '-0' is '0'. '$50', '50.00', '50.' -> '50'; '5,000' -> '5000'; '-7.50' -> '-7.5'; '+5',
+    '.5', '1.2.3', '1.000,5', 'seventy' -> None.
+    """
+    s = text.strip(_SPACES)
+    m = _NUMBER.fullmatch(s)
+    if not m:
+        return None
+    body = m.group(2).rstrip(".,")
+    whole, dot, frac = body.partition(".")
+    if "." in frac or "," in frac:
+        return None
+    whole = whole.replace(",", "").lstrip("0") or "0"
+    frac = frac.rstrip("0")
+    canonical = whole + ("." + frac if frac else "")
+    return "-" + canonical if m.group(1) and canonical != "0" else canonical
 
 
 def number_forms(text: str) -> list[str]:
-    """Normalised spellings of a number: '1,000' -> ['1000', '1,000'], '42.0' -> ['42'], '-0.50' -> ['-0.5'].
+    """Normalised spellings of a number: '1,000' -> ['1000', '1,000'], '$42.0' -> ['42'], '-0.50' -> ['-0.5'].
 
-    Returns [] when `text` (stripped) is not a plain decimal number. The first form is canonical (no
-    grouping, no '+', no leading zeros, no trailing fractional zeros); integers of 4+ digits also get
-    their comma-grouped form.
+    Returns [] when `text` is not one number (`canonical_number`, the grammar every component reads). The first
+    form is canonical; integers of 4+ digits also get their comma-grouped form.
     """
-    s = text.strip()
-    if _GROUPED_NUMBER.fullmatch(s):
-        s = s.replace(",", "")
-    m = _PLAIN_NUMBER.fullmatch(s)
-    if not m:
+    canonical = canonical_number(text)
+    if canonical is None:
         return []
-    sign, whole, frac = m.group(1), m.group(2).lstrip("0") or "0", (m.group(3) or "").rstrip("0")
-    canonical = whole + ("." + frac if frac else "")
-    if sign == "-" and canonical != "0":
-        canonical = "-" + canonical
     forms = [canonical]
-    if not frac and len(whole) > 3:
-        forms.append(("-" if canonical.startswith("-") else "") + f"{int(whole):,}")
+    digits = canonical.lstrip("-")
+    if digits.isdigit() and len(digits) > 3:
+        forms.append(("-" if canonical.startswith("-") else "") + f"{int(digits):,}")
     return forms
 
 

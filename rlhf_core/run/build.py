@@ -141,14 +141,22 @@ def build_evaluator(
     reward_fn=None,
     engine=None,
     env=None,
+    functions=None,
 ) -> Evaluator:
     """Held-out evaluation of `model` (through `engine` when given, else an HF engine over `model`): greedy
     eval/accuracy, and eval/pass@k and eval/mean@k when cfg.eval.n_samples > 0; with an environment, its
-    episodes run greedily (`env`: the rollout worker's runner to share, else one of its own)."""
+    episodes run greedily (`env`: the rollout worker's runner to share, else one of its own). The reward
+    functions score the held-out answers where evaluation needs them (`evaluation_needs_functions`):
+    `functions`, the rollout worker's `PythonFunctionRewards` to share, else a pool of its own (closed by
+    `Evaluator.close`)."""
     stop_ids = build_stop_ids(cfg, tokenizer, policy_dir)
     if env is None:
         env = build_env_runner(cfg, tokenizer, stop_ids, policy_dir)
     engine = engine or HFEngine(model, stop_ids, tokenizer.pad_token_id, seed=cfg.trainer.seed)
+    external, owns = (), False
+    if evaluation_needs_functions(cfg) and env is None:
+        owns = functions is None
+        external = [functions if functions is not None else PythonFunctionRewards(cfg.reward, tokenizer, stop_ids)]
     return Evaluator(
         engine,
         heldout,
@@ -159,7 +167,17 @@ def build_evaluator(
         eval_cfg=cfg.eval,
         seed=cfg.trainer.seed,
         env=env,
+        external=external,
+        owns_external=owns,
     )
+
+
+def evaluation_needs_functions(cfg: TrainConfig) -> bool:
+    """Whether held-out evaluation scores with reward.functions: eval.metric names one of their columns, or
+    the reward has no component (the functions are then the whole reward; eval/accuracy: a total above 0)."""
+    if not cfg.reward.functions:
+        return False
+    return cfg.eval.metric in cfg.reward.function_column_names() or not cfg.reward.components
 
 
 def build_trainer(cfg: TrainConfig, model, tokenizer, policy_dir: str | Path | None = None, group=None) -> Trainer:

@@ -3,7 +3,12 @@ optionally n sampled answers per prompt (eval.n_samples) for pass@k and mean@k.
 
 `eval/accuracy` is the fraction of held-out prompts whose greedy answer the reward calls correct: the
 first answer-checking component configured (exact_match, answer_after_marker, contains), else a total
-reward above 0. `eval/reward_mean` is the mean total reward of those answers.
+reward above 0. `eval/reward_mean` is the mean total reward of those answers. With `eval.metric` naming a
+reward column (a component, or a reward function's label: `TrainConfig.eval_metric_names`), eval/accuracy
+and eval/<metric> are instead that column's mean over the greedy answers (rows where a function returns
+None left out), and a sampled answer counts as correct where the column is above 0. The reward functions
+(`external`, their process pool) score the held-out answers when the metric is one of theirs or when the
+reward has no component; they add to the total by weight, as in training.
 
 With eval.n_samples = n > 0, every held-out prompt is also answered n times by sampling (eval.temperature,
 eval.top_p), each answer judged by the same correctness; with c correct out of n, `eval/pass@k` is the mean
@@ -31,8 +36,13 @@ from rlhf_core.rollout import SamplingParams
 ACCURACY_COMPONENTS = ("exact_match", "answer_after_marker", "contains")
 
 
-def accuracy_from_components(total: torch.Tensor, components: dict[str, torch.Tensor]) -> torch.Tensor:
-    """1/0 correctness per row [N]: the first answer-checking component configured, else total reward > 0."""
+def accuracy_from_components(
+    total: torch.Tensor, components: dict[str, torch.Tensor], metric: str = "accuracy"
+) -> torch.Tensor:
+    """1/0 correctness per row [N]: the first answer-checking component configured, else total reward > 0; with
+    a `metric` column, where that column is above 0 (NaN: not correct)."""
+    if metric != "accuracy":
+        return (components[metric] > 0).float()
     for name in ACCURACY_COMPONENTS:
         if name in components:
             return (components[name] > 0).float()
@@ -89,9 +99,14 @@ def evaluate(
     max_prompt_tokens: Optional[int] = None,
     eval_cfg=None,
     seed: int = 0,
+    external: Sequence = (),
 ) -> dict:
     """Greedy decoding on `prompts` with `engine`: eval/accuracy and eval/reward_mean; with an EvalConfig
-    whose n_samples > 0 also eval/pass@k and eval/mean@k from n_samples sampled answers per prompt."""
+    whose n_samples > 0 also eval/pass@k and eval/mean@k from n_samples sampled answers per prompt; with
+    eval_cfg.metric a reward column, eval/accuracy = eval/<metric> = its mean over the greedy answers.
+    external: rewards scored beside the tensor-native one (`RolloutWorker`'s contract: `weights`,
+    `score(rows, batch)`), e.g. the reward functions."""
+    metric = getattr(eval_cfg, "metric", "accuracy") if eval_cfg is not None else "accuracy"
     greedy = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
     n_samples = eval_cfg.n_samples if eval_cfg is not None else 0
     sampled = SamplingParams(
@@ -100,27 +115,57 @@ def evaluate(
         top_p=eval_cfg.top_p if n_samples else 1.0,
     )
     correct, reward_sum, n = 0.0, 0.0, 0
+    metric_sum, metric_rows = 0.0, 0
     per_prompt: list[torch.Tensor] = []  # correct samples per prompt [P] per batch
     for s in range(0, len(prompts), batch_size):
-        pb = collate_prompts(prompts[s : s + batch_size], pad_token_id, max_prompt_tokens)
+        chunk = list(prompts[s : s + batch_size])
+        pb = collate_prompts(chunk, pad_token_id, max_prompt_tokens)
         batch = engine.generate(pb, 1, greedy)
         prepared = prepare_patterns(reward_fn, pb.patterns)  # on the host, once per prompt batch
-        total, components = reward_fn(batch.response_ids, prepared.to(batch.response_ids.device))
-        correct += float(accuracy_from_components(total, components).sum())
+        total, components = _scored(reward_fn, external, chunk, batch, prepared.to(batch.response_ids.device))
+        if metric == "accuracy":
+            correct += float(accuracy_from_components(total, components).sum())
+        else:
+            values = components[metric].float()
+            known = ~torch.isnan(values)
+            metric_sum += float(values[known].sum())
+            metric_rows += int(known.sum())
         reward_sum += float(total.sum())
         n += len(pb)
         if n_samples:
             with _own_random_stream(engine, seed + s):
                 batch = engine.generate(pb, n_samples, sampled)  # rows grouped by prompt: [P * n]
             patterns = prepared.to(batch.response_ids.device).repeat_interleave(n_samples)
-            total, components = reward_fn(batch.response_ids, patterns)
-            per_prompt.append(accuracy_from_components(total, components).view(len(pb), n_samples).sum(1).cpu())
-    result = {"eval/accuracy": correct / max(1, n), "eval/reward_mean": reward_sum / max(1, n)}
+            rows = [p for p in chunk for _ in range(n_samples)]
+            total, components = _scored(reward_fn, external, rows, batch, patterns)
+            right = accuracy_from_components(total, components, metric)
+            per_prompt.append(right.view(len(pb), n_samples).sum(1).cpu())
+    # with a metric column: its mean over the rows it applies to (0 when none does)
+    accuracy = correct / max(1, n) if metric == "accuracy" else metric_sum / max(1, metric_rows)
+    result = {"eval/accuracy": accuracy, "eval/reward_mean": reward_sum / max(1, n)}
+    if metric != "accuracy":
+        result[f"eval/{metric}"] = result["eval/accuracy"]
     if n_samples and per_prompt:
         c = torch.cat(per_prompt)
         result[PASS_AT_K] = float(pass_at_k(n_samples, c, eval_cfg.k).mean())
         result[MEAN_AT_K] = float((c.double() / n_samples).mean())
     return result
+
+
+def _scored(reward_fn, external: Sequence, rows: Sequence[Prompt], batch, patterns):
+    """(total [N], {column: [N]}) of `batch`: the tensor-native reward, plus each external reward's columns,
+    added to the total by weight (NaN adds 0), as a rollout worker adds them."""
+    total, components = reward_fn(batch.response_ids, patterns)
+    if external:
+        components = dict(components)
+        for source in external:
+            for name, values in source.score(rows, batch).items():
+                values = values.to(total.device, torch.float32)
+                weight = source.weights.get(name)
+                if weight:
+                    total = total + weight * torch.nan_to_num(values, nan=0.0)
+                components[name] = values
+    return total, components
 
 
 @torch.no_grad()
@@ -172,6 +217,16 @@ class Evaluator:
     eval_cfg: object = None  # EvalConfig: sampled pass@k / mean@k when its n_samples > 0
     seed: int = 0  # seed of the sampled evaluation's random stream
     env: object = None  # a multi-turn environment's runner (rlhf_core.rollout.multiturn.EnvRunner): episodes
+    external: Sequence = ()  # rewards scored beside reward_fn (the reward functions), see `evaluate`
+    owns_external: bool = False  # close() closes them (built for this evaluator, not shared)
+
+    def close(self) -> None:
+        """Stop the reward-function processes this evaluator started (shared ones stay with their owner)."""
+        if self.owns_external:
+            for source in self.external:
+                if hasattr(source, "close"):
+                    source.close()
+        self.external = ()
 
     def __call__(self) -> dict:
         if self.env is not None:
@@ -187,4 +242,5 @@ class Evaluator:
             max_prompt_tokens=self.max_prompt_tokens,
             eval_cfg=self.eval_cfg,
             seed=self.seed,
+            external=self.external,
         )

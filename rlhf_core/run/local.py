@@ -24,6 +24,7 @@ import torch
 from rlhf_core.config import TrainConfig
 from rlhf_core.data import Prompt
 from rlhf_core.data.queue import PromptQueue
+from rlhf_core.reward.functions.external import PythonFunctionRewards
 from rlhf_core.rollout import RolloutWorker
 from rlhf_core.run import build
 from rlhf_core.run.checkpoint import CheckpointError, CheckpointState
@@ -135,7 +136,15 @@ def build_run(cfg: TrainConfig, share_weights: bool = True, checkpoint_root: Opt
     )
     trainer = build.build_trainer(cfg, model, tokenizer, policy_dir)
     evaluator = build.build_evaluator(
-        cfg, model, tokenizer, policy_dir, heldout, reward_fn=reward_fn, engine=worker.engine, env=worker.env
+        cfg,
+        model,
+        tokenizer,
+        policy_dir,
+        heldout,
+        reward_fn=reward_fn,
+        engine=worker.engine,
+        env=worker.env,
+        functions=next((e for e in worker.external if isinstance(e, PythonFunctionRewards)), None),
     )
     pilot = cfg.runtime.autopilot
     buffer = ExperienceBuffer(

@@ -26,8 +26,14 @@ def warm_start_targets(cfg: TrainConfig, tokenizer, train_prompts: list[Prompt])
     eos = int(tokenizer.eos_token_id)
     if "answer_after_marker" in cfg.reward.components:
         texts = sorted({p.answer_text for p in train_prompts if p.answer_text})
-        return [tokenizer(f"{cfg.reward.marker} {t}", add_special_tokens=False)["input_ids"] + [eos] for t in texts]
+        return [tokenizer(marked(cfg, t), add_special_tokens=False)["input_ids"] + [eos] for t in texts]
     return [list(a) + [eos] for a in sorted({tuple(p.answers[0]) for p in train_prompts if p.answers})]
+
+
+def marked(cfg: TrainConfig, answer: str) -> str:
+    """An answer written after reward.marker: '#### 7'; a marker that opens a brace is closed ('\\boxed{7}')."""
+    marker = cfg.reward.marker
+    return f"{marker}{answer}}}" if marker.endswith("{") else f"{marker} {answer}"
 
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
@@ -49,9 +55,7 @@ def prompt_number_targets(cfg: TrainConfig, tokenizer, train_prompts: list[Promp
     for i, p in enumerate(train_prompts):
         nums = list(dict.fromkeys(question_numbers(p)))
         if nums:
-            out[i] = [
-                tokenizer(f"{cfg.reward.marker} {n}", add_special_tokens=False)["input_ids"] + [eos] for n in nums
-            ]
+            out[i] = [tokenizer(marked(cfg, n), add_special_tokens=False)["input_ids"] + [eos] for n in nums]
     return out
 
 
