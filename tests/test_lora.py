@@ -162,9 +162,9 @@ def test_checkpoint_holds_the_adapters_in_peft_format(lora_run):
     assert not (ckpt / "policy.safetensors").exists()
     adapter_cfg = json.loads((ckpt / "adapter" / "adapter_config.json").read_text())
     assert adapter_cfg["r"] == 4 and adapter_cfg["lora_alpha"] == 8
-    # the base model by a path relative to the adapter (an absolute path would make the adapter unportable)
+    # a local base model by its absolute path (peft resolves the name from the working directory)
     base = adapter_cfg["base_model_name_or_path"]
-    assert not Path(base).is_absolute() and (ckpt / "adapter" / base).resolve() == (out / "tiny_policy").resolve()
+    assert Path(base).is_absolute() and Path(base) == (out / "tiny_policy").resolve()
     meta = json.loads((ckpt / "meta.json").read_text())
     assert meta["format_version"] == 2 and meta["lora"]["r"] == 4
     assert meta["params"] and all("lora_" in k for k in meta["params"])
