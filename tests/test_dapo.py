@@ -118,3 +118,42 @@ def test_an_unscored_group_is_not_filtered():
     g.batch.rewards = None
     buf = ExperienceBuffer(max_size=8, max_staleness=0, prompts_per_step=1, filter_groups=True)
     assert buf.push(pack_groups([g])) == 1 and buf.stats()["filtered_groups"] == 0
+
+
+SATURATED = [
+    "reward.components={exact_match: 0.0}",  # every reward 0: every group has equal rewards
+    "algorithm.filter_groups=true",
+    "algorithm.filter_max_rounds=2",
+    "runtime.max_staleness=0",
+    "trainer.total_steps=4",
+    "trainer.prompts_per_step=4",
+    "rollout.prompts_per_batch=4",
+    "rollout.samples_per_prompt=4",
+    "eval.every=0",
+    "checkpoint.every=0",
+    "data.eval_size=8",
+]
+
+
+@pytest.mark.slow
+def test_a_saturated_task_trains_on_what_it_has_on_both_hosts(ray_local, tmp_path):
+    """filter_groups on a task where every group is filtered: after filter_max_rounds steps' worth of groups each
+    step trains on the newest filtered ones, in lockstep, on the in-process host and on Ray alike (a Ray lockstep
+    run failed with RunFailed where the config and the in-process loop trained on what they had)."""
+    from rlhf_core.distributed import run_distributed
+    from rlhf_core.loop import build_run, run_sync
+
+    local_cfg = load_config("configs/tiny.yaml", [f"run.output_dir={tmp_path / 'local'}", *SATURATED])
+    parts = build_run(local_cfg)
+    assert run_sync(local_cfg, parts=parts)["steps"] == 4
+    # every step a short take; half the groups generated were left out (the other half trained on after all)
+    assert parts.buffer.stats()["short_takes"] == 4 and parts.history[-1]["buffer/filtered_groups_frac"] == 0.5
+
+    ray_cfg = load_config(
+        "configs/tiny.yaml",
+        [f"run.output_dir={tmp_path / 'ray'}", "cluster.num_cpus=2", "runtime.wait_timeout_s=60", *SATURATED],
+    )
+    result = run_distributed(ray_cfg, poll_interval_s=0.2)
+    assert result["steps"] == 4
+    assert result["final_poll"]["buffer"]["short_takes"] >= 4
+    assert result["reconcile"]["unaccounted"] == 0, result["reconcile"]
