@@ -99,12 +99,13 @@ def read_trajectories(path: str | Path) -> list[dict]:
 def score_trajectories(env_cfg, records: list[dict], workers: int = 1) -> list[dict]:
     """Replay each record in a fresh environment; per record: env_reward, turns, success, observations_match,
     error (None or the failing call's error)."""
-    kwargs = dict(env_cfg.kwargs)
-    if env_cfg.tools:
-        kwargs.setdefault("tools", [{"path": t.path, "name": t.name} for t in env_cfg.tools])
-        kwargs.setdefault("timeout_s", env_cfg.step_timeout_s)
     pool = EnvPool(
-        env_cfg.path, env_cfg.class_name, kwargs, workers, env_cfg.step_timeout_s, env_cfg.max_observation_chars
+        env_cfg.path,
+        env_cfg.class_name,
+        env_cfg.instance_kwargs(),
+        workers,
+        env_cfg.step_timeout_s,
+        env_cfg.max_observation_chars,
     )
     results = [
         {"env_reward": 0.0, "turns": 0, "success": None, "observations_match": True, "done": False, "error": None}

@@ -116,7 +116,8 @@ class Trajectory:
 def prompt_row(prompt: Prompt) -> dict:
     """The dataset row an environment's reset sees, as data: the row's other columns (`Prompt.meta`), `prompt`
     (the row's prompt as written: its text, or its messages when it was a conversation), `messages` (a
-    conversation's messages, data.system_prompt included) and `answer`; never the chat-template rendering."""
+    conversation's messages, data.system_prompt included), `answer` and `index` (the row's index in its split);
+    never the chat-template rendering."""
     row = dict(prompt.meta)
     if prompt.messages:
         row.setdefault("prompt", prompt.messages)
@@ -124,6 +125,7 @@ def prompt_row(prompt: Prompt) -> dict:
     else:  # `text`: a Prompt made without prompt_text (by hand)
         row.setdefault("prompt", prompt.prompt_text or prompt.text)
     row.setdefault("answer", prompt.answer_text)
+    row.setdefault("index", prompt.uid)
     return row
 
 
@@ -139,13 +141,10 @@ class EnvRunner:
         self.stop_ids = [int(i) for i in stop_ids]
         self.pad_token_id = tokenizer.pad_token_id
         tools = None
-        kwargs = dict(env_cfg.kwargs)
         if env_cfg.tools:
             from rlhf_core.env.tools import tool_schemas
 
             tools = tool_schemas([(t.path, t.name) for t in env_cfg.tools])
-            kwargs.setdefault("tools", [{"path": t.path, "name": t.name} for t in env_cfg.tools])
-            kwargs.setdefault("timeout_s", env_cfg.step_timeout_s)
         self.chat = ChatFormat(tokenizer, self.stop_ids, tools=tools, where=where)
         limit = rollout_cfg.max_total_tokens
         model_limit = getattr(tokenizer, "model_max_length", None)
@@ -153,7 +152,12 @@ class EnvRunner:
             limit = model_limit
         self.max_total_tokens = limit
         self.pool = EnvPool(
-            env_cfg.path, env_cfg.class_name, kwargs, workers, env_cfg.step_timeout_s, env_cfg.max_observation_chars
+            env_cfg.path,
+            env_cfg.class_name,
+            env_cfg.instance_kwargs(),
+            workers,
+            env_cfg.step_timeout_s,
+            env_cfg.max_observation_chars,
         )
         self.consecutive_failures = 0  # failed environment calls in a row, across the run
         self.error_counts = dict.fromkeys(ERROR_KINDS, 0)  # failed trajectories over the run, by kind
@@ -189,11 +193,21 @@ class EnvRunner:
             Trajectory(prompt=p, row=prompt_row(p), eid=next(_eids)) for p in prompts for _ in range(samples_per_prompt)
         ]
         by_eid = {t.eid: t for t in trajs}
-        waiting = set(by_eid)  # waiting for the environment
+        waiting: set[int] = set()  # waiting for the environment
         ready: list[Trajectory] = []  # waiting for the model
-        try:
-            for t in trajs:
+        unopened = list(reversed(trajs))  # not reset yet: env.max_sessions episodes are open at once
+        opened: set[int] = set()
+
+        def open_more(ended=()) -> None:
+            opened.difference_update(ended)
+            while unopened and (self.cfg.max_sessions is None or len(opened) < self.cfg.max_sessions):
+                t = unopened.pop()
                 self.pool.reset(t.eid, t.row)
+                waiting.add(t.eid)
+                opened.add(t.eid)
+
+        try:
+            open_more()
             while waiting or ready:
                 generate_now = bool(ready) and len(ready) >= len(waiting)
                 for reply in self.pool.poll(0.0 if generate_now else 1.0):
@@ -207,9 +221,12 @@ class EnvRunner:
                         ready.append(t)
                     elif turn == "end":
                         self.pool.close_episode(t.eid)
+                        open_more([t.eid])
                 if ready and len(ready) >= len(waiting):
                     batch, ready = ready, []
-                    waiting.update(t.eid for t in self._generate(engine, batch, sampling, between_steps))
+                    sent = {t.eid for t in self._generate(engine, batch, sampling, between_steps)}
+                    waiting.update(sent)
+                    open_more([t.eid for t in batch if t.eid not in sent])
         except BaseException as exc:
             for t in trajs:  # the run stops: every episode of the call is closed (once: the pool forgets it)
                 self.pool.close_episode(t.eid)
@@ -282,7 +299,7 @@ class EnvRunner:
         self.consecutive_failures += 1
         if self.consecutive_failures >= self.cfg.max_consecutive_failures:
             raise EnvError(
-                f"environment {self.cfg.class_name} ({self.cfg.path or 'built-in'}) failed "
+                f"environment {self.cfg.description} failed "
                 f"{self.consecutive_failures} calls in a row (env.max_consecutive_failures="
                 f"{self.cfg.max_consecutive_failures}); the last ({kind}): {t.error}"
             )
