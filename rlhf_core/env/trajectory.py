@@ -60,14 +60,15 @@ class EnvError(RuntimeError):
 @dataclass
 class Turn:
     """One turn as a user reads it (MLflow traces): role, text, reward (model turns: the step's reward), the
-    policy version that generated it (model turns: the version of its first token, the oldest; with partial
-    rollouts its later tokens may be of newer versions), tool calls the step reported."""
+    policy versions that generated it (model turns: `version` that of its first token, the oldest, and
+    `last_version` that of its last; they differ only with partial rollouts), tool calls the step reported."""
 
     role: str
     text: str
     reward: Optional[float] = None
     version: Optional[int] = None
     tool_calls: list = field(default_factory=list)
+    last_version: Optional[int] = None
 
 
 @dataclass
@@ -107,6 +108,21 @@ class Trajectory:
     def success(self) -> Optional[bool]:
         value = self.info.get("success")
         return None if value is None else bool(value)
+
+    @property
+    def ending(self) -> str:
+        """How it ended: 'done', 'cut: max_turns' / 'cut: max_total_tokens', or 'failed: <kind>'."""
+        if self.error_kind or self.error:
+            return f"failed: {self.error_kind or 'raised'}"
+        return f"cut: {self.cut}" if self.truncated else "done"
+
+    def version_span(self) -> tuple[Optional[int], Optional[int]]:
+        """(first, last): the versions of the weights that generated its first and its last model token."""
+        versions = [v for v, m in zip(self.versions, self.model) if m]
+        if not versions:
+            first = next((turn.version for turn in self.transcript if turn.version is not None), None)
+            return first, first
+        return int(versions[0]), int(versions[-1])
 
     def restart(self) -> None:
         """Back to before its reset (its process was lost): everything but the row and the restart count."""
@@ -374,7 +390,8 @@ class EnvRunner:
             t.last_turn = (start, start + n)
             t.turns += 1
             text = self.tokenizer.decode([i for i in turn if i not in self.stop_ids], skip_special_tokens=True)
-            t.transcript.append(Turn("assistant", text, version=int(versions[0] if n else row_version)))
+            first, last = (versions[0], versions[n - 1]) if n else (row_version, row_version)
+            t.transcript.append(Turn("assistant", text, version=int(first), last_version=int(last)))
             ended = bool(turn) and turn[-1] in self.stop_ids
             if not ended and self.max_total_tokens is not None and t.length >= self.max_total_tokens:
                 # the model's turn was cut at the budget: the trajectory ends here
