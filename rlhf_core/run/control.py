@@ -98,14 +98,17 @@ class ExperienceBuffer:
             self.set_weights_version(published_version)
         return self.set_version(version)
 
-    def try_admit(self, n_groups: int) -> bool:
+    def try_admit(self, n_groups: int, at_least: Optional[int] = None) -> int:
+        """Admit a batch of n_groups; returns the groups admitted, 0 when refused. With `at_least`, as many as
+        fit, down to at_least: groups an environment failed leave capacity that is not a whole batch (in
+        lockstep, a step's last groups), which a whole-batch request would never fill."""
         with self.lock:
             if self.paused:
-                return False
-            if self.admitted + n_groups > self.capacity():  # would be consumed too stale
-                return False
-            self.admitted += n_groups
-            return True
+                return 0
+            free = self.capacity() - self.admitted  # beyond it, groups would be consumed too stale
+            granted = n_groups if n_groups <= free else (free if at_least is not None and free >= at_least else 0)
+            self.admitted += granted
+            return granted
 
     def release(self, n_groups: int) -> None:
         """Return an admission that will not be used (a worker loop stopping with one granted ahead, or groups

@@ -422,11 +422,10 @@ class RolloutRole:
 
     def step(self) -> bool:
         """One batch, whole: False when admission refuses it (the buffer holds what the bound allows)."""
-        n = self.cfg.rollout.prompts_per_batch
         t0 = time.perf_counter()
-        admitted = self.buffer.try_admit(n)
+        n = int(self.buffer.try_admit(self.cfg.rollout.prompts_per_batch, 1))  # a part batch when that is what fits
         self.worker.add_idle(time.perf_counter() - t0)
-        if not admitted:
+        if not n:
             return False
         self.adopt_weights()
         made = self.generate(n)
@@ -445,21 +444,22 @@ class RolloutRole:
         does not use is released when it ends."""
         self.stop_event.clear()
         self.loop_running = True
-        n = self.cfg.rollout.prompts_per_batch
+        batch = self.cfg.rollout.prompts_per_batch
         admit = None
         try:
             while not self.stop_event.is_set():
                 t0 = time.perf_counter()
-                admitted = (admit or self.buffer.submit("try_admit", n)).result()
+                # a part batch when only that fits (groups an environment failed leave such room)
+                n = int((admit or self.buffer.submit("try_admit", batch, 1)).result())
                 admit = None
-                if not admitted:
+                if not n:
                     self.stop_event.wait(0.005)
                     self.worker.add_idle(time.perf_counter() - t0)
                     continue
                 self.worker.add_idle(time.perf_counter() - t0)
                 prompts = self.queue.submit("get", n)
                 self.adopt_weights()  # admitted against version v: weights >= v are published, load them
-                admit = self.buffer.submit("try_admit", n)
+                admit = self.buffer.submit("try_admit", batch, 1)
                 made = self.generate(n, prompts_call=prompts, wait=False)
                 if made < n:
                     self.buffer.release(n - made)
@@ -467,15 +467,16 @@ class RolloutRole:
         finally:
             self.loop_running = False
             if admit is not None:
-                self._release_unused(admit, n)
+                self._release_unused(admit)
         return self.stats()
 
-    def _release_unused(self, admit, n: int) -> None:
+    def _release_unused(self, admit) -> None:
         """Return a grant for a batch that will not be generated, so the capacity stays exact (best effort:
         the loop may be ending because the buffer is unreachable)."""
         try:
-            if admit.result():
-                self.buffer.release(n)
+            granted = int(admit.result())
+            if granted:
+                self.buffer.release(granted)
         except Exception as exc:
             log.warning("rollout worker %d could not release an unused admission: %s", self.index, exc)
 
