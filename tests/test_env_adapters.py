@@ -5,6 +5,7 @@ model from a config with no glue file."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
 import subprocess
@@ -16,7 +17,7 @@ import pytest
 
 from rlhf_core.config import ConfigError, load_config, validate_config
 
-gem = pytest.importorskip("gem", reason="the envs extra (gem-llm) is not installed")
+needs_gem = pytest.mark.skipif(importlib.util.find_spec("gem") is None, reason="the envs extra (gem-llm) is missing")
 GAME = "game:GuessTheNumber-v0-easy"
 REPO = Path(__file__).resolve().parents[1]
 
@@ -47,6 +48,7 @@ def adapter_cfg(tmp_path, env: dict, steps: int = 2):
     return cfg
 
 
+@needs_gem
 def test_adapter_config_is_checked():
     gym = {"adapter": "gym", "factory": "gem:make", "kwargs": {"env_id": GAME}}
     assert validate_config({"env": gym}).env.class_name == "GymAdapter"
@@ -65,6 +67,7 @@ def test_adapter_config_is_checked():
         assert text in str(info.value), (env, str(info.value))
 
 
+@needs_gem
 def test_gym_adapter_seeds_the_episode_from_the_row():
     from rlhf_core.env.adapters import GymAdapter
 
@@ -115,6 +118,7 @@ def test_the_gym_example_runs_in_the_pool():
         pool.close()
 
 
+@needs_gem
 def test_a_gem_game_trains_through_run_sync(tmp_path):
     from rlhf_core.loop import run_sync
 
