@@ -194,7 +194,9 @@ def failure_line(error) -> str:
         line = f"{actor.group(1)}: {line}" if actor else line
     elif isinstance(error, BaseException) and not _EXCEPTION_LINE.match(line):
         line = f"{type(error).__name__}: {line}"
-    return line if len(line) <= LINE_LIMIT else line[: LINE_LIMIT - 3] + "..."
+    if len(line) > LINE_LIMIT:  # the head says where, the tail the cause (an environment's error and its file:line)
+        line = line[:150] + " ... " + line[len(line) - (LINE_LIMIT - 155) :]
+    return line
 
 
 class _OneLineErrors:

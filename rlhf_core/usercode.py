@@ -146,7 +146,11 @@ def load_function(path: str, name: str, where: str):
     return fn, kind
 
 
-BUILTIN_ENVS = {"ToolEnv": "rlhf_core.env.tools"}
+BUILTIN_ENVS = {
+    "ToolEnv": "rlhf_core.env.tools",
+    "GymAdapter": "rlhf_core.env.adapters",
+    "OpenEnvAdapter": "rlhf_core.env.adapters",
+}
 """Environments given by name alone (path empty): name -> the module that defines it."""
 
 
@@ -209,6 +213,22 @@ def check_tool_source(path: str, name: str, where: str) -> None:
         if _bound_otherwise(node, name):
             return
     raise ValueError(f"{where}.name: {source} defines no function named {name!r}")
+
+
+def check_factory_source(factory: str, where: str = "env.factory") -> None:
+    """Config-time check of an adapter's factory 'module:callable' (or 'file.py:callable'), by reading the
+    source: the module or file exists and defines or imports `callable` (a function, a class or a name)."""
+    path, _, name = factory.rpartition(":")
+    if not path or not name:
+        raise ValueError(f"{where}: {factory!r} is not 'module:callable' (or 'file.py:callable')")
+    tree, source = _read_tree(path, where)
+    top = name.split(".")[0]
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == top:
+            return
+        if _bound_otherwise(node, top):
+            return
+    raise ValueError(f"{where}: {source} defines no {top!r}")
 
 
 def load_attr(path: str, name: str, where: str, builtins: Optional[dict] = None):

@@ -127,6 +127,11 @@ def test_experience_buffer_prefetch_take_and_give_back_keep_the_bound_and_the_ac
     assert admission.try_admit(2) and not admission.try_admit(1)  # capacity (0 + 0 + 1) x 2 groups
     admission.release(2)
     assert admission.try_admit(2) and admission.stats()["admitted"] == 2
+    # a group an environment failed is released: room for one group, never a whole batch of 2 (in lockstep the
+    # step would wait forever); asked with at_least, the part batch that fits is admitted
+    admission.release(1)
+    assert admission.try_admit(2) == 0 and admission.try_admit(2, 1) == 1 and admission.try_admit(2, 1) == 0
+    assert admission.stats()["admitted"] == 2
 
 
 def test_reconcile_balances_the_groups_and_shows_one_lost_or_trained_twice():

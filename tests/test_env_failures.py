@@ -196,8 +196,8 @@ def test_reset_gets_the_row_as_data_not_the_rendered_prompt(chat):
         runner.close()
     assert [t.info["torch"] for t in trajs] == [False, False]  # an environment process imports no torch
     plain, conversation = (t.info["row"] for t in trajs)
-    assert plain == {"prompt": "What is 2 + 3?", "answer": "5", "level": 3, "tags": ["sum"]}
+    assert plain == {"prompt": "What is 2 + 3?", "answer": "5", "level": 3, "tags": ["sum"], "index": 0}
     system = {"role": "system", "content": "Be brief."}
     messages = [system, {"role": "user", "content": "And 3 + 4?"}]
-    assert conversation == {"prompt": messages, "messages": messages, "answer": "7", "source": "x"}
+    assert conversation == {"prompt": messages, "messages": messages, "answer": "7", "source": "x", "index": 1}
     assert trajs[0].prompt_ids == prompts[0].prompt_ids and trajs[1].prompt_ids == prompts[1].prompt_ids

@@ -189,32 +189,6 @@ def test_a_template_without_a_tool_format_is_refused_at_start(chat_policy_dir):
         tool_runner(tok, stop_token_ids(chat_policy_dir, tok), [(CALCULATOR, "add")])
 
 
-def test_the_gym_style_wrapper_example_ports_a_gymnasium_env():
-    from rlhf_core.env.pool import EnvPool
-
-    path = str(REPO / "examples" / "envs" / "gym_wrapper.py")
-    kwargs = {"env_path": path, "env_name": "CountdownGame", "env_kwargs": {"start": 2}}
-    pool = EnvPool(path, "GymTextWrapper", kwargs, workers=1, timeout_s=10)
-
-    def answer():
-        while True:
-            replies = pool.poll(10)
-            if replies:
-                (reply,) = replies
-                assert reply.error is None, reply.error
-                return reply.value
-
-    try:
-        pool.reset(0, {"prompt": "x"})
-        assert answer() == [{"role": "user", "content": "Count down from 2, one number per turn. Say 2."}]
-        pool.step(0, "2")
-        assert answer() == ("Say 1.", 0.0, False, {})
-        pool.step(0, "1")
-        assert answer() == (None, 1.0, True, {"success": True})
-    finally:
-        pool.close()
-
-
 @pytest.mark.slow
 def test_a_calculator_run_completes_on_the_small_chat_model(tmp_path):
     """The single-process loop with ToolEnv and the calculator's add on the small chat model: the tools are

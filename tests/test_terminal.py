@@ -47,6 +47,15 @@ def test_a_ray_actors_failure_is_one_line_with_the_actor_and_the_cause():
     assert failure_line(ValueError("plain")) == "ValueError: plain"
     assert failure_line(KeyError("k")) == "KeyError: 'k'"
     assert len(failure_line("x" * 5000)) <= 500
+    # a long one keeps its head and its tail: an environment's own error, with its file and line, is at the end
+    deep = "/deep" * 60
+    env_error = (
+        f"RunFailed: rollout worker 0 failed: EnvError: environment MyEnv ({deep}/env.py) failed 20 calls in a row "
+        f"(env.max_consecutive_failures=20); the last (raised): step: ValueError: no such move (at {deep}/env.py:41)"
+    )
+    line = failure_line(env_error)
+    assert len(line) <= 500 and line.startswith("RunFailed: rollout worker 0 failed: EnvError: environment MyEnv")
+    assert "ValueError: no such move (at /deep" in line and line.endswith("/env.py:41)")
 
 
 def test_worker_output_keeps_crash_dumps_and_ansi_off_the_terminal(tmp_path):

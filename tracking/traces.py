@@ -2,10 +2,15 @@
 
 Each traced episode (a trajectory-file record, rlhf_core.env.score.trajectory_record) becomes one trace:
 its root span holds the dataset row and the outcome (reward, success, turns); under it one span per turn,
-in order: the model's turns (LLM spans: the text, the step's reward, the policy version that generated it
-(with partial rollouts, that of its first token), with one TOOL span per tool call the turn made: its name,
-arguments and result) and the opening and the environment's observations (CHAIN spans: role and text). The
-UI shows them in the run's Traces tab.
+in order: the model's turns (LLM spans: the text, the step's reward, with one TOOL span per tool call the turn
+made: its name, arguments and result) and the opening and the environment's observations (CHAIN spans: role
+and text). The UI shows them in the run's Traces tab.
+
+Every span, the root and each turn's, carries in its attributes where the episode's tokens came from and how
+it ended: `policy_version_first` and `policy_version_last` (the versions of the weights that generated its
+first and its last model token: the episode's on the root, the turn's on a model turn; they differ only with
+partial rollouts; `policy_version` is the first), `trained_at` (the trainer step it was trained at, or
+"eval") and `ended` ("done", "cut: max_turns", "cut: max_total_tokens" or "failed: <kind>").
 """
 
 from __future__ import annotations
@@ -34,11 +39,23 @@ def log_trajectory_traces(client, experiment_id: str, run_id: str, records: list
     ids = []
     for k, rec in enumerate(records):
         messages = rec.get("messages", [])
+        episode = {
+            "trained_at": str(rec.get("trained_at", "eval")),
+            "ended": rec.get("ended") or ("failed" if rec.get("error") else "done"),
+        }
+        first = rec.get("policy_version")
+        last = rec.get("policy_version_last", first)
         root = client.start_trace(
             f"episode {k} at step {step}",
             span_type="AGENT",
             inputs={"row": rec.get("row", {})},
-            attributes={"step": step, "policy_version": rec.get("policy_version")},
+            attributes={
+                "step": step,
+                "policy_version": first,
+                "policy_version_first": first,
+                "policy_version_last": last,
+                **episode,
+            },
             tags={TRACE_STEP_TAG: str(step)},
             experiment_id=experiment_id,
             run_id=run_id,
@@ -52,7 +69,13 @@ def log_trajectory_traces(client, experiment_id: str, run_id: str, records: list
                     trace_id=trace_id,
                     parent_id=root.span_id,
                     span_type="LLM",
-                    attributes={"reward": m.get("reward"), "policy_version": m.get("policy_version")},
+                    attributes={
+                        "reward": m.get("reward"),
+                        "policy_version": m.get("policy_version"),
+                        "policy_version_first": m.get("policy_version"),
+                        "policy_version_last": m.get("policy_version_last", m.get("policy_version")),
+                        **episode,
+                    },
                 )
                 results = [x.get("content", "") for x in messages[i + 1 :] if x.get("role") == "tool"]
                 for j, call in enumerate(m.get("tool_calls") or []):
@@ -75,6 +98,7 @@ def log_trajectory_traces(client, experiment_id: str, run_id: str, records: list
                     parent_id=root.span_id,
                     span_type="CHAIN",
                     inputs={"role": role},
+                    attributes=episode,
                 )
                 client.end_span(trace_id, span.span_id, outputs={"text": text})
         client.end_trace(
@@ -85,6 +109,7 @@ def log_trajectory_traces(client, experiment_id: str, run_id: str, records: list
                 "success": rec.get("success"),
                 "turns": rec.get("turns"),
                 "error": rec.get("error"),
+                "ended": episode["ended"],
             },
             status="ERROR" if rec.get("error") else "OK",
         )

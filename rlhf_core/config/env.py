@@ -78,16 +78,58 @@ class EnvConfig(_Section):
 
     @property
     def class_name(self) -> str:
-        """The class to load: `name`, or ToolEnv when only tools are given."""
+        """The class to load: the adapter's, `name`, or ToolEnv when only tools are given."""
+        if self.adapter:
+            from rlhf_core.env.adapters import ADAPTERS
+
+            return ADAPTERS[self.adapter]
         return self.name or ("ToolEnv" if self.tools else "")
+
+    @property
+    def description(self) -> str:
+        """The environment as errors name it: 'GuessEnv (envs/guess.py)', 'gem:make (adapter gym)'."""
+        if self.adapter:
+            return f"{self.factory} (adapter {self.adapter})"
+        return f"{self.class_name} ({self.path or 'built-in'})"
+
+    def instance_kwargs(self) -> dict[str, Any]:
+        """What each instance is made with: env.kwargs; with env.tools, the tools and their timeout; with
+        env.adapter, the factory, its kwargs and the text fields."""
+        if self.adapter:
+            return {
+                "factory": self.factory,
+                "kwargs": dict(self.kwargs),
+                "action_field": self.action_field,
+                "observation_field": self.observation_field,
+            }
+        kwargs = dict(self.kwargs)
+        if self.tools:
+            kwargs.setdefault("tools", [{"path": t.path, "name": t.name} for t in self.tools])
+            kwargs.setdefault("timeout_s", self.step_timeout_s)
+        return kwargs
 
     @model_validator(mode="after")
     def _env_exists(self) -> EnvConfig:
         """The class's file or module exists and defines it, and each tool's function (read from the source:
         nothing is imported or run here)."""
-        from rlhf_core.usercode import check_env_source, check_tool_source
+        from rlhf_core.usercode import check_env_source, check_factory_source, check_tool_source
 
-        if self.enabled:
+        if self.adapter:
+            if not self.factory:
+                raise ValueError(
+                    f"env.adapter: {self.adapter} needs env.factory: 'module:callable' (docs/environments.md)"
+                )
+            if self.name or self.path or self.tools:
+                raise ValueError(
+                    "env.adapter runs env.factory's environment: leave env.name, env.path and env.tools empty"
+                )
+            check_factory_source(self.factory, "env.factory")
+            module, _, attr = self.factory.rpartition(":")
+            if is_file_path(module) and str(Path(module).resolve()) != module:
+                self.factory = f"{Path(module).resolve()}:{attr}"
+        elif self.factory:
+            raise ValueError("env.factory is used only with env.adapter (gym or openenv); set env.adapter")
+        if self.enabled and not self.adapter:
             check_env_source(self.path, self.class_name, "env")
             resolved = str(Path(self.path).resolve()) if is_file_path(self.path) else self.path
             if resolved != self.path:  # absolute: Ray workers need not share the working directory

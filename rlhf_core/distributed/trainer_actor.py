@@ -163,6 +163,8 @@ class TrainerActor:
     def evaluate(self) -> dict:
         with self.role.lock:
             self._refresh_model()
+            # the evaluator's engine generates with this trainer's weights: their version (traces carry it)
+            self.evaluator.engine.version = self.trainer.version
             return self.evaluator()
 
     def warm_start(self, steps: int) -> dict:

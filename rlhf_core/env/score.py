@@ -26,14 +26,24 @@ from rlhf_core.env.pool import EnvPool
 REPLAY_POLL_S = 1.0
 
 
-def trajectory_record(t) -> dict:
-    """A trajectory (rlhf_core.rollout.multiturn.Trajectory) as one line of a trajectory file."""
+def trajectory_record(t, trained_at: int | str = "eval") -> dict:
+    """A trajectory (rlhf_core.rollout.multiturn.Trajectory) as one line of a trajectory file. trained_at: the
+    trainer step it was trained at, or "eval" for a held-out evaluation's episode."""
     messages = []
     for turn in t.transcript:
         message = {"role": turn.role, "content": turn.text}
         if turn.role == "assistant":  # what a trace shows beside the text
-            message.update({"reward": turn.reward, "policy_version": turn.version, "tool_calls": turn.tool_calls})
+            last = turn.version if turn.last_version is None else turn.last_version
+            message.update(
+                {
+                    "reward": turn.reward,
+                    "policy_version": turn.version,
+                    "policy_version_last": last,
+                    "tool_calls": turn.tool_calls,
+                }
+            )
         messages.append(message)
+    first, last = t.version_span()
     return {
         "row": _jsonable(t.row),
         "messages": messages,
@@ -47,7 +57,10 @@ def trajectory_record(t) -> dict:
         "finish_reward": t.finish_reward,
         "error": t.error,
         "error_kind": t.error_kind,
-        "policy_version": next((turn.version for turn in t.transcript if turn.version is not None), None),
+        "policy_version": first,
+        "policy_version_last": last,
+        "trained_at": trained_at,
+        "ended": t.ending,
     }
 
 
@@ -99,12 +112,13 @@ def read_trajectories(path: str | Path) -> list[dict]:
 def score_trajectories(env_cfg, records: list[dict], workers: int = 1) -> list[dict]:
     """Replay each record in a fresh environment; per record: env_reward, turns, success, observations_match,
     error (None or the failing call's error)."""
-    kwargs = dict(env_cfg.kwargs)
-    if env_cfg.tools:
-        kwargs.setdefault("tools", [{"path": t.path, "name": t.name} for t in env_cfg.tools])
-        kwargs.setdefault("timeout_s", env_cfg.step_timeout_s)
     pool = EnvPool(
-        env_cfg.path, env_cfg.class_name, kwargs, workers, env_cfg.step_timeout_s, env_cfg.max_observation_chars
+        env_cfg.path,
+        env_cfg.class_name,
+        env_cfg.instance_kwargs(),
+        workers,
+        env_cfg.step_timeout_s,
+        env_cfg.max_observation_chars,
     )
     results = [
         {"env_reward": 0.0, "turns": 0, "success": None, "observations_match": True, "done": False, "error": None}

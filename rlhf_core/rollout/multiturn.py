@@ -60,14 +60,15 @@ class EnvError(RuntimeError):
 @dataclass
 class Turn:
     """One turn as a user reads it (MLflow traces): role, text, reward (model turns: the step's reward), the
-    policy version that generated it (model turns: the version of its first token, the oldest; with partial
-    rollouts its later tokens may be of newer versions), tool calls the step reported."""
+    policy versions that generated it (model turns: `version` that of its first token, the oldest, and
+    `last_version` that of its last; they differ only with partial rollouts), tool calls the step reported."""
 
     role: str
     text: str
     reward: Optional[float] = None
     version: Optional[int] = None
     tool_calls: list = field(default_factory=list)
+    last_version: Optional[int] = None
 
 
 @dataclass
@@ -108,6 +109,21 @@ class Trajectory:
         value = self.info.get("success")
         return None if value is None else bool(value)
 
+    @property
+    def ending(self) -> str:
+        """How it ended: 'done', 'cut: max_turns' / 'cut: max_total_tokens', or 'failed: <kind>'."""
+        if self.error_kind or self.error:
+            return f"failed: {self.error_kind or 'raised'}"
+        return f"cut: {self.cut}" if self.truncated else "done"
+
+    def version_span(self) -> tuple[Optional[int], Optional[int]]:
+        """(first, last): the versions of the weights that generated its first and its last model token."""
+        versions = [v for v, m in zip(self.versions, self.model) if m]
+        if not versions:
+            first = next((turn.version for turn in self.transcript if turn.version is not None), None)
+            return first, first
+        return int(versions[0]), int(versions[-1])
+
     def restart(self) -> None:
         """Back to before its reset (its process was lost): everything but the row and the restart count."""
         self.__dict__.update(Trajectory(self.prompt, self.row, self.eid, restarts=self.restarts + 1).__dict__)
@@ -116,7 +132,8 @@ class Trajectory:
 def prompt_row(prompt: Prompt) -> dict:
     """The dataset row an environment's reset sees, as data: the row's other columns (`Prompt.meta`), `prompt`
     (the row's prompt as written: its text, or its messages when it was a conversation), `messages` (a
-    conversation's messages, data.system_prompt included) and `answer`; never the chat-template rendering."""
+    conversation's messages, data.system_prompt included), `answer` and `index` (the row's index in its split);
+    never the chat-template rendering."""
     row = dict(prompt.meta)
     if prompt.messages:
         row.setdefault("prompt", prompt.messages)
@@ -124,6 +141,7 @@ def prompt_row(prompt: Prompt) -> dict:
     else:  # `text`: a Prompt made without prompt_text (by hand)
         row.setdefault("prompt", prompt.prompt_text or prompt.text)
     row.setdefault("answer", prompt.answer_text)
+    row.setdefault("index", prompt.uid)
     return row
 
 
@@ -139,13 +157,10 @@ class EnvRunner:
         self.stop_ids = [int(i) for i in stop_ids]
         self.pad_token_id = tokenizer.pad_token_id
         tools = None
-        kwargs = dict(env_cfg.kwargs)
         if env_cfg.tools:
             from rlhf_core.env.tools import tool_schemas
 
             tools = tool_schemas([(t.path, t.name) for t in env_cfg.tools])
-            kwargs.setdefault("tools", [{"path": t.path, "name": t.name} for t in env_cfg.tools])
-            kwargs.setdefault("timeout_s", env_cfg.step_timeout_s)
         self.chat = ChatFormat(tokenizer, self.stop_ids, tools=tools, where=where)
         limit = rollout_cfg.max_total_tokens
         model_limit = getattr(tokenizer, "model_max_length", None)
@@ -153,7 +168,12 @@ class EnvRunner:
             limit = model_limit
         self.max_total_tokens = limit
         self.pool = EnvPool(
-            env_cfg.path, env_cfg.class_name, kwargs, workers, env_cfg.step_timeout_s, env_cfg.max_observation_chars
+            env_cfg.path,
+            env_cfg.class_name,
+            env_cfg.instance_kwargs(),
+            workers,
+            env_cfg.step_timeout_s,
+            env_cfg.max_observation_chars,
         )
         self.consecutive_failures = 0  # failed environment calls in a row, across the run
         self.error_counts = dict.fromkeys(ERROR_KINDS, 0)  # failed trajectories over the run, by kind
@@ -189,11 +209,21 @@ class EnvRunner:
             Trajectory(prompt=p, row=prompt_row(p), eid=next(_eids)) for p in prompts for _ in range(samples_per_prompt)
         ]
         by_eid = {t.eid: t for t in trajs}
-        waiting = set(by_eid)  # waiting for the environment
+        waiting: set[int] = set()  # waiting for the environment
         ready: list[Trajectory] = []  # waiting for the model
-        try:
-            for t in trajs:
+        unopened = list(reversed(trajs))  # not reset yet: env.max_sessions episodes are open at once
+        opened: set[int] = set()
+
+        def open_more(ended=()) -> None:
+            opened.difference_update(ended)
+            while unopened and (self.cfg.max_sessions is None or len(opened) < self.cfg.max_sessions):
+                t = unopened.pop()
                 self.pool.reset(t.eid, t.row)
+                waiting.add(t.eid)
+                opened.add(t.eid)
+
+        try:
+            open_more()
             while waiting or ready:
                 generate_now = bool(ready) and len(ready) >= len(waiting)
                 for reply in self.pool.poll(0.0 if generate_now else 1.0):
@@ -207,9 +237,12 @@ class EnvRunner:
                         ready.append(t)
                     elif turn == "end":
                         self.pool.close_episode(t.eid)
+                        open_more([t.eid])
                 if ready and len(ready) >= len(waiting):
                     batch, ready = ready, []
-                    waiting.update(t.eid for t in self._generate(engine, batch, sampling, between_steps))
+                    sent = {t.eid for t in self._generate(engine, batch, sampling, between_steps)}
+                    waiting.update(sent)
+                    open_more([t.eid for t in batch if t.eid not in sent])
         except BaseException as exc:
             for t in trajs:  # the run stops: every episode of the call is closed (once: the pool forgets it)
                 self.pool.close_episode(t.eid)
@@ -282,7 +315,7 @@ class EnvRunner:
         self.consecutive_failures += 1
         if self.consecutive_failures >= self.cfg.max_consecutive_failures:
             raise EnvError(
-                f"environment {self.cfg.class_name} ({self.cfg.path or 'built-in'}) failed "
+                f"environment {self.cfg.description} failed "
                 f"{self.consecutive_failures} calls in a row (env.max_consecutive_failures="
                 f"{self.cfg.max_consecutive_failures}); the last ({kind}): {t.error}"
             )
@@ -357,7 +390,8 @@ class EnvRunner:
             t.last_turn = (start, start + n)
             t.turns += 1
             text = self.tokenizer.decode([i for i in turn if i not in self.stop_ids], skip_special_tokens=True)
-            t.transcript.append(Turn("assistant", text, version=int(versions[0] if n else row_version)))
+            first, last = (versions[0], versions[n - 1]) if n else (row_version, row_version)
+            t.transcript.append(Turn("assistant", text, version=int(first), last_version=int(last)))
             ended = bool(turn) and turn[-1] in self.stop_ids
             if not ended and self.max_total_tokens is not None and t.length >= self.max_total_tokens:
                 # the model's turn was cut at the budget: the trajectory ends here

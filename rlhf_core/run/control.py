@@ -98,14 +98,16 @@ class ExperienceBuffer:
             self.set_weights_version(published_version)
         return self.set_version(version)
 
-    def try_admit(self, n_groups: int) -> int:
-        """How many of n_groups a worker may start now: all of them, as many as the capacity has room for (a
-        smaller batch: at max_staleness 0 a filtered or failed group frees one group's room, and a batch that
-        waited for a whole batch's room would wait forever), or 0 (paused, or no room)."""
+    def try_admit(self, n_groups: int, at_least: int = 1) -> int:
+        """How many of n_groups a worker may start now: all of them, or as many as the capacity has room for
+        when that is at least `at_least` (a smaller batch: at max_staleness 0 a filtered or failed group frees one
+        group's room, and a batch that waited for a whole batch's room would wait forever), else 0 (paused, or
+        no room)."""
         with self.lock:
             if self.paused:
                 return 0
-            granted = max(0, min(int(n_groups), self.capacity() - self.admitted))  # more would be consumed too stale
+            free = self.capacity() - self.admitted  # beyond it, groups would be consumed too stale
+            granted = int(n_groups) if n_groups <= free else (free if free >= max(1, int(at_least)) else 0)
             self.admitted += granted
             return granted
 

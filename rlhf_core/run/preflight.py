@@ -331,7 +331,11 @@ def check_user_code(cfg) -> None:
         (f"reward.functions[{i}]", fn.path or fn.name, lambda fn=fn, i=i: load_function(fn.path, fn.name, ""))
         for i, fn in enumerate(cfg.reward.functions)
     ]
-    if cfg.env.enabled:
+    if cfg.env.adapter:
+        from rlhf_core.env.adapters import load_factory
+
+        checks.append(("env.factory", cfg.env.factory, lambda: load_factory(cfg.env.factory)))
+    elif cfg.env.enabled:
         checks.append(
             ("env", cfg.env.path or cfg.env.class_name, lambda: load_env_class(cfg.env.path, cfg.env.class_name))
         )
