@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, Optional
 
 from pydantic import Field, model_validator
 
@@ -35,7 +35,37 @@ class EnvConfig(_Section):
         "",
         description="The environment class's name there; empty = no environment (ToolEnv when env.tools is set).",
     )
-    kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the class's __init__.")
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Keyword arguments of the class's __init__ (with env.adapter: of env.factory, e.g. base_url).",
+    )
+    adapter: Literal["", "gym", "openenv"] = Field(
+        "",
+        description="Run an environment you already have: 'gym' (gymnasium-style reset(seed=...) and five-value "
+        "step, text observations, e.g. gem-llm games) or 'openenv' (an OpenEnv EnvClient); made by "
+        "env.factory with env.kwargs. Empty: env.name's class.",
+    )
+    factory: str = Field(
+        "",
+        description="With env.adapter: 'module:callable' (or 'file.py:callable') that makes the environment or client "
+        "from env.kwargs, once per episode (e.g. 'gem:make' with kwargs {env_id: game:GuessTheNumber-v0-easy}).",
+    )
+    action_field: str = Field(
+        "",
+        description="env.adapter openenv: the Action field that gets the model's text; empty = the Action class's "
+        "one string field.",
+    )
+    observation_field: str = Field(
+        "",
+        description="With env.adapter: the observation field that holds its text when it is not a string; empty = "
+        "its one string field.",
+    )
+    max_sessions: Optional[int] = Field(
+        None,
+        ge=1,
+        description="Most episodes open at once per rollout worker (each holds an environment instance, for OpenEnv a "
+        "server session, from reset to close); the others wait to start. None: no limit.",
+    )
     max_turns: int = Field(4, ge=1, description="Most model turns per trajectory; the trajectory ends after it.")
     step_timeout_s: float = Field(
         30.0,
