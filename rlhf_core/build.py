@@ -7,6 +7,7 @@ EOS set, LoRA) is added once and behaves the same everywhere.
 
 from __future__ import annotations
 
+import copy
 import random
 from pathlib import Path
 
@@ -108,6 +109,7 @@ def build_rollout_worker(
     `reward_model`: the reward model as an external reward scored elsewhere (the Ray runtime's actor); None
     scores it in this process when reward.model.path is set."""
     stop_ids = build_stop_ids(cfg, tokenizer, policy_dir)
+    model = rollout_model(cfg, model)
     engine = build_engine(cfg, model, tokenizer, model_path=str(policy_dir), seed=seed, stop_token_ids=stop_ids)
     return RolloutWorker(
         engine,
@@ -120,6 +122,24 @@ def build_rollout_worker(
         external=build_external_rewards(cfg, tokenizer, stop_ids, reward_model=reward_model),
         env=build_env_runner(cfg, tokenizer, stop_ids, policy_dir),
     )
+
+
+def rollout_casts(cfg: TrainConfig, model) -> bool:
+    """Whether rollout.dtype asks the HF engine for another dtype than `model`'s parameters."""
+    from rlhf_core.models import resolve_dtype
+
+    dtype = resolve_dtype(cfg.rollout.dtype) if cfg.rollout.dtype else None
+    return dtype is not None and cfg.rollout.engine == "hf" and next(model.parameters()).dtype != dtype
+
+
+def rollout_model(cfg: TrainConfig, model):
+    """The rollout engine's model: `model` itself, or with rollout.dtype a copy in that dtype (weights and compute;
+    a LoRA model's adapters too). Syncs copy the trainer's tensors into it, cast on load (HFEngine.load_weights)."""
+    if not rollout_casts(cfg, model):
+        return model
+    from rlhf_core.models import resolve_dtype
+
+    return copy.deepcopy(model).to(resolve_dtype(cfg.rollout.dtype)).eval()
 
 
 def build_env_runner(cfg: TrainConfig, tokenizer, stop_ids: list[int], policy_dir: str | Path = "model"):

@@ -21,7 +21,7 @@ from typing import Any, Literal, Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from rlhf_core.algorithms.options import move_flat_keys
+from rlhf_core.algorithms.options import RolloutCorrection, move_flat_keys
 from rlhf_core.algorithms.registry import (
     REGISTRIES,
     AdvantageSpec,
@@ -105,10 +105,11 @@ class AlgorithmConfig(_Section):
     importance_level: Literal["token", "sequence"] = Field(
         "token", description="Per-token ratios (PPO) or one geometric-mean ratio per sequence (GSPO)."
     )
-    tis_cap: Optional[float] = Field(
-        None,
-        gt=0,
-        description="Truncated importance sampling cap for rollout-vs-trainer logprob mismatch; None disables.",
+    rollout_correction: RolloutCorrection = Field(
+        default_factory=RolloutCorrection,
+        description="Off-policy correction between the rollout engine and the trainer: {mode: none|tis|mis|icepop, "
+        "level: token|sequence, lower, upper} (rlhf_core.algorithms.correction). Turn it on when the engine's "
+        "log-probs differ from the trainer's (bf16/vLLM engines: see mismatch/engine_kl).",
     )
     kl_coef: float = Field(
         0.0, ge=0, description="Weight of the KL penalty to the frozen reference policy; 0 loads no reference model."
@@ -623,6 +624,11 @@ class RolloutConfig(_Section):
     vllm_gpu_memory_utilization: float = Field(
         0.5, gt=0, le=1, description="vLLM engine: fraction of GPU memory it may take."
     )
+    dtype: Optional[Literal["float32", "bfloat16"]] = Field(
+        None,
+        description="HF engine: the rollout model's weights and compute dtype (None: model.dtype). bfloat16 with a "
+        "float32 trainer is a real engine mismatch (as vLLM in bf16): syncs are cast on load, log-probs stay float32.",
+    )
 
 
 class TrainerConfig(_Section):
@@ -846,6 +852,13 @@ class SupervisionConfig(_Section):
     stall_timeout_s: float = Field(
         180.0, gt=0, description="Fail when no trainer step completes for this long, naming the stuck role."
     )
+    engine_mismatch_kl: float = Field(
+        0.05,
+        gt=0,
+        description="Health event engine_mismatch when mismatch/engine_kl (KL rollout || trainer on tokens of the "
+        "trainer's own version) stays above this for engine_mismatch_polls polls.",
+    )
+    engine_mismatch_polls: int = Field(3, ge=1, description="Consecutive polls above engine_mismatch_kl.")
 
 
 class RunConfig(_Section):
@@ -1179,6 +1192,18 @@ def _moved(old: str, new: str):
     return migrate
 
 
+def _tis_cap(data: dict) -> Optional[str]:
+    """algorithm.tis_cap (removed): truncated IS is algorithm.rollout_correction {mode: tis, level: token, upper}."""
+    algo = data.get("algorithm")
+    if not isinstance(algo, dict) or "tis_cap" not in algo:
+        return None
+    cap = algo.pop("tis_cap")
+    if cap is None or "rollout_correction" in algo:
+        return "algorithm.tis_cap is gone (algorithm.rollout_correction is the one correction); ignored"
+    algo["rollout_correction"] = {"mode": "tis", "level": "token", "upper": cap}
+    return f"algorithm.tis_cap is algorithm.rollout_correction {{mode: tis, level: token, upper: {cap}}} now; loaded as such"
+
+
 # Keys that moved or went: each rewrites the raw mapping in place and returns the one line to print (or None).
 MIGRATIONS = [
     _runtime_mode,
@@ -1186,6 +1211,7 @@ MIGRATIONS = [
     _moved("tracking.checkpoint_every", "checkpoint.every"),
     _moved("tracking.keep_checkpoints", "checkpoint.keep"),
     _moved("tracking.eval_every", "eval.every"),
+    _tis_cap,
 ]
 
 

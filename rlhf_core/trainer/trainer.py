@@ -26,6 +26,7 @@ from rlhf_core.algorithms import (
 from rlhf_core.lora import adapter_state_dict, adapters_disabled, is_lora
 from rlhf_core.models import disable_dropout
 from rlhf_core.rollout.base import SamplingParams, processed_logits
+from rlhf_core.trainer.ledger import mismatch_ledger
 from rlhf_core.trainer.sharding import (
     gather_rows,
     global_grad_norm,
@@ -400,6 +401,7 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         mismatch_kl = torch.zeros((), device=self.device)
         mismatch_m2 = torch.zeros((), device=self.device)
+        recomputed = []  # the trainer's log-probs at this version, per micro-batch: the mismatch ledger's
         for idx in micro:
             mask = step_mask[idx]
             logprobs, entropy = self._logprobs(self.model, batch, idx, with_entropy=True)
@@ -408,6 +410,7 @@ class Trainer:
             with torch.no_grad():  # behaviour vs current policy on the tokens trained on (k3 of KL(mu || pi))
                 valid = mask.bool()
                 behaviour, current = batch.behavior_logprobs[idx], logprobs.detach()
+                recomputed.append(current)
                 k3 = kl_penalty(behaviour, current, "k3")
                 mismatch_kl += torch.where(valid, k3, torch.zeros_like(k3)).sum()
                 mismatch_m2 += torch.where(valid, (current - behaviour).square(), torch.zeros_like(k3)).sum()
@@ -466,6 +469,13 @@ class Trainer:
         self.tokens += n_tokens
 
         metrics = {k: float(v) for k, v in sums.items()}
+        # mismatch/*: engine numerics (tokens of this version) apart from drift (older tokens), ledger.py
+        recomputed_all = gather_rows(torch.cat(recomputed), N, self.group)
+        metrics.update(
+            mismatch_ledger(
+                recomputed_all, batch.behavior_logprobs, step_mask, batch.versions_per_token(), consumer_version
+            )
+        )
         metrics.update(critic_metrics)
         if gae is not None:
             metrics.update({k: v for k, v in gae.items() if k != "values"})
