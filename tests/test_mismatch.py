@@ -217,3 +217,13 @@ def test_tiny_task_engine_kl_is_zero_in_fp32_and_positive_in_bf16(tmp_path):
     assert max(kls["float32"]) < 1e-6, kls
     # ~1e-7 on this 1-layer, hidden-32 policy (small logits, small bf16 rounding): far above fp32's
     assert min(kls["bfloat16"]) > 1e-8 and min(kls["bfloat16"]) > 100 * max(kls["float32"]), kls
+
+
+def test_summary_table_of_the_ledger_per_evaluation():
+    from flows.progress import ledger_of, mismatch_markdown
+
+    step = {"mismatch/engine_kl": 2e-7, "mismatch/drift_kl": 0.01, "correction/masked_frac": 0.1, "loss/total": 1.0}
+    evals = [{"step": 0, "eval/accuracy": 0.2}, {"step": 25, "eval/accuracy": 0.5, **ledger_of(step)}]
+    table = mismatch_markdown(evals)
+    assert "| 25 | 0.500 | 2e-07 | 0.01 | 0.1 |" in table and "loss/total" not in table
+    assert mismatch_markdown(evals[:1]) == ""
