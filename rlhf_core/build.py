@@ -133,13 +133,19 @@ def rollout_casts(cfg: TrainConfig, model) -> bool:
 
 
 def rollout_model(cfg: TrainConfig, model):
-    """The rollout engine's model: `model` itself, or with rollout.dtype a copy in that dtype (weights and compute;
-    a LoRA model's adapters too). Syncs copy the trainer's tensors into it, cast on load (HFEngine.load_weights)."""
+    """The rollout engine's model: `model` itself, or with rollout.dtype a copy whose parameters are in that dtype
+    (a LoRA model's adapters too; buffers such as rotary frequencies keep theirs, as from_pretrained(dtype=) leaves
+    them). Syncs copy the trainer's tensors into it, cast on load (HFEngine.load_weights: copy_)."""
     if not rollout_casts(cfg, model):
         return model
     from rlhf_core.models import resolve_dtype
 
-    return copy.deepcopy(model).to(resolve_dtype(cfg.rollout.dtype)).eval()
+    dtype = resolve_dtype(cfg.rollout.dtype)
+    engine_model = copy.deepcopy(model).eval()
+    with torch.no_grad():
+        for param in engine_model.parameters():  # tied weights are one Parameter: cast once
+            param.data = param.data.to(dtype)
+    return engine_model
 
 
 def build_env_runner(cfg: TrainConfig, tokenizer, stop_ids: list[int], policy_dir: str | Path = "model"):
