@@ -16,6 +16,38 @@ def event_rows(events: list[HealthEvent]) -> list[dict]:
     return [e.row() for e in events]
 
 
+LEDGER_KEYS = (
+    "mismatch/engine_kl",
+    "mismatch/drift_kl",
+    "correction/weight_mean",
+    "correction/weight_max",
+    "correction/clipped_frac",
+    "correction/masked_frac",
+)
+"""The mismatch ledger's step metrics (rlhf_core.trainer.ledger, algorithms.correction) kept with each evaluation."""
+
+
+def ledger_of(metrics: dict) -> dict:
+    """The ledger's values among a step's metrics (those present)."""
+    return {k: metrics[k] for k in LEDGER_KEYS if k in metrics}
+
+
+def mismatch_markdown(evals: list[dict]) -> str:
+    """A small markdown table of the ledger at each evaluation (the trainer step before it); '' when none has it."""
+    keys = [k for k in LEDGER_KEYS if any(k in e for e in evals)]
+    if not keys:
+        return ""
+    head = "| step | eval/accuracy | " + " | ".join(f"`{k}`" for k in keys) + " |"
+    rows = [
+        f"| {e.get('step', '')} | {e.get('eval/accuracy', float('nan')):.3f} | "
+        + " | ".join(f"{e[k]:.3g}" if k in e else "" for k in keys)
+        + " |"
+        for e in evals
+        if any(k in e for k in keys)
+    ]
+    return "\n".join(["## Mismatch ledger per evaluation", "", head, "|" + "---|" * (len(keys) + 2), *rows, "", ""])
+
+
 def reward_component_keys(metrics: dict) -> list[str]:
     """The `reward/<component>` keys of a step's metrics (every configured reward component's batch mean,
     unweighted), in the order logged; reward/mean and reward/std are not components."""

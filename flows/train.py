@@ -33,7 +33,14 @@ from prefect.runtime import flow_run as current_flow_run
 from prefect.states import Cancelled
 
 from flows.lifecycle import RunResources, raise_if_pending, sigterm_kept
-from flows.progress import CancelWatch, event_rows, progress_line, reward_component_keys
+from flows.progress import (
+    CancelWatch,
+    event_rows,
+    ledger_of,
+    mismatch_markdown,
+    progress_line,
+    reward_component_keys,
+)
 from rlhf_core.config import TrainConfig, validate_config
 from rlhf_core.run.preflight import LATEST, claim_run_dir, default_run_name
 from rlhf_core.run.supervise import Every, Sinks
@@ -295,7 +302,7 @@ def finish(run: RunState) -> dict:
         description="Health events found by the supervising flow",
     )
     create_markdown_artifact(
-        markdown=_summary_markdown(cfg, result, tracker) + plots.markdown,
+        markdown=_summary_markdown(cfg, result, tracker) + mismatch_markdown(run.evals) + plots.markdown,
         key="atrlhf-summary",
         description="Run summary",
     )
@@ -343,7 +350,7 @@ def _recorded(run: RunState, checkpoint: str) -> str:
 def _evaluate(run: RunState) -> dict:
     result = evaluate_heldout(run.runtime, run.step)
     trace_evaluation(run.tracker, result, run.step)  # a multi-turn run's episodes as MLflow traces
-    run.evals.append({**result, "step": run.step})
+    run.evals.append({**result, **ledger_of(run.last_metrics), "step": run.step})  # ledger: the summary's table
     run.tracker.log_metrics_at(result, run.step)
     return result
 

@@ -491,10 +491,11 @@ def _stale_batch(seed=14, n=12, length=7):
 @pytest.mark.parametrize("loss", ["ppo", "grpo", "m2po-trust_region", "m2po-ratio_sq"])
 def test_micro_batch_losses_sum_exactly_to_the_full_batch(loss, agg):
     """Per-micro-batch losses with the step's normalisers (and, for M2PO, the step's keep mask) sum to the
-    full-batch loss, gradients included, for every loss and aggregation (with KL and TIS on)."""
+    full-batch loss, gradients included, for every loss and aggregation (with KL on; rollout corrections:
+    tests/test_correction.py)."""
     name, _, masking = loss.partition("-")
     options = {"masking": masking, "clip_eps": None if masking == "trust_region" else 0.2, "m2_threshold": 0.05}
-    cfg = AlgorithmConfig(loss=name, loss_options=options if masking else {}, agg=agg, kl_coef=0.1, tis_cap=2.0)
+    cfg = AlgorithmConfig(loss=name, loss_options=options if masking else {}, agg=agg, kl_coef=0.1)
     logp, beh, adv, mask, ref, roll = _stale_batch()
     logp = logp.requires_grad_()
     full, full_stats = compute_policy_loss(cfg, logp, beh, adv, mask, ref, roll, norm_len=9)
@@ -732,14 +733,13 @@ def test_registry_dispatch_matches_direct_calls():
     assert close(
         got, compute_m2po_loss(logp, old, adv, mask, masking="ratio_sq", clip_eps=0.2, ratio_sq_threshold=1.5)[0], 1e-12
     )
-    cfg = AlgorithmConfig(loss="grpo", importance_level="sequence", tis_cap=2.0)
+    # a rollout correction: the ratio against the trainer's log-probs (detached), the advantages times w
+    cfg = AlgorithmConfig(loss="grpo", importance_level="sequence", rollout_correction={"mode": "tis"})
     got, stats = compute_policy_loss(cfg, logp, old, adv, mask, rollout_logprobs=ref)
-    assert close(
-        got,
-        compute_grpo_loss(logp, old, adv, mask, importance_level="sequence", rollout_logprobs=ref, tis_cap=2.0)[0],
-        1e-12,
-    )
-    assert "tis/weight_mean" in stats
+    w = torch.exp((logp.detach() - ref).clamp(-20, 20)).clamp(max=2.0)
+    want = compute_grpo_loss(logp, logp.detach(), adv[:, None] * w, mask, importance_level="sequence")[0]
+    assert close(got, want, 1e-12)
+    assert "correction/weight_mean" in stats
     with pytest.raises(ValueError, match="unknown policy loss"):
         compute_policy_loss(SimpleNamespace(loss="a2c"), logp, old, adv)
 
@@ -856,9 +856,10 @@ def test_losses_do_not_sync_on_cuda():
         return compute_policy_loss(cfg, logp[:4], old[:4], adv[:4], mask[:4], ref[:4], roll[:4], **kw)
 
     cfgs = [
-        AlgorithmConfig(loss=loss, loss_options=options, agg=agg, kl_coef=0.1, tis_cap=2.0)
+        AlgorithmConfig(loss=loss, loss_options=options, agg=agg, kl_coef=0.1, rollout_correction={"mode": mode})
         for loss, options in (("ppo", {}), ("m2po", {"masking": "trust_region"}), ("m2po", {"masking": "ratio_sq"}))
         for agg in AGG_MODES
+        for mode in ("none", "tis", "mis")
     ]
     calls += [lambda cfg=cfg: micro_batch(cfg) for cfg in cfgs]
     for call in calls:  # warm-up (allocator, kernels)

@@ -12,6 +12,7 @@ from typing import Any, Optional
 import torch
 
 from rlhf_core.algorithms.aggregation import agg_loss, as_mask, global_normalisers
+from rlhf_core.algorithms.correction import apply_correction
 from rlhf_core.algorithms.registry import POLICY_LOSS_REGISTRY, policy_loss_spec
 from rlhf_core.algorithms.surrogate import Norm, Stats, _add_kl, _agg_kwargs, _Inputs
 
@@ -22,8 +23,10 @@ class LossInputs:
 
     Tensors (shapes as in rlhf_core.algorithms.policy_loss): logprobs (with gradient), old_logprobs (the behaviour
     log-probs the ratio is taken against), advantages, mask, ref_logprobs (given when the KL reference is
-    used), rollout_logprobs (for TIS). The algorithm's settings every loss is expected to honour: agg,
-    importance_level, tis_cap, kl_coef (0 when there is no ref_logprobs), kl_estimator. The step's
+    used), rollout_logprobs (the engine's, when given apart from old_logprobs). The algorithm's settings every
+    loss is expected to honour: agg, importance_level, kl_coef (0 when there is no ref_logprobs), kl_estimator.
+    With algorithm.rollout_correction on, the dispatch has already applied it (rlhf_core.algorithms.correction):
+    old_logprobs are then the trainer's log-probs and advantages [N, L] carry the correction weights. The step's
     normalisation: norm_len, global_norm (see policy_loss; `aggregate` applies both). keep_mask,
     kept_norm: the rows' share of the step's token mask of a loss registered with step_mask, else None.
     """
@@ -36,7 +39,6 @@ class LossInputs:
     rollout_logprobs: Optional[torch.Tensor] = None
     agg: str = "token-mean"
     importance_level: str = "token"
-    tis_cap: Optional[float] = None
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
     norm_len: Optional[float] = None
@@ -50,7 +52,6 @@ class LossInputs:
             "agg": self.agg,
             "importance_level": self.importance_level,
             "rollout_logprobs": self.rollout_logprobs,
-            "tis_cap": self.tis_cap,
             "ref_logprobs": self.ref_logprobs,
             "kl_coef": self.kl_coef,
             "kl_estimator": self.kl_estimator,
@@ -97,7 +98,6 @@ def _loss_inputs(algo_cfg: Any, *tensors: Optional[torch.Tensor], **step: Any) -
         rollout_logprobs,
         agg=algo_cfg.agg,
         importance_level=algo_cfg.importance_level,
-        tis_cap=algo_cfg.tis_cap,
         kl_coef=algo_cfg.kl_coef if ref_logprobs is not None else 0.0,
         kl_estimator=algo_cfg.kl_estimator,
         **step,
@@ -131,6 +131,10 @@ def compute_policy_loss(
     spec = policy_loss_spec(algo_cfg.loss)
     if (keep_mask is not None or kept_norm is not None) and spec.step_mask is None:
         raise ValueError(f"policy loss {algo_cfg.loss!r} takes no step-wide keep_mask/kept_norm")
+    # algorithm.rollout_correction, for every loss: the ratio against the trainer's log-probs, w·A (correction.py)
+    old_logprobs, advantages, corrected = apply_correction(
+        getattr(algo_cfg, "rollout_correction", None), logprobs, old_logprobs, advantages, mask, rollout_logprobs
+    )
     inputs = _loss_inputs(
         algo_cfg,
         logprobs,
@@ -144,7 +148,8 @@ def compute_policy_loss(
         keep_mask=keep_mask,
         kept_norm=kept_norm,
     )
-    return spec.fn(inputs, algo_cfg.loss_options)
+    loss, stats = spec.fn(inputs, algo_cfg.loss_options)
+    return loss, {**stats, **corrected}
 
 
 def step_keep_mask(
@@ -164,6 +169,9 @@ def step_keep_mask(
     spec = policy_loss_spec(algo_cfg.loss)
     if spec.step_mask is None:
         return None
+    old_logprobs, advantages, _ = apply_correction(
+        getattr(algo_cfg, "rollout_correction", None), logprobs.detach(), old_logprobs, advantages, mask, None
+    )
     inputs = _loss_inputs(algo_cfg, logprobs.detach(), old_logprobs, advantages, mask, None, None)
     keep = spec.step_mask(inputs, algo_cfg.loss_options)
     valid = as_mask(mask, logprobs.detach())

@@ -11,7 +11,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rlhf_core.algorithms.registry import REGISTRIES, AlgorithmOptions
 
@@ -71,6 +71,45 @@ class GAEOptions(AlgorithmOptions):
     gamma: float = Field(1.0, ge=0, le=1, description="Discount over response tokens.")
     lam: float = Field(1.0, ge=0, le=1, description="GAE lambda.")
     whiten: bool = Field(True, description="Whiten the advantages over the step's valid tokens.")
+
+
+CORRECTION_MODES = ("none", "tis", "mis", "icepop")
+
+
+class RolloutCorrection(BaseModel):
+    """`algorithm.rollout_correction`: importance weights w = pi_train / pi_rollout between the trainer's
+    log-probs (the weights it holds at the step) and the rollout engine's, applied with every loss
+    (rlhf_core.algorithms.correction; verl's rollout correction). tis: w truncated at upper; mis: w, zero outside
+    [lower, upper]; icepop: mis per token. level sequence: one weight per row, the geometric mean of its
+    tokens' ratios. With a correction on, every loss takes its ratio against the trainer's log-probs (decoupled)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    mode: Literal["none", "tis", "mis", "icepop"] = Field(
+        "none",
+        description="none | tis (truncate at upper) | mis (mask outside [lower, upper]) | icepop (mis per token).",
+    )
+    level: Literal["token", "sequence"] = Field(
+        "token", description="Per-token weights, or one per sequence (geometric mean of its token ratios)."
+    )
+    lower: Optional[float] = Field(None, gt=0, description="mis/icepop: lowest weight kept; None: 1 / upper.")
+    upper: float = Field(2.0, gt=0, description="tis: truncation; mis/icepop: highest weight kept.")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RolloutCorrection:
+        if self.mode == "icepop" and self.level != "token":
+            raise ValueError("rollout_correction.mode 'icepop' masks per token: use level 'token' (or mode 'mis')")
+        if self.lower is not None and self.lower >= self.upper:
+            raise ValueError(f"rollout_correction.lower ({self.lower}) must be below upper ({self.upper})")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "none"
+
+    @property
+    def lower_bound(self) -> float:
+        return 1.0 / self.upper if self.lower is None else self.lower
 
 
 FLAT_KEYS: dict[str, tuple[str, str]] = {

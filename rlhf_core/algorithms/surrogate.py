@@ -13,6 +13,7 @@ from typing import Any, Optional
 import torch
 
 from rlhf_core.algorithms.aggregation import AGG_MODES, agg_loss, as_mask, masked_mean, safe_div
+from rlhf_core.algorithms.correction import correction_weights
 from rlhf_core.algorithms.kl import KL_ESTIMATORS, kl_penalty
 from rlhf_core.algorithms.options import IMPORTANCE_LEVELS
 
@@ -166,13 +167,14 @@ def _ratio_stats(x: _Inputs, log_ratio: torch.Tensor, ratio: torch.Tensor, clipp
 
 
 def _tis_weights(x: _Inputs, tis_cap: Optional[float], stats: Stats) -> Optional[torch.Tensor]:
-    """min(exp(old − rollout), cap), detached; None when TIS is off."""
+    """min(exp(old − rollout), cap), detached; None when TIS is off. The tensor functions' own keyword
+    (compute_*_loss(rollout_logprobs=, tis_cap=)): the one correction (`correction_weights`, mode tis, level
+    token) under the stats names tis/weight_mean, tis/capped_frac. Configs use algorithm.rollout_correction."""
     if tis_cap is None or x.rollout_logprobs is None:
         return None
-    raw = torch.exp((x.old_logprobs - x.rollout_logprobs).detach().clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
-    w = raw.clamp(max=tis_cap)
-    stats["tis/weight_mean"] = masked_mean(w, x.mask)
-    stats["tis/capped_frac"] = masked_mean((raw > tis_cap).to(w.dtype), x.mask)
+    w, s = correction_weights(x.old_logprobs, x.rollout_logprobs, x.mask, "tis", "token", upper=tis_cap)
+    stats["tis/weight_mean"] = s["correction/weight_mean"]
+    stats["tis/capped_frac"] = s["correction/clipped_frac"]
     return w
 
 

@@ -6,7 +6,7 @@ Items are arbitrary objects (an `Experience`, a dict, ...); one pushed object co
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from rlhf_core.buffer._base import LockedBuffer, VersionWindow, read_version
@@ -145,10 +145,16 @@ class VersionedReplayBuffer(BoundedReplayBuffer, VersionWindow):
     so `sample` can never hand out a stale item. max_staleness None disables the check.
     """
 
-    def __init__(self, max_size: int, max_staleness: int | None, version: int = 0) -> None:
+    def __init__(
+        self, max_size: int, max_staleness: int | None, version: int = 0, measure: Callable | None = None
+    ) -> None:
         if max_staleness is not None and max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0 or None, got {max_staleness}")
         super().__init__(max_size)
+        # measure(item) -> (response tokens, rows): the evicted items' lengths (stats evicted_tokens, evicted_rows)
+        self._measure = measure
+        self._evicted_tokens = 0
+        self._evicted_rows = 0
         self._max_staleness = max_staleness
         self._version = int(version)
         self._min_fresh = self._fresh_bound()
@@ -164,6 +170,7 @@ class VersionedReplayBuffer(BoundedReplayBuffer, VersionWindow):
             self._pushed += 1
             if version < self._min_fresh:
                 self._evicted_stale += 1
+                self._measure_evicted([item])
                 return False
             queue = self._queue
             if len(queue) == self._max_size:
@@ -188,6 +195,8 @@ class VersionedReplayBuffer(BoundedReplayBuffer, VersionWindow):
             stale = len(items) - len(fresh)
             self._pushed += stale
             self._evicted_stale += stale
+            if stale:
+                self._measure_evicted([item for item, v in zip(items, versions) if v < bound])
             self._extend(fresh)
             if fresh:
                 self._min_version = min(self._min_version, min(v for v in versions if v >= bound))
@@ -198,6 +207,7 @@ class VersionedReplayBuffer(BoundedReplayBuffer, VersionWindow):
         bound = self._min_fresh
         fresh = [item for item, v in zip(items, versions) if v >= bound]
         self._evicted_stale += len(items) - len(fresh)
+        self._measure_evicted([item for item, v in zip(items, versions) if v < bound])
         if fresh:
             self._min_version = min(self._min_version, min(v for v in versions if v >= bound))
         return fresh
@@ -268,19 +278,32 @@ class VersionedReplayBuffer(BoundedReplayBuffer, VersionWindow):
         versions = [read_version(item) for item in queue]
         keep = [item for item, v in zip(queue, versions) if v >= bound]
         evicted = len(queue) - len(keep)
+        if evicted:
+            self._measure_evicted([item for item, v in zip(queue, versions) if v < bound])
         queue.clear()
         queue.extend(keep)  # same deque object: waiters hold no reference to a stale one
         self._evicted_stale += evicted
         self._min_version = min((v for v in versions if v >= bound), default=float("inf"))
         return evicted
 
+    def _measure_evicted(self, items: list) -> None:
+        """With the lock held: add the evicted items' response tokens and rows (when a measure was given)."""
+        if self._measure is None:
+            return
+        for item in items:
+            tokens, rows = self._measure(item)
+            self._evicted_tokens += int(tokens)
+            self._evicted_rows += int(rows)
+
     def clear(self) -> None:
         with self._lock:
             self._queue.clear()
             self._min_version = float("inf")
             self._reset_counters()
+            self._evicted_tokens = self._evicted_rows = 0
 
     def _stats(self) -> dict:
         out = super()._stats()
         out.update(version=self._version, max_staleness=self._max_staleness)
+        out.update(evicted_tokens=self._evicted_tokens, evicted_rows=self._evicted_rows)
         return out

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from rlhf_core.algorithms.options import move_flat_keys
+from rlhf_core.algorithms.options import RolloutCorrection, move_flat_keys
 from rlhf_core.algorithms.registry import (
     REGISTRIES,
     AdvantageSpec,
@@ -72,10 +72,11 @@ class AlgorithmConfig(_Section):
     importance_level: Literal["token", "sequence"] = Field(
         "token", description="Per-token ratios (PPO) or one geometric-mean ratio per sequence (GSPO)."
     )
-    tis_cap: Optional[float] = Field(
-        None,
-        gt=0,
-        description="Truncated importance sampling cap for rollout-vs-trainer logprob mismatch; None disables.",
+    rollout_correction: RolloutCorrection = Field(
+        default_factory=RolloutCorrection,
+        description="Off-policy correction between the rollout engine and the trainer: {mode: none|tis|mis|icepop, "
+        "level: token|sequence, lower, upper} (rlhf_core.algorithms.correction). Turn it on when the engine's "
+        "log-probs differ from the trainer's (bf16/vLLM engines: see mismatch/engine_kl).",
     )
     kl_coef: float = Field(
         0.0, ge=0, description="Weight of the KL penalty to the frozen reference policy; 0 loads no reference model."

@@ -214,3 +214,8 @@ class RolloutConfig(_Section):
     vllm_gpu_memory_utilization: float = Field(
         0.5, gt=0, le=1, description="vLLM engine: fraction of GPU memory it may take."
     )
+    dtype: Optional[Literal["float32", "bfloat16"]] = Field(
+        None,
+        description="HF engine: the rollout model's weights and compute dtype (None: model.dtype). bfloat16 with a "
+        "float32 trainer is a real engine mismatch (as vLLM in bf16): syncs are cast on load, log-probs stay float32.",
+    )

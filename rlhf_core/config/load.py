@@ -218,6 +218,18 @@ def _moved(old: str, new: str):
     return migrate
 
 
+def _tis_cap(data: dict) -> Optional[str]:
+    """algorithm.tis_cap (removed): truncated IS is algorithm.rollout_correction {mode: tis, level: token, upper}."""
+    algo = data.get("algorithm")
+    if not isinstance(algo, dict) or "tis_cap" not in algo:
+        return None
+    cap = algo.pop("tis_cap")
+    if cap is None or "rollout_correction" in algo:
+        return "algorithm.tis_cap is gone (algorithm.rollout_correction is the one correction); ignored"
+    algo["rollout_correction"] = {"mode": "tis", "level": "token", "upper": cap}
+    return f"algorithm.tis_cap is algorithm.rollout_correction {{mode: tis, level: token, upper: {cap}}} now; loaded as such"
+
+
 # Keys that moved or went: each rewrites the raw mapping in place and returns the one line to print (or None).
 MIGRATIONS = [
     _runtime_mode,
@@ -225,6 +237,7 @@ MIGRATIONS = [
     _moved("tracking.checkpoint_every", "checkpoint.every"),
     _moved("tracking.keep_checkpoints", "checkpoint.keep"),
     _moved("tracking.eval_every", "eval.every"),
+    _tis_cap,
 ]
 
 

@@ -233,6 +233,13 @@ class SupervisionConfig(_Section):
     stall_timeout_s: float = Field(
         180.0, gt=0, description="Fail when no trainer step completes for this long, naming the stuck role."
     )
+    engine_mismatch_kl: float = Field(
+        0.05,
+        gt=0,
+        description="Health event engine_mismatch when mismatch/engine_kl (KL rollout || trainer on tokens of the "
+        "trainer's own version) stays above this for engine_mismatch_polls polls.",
+    )
+    engine_mismatch_polls: int = Field(3, ge=1, description="Consecutive polls above engine_mismatch_kl.")
 
 
 class RunConfig(_Section):

@@ -276,6 +276,7 @@ class DistributedRun(LoopWatch):
         shared = {
             "buffer/size": bstats["size"],
             "buffer/evicted_stale": bstats["evicted_stale"],
+            "buffer/evicted_length_mean": bstats.get("evicted_length_mean", 0.0),
             "buffer/dropped_overflow": bstats["dropped_overflow"],
             "buffer/filtered_groups_frac": bstats.get("filtered_groups_frac", 0.0),
             "util/rollout_busy": rollout_busy,

@@ -7,6 +7,7 @@ EOS set, LoRA) is added once and behaves the same everywhere.
 
 from __future__ import annotations
 
+import copy
 import random
 from pathlib import Path
 
@@ -108,6 +109,7 @@ def build_rollout_worker(
     `reward_model`: the reward model as an external reward scored elsewhere (the Ray runtime's actor); None
     scores it in this process when reward.model.path is set."""
     stop_ids = build_stop_ids(cfg, tokenizer, policy_dir)
+    model = rollout_model(cfg, model)
     engine = build_engine(cfg, model, tokenizer, model_path=str(policy_dir), seed=seed, stop_token_ids=stop_ids)
     return RolloutWorker(
         engine,
@@ -120,6 +122,30 @@ def build_rollout_worker(
         external=build_external_rewards(cfg, tokenizer, stop_ids, reward_model=reward_model),
         env=build_env_runner(cfg, tokenizer, stop_ids, policy_dir),
     )
+
+
+def rollout_casts(cfg: TrainConfig, model) -> bool:
+    """Whether rollout.dtype asks the HF engine for another dtype than `model`'s parameters."""
+    from rlhf_core.models import resolve_dtype
+
+    dtype = resolve_dtype(cfg.rollout.dtype) if cfg.rollout.dtype else None
+    return dtype is not None and cfg.rollout.engine == "hf" and next(model.parameters()).dtype != dtype
+
+
+def rollout_model(cfg: TrainConfig, model):
+    """The rollout engine's model: `model` itself, or with rollout.dtype a copy whose parameters are in that dtype
+    (a LoRA model's adapters too; buffers such as rotary frequencies keep theirs, as from_pretrained(dtype=) leaves
+    them). Syncs copy the trainer's tensors into it, cast on load (HFEngine.load_weights: copy_)."""
+    if not rollout_casts(cfg, model):
+        return model
+    from rlhf_core.models import resolve_dtype
+
+    dtype = resolve_dtype(cfg.rollout.dtype)
+    engine_model = copy.deepcopy(model).eval()
+    with torch.no_grad():
+        for param in engine_model.parameters():  # tied weights are one Parameter: cast once
+            param.data = param.data.to(dtype)
+    return engine_model
 
 
 def build_env_runner(cfg: TrainConfig, tokenizer, stop_ids: list[int], policy_dir: str | Path = "model"):

@@ -52,7 +52,7 @@ class ExperienceBuffer:
     ):
         from rlhf_core.buffer import VersionedReplayBuffer  # torch: only this actor holds tensors
 
-        self.buf = VersionedReplayBuffer(max_size, max_staleness)
+        self.buf = VersionedReplayBuffer(max_size, max_staleness, measure=group_length)
         self.max_staleness = max_staleness
         self.prompts_per_step = prompts_per_step
         self.admitted = 0
@@ -221,6 +221,8 @@ class ExperienceBuffer:
                 "filtered_groups_frac": self.filtered_groups / self.groups_pushed if self.groups_pushed else 0.0,
                 "short_takes": self.short_takes,
                 "max_staleness": self.max_staleness,
+                # buffer/evicted_length_mean: mean response length of the evicted groups' rows (0 before any)
+                "evicted_length_mean": s["evicted_tokens"] / s["evicted_rows"] if s["evicted_rows"] else 0.0,
             }
         )
         return s
@@ -231,6 +233,15 @@ def group_rows(group) -> int:
     if isinstance(group, dict):
         return int(group["batch"]["response_ids"][1].shape[0])
     return len(group)
+
+
+def group_length(group) -> tuple[int, int]:
+    """(response tokens, rows) of a group, packed or not: its response_mask summed, and its rows."""
+    if isinstance(group, dict):
+        mask = group["batch"]["response_mask"][1]
+        return int(mask.sum()), int(mask.shape[0])
+    mask = group.batch.response_mask
+    return int(mask.sum()), int(mask.shape[0])
 
 
 def group_rewards(group):

@@ -130,6 +130,7 @@ def build_run(cfg: TrainConfig, share_weights: bool = True, checkpoint_root: Opt
     train_prompts, heldout = build.build_prompts(cfg, tokenizer)
     check_lengths(policy_dir, cfg, train_prompts + heldout)
     reward_fn = build.build_reward(cfg, tokenizer, build.build_stop_ids(cfg, tokenizer, policy_dir))
+    share_weights = share_weights and not build.rollout_casts(cfg, model)  # rollout.dtype: the engine's own copy
     engine_model = model if share_weights else copy.deepcopy(model)
     worker = build.build_rollout_worker(
         cfg, engine_model, tokenizer, policy_dir, build.rollout_seed(cfg, None), reward_fn=reward_fn
@@ -219,7 +220,9 @@ def lockstep_step(parts: RunParts) -> dict:
 
 
 def _rollout_metrics(parts: RunParts) -> dict:
-    out = {"buffer/filtered_groups_frac": parts.buffer.stats()["filtered_groups_frac"]}
+    stats = parts.buffer.stats()
+    out = {"buffer/filtered_groups_frac": stats["filtered_groups_frac"]}
+    out["buffer/evicted_length_mean"] = stats["evicted_length_mean"]  # beside response/length_mean
     if parts.worker.env is not None:
         out.update(parts.worker.env.metrics())  # env/errors (by kind), env/process_restarts: the run's so far
     return out

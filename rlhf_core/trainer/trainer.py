@@ -8,7 +8,6 @@ the importance ratio measures exactly the drift that staleness introduced (decou
 from __future__ import annotations
 
 import copy
-import math
 import time
 import warnings
 from typing import Optional
@@ -37,22 +36,10 @@ from rlhf_core.model.sharding import (
     world,
 )
 from rlhf_core.rollout.base import SamplingParams
+from rlhf_core.trainer.ledger import mismatch_ledger
 from rlhf_core.trainer.logprobs import packed_sequence_logprobs, packing_isolates, sequence_logprobs
+from rlhf_core.trainer.schedule import build_lr_lambda
 from rlhf_core.types import RolloutBatch
-
-
-def build_lr_lambda(schedule: str, warmup_steps: int, total_steps: int, min_lr_ratio: float):
-    """Multiplier of the peak lr at a step: linear warmup, then constant or cosine down to min_lr_ratio."""
-
-    def fn(step: int) -> float:
-        if warmup_steps and step < warmup_steps:
-            return (step + 1) / warmup_steps
-        if schedule == "constant":
-            return 1.0
-        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return fn
 
 
 class Trainer:
@@ -261,6 +248,7 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         mismatch_kl = torch.zeros((), device=self.device)
         mismatch_m2 = torch.zeros((), device=self.device)
+        recomputed = []  # the trainer's log-probs at this version, per micro-batch: the mismatch ledger's
         for idx in micro:
             mask = step_mask[idx]
             logprobs, entropy = self._logprobs(self.model, batch, idx, with_entropy=True)
@@ -269,6 +257,7 @@ class Trainer:
             with torch.no_grad():  # behaviour vs current policy on the tokens trained on (k3 of KL(mu || pi))
                 valid = mask.bool()
                 behaviour, current = batch.behavior_logprobs[idx], logprobs.detach()
+                recomputed.append(current)
                 k3 = kl_penalty(behaviour, current, "k3")
                 mismatch_kl += torch.where(valid, k3, torch.zeros_like(k3)).sum()
                 mismatch_m2 += torch.where(valid, (current - behaviour).square(), torch.zeros_like(k3)).sum()
@@ -327,6 +316,13 @@ class Trainer:
         self.tokens += n_tokens
 
         metrics = {k: float(v) for k, v in sums.items()}
+        # mismatch/*: engine numerics (tokens of this version) apart from drift (older tokens), ledger.py
+        recomputed_all = gather_rows(torch.cat(recomputed), N, self.group)
+        metrics.update(
+            mismatch_ledger(
+                recomputed_all, batch.behavior_logprobs, step_mask, batch.versions_per_token(), consumer_version
+            )
+        )
         metrics.update(critic_metrics)
         if gae is not None:
             metrics.update({k: v for k, v in gae.items() if k != "values"})
