@@ -5,6 +5,7 @@
     atrlhf score --input FILE.jsonl [--config PATH] [--set key=value ...] [--json]
     atrlhf sweep [--config PATH] [--set key=value ...] --grid key=v1,v2 [--grid ...] [--seeds N]
                  [--max-parallel N] [--metric NAME] [--target ACC] [--sweep-id ID]
+    atrlhf serve --checkpoint PATH_OR_RUN_OR_latest [--port N] [--config PATH] [--set key=value ...]
 
 The config is validated before anything else is imported or started: a bad field exits with status 2 and
 a message naming it. Prefect, Ray and MLflow are imported inside the commands only, so a bad command line
@@ -65,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Asynchronous RL fine-tuning of language models "
         "(PPO/GRPO/M2PO) on Ray, supervised by Prefect, tracked in MLflow.",
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,evaluate,score,sweep}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,evaluate,score,sweep,serve}")
     t = sub.add_parser(
         "train",
         help="run the training flow locally (Prefect, Ray, MLflow)",
@@ -130,6 +131,19 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--metric", default="eval/accuracy", help="the metric plotted against steps (default eval/accuracy)")
     w.add_argument("--target", type=float, default=0.9, help="the accuracy of 'time to target' (default 0.9)")
     w.add_argument("--sweep-id", help="name the sweep (default: a hash of the base config, grid and seeds)")
+    # --- serve (flows/serve.py) ---
+    v = sub.add_parser(
+        "serve",
+        help="serve a policy on an OpenAI-compatible endpoint (loopback, random key)",
+        description="Serve a checkpoint, an exported policy, an MLflow run's logged model or `latest` (run.output_dir/"
+        "latest) at http://127.0.0.1:PORT/v1 (chat completions with tools, completions, models) behind a random key; "
+        "prints the URL and the key. docs/agents.md.",
+    )
+    _add_config_args(v)
+    v.add_argument(
+        "--checkpoint", required=True, metavar="PATH_OR_RUN", help="checkpoint, model directory, run id, latest"
+    )
+    v.add_argument("--port", type=int, default=0, help="port on 127.0.0.1 (default: a free one)")
     return parser
 
 
@@ -178,6 +192,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return EXIT_CONFIG
         return cmd_sweep(cfg, grid, args.seeds, args.max_parallel, args.metric, args.target, args.sweep_id)
     run_config_overrides = None if args.config else _overrides(args.overrides)  # no --config: the run's own
+    if args.command == "serve":
+        from flows.serve import cmd_serve
+
+        return cmd_serve(cfg, args.checkpoint, args.port, run_config_overrides)
     return cmd_evaluate(cfg, args.checkpoint, as_json=args.json, run_config_overrides=run_config_overrides)
 
 

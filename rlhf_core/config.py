@@ -419,6 +419,51 @@ class EnvConfig(_Section):
         return self
 
 
+# --- agent: section (docs/agents.md) -----------------------------------------------------------------------
+AGENT_COLUMNS = ("agent", "agent/requests_mean", "agent/prefix_breaks", "agent/latency_s")
+
+
+class AgentConfig(_Section):
+    """An agent written against the OpenAI client (docs/agents.md): `async def run(client, row, **kwargs)`,
+    called once per episode with an `openai.AsyncOpenAI` on the policy's endpoint; empty name = no agent."""
+
+    path: str = Field("", description="A .py file (relative to the working directory) or an importable module.")
+    name: str = Field("", description="The agent's async function there; empty = no agent.")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments passed to it every call.")
+    timeout_s: float = Field(
+        120.0, gt=0, description="Longest one episode may run; past it the episode fails (agent/timeouts)."
+    )
+    max_requests: int = Field(32, ge=1, description="Most requests one episode may make; later ones get a 400.")
+    max_consecutive_failures: int = Field(
+        20, ge=1, description="Stop the run when this many episodes in a row raise or time out."
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.name)
+
+    def column_names(self) -> list[str]:
+        """The per-row columns an agent batch carries after the reward's and the environment's: agent (the
+        episode's reward, logged as reward/agent), agent/requests_mean, agent/prefix_breaks, agent/latency_s."""
+        return list(AGENT_COLUMNS) if self.enabled else []
+
+    @model_validator(mode="after")
+    def _agent_exists(self) -> AgentConfig:
+        from rlhf_core.env.spec import check_tool_source
+
+        if self.enabled:
+            if not self.path:
+                raise ValueError("agent.path is empty: give the .py file or module that defines agent.name")
+            check_tool_source(self.path, self.name, "agent")
+            resolved = str(Path(self.path).resolve()) if is_file_path(self.path) else self.path
+            if resolved != self.path:  # absolute: Ray workers need not share the working directory
+                self.path = resolved
+        return self
+
+
+# --- end of the agent: section -----------------------------------------------------------------------------
+
+
 class BufferConfig(_Section):
     """Replay buffer between rollout and trainer."""
 
@@ -891,6 +936,9 @@ class TrainConfig(_Section):
     env: EnvConfig = Field(
         default_factory=EnvConfig, description="Multi-turn environment and tools (empty: single-turn prompts)."
     )
+    agent: AgentConfig = Field(
+        default_factory=AgentConfig, description="An agent on the OpenAI-compatible endpoint (empty: none)."
+    )
     run: RunConfig = Field(default_factory=RunConfig, description="Outputs.")
 
     @model_validator(mode="after")
@@ -917,6 +965,19 @@ class TrainConfig(_Section):
                 "data.task 'max3_chat' needs a chat model: set model.tiny_kind=chat (the small local chat model) "
                 "or model.path to a chat model"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _agent_alone(self) -> TrainConfig:
+        """An agent is a sample's whole story: its episode's reward is the reward (docs/agents.md)."""
+        if self.agent.enabled:
+            if self.env.enabled:
+                raise ValueError("agent and env are both set: a sample is an agent's episode or an environment's")
+            if self.reward.functions or self.reward.model.path:
+                raise ValueError(
+                    "agent: the agent's reward is the episode's reward; reward.functions and reward.model are not "
+                    "scored with an agent (remove them, or score inside the agent)"
+                )
         return self
 
     @model_validator(mode="after")

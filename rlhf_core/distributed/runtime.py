@@ -390,6 +390,9 @@ class DistributedRun:
         }
         if any("env_errors" in s for s in alive):  # failed environment trajectories so far, all workers
             shared["env/errors"] = sum(s.get("env_errors", 0) for s in alive)
+        for key in ("agent/errors", "agent/timeouts"):  # failed agent episodes so far, all workers
+            if any(key in s for s in alive):
+                shared[key] = sum(s.get(key, 0) for s in alive)
         for m in metrics:
             m.update(shared)
         self.last_step, self.last_version = tstats["step"], tstats["version"]

@@ -213,6 +213,8 @@ def _rollout_metrics(parts: RunParts) -> dict:
     out = {"buffer/filtered_groups_frac": parts.buffer.stats()["filtered_groups_frac"]}
     if parts.worker.env is not None:
         out["env/errors"] = float(parts.worker.env.errors)  # failed trajectories in the run so far
+    if parts.worker.agent is not None:
+        out.update(parts.worker.agent.stats())  # agent/errors, agent/timeouts: failed episodes so far
     return out
 
 
