@@ -223,12 +223,50 @@ class AgentRunner:
                 return False
             return bool(e.metrics["success"]) if "success" in e.metrics else e.reward > 0
 
+        from rlhf_core.evaluation import EVAL_TRAJECTORIES, TRACED_TRAJECTORIES
+
         return {
             "eval/accuracy": sum(solved(e) for e in episodes) / n,
             "eval/reward_mean": sum(e.reward or 0.0 for e in episodes) / n,
             "eval/requests_mean": sum(e.requests for e in episodes) / n,
             "eval/agent_errors": float(sum(e.error is not None for e in episodes)),
+            # the first few episodes as trajectory-file records (not a metric): logged as MLflow traces
+            EVAL_TRAJECTORIES: [episode_record(e) for e in episodes[:TRACED_TRAJECTORIES]],
         }
+
+
+def episode_record(e: EpisodeLog) -> dict:
+    """An episode as a trajectory-file record (rlhf_core.env.score.trajectory_record's keys), for its MLflow
+    trace: each request's new messages (all of them when it rewrote the history), then its first choice's
+    reply with the version of its first token and its tool calls."""
+    messages, shown = [], []
+    for call in e.calls:
+        sent = call.messages or [{"role": "user", "content": call.text or ""}]
+        new = sent[len(shown) :] if sent[: len(shown)] == shown else sent
+        messages += [{"role": m["role"], "content": m.get("content", "")} for m in new]
+        reply = (
+            call.replies[0] if call.replies else {"role": "assistant", "content": call.texts[0] if call.texts else ""}
+        )
+        first = call.completions[0] if call.completions else None
+        calls = [dict(c["function"]) for c in reply.get("tool_calls") or []]
+        version = first.versions[0] if first is not None and first.versions else None
+        messages.append(
+            {"role": "assistant", "content": reply.get("content", ""), "policy_version": version, "tool_calls": calls}
+        )
+        shown = list(sent) + [reply]
+    versions = [m["policy_version"] for m in messages if m.get("policy_version") is not None]
+    return {
+        "row": {k: v if isinstance(v, (str, int, float, bool, type(None))) else str(v) for k, v in e.row.items()},
+        "messages": messages,
+        "reward": e.reward,
+        "turns": e.requests,
+        "tool_calls": sum(len(m.get("tool_calls") or []) for m in messages),
+        "success": bool(e.metrics["success"]) if "success" in e.metrics else None,
+        "error": e.error,
+        "policy_version": min(versions) if versions else None,
+        "prefix_breaks": e.prefix_breaks,
+        "segments": len(e.segments),
+    }
 
 
 class AgentEvaluator:

@@ -11,10 +11,8 @@ A wrong or missing key is a 401, a malformed request an OpenAI-style 400 error b
 chat template, `rlhf_core.env.chat.ChatFormat`); a request that continues a recorded conversation reuses the
 ids the policy generated and appends the new messages' ids, as environments do (docs/agents.md).
 
-Generation goes through the rollout engine on one thread of its own. Requests that arrive together are
-generated in one engine call: a batching task waits, after the first request, until at least as many
-requests wait as there are open episodes with none in flight (or `batch_wait_s` has passed), then
-generates them together (those with the same sampling settings in one call). While the policy serves a
+Generation goes through the rollout engine on one thread of its own; requests that arrive together are
+generated in one engine call (`rlhf_core.agent.batching`). While the policy serves a
 training run (`serve(engine, sampling=...)`) the run's sampling settings replace the request's temperature,
 top_p and seed (the trainer recomputes the behaviour log-probs under those; max_tokens still applies, capped
 by rollout.max_new_tokens); otherwise (`atrlhf serve`) the request's own settings apply.
@@ -22,7 +20,6 @@ by rollout.max_new_tokens); otherwise (`atrlhf serve`) the request's own setting
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import json
 import secrets
@@ -30,34 +27,14 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Optional
 
-import torch
-
 from rlhf_core.agent import api
+from rlhf_core.agent.batching import Batcher, cut_at_stop
 from rlhf_core.agent.segments import Call, Completion, EpisodeLog
-from rlhf_core.data.prompts import Prompt, collate_prompts
 from rlhf_core.env.chat import ChatFormat, ChatFormatError
-from rlhf_core.rollout.base import SamplingParams, sampling_logprobs, takes_between_steps
-
-
-@dataclass
-class _Job:
-    """One request's rows to generate (a prompt per choice) and where the answer goes."""
-
-    rows: list[list[int]]
-    max_new: int
-    sampling: SamplingParams
-    seed: Optional[int]
-    top: int
-    future: asyncio.Future
-
-    @property
-    def key(self) -> tuple:
-        s = self.sampling
-        return (s.temperature, s.top_p, s.top_k, s.min_p, self.seed, id(self) if self.seed is not None else 0)
+from rlhf_core.rollout.base import SamplingParams
 
 
 class AgentServer:
@@ -95,9 +72,7 @@ class AgentServer:
         self.episodes: dict[str, EpisodeLog] = {}
         self.requests = 0  # answered, over the server's life
         self._formats: dict[str, ChatFormat] = {}
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="agent-generate")
-        self._queue: Optional[asyncio.Queue] = None
-        self._batcher: Optional[asyncio.Task] = None
+        self.batcher = Batcher(self.stop_ids, self.pad_token_id, batch_wait_s, self._idle_episodes)
         self._server = None
         self._thread: Optional[threading.Thread] = None
 
@@ -136,12 +111,13 @@ class AgentServer:
             self._server.should_exit = True
             self._thread.join(timeout=10)
             self._server = self._thread = None
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self.batcher.close()
 
     def serve(self, engine, sampling: Optional[SamplingParams] = None, between_steps: Optional[Callable] = None):
         """Generate with `engine` from now on; `sampling`: a training run's settings (module doc), None: the
         request's own; `between_steps`: the partial-rollout hook, asked before every engine call."""
         self.engine, self.sampling, self.between_steps = engine, sampling, between_steps
+        self.batcher.engine, self.batcher.between_steps = engine, between_steps
 
     def open_episode(self, log: EpisodeLog) -> None:
         self.episodes[log.eid] = log
@@ -359,127 +335,25 @@ class AgentServer:
     def _text(self, c: Completion) -> str:
         return c.cut if c.cut is not None else self.tokenizer.decode(self._content(c), skip_special_tokens=True)
 
-    # ------------------------------------------------------------------ batching and generation
+    # ------------------------------------------------------------------ generation (rlhf_core.agent.batching)
     async def _generate(self, log, rows, params, seed, top, stops) -> tuple[list[Completion], list]:
         if top and not hasattr(self.engine, "model"):
             raise api.APIError(400, "top log-probs need a Hugging Face engine", param="top_logprobs")
-        if self._batcher is None:
-            self._queue = asyncio.Queue()
-            self._batcher = asyncio.get_running_loop().create_task(self._batch_loop())
-        job = _Job(rows, params.max_new_tokens, params, seed, top, asyncio.get_running_loop().create_future())
         if log is not None:
             log.inflight += 1
         try:
-            await self._queue.put(job)
-            completions, tops = await job.future
+            completions, tops = await self.batcher.generate(rows, params, seed, top)
         finally:
             if log is not None:
                 log.inflight -= 1
         self.requests += 1
         for c in completions:
             if stops:
-                _cut_at_stop(self.tokenizer, c, stops, self.stop_ids)
+                cut_at_stop(self.tokenizer, c, stops, self.stop_ids)
         return completions, tops
 
     def _idle_episodes(self) -> int:
         return sum(1 for log in list(self.episodes.values()) if log.inflight == 0)
-
-    async def _batch_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            jobs = [await self._queue.get()]
-            first = loop.time()
-            while True:
-                while not self._queue.empty():
-                    jobs.append(self._queue.get_nowait())
-                if len(jobs) >= self._idle_episodes() or loop.time() - first >= self.batch_wait_s:
-                    break
-                await asyncio.sleep(0.001)
-            groups: dict[tuple, list[_Job]] = {}
-            for job in jobs:
-                groups.setdefault(job.key, []).append(job)
-            for group in groups.values():
-                try:
-                    results = await loop.run_in_executor(self._executor, self._run_engine, group)
-                except Exception as exc:  # noqa: BLE001 - every request of the call gets the error
-                    for job in group:
-                        if not job.future.done():
-                            job.future.set_exception(exc)
-                    continue
-                for job, result in zip(group, results):
-                    if not job.future.done():
-                        job.future.set_result(result)
-
-    @torch.no_grad()
-    def _run_engine(self, group: list[_Job]) -> list[tuple[list[Completion], list]]:
-        """One engine call for the rows of `group` (same sampling settings), on the generation thread."""
-        engine = self.engine
-        if self.between_steps is not None:  # partial rollouts: newer weights before the call
-            update = self.between_steps()
-            if update is not None:
-                engine.load_weights(*update)
-        rows = [r for job in group for r in job.rows]
-        pb = collate_prompts([Prompt(uid=i, prompt_ids=r, answers=[]) for i, r in enumerate(rows)], self.pad_token_id)
-        params = replace(group[0].sampling, max_new_tokens=max(job.max_new for job in group))
-        seed = group[0].seed
-        saved = engine.generator.get_state() if seed is not None and hasattr(engine, "generator") else None
-        if saved is not None:
-            engine.generator.manual_seed(int(seed))
-        try:
-            if self.between_steps is not None and takes_between_steps(engine):
-                out = engine.generate(pb, 1, params, between_steps=self.between_steps)
-            else:
-                out = engine.generate(pb, 1, params)
-        finally:
-            if saved is not None:
-                engine.generator.set_state(saved)
-        ids, logps = out.response_ids.tolist(), out.behavior_logprobs.tolist()
-        versions, lengths = out.versions_per_token().tolist(), out.response_lengths.tolist()
-        results, r = [], 0
-        for job in group:
-            completions, tops = [], []
-            for prompt in job.rows:
-                n = min(int(lengths[r]), job.max_new)
-                c = Completion(ids[r][:n], logps[r][:n], versions[r][:n], bool(n) and ids[r][n - 1] in self.stop_ids)
-                completions.append(c)
-                tops.append(self._top(engine, prompt, c.ids, job.sampling, job.top) if job.top else None)
-                r += 1
-            results.append((completions, tops))
-        return results
-
-    @staticmethod
-    def _top(engine, prompt: list[int], ids: list[int], sampling: SamplingParams, k: int) -> list[list[tuple]]:
-        """The k most likely tokens and their log-probs at each generated position, under the distribution
-        sampled from (one forward pass over prompt + completion, at the weights that generated it)."""
-        if not ids:
-            return []
-        model = engine.model
-        was_training = model.training
-        model.eval()
-        try:
-            x = torch.tensor([prompt + ids], device=engine.device)
-            logits = model(input_ids=x).logits[0, len(prompt) - 1 : len(prompt) - 1 + len(ids)]
-        finally:
-            model.train(was_training)
-        values, index = sampling_logprobs(logits, sampling).topk(k, dim=-1)
-        return [list(zip(i, v)) for i, v in zip(index.tolist(), values.tolist())]
-
-
-def _cut_at_stop(tokenizer, c: Completion, stops: list[str], stop_ids) -> None:
-    """Stop strings: keep the ids up to the first token whose text completes a stop string (they were
-    generated, with their log-probs) and the text before the stop string (`c.cut`)."""
-    content = c.ids[:-1] if c.ids and c.ids[-1] in stop_ids else c.ids
-    text = tokenizer.decode(content, skip_special_tokens=True)
-    hits = [text.find(s) for s in stops if s in text]
-    if not hits:
-        return
-    at = min(hits)
-    for k in range(1, len(content) + 1):
-        if any(s in tokenizer.decode(content[:k], skip_special_tokens=True) for s in stops):
-            break
-    c.ids, c.logprobs, c.versions = c.ids[:k], c.logprobs[:k], c.versions[:k]
-    c.stopped = True
-    c.cut = text[:at]
 
 
 def _finish(c: Completion, message: dict) -> str:
