@@ -39,7 +39,7 @@ def tool_policy(tmp_path_factory):
     model, tok = load_policy(out, dtype="float32", device="cpu")
     stops = stop_token_ids(out, tok)
     torch.manual_seed(0)
-    pairs = load_attr(TOOL_MODEL, "examples", "test")(tok, stops, 20)[::2]  # turn 1 only
+    pairs = load_attr(TOOL_MODEL, "examples", "test")(tok, stops, 10, 0, 1)  # turn 1 only
     load_attr(TOOL_MODEL, "supervised", "test")(model, pairs, 40, 1e-2, 2)
     return model, tok, stops
 
@@ -177,6 +177,12 @@ def test_a_reward_posted_to_the_endpoint(tool_policy):
         runner.cfg.kwargs = {}
         (e,) = runner.run(engine, prompts(1), 1, SamplingParams(3, 0.0))
         assert "posted no reward" in e.error and runner.errors == 1
+    finally:
+        runner.close()
+    runner = runner_for(tok, stops, "two_requests", max_requests=1)  # the second request is refused
+    try:
+        (e,) = runner.run(engine, prompts(1), 1, SamplingParams(3, 0.0))
+        assert "BadRequestError" in e.error and "agent.max_requests=1" in e.error and e.requests == 1
     finally:
         runner.close()
 

@@ -123,3 +123,31 @@ def test_serve_latest_finds_the_newest_policy(tmp_path):
     (run / "policy").mkdir()
     (run / "policy" / "config.json").write_text("{}")
     assert latest_policy(cfg) == tmp_path / "latest" / "policy"
+
+
+@pytest.mark.slow
+def test_the_ray_runtime_runs_agents(ray_local, tmp_path):
+    """Each rollout actor serves its own endpoint and runs the episodes; with partial rollouts the weight-store
+    hook reaches the endpoint's engine calls, and every model token trained on is within the staleness bound;
+    the agent/* metrics travel with the groups; held-out evaluation runs the episodes in the trainer actor."""
+    from rlhf_core.distributed import run_distributed
+
+    base = agent_run_config(tmp_path, "two_requests")
+    data = base.model_dump(mode="json")
+    cfg = validate_config(
+        {
+            **data,
+            "cluster": {"num_cpus": 2},
+            "supervision": {"supervise_interval_s": 0.2},
+            "runtime": {"max_staleness": 1, "wait_timeout_s": 60},
+            "trainer": {**data["trainer"], "total_steps": 3},
+            "rollout": {**data["rollout"], "partial_rollout": True},
+        }
+    )
+    result = run_distributed(cfg, poll_interval_s=0.2)
+    assert result["steps"] == 3
+    for m in result["metrics"]:
+        assert m["agent/requests_mean"] == 2 and m["reward/agent"] == 1.0 and m["agent/prefix_breaks"] == 0
+        assert m["agent/errors"] == 0 and m["async/token_staleness_max"] <= 1
+    assert result["eval/accuracy"] == 1.0
+    assert result["reconcile"]["unaccounted"] == 0, result["reconcile"]

@@ -42,8 +42,9 @@ def corpus(seed: int = 0) -> list[str]:
     return lines
 
 
-def examples(tokenizer, stop_ids, n: int, seed: int = 0) -> list[tuple[list[int], list[int]]]:
-    """n (prompt ids, target ids) pairs, half turn 1 and half turn 2."""
+def examples(tokenizer, stop_ids, n: int, seed: int = 0, first_every: int = 8) -> list[tuple[list[int], list[int]]]:
+    """n (prompt ids, target ids) pairs: every `first_every`-th turn 1 (one fixed call, learned at once), the
+    others turn 2 (reading the tool's digits is what takes the steps)."""
     from rlhf_core.env.chat import ChatFormat
 
     rng = random.Random(seed)
@@ -53,7 +54,7 @@ def examples(tokenizer, stop_ids, n: int, seed: int = 0) -> list[tuple[list[int]
     call = fmt.encode(CALL) + [end]
     out = []
     for i in range(n):
-        if i % 2 == 0:
+        if i % first_every == 0:
             out.append((first, call))
             continue
         digits = [rng.randrange(10) for _ in range(3)]
@@ -93,9 +94,9 @@ def build_tool_model(
     layers: int = 2,
     hidden: int = 128,
     heads: int = 4,
-    steps: int = 300,
-    lr: float = 1e-3,
-    batch: int = 32,
+    steps: int = 400,
+    lr: float = 2e-3,
+    batch: int = 64,
     seed: int = 0,
 ) -> Path:
     """Build the chat model, teach it the tool format (module doc), save it to out_dir; returns out_dir."""
@@ -108,7 +109,7 @@ def build_tool_model(
     build_chat_policy(out, style="instruct", layers=layers, hidden=hidden, heads=heads, seed=seed, corpus=corpus(seed))
     model, tokenizer = load_policy(out, dtype="float32", device="cpu")
     torch.manual_seed(seed)
-    pairs = examples(tokenizer, stop_token_ids(out, tokenizer), 2000, seed)
+    pairs = examples(tokenizer, stop_token_ids(out, tokenizer), 4000, seed)
     loss = supervised(model, pairs, steps, lr, batch, seed)
     model.save_pretrained(out)
     (out / "tool_format_loss.txt").write_text(f"{loss:.4f}\n")
@@ -118,6 +119,6 @@ def build_tool_model(
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", nargs="?", default="runs/tiny-agent/tool_model")
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=400)
     args = parser.parse_args()
     print(build_tool_model(args.out_dir, steps=args.steps))
