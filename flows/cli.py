@@ -5,6 +5,7 @@
     atrlhf score --input FILE.jsonl [--config PATH] [--set key=value ...] [--json]
     atrlhf sweep [--config PATH] [--set key=value ...] --grid key=v1,v2 [--grid ...] [--seeds N]
                  [--max-parallel N] [--metric NAME] [--target ACC] [--sweep-id ID]
+    atrlhf serve --checkpoint PATH_OR_RUN_OR_latest [--port N] [--config PATH] [--set key=value ...]
 
 The config is validated before anything else is imported or started: a bad field exits with status 2 and
 a message naming it; so does every path and name it uses (model, data, resume target, LoRA target modules,
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 from collections.abc import Sequence
@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Optional
 
 from flows.checks import check_evaluate, check_sweep, check_train, parse_grid
+from flows.score import cmd_score, cmd_score_trajectories
 from flows.terminal import (
     RUN_LOG,
     RunLog,
@@ -77,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Asynchronous RL fine-tuning of language models "
         "(PPO/GRPO/M2PO) on Ray, supervised by Prefect, tracked in MLflow.",
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,evaluate,score,sweep}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,evaluate,score,sweep,serve}")
     t = sub.add_parser(
         "train",
         help="run the training flow locally (Prefect, Ray, MLflow)",
@@ -144,6 +145,19 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--metric", default="eval/accuracy", help="the metric plotted against steps (default eval/accuracy)")
     w.add_argument("--target", type=float, default=0.9, help="the accuracy of 'time to target' (default 0.9)")
     w.add_argument("--sweep-id", help="name the sweep (default: a hash of the base config, grid and seeds)")
+    # --- serve (flows/serve.py) ---
+    v = sub.add_parser(
+        "serve",
+        help="serve a policy on an OpenAI-compatible endpoint (loopback, random key)",
+        description="Serve a checkpoint, an exported policy, an MLflow run's logged model or `latest` (run.output_dir/"
+        "latest) at http://127.0.0.1:PORT/v1 (chat completions with tools, completions, models) behind a random key; "
+        "prints the URL and the key. docs/agents.md.",
+    )
+    _add_config_args(v)
+    v.add_argument(
+        "--checkpoint", required=True, metavar="PATH_OR_RUN", help="checkpoint, model directory, run id, latest"
+    )
+    v.add_argument("--port", type=int, default=0, help="port on 127.0.0.1 (default: a free one)")
     return parser
 
 
@@ -196,6 +210,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ConfigError as exc:
         return _refuse(exc)
     run_config_overrides = None if args.config else _overrides(args.overrides)  # no --config: the run's own
+    if args.command == "serve":
+        from flows.serve import cmd_serve
+
+        return cmd_serve(cfg, args.checkpoint, args.port, run_config_overrides)
     return cmd_evaluate(cfg, args.checkpoint, as_json=args.json, run_config_overrides=run_config_overrides)
 
 
@@ -368,73 +386,6 @@ def cmd_evaluate(
                 f"mean@{cfg.eval.k} {result['eval/mean@k']:.3f} ({cfg.eval.n_samples} samples per prompt, "
                 f"temperature {cfg.eval.temperature:g})"
             )
-    return 0
-
-
-# ------------------------------------------------------------------------------------------------ score
-def cmd_score(cfg: TrainConfig, input_path: str, as_json: bool = False) -> int:
-    """Score the responses of `input_path` with cfg's whole reward (rlhf_core.scoring); 1 on bad input."""
-    from rlhf_core.data import DatasetError
-    from rlhf_core.model.policy import ModelLoadError
-    from rlhf_core.reward.functions.external import RewardFunctionError
-    from rlhf_core.reward.functions.pool import FunctionLoadError
-    from rlhf_core.scoring import Scorer, column_means, reward_terms, score_file
-
-    try:
-        with Scorer(cfg) as scorer:
-            rows, ids, scores = score_file(scorer, input_path)
-    except (DatasetError, ModelLoadError, ValueError, RewardFunctionError, FunctionLoadError) as exc:
-        print(f"atrlhf: {exc}", file=sys.stderr)
-        return EXIT_FAILED
-    names = list(scores)  # "total", then every reward column in config order
-    means = column_means(scores)
-    if as_json:
-
-        def number(v: float):  # JSON has no NaN: a row a function does not apply to is null
-            return None if math.isnan(v) else v
-
-        out_rows = [
-            {"line": r["line"], "tokens": len(t), **{name: number(scores[name][i]) for name in names}}
-            for i, (r, t) in enumerate(zip(rows, ids))
-        ]
-        mean = {name: number(v) for name, v in means.items()}
-        print(json.dumps({"input": str(input_path), "rows": out_rows, "mean": mean, "count": len(rows)}))
-        return 0
-    weights = " + ".join(f"{w:g} x {name}" for name, w in reward_terms(cfg))
-    print(f"{input_path}: {len(rows)} responses; total = {weights}")
-    width = max(len(n) for n in names)
-    print("  line  tokens  " + "  ".join(f"{n:>{width}}" for n in names))
-    for i, (r, t) in enumerate(zip(rows, ids)):
-        print(f"{r['line']:>6}  {len(t):>6}  " + "  ".join(f"{scores[n][i]:>{width}.3f}" for n in names))
-    print("  mean" + " " * 10 + "  ".join(f"{means[n]:>{width}.3f}" for n in names))
-    return 0
-
-
-def cmd_score_trajectories(cfg: TrainConfig, input_path: str, as_json: bool = False) -> int:
-    """With an env: section, `atrlhf score` replays a trajectory file (rlhf_core/env/score.py): each line's
-    assistant turns stepped through a fresh environment; prints reward/env, turns and success per line."""
-    from rlhf_core.env.pool import EnvLoadError
-    from rlhf_core.env.score import read_trajectories, score_trajectories
-
-    try:
-        records = read_trajectories(input_path)
-        results = score_trajectories(cfg.env, records, cfg.reward.function_workers)
-    except (EnvLoadError, OSError, ValueError) as exc:
-        print(f"atrlhf: {exc}", file=sys.stderr)
-        return EXIT_FAILED
-    rows = [{"line": r["line"], **res} for r, res in zip(records, results)]
-    mean = sum(r["env_reward"] for r in rows) / len(rows)
-    if as_json:
-        print(json.dumps({"input": str(input_path), "rows": rows, "mean": {"reward/env": mean}, "count": len(rows)}))
-        return 0
-    print(f"{input_path}: {len(rows)} trajectories replayed in {cfg.env.class_name}")
-    print("  line  reward/env  turns  success  observations_match  error")
-    for r in rows:
-        print(
-            f"{r['line']:>6}  {r['env_reward']:>10.3f}  {r['turns']:>5}  {str(r['success']):>7}  "
-            f"{str(r['observations_match']):>18}  {r['error'] or ''}"
-        )
-    print(f"  mean  {mean:>10.3f}")
     return 0
 
 

@@ -12,12 +12,14 @@ start from another (`base: other.yaml`). Importing this package imports neither 
     algorithm.py  the policy loss and advantage estimator (registered names, their options)
     reward.py     components, Python reward functions, the reward model, overlong shaping
     env.py        a multi-turn environment or ToolEnv tools
+    agent.py      an agent on the OpenAI-compatible endpoint
     data.py       buffer, model (LoRA), data, held-out evaluation, rollout
     run.py        trainer, critic, runtime (staleness, autopilot), cluster, checkpoint, tracking, supervision, run
     train.py      TrainConfig and its rules across sections
     load.py       YAML (base:), overrides, migrations of renamed keys, validation, flatten_config
 """
 
+from rlhf_core.config.agent import AGENT_COLUMNS, AgentConfig
 from rlhf_core.config.algorithm import AlgorithmConfig
 from rlhf_core.config.base import MAX_LR, MAX_SEQUENCE_TOKENS, RUN_CONFIG_FILE, ConfigError, _Section
 from rlhf_core.config.data import BufferConfig, DataConfig, EvalConfig, LoraConfig, ModelConfig, RolloutConfig
@@ -54,6 +56,8 @@ from rlhf_core.config.run import (
 from rlhf_core.config.train import TrainConfig
 
 __all__ = [
+    "AGENT_COLUMNS",
+    "AgentConfig",
     "AlgorithmConfig",
     "AutopilotConfig",
     "BufferConfig",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
+from rlhf_core.config.agent import AgentConfig
 from rlhf_core.config.algorithm import AlgorithmConfig
 from rlhf_core.config.base import MAX_SEQUENCE_TOKENS, _Section
 from rlhf_core.config.data import BufferConfig, DataConfig, EvalConfig, ModelConfig, RolloutConfig
@@ -52,7 +53,23 @@ class TrainConfig(_Section):
     env: EnvConfig = Field(
         default_factory=EnvConfig, description="Multi-turn environment and tools (empty: single-turn prompts)."
     )
+    agent: AgentConfig = Field(
+        default_factory=AgentConfig, description="An agent on the OpenAI-compatible endpoint (empty: none)."
+    )
     run: RunConfig = Field(default_factory=RunConfig, description="Outputs.")
+
+    @model_validator(mode="after")
+    def _agent_alone(self) -> TrainConfig:
+        """An agent is a sample's whole story: its episode's reward is the reward (docs/agents.md)."""
+        if self.agent.enabled:
+            if self.env.enabled:
+                raise ValueError("agent and env are both set: a sample is an agent's episode or an environment's")
+            if self.reward.functions or self.reward.model.path:
+                raise ValueError(
+                    "agent: the agent's reward is the episode's reward; reward.functions and reward.model are not "
+                    "scored with an agent (remove them, or score inside the agent)"
+                )
+        return self
 
     @model_validator(mode="after")
     def _cross_field(self) -> TrainConfig:
@@ -64,7 +81,13 @@ class TrainConfig(_Section):
                 "model directory, or model.tiny_kind=chat (the small chat model built locally; the word-level "
                 "tiny model only speaks the synthetic tasks)"
             )
-        if not (self.reward.components or self.reward.functions or self.reward.model.path or self.env.enabled):
+        if not (
+            self.reward.components
+            or self.reward.functions
+            or self.reward.model.path
+            or self.env.enabled
+            or self.agent.enabled
+        ):
             raise ValueError(
                 "the reward is empty: reward.components is {} and there are no reward.functions, reward.model or "
                 "environment; name a component (e.g. {exact_match: 1.0}) or add a function"

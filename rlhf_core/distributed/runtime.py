@@ -282,7 +282,9 @@ class DistributedRun(LoopWatch):
             "util/rollout_busy": rollout_busy,
             "util/trainer_busy": tstats["busy_frac"],
         }
-        for key in sorted({k for s in alive for k in s if k.startswith("env/")}):  # the run's so far, all workers
+        for key in sorted(
+            {k for s in alive for k in s if k.startswith(("env/", "agent/"))}
+        ):  # env/*, agent/*: the run's so far, all workers
             shared[key] = float(sum(s.get(key, 0.0) for s in alive))
         for m in metrics:
             m.update(shared)

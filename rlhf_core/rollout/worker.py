@@ -34,6 +34,7 @@ class RolloutWorker:
         component_names: Sequence[str] | None = None,
         external: Sequence = (),
         env=None,
+        agent=None,
     ):
         self.engine = engine
         self.reward_fn = reward_fn
@@ -49,6 +50,8 @@ class RolloutWorker:
         # a multi-turn environment (rlhf_core.rollout.multiturn.EnvRunner): each sample is then a trajectory
         self.env = env
         self.env_metrics: dict[str, float] = {}  # of the last rollout (env/*, reward/env)
+        # an agent on the OpenAI-compatible endpoint (rlhf_core.agent.runner.AgentRunner): a sample is an episode
+        self.agent = agent
         self.last_trajectories: list = []
         self.busy_s = 0.0
         self.idle_s = 0.0
@@ -80,6 +83,8 @@ class RolloutWorker:
         start = time.perf_counter()
         if self.env is not None:
             return self._rollout_env(prompts, start, between_steps)
+        if self.agent is not None:  # an agent's episodes: segments, groups of any size (docs/agents.md)
+            return self.agent.rollout(self, prompts, start, between_steps)
         pb = collate_prompts(prompts, self.pad_token_id, self.max_prompt_tokens)
         if between_steps is not None and takes_between_steps(self.engine):
             batch = self.engine.generate(pb, self.samples_per_prompt, self.sampling, between_steps=between_steps)
@@ -161,6 +166,8 @@ class RolloutWorker:
     def generate_groups(self, prompts: Sequence[Prompt], between_steps=None) -> list[Experience]:
         """`rollout`, then one Experience per prompt (its G completions), on CPU for transport."""
         batch, _ = self.rollout(prompts, between_steps=between_steps)
+        if self.agent is not None:
+            return self.agent.split(batch.to("cpu"))
         return split_groups(batch.to("cpu"), self.samples_per_prompt)
 
     def close(self) -> None:
@@ -170,6 +177,8 @@ class RolloutWorker:
                 source.close()
         if self.env is not None:
             self.env.close()
+        if self.agent is not None:
+            self.agent.close()
 
     def add_idle(self, seconds: float) -> None:
         self.idle_s += seconds
@@ -187,6 +196,7 @@ class RolloutWorker:
             "reward_mean": self.reward_sum / self.samples if self.samples else 0.0,
             # env/errors, env/errors/<kind>, env/process_restarts: the run's so far
             **({"env_errors": self.env.errors, **self.env.metrics()} if self.env is not None else {}),
+            **(self.agent.stats() if self.agent is not None else {}),
         }
 
 

@@ -118,9 +118,10 @@ def build_rollout_worker(
         cfg.rollout.samples_per_prompt,
         tokenizer.pad_token_id,
         cfg.data.max_prompt_tokens,
-        component_names=cfg.reward.column_names() + cfg.env.column_names(),
+        component_names=cfg.reward.column_names() + cfg.env.column_names() + cfg.agent.column_names(),
         external=build_external_rewards(cfg, tokenizer, stop_ids, reward_model=reward_model),
         env=build_env_runner(cfg, tokenizer, stop_ids, policy_dir),
+        agent=build_agent_runner(cfg, tokenizer, stop_ids, policy_dir),
     )
 
 
@@ -158,6 +159,16 @@ def build_env_runner(cfg: TrainConfig, tokenizer, stop_ids: list[int], policy_di
     return EnvRunner(cfg.env, cfg.rollout, tokenizer, stop_ids, cfg.reward.function_workers, where=str(policy_dir))
 
 
+def build_agent_runner(cfg: TrainConfig, tokenizer, stop_ids: list[int], policy_dir: str | Path = "model"):
+    """The agent's runner and its OpenAI-compatible endpoint (rlhf_core.agent) when agent.name is set, else
+    None."""
+    if not cfg.agent.enabled:
+        return None
+    from rlhf_core.agent.runner import AgentRunner
+
+    return AgentRunner(cfg.agent, cfg.rollout, tokenizer, stop_ids, model_name=Path(policy_dir).name or "policy")
+
+
 def build_evaluator(
     cfg: TrainConfig,
     model,
@@ -179,6 +190,11 @@ def build_evaluator(
     if env is None:
         env = build_env_runner(cfg, tokenizer, stop_ids, policy_dir)
     engine = engine or HFEngine(model, stop_ids, tokenizer.pad_token_id, seed=cfg.trainer.seed)
+    if cfg.agent.enabled:  # the agent's episodes, greedy, on an endpoint of the evaluator's own
+        from rlhf_core.agent.runner import AgentEvaluator
+
+        runner = build_agent_runner(cfg, tokenizer, stop_ids, policy_dir)
+        return AgentEvaluator(runner, engine, heldout, cfg.rollout.max_new_tokens)
     external, owns = (), False
     if evaluation_needs_functions(cfg) and env is None:
         owns = functions is None

@@ -225,6 +225,8 @@ def _rollout_metrics(parts: RunParts) -> dict:
     out["buffer/evicted_length_mean"] = stats["evicted_length_mean"]  # beside response/length_mean
     if parts.worker.env is not None:
         out.update(parts.worker.env.metrics())  # env/errors (by kind), env/process_restarts: the run's so far
+    if parts.worker.agent is not None:
+        out.update(parts.worker.agent.stats())  # agent/errors, agent/timeouts: failed episodes so far
     return out
 
 

@@ -360,12 +360,13 @@ class Trainer:
         the batch; rows a function did not apply to (NaN) are left out of its mean, and a column with no row
         is not logged. {} for a batch without them."""
         comps = batch.reward_components
-        names = self.cfg.reward.column_names() + self.cfg.env.column_names()
+        names = self.cfg.reward.column_names() + self.cfg.env.column_names() + self.cfg.agent.column_names()
         if comps is None or comps.ndim != 2 or comps.shape[1] != len(names):
             return {}
         means = comps.float().nanmean(0).tolist()
-        # a trajectory's env/* columns are logged under their own names (env/turns_mean, ...)
-        return {(n if n.startswith("env/") else f"reward/{n}"): float(v) for n, v in zip(names, means) if v == v}
+        # a trajectory's env/* and an episode's agent/* columns are logged under their own names
+        own = ("env/", "agent/")
+        return {(n if n.startswith(own) else f"reward/{n}"): float(v) for n, v in zip(names, means) if v == v}
 
     # ------------------------------------------------------------------ weights and state
     def state_dict_for_sync(self) -> dict[str, torch.Tensor]:

@@ -1,0 +1,39 @@
+"""Agents as black boxes (docs/agents.md): an OpenAI-compatible endpoint over the policy that records what the
+policy generated, token-in/token-out, and the runner that calls the user's agent once per episode.
+
+    async def run(client: openai.AsyncOpenAI, row: dict, **kwargs) -> float | dict | None: ...
+
+Modules:
+  api.py        the OpenAI wire format: request bodies, messages for the chat template, tool calls, errors
+  server.py     AgentServer: the HTTP endpoint on loopback (per-run key), batching requests into the engine
+  segments.py   what an episode's requests become: segments joined by token ids, one RolloutBatch
+  runner.py     AgentRunner: episodes (timeouts, failures), the rollout worker's and the evaluator's hook
+
+This package's __init__ imports nothing; the names below load their module on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_LAZY = {
+    "AgentError": "rlhf_core.agent.runner",
+    "AgentRunner": "rlhf_core.agent.runner",
+    "AgentServer": "rlhf_core.agent.server",
+    "EpisodeLog": "rlhf_core.agent.segments",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

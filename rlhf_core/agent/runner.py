@@ -1,0 +1,280 @@
+"""The agent runner: each episode is the user's `async def run(client, row, **kwargs)` against the policy's
+OpenAI-compatible endpoint (`rlhf_core.agent.server`), and its recorded requests become training segments
+(`rlhf_core.agent.segments`).
+
+For each episode the runner opens an episode on the endpoint (its own base URL, `/episodes/<id>/v1`), makes an
+`openai.AsyncOpenAI` on it with the run's key (no retries: a retried request would be recorded twice) and
+awaits the agent under `agent.timeout_s`. The agent returns the reward (a number), `{"reward": r, "metrics":
+{...}}`, or None after posting the reward to `<base_url>/reward` (a returned value wins over a posted one).
+Episodes run concurrently on one event loop (a thread of the runner's); the endpoint batches their requests.
+
+Failures: an agent that raises, returns something else, or runs past `agent.timeout_s` fails its episode
+alone (agent/errors, agent/timeouts): the group of that episode is left out of training (an infrastructure
+failure is not a bad answer, as with environments) and the other groups train. An agent that blocks its
+event loop (a blocking call in a coroutine) is given up on after the timeout plus `BLOCKED_GRACE_S`: its
+episodes fail and the next batch runs on a fresh event loop. `agent.max_consecutive_failures` failed episodes
+in a row stop the run with the agent's error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import copy
+import inspect
+import secrets
+import threading
+import time
+from collections.abc import Sequence
+from typing import Optional
+
+import torch
+
+from rlhf_core.agent.segments import EpisodeLog, as_metrics, as_reward, episode_batch, split_by_group
+from rlhf_core.agent.server import AgentServer
+from rlhf_core.data.prompts import Prompt
+from rlhf_core.rollout.base import SamplingParams
+from rlhf_core.rollout.multiturn import prompt_row
+from rlhf_core.usercode import load_attr
+
+BLOCKED_GRACE_S = 5.0  # past timeout_s, how long a batch waits for an event loop an agent blocks
+
+
+class AgentError(RuntimeError):
+    """The agent failed agent.max_consecutive_failures episodes in a row (the message has its error)."""
+
+
+def load_agent(path: str, name: str):
+    fn = load_attr(path, name, "agent")
+    if not inspect.iscoroutinefunction(fn):
+        raise ValueError(f"agent: {name} in {path} must be an `async def run(client, row, **kwargs)` function")
+    return fn
+
+
+class AgentRunner:
+    """Runs the configured agent's episodes on the endpoint (`run`), and is the rollout worker's and the
+    evaluator's way to them (`rollout`, `evaluate`)."""
+
+    def __init__(self, agent_cfg, rollout_cfg, tokenizer, stop_ids: Sequence[int], model_name: str = "policy"):
+        self.cfg = agent_cfg
+        self.fn = load_agent(agent_cfg.path, agent_cfg.name)
+        self.server = AgentServer(
+            tokenizer,
+            stop_ids,
+            model_name=model_name,
+            max_context=rollout_cfg.max_total_tokens,
+            max_requests=agent_cfg.max_requests,
+        )
+        self.errors = 0  # failed episodes over the run (agent/errors), timeouts included
+        self.timeouts = 0  # of which past agent.timeout_s (agent/timeouts)
+        self.consecutive_failures = 0
+        self.last_episodes: list[EpisodeLog] = []
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+
+    # ------------------------------------------------------------------ episodes
+    def _event_loop(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None or not self._loop.is_running():
+            loop = asyncio.new_event_loop()
+            threading.Thread(target=loop.run_forever, name="agent-episodes", daemon=True).start()
+            self._loop = loop
+        return self._loop
+
+    def run(
+        self, engine, prompts: Sequence[Prompt], samples_per_prompt: int, sampling: SamplingParams, between_steps=None
+    ) -> list[EpisodeLog]:
+        """samples_per_prompt episodes per prompt (contiguous per prompt), run to their end, generating with
+        `engine` under `sampling` (the endpoint's training settings) and `between_steps` (partial rollouts)."""
+        self.server.start()
+        self.server.serve(engine, sampling=sampling, between_steps=between_steps)
+        episodes = [
+            EpisodeLog(secrets.token_hex(8), prompt_row(p), p) for p in prompts for _ in range(samples_per_prompt)
+        ]
+        for e in episodes:
+            self.server.open_episode(e)
+        loop = self._event_loop()
+        futures = [asyncio.run_coroutine_threadsafe(self._episode(e), loop) for e in episodes]
+        _, late = concurrent.futures.wait(futures, timeout=self.cfg.timeout_s + BLOCKED_GRACE_S)
+        if late:  # the event loop is blocked (time.sleep in a coroutine): give up on it, use a fresh one next
+            for e, f in zip(episodes, futures):
+                if f in late and e.error is None:
+                    e.error, e.timed_out = (
+                        f"the agent blocked its event loop past agent.timeout_s={self.cfg.timeout_s:g}",
+                        True,
+                    )
+                    f.cancel()
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._loop = None
+        for e in episodes:
+            self.server.close_episode(e.eid)
+        self._count(episodes)
+        self.last_episodes = episodes
+        return episodes
+
+    async def _episode(self, e: EpisodeLog) -> None:
+        import openai
+
+        start = time.perf_counter()
+        client = openai.AsyncOpenAI(
+            base_url=self.server.episode_url(e.eid), api_key=self.server.key, max_retries=0, timeout=self.cfg.timeout_s
+        )
+        try:
+            value = await asyncio.wait_for(self.fn(client, copy.deepcopy(e.row), **self.cfg.kwargs), self.cfg.timeout_s)
+            self._finish(e, value)
+        except asyncio.TimeoutError:
+            if time.perf_counter() - start >= self.cfg.timeout_s:
+                e.error, e.timed_out = f"the agent ran past agent.timeout_s={self.cfg.timeout_s:g}", True
+            else:
+                e.error = "TimeoutError raised by the agent"
+        except Exception as exc:  # noqa: BLE001 - the agent's failure is its episode's alone
+            e.error = f"{type(exc).__name__}: {exc}"
+        finally:
+            e.latency_s = time.perf_counter() - start
+            self.server.close_episode(e.eid)
+            await client.close()
+
+    @staticmethod
+    def _finish(e: EpisodeLog, value) -> None:
+        """The episode's reward and metrics from what the agent returned (or posted)."""
+        if value is None:
+            if e.posted is None:
+                raise ValueError("the agent returned None and posted no reward to <base_url>/reward")
+            e.reward, e.metrics = e.posted["reward"], e.posted["metrics"]
+        elif isinstance(value, dict):
+            if "reward" not in value:
+                raise ValueError(f"the agent returned a dict without 'reward' (keys: {sorted(value)})")
+            e.reward, e.metrics = as_reward(value["reward"]), as_metrics(value.get("metrics"))
+        else:
+            e.reward = as_reward(value)
+
+    def _count(self, episodes: list[EpisodeLog]) -> None:
+        for e in episodes:
+            if e.error is None:
+                self.consecutive_failures = 0
+                continue
+            self.errors += 1
+            self.timeouts += int(e.timed_out)
+            self.consecutive_failures += 1
+            if self.consecutive_failures >= self.cfg.max_consecutive_failures:
+                raise AgentError(
+                    f"agent {self.cfg.name} ({self.cfg.path}) failed {self.consecutive_failures} episodes in a row "
+                    f"(agent.max_consecutive_failures={self.cfg.max_consecutive_failures}): {e.error}"
+                )
+
+    def stats(self) -> dict[str, float]:
+        """agent/errors and agent/timeouts: failed episodes over the run so far."""
+        return {"agent/errors": float(self.errors), "agent/timeouts": float(self.timeouts)}
+
+    def close(self) -> None:
+        self.server.close()
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._loop = None
+
+    # ------------------------------------------------------------------ the rollout worker's hook
+    def rollout(self, worker, prompts: Sequence[Prompt], start: float, between_steps=None):
+        """`RolloutWorker.rollout` with an agent: episodes -> segments -> one batch (its groups block-major,
+        `rlhf_core.agent.segments`), each row rewarded with its episode's reward; a group with a failed
+        episode is left out. Columns: the reward's (NaN: not scored with an agent), then the agent's (on each
+        episode's first row; NaN on its other rows, so that their means are per episode)."""
+        G = worker.samples_per_prompt
+        episodes = self.run(worker.engine, prompts, G, worker.sampling, between_steps=between_steps)
+        groups = [episodes[g * G : (g + 1) * G] for g in range(len(prompts))]
+        kept = [group for group in groups if not any(e.error for e in group)]
+        version = int(worker.engine.version)
+        device = getattr(worker.engine, "device", "cpu")
+        if not kept:
+            batch, _ = episode_batch(groups[:1], worker.pad_token_id, version, device)
+            batch = batch.select(torch.arange(0, device=batch.response_ids.device))
+            return worker._finish(batch, torch.zeros(0, device=batch.response_ids.device), {}, start)
+        batch, owners = episode_batch(kept, worker.pad_token_id, version, device)
+        dev = batch.response_ids.device
+
+        def column(value) -> torch.Tensor:
+            return torch.tensor([value(e) if first else float("nan") for e, first in owners], device=dev)
+
+        rewards = torch.tensor([e.reward for e, _ in owners], dtype=torch.float32, device=dev)
+        components = {
+            "agent": column(lambda e: e.reward),
+            "agent/requests_mean": column(lambda e: e.requests),
+            "agent/prefix_breaks": column(lambda e: e.prefix_breaks),
+            "agent/latency_s": column(lambda e: e.latency_s),
+        }
+        nan = torch.full((len(owners),), float("nan"), device=dev)
+        for name in worker.component_names or []:
+            components.setdefault(name, nan)
+        return worker._finish(batch, rewards, components, start)
+
+    @staticmethod
+    def split(batch) -> list:
+        """`RolloutWorker.generate_groups` with an agent: one Experience per prompt, of any number of rows."""
+        return split_by_group(batch)
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self, engine, prompts: Sequence[Prompt], max_new_tokens: int) -> dict:
+        """Each held-out prompt's episode run once, greedily. eval/accuracy: the fraction whose metrics say
+        success (metrics["success"]) or, without one, whose reward is positive; a failed episode is not
+        solved. Also eval/reward_mean, eval/requests_mean, eval/agent_errors."""
+        greedy = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
+        episodes = self.run(engine, prompts, 1, greedy)
+        n = max(1, len(episodes))
+
+        def solved(e: EpisodeLog) -> bool:
+            if e.error is not None:
+                return False
+            return bool(e.metrics["success"]) if "success" in e.metrics else e.reward > 0
+
+        from rlhf_core.run.evaluation import EVAL_TRAJECTORIES, TRACED_TRAJECTORIES
+
+        return {
+            "eval/accuracy": sum(solved(e) for e in episodes) / n,
+            "eval/reward_mean": sum(e.reward or 0.0 for e in episodes) / n,
+            "eval/requests_mean": sum(e.requests for e in episodes) / n,
+            "eval/agent_errors": float(sum(e.error is not None for e in episodes)),
+            # the first few episodes as trajectory-file records (not a metric): logged as MLflow traces
+            EVAL_TRAJECTORIES: [episode_record(e) for e in episodes[:TRACED_TRAJECTORIES]],
+        }
+
+
+def episode_record(e: EpisodeLog) -> dict:
+    """An episode as a trajectory-file record (rlhf_core.env.score.trajectory_record's keys), for its MLflow
+    trace: each request's new messages (all of them when it rewrote the history), then its first choice's
+    reply with the version of its first token and its tool calls."""
+    messages, shown = [], []
+    for call in e.calls:
+        sent = call.messages or [{"role": "user", "content": call.text or ""}]
+        new = sent[len(shown) :] if sent[: len(shown)] == shown else sent
+        messages += [{"role": m["role"], "content": m.get("content", "")} for m in new]
+        reply = (
+            call.replies[0] if call.replies else {"role": "assistant", "content": call.texts[0] if call.texts else ""}
+        )
+        first = call.completions[0] if call.completions else None
+        calls = [dict(c["function"]) for c in reply.get("tool_calls") or []]
+        version = first.versions[0] if first is not None and first.versions else None
+        messages.append(
+            {"role": "assistant", "content": reply.get("content", ""), "policy_version": version, "tool_calls": calls}
+        )
+        shown = list(sent) + [reply]
+    versions = [m["policy_version"] for m in messages if m.get("policy_version") is not None]
+    return {
+        "row": {k: v if isinstance(v, (str, int, float, bool, type(None))) else str(v) for k, v in e.row.items()},
+        "messages": messages,
+        "reward": e.reward,
+        "turns": e.requests,
+        "tool_calls": sum(len(m.get("tool_calls") or []) for m in messages),
+        "success": bool(e.metrics["success"]) if "success" in e.metrics else None,
+        "error": e.error,
+        "policy_version": min(versions) if versions else None,
+        "prefix_breaks": e.prefix_breaks,
+        "segments": len(e.segments),
+    }
+
+
+class AgentEvaluator:
+    """Held-out evaluation with an agent (`build.build_evaluator`): `evaluator()` runs the held-out episodes
+    greedily with the engine's current weights."""
+
+    def __init__(self, runner: AgentRunner, engine, prompts: list[Prompt], max_new_tokens: int):
+        self.runner, self.engine, self.prompts, self.max_new_tokens = runner, engine, prompts, max_new_tokens
+
+    def __call__(self) -> dict:
+        return self.runner.evaluate(self.engine, self.prompts, self.max_new_tokens)

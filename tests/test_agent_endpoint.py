@@ -1,0 +1,136 @@
+"""The OpenAI-compatible endpoint (rlhf_core.agent.server) with the real `openai` client over HTTP on 127.0.0.1:
+the small chat model (ChatML, byte-level BPE) and the HF engine, no mocks."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+
+from rlhf_core.agent.server import AgentServer
+from rlhf_core.env.chat import ChatFormat
+from rlhf_core.model.policy import load_policy, stop_token_ids
+from rlhf_core.rollout import HFEngine
+
+
+class CountingEngine(HFEngine):
+    """HFEngine that counts its generate calls and the rows of each."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls: list[int] = []
+
+    def generate(self, prompts, samples_per_prompt, sampling, between_steps=None):
+        self.calls.append(len(prompts) * samples_per_prompt)
+        return super().generate(prompts, samples_per_prompt, sampling, between_steps=between_steps)
+
+
+@pytest.fixture(scope="module")
+def served(chat_policy_dir):
+    model, tok = load_policy(chat_policy_dir, dtype="float32", device="cpu")
+    stops = stop_token_ids(chat_policy_dir, tok)
+    engine = CountingEngine(model, stops, tok.pad_token_id, seed=0)
+    server = AgentServer(tok, stops, model_name="tiny-chat", max_body_bytes=20_000).start()
+    server.serve(engine)
+    try:
+        yield server, engine, tok, stops
+    finally:
+        server.close()
+
+
+def client(server, key=None) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url, api_key=key or server.key, max_retries=0)
+
+
+def test_a_plain_chat_request(served):
+    server, engine, tok, stops = served
+    c = client(server)
+    assert [m.id for m in c.models.list().data] == ["tiny-chat"]
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "max of 1, 2, 3?"}]
+    r = c.chat.completions.create(model="tiny-chat", messages=messages, max_tokens=5, temperature=0, n=2)
+    assert r.object == "chat.completion" and r.system_fingerprint == "atrlhf-v0" and len(r.choices) == 2
+    assert all(isinstance(ch.message.content, str) and ch.finish_reason in ("stop", "length") for ch in r.choices)
+    assert r.choices[0].message.content == r.choices[1].message.content  # greedy
+    # the prompt is the chat template's rendering with the generation prompt, tokenized once
+    fmt = ChatFormat(tok, stops)
+    assert r.usage.prompt_tokens == len(fmt.prompt_ids(messages))  # once, as OpenAI counts it
+    assert 1 <= r.usage.completion_tokens <= 10
+    # log-probs: one entry per token the client reads; greedy picks the most likely token
+    r = c.chat.completions.create(
+        model="m", messages=messages, max_tokens=4, temperature=0, logprobs=True, top_logprobs=3
+    )
+    entries = r.choices[0].logprobs.content
+    assert 1 <= len(entries) <= 4 and "".join(e.token for e in entries) == r.choices[0].message.content
+    for e in entries:
+        assert len(e.top_logprobs) == 3 and e.logprob <= 0
+        assert e.logprob == pytest.approx(e.top_logprobs[0].logprob, abs=1e-5)
+    # a seeded sampled request is reproducible; top_p and temperature are the request's own
+    kwargs = dict(model="m", messages=messages, max_tokens=6, temperature=1.0, top_p=0.9, seed=7)
+    a, b = (c.chat.completions.create(**kwargs).choices[0].message.content for _ in range(2))
+    assert a == b
+
+
+def test_text_completions_and_stop_strings(served):
+    server, engine, tok, stops = served
+    c = client(server)
+    r = c.completions.create(model="m", prompt=["max of 1, 2", "the answer"], max_tokens=4, temperature=0, logprobs=2)
+    assert r.object == "text_completion" and len(r.choices) == 2
+    assert all(len(ch.logprobs.top_logprobs[0]) == 2 for ch in r.choices if ch.logprobs.tokens)
+    full = c.completions.create(model="m", prompt="max of 1, 2", max_tokens=8, temperature=0).choices[0].text
+    if len(full) > 2:  # a stop string ends the text before it
+        stop = full[2:4]
+        cut = c.completions.create(model="m", prompt="max of 1, 2", max_tokens=8, temperature=0, stop=[stop])
+        assert cut.choices[0].text == full[: full.find(stop)] and cut.choices[0].finish_reason == "stop"
+
+
+def test_wrong_key_malformed_oversized_and_streaming_are_refused(served):
+    server, *_ = served
+    with pytest.raises(openai.AuthenticationError) as err:
+        client(server, key="sk-wrong").chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+    assert err.value.status_code == 401 and err.value.body["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        client(server, key="sk-wrong").models.list()
+    c = client(server)
+    with pytest.raises(openai.BadRequestError) as err:  # a message without a role
+        c.chat.completions.create(model="m", messages=[{"content": "no role"}])
+    assert err.value.body["param"] == "messages[0]" and err.value.body["type"] == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError) as err:
+        c.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], stream=True)
+    assert "streaming" in err.value.message
+    with pytest.raises(openai.BadRequestError, match="tool_choice"):
+        c.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], tool_choice="required")
+    headers = {"Authorization": f"Bearer {server.key}", "Content-Type": "application/json"}
+    url = f"{server.base_url}/chat/completions"
+    bad = httpx.post(url, content=b"{not json", headers=headers)
+    assert bad.status_code == 400 and set(bad.json()["error"]) == {"message", "type", "param", "code"}
+    missing = httpx.post(url, json={"model": "m"}, headers=headers)
+    assert missing.status_code == 400 and missing.json()["error"]["param"] == "messages"
+    huge = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * 30_000}]})
+    assert httpx.post(url, content=huge, headers=headers).status_code == 413
+    assert httpx.post(f"{server.base_url}/nowhere", json={}, headers=headers).json()["error"]["code"] == "not_found"
+    closed = httpx.post(server.episode_url("nope") + "/chat/completions", json={}, headers=headers)
+    assert closed.status_code == 404 and closed.json()["error"]["code"] == "episode_closed"
+    long = {"model": "m", "messages": [{"role": "user", "content": "max " * 600}]}
+    answer = httpx.post(url, json=long, headers=headers)
+    assert answer.status_code == 400 and answer.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_concurrent_requests_are_generated_together(served):
+    server, engine, *_ = served
+
+    async def many():
+        async with openai.AsyncOpenAI(base_url=server.base_url, api_key=server.key, max_retries=0) as c:
+            asks = [
+                c.chat.completions.create(model="m", messages=[{"role": "user", "content": f"q{i}"}], max_tokens=3)
+                for i in range(8)
+            ]
+            return await asyncio.gather(*asks)
+
+    before = len(engine.calls)
+    answers = asyncio.run(many())
+    assert len(answers) == 8 and all(a.choices for a in answers)
+    calls = engine.calls[before:]
+    assert sum(calls) == 8 and len(calls) < 8, calls  # requests that arrive together share an engine call
