@@ -372,26 +372,26 @@ def test_mismatched_checkpoint_fails_cleanly(straight_run, work):
 
 
 def test_failure_mid_run_tears_down_and_marks_mlflow_failed(prefect_api, ray_local, work):
-    """A rollout that cannot deliver (a generation far slower than runtime.wait_timeout_s allows) fails the
-    flow mid-run naming the limit; the flow tears the actors down and ends the MLflow run FAILED. (Non-finite
-    losses are covered by the supervision unit tests: a learning rate that would blow the weights up is now
-    refused at config time.)"""
+    """A rollout that cannot deliver (a generation far slower than supervision.stall_timeout_s allows: no trainer
+    step comes) fails the flow mid-run naming the limit and the stuck role; the flow tears the actors down and
+    ends the MLflow run FAILED. (Non-finite losses are covered by the supervision unit tests: a learning rate
+    that would blow the weights up is now refused at config time.)"""
     cfg = config(
         work,
         "blowup",
         "rollout.engine=random",
         "rollout.random_tokens_per_s=0.5",
-        "runtime.wait_timeout_s=5",
+        "supervision.stall_timeout_s=5",
         "trainer.total_steps=20",
         "eval.every=0",
         "checkpoint.every=0",
     )
     state = train(config=cfg, return_state=True)
     assert state.is_failed()
-    assert "runtime.wait_timeout_s" in state.message
+    assert "supervision.stall_timeout_s" in state.message and "stuck: rollout" in state.message
     (run,) = runs_named(work, "blowup")
     assert run.info.status == "FAILED"
-    assert "WaitTimeout" in run.data.tags["error"]
+    assert "SupervisionError" in run.data.tags["error"]
     assert not alive_actors()
 
 

@@ -315,6 +315,8 @@ def run_sync(
                 f"{trainer.consecutive_skips} consecutive non-finite trainer steps (limit "
                 f"supervision.nonfinite_limit={cfg.supervision.nonfinite_limit}); stopping"
             )
+    parts.trainer_role.publish()  # the last step published nothing (no next step): the engine gets the final
+    parts.rollout_role.adopt_weights()  # weights for the final evaluation
     written = {c["step"] for c in parts.trainer_role.drain_checkpoints()}
     if trainer.step not in written:  # checkpoint.every=0 means "only at the end"
         save_run_checkpoint(parts, step_checkpoint_dir(cfg.run.run_dir, trainer.step, under=ckpt_root), run_facts)

@@ -74,6 +74,7 @@ class TrainerRole:
         self.last_publish_s: Optional[float] = None
         self.bound = cfg.runtime.max_staleness  # the staleness bound the buffer enforced for the latest batch
         self.last_batch = (0, 0)  # (samples, tokens) of the latest step
+        self.total_steps: Optional[int] = None  # the run's last step (set by run() or step())
 
     # ------------------------------------------------------------------ one step
     def take(self, wait_s: float, for_version: Optional[int] = None) -> tuple[list[Experience], int]:
@@ -89,9 +90,8 @@ class TrainerRole:
         self.idle_s += time.perf_counter() - t0
         if not groups:
             return None
-        m = self.train_on(groups, bound, t0)
-        self.checkpoint_if_due(total_steps)
-        return m
+        self.total_steps = total_steps
+        return self.train_on(groups, bound, t0)
 
     def train_on(self, groups: list[Experience], bound: int, t0: float, shipper=None) -> dict:
         """One trainer step on these groups, taken within staleness `bound` (t0: when waiting for them began).
@@ -121,6 +121,9 @@ class TrainerRole:
             snap_start = time.perf_counter()
             snapshot = self.snapshot() if due else None
             snapshot_s = time.perf_counter() - snap_start
+        # a checkpoint due now is written before the new weights are published: in lockstep the rollout has not
+        # started the next step, so a resume generates what the uninterrupted run generates
+        self.checkpoint_if_due(self.total_steps or 0)
         (shipper or self.ship)(version, snapshot, due)
         if due:  # the CPU copy of the weights (with N trainer ranks: gathered from the shards)
             m["sync/snapshot_s"] = snapshot_s
@@ -148,7 +151,10 @@ class TrainerRole:
         start = time.perf_counter()
         if published:
             self.store.publish(version, snapshot)
-        self.buffer.advance(version, version if published else None)
+        # after the last step no rollout is admitted for a step that will not come: in lockstep the rollout engines'
+        # RNG in the final checkpoint is then where the next step (a resume) starts from
+        last = self.total_steps is not None and version >= self.total_steps
+        self.buffer.advance(version, version if published and not last else None)
         if published:
             self.last_publish_s = time.perf_counter() - start
 
@@ -177,6 +183,7 @@ class TrainerRole:
         advances the buffer, one at a time and in order, while the next step trains. A batch still prefetched
         when the loop ends goes back to the buffer; the last publish completes first."""
         self.stop_event.clear()
+        self.total_steps = total_steps
         wait_s = 0.5
         nxt = None
         shipping = None  # the publish in flight, if any
@@ -207,7 +214,6 @@ class TrainerRole:
                         if self.cfg.runtime.prefetch and self.trainer.step + 1 < total_steps:
                             nxt = take_pool.submit(self.take, wait_s, self.trainer.version + 1)
                         self.train_on(groups, bound, t0, shipper=ship)
-                        self.checkpoint_if_due(total_steps)
                 except BaseException:
                     self._settle(shipping, nxt, quiet=True)  # the loop's own error is the one to report
                     raise
