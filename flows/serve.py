@@ -72,7 +72,8 @@ def start(
 
     if target == LATEST:
         target = str(latest_policy(cfg))
-    with located(cfg, target) as (path, run_id):
+    with located(cfg, target) as found:
+        path, run_id = found.path, found.run_id
         run_config = inspect_path(path).run_config if use_run_config else None
         source = None
         if run_config is not None:

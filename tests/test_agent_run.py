@@ -83,8 +83,8 @@ def test_run_sync_trains_with_an_agent_and_serve_answers_on_its_checkpoint(tmp_p
     # atrlhf serve on the checkpoint the run wrote (its architecture: the tiny chat model beside it)
     checkpoint = tmp_path / "checkpoints" / "step_000002"
     assert checkpoint.is_dir()
-    assert main(["serve", "--checkpoint", str(tmp_path / "missing")]) == 1
-    assert "not a checkpoint directory" in capsys.readouterr().err
+    assert main(["serve", "--checkpoint", str(tmp_path / "missing")]) == 2  # checked before anything starts
+    assert "does not exist" in capsys.readouterr().err
     stop = threading.Event()
     codes = []
     thread = threading.Thread(target=lambda: codes.append(cmd_serve(cfg, str(checkpoint), 0, [], stop=stop)))
