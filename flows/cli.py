@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Asynchronous RL fine-tuning of language models "
         "(PPO/GRPO/M2PO) on Ray, supervised by Prefect, tracked in MLflow.",
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,evaluate,score,sweep,serve}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,evaluate,score,sweep,serve,scale}")
     t = sub.add_parser(
         "train",
         help="run the training flow locally (Prefect, Ray, MLflow)",
@@ -158,6 +158,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--checkpoint", required=True, metavar="PATH_OR_RUN", help="checkpoint, model directory, run id, latest"
     )
     v.add_argument("--port", type=int, default=0, help="port on 127.0.0.1 (default: a free one)")
+    # --- scale (flows/scale.py) ---
+    c = sub.add_parser(
+        "scale",
+        help="change the number of rollout workers of a live run",
+        description="Ask a running training run for N rollout workers: the run's supervision applies it at its next "
+        "poll (a health event in the Prefect UI, cluster/rollout_workers in MLflow) and this command prints its "
+        "answer. Refused while the run's cluster.autoscale is enabled. docs/cluster.md.",
+    )
+    c.add_argument("run", metavar="RUN_DIR_OR_RUN_ID", help="the run's directory (runs/tiny/latest) or MLflow run id")
+    c.add_argument("--rollout-workers", type=int, required=True, metavar="N", help="rollout workers wanted (>= 1)")
+    c.add_argument("--tracking-uri", help="MLflow tracking URI of a run id (default MLFLOW_TRACKING_URI, ./mlflow.db)")
+    c.add_argument("--wait-s", type=float, default=30.0, help="seconds to wait for the run's answer (default 30)")
     return parser
 
 
@@ -172,6 +184,10 @@ def _refuse(exc: ConfigError) -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "scale":  # a request to a live run: no config of its own
+        from flows.scale import cmd_scale
+
+        return cmd_scale(args.run, args.rollout_workers, args.tracking_uri, args.wait_s)
     try:
         cfg = _load(args)
     except ConfigError as exc:

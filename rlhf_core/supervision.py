@@ -24,6 +24,9 @@ Policies (the runtime enforces the hard bound max_staleness on its own; these ke
 - stall: no trainer step for stall_timeout_s fails the run, naming the role that is stuck.
 - engine mismatch: mismatch/engine_kl (fresh tokens only) above engine_mismatch_kl for engine_mismatch_polls
   polls -> an engine_mismatch warning naming the likely causes (weights not loaded, dtype/sampling, adapter).
+- fleet: the number of rollout workers (rlhf_core.autoscale.FleetPolicy: an `atrlhf scale` request, or the
+  autoscaler when cluster.autoscale.enabled) -> applied through the runtime (`set_rollout_workers`), an info event
+  with its reason; `cluster/rollout_workers` reports the size at every step.
 - staleness autopilot (runtime.autopilot.enabled): `rlhf_core.autopilot.StalenessAutopilot` decides
   from the step metrics; a change of runtime.max_staleness is applied through the runtime
   (`set_max_staleness`) and reported as an info event (autopilot_raise / autopilot_lower) with its reason.
@@ -37,6 +40,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 from rlhf_core.autopilot import StalenessAutopilot
+from rlhf_core.autoscale import FleetPolicy
 from rlhf_core.config import TrainConfig
 
 
@@ -61,6 +65,8 @@ class Decision:
     throttle: Optional[bool] = None  # True: pause admission, False: resume, None: leave as is
     top_up: Optional[int] = None  # prompts to schedule; None: the runtime's backpressure default
     max_staleness: Optional[int] = None  # the autopilot's new staleness bound
+    rollout_workers: Optional[int] = None  # a new fleet size (atrlhf scale, or the autoscaler)
+    rollout_workers_reason: str = ""
     fail: Optional[str] = None
     events: list[HealthEvent] = field(default_factory=list)
 
@@ -101,6 +107,7 @@ class HealthMonitor:
         # start_bound: the bound a resumed autopilot had reached (from the checkpoint)
         bound = cfg.runtime.max_staleness if start_bound is None else start_bound
         self.autopilot = StalenessAutopilot(pilot, bound, start_step) if pilot.enabled else None
+        self.fleet = FleetPolicy(cfg, start_step)
 
     @property
     def max_staleness(self) -> int:
@@ -121,6 +128,7 @@ class HealthMonitor:
             self._worker_restarts,
             self._worker_outages,
             self._autopilot,
+            self._fleet,
             self._staleness,
             self._overflow,
             self._starvation,
@@ -163,7 +171,9 @@ class HealthMonitor:
             )
 
     def _worker_restarts(self, d: Decision, poll: dict, step: int, now: float) -> None:
-        restarts = sum(int(w.get("restarts", 0)) for w in poll.get("rollout") or [])
+        restarts = (poll.get("cluster") or {}).get("restarts_total")  # every worker's, retired ones too
+        if restarts is None:
+            restarts = sum(int(w.get("restarts", 0)) for w in poll.get("rollout") or [])
         if restarts > self.restarts_seen:
             self._event(
                 d,
@@ -189,6 +199,8 @@ class HealthMonitor:
         workers = poll.get("rollout") or []
         for pos, w in enumerate(workers):
             i = int(w.get("index", pos))
+            if w.get("error") == "starting":  # a worker the fleet just added: not up yet, not down
+                continue
             if w.get("alive", True):
                 if self.down_since.pop(i, None) is not None:
                     self._event(d, step, "worker_back", "info", "none", f"rollout worker {i} answers again")
@@ -227,6 +239,18 @@ class HealthMonitor:
                 f"runtime.max_staleness {change.previous} -> {change.bound}",
                 change.reason,
             )
+
+    def _fleet(self, d: Decision, poll: dict, step: int, now: float) -> None:
+        """The number of rollout workers (rlhf_core.autoscale: a scale request or the autoscaler)."""
+        change = self.fleet.decide(poll, step, poll.get("scale_request"))
+        if change is None:
+            return
+        before = (poll.get("cluster") or {}).get("rollout_workers", "?")
+        if change.workers is None:
+            self._event(d, step, change.kind, "warning", "refused", change.reason)
+            return
+        d.rollout_workers, d.rollout_workers_reason = change.workers, change.reason
+        self._event(d, step, change.kind, "info", f"rollout workers {before} -> {change.workers}", change.reason)
 
     def _staleness(self, d: Decision, poll: dict, step: int, now: float) -> None:
         """High mean staleness: publish early (when that helps); a warning for a mean above the bound."""
@@ -411,10 +435,17 @@ class Supervisor:
     """
 
     def __init__(
-        self, cfg: TrainConfig, runtime, start_step: int = 0, report: Optional[Callable[[HealthEvent], None]] = None
+        self,
+        cfg: TrainConfig,
+        runtime,
+        start_step: int = 0,
+        report: Optional[Callable[[HealthEvent], None]] = None,
+        requests=None,
     ):
         self.cfg = cfg
         self.runtime = runtime
+        self.requests = requests  # rlhf_core.run.requests.ScaleRequests: `atrlhf scale` asking for a fleet size
+        self.fleet_size = cfg.rollout.num_workers
         # a resumed autopilot goes on from the bound it had reached (the runtime restored it into the buffer)
         start_bound = getattr(runtime, "restored_max_staleness", None)
         self.monitor = HealthMonitor(cfg, start_step=start_step, start_bound=start_bound)
@@ -427,10 +458,14 @@ class Supervisor:
     def tick(self) -> dict:
         """Returns the poll. Raises SupervisionError when a health limit is exceeded."""
         poll = self.runtime.poll()
+        request = poll["scale_request"] = self.requests.poll() if self.requests is not None else None
         decision = self.monitor.check(poll)
         for event in decision.events:
             self.report(event)
         self.apply(decision)
+        if request is not None:  # `atrlhf scale` waits for this answer
+            said = [e.detail for e in decision.events if e.kind.startswith("scale")]
+            self.requests.answer(self.fleet_size if decision.rollout_workers is not None else None, "; ".join(said))
         return poll
 
     def apply(self, d: Decision) -> None:
@@ -442,5 +477,19 @@ class Supervisor:
             self.runtime.throttle(d.throttle)
         if d.max_staleness is not None:
             self.runtime.set_max_staleness(d.max_staleness)
+        if d.rollout_workers is not None:
+            if hasattr(self.runtime, "set_rollout_workers"):
+                self.fleet_size = self.runtime.set_rollout_workers(d.rollout_workers, d.rollout_workers_reason)
+            else:
+                d.rollout_workers = None
+                self.report(
+                    HealthEvent(
+                        self.monitor.last_step,
+                        "scale_unsupported",
+                        "warning",
+                        "none",
+                        "this host runs its rollout in one process: its fleet cannot change",
+                    )
+                )
         if not self.monitor.throttled:
             self.runtime.top_up_prompts(d.top_up)

@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 from typing import Literal, Optional
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from rlhf_core.config.base import MAX_LR, _Section
 
@@ -134,6 +134,30 @@ class RuntimeConfig(_Section):
     )
 
 
+class AutoscaleConfig(_Section):
+    """The elastic rollout fleet: the supervisor adds a rollout worker while the trainer waits for data and the
+    cluster has room for one, and removes one while the trainer is the bottleneck."""
+
+    enabled: bool = Field(
+        False,
+        description="Let the supervisor move the number of rollout workers within [min_workers, max_workers] (the "
+        "one policy over it while enabled; `atrlhf scale` is refused then).",
+    )
+    min_workers: int = Field(1, ge=1, description="Fewest rollout workers the autoscaler keeps.")
+    max_workers: int = Field(2, ge=1, description="Most rollout workers the autoscaler starts.")
+    cooldown_steps: int = Field(
+        5, ge=1, description="Trainer steps after a change before the next one (the new fleet shows in the metrics)."
+    )
+
+    @model_validator(mode="after")
+    def _ordered(self):
+        if self.min_workers > self.max_workers:
+            raise ValueError(
+                f"cluster.autoscale.min_workers={self.min_workers} is above max_workers={self.max_workers}"
+            )
+        return self
+
+
 class ClusterConfig(_Section):
     """Ray placement. Only rlhf_core.distributed reads it."""
 
@@ -169,6 +193,19 @@ class ClusterConfig(_Section):
     reward_gpus: float = Field(
         0.0, ge=0, description="GPUs of the reward-model actor (when reward.model.path is set; fractions allowed)."
     )
+    rollout_resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Custom Ray resources each rollout worker requires, e.g. {rollout_node: 1} to place them on the "
+        "nodes started with that resource (ray start --resources='{\"rollout_node\": 4}').",
+    )
+    trainer_resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Custom Ray resources each trainer rank requires, e.g. {trainer_node: 1}.",
+    )
+    autoscale: AutoscaleConfig = Field(
+        default_factory=AutoscaleConfig,
+        description="The elastic rollout fleet {enabled, min_workers, max_workers, cooldown_steps}.",
+    )
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads per worker.")
     max_restarts: int = Field(
         5,
@@ -181,6 +218,19 @@ class ClusterConfig(_Section):
         description="Local Ray instance only: start the Ray dashboard (on 127.0.0.1:8265). A local instance binds "
         "every port to 127.0.0.1 either way; joining a cluster (address set) is unaffected.",
     )
+
+    @field_validator("rollout_resources", "trainer_resources")
+    @classmethod
+    def _custom_resources(cls, v: dict[str, float], info) -> dict[str, float]:
+        for name, amount in v.items():
+            if name in ("CPU", "GPU", "memory", "object_store_memory"):
+                raise ValueError(
+                    f"{name!r} is not a custom resource: set it with cluster.rollout_cpus / rollout_gpus / "
+                    "trainer_cpus / trainer_gpus"
+                )
+            if not amount > 0:
+                raise ValueError(f"resource {name!r}: the amount must be above 0, got {amount}")
+        return v
 
     @property
     def trainer_rank_cpus(self) -> float:

@@ -72,6 +72,16 @@ class TrainConfig(_Section):
         return self
 
     @model_validator(mode="after")
+    def _fleet(self) -> TrainConfig:
+        a = self.cluster.autoscale
+        if a.enabled and not a.min_workers <= self.rollout.num_workers <= a.max_workers:
+            raise ValueError(
+                f"rollout.num_workers={self.rollout.num_workers} (the fleet the run starts with) is outside "
+                f"cluster.autoscale's [min_workers={a.min_workers}, max_workers={a.max_workers}]"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _cross_field(self) -> TrainConfig:
         if self.data.task in ("jsonl", "dataset") and not self.data.train_path:
             raise ValueError(f"data.train_path is required when data.task is '{self.data.task}'")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
+from typing import Optional
 
 from rlhf_core.data.prompts import Prompt, PromptSource
 
@@ -18,7 +19,14 @@ log = logging.getLogger("rlhf_core.data")
 
 class PromptQueue:
     """Prompts waiting for a rollout worker. The flow schedules (`top_up`); when it does not, `get`
-    refills from the seeded source itself, so the loop never waits on the flow."""
+    refills from the seeded source itself, so the loop never waits on the flow.
+
+    Leases (a worker in its own process, which can die with a batch in hand): `get(n, holder, batch)` records
+    the prompts as held by `holder` (one incarnation of one worker) for its batch number `batch`. A worker's
+    batches are pushed in order with at most one push in flight, so asking for batch b means batches before
+    b - 1 were pushed: their leases are dropped then. When the holder is lost, `requeue(holder, after)` puts
+    the prompts of its batches after `after` (the last batch the experience buffer accepted from it) back at
+    the front of the queue: generated again, never scored as failures, never trained twice."""
 
     def __init__(self, prompts: list[Prompt], seed: int):
         self.source = PromptSource(prompts, seed=seed)
@@ -27,6 +35,8 @@ class PromptQueue:
         self.lock = threading.Lock()
         self.scheduled = 0
         self.served = 0
+        self.leases: dict[str, dict[int, list[Prompt]]] = {}
+        self.requeued = 0
 
     def top_up(self, n: int) -> int:
         with self.lock:
@@ -35,7 +45,7 @@ class PromptQueue:
             self.scheduled += len(new)
             return len(new)
 
-    def get(self, n: int) -> list[Prompt]:
+    def get(self, n: int, holder: Optional[str] = None, batch: int = 0) -> list[Prompt]:
         with self.lock:
             if len(self.queue) < n:
                 new = self.source.next(n - len(self.queue))
@@ -43,7 +53,27 @@ class PromptQueue:
                 self.scheduled += len(new)
             out = [self.queue.popleft() for _ in range(min(n, len(self.queue)))]
             self.served += len(out)
+            if holder is not None:
+                held = self.leases.setdefault(holder, {})
+                for done in [b for b in held if b < batch - 1]:
+                    del held[done]
+                held[batch] = out
             return out
+
+    def holders(self, prefix: str = "") -> list[str]:
+        """The holders with leases recorded (a worker's incarnations are named '<index>-<id>')."""
+        with self.lock:
+            return [h for h in self.leases if h.startswith(prefix)]
+
+    def requeue(self, holder: str, after: int) -> int:
+        """The holder is gone: its prompts of batches after `after` go back to the front of the queue, in their
+        order; its lease ends. Returns how many prompts went back."""
+        with self.lock:
+            held = self.leases.pop(holder, {})
+            back = [p for b in sorted(held) if b > after for p in held[b]]
+            self.queue.extendleft(reversed(back))
+            self.requeued += len(back)
+            return len(back)
 
     def size(self) -> int:
         return len(self.queue)
@@ -53,6 +83,7 @@ class PromptQueue:
             "queued": len(self.queue),
             "scheduled": self.scheduled,
             "served": self.served,
+            "requeued": self.requeued,
             "epoch": self.source.epoch,
         }
 

@@ -91,10 +91,23 @@ def connect(cluster_cfg) -> ClusterHandle:
         )
         return ClusterHandle(address="local", started_ray=True)
     try:
-        ray.init(address=address, log_to_driver=True, configure_logging=False)
+        if _loopback(address):  # a cluster of raylets on this machine (Ray's own multi-node test setup)
+            with _single_machine_ray():
+                ray.init(address=address, log_to_driver=True, configure_logging=False, _node_ip_address=LOOPBACK)
+        else:
+            ray.init(address=address, log_to_driver=True, configure_logging=False)
     except Exception as exc:  # ConnectionError, RuntimeError... name the address
         raise ClusterError(f"could not join the Ray cluster at cluster.address={address!r}: {exc}") from exc
     return ClusterHandle(address=address, started_ray=False)
+
+
+def _loopback(address: str) -> bool:
+    """A 'host:port' cluster address on this machine's loopback: the driver joins it as a loopback node too
+    (a Ray Client address, ray://, has no node of its own)."""
+    if address.startswith("ray://"):
+        return False
+    host = address.rpartition(":")[0]
+    return host in ("localhost", "::1") or host.startswith("127.")
 
 
 def _check_dashboard_installed() -> None:
@@ -134,15 +147,31 @@ def _single_machine_ray() -> Iterator[None]:
         ray_constants.ENABLE_RAY_CLUSTER = saved
 
 
-def required_resources(cfg) -> dict[str, float]:
+def required_resources(cfg, rollout_workers: Optional[int] = None) -> dict[str, float]:
+    """What the run's roles need in all: CPU, GPU and the custom resources they are pinned by."""
     c = cfg.cluster
-    n = cfg.rollout.num_workers
+    n = cfg.rollout.num_workers if rollout_workers is None else rollout_workers
     rm = 1 if cfg.reward.model.path else 0  # the reward-model actor
     t = c.trainer_workers
-    return {
+    need = {
         "CPU": n * c.rollout_cpus + t * c.trainer_rank_cpus + rm * c.reward_cpus,
         "GPU": n * c.rollout_gpus + t * c.trainer_gpus + rm * c.reward_gpus,
     }
+    for per, count in ((c.rollout_resources, n), (c.trainer_resources, t)):
+        for name, amount in per.items():
+            need[name] = need.get(name, 0.0) + amount * count
+    return need
+
+
+def rollout_worker_resources(cfg) -> dict[str, float]:
+    """One rollout worker's resources, as Ray counts them."""
+    c = cfg.cluster
+    return {"CPU": c.rollout_cpus, "GPU": c.rollout_gpus, **c.rollout_resources}
+
+
+def room_for(per_worker: dict[str, float], available: dict[str, float]) -> bool:
+    """Whether `available` (ray.available_resources()) fits one more worker needing `per_worker`."""
+    return all(amount <= available.get(name, 0.0) + 1e-9 for name, amount in per_worker.items() if amount > 0)
 
 
 def check_resources(cfg) -> None:
@@ -153,12 +182,19 @@ def check_resources(cfg) -> None:
     if short:
         c = cfg.cluster
         detail = ", ".join(f"{k}: need {v:g}, cluster has {h:g}" for k, (v, h) in short.items())
+        custom = {k for k in short if k not in ("CPU", "GPU")}
         raise ClusterError(
             f"not enough resources for the requested roles ({detail}); roles: {cfg.rollout.num_workers} rollout "
             f"worker(s) x (cpus={c.rollout_cpus:g}, gpus={c.rollout_gpus:g}) + {c.trainer_workers} trainer rank(s) x "
             f"(cpus={c.trainer_rank_cpus:g}, gpus={c.trainer_gpus:g})"
             + (f" + reward model (cpus={c.reward_cpus:g}, gpus={c.reward_gpus:g})" if cfg.reward.model.path else "")
             + ". Lower rollout.num_workers / cluster.*_cpus / cluster.*_gpus or add nodes."
+            + (
+                f" {sorted(custom)}: cluster.rollout_resources / trainer_resources ask for them; start nodes with "
+                "them (ray start --resources='{\"name\": amount}')."
+                if custom
+                else ""
+            )
         )
 
 
@@ -171,9 +207,9 @@ def gpu_placement_group(cfg, timeout_s: float):
         return None
     from ray.util.placement_group import placement_group
 
-    bundles = [{"CPU": c.trainer_rank_cpus, "GPU": c.trainer_gpus} for _ in range(c.trainer_workers)] + [
-        {"CPU": c.rollout_cpus, "GPU": c.rollout_gpus} for _ in range(cfg.rollout.num_workers)
-    ]
+    bundles = [
+        {"CPU": c.trainer_rank_cpus, "GPU": c.trainer_gpus, **c.trainer_resources} for _ in range(c.trainer_workers)
+    ] + [rollout_worker_resources(cfg) for _ in range(cfg.rollout.num_workers)]
     if rm:  # the reward-model actor's bundle, last
         bundles.append({"CPU": c.reward_cpus, "GPU": c.reward_gpus})
     bundles = [{k: v for k, v in b.items() if v > 0} or {"CPU": 0.01} for b in bundles]

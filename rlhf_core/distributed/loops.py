@@ -12,11 +12,19 @@ from typing import Optional
 import ray
 
 from rlhf_core.distributed.calls import RunFailed, WorkerDied, task_error
+from rlhf_core.distributed.cluster import rollout_worker_resources
+
+WAITING_EVENT_S = 10.0  # a worker not back after this long is reported as waiting for room
 
 
 class LoopWatch:
     """What DistributedRun does about its loops. Uses its trainer, workers, handle, timeout, restarts,
-    worker_loops, worker_loop_starts, trainer_loop, stopping, failed and _event."""
+    worker_loops, worker_loop_starts, trainer_loop, stopping, failed, _event and recover_prompts (Fleet)."""
+
+    # worker index -> (since when, "restarted" | "started"): a worker Ray is bringing back, or a new one starting
+    pending_starts: dict[int, tuple[float, str]]
+    restart_pings: dict[int, object]
+    waiting_reported: set[int]
 
     def wait_loop(
         self,
@@ -71,7 +79,10 @@ class LoopWatch:
         return starts[attempt - 1] if len(starts) >= attempt else None
 
     def _check_worker_loops(self) -> None:
-        """Restart the loop of a worker that Ray restarted; count and report the event."""
+        """A worker whose loop ended with its process (or node) dead: count the restart, give its in-flight prompts
+        back to the queue, and wait for Ray to bring it back (without blocking the poll: where the cluster has no
+        room for it, the wait is an event and the supervision's outage limit, supervision.stall_timeout_s,
+        decides); once back, start its loop again."""
         for i, ref in list(self.worker_loops.items()):
             ready, _ = ray.wait([ref], timeout=0)
             if not ready:
@@ -90,24 +101,44 @@ class LoopWatch:
                     f"{sum(self.restarts)} in the run (budget cluster.max_restarts={self.cfg.cluster.max_restarts}, "
                     "the supervision's to enforce)",
                 )
-            info = self._wait_restarted(i)
+            del self.worker_loops[i]
+            self.recover_prompts(i)
+            self.pending_starts[i] = (time.monotonic(), "restarted")
+        for i, (since, kind) in list(self.pending_starts.items()):
+            info = self._restarted(i)
+            if info is None:
+                if i not in self.waiting_reported and time.monotonic() - since > WAITING_EVENT_S:
+                    self.waiting_reported.add(i)
+                    self._event(
+                        "rollout_worker_waiting",
+                        f"rollout worker {i} is not up after {time.monotonic() - since:.0f} s: Ray places it once "
+                        f"a node has {rollout_worker_resources(self.cfg)} free (add a node, or it fails the run "
+                        f"after supervision.stall_timeout_s={self.cfg.supervision.stall_timeout_s:g})",
+                    )
+                continue
+            del self.pending_starts[i]
+            self.waiting_reported.discard(i)
             self._event(
-                "rollout_worker_restarted",
-                f"rollout worker {i} restarted (reconstructed={info['restarted']}) and reloads the newest weights",
+                f"rollout_worker_{kind}",
+                f"rollout worker {i} {kind} after {time.monotonic() - since:.1f} s "
+                f"(reconstructed={info['restarted']}); it loads the newest weights",
             )
             self.worker_loops[i] = self.workers[i].run_loop.remote()
             self.worker_loop_starts.setdefault(i, []).append(self.worker_loops[i])
 
-    def _wait_restarted(self, i: int) -> dict:
-        """Wait (bounded by runtime.wait_timeout_s) for Ray to bring worker i back; it is 'unavailable' meanwhile."""
-        deadline = time.monotonic() + self.timeout
-        while True:
-            try:
-                return ray.get(self.workers[i].ping.remote(), timeout=max(1.0, deadline - time.monotonic()))
-            except ray.exceptions.ActorUnavailableError:
-                if time.monotonic() > deadline:
-                    break
-                time.sleep(0.5)
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
-                raise RunFailed(f"rollout worker {i} did not come back: {exc}") from exc
-        raise RunFailed(f"rollout worker {i} did not come back within {self.timeout:g} s (runtime.wait_timeout_s)")
+    def _restarted(self, i: int) -> Optional[dict]:
+        """Worker i's ping answer once Ray brought it back; None while it is restarting (or waiting for room).
+        A worker Ray gave up on (its restarts spent) fails the run."""
+        ref = self.restart_pings.get(i)
+        if ref is None:
+            ref = self.restart_pings[i] = self.workers[i].ping.remote()
+        if not ray.wait([ref], timeout=0)[0]:
+            return None
+        del self.restart_pings[i]
+        try:
+            return ray.get(ref)
+        except ray.exceptions.ActorUnavailableError:
+            return None  # asked while restarting: ask again at the next poll
+        except ray.exceptions.RayActorError as exc:
+            self.failed = f"rollout worker {i} did not come back: {exc}"
+            raise RunFailed(self.failed) from exc

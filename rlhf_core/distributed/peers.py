@@ -46,8 +46,8 @@ class RemoteBuffer(RemotePeer):
     def __init__(self, handle, timeout_s: float):
         super().__init__(handle, timeout_s, "the replay buffer")
 
-    def push(self, groups: list) -> int:
-        return self.submit("push", pack_groups(groups)).result()
+    def push(self, groups: list, holder=None, batch: int = 0) -> int:
+        return self.submit("push", pack_groups(groups), holder, batch).result()
 
     def give_back(self, groups: list) -> int:
         return self.submit("give_back", pack_groups(groups)).result()

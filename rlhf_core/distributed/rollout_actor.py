@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 import warnings
 
 import ray
@@ -32,6 +33,7 @@ class RolloutActor:
         seed = build.rollout_seed(cfg, index)
         build.setup_process(cfg, seed)
         self.cfg, self.index = cfg, index
+        self.holder = f"{index}-{uuid.uuid4().hex[:8]}"  # this incarnation: its prompts are leased to it
         timeout = cfg.runtime.wait_timeout_s
         buffer, queue, store = (ray.get_actor(peers[k]) for k in ("buffer", "queue", "store"))
         model, tokenizer = build.build_policy(cfg, policy_dir)
@@ -46,13 +48,20 @@ class RolloutActor:
             RemotePeer(queue, timeout, "the prompt queue"),
             RemoteWeights(store, timeout),
             index,
+            holder=self.holder,
         )
         with warnings.catch_warnings():  # Ray's own property reads a deprecated one internally
             warnings.simplefilter("ignore")
             self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
 
     def ping(self) -> dict:
-        return {"index": self.index, "restarted": self.restarted, "version": self.worker.version}
+        return {
+            "index": self.index,
+            "restarted": self.restarted,
+            "version": self.worker.version,
+            "holder": self.holder,
+            "node": ray.get_runtime_context().get_node_id(),
+        }
 
     def maybe_load_weights(self) -> bool:
         """Between batches only: adopt the newest published weights if they are newer than ours."""

@@ -23,9 +23,10 @@ from rlhf_core.data.queue import PromptQueue
 from rlhf_core.distributed.calls import RunFailed, WorkerDied, get_or_fail  # noqa: F401  (importable here)
 from rlhf_core.distributed.cluster import ClusterHandle, check_resources, connect, gpu_placement_group, teardown
 from rlhf_core.distributed.control import ExperienceBuffer, WeightStore, reconcile
+from rlhf_core.distributed.fleet import Fleet
 from rlhf_core.distributed.loops import LoopWatch
 from rlhf_core.distributed.reward_model_actor import RewardModelActor
-from rlhf_core.distributed.rollout_actor import RolloutActor, rollout_rng_states
+from rlhf_core.distributed.rollout_actor import rollout_rng_states
 from rlhf_core.distributed.trainer_actor import TrainerActor
 from rlhf_core.distributed.trainer_group import TrainerRankActor
 from rlhf_core.run import build
@@ -39,7 +40,15 @@ def _remote(cls, **options):
     return ray.remote(cls).options(**options)
 
 
-class DistributedRun(LoopWatch):
+def _on_this_node() -> dict:
+    """Actor options that place it on the driver's node (the prompt queue, the experience buffer, the weight
+    store: if the driver's node is lost the run is over anyway, and no other node's loss can take them)."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)}
+
+
+class DistributedRun(LoopWatch, Fleet):
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
         self.handle: Optional[ClusterHandle] = None
@@ -50,6 +59,10 @@ class DistributedRun(LoopWatch):
         self.worker_loop_starts: dict[int, list] = {}  # every loop each worker ran, oldest first (restarts)
         self.trainer_loop = None
         self.restarts = [0] * cfg.rollout.num_workers
+        self.pending_starts: dict[int, tuple[float, str]] = {}  # workers restarting or starting (loops.py)
+        self.restart_pings: dict[int, object] = {}
+        self.waiting_reported: set[int] = set()
+        self.peers: dict[str, str] = {}  # the named actors a rollout worker looks up
         self.events: list[dict] = []
         self._new_events: list[dict] = []
         self.last_step = 0
@@ -112,11 +125,14 @@ class DistributedRun(LoopWatch):
                 }
 
             # named, so that rollout workers look them up instead of taking handles in their constructor
-            peers = {k: f"atrlhf-{k}-{uuid.uuid4().hex[:12]}" for k in ("queue", "buffer", "store")}
-            self.queue = _remote(PromptQueue, num_cpus=0, max_concurrency=8, name=peers["queue"]).remote(
+            self.peers = peers = {k: f"atrlhf-{k}-{uuid.uuid4().hex[:12]}" for k in ("queue", "buffer", "store")}
+            here = _on_this_node()  # the control plane lives with the driver: losing another node cannot take it
+            self.queue = _remote(PromptQueue, num_cpus=0, max_concurrency=8, name=peers["queue"], **here).remote(
                 train_prompts, cfg.data.seed
             )
-            self.buffer = _remote(ExperienceBuffer, num_cpus=0, max_concurrency=16, name=peers["buffer"]).remote(
+            self.buffer = _remote(
+                ExperienceBuffer, num_cpus=0, max_concurrency=16, name=peers["buffer"], **here
+            ).remote(
                 cfg.buffer.max_size,
                 cfg.runtime.max_staleness,
                 cfg.trainer.prompts_per_step,
@@ -124,7 +140,7 @@ class DistributedRun(LoopWatch):
                 ceiling=cfg.runtime.autopilot.max_staleness if cfg.runtime.autopilot.enabled else None,
                 filter_max_rounds=cfg.algorithm.filter_max_rounds,
             )
-            self.store = _remote(WeightStore, num_cpus=0, max_concurrency=8, name=peers["store"]).remote()
+            self.store = _remote(WeightStore, num_cpus=0, max_concurrency=8, name=peers["store"], **here).remote()
             if cfg.reward.model.path:  # its own process and resources; the last bundle of the placement group
                 peers["reward_model"] = f"atrlhf-reward_model-{uuid.uuid4().hex[:12]}"
                 self.reward_model = _remote(
@@ -134,30 +150,25 @@ class DistributedRun(LoopWatch):
                     name=peers["reward_model"],
                     **placed(cfg.rollout.num_workers + c.trainer_workers),
                 ).remote(cfg, self.policy_dir)
+            pinned = {"resources": dict(c.trainer_resources)} if c.trainer_resources else {}
             self.trainer = _remote(
-                TrainerActor, num_cpus=c.trainer_rank_cpus, num_gpus=c.trainer_gpus, max_concurrency=4, **placed(0)
+                TrainerActor,
+                num_cpus=c.trainer_rank_cpus,
+                num_gpus=c.trainer_gpus,
+                max_concurrency=4,
+                **pinned,
+                **placed(0),
             ).remote(cfg, self.policy_dir, train_prompts, heldout, self.buffer, self.store)
             ranks = c.trainer_workers  # bundles 0..ranks-1 of the placement group: the trainer group
             if ranks > 1:
                 address = self._get(self.trainer.group_address.remote(), "the trainer's group address")
                 self.trainer_ranks = [
                     _remote(
-                        TrainerRankActor, num_cpus=c.trainer_rank_cpus, num_gpus=c.trainer_gpus, **placed(r)
+                        TrainerRankActor, num_cpus=c.trainer_rank_cpus, num_gpus=c.trainer_gpus, **pinned, **placed(r)
                     ).remote(cfg, self.policy_dir, r, address)
                     for r in range(1, ranks)
                 ]
-            self.workers = [
-                _remote(
-                    RolloutActor,
-                    num_cpus=c.rollout_cpus,
-                    num_gpus=c.rollout_gpus,
-                    max_concurrency=4,
-                    max_restarts=c.max_restarts,
-                    max_task_retries=0,
-                    **placed(i + ranks),
-                ).remote(cfg, self.policy_dir, i, peers)
-                for i in range(cfg.rollout.num_workers)
-            ]
+            self.workers = [self._new_worker(i, placed(i + ranks)) for i in range(cfg.rollout.num_workers)]
             self.handle.actors = [self.queue, self.buffer, self.store, self.trainer, *self.trainer_ranks, *self.workers]
             if self.reward_model is not None:
                 self.handle.actors.append(self.reward_model)
@@ -253,7 +264,8 @@ class DistributedRun(LoopWatch):
             self._check_worker_loops()
         # all requests in flight at once: one round trip instead of one per actor
         bstats_ref, qstats_ref = self.buffer.stats.remote(), self.queue.stats.remote()
-        wstats_refs = [w.stats.remote() for w in self.workers]
+        # a worker Ray is restarting is not asked (a call would wait for it): it is down until it is back
+        wstats_refs = [None if i in self.pending_starts else w.stats.remote() for i, w in enumerate(self.workers)]
         try:
             metrics = self._get(self.trainer.drain_metrics.remote(), "trainer metrics")
             tstats = self._get(self.trainer.stats.remote(), "trainer stats")  # after the drain: step >= drained steps
@@ -265,10 +277,14 @@ class DistributedRun(LoopWatch):
         wstats = []
         for i, ref in enumerate(wstats_refs):
             try:
+                if ref is None:
+                    raise WorkerDied("restarting")
                 s = ray.get(ref, timeout=min(self.timeout, 10))
                 s["alive"] = True
             except Exception as exc:
                 s = {"index": i, "alive": False, "error": type(exc).__name__}
+                if ref is None:
+                    s.update(error=self.pending_starts[i][1].replace("ed", "ing"), starting=True)
             s["restarts"] = self.restarts[i]
             wstats.append(s)
         alive = [s for s in wstats if s["alive"]]
@@ -281,6 +297,8 @@ class DistributedRun(LoopWatch):
             "buffer/filtered_groups_frac": bstats.get("filtered_groups_frac", 0.0),
             "util/rollout_busy": rollout_busy,
             "util/trainer_busy": tstats["busy_frac"],
+            "cluster/rollout_workers": len(self.workers),
+            "rollout/requeued_prompts": self.requeued_prompts,
         }
         for key in sorted(
             {k for s in alive for k in s if k.startswith(("env/", "agent/"))}
@@ -299,6 +317,7 @@ class DistributedRun(LoopWatch):
             "queue": qstats,
             "rollout": wstats,
             "trainer": tstats,
+            "cluster": self.fleet_stats(),
             "events": events,
             "failed": self.failed,
         }

@@ -71,6 +71,12 @@ class ExperienceBuffer:
         self.short_takes = 0  # takes that handed out fewer than a step's groups (filter rounds spent)
         self.filtered_trained = 0  # filtered groups handed out that way (counted as consumed, not filtered)
         self.ceiling = max_staleness if ceiling is None else max(int(ceiling), max_staleness)
+        # by holder (a rollout worker's incarnation): [last batch number accepted, groups accepted, groups admitted
+        # and not pushed or released yet]
+        self.holders: dict[str, list[int]] = {}
+        self.revoked: set[str] = set()
+        self.revoked_groups = 0  # groups accepted from holders since revoked (reconcile counts them as generated)
+        self.refused_groups = 0  # groups pushed by a revoked holder after it was revoked: not stored
 
     def capacity(self) -> int:
         # Counted against the newest PUBLISHED weights (what new samples will be generated with), not the
@@ -98,32 +104,52 @@ class ExperienceBuffer:
             self.set_weights_version(published_version)
         return self.set_version(version)
 
-    def try_admit(self, n_groups: int, at_least: int = 1) -> int:
+    def try_admit(self, n_groups: int, at_least: int = 1, holder: Optional[str] = None) -> int:
         """How many of n_groups a worker may start now: all of them, or as many as the capacity has room for
         when that is at least `at_least` (a smaller batch: at max_staleness 0 a filtered or failed group frees one
         group's room, and a batch that waited for a whole batch's room would wait forever), else 0 (paused, or
-        no room)."""
+        no room). holder: the worker's incarnation, whose outstanding grant `revoke` returns if it is lost."""
         with self.lock:
-            if self.paused:
+            if self.paused or holder in self.revoked:
                 return 0
             free = self.capacity() - self.admitted  # beyond it, groups would be consumed too stale
             granted = int(n_groups) if n_groups <= free else (free if free >= max(1, int(at_least)) else 0)
             self.admitted += granted
+            if holder is not None:
+                self._holder(holder)[2] += granted
             return granted
 
-    def release(self, n_groups: int) -> None:
+    def release(self, n_groups: int, holder: Optional[str] = None) -> None:
         """Return an admission that will not be used (a worker loop stopping with one granted ahead, or groups
         an environment failed)."""
         with self.lock:
             self.admitted = max(0, self.admitted - int(n_groups))
+            if holder is not None and holder not in self.revoked:
+                record = self._holder(holder)
+                record[2] = max(0, record[2] - int(n_groups))
+
+    def _holder(self, holder: str) -> list[int]:
+        return self.holders.setdefault(holder, [-1, 0, 0])
 
     def set_paused(self, paused: bool) -> None:
         self.paused = bool(paused)
 
-    def push(self, groups: list) -> int:
+    def push(self, groups: list, holder: Optional[str] = None, batch: int = 0) -> int:
         """Groups as pack_groups made them (or Experience objects). They are stored as they come: the
         buffer reads only policy_version, so a group crosses rollout -> buffer -> trainer without being
-        unpacked and packed again in between."""
+        unpacked and packed again in between.
+
+        holder, batch: who pushes (a rollout worker's incarnation) and its batch number; the buffer is where a
+        batch counts as delivered. A holder that was revoked (its worker was lost) is refused: its prompts
+        went back to the queue."""
+        if holder is not None:
+            with self.lock:
+                if holder in self.revoked:
+                    self.refused_groups += len(groups)
+                    return 0
+                record = self._holder(holder)
+                record[0], record[1] = max(record[0], int(batch)), record[1] + len(groups)
+                record[2] = max(0, record[2] - len(groups))
         accepted = 0
         for g in groups:
             r = group_rewards(g) if self.filter_groups else None
@@ -138,6 +164,17 @@ class ExperienceBuffer:
             if not constant:
                 accepted += bool(self.buf.push(g))
         return accepted
+
+    def revoke(self, holder: str) -> int:
+        """The holder (a lost or retired worker's incarnation) pushes no more: later pushes are refused and the
+        admission it held for groups it never pushed is free again. Returns the last batch number accepted from
+        it (-1: none), which `PromptQueue.requeue` takes as `after`."""
+        with self.lock:
+            self.revoked.add(holder)
+            last, groups, outstanding = self.holders.pop(holder, [-1, 0, 0])
+            self.revoked_groups += groups
+            self.admitted = max(0, self.admitted - outstanding)
+            return last
 
     def take(self, n: int, timeout_s: float, for_version: Optional[int] = None) -> tuple[list, int]:
         """(groups, bound): exactly n groups, oldest first (packed: unpack_groups), or [] if they did not arrive
@@ -220,6 +257,8 @@ class ExperienceBuffer:
                 "filtered_groups": self.filtered_groups,
                 "filtered_groups_frac": self.filtered_groups / self.groups_pushed if self.groups_pushed else 0.0,
                 "short_takes": self.short_takes,
+                "revoked_groups": self.revoked_groups,
+                "refused_groups": self.refused_groups,
                 "max_staleness": self.max_staleness,
                 # buffer/evicted_length_mean: mean response length of the evicted groups' rows (0 before any)
                 "evicted_length_mean": s["evicted_tokens"] / s["evicted_rows"] if s["evicted_rows"] else 0.0,
@@ -309,11 +348,12 @@ def reconcile(poll: dict) -> dict:
     where in_flight = taken from the buffer but not trained yet (0 once the loops have stopped: a
     prefetched batch goes back). `unaccounted` is generated minus the right-hand side: a group lost between
     a worker and the buffer makes it non-zero; a group trained twice (or taken and never trained) makes
-    in_flight non-zero once the loops have stopped. Rollout workers that died lose their count (a restart
-    starts from 0). filtered: groups algorithm.filter_groups kept out (all rewards equal), counted as
-    consumed."""
+    in_flight non-zero once the loops have stopped. A rollout worker lost or retired is counted by what the
+    buffer accepted from it (`revoked_groups`: its own count died with it). filtered: groups
+    algorithm.filter_groups kept out (all rewards equal), counted as consumed."""
     b = poll["buffer"]
-    generated = sum(s.get("groups_pushed", 0) for s in poll["rollout"] if s.get("alive"))
+    # the workers' own counts, and for workers lost or retired (revoked) the buffer's count of what it accepted
+    generated = sum(s.get("groups_pushed", 0) for s in poll["rollout"] if s.get("alive")) + b.get("revoked_groups", 0)
     trained = int(poll["trainer"].get("groups_trained", 0))
     in_flight = b["sampled"] - trained
     filtered = int(b.get("filtered_groups", 0))

@@ -16,10 +16,15 @@ log = logging.getLogger("rlhf_core.run")
 class RolloutRole:
     """The rollout worker's cycle over a `RolloutWorker`: admit -> prompts -> adopt weights -> generate -> push.
 
-    Peers: buffer (try_admit, release, push), queue (get), store (fetch_if_newer, poll_newer)."""
+    Peers: buffer (try_admit, release, push), queue (get), store (fetch_if_newer, poll_newer).
 
-    def __init__(self, cfg, worker, buffer, queue, store, index: int = 0):
-        self.cfg, self.worker, self.index = cfg, worker, index
+    holder: this worker incarnation's name where it can be lost (its own process): its prompts are leased
+    batch by batch and its pushes carry the batch number, so that a lost worker's prompts are generated again
+    (`PromptQueue.requeue`, `ExperienceBuffer.revoke`). None in one process."""
+
+    def __init__(self, cfg, worker, buffer, queue, store, index: int = 0, holder: Optional[str] = None):
+        self.cfg, self.worker, self.index, self.holder = cfg, worker, index, holder
+        self.batches = 0  # batches asked for (the lease numbers)
         self.buffer, self.queue, self.store = buffer, queue, store
         self.stop_event = threading.Event()
         self.syncs: list[dict] = []
@@ -69,15 +74,40 @@ class RolloutRole:
         )
         return state_dict, version
 
+    def ask_prompts(self, n_prompts: int):
+        """Send the request for the next batch's prompts (leased to this holder under the next batch number)."""
+        self.batches += 1
+        if self.holder is None:
+            return self.queue.submit("get", n_prompts)
+        return self.queue.submit("get", n_prompts, self.holder, self.batches)
+
+    def _push(self, groups: list, batch: int):
+        if self.holder is None:
+            return self.buffer.push(groups)
+        return self.buffer.push(groups, self.holder, batch)
+
+    def _admit(self, n: int):
+        if self.holder is None:
+            return self.buffer.submit("try_admit", n)
+        return self.buffer.submit("try_admit", n, 1, self.holder)
+
+    def _release(self, n: int) -> None:
+        if self.holder is None:
+            self.buffer.release(n)
+        else:
+            self.buffer.release(n, self.holder)
+
     def generate(self, n_prompts: int, prompts_call=None, wait: bool = True) -> int:
         """Take n prompts, generate, score, push. Returns the groups generated.
 
         wait=False (the continuous loop) pushes on a helper thread and waits only for the previous push: at
         most one push is in flight, pushes stay in order, and a failed push surfaces a batch later.
-        prompts_call: a prompt-queue request already sent (the loop sends it beside the weights check)."""
+        prompts_call: a prompt-queue request already sent by `ask_prompts` (the loop sends it beside the weights
+        check)."""
         t0 = time.perf_counter()
         self.work_started = self.work_started or t0
-        prompts = (prompts_call or self.queue.submit("get", n_prompts)).result()
+        prompts = (prompts_call or self.ask_prompts(n_prompts)).result()
+        batch = self.batches  # this batch's lease number (the next one is asked for before this push lands)
         t1 = time.perf_counter()
         self.phase_s["prompts"] += t1 - t0
         if not prompts:
@@ -89,12 +119,12 @@ class RolloutRole:
         self.phase_s["split"] += (t2 - t1) - (self.worker.busy_s - busy_before)  # what generate_groups adds
         self.confirm_push()
         if wait:
-            self.buffer.push(groups)
+            self._push(groups, batch)
             self.groups_pushed += len(groups)
         else:
             if self._push_pool is None:
                 self._push_pool = ThreadPoolExecutor(1, thread_name_prefix="rollout-push")
-            self.pending_push = (self._push_pool.submit(self.buffer.push, groups), len(groups))
+            self.pending_push = (self._push_pool.submit(self._push, groups, batch), len(groups))
         self.phase_s["push"] += time.perf_counter() - t2
         return len(groups)
 
@@ -110,14 +140,14 @@ class RolloutRole:
         """One batch, whole: False when admission refuses it (the buffer holds what the bound allows). A batch is
         rollout.prompts_per_batch prompts, or fewer when admission has room for fewer."""
         t0 = time.perf_counter()
-        granted = self.buffer.try_admit(self.cfg.rollout.prompts_per_batch)
+        granted = self._admit(self.cfg.rollout.prompts_per_batch).result()
         self.worker.add_idle(time.perf_counter() - t0)
         if not granted:
             return False
         self.adopt_weights()
         made = self.generate(granted)
         if made < granted:  # groups an environment failed (or prompts that ran out): their admission is free again
-            self.buffer.release(granted - made)
+            self._release(granted - made)
         return True
 
     def run(self) -> dict:
@@ -136,19 +166,19 @@ class RolloutRole:
         try:
             while not self.stop_event.is_set():
                 t0 = time.perf_counter()
-                granted = (admit or self.buffer.submit("try_admit", n)).result()
+                granted = (admit or self._admit(n)).result()
                 admit = None
                 if not granted:
                     self.stop_event.wait(0.005)
                     self.worker.add_idle(time.perf_counter() - t0)
                     continue
                 self.worker.add_idle(time.perf_counter() - t0)
-                prompts = self.queue.submit("get", granted)
+                prompts = self.ask_prompts(granted)
                 self.adopt_weights()  # admitted against version v: weights >= v are published, load them
-                admit = self.buffer.submit("try_admit", n)
+                admit = self._admit(n)
                 made = self.generate(granted, prompts_call=prompts, wait=False)
                 if made < granted:
-                    self.buffer.release(granted - made)
+                    self._release(granted - made)
             self.confirm_push()
         finally:
             self.loop_running = False
@@ -162,7 +192,7 @@ class RolloutRole:
         try:
             granted = admit.result()
             if granted:
-                self.buffer.release(granted)
+                self._release(granted)
         except Exception as exc:
             log.warning("rollout worker %d could not release an unused admission: %s", self.index, exc)
 

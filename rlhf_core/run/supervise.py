@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Optional
 
+from rlhf_core.run.requests import ScaleRequests
 from rlhf_core.supervision import HealthEvent, Supervisor
 
 
@@ -65,7 +66,8 @@ def supervise(cfg, runtime, start_step: int, sinks: Sinks) -> bool:
     cfg.trainer.total_steps. Returns False when `sinks.cancelled()` said so; raises SupervisionError when a health
     limit is exceeded (the runtime is left to its owner's teardown)."""
     total = cfg.trainer.total_steps
-    supervisor = Supervisor(cfg, runtime, start_step=start_step, report=sinks.on_event)
+    requests = ScaleRequests(cfg.run.run_dir)  # `atrlhf scale` asking this run for a fleet size
+    supervisor = Supervisor(cfg, runtime, start_step=start_step, report=sinks.on_event, requests=requests)
     sinks.events = supervisor.events
     evaluations = Every(cfg.eval.every, start_step)
     interval = cfg.supervision.supervise_interval_s
