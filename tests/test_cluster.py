@@ -151,3 +151,35 @@ def test_atrlhf_scale_grows_and_shrinks_the_fleet_of_a_live_run(cluster, tmp_pat
     assert rec["unaccounted"] == 0 and rec["in_flight"] == 0, rec
     staleness = [m["async/staleness_max"] for m in result["metrics"]]
     assert max(staleness) <= cfg.runtime.max_staleness  # the bound held through both changes
+
+
+def test_the_trainers_node_lost_ends_the_run_with_its_checkpoints_and_a_restarted_cluster_resumes_it(cluster, tmp_path):
+    from rlhf_core.distributed import RunFailed
+    from rlhf_core.run.checkpoint import read_checkpoint
+    from rlhf_core.run.checkpoint_paths import newest_checkpoint
+    from rlhf_core.supervision import SupervisionError
+
+    with _single_machine_ray():
+        trainer_node = cluster.add_node(num_cpus=1, resources={"spare_trainer": 1}, node_ip_address=LOOPBACK)
+    cluster.wait_for_nodes()
+    overrides = ["trainer.total_steps=300", "checkpoint.every=5", "cluster.trainer_resources={spare_trainer: 1}"]
+    cfg = cluster_cfg(tmp_path, cluster, *overrides)
+    state: dict = {}
+
+    def on_poll(poll):
+        if "killed" not in state and poll["step"] >= 12:
+            cluster.remove_node(trainer_node, allow_graceful=False)
+            state["killed"] = poll["step"]
+
+    with pytest.raises((RunFailed, SupervisionError), match="trainer"):
+        run_distributed(cfg, on_poll=on_poll)
+    last = newest_checkpoint(tmp_path)
+    assert last is not None and read_checkpoint(last)[0].step >= 10  # written before the node went
+    # the cluster is restarted with a trainer node again; the run continues from its newest checkpoint
+    with _single_machine_ray():
+        cluster.add_node(num_cpus=1, resources={"spare_trainer": 1}, node_ip_address=LOOPBACK)
+    cluster.wait_for_nodes()
+    at = read_checkpoint(last)[0].step
+    resumed_cfg = cluster_cfg(tmp_path / "resumed", cluster, *overrides[1:], f"trainer.total_steps={at + 8}")
+    result = run_distributed(resumed_cfg, resume_from=str(last))
+    assert result["steps"] == at + 8 and [m["step"] for m in result["metrics"]] == list(range(at + 1, at + 9))
