@@ -243,3 +243,19 @@ def test_what_the_mlflow_ui_shows_reads(store):
     assert "plots/reward_curve.png" in plots.artifacts
     for tracker in (parent, child, resumed):
         tracker.end("FINISHED")
+
+
+def test_the_mlflow_links_follow_where_the_ui_answers(monkeypatch):
+    """The run's link (Prefect summary, link artifact) and the UI command follow $ATRLHF_MLFLOW_UI_URL, else a
+    tracking server's URL, else `mlflow ui`'s default port 5000."""
+    from tracking.runs import UI_URL_ENV, run_url, ui_command
+
+    local = "sqlite:////tmp/x/mlflow.db"
+    monkeypatch.delenv(UI_URL_ENV, raising=False)
+    assert run_url(local, "1", "abc") == "http://127.0.0.1:5000/#/experiments/1/runs/abc"
+    assert ui_command(local).endswith(f"ui --backend-store-uri {local} --host 127.0.0.1 --port 5000")
+    assert run_url("http://mlflow:8080/", "1", "abc") == "http://mlflow:8080/#/experiments/1/runs/abc"
+    monkeypatch.setenv(UI_URL_ENV, "http://127.0.0.1:5055/")
+    assert run_url(local, "2", "def") == "http://127.0.0.1:5055/#/experiments/2/runs/def"
+    assert ui_command(local).endswith("--host 127.0.0.1 --port 5055")
+
