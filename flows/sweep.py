@@ -155,7 +155,7 @@ def run_point(point: SweepPoint, config: TrainConfig, sweep: str, parent_run_id:
         child_config = point_config(config, point, sweep)
     except ConfigError as exc:  # a grid key that is not a path into the config
         return {"state": "FAILED", "message": f"ConfigError: {exc}", "flow_run_id": ""}
-    state = train.with_options(flow_run_name=f"{sweep}/{point.name}")(
+    state = train.with_options(flow_run_name=point.run_name(sweep))(
         config=child_config,
         mlflow_parent_run_id=parent_run_id,
         mlflow_tags=point_tags(point, sweep),
