@@ -23,6 +23,7 @@ from prefect.states import Failed, State
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.lifecycle import shared_ray
+from flows.terminal import quiet_terminal
 from flows.train import train
 from rlhf_core.config import ConfigError, TrainConfig, validate_config
 from rlhf_core.run.preflight import check_paths
@@ -57,6 +58,7 @@ def sweep(
     When a point failed (the others still run), the flow run ends Failed with that dict as its result and a
     message naming the failed points.
     """
+    quiet_terminal()  # as `atrlhf sweep` does; here for a worker's (deployment's) process
     logger = get_run_logger()
     cfg = validate_config(base_config, " (sweep parameter 'base_config')")
     grid = check_grid(dict(grid or {}))
@@ -155,7 +157,7 @@ def run_point(point: SweepPoint, config: TrainConfig, sweep: str, parent_run_id:
         child_config = point_config(config, point, sweep)
     except ConfigError as exc:  # a grid key that is not a path into the config
         return {"state": "FAILED", "message": f"ConfigError: {exc}", "flow_run_id": ""}
-    state = train.with_options(flow_run_name=f"{sweep}/{point.name}")(
+    state = train.with_options(flow_run_name=point.run_name(sweep))(
         config=child_config,
         mlflow_parent_run_id=parent_run_id,
         mlflow_tags=point_tags(point, sweep),

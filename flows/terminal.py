@@ -102,6 +102,7 @@ def train_summary(
     cfg: TrainConfig, state, result: Optional[dict], flow_run_id: Optional[str], temporary_api: bool = False
 ) -> str:
     from tracking import resolve_tracking_uri, ui_command
+    from tracking.runs import ui_url
 
     where, see = prefect_location(flow_run_id, temporary_api)
     uri = (result or {}).get("mlflow_tracking_uri") or resolve_tracking_uri(cfg)
@@ -143,7 +144,7 @@ def train_summary(
     lines += [
         f"  Prefect flow run    {flow_run_id}  (in {where})",
         f"  Prefect UI          {see}",
-        f"  MLflow UI           {ui_command(uri)}  -> http://127.0.0.1:5000",
+        f"  MLflow UI           {ui_command(uri)}  -> {ui_url(uri)}",
         "=" * 78,
     ]
     return "\n".join(lines)
@@ -151,8 +152,10 @@ def train_summary(
 
 def sweep_summary(result: dict, target: float, flow_run: str, see: str) -> str:
     from tracking import ui_command
+    from tracking.runs import ui_url
     from tracking.sweep_comparison import table_markdown
 
+    uri = result["mlflow_tracking_uri"]
     return "\n".join(
         [
             "",
@@ -162,7 +165,7 @@ def sweep_summary(result: dict, target: float, flow_run: str, see: str) -> str:
             "",
             table_markdown(result["rows"], target),
             f"  MLflow parent run   {result['mlflow_parent_run_id']}  ({result['mlflow_tracking_uri']})",
-            f"  MLflow UI           {ui_command(result['mlflow_tracking_uri'])}  -> http://127.0.0.1:5000",
+            f"  MLflow UI           {ui_command(uri)}  -> {ui_url(uri)}",
             f"  Prefect flow run    {flow_run}",
             f"  Prefect UI          {see}",
             "=" * 78,

@@ -41,6 +41,7 @@ from flows.progress import (
     progress_line,
     reward_component_keys,
 )
+from flows.terminal import quiet_terminal
 from rlhf_core.config import TrainConfig, validate_config
 from rlhf_core.run.preflight import LATEST, claim_run_dir, default_run_name
 from rlhf_core.run.supervise import Every, Sinks
@@ -80,6 +81,7 @@ def train(
     Returns the final metrics, eval/accuracy_start and eval/accuracy, the MLflow run id, and the
     checkpoint and export paths.
     """
+    quiet_terminal()  # as `atrlhf train` does; here for a worker's (deployment's) process: its console stays readable
     logger = get_run_logger()
     cfg = validate_config(config, " (flow parameter 'config')")
     if not cfg.run.name:  # each run its own directory under run.output_dir

@@ -33,6 +33,19 @@ class SweepPoint:
         return ",".join([*(f"{k}={value_text(v)}" for k, v in self.values), f"seed={self.seed}"])
 
     @property
+    def label(self) -> str:
+        """The name with each key shortened to its last part where that stays unambiguous:
+        `loss=m2po,max_staleness=4,seed=1`."""
+        short = [k.rsplit(".", 1)[-1] for k, _ in self.values]
+        keys = [s if short.count(s) == 1 and s != "seed" else k for s, (k, _) in zip(short, self.values)]
+        return ",".join([*(f"{k}={value_text(v)}" for k, (_, v) in zip(keys, self.values)), f"seed={self.seed}"])
+
+    def run_name(self, sweep: str) -> str:
+        """The child's MLflow run and Prefect flow run name: the varied values first, so that names cut short
+        in a UI's column still differ (`max_staleness=4,seed=1 (sweep-0a1b2c3d4e)`)."""
+        return f"{self.label} ({sweep})"
+
+    @property
     def dirname(self) -> str:
         """The name as a directory name (no '/', no '=')."""
         return "".join(c if c.isalnum() or c in "-_." else "_" for c in self.name.replace("=", "-"))
@@ -134,7 +147,7 @@ def point_config(base: TrainConfig, point: SweepPoint, sweep: str) -> dict:
         [
             f"{SEED_KEY}={point.seed}",
             f"run.output_dir={json.dumps(f'{base.run.output_dir}/{sweep}/{point.dirname}')}",
-            f"tracking.run_name={json.dumps(f'{sweep}/{point.name}')}",
+            f"tracking.run_name={json.dumps(point.run_name(sweep))}",
         ],
     )
     return data

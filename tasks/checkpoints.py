@@ -93,10 +93,7 @@ def save_checkpoint(runtime, cfg: TrainConfig, step: int, tracker=None, run: Opt
     `run`: facts of the run kept in the checkpoint (its MLflow run id, held-out accuracy at the start)."""
     path = runtime.checkpoint(str(checkpoint_dir(cfg.run.run_dir, step)), run=run)
     artifact = tracking.log_checkpoint(tracker, path) if tracker is not None else None
-    get_run_logger().info(
-        "checkpoint at step %d: %s%s", step, path, f" (MLflow artifact {artifact})" if artifact else ""
-    )
-    _keep_bounded(path, step, cfg.checkpoint.keep, tracker)
+    _keep_bounded(path, step, artifact, cfg.checkpoint.keep, tracker)
     return str(path)
 
 
@@ -104,25 +101,32 @@ def save_checkpoint(runtime, cfg: TrainConfig, step: int, tracker=None, run: Opt
 def record_checkpoint(tracker, path: str, step: int) -> str:
     """A checkpoint the trainer wrote at an exact step, logged to MLflow as artifacts."""
     artifact = tracking.log_checkpoint(tracker, path) if tracker is not None else None
-    get_run_logger().info(
-        "checkpoint at step %d: %s%s", step, path, f" (MLflow artifact {artifact})" if artifact else ""
-    )
-    _keep_bounded(path, step, tracker.keep_checkpoints if tracker is not None else 0, tracker)
+    _keep_bounded(path, step, artifact, tracker.keep_checkpoints if tracker is not None else 0, tracker)
     return str(path)
 
 
-def _keep_bounded(path: str, step: int, keep: int, tracker) -> None:
+def _keep_bounded(path: str, step: int, artifact: Optional[str], keep: int, tracker) -> None:
     """checkpoint.keep: the run's checkpoints up to this one beyond the newest `keep` are deleted on
-    disk and in MLflow (newer ones the trainer wrote are recorded first)."""
+    disk and in MLflow (newer ones the trainer wrote are recorded first). One short line per checkpoint (the
+    run directory is named at the start); where exactly it went and what went from where, at DEBUG."""
     removed = [p.name for p in prune_checkpoints(Path(path).parent, keep, newest_step=step)]
-    deleted = tracking.prune_checkpoint_artifacts(tracker, keep) if tracker is not None else []
-    if removed or deleted:
-        get_run_logger().info(
-            "checkpoint.keep=%d: deleted %s on disk, %s in MLflow",
-            keep,
-            ", ".join(removed) or "none",
-            ", ".join(Path(d).name for d in deleted) or "none",
-        )
+    deleted = [Path(d).name for d in tracking.prune_checkpoint_artifacts(tracker, keep)] if tracker is not None else []
+    logger = get_run_logger()
+    gone = sorted(set(removed) | set(deleted))
+    logger.info(
+        "checkpoint at step %d: %s%s%s",
+        step,
+        Path(path).name,
+        " (also in MLflow)" if artifact else "",
+        f"; older ones deleted (checkpoint.keep={keep}): {', '.join(gone)}" if gone else "",
+    )
+    logger.debug(
+        "checkpoint %s: MLflow artifact %s; deleted %s on disk, %s in MLflow",
+        path,
+        artifact,
+        ", ".join(removed) or "none",
+        ", ".join(deleted) or "none",
+    )
 
 
 @task(name="export-policy", cache_policy=NO_CACHE, persist_result=False)

@@ -6,6 +6,7 @@ step an observable task run in the flow. Nothing here does math.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Optional
 
@@ -13,6 +14,8 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from rlhf_core.config import TrainConfig
+
+WARM_START_REPORT_S = 10.0  # a line at least this often while the warm start runs
 
 
 def make_runtime(cfg: TrainConfig):
@@ -66,8 +69,16 @@ def evaluate_heldout(runtime, step: int) -> dict:
 @task(name="warm-start", cache_policy=NO_CACHE, persist_result=False)
 def warm_start_policy(runtime, steps: int) -> dict:
     """Supervised steps that teach the answer format (not the task) before RL; the weights are then published."""
-    result = dict(runtime.warm_start(steps))
-    get_run_logger().info(
+    logger = get_run_logger()
+    logger.info("warm start: %d supervised format steps before RL", steps)
+    began = time.monotonic()
+
+    def progress(done: int, loss) -> None:
+        at = f", loss {loss:.3f}" if loss is not None else ""
+        logger.info("warm start: step %d/%d%s (%.0f s)", done, steps, at, time.monotonic() - began)
+
+    result = dict(runtime.warm_start(steps, progress=progress, every_s=WARM_START_REPORT_S))
+    logger.info(
         "warm start: %d supervised format steps, held-out accuracy %.3f after it (loss %.3f)",
         steps,
         result["eval/accuracy_warm_start"],

@@ -158,6 +158,11 @@ def test_deployment_run_completes(deployed, work, ray_address):
     assert any(k.startswith("system/") for k in run.data.metrics), "system metrics were on"
     assert (work / "deployed" / "latest" / "policy" / "config.json").is_file()
     assert not alive_actors(), "the run left Ray actors behind"
+    # the worker's console is as quiet as `atrlhf train`'s: no "Finished in state Completed()" per task run, the
+    # run's own lines still there
+    shown = deployed["worker_log"].read_text()
+    assert "held-out evaluation at step 4" in shown, shown[-3000:]
+    assert "Finished in state Completed" not in shown, shown[-3000:]
     print(f"deployment run: {time.perf_counter() - start:.1f} s")
 
 

@@ -64,6 +64,19 @@ def test_async_run_bounds_staleness_and_reconciles(ray_local, tmp_path):
     assert ray.is_initialized()  # ... and left the Ray it did not start running
 
 
+def test_the_warm_start_reports_its_progress_while_it_runs(ray_local, tmp_path):
+    """The warm start runs in the trainer actor: meanwhile the driver hears how far it got (the flow logs it at
+    least every 10 s), from the first steps to the last, and the weights it taught are then published."""
+    seen: list[tuple[int, float]] = []
+    with DistributedRun(tiny_cfg(tmp_path)) as run:
+        run.launch()
+        out = run.warm_start(200, progress=lambda done, loss: seen.append((done, loss)), every_s=0.02)
+    assert out["warm_start/steps"] == 200 and 0.0 <= out["eval/accuracy_warm_start"] <= 1.0
+    done = [d for d, _ in seen]
+    assert len(seen) >= 3 and done == sorted(done) and 0 < done[-1] <= 200, seen
+    assert all(loss is not None and loss > 0 for d, loss in seen if d > 0), seen
+
+
 def test_stopping_mid_run_gives_the_prefetched_batch_back(ray_local, tmp_path):
     """The trainer prefetches batch V + 1 while V trains; stopping must not count that batch as consumed.
     A rollout far faster than the trainer keeps the buffer stocked, so a batch is prefetched at the stop."""

@@ -50,6 +50,7 @@ def commands(body: str) -> list[list[str]]:
             heredoc = match.group(1)
         lexer = shlex.shlex(text, posix=True, punctuation_chars=True)
         lexer.commenters = "#"
+        lexer.whitespace_split = True  # a word is what the shell makes one (`key=a,b` stays whole)
         command: list[str] = []
         for token in lexer:
             if token in ("&&", "||", ";", "|", "&"):
@@ -72,6 +73,7 @@ def test_the_parser_reads_commands_and_runnable_blocks():
         [".venv/bin/python", "-c", "1"],
         ["atrlhf", "x"],
     ]
+    assert commands("a --grid k=v1,v2 --set x.y=1.5e-4;b") == [["a", "--grid", "k=v1,v2", "--set", "x.y=1.5e-4"], ["b"]]
 
 
 def test_readme_commands_name_the_virtualenv():
@@ -179,3 +181,44 @@ def test_the_readme_resume_and_evaluate_examples_run_as_written_after_make_train
     (run / "policy").mkdir()
     (run / "policy" / "config.json").write_text("{}")
     assert flows.cli.main(evaluate[1:]) == 0 and started["evaluate"] == "runs/tiny/latest"
+
+
+@pytest.mark.slow
+def test_the_readme_sweep_example_runs_as_written(fresh_clone, monkeypatch, prefect_api, _mlflow_db_template, capsys):
+    """The README's `atrlhf sweep` command as written, from a fresh clone: its grid (2 losses x 2 staleness bounds)
+    and seeds (2) are read, every point is validated before anything starts, and all 8 points train to the
+    comparison, each at the bound it names. The one change: each point trains 2 steps of a smaller batch (the
+    base config the command loads, shortened where the command hands it to the sweep); about 3.5 minutes here."""
+    import shutil
+
+    import flows.cli
+    from rlhf_core.config import apply_overrides, validate_config
+
+    shutil.copyfile(_mlflow_db_template, fresh_clone / "mlflow.db")  # the store the command uses (cwd), made
+    monkeypatch.chdir(fresh_clone)
+    real_sweep, started = flows.cli.cmd_sweep, {}
+
+    def shortened(cfg, grid, seeds, *rest):
+        started.update(cfg=cfg, grid=grid, seeds=seeds)
+        data = cfg.model_dump(mode="json")
+        short = ["trainer.total_steps=2", "trainer.prompts_per_step=4", "rollout.prompts_per_batch=4"]
+        apply_overrides(data, [*short, "data.eval_size=20", "eval.every=0", "checkpoint.every=0"])
+        return real_sweep(validate_config(data), grid, seeds, *rest)
+
+    monkeypatch.setattr(flows.cli, "cmd_sweep", shortened)
+    sweep = readme_command("--grid")
+    assert flows.cli.main(sweep[1:]) == 0
+    out = capsys.readouterr().out
+    assert started["grid"] == {"algorithm.loss": ["grpo", "m2po"], "runtime.max_staleness": [1, 4]}
+    assert started["seeds"] == 2 and started["cfg"].trainer.total_steps == 200  # configs/staleness_sweep.yaml
+    assert "8 point(s), 8 ran, 0 skipped (finished before), 0 failed" in out, out[-3000:]
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{fresh_clone / 'mlflow.db'}")
+    exp = client.get_experiment_by_name(started["cfg"].tracking.experiment)
+    children = client.search_runs([exp.experiment_id], filter_string="tags.`atrlhf.sweep_role` = 'child'")
+    assert len(children) == 8 and all(c.info.status == "FINISHED" for c in children)
+    for child in children:  # each point trains at the staleness bound it names
+        bound = float(child.data.tags["runtime.max_staleness"])
+        assert [m.value for m in client.get_metric_history(child.info.run_id, "async/max_staleness")] == [bound] * 2

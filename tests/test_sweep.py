@@ -77,6 +77,11 @@ def test_points_are_the_grid_times_the_seeds():
     points = expand_grid({"algorithm.loss": ["grpo", "m2po"], "runtime.max_staleness": [1, 4]}, seeds)
     assert len(points) == 8 and len({p.name for p in points}) == 8 and len({p.dirname for p in points}) == 8
     assert points[0].name == "algorithm.loss=grpo,runtime.max_staleness=1,seed=7"
+    # run names lead with the varied values, keys shortened where unambiguous: they differ within 16 characters
+    assert points[0].run_name("sweep-0123456789") == "loss=grpo,max_staleness=1,seed=7 (sweep-0123456789)"
+    assert len({p.run_name("sweep-0123456789")[:16] for p in expand_grid({"runtime.max_staleness": [1, 4]}, [0])}) == 2
+    (clash,) = expand_grid({"trainer.lr": [0.1], "critic.lr": [0.2]}, [0])
+    assert clash.label == "trainer.lr=0.1,critic.lr=0.2,seed=0"  # the same last part: the whole keys
     assert points[1].group == points[0].group != points[2].group
     assert point_tags(points[3], "s") == {
         "atrlhf.sweep_id": "s",
@@ -133,7 +138,7 @@ def test_a_point_config_has_its_own_dir_and_seed_and_is_validated_by_the_child()
     cfg = validate_config(data)
     assert cfg.algorithm.loss == "m2po" and cfg.trainer.seed == 3
     assert cfg.run.output_dir == "/tmp/out/sweep-x/algorithm.loss-m2po_seed-3"
-    assert cfg.tracking.run_name == "sweep-x/algorithm.loss=m2po,seed=3"
+    assert cfg.tracking.run_name == "loss=m2po,seed=3 (sweep-x)"
     data = point_config(base, bad, "sweep-x")  # not validated here: only its child fails
     with pytest.raises(ConfigError, match="algorithm.loss"):
         validate_config(data)

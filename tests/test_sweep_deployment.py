@@ -65,10 +65,7 @@ def test_sweep_deployment_run_by_a_worker(deployed, work):  # noqa: F811 - fixtu
             )
         }
     assert len(point_tasks) == 2
-    assert sorted(c.name.split("/", 1)[1] for c in children) == [
-        "runtime.max_staleness=1,seed=0",
-        "runtime.max_staleness=4,seed=0",
-    ]
+    assert sorted(c.name.split(" (", 1)[0] for c in children) == ["max_staleness=1,seed=0", "max_staleness=4,seed=0"]
     # each child is nested in the sweep's flow run (Prefect links a subflow to a task run of its parent run)
     sweep_tasks = {t.id for t in task_runs}
     seen = [(c.name, c.state.type, c.state.message, c.parent_task_run_id in sweep_tasks) for c in children]

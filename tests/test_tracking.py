@@ -243,3 +243,51 @@ def test_what_the_mlflow_ui_shows_reads(store):
     assert "plots/reward_curve.png" in plots.artifacts
     for tracker in (parent, child, resumed):
         tracker.end("FINISHED")
+
+
+def test_the_mlflow_links_follow_where_the_ui_answers(monkeypatch):
+    """The run's link (Prefect summary, link artifact) and the UI command follow $ATRLHF_MLFLOW_UI_URL, else a
+    tracking server's URL, else `mlflow ui`'s default port 5000."""
+    from tracking.runs import UI_URL_ENV, run_url, ui_command
+
+    local = "sqlite:////tmp/x/mlflow.db"
+    monkeypatch.delenv(UI_URL_ENV, raising=False)
+    assert run_url(local, "1", "abc") == "http://127.0.0.1:5000/#/experiments/1/runs/abc"
+    assert ui_command(local).endswith(f"ui --backend-store-uri {local} --host 127.0.0.1 --port 5000")
+    assert run_url("http://mlflow:8080/", "1", "abc") == "http://mlflow:8080/#/experiments/1/runs/abc"
+    monkeypatch.setenv(UI_URL_ENV, "http://127.0.0.1:5055/")
+    assert run_url(local, "2", "def") == "http://127.0.0.1:5055/#/experiments/2/runs/def"
+    assert ui_command(local).endswith("--host 127.0.0.1 --port 5055")
+
+
+def test_each_checkpoint_is_one_short_line_retention_included(store, tmp_path, monkeypatch):
+    """What the terminal shows of checkpoint bookkeeping (tasks/checkpoints.record_checkpoint, as the flow records
+    the trainer's checkpoints): one line per checkpoint, naming its step and what retention deleted, without the
+    run directory's path (said once at the start); the details at DEBUG."""
+    import logging
+
+    import tasks.checkpoints as checkpoints
+
+    logger = logging.getLogger("test-checkpoint-lines")
+    logger.setLevel(logging.DEBUG)
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger.addHandler(handler)
+    monkeypatch.setattr(checkpoints, "get_run_logger", lambda: logger)
+    tracker = MlflowTracker.start(tracking_cfg(store, "checkpoint-lines", "checkpoint.keep=2"))
+    root = tmp_path / "runs" / "tiny" / "20261204-000000-a-run" / "checkpoints"
+    try:
+        for step in (2, 4, 6):
+            checkpoints.record_checkpoint.fn(tracker, str(_write_checkpoint(root, step)), step)
+    finally:
+        logger.removeHandler(handler)
+    tracker.end("FINISHED")
+    lines = [r.getMessage() for r in records if r.levelno >= logging.INFO]
+    assert lines == [
+        "checkpoint at step 2: step_000002 (also in MLflow)",
+        "checkpoint at step 4: step_000004 (also in MLflow)",
+        "checkpoint at step 6: step_000006 (also in MLflow); older ones deleted (checkpoint.keep=2): step_000002",
+    ]
+    assert sorted(p.name for p in root.iterdir()) == ["step_000004", "step_000006"]
+    assert str(root) in records[-1].getMessage() and records[-1].levelno == logging.DEBUG

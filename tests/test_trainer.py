@@ -303,8 +303,8 @@ def test_trainer_follows_the_schedule(tiny_model, batch):
     assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(0.01 * fn(0))
     for step in range(1, 4):
         m = trainer.train_step(batch)
-        assert m["policy/lr"] == pytest.approx(0.01 * fn(step))
-        assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(0.01 * fn(step))
+        assert m["policy/lr"] == pytest.approx(0.01 * fn(step - 1))  # the rate step `step`'s update used
+        assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(0.01 * fn(step))  # the next step's
 
 
 def test_state_dict_for_sync(tiny_model, tiny_tokenizer, batch):

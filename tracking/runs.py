@@ -34,6 +34,8 @@ METRIC_BATCH = 1000  # and at most 1000 metrics per call
 TERMINAL_STATUSES = ("FINISHED", "FAILED", "KILLED")
 LR_METRIC = "policy/lr"
 LR_MICRO_METRIC = "policy/lr_micro"  # the learning rate in millionths: 300 for 3e-4 (see numeric_metrics)
+UI_URL_ENV = "ATRLHF_MLFLOW_UI_URL"  # where your MLflow UI answers, when not `mlflow ui`'s default
+DEFAULT_UI_URL = "http://127.0.0.1:5000"
 
 
 def quiet_mlflow_env() -> None:
@@ -65,17 +67,29 @@ def _console_script(name: str) -> str:
     return os.path.relpath(path) if path.is_relative_to(Path.cwd()) else str(path)
 
 
+def ui_url(uri: str) -> str:
+    """Where the MLflow UI answers: $ATRLHF_MLFLOW_UI_URL when set, else a tracking server's own URL, else
+    `mlflow ui`'s default (http://127.0.0.1:5000)."""
+    configured = os.environ.get(UI_URL_ENV, "").strip()
+    if configured:
+        return configured.rstrip("/")
+    return uri.rstrip("/") if uri.startswith(("http://", "https://")) else DEFAULT_UI_URL
+
+
 def ui_command(uri: str) -> str:
-    """The command that opens the MLflow UI on this store."""
+    """The command that opens the MLflow UI on this store (serving at `ui_url`'s host and port)."""
     if uri.startswith(("http://", "https://")):
-        return f"open {uri}"
-    return f"{_console_script('mlflow')} ui --backend-store-uri {uri} --host 127.0.0.1 --port 5000"
+        return f"open {ui_url(uri)}"
+    from urllib.parse import urlsplit
+
+    where = urlsplit(ui_url(uri))
+    host, port = where.hostname or "127.0.0.1", where.port or 5000
+    return f"{_console_script('mlflow')} ui --backend-store-uri {uri} --host {host} --port {port}"
 
 
 def run_url(uri: str, experiment_id: str, run_id: str) -> str:
-    """Where the run shows in the MLflow UI (a tracking server's own URL, or `mlflow ui`'s default)."""
-    base = uri.rstrip("/") if uri.startswith(("http://", "https://")) else "http://127.0.0.1:5000"
-    return f"{base}/#/experiments/{experiment_id}/runs/{run_id}"
+    """Where the run shows in the MLflow UI (`ui_url`)."""
+    return f"{ui_url(uri)}/#/experiments/{experiment_id}/runs/{run_id}"
 
 
 def client(uri: str):

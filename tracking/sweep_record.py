@@ -127,7 +127,7 @@ class SweepRecord:
 
         run = self.client.create_run(
             self.experiment_id,
-            run_name=f"{self.sweep}/{point.name}",
+            run_name=point.run_name(self.sweep),
             tags={MLFLOW_PARENT_RUN: self.run_id, **point_tags(point, self.sweep)},
         )
         tags = {"error": error[:5000]}

@@ -363,10 +363,15 @@ class DistributedRun(LoopWatch, Fleet):
             "the checkpoint write",
         )
 
-    def warm_start(self, steps: int) -> dict:
+    def warm_start(self, steps: int, progress: Optional[Callable] = None, every_s: float = 10.0) -> dict:
         """The supervised format warm start in the trainer, then its weights published and loaded by every
-        rollout worker before the loops start; returns warm_start/* and eval/accuracy_warm_start."""
-        metrics = get_or_fail(self.trainer.warm_start.remote(steps), max(self.timeout, 600), "the warm start")
+        rollout worker before the loops start; returns warm_start/* and eval/accuracy_warm_start. Meanwhile
+        `progress(steps done, last loss)` every `every_s` seconds."""
+        ref = self.trainer.warm_start.remote(steps)
+        deadline = time.monotonic() + max(self.timeout, 600)
+        while progress is not None and time.monotonic() < deadline and not ray.wait([ref], timeout=every_s)[0]:
+            progress(*self._get(self.trainer.warm_start_progress.remote(), "the warm start's progress"))
+        metrics = get_or_fail(ref, max(deadline - time.monotonic(), 1), "the warm start")
         self.request_sync()
         self._get([w.maybe_load_weights.remote() for w in self.workers], "the rollout workers to load weights")
         return {**metrics, "eval/accuracy_warm_start": self.evaluate()["eval/accuracy"]}

@@ -168,11 +168,17 @@ class TrainerActor:
             return self.evaluator()
 
     def warm_start(self, steps: int) -> dict:
-        """The supervised format warm start on this trainer's model (before the first publish)."""
+        """The supervised format warm start on this trainer's model (before the first publish); its progress
+        meanwhile from `warm_start_progress`."""
         from rlhf_core.run.warm_start import warm_start
 
+        self._warm_start_done = (0, None)
+
+        def progress(done: int, loss: float) -> None:
+            self._warm_start_done = (done, loss)
+
         with self.role.lock:
-            out = warm_start(self.model, self.tokenizer, self.train_prompts, self.cfg, steps)
+            out = warm_start(self.model, self.tokenizer, self.train_prompts, self.cfg, steps, progress)
             if self.sharded:  # trained on the unsharded copy: every rank takes its shard of the result
                 weights = (
                     adapter_state_dict(self.model)  # with LoRA only the adapters trained
@@ -181,6 +187,10 @@ class TrainerActor:
                 )
                 self._on_all("load_full_weights", weights)
             return out
+
+    def warm_start_progress(self) -> tuple[int, Optional[float]]:
+        """(steps done, the last step's loss) of the warm start under way (a threaded actor: answered meanwhile)."""
+        return getattr(self, "_warm_start_done", (0, None))
 
     def export(self, path: str) -> str:
         """The policy as a Hugging Face directory (with LoRA: the PEFT adapter, plus the merged model when

@@ -59,8 +59,9 @@ def prompt_number_targets(cfg: TrainConfig, tokenizer, train_prompts: list[Promp
     return out
 
 
-def warm_start(model, tokenizer, train_prompts: list[Prompt], cfg: TrainConfig, steps: int) -> dict:
-    """`steps` supervised steps on format targets, in place; returns warm_start/* metrics."""
+def warm_start(model, tokenizer, train_prompts: list[Prompt], cfg: TrainConfig, steps: int, progress=None) -> dict:
+    """`steps` supervised steps on format targets, in place; returns warm_start/* metrics. `progress(done, loss)`,
+    when given, is called after each step (whoever reports it chooses how often)."""
     rng = np.random.default_rng(cfg.trainer.seed + 1)
     per_prompt = None
     if cfg.trainer.warm_start_targets == "prompt_number":
@@ -81,7 +82,7 @@ def warm_start(model, tokenizer, train_prompts: list[Prompt], cfg: TrainConfig, 
     dev = next(model.parameters()).device
     loss = torch.zeros(())
     model.train()
-    for _ in range(steps):
+    for done in range(steps):
         picked = [pool[k] for k in rng.integers(0, len(pool), n)]
         prompts = [train_prompts[i] for i in picked]
         pb = collate_prompts(prompts, tokenizer.pad_token_id, cfg.data.max_prompt_tokens)
@@ -101,5 +102,7 @@ def warm_start(model, tokenizer, train_prompts: list[Prompt], cfg: TrainConfig, 
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        if progress is not None:
+            progress(done + 1, float(loss.detach()))
     model.eval()
     return {"warm_start/steps": steps, "warm_start/loss": float(loss.detach())}

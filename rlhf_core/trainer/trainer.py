@@ -298,6 +298,7 @@ class Trainer:
         if finite and not policy_trains:
             self.optimizer.zero_grad(set_to_none=True)
         critic_metrics = {} if gae is None else self.critic.update(batch, gae["values"], returns, step_mask)
+        lr = self.scheduler.get_last_lr()[0]  # the rate this step's update uses (the scheduler then moves on)
         if finite:
             if policy_trains:
                 self.optimizer.step()
@@ -332,7 +333,7 @@ class Trainer:
         metrics.update(
             {
                 "policy/grad_norm": float(grad_norm),
-                "policy/lr": self.scheduler.get_last_lr()[0],
+                "policy/lr": lr,
                 "trainer/skipped_steps": self.skipped_steps,
                 "trainer/step_finite": float(finite),
                 "reward/mean": float(batch.rewards.mean()),
