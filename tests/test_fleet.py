@@ -145,3 +145,25 @@ def test_atrlhf_scale_prints_the_runs_answer_and_refuses_a_bad_target(tmp_path, 
     assert "neither a run directory nor an MLflow run id" in capsys.readouterr().err
     assert main(["scale", str(tmp_path), "--rollout-workers", "2", "--wait-s", "0.5"]) == 1  # nobody answers
     assert "no answer" in capsys.readouterr().err
+
+
+def test_atrlhf_scale_finds_a_live_run_by_its_mlflow_run_id(tmp_path, mlflow_db):
+    from mlflow.tracking import MlflowClient
+
+    from flows.scale import ScaleError, resolve_run_dir
+
+    uri = f"sqlite:///{mlflow_db}"
+    client = MlflowClient(tracking_uri=uri)
+    experiment = client.create_experiment("scale")
+    run_dir = tmp_path / "runs" / "a-run"
+    run_dir.mkdir(parents=True)
+    live = client.create_run(experiment, tags={"atrlhf.run_dir": str(run_dir)}).info.run_id
+    assert resolve_run_dir(live, uri) == run_dir
+    client.set_terminated(live)
+    with pytest.raises(ScaleError, match="FINISHED, not running"):
+        resolve_run_dir(live, uri)
+    untagged = client.create_run(experiment).info.run_id
+    with pytest.raises(ScaleError, match="names no run directory"):
+        resolve_run_dir(untagged, uri)
+    with pytest.raises(ScaleError, match="is not in"):
+        resolve_run_dir("0" * 32, uri)
