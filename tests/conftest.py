@@ -119,7 +119,7 @@ def ray_local():
 
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
     yield
     if started:
         ray.shutdown()

@@ -75,7 +75,7 @@ def ray_address():
 
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
     yield ray.get_runtime_context().gcs_address
     if started:
         ray.shutdown()

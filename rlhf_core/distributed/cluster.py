@@ -70,6 +70,7 @@ def connect(cluster_cfg) -> ClusterHandle:
             _check_dashboard_installed()
         with _single_machine_ray():
             ray.init(
+                address="local",  # a new instance: never another run's (or another user's) Ray on this machine
                 num_cpus=cluster_cfg.num_cpus,
                 num_gpus=cluster_cfg.num_gpus,
                 include_dashboard=dashboard,
