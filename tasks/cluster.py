@@ -16,10 +16,11 @@ from rlhf_core.config import TrainConfig
 
 
 def make_runtime(cfg: TrainConfig):
-    """The runtime for this config (the Ray runtime; imported here so that importing tasks stays light)."""
-    from rlhf_core.distributed import DistributedRun
+    """The runtime for this config (cluster.host: Ray actors or threads; imported here so that importing tasks
+    stays light)."""
+    from rlhf_core.run.hosts import make_runtime as for_host
 
-    return DistributedRun(cfg)
+    return for_host(cfg)
 
 
 @task(name="launch-ray-runtime", cache_policy=NO_CACHE, persist_result=False)
@@ -39,7 +40,9 @@ def launch_runtime(cfg: TrainConfig, resume_from: Optional[str] = None, hold: Op
         runtime.teardown()
         raise
     logger.info(
-        "Ray runtime up: address=%s (started here: %s), %d rollout worker(s), policy %s, step %d, version %d",
+        "runtime up (cluster.host %s): address=%s (Ray started here: %s), %d rollout worker(s), policy %s, step %d, "
+        "version %d",
+        cfg.cluster.host,
         info["ray_address"],
         info["started_ray"],
         cfg.rollout.num_workers,
