@@ -10,15 +10,17 @@ Arms (every one the same config but for what the arm names; torch threads: 2 for
   ray_lockstep  the Ray host at runtime.max_staleness 0 (1 CPU per role)
   ray_async     the Ray host, async
   ray_partial   ray_async + rollout.partial_rollout (weights adopted between decode steps)
-Async arms run at runtime.max_staleness 2.
+Async arms run at runtime.max_staleness 2. Each Ray arm starts a local Ray of its own (2 CPUs) and shuts it down,
+so that no Ray process runs beside the other arms.
 
 Workloads:
   tiny      configs/tiny.yaml (max3, 16 prompts x 8 samples per step): time to eval/accuracy >= --target too
   long_tail benchmarks/long_tail.py's uniform policy: geometric response lengths (mean ~19, up to 256 tokens),
-            continuous batching and padding-free training in every arm
+            continuous batching and padding-free training in every arm (4 layers x 256, 8 steps; --quick: 2 x 128, 4)
   latency   configs/tiny-multiturn.yaml's small chat model in benchmarks/latency_env.py: each env step waits a
-            lognormal time (mean 200 ms, p99 2 s, no CPU) for 2-4 turns. The async arms run 4 rollout workers of
-            half a step's prompts each (Ray: 0.25 CPU each), the lockstep arms one worker of a whole step.
+            lognormal time (mean 200 ms, p99 2 s, no CPU) for 2-4 turns. The async arms run 4 rollout workers
+            (--quick: 2) of half a step's prompts each (Ray: their 1 CPU shared), the lockstep arms one worker of a
+            whole step.
 
 Per run: samples_per_s and tokens_per_s trained (steps x rows, the trainer's tokens, over the wall clock from the
 loops' start to the last step, evaluations excluded), time_to_target_s (same clock; None when not reached),
@@ -61,7 +63,7 @@ def workload_config(name: str, arm: str, quick: bool, tmp: Path, target_every: i
 
     out = [f"run.output_dir={tmp / f'{name}-{arm}'}", *COMMON, "cluster.torch_threads=1", *ARMS[arm]]
     if name == "tiny":
-        steps = 120 if quick else 200
+        steps = 140 if quick else 250
         extra = [f"trainer.total_steps={steps}", "data.eval_size=100", f"eval.every={target_every}"]
         return load_config(ROOT / "configs" / "tiny.yaml", [*out, *extra])
     if name == "long_tail":
@@ -82,7 +84,7 @@ def workload_config(name: str, arm: str, quick: bool, tmp: Path, target_every: i
             "eval.every=0",
         ]
         return load_config(ROOT / "configs" / "tiny.yaml", [*out, *extra])
-    workers, per_batch = (4, 4) if arm in ("threads", "ray_async", "ray_partial") else (1, 8)
+    workers, per_batch = ((2 if quick else 4), 4) if arm in ("threads", "ray_async", "ray_partial") else (1, 8)
     extra = [
         "env.path=benchmarks/latency_env.py",
         "env.name=LatencyEnv",
@@ -93,7 +95,7 @@ def workload_config(name: str, arm: str, quick: bool, tmp: Path, target_every: i
         "model.tiny_layers=1",
         "model.tiny_hidden=32",
         "model.tiny_heads=2",
-        f"trainer.total_steps={4 if quick else 10}",
+        f"trainer.total_steps={3 if quick else 10}",
         "trainer.prompts_per_step=8",
         f"rollout.prompts_per_batch={per_batch}",
         "rollout.samples_per_prompt=4",
@@ -144,6 +146,19 @@ def run_loop(cfg, target: float) -> dict:
 
 
 def run_host(cfg, target: float) -> dict:
+    if cfg.cluster.host != "ray":
+        return supervised(cfg, target)
+    import ray
+
+    # a Ray of this arm's own (address "local": never another session's instance on the machine), gone after it
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        return supervised(cfg, target)
+    finally:
+        ray.shutdown()
+
+
+def supervised(cfg, target: float) -> dict:
     from rlhf_core.run.hosts import make_runtime
     from rlhf_core.run.supervise import Sinks, supervise
 
@@ -198,7 +213,7 @@ def median_of(runs: list[dict]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object, nothing else")
-    parser.add_argument("--quick", action="store_true", help="fewer steps and 1 repetition (< 6 minutes)")
+    parser.add_argument("--quick", action="store_true", help="fewer steps, 1 repetition (~6 minutes)")
     parser.add_argument("--reps", type=int, default=None, help="repetitions (default 3; --quick: 1)")
     parser.add_argument("--arms", default=",".join(ARMS))
     parser.add_argument("--workloads", default="tiny,long_tail,latency")
@@ -206,12 +221,12 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=10)
     args = parser.parse_args()
     reps = args.reps or (1 if args.quick else 3)
+    began = time.perf_counter()
     arms, workloads = args.arms.split(","), args.workloads.split(",")
 
     logging.disable(logging.WARNING)
     say = (lambda line: print(line, file=sys.stderr, flush=True)) if not args.json else (lambda line: None)
     runs: dict = {w: {a: [] for a in arms} for w in workloads}
-    started_ray = False
     with tempfile.TemporaryDirectory(prefix="equal_cores_") as tmp:
         tmp = Path(tmp)
         if "long_tail" in workloads:
@@ -219,32 +234,22 @@ def main() -> None:
 
             layers, hidden = (2, 128) if args.quick else (4, 256)
             build_uniform_policy(tmp / "lt_policy", layers, hidden, 4)
-        if any(a.startswith("ray") for a in arms):
-            import ray
-
-            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-            started_ray = True
-        try:
-            for rep in range(reps):
-                for workload in workloads:
-                    order = arms[rep % len(arms) :] + arms[: rep % len(arms)]  # alternated: each arm leads once
-                    for arm in order:
-                        cfg = workload_config(workload, arm, args.quick, tmp / f"r{rep}", args.eval_every)
-                        load_before = os.getloadavg()[0]
-                        fig = (run_loop if arm == "loop" else run_host)(cfg, args.target)
-                        fig.update({"load_before": load_before, "load_after": os.getloadavg()[0], "rep": rep})
-                        runs[workload][arm].append(fig)
-                        say(
-                            f"{workload:9s} {arm:12s} rep {rep}: {fig['samples_per_s']:8.1f} samples/s, "
-                            f"{fig['tokens_per_s']:8.1f} tokens/s, busy T {fig['trainer_busy']:.2f} "
-                            f"R {fig['rollout_busy']:.2f}, load {load_before:.1f}->{fig['load_after']:.1f}"
-                        )
-        finally:
-            if started_ray:
-                import ray
-
-                ray.shutdown()
-    out: dict = {"quick": args.quick, "reps": reps, "cpus": os.cpu_count(), "target": args.target, "workloads": {}}
+        for rep in range(reps):
+            for workload in workloads:
+                order = arms[rep % len(arms) :] + arms[: rep % len(arms)]  # alternated: each arm leads once
+                for arm in order:
+                    cfg = workload_config(workload, arm, args.quick, tmp / f"r{rep}", args.eval_every)
+                    load_before = os.getloadavg()[0]
+                    fig = (run_loop if arm == "loop" else run_host)(cfg, args.target)
+                    fig.update({"load_before": load_before, "load_after": os.getloadavg()[0], "rep": rep})
+                    runs[workload][arm].append(fig)
+                    say(
+                        f"{workload:9s} {arm:12s} rep {rep}: {fig['samples_per_s']:8.1f} samples/s, "
+                        f"{fig['tokens_per_s']:8.1f} tokens/s, busy T {fig['trainer_busy']:.2f} "
+                        f"R {fig['rollout_busy']:.2f}, load {load_before:.1f}->{fig['load_after']:.1f}"
+                    )
+    out: dict = {"quick": args.quick, "reps": reps, "cpus": os.cpu_count(), "target": args.target}
+    out.update({"wall_s_total": time.perf_counter() - began, "workloads": {}})
     for workload in workloads:
         med = {a: median_of(runs[workload][a]) for a in arms}
         base = med.get("loop")
