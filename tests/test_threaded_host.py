@@ -166,3 +166,8 @@ def test_the_training_flow_runs_on_the_threads_host(prefect_api, tmp_path):
         assert steps == [1, 2, 3, 4, 5, 6], (name, steps)
     assert max(m.value for m in client.get_metric_history(result["mlflow_run_id"], "async/staleness_max")) <= 1
     assert "ray" not in sys.modules or not sys.modules["ray"].is_initialized()
+
+
+def test_a_sharded_trainer_group_needs_the_ray_host(tmp_path):
+    with pytest.raises(ValueError, match="cluster.trainer_workers=2 needs cluster.host='ray'"):
+        threads_cfg(tmp_path, "cluster.trainer_workers=2", "trainer.micro_batch_size=8")
