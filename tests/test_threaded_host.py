@@ -171,3 +171,26 @@ def test_the_training_flow_runs_on_the_threads_host(prefect_api, tmp_path):
 def test_a_sharded_trainer_group_needs_the_ray_host(tmp_path):
     with pytest.raises(ValueError, match="cluster.trainer_workers=2 needs cluster.host='ray'"):
         threads_cfg(tmp_path, "cluster.trainer_workers=2", "trainer.micro_batch_size=8")
+
+
+def test_a_role_that_raises_fails_the_next_poll_and_its_loop_watch_naming_it(tmp_path):
+    from rlhf_core.run.control import RunFailed
+
+    cfg = threads_cfg(tmp_path, "trainer.total_steps=20", "data.eval_size=20", "eval.every=0")
+    with ThreadedRun(cfg) as run:
+        run.launch()
+        real = run.trainer_role.trainer.train_step
+
+        def train_step(batch):
+            if run.trainer_role.trainer.step >= 2:
+                raise ValueError("injected at step 3")
+            return real(batch)
+
+        run.trainer_role.trainer.train_step = train_step
+        run.start()
+        with pytest.raises(RunFailed, match="trainer failed: ValueError: injected at step 3"):
+            run.wait_loop("trainer")
+        with pytest.raises(RunFailed, match="trainer failed: ValueError: injected at step 3"):
+            run.poll()
+        assert run.failed and run.last_step == 0  # the poll raised before reading the step
+    assert run.trainer_role is None and run.rollout_roles == []  # torn down: every loop stopped
