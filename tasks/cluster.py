@@ -1,6 +1,7 @@
-"""Prefect tasks around the Ray runtime: launch, evaluate, teardown.
+"""Prefect tasks around the runtime: launch, evaluate, teardown.
 
-The runtime (`rlhf_core.distributed.DistributedRun`) owns the mechanisms; these tasks make each discrete
+The runtime (`rlhf_core.distributed.DistributedRun` on Ray, or `rlhf_core.run.threaded.ThreadedRun` with
+cluster.host threads) owns the mechanisms; these tasks make each discrete
 step an observable task run in the flow. Nothing here does math.
 """
 
