@@ -1,6 +1,7 @@
-"""Prefect tasks around the Ray runtime: launch, evaluate, teardown.
+"""Prefect tasks around the runtime: launch, evaluate, teardown.
 
-The runtime (`rlhf_core.distributed.DistributedRun`) owns the mechanisms; these tasks make each discrete
+The runtime (`rlhf_core.distributed.DistributedRun` on Ray, or `rlhf_core.run.threaded.ThreadedRun` with
+cluster.host threads) owns the mechanisms; these tasks make each discrete
 step an observable task run in the flow. Nothing here does math.
 """
 
@@ -19,10 +20,11 @@ WARM_START_REPORT_S = 10.0  # a line at least this often while the warm start ru
 
 
 def make_runtime(cfg: TrainConfig):
-    """The runtime for this config (the Ray runtime; imported here so that importing tasks stays light)."""
-    from rlhf_core.distributed import DistributedRun
+    """The runtime for this config (cluster.host: Ray actors or threads; imported here so that importing tasks
+    stays light)."""
+    from rlhf_core.run.hosts import make_runtime as for_host
 
-    return DistributedRun(cfg)
+    return for_host(cfg)
 
 
 @task(name="launch-ray-runtime", cache_policy=NO_CACHE, persist_result=False)
@@ -42,7 +44,9 @@ def launch_runtime(cfg: TrainConfig, resume_from: Optional[str] = None, hold: Op
         runtime.teardown()
         raise
     logger.info(
-        "Ray runtime up: address=%s (started here: %s), %d rollout worker(s), policy %s, step %d, version %d",
+        "runtime up (cluster.host %s): address=%s (Ray started here: %s), %d rollout worker(s), policy %s, step %d, "
+        "version %d",
+        cfg.cluster.host,
         info["ray_address"],
         info["started_ray"],
         cfg.rollout.num_workers,

@@ -159,8 +159,16 @@ class AutoscaleConfig(_Section):
 
 
 class ClusterConfig(_Section):
-    """Ray placement. Only rlhf_core.distributed reads it."""
+    """Where the roles run: Ray placement, or one process (cluster.host threads)."""
 
+    host: Literal["ray", "threads"] = Field(
+        "ray",
+        description="What hosts the trainer and rollout roles: 'ray' runs each in its own Ray actor process (one "
+        "machine or a cluster); 'threads' runs them on threads of this one process (rlhf_core.run.threaded: no "
+        "Ray, no copies between roles, one machine only: cluster.address and the Ray resources are not used, and "
+        "cluster.trainer_workers must be 1). Both run the same cycles, staleness bound, checkpoints and metrics; "
+        "each role's thread runs cluster.torch_threads torch intra-op threads.",
+    )
     address: str = Field(
         "",
         description="'' starts a local Ray instance; 'auto' or 'ray://host:port' joins a cluster. Defaults from RAY_ADDRESS.",

@@ -38,7 +38,9 @@ class TrainConfig(_Section):
     runtime: RuntimeConfig = Field(
         default_factory=RuntimeConfig, description="Staleness (0: lockstep), weight syncs and waits."
     )
-    cluster: ClusterConfig = Field(default_factory=ClusterConfig, description="Ray placement.")
+    cluster: ClusterConfig = Field(
+        default_factory=ClusterConfig, description="Where the roles run: Ray placement, or threads of one process."
+    )
     tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="MLflow experiment and run.")
     checkpoint: CheckpointConfig = Field(
         default_factory=CheckpointConfig, description="Checkpoint cadence and retention {every, keep}."
@@ -169,6 +171,11 @@ class TrainConfig(_Section):
                     f"runtime.autopilot.max_staleness={pilot.max_staleness}"
                 )
         ranks = self.cluster.trainer_workers
+        if self.cluster.host == "threads" and ranks > 1:
+            raise ValueError(
+                f"cluster.host='threads' hosts one trainer in this process; cluster.trainer_workers={ranks} needs "
+                "cluster.host='ray' (a sharded trainer group is one Ray actor per rank)"
+            )
         micros = [("trainer.micro_batch_size", self.trainer.micro_batch_size)]
         if self.algorithm.advantage_spec.critic:  # the critic is sharded on the same ranks, in its own micro-batches
             micros.append(("critic.micro_batch_size", self.critic.micro_batch_size))

@@ -7,6 +7,8 @@ import os
 
 import ray
 
+from rlhf_core.run.control import RunFailed, WorkerDied  # noqa: F401  (importable here: every host raises them)
+
 
 class WaitTimeout(TimeoutError):
     """A blocking wait ran past runtime.wait_timeout_s."""
@@ -29,11 +31,3 @@ def task_error(exc: ray.exceptions.RayTaskError) -> str:
     """'Type: message' of the exception an actor method raised (without Ray's remote traceback)."""
     cause = getattr(exc, "cause", None) or exc
     return f"{type(cause).__name__}: {cause}"
-
-
-class RunFailed(RuntimeError):
-    """The run cannot go on (trainer failure, worker restart limit, stall); the message names the cause."""
-
-
-class WorkerDied(RuntimeError):
-    """A rollout worker's process died (Ray restarts it, up to cluster.max_restarts): this loop ended with it."""

@@ -12,6 +12,7 @@ from typing import Optional
 
 from rlhf_core.config import TrainConfig
 from rlhf_core.distributed.runtime import DistributedRun
+from rlhf_core.run.hosts import make_runtime
 from rlhf_core.run.supervise import Sinks, supervise
 
 log = logging.getLogger("rlhf_core.distributed")
@@ -28,12 +29,13 @@ def run_distributed(
     runs (`rlhf_core.run.supervise`: health checks, their actions, the stall detector); returns final metrics
     and run facts.
 
-    `on_launch(run)` is called once the actors are up (benchmarks and fault tests use it)."""
+    `on_launch(run)` is called once the actors are up (benchmarks and fault tests use it). With cluster.host
+    'threads' the run is a `rlhf_core.run.threaded.ThreadedRun` (no Ray) under the same supervision."""
     if poll_interval_s is not None:
         cfg = cfg.model_copy(deep=True)
         cfg.supervision.supervise_interval_s = poll_interval_s
     result: dict = {"metrics": [], "events": []}
-    with DistributedRun(cfg) as run:
+    with make_runtime(cfg) as run:
         info = run.launch(resume_from)
         result.update(info)
         if on_launch:

@@ -31,6 +31,7 @@ from rlhf_core.distributed.trainer_actor import TrainerActor
 from rlhf_core.distributed.trainer_group import TrainerRankActor
 from rlhf_core.run import build
 from rlhf_core.run.checkpoint import CheckpointState, read_checkpoint
+from rlhf_core.run.control import poll_metrics
 from rlhf_core.run.preflight import check_lengths, check_output_dir
 
 log = logging.getLogger("rlhf_core.distributed")
@@ -287,23 +288,9 @@ class DistributedRun(LoopWatch, Fleet):
                     s.update(error=self.pending_starts[i][1].replace("ed", "ing"), starting=True)
             s["restarts"] = self.restarts[i]
             wstats.append(s)
-        alive = [s for s in wstats if s["alive"]]
-        rollout_busy = sum(s.get("busy_frac", 0.0) for s in alive) / max(1, len(alive))
-        shared = {
-            "buffer/size": bstats["size"],
-            "buffer/evicted_stale": bstats["evicted_stale"],
-            "buffer/evicted_length_mean": bstats.get("evicted_length_mean", 0.0),
-            "buffer/dropped_overflow": bstats["dropped_overflow"],
-            "buffer/filtered_groups_frac": bstats.get("filtered_groups_frac", 0.0),
-            "util/rollout_busy": rollout_busy,
-            "util/trainer_busy": tstats["busy_frac"],
-            "cluster/rollout_workers": len(self.workers),
-            "rollout/requeued_prompts": self.requeued_prompts,
-        }
-        for key in sorted(
-            {k for s in alive for k in s if k.startswith(("env/", "agent/"))}
-        ):  # env/*, agent/*: the run's so far, all workers
-            shared[key] = float(sum(s.get(key, 0.0) for s in alive))
+        shared = poll_metrics(bstats, tstats, [s for s in wstats if s["alive"]])
+        shared["cluster/rollout_workers"] = len(self.workers)
+        shared["rollout/requeued_prompts"] = self.requeued_prompts
         for m in metrics:
             m.update(shared)
         self.last_step, self.last_version = tstats["step"], tstats["version"]

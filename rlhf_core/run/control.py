@@ -338,6 +338,25 @@ def busy_fraction(busy_s: float, since: Optional[float]) -> float:
     return min(1.0, busy_s / max(1e-9, time.perf_counter() - since))
 
 
+def poll_metrics(buffer_stats: dict, trainer_stats: dict, alive_workers: list[dict]) -> dict:
+    """What every host adds to each step's metrics at a poll: the buffer's counters, each role's busy fraction
+    (util/rollout_busy: the mean over the live rollout workers) and the env/* and agent/* counts of the run so far
+    (all workers)."""
+    b = buffer_stats
+    shared = {
+        "buffer/size": b["size"],
+        "buffer/evicted_stale": b["evicted_stale"],
+        "buffer/evicted_length_mean": b.get("evicted_length_mean", 0.0),
+        "buffer/dropped_overflow": b["dropped_overflow"],
+        "buffer/filtered_groups_frac": b.get("filtered_groups_frac", 0.0),
+        "util/rollout_busy": sum(s.get("busy_frac", 0.0) for s in alive_workers) / max(1, len(alive_workers)),
+        "util/trainer_busy": trainer_stats["busy_frac"],
+    }
+    for key in sorted({k for s in alive_workers for k in s if k.startswith(("env/", "agent/"))}):
+        shared[key] = float(sum(s.get(key, 0.0) for s in alive_workers))
+    return shared
+
+
 # --------------------------------------------------------------------------------------------- accounting
 def reconcile(poll: dict) -> dict:
     """Conservation of prompt groups, from counts kept independently at each end, in groups:
@@ -370,3 +389,12 @@ def reconcile(poll: dict) -> dict:
         "in_flight": in_flight,
         "unaccounted": generated - accounted,
     }
+
+
+# --------------------------------------------------------------------------------------------- failures
+class RunFailed(RuntimeError):
+    """The run cannot go on (trainer failure, worker restart limit, stall); the message names the cause."""
+
+
+class WorkerDied(RuntimeError):
+    """A rollout worker's process died (Ray restarts it, up to cluster.max_restarts): this loop ended with it."""

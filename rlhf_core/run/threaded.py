@@ -1,0 +1,390 @@
+"""ThreadedRun: the in-process asynchronous host (cluster.host: threads). The trainer role's loop runs on one
+thread and each rollout role's loop on another, in this process, with the plain control objects as their peers
+(`ExperienceBuffer`, `WeightStore`, `PromptQueue`: thread-safe, called directly). Nothing is packed or copied
+between the roles: groups reach the trainer as the rollout made them, and a publish is the trainer's CPU
+snapshot (`Trainer.state_dict_for_sync`, taken under the trainer's lock: its optimizer updates the parameters in
+place), handed to the rollout engines by reference and copied once into each engine's own model.
+
+Its public interface is `DistributedRun`'s (launch, start, wait, poll, top_up_prompts, request_sync, throttle,
+set_max_staleness, evaluate, checkpoint, warm_start, new_checkpoints, export, stop, teardown, reconcile,
+wait_loop, events), so the one supervision loop (`rlhf_core.run.supervise`), the Prefect flow and
+`run_distributed` drive either host; `rlhf_core.run.hosts.make_runtime` picks one by cluster.host. The roles'
+cycles, the staleness bound (the buffer's), checkpoints (the trainer role's writer and reader: either host
+resumes the other's), metric names and the accounting (`reconcile`) are the same objects as on Ray.
+
+Threads share the interpreter: torch kernels run without the GIL, each role's thread sets its own
+cluster.torch_threads intra-op threads, and waits (an environment's step, a reward process) cost no CPU. A role
+that raises ends its loop; the next poll raises RunFailed naming it. Threads are not restarted.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from rlhf_core.config import TrainConfig
+from rlhf_core.data.queue import PromptQueue
+from rlhf_core.run import build
+from rlhf_core.run.checkpoint import CheckpointState, read_checkpoint
+from rlhf_core.run.control import ExperienceBuffer, RunFailed, poll_metrics, reconcile
+from rlhf_core.run.local import LocalPeer, LocalWeights
+from rlhf_core.run.preflight import check_lengths, check_output_dir
+from rlhf_core.run.roles import RolloutRole, TrainerRole
+
+log = logging.getLogger("rlhf_core.run")
+
+
+@contextmanager
+def torch_threads(n: int):
+    """torch intra-op threads of the calling thread for the block (OpenMP's count is per calling thread)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+class SharedWeights(LocalWeights):
+    """The weight store shared by the trainer's publish thread and the rollout threads: the version and its
+    state dict change together (one lock); a fetch returns the published dict itself, never a copy."""
+
+    def __init__(self):
+        super().__init__()
+        self.lock = threading.Lock()
+
+    def publish(self, version: int, state_dict: Optional[dict]) -> None:
+        with self.lock:
+            super().publish(version, state_dict)
+
+    def fetch_if_newer(self, version: int):
+        with self.lock:
+            return super().fetch_if_newer(version)
+
+    poll_newer = fetch_if_newer  # partial rollouts: a version comparison under a lock, nothing to wait for
+
+
+class RoleThread(threading.Thread):
+    """One role's loop on its own thread with its own torch intra-op threads; keeps the loop's result or error."""
+
+    def __init__(self, name: str, loop: Callable[[], dict], threads: int):
+        super().__init__(name=name, daemon=True)
+        self.loop, self.threads = loop, threads
+        self.result: Optional[dict] = None
+        self.error: Optional[BaseException] = None
+
+    def run(self) -> None:
+        torch.set_num_threads(self.threads)
+        try:
+            self.result = self.loop()
+        except BaseException as exc:  # reported by poll() and wait_loop() as RunFailed
+            log.exception("%s failed", self.name)
+            self.error = exc
+
+    def failure(self) -> Optional[str]:
+        return None if self.error is None else f"{type(self.error).__name__}: {self.error}"
+
+
+class ThreadedRun:
+    """The run's roles on threads of this process; the same control interface as `DistributedRun`."""
+
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+        self.buffer: Optional[ExperienceBuffer] = None
+        self.queue: Optional[PromptQueue] = None
+        self.store: Optional[SharedWeights] = None
+        self.trainer_role: Optional[TrainerRole] = None
+        self.rollout_roles: list[RolloutRole] = []
+        self.evaluator = None
+        self.model = self.tokenizer = None
+        self.train_prompts: list = []
+        self.trainer_loop: Optional[RoleThread] = None
+        self.worker_loops: dict[int, RoleThread] = {}
+        self.restarts = [0] * cfg.rollout.num_workers  # threads are not restarted: the budget is never spent
+        self.events: list[dict] = []
+        self._new_events: list[dict] = []
+        self.last_step = 0
+        self.last_version = 0
+        self.started = False
+        self.stopping = False
+        self.launched = False
+        self.failed: Optional[str] = None
+        self.timeout = cfg.runtime.wait_timeout_s
+        self.threads = cfg.cluster.torch_threads
+        self.policy_dir: Optional[str] = None
+        self.eval_start: Optional[float] = None
+        self.run_facts: dict = {}
+        self.restored_max_staleness: Optional[int] = None
+
+    # ------------------------------------------------------------------ bring-up
+    def launch(self, resume_from: Optional[str] = None, progress: Optional[Callable[[str], None]] = None) -> dict:
+        """Build the trainer, the rollout workers and their peers in this process, restore a checkpoint if given,
+        and load the first weights into every rollout engine."""
+        cfg = self.cfg
+        say = progress or (lambda line: None)
+        t0 = time.monotonic()
+        check_output_dir(cfg.run.output_dir)
+        if cfg.cluster.address:
+            log.warning("cluster.host is 'threads': cluster.address=%r is not used", cfg.cluster.address)
+        if resume_from:  # validate before building anything (clear error, nothing half-built)
+            read_checkpoint(resume_from)
+        try:
+            with torch_threads(self.threads):
+                self._build()
+            say(f"roles built in this process: the trainer and {len(self.rollout_roles)} rollout worker(s) "
+                f"({time.monotonic() - t0:.1f} s); loading the first weights")  # fmt: skip
+            if resume_from:
+                self._restore(str(resume_from))
+            self.buffer.start_at(self.trainer_role.trainer.version)
+            self.request_sync()
+            for role in self.rollout_roles:
+                role.adopt_weights()
+        except BaseException:
+            self.teardown()
+            raise
+        self.launched = True
+        self.last_step, self.last_version = self.trainer_role.trainer.step, self.trainer_role.trainer.version
+        took = time.monotonic() - t0
+        say(f"first weights (version {self.last_version}) loaded by every rollout worker ({took:.1f} s)")
+        return {
+            "ray_address": "in-process (cluster.host: threads)",
+            "started_ray": False,
+            "policy_dir": self.policy_dir,
+            "version": self.last_version,
+            "step": self.last_step,
+        }
+
+    def _build(self) -> None:
+        """The parts of TrainerActor and of each RolloutActor (rlhf_core.run.build), wired with plain peers."""
+        cfg = self.cfg
+        build.setup_process(cfg, cfg.trainer.seed)
+        policy_dir = build.resolve_policy_dir(cfg)
+        self.policy_dir = str(policy_dir)
+        self.model, self.tokenizer = build.build_policy(cfg, policy_dir)
+        self.train_prompts, heldout = build.build_prompts(cfg, self.tokenizer)
+        check_lengths(policy_dir, cfg, self.train_prompts + heldout)
+        trainer = build.build_trainer(cfg, self.model, self.tokenizer, policy_dir)
+        self.evaluator = build.build_evaluator(cfg, self.model, self.tokenizer, policy_dir, heldout)
+        pilot = cfg.runtime.autopilot
+        self.buffer = ExperienceBuffer(
+            cfg.buffer.max_size,
+            cfg.runtime.max_staleness,
+            cfg.trainer.prompts_per_step,
+            filter_groups=cfg.algorithm.filter_groups,
+            ceiling=pilot.max_staleness if pilot.enabled else None,
+            filter_max_rounds=cfg.algorithm.filter_max_rounds,
+        )
+        self.queue = PromptQueue(self.train_prompts, cfg.data.seed)
+        self.store = SharedWeights()
+        self.trainer_role = TrainerRole(
+            cfg, trainer, self.tokenizer, LocalPeer(self.buffer), self.store, peer_state=self._peer_state
+        )
+        for i in range(cfg.rollout.num_workers):
+            model, tokenizer = build.build_policy(cfg, policy_dir)  # each engine its own copy, as each actor has
+            worker = build.build_rollout_worker(cfg, model, tokenizer, policy_dir, build.rollout_seed(cfg, i))
+            self.rollout_roles.append(
+                RolloutRole(cfg, worker, LocalPeer(self.buffer), LocalPeer(self.queue), self.store, i)
+            )
+
+    def _peer_state(self) -> tuple[dict, list]:
+        """(prompt queue position, every rollout engine's sampling RNG) for a checkpoint."""
+        rng = [getattr(r.worker.engine, "generator", None) for r in self.rollout_roles]
+        return self.queue.state_dict(), [g.get_state() if g is not None else None for g in rng]
+
+    def _restore(self, path: str) -> None:
+        """Trainer state first (it validates the whole checkpoint), then the data position and the rollout engines'
+        RNG (the ones the checkpoint has states for), as DistributedRun restores."""
+        state: CheckpointState = self.trainer_role.restore(path)
+        self.trainer_role.set_trained(self.queue.load_state_dict(state.data))
+        for role, rng in zip(self.rollout_roles, state.rng.get("rollout", [])):
+            if rng is not None and hasattr(role.worker.engine, "generator"):
+                role.worker.engine.generator.set_state(rng)
+        self.eval_start = state.run.get("eval_start")
+        if self.cfg.runtime.autopilot.enabled and state.run.get("max_staleness") is not None:
+            self.restored_max_staleness = self.set_max_staleness(int(state.run["max_staleness"]))
+
+    # ------------------------------------------------------------------ loops
+    def start(self) -> None:
+        """Start the trainer's and every rollout worker's loop, each on its thread (non-blocking)."""
+        if self.started:
+            return
+        self.trainer_role.run_facts = {"eval_start": self.eval_start, **self.run_facts}
+        total = self.cfg.trainer.total_steps
+        self.trainer_loop = RoleThread("atrlhf-trainer", lambda: self.trainer_role.run(total), self.threads)
+        self.worker_loops = {
+            r.index: RoleThread(f"atrlhf-rollout-{r.index}", r.run, self.threads) for r in self.rollout_roles
+        }
+        self.started, self.stopping = True, False
+        for loop in [self.trainer_loop, *self.worker_loops.values()]:
+            loop.start()
+
+    def wait(self, seconds: float) -> None:
+        """Between polls: wake as soon as the trainer loop ends."""
+        if self.trainer_loop is not None and self.trainer_loop.is_alive():
+            self.trainer_loop.join(timeout=seconds)
+        else:
+            time.sleep(seconds)
+
+    @property
+    def done(self) -> bool:
+        return self.last_step >= self.cfg.trainer.total_steps
+
+    def _check_loops(self) -> None:
+        loops = [("trainer", self.trainer_loop), *((f"rollout worker {i}", t) for i, t in self.worker_loops.items())]
+        for what, loop in loops:
+            if loop is not None and loop.error is not None:
+                self.failed = f"{what} failed: {loop.failure()}"
+                raise RunFailed(self.failed) from loop.error
+
+    # ------------------------------------------------------------------ supervision hooks
+    def poll(self) -> dict:
+        """Every role's stats plus the trainer metrics produced since the last poll (DistributedRun.poll's keys)."""
+        self._check_loops()
+        metrics = self.trainer_role.drain_metrics()
+        tstats = self.trainer_role.stats()  # after the drain: step >= drained steps
+        bstats, qstats = self.buffer.stats(), self.queue.stats()
+        wstats = [{**r.stats(), "alive": True, "restarted": False, "restarts": 0} for r in self.rollout_roles]
+        shared = poll_metrics(bstats, tstats, wstats)
+        for m in metrics:
+            m.update(shared)
+        self.last_step, self.last_version = tstats["step"], tstats["version"]
+        events, self._new_events = self._new_events, []
+        return {
+            "step": self.last_step,
+            "version": self.last_version,
+            "done": self.done,
+            "metrics": metrics,
+            "buffer": bstats,
+            "queue": qstats,
+            "rollout": wstats,
+            "trainer": tstats,
+            "events": events,
+            "failed": self.failed,
+        }
+
+    def top_up_prompts(self, n: Optional[int] = None, target: Optional[int] = None) -> int:
+        """Schedule prompts with backpressure: fill the queue up to `target` (default two trainer steps)."""
+        target = target or 2 * self.cfg.trainer.prompts_per_step
+        queued = self.queue.size()
+        want = max(0, target - queued) if n is None else min(n, max(0, target - queued))
+        return self.queue.top_up(want) if want else 0
+
+    def request_sync(self) -> float:
+        """Publish the trainer's weights now (rollout workers adopt them between batches)."""
+        return self.trainer_role.publish()
+
+    def throttle(self, paused: bool) -> None:
+        self.buffer.set_paused(paused)
+
+    def set_max_staleness(self, bound: int) -> int:
+        return self.buffer.set_max_staleness(bound)
+
+    def evaluate(self) -> dict:
+        """Held-out evaluation with the trainer's current weights (between two of its steps)."""
+        with self.trainer_role.lock, torch_threads(self.threads):
+            self.evaluator.engine.version = self.trainer_role.trainer.version
+            return self.evaluator()
+
+    def checkpoint(self, path: str | Path, run: Optional[dict] = None) -> str:
+        """A full resumable checkpoint (the one layout): the trainer's state, the prompt queue's position, every
+        rollout engine's RNG and the run facts."""
+        data, rollout_rng = self._peer_state()
+        facts = {"eval_start": self.eval_start, **(run or {})}
+        return self.trainer_role.checkpoint(str(path), data, rollout_rng, facts)
+
+    def warm_start(self, steps: int) -> dict:
+        """The supervised format warm start on the trainer's model, then its weights loaded by every rollout
+        worker before the loops start; returns warm_start/* and eval/accuracy_warm_start."""
+        from rlhf_core.run.warm_start import warm_start
+
+        with self.trainer_role.lock, torch_threads(self.threads):
+            metrics = warm_start(self.model, self.tokenizer, self.train_prompts, self.cfg, steps)
+        self.request_sync()
+        for role in self.rollout_roles:
+            role.adopt_weights()
+        return {**metrics, "eval/accuracy_warm_start": self.evaluate()["eval/accuracy"]}
+
+    def new_checkpoints(self) -> list[dict]:
+        """Checkpoints the trainer wrote at exact multiples of checkpoint.every since the last call."""
+        return self.trainer_role.drain_checkpoints() if self.trainer_role is not None else []
+
+    def export(self, path: str | Path) -> str:
+        with self.trainer_role.lock:
+            return str(build.export_run_policy(self.cfg, self.model, self.tokenizer, path))
+
+    def stop(self) -> None:
+        """Stop the loops and wait (bounded) for them to return."""
+        if self.trainer_role is None:
+            return
+        self.stopping = True
+        for role in [self.trainer_role, *self.rollout_roles]:
+            role.stop()
+        deadline = time.monotonic() + min(self.timeout, 30)
+        for loop in [self.trainer_loop, *self.worker_loops.values()]:
+            if loop is not None:
+                loop.join(timeout=max(0.0, deadline - time.monotonic()))
+                if loop.is_alive():
+                    log.warning("%s did not stop within %.0f s", loop.name, min(self.timeout, 30))
+        self.started = False
+
+    def teardown(self) -> None:
+        """Idempotent: stop the loops, close what the workers and the evaluator started (reward and environment
+        processes)."""
+        if self.trainer_role is None and not self.rollout_roles:
+            return
+        try:
+            self.stop()
+        finally:
+            for role in self.rollout_roles:
+                role.worker.close()
+            if self.evaluator is not None:
+                self.evaluator.close()
+                if getattr(self.evaluator, "env", None) is not None:
+                    self.evaluator.env.close()
+            self.trainer_role, self.rollout_roles = None, []
+
+    def __enter__(self) -> ThreadedRun:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.teardown()
+
+    def wait_loop(
+        self,
+        role: str,
+        index: int = 0,
+        attempt: int = 1,
+        report: Optional[Callable[[dict], None]] = None,
+        report_every_s: float = 30.0,
+    ) -> dict:
+        """Block until one loop ends (DistributedRun.wait_loop's contract; threads are never restarted, so an
+        attempt after the first ends at once). Returns the loop's final stats; raises RunFailed with its error."""
+        if attempt > 1:
+            return {}
+        what = "the trainer" if role == "trainer" else f"rollout worker {index}"
+        next_report = time.monotonic() + report_every_s
+        while True:
+            loop = self.trainer_loop if role == "trainer" else self.worker_loops.get(index)
+            if loop is None:
+                if self.stopping or (self.launched and self.trainer_role is None):
+                    return {}
+                time.sleep(0.2)
+                continue
+            loop.join(timeout=1.0)
+            if not loop.is_alive():
+                if loop.error is not None:
+                    raise RunFailed(f"{what} failed: {loop.failure()}") from loop.error
+                return loop.result or {}
+            if report is not None and time.monotonic() >= next_report:
+                next_report = time.monotonic() + report_every_s
+                owner = self.trainer_role if role == "trainer" else self.rollout_roles[index]
+                report(owner.stats())
+
+    reconcile = staticmethod(reconcile)  # the conservation of groups (rlhf_core.run.control owns it)
