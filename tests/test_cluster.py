@@ -84,8 +84,19 @@ def cluster_cfg(tmp_path, c, *overrides):
     )
 
 
+def in_flight(run) -> bool:
+    """Whether the (one) rollout worker holds prompts of a batch the buffer has not accepted yet."""
+    (holder,) = ray.get(run.queue.holders.remote("0-"))
+    return max(ray.get(run.queue.leased.remote(holder)), default=-1) > ray.get(run.buffer.delivered.remote(holder))
+
+
 def test_a_rollout_node_lost_mid_run_loses_and_invents_nothing(cluster, tmp_path):
-    cfg = cluster_cfg(tmp_path, cluster, "trainer.total_steps=40", "cluster.max_restarts=2", "rollout.num_workers=1")
+    # every batch waits on a judge (0.3 s, no CPU): the worker is killed with a batch in hand, as a preempted
+    # node's worker is, mid-episode
+    judge = f"reward.functions=[{{path: {REPO / 'benchmarks/slow_judge.py'}, name: slow_judge, weight: 0.0}}]"
+    cfg = cluster_cfg(
+        tmp_path, cluster, "trainer.total_steps=40", "cluster.max_restarts=2", "rollout.num_workers=1", judge
+    )
     state: dict = {}
 
     def on_launch(run):
@@ -93,7 +104,7 @@ def test_a_rollout_node_lost_mid_run_loses_and_invents_nothing(cluster, tmp_path
         state["node"] = ray.get(run.workers[0].ping.remote())["node"]
 
     def on_poll(poll):
-        if "killed" not in state and poll["step"] >= 20:
+        if "killed" not in state and poll["step"] >= 20 and in_flight(state["run"]):
             (victim,) = [n for n in cluster.rollout_nodes if n.node_id == state["node"]]
             cluster.remove_node(victim, allow_graceful=False)  # its raylet and every process on it die
             cluster.rollout_nodes.remove(victim)

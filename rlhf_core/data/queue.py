@@ -65,6 +65,11 @@ class PromptQueue:
         with self.lock:
             return [h for h in self.leases if h.startswith(prefix)]
 
+    def leased(self, holder: str) -> list[int]:
+        """The batch numbers `holder` holds leases for (the newest not known to be delivered)."""
+        with self.lock:
+            return sorted(self.leases.get(holder, {}))
+
     def requeue(self, holder: str, after: int) -> int:
         """The holder is gone: its prompts of batches after `after` go back to the front of the queue, in their
         order; its lease ends. Returns how many prompts went back."""

@@ -165,6 +165,11 @@ class ExperienceBuffer:
                 accepted += bool(self.buf.push(g))
         return accepted
 
+    def delivered(self, holder: str) -> int:
+        """The last batch number accepted from `holder` (-1: none)."""
+        with self.lock:
+            return self.holders.get(holder, [-1, 0, 0])[0]
+
     def revoke(self, holder: str) -> int:
         """The holder (a lost or retired worker's incarnation) pushes no more: later pushes are refused and the
         admission it held for groups it never pushed is free again. Returns the last batch number accepted from
