@@ -291,3 +291,32 @@ def test_each_checkpoint_is_one_short_line_retention_included(store, tmp_path, m
     ]
     assert sorted(p.name for p in root.iterdir()) == ["step_000004", "step_000006"]
     assert str(root) in records[-1].getMessage() and records[-1].levelno == logging.DEBUG
+
+
+def test_a_signal_during_an_mlflow_write_lands_after_it():
+    """SIGTERM in the middle of a client call is held until the call returns, then handled as usual."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from tracking.uninterrupted import Uninterrupted
+
+    order: list[str] = []
+
+    class Store:
+        def write(self) -> str:
+            order.append("write started")
+            time.sleep(0.3)  # the signal arrives here
+            order.append("write done")
+            return "ok"
+
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: order.append("handled"))
+    try:
+        threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        assert Uninterrupted(Store()).write() == "ok"
+        time.sleep(0.05)
+        assert order == ["write started", "write done", "handled"]
+        assert signal.getsignal(signal.SIGTERM) is not None and order.count("handled") == 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -93,11 +93,14 @@ def run_url(uri: str, experiment_id: str, run_id: str) -> str:
 
 
 def client(uri: str):
-    """An MlflowClient on this store (quiet and offline)."""
+    """An MlflowClient on this store (quiet and offline), whose writes a signal cannot cut in half
+    (tracking/uninterrupted.py)."""
     quiet_mlflow_env()
     from mlflow.tracking import MlflowClient
 
-    return MlflowClient(tracking_uri=uri)
+    from tracking.uninterrupted import Uninterrupted
+
+    return Uninterrupted(MlflowClient(tracking_uri=uri))
 
 
 def looks_like_run_id(text: str) -> bool:

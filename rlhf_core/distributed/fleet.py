@@ -146,9 +146,12 @@ class Fleet:
             )
 
     def fleet_stats(self) -> dict:
+        """The fleet at a poll. Whether the cluster has room for another worker is asked of Ray (a round trip to
+        its control store) only where the autoscaler reads it."""
+        autoscale = self.cfg.cluster.autoscale.enabled
         return {
             "rollout_workers": len(self.workers),
-            "room_for_worker": self.room_for_worker(),
+            "room_for_worker": self.room_for_worker() if autoscale else None,
             "requeued_prompts": self.requeued_prompts,
             "restarts_total": sum(self.restarts) + self.retired_restarts,
             "starting": sorted(self.pending_starts),
