@@ -482,14 +482,14 @@ class Supervisor:
                 self.fleet_size = self.runtime.set_rollout_workers(d.rollout_workers, d.rollout_workers_reason)
             else:
                 d.rollout_workers = None
-                self.report(
-                    HealthEvent(
-                        self.monitor.last_step,
-                        "scale_unsupported",
-                        "warning",
-                        "none",
-                        "this host runs its rollout in one process: its fleet cannot change",
-                    )
+                self.monitor._event(
+                    d,
+                    self.monitor.last_step,
+                    "scale_unsupported",
+                    "warning",
+                    "none",
+                    "this host runs its rollout in one process (cluster.host: threads): its fleet cannot change",
                 )
+                self.report(d.events[-1])
         if not self.monitor.throttled:
             self.runtime.top_up_prompts(d.top_up)

@@ -167,3 +167,33 @@ def test_atrlhf_scale_finds_a_live_run_by_its_mlflow_run_id(tmp_path, mlflow_db)
         resolve_run_dir(untagged, uri)
     with pytest.raises(ScaleError, match="is not in"):
         resolve_run_dir("0" * 32, uri)
+
+
+def test_a_late_release_from_a_revoked_worker_frees_nothing_twice():
+    buf = ExperienceBuffer(max_size=32, max_staleness=0, prompts_per_step=4)
+    assert buf.try_admit(2, holder="0-aaaa") == 2 and buf.try_admit(2, holder="1-bbbb") == 2
+    buf.revoke("0-aaaa")  # frees its 2
+    buf.release(2, "0-aaaa")  # the loop's own release, arriving after: already freed, not the other worker's
+    assert buf.stats()["admitted"] == 2 and buf.try_admit(4) == 2
+
+
+def test_a_scale_request_to_the_threads_host_is_answered_unsupported(tmp_path):
+    from rlhf_core.run.requests import ScaleRequests
+    from rlhf_core.supervision import Supervisor
+
+    class OneProcess:  # the control surface of a host whose fleet is fixed (no set_rollout_workers)
+        def poll(self):
+            return {"step": 1, "metrics": [], "rollout": [], "buffer": {}, "trainer": {}}
+
+        def top_up_prompts(self, n=None):
+            return 0
+
+    requests = ScaleRequests(tmp_path)
+    rid = request_scale(tmp_path, 2)
+    reported = []
+    Supervisor(_cfg(), OneProcess(), report=reported.append, requests=requests).tick()
+    answer = read_answer(tmp_path, rid)
+    assert answer["rollout_workers"] is None and "cannot change" in answer["detail"]
+    assert [e.kind for e in reported] == ["scale_requested", "scale_unsupported"]
+    with pytest.raises(ConfigError, match="needs the Ray host"):
+        _cfg("cluster.host=threads", "cluster.autoscale.enabled=true")

@@ -76,6 +76,11 @@ class TrainConfig(_Section):
     @model_validator(mode="after")
     def _fleet(self) -> TrainConfig:
         a = self.cluster.autoscale
+        if a.enabled and self.cluster.host == "threads":
+            raise ValueError(
+                "cluster.autoscale needs the Ray host (cluster.host: ray): the threads host runs its rollout in one "
+                "process, its fleet fixed"
+            )
         if a.enabled and not a.min_workers <= self.rollout.num_workers <= a.max_workers:
             raise ValueError(
                 f"rollout.num_workers={self.rollout.num_workers} (the fleet the run starts with) is outside "

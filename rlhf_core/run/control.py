@@ -123,8 +123,10 @@ class ExperienceBuffer:
         """Return an admission that will not be used (a worker loop stopping with one granted ahead, or groups
         an environment failed)."""
         with self.lock:
+            if holder is not None and holder in self.revoked:
+                return  # revoking it already freed what it held
             self.admitted = max(0, self.admitted - int(n_groups))
-            if holder is not None and holder not in self.revoked:
+            if holder is not None:
                 record = self._holder(holder)
                 record[2] = max(0, record[2] - int(n_groups))
 
