@@ -24,6 +24,7 @@ from rlhf_core.distributed.cluster import LOOPBACK, _single_machine_ray  # noqa:
 pytestmark = pytest.mark.slow  # a Ray cluster of three raylets (`make test-fast` skips it)
 
 REPO = Path(__file__).resolve().parents[1]
+JUDGE = f"reward.functions=[{{path: {REPO / 'benchmarks/slow_judge.py'}, name: slow_judge, weight: 0.0}}]"
 FAST_HEALTH = {  # a dead node is noticed in about 2 s instead of about 30
     "health_check_initial_delay_ms": 0,
     "health_check_period_ms": 500,
@@ -93,9 +94,8 @@ def in_flight(run) -> bool:
 def test_a_rollout_node_lost_mid_run_loses_and_invents_nothing(cluster, tmp_path):
     # every batch waits on a judge (0.3 s, no CPU): the worker is killed with a batch in hand, as a preempted
     # node's worker is, mid-episode
-    judge = f"reward.functions=[{{path: {REPO / 'benchmarks/slow_judge.py'}, name: slow_judge, weight: 0.0}}]"
     cfg = cluster_cfg(
-        tmp_path, cluster, "trainer.total_steps=40", "cluster.max_restarts=2", "rollout.num_workers=1", judge
+        tmp_path, cluster, "trainer.total_steps=40", "cluster.max_restarts=2", "rollout.num_workers=1", JUDGE
     )
     state: dict = {}
 
@@ -132,8 +132,9 @@ def test_a_rollout_node_lost_mid_run_loses_and_invents_nothing(cluster, tmp_path
 
 def test_atrlhf_scale_grows_and_shrinks_the_fleet_of_a_live_run(cluster, tmp_path):
     add_rollout_node(cluster)  # a node added to the cluster (the previous test removed one)
-    # long enough for a new worker's process to start (10-30 s here) while the run goes on
-    cfg = cluster_cfg(tmp_path, cluster, "trainer.total_steps=400", "rollout.num_workers=1")
+    # paced by a judge that waits (0.3 s a batch, no CPU), so that the run lasts long enough for a new worker's
+    # process to start (10-30 s here) however fast the machine trains
+    cfg = cluster_cfg(tmp_path, cluster, "trainer.total_steps=200", "rollout.num_workers=1", JUDGE)
     state: dict = {"asks": []}
 
     def scale(n: int) -> subprocess.Popen:
@@ -149,7 +150,7 @@ def test_atrlhf_scale_grows_and_shrinks_the_fleet_of_a_live_run(cluster, tmp_pat
             state["asks"].append(scale(1))
 
     result = run_distributed(cfg, on_poll=on_poll)
-    assert result["steps"] == 400 and state["grown_at"] < 400
+    assert result["steps"] == 200 and state["grown_at"] < 200
     outs = [p.communicate(timeout=60) for p in state["asks"]]
     assert [p.returncode for p in state["asks"]] == [0, 0], outs
     assert "2 rollout worker(s)" in outs[0][0] and "1 rollout worker(s)" in outs[1][0]
