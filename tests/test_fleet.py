@@ -47,6 +47,7 @@ def test_a_revoked_worker_is_refused_its_admission_freed_and_its_groups_counted(
     assert buf.revoke("0-aaaa") == 1  # the last batch it delivered
     assert buf.stats()["admitted"] == 3  # the group it never pushed is admissible again
     assert buf.try_admit(1, holder="2-cccc") == 1
+    assert buf.holder_names("2-") == ["2-cccc"] and buf.holder_names("0-") == []  # revoked: gone from the list
     assert buf.push(pack_groups([make_experience(1, 0, [1.0, 0.0])]), "0-aaaa", 2) == 0  # a late push: refused
     assert buf.try_admit(1, holder="0-aaaa") == 0
     buf.push(pack_groups([make_experience(2, 0, [0.0, 1.0]), make_experience(3, 0, [1.0, 0.0])]), "1-bbbb", 1)

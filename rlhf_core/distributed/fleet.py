@@ -63,7 +63,9 @@ class Fleet:
         """Worker `index` was lost or retired: revoke each of its incarnations that holds a lease and requeue the
         prompts the buffer did not accept from them. Returns how many prompts went back to the queue."""
         back = 0
-        for holder in self._get(self.queue.holders.remote(f"{index}-"), "the prompt queue's leases"):
+        leased = self._get(self.queue.holders.remote(f"{index}-"), "the prompt queue's leases")
+        admitted = self._get(self.buffer.holder_names.remote(f"{index}-"), "the replay buffer's workers")
+        for holder in sorted(set(leased) | set(admitted)):  # one admitted but dead before its first prompts too
             last = self._get(self.buffer.revoke.remote(holder), "the replay buffer to revoke a lost worker")
             back += self._get(self.queue.requeue.remote(holder, last), "the prompt queue to requeue prompts")
         if back:

@@ -167,6 +167,11 @@ class ExperienceBuffer:
                 accepted += bool(self.buf.push(g))
         return accepted
 
+    def holder_names(self, prefix: str = "") -> list[str]:
+        """The holders (worker incarnations) with pushes or admissions recorded, not revoked."""
+        with self.lock:
+            return [h for h in self.holders if h.startswith(prefix)]
+
     def delivered(self, holder: str) -> int:
         """The last batch number accepted from `holder` (-1: none)."""
         with self.lock:
