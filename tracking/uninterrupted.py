@@ -11,6 +11,7 @@ thread (where Python runs signal handlers); elsewhere calls go straight through.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import signal
 import threading
@@ -35,15 +36,30 @@ class Uninterrupted:
             if threading.current_thread() is not threading.main_thread():
                 return attr(*args, **kwargs)
             held: list[int] = []
-            previous = {}
-            for sig in HELD:
-                previous[sig] = signal.signal(sig, lambda signum, frame: held.append(signum))
             try:
-                return attr(*args, **kwargs)
+                with _bridge_lock():  # no moment in which Prefect's cancellation handshake sees another handler
+                    previous = {sig: signal.signal(sig, lambda signum, frame: held.append(signum)) for sig in HELD}
+                    try:
+                        return attr(*args, **kwargs)
+                    finally:
+                        for sig, handler in previous.items():
+                            signal.signal(sig, handler)
             finally:
-                for sig, handler in previous.items():
-                    signal.signal(sig, handler)
                 for signum in held[:1]:  # the first one, now, to the handler that was in place
                     signal.raise_signal(signum)
 
         return call
+
+
+def _bridge_lock():
+    """The lock Prefect takes to install or check its SIGTERM bridge. Under a worker, a cancellation is a
+    handshake: the flow process acknowledges it only while Prefect's own SIGTERM handler is in place (otherwise the
+    runner kills it as a crash). Holding that lock while the handler is swapped makes the handshake wait for the
+    write (milliseconds) instead of seeing the swap. A Prefect without it: no lock."""
+    return _BRIDGE_LOCK if _BRIDGE_LOCK is not None else contextlib.nullcontext()
+
+
+try:  # imported here, once: never between a signal and the swap
+    from prefect.utilities.engine import _prefect_sigterm_bridge_lock as _BRIDGE_LOCK
+except ImportError:  # pragma: no cover - another Prefect release
+    _BRIDGE_LOCK = None

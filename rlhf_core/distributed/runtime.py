@@ -368,7 +368,11 @@ class DistributedRun(LoopWatch, Fleet):
         call ([{step, path, rollout_rng_missing}]); the flow uploads and reports them."""
         if self.trainer is None:
             return []
-        written = self._get(self.trainer.drain_checkpoints.remote(), "the trainer's new checkpoints")
+        try:
+            written = self._get(self.trainer.drain_checkpoints.remote(), "the trainer's new checkpoints")
+        except ray.exceptions.RayActorError as exc:  # its process or its node died: the run ends, naming it
+            self.failed = f"trainer failed: the trainer actor died ({type(exc).__name__})"
+            raise RunFailed(self.failed) from exc
         for c in written:
             if c["rollout_rng_missing"]:
                 self._event(
