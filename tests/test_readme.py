@@ -196,6 +196,7 @@ def test_the_readme_sweep_example_runs_as_written(fresh_clone, monkeypatch, pref
 
     shutil.copyfile(_mlflow_db_template, fresh_clone / "mlflow.db")  # the store the command uses (cwd), made
     monkeypatch.chdir(fresh_clone)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)  # as a newcomer's shell: no store set elsewhere
     real_sweep, started = flows.cli.cmd_sweep, {}
 
     def shortened(cfg, grid, seeds, *rest):
@@ -213,10 +214,15 @@ def test_the_readme_sweep_example_runs_as_written(fresh_clone, monkeypatch, pref
     assert started["seeds"] == 2 and started["cfg"].trainer.total_steps == 200  # configs/staleness_sweep.yaml
     assert "8 point(s), 8 ran, 0 skipped (finished before), 0 failed" in out, out[-3000:]
 
+    import re
+
     from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(f"sqlite:///{fresh_clone / 'mlflow.db'}")
+    # the store the sweep names in its summary (sqlite:///mlflow.db in the working directory, as the README says)
+    uri = re.search(r"MLflow parent run\s+\S+\s+\((\S+)\)", out).group(1)
+    client = MlflowClient(uri)
     exp = client.get_experiment_by_name(started["cfg"].tracking.experiment)
+    assert exp is not None, (uri, [e.name for e in client.search_experiments()])
     children = client.search_runs([exp.experiment_id], filter_string="tags.`atrlhf.sweep_role` = 'child'")
     assert len(children) == 8 and all(c.info.status == "FINISHED" for c in children)
     for child in children:  # each point trains at the staleness bound it names

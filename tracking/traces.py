@@ -16,6 +16,7 @@ partial rollouts; `policy_version` is the first), `trained_at` (the trainer step
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 log = logging.getLogger("tracking")
@@ -32,10 +33,20 @@ def log_trajectory_traces(client, experiment_id: str, run_id: str, records: list
     """One trace per record, linked to run `run_id`; returns the trace ids once they are stored.
 
     MLflow exports spans through this process's tracer, to the process's tracking URI: it is set to the
-    client's here (in the flow's process that is the run's store already), and the export is flushed."""
+    client's here (in the flow's process that is the run's store already), the export is flushed, and the URI
+    is put back as it was (MLflow's setter also writes MLFLOW_TRACKING_URI: left set, every later run in this
+    process, a sweep's next point or a worker's next flow run, would log to this run's store)."""
     import mlflow
 
+    previous = os.environ.get("MLFLOW_TRACKING_URI")
     mlflow.set_tracking_uri(client.tracking_uri)
+    try:
+        return _log_traces(mlflow, client, experiment_id, run_id, records, step)
+    finally:
+        mlflow.set_tracking_uri(previous)  # None unsets it
+
+
+def _log_traces(mlflow, client, experiment_id: str, run_id: str, records: list[dict], step: int) -> list[str]:
     ids = []
     for k, rec in enumerate(records):
         messages = rec.get("messages", [])
