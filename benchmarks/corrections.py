@@ -3,7 +3,7 @@
 Runs `rlhf_core.loop.run_sync` on configs/tiny.yaml with `rollout.dtype: bfloat16` (the rollout model in bf16,
 the trainer in float32: a mismatch as with vLLM in bf16) for each `algorithm.rollout_correction.mode` and seed,
 all in one invocation, and reports time and steps to 0.9 held-out greedy accuracy, the final accuracy, and the
-mismatch ledger's mean `mismatch/engine_kl` and `mismatch/drift_kl`. Target (issue 41): every mode reaches 0.9.
+mismatch ledger's mean `mismatch/engine_kl` and `mismatch/drift_kl`. Target: every mode reaches 0.9.
 
     python benchmarks/corrections.py --seeds 0 1 2 3 4          # table
     python benchmarks/corrections.py --seeds 0 --json           # one JSON object

@@ -1,4 +1,4 @@
-"""Equal cores (issue 39): the in-process lockstep loop against the async hosts on the same 2 CPUs, one invocation.
+"""Equal cores: the in-process lockstep loop against the async hosts on the same 2 CPUs, one invocation.
 
     python benchmarks/equal_cores.py                 # table; --reps 3, arms alternated within each repetition
     python benchmarks/equal_cores.py --quick --json  # fewer steps, 1 repetition (< 6 min); one JSON object on stdout

@@ -28,7 +28,7 @@ KINDS = ("function", "class", "protocol", "exception", "constant")
 SECTION = re.compile(r"^## `(?P<package>[A-Za-z_][\w.]*)`\s*$")
 ROW = re.compile(r"^\| `(?P<name>\w+)` \| (?P<kind>\w+) \| `(?P<signature>[^`]+)` \| (?P<text>[^|]+?) \|\s*$")
 
-# Names the list must hold whatever else it holds (issue 36: the API users were told about).
+# Names the list must hold whatever else it holds (the API users were told about).
 REQUIRED = {
     "rlhf_core.reward": {"tensor_native_reward", "score_responses"},
     "rlhf_core.algorithms": {

@@ -1,4 +1,4 @@
-"""Your own reward all the way (issue 38, item 4): a reward of only your functions trains and evaluates,
+"""Your own reward all the way: a reward of only your functions trains and evaluates,
 eval.metric names any reward column as the held-out score, data.task=jsonl runs on the small chat model.
 
 Real parts only: the tiny and chat models of tests/conftest.py, reward functions in real spawned processes.
