@@ -31,7 +31,7 @@ from rlhf_core.distributed.trainer_actor import TrainerActor
 from rlhf_core.distributed.trainer_group import TrainerRankActor
 from rlhf_core.run import build
 from rlhf_core.run.checkpoint import CheckpointState, read_checkpoint
-from rlhf_core.run.control import poll_metrics
+from rlhf_core.run.control import assemble_poll
 from rlhf_core.run.preflight import check_lengths, check_output_dir
 
 log = logging.getLogger("rlhf_core.distributed")
@@ -288,26 +288,8 @@ class DistributedRun(LoopWatch, Fleet):
                     s.update(error=self.pending_starts[i][1].replace("ed", "ing"), starting=True)
             s["restarts"] = self.restarts[i]
             wstats.append(s)
-        shared = poll_metrics(bstats, tstats, [s for s in wstats if s["alive"]])
-        shared["cluster/rollout_workers"] = len(self.workers)
-        shared["rollout/requeued_prompts"] = self.requeued_prompts
-        for m in metrics:
-            m.update(shared)
-        self.last_step, self.last_version = tstats["step"], tstats["version"]
-        events, self._new_events = self._new_events, []
-        return {
-            "step": self.last_step,
-            "version": self.last_version,
-            "done": self.done,
-            "metrics": metrics,
-            "buffer": bstats,
-            "queue": qstats,
-            "rollout": wstats,
-            "trainer": tstats,
-            "cluster": self.fleet_stats(),
-            "events": events,
-            "failed": self.failed,
-        }
+        fleet = {"cluster/rollout_workers": len(self.workers), "rollout/requeued_prompts": self.requeued_prompts}
+        return assemble_poll(self, metrics, tstats, bstats, qstats, wstats, fleet, self.fleet_stats())
 
     def top_up_prompts(self, n: Optional[int] = None, target: Optional[int] = None) -> int:
         """Schedule prompts with backpressure: fill the queue up to `target` (default two trainer steps)."""

@@ -369,6 +369,24 @@ def poll_metrics(buffer_stats: dict, trainer_stats: dict, alive_workers: list[di
     return shared
 
 
+def assemble_poll(run, metrics: list[dict], trainer: dict, buffer: dict, queue: dict, rollout: list[dict],
+                  extra_metrics: Optional[dict] = None, cluster: Optional[dict] = None) -> dict:  # fmt: skip
+    """Every host's poll result, from what it gathered: the trainer metrics drained since the last poll (each given
+    `poll_metrics` over the live workers, plus the host's `extra_metrics`), the step and version (set on `run`), the
+    events since the last poll (`run._new_events`, drained) and the dict the supervision reads. `cluster`: the Ray
+    host's fleet (only it has one; the key is absent on the others)."""
+    shared = {**poll_metrics(buffer, trainer, [s for s in rollout if s["alive"]]), **(extra_metrics or {})}
+    for m in metrics:
+        m.update(shared)
+    run.last_step, run.last_version = trainer["step"], trainer["version"]
+    events, run._new_events = run._new_events, []
+    poll = {"step": run.last_step, "version": run.last_version, "done": run.done, "metrics": metrics}
+    poll.update(buffer=buffer, queue=queue, rollout=rollout, trainer=trainer)
+    if cluster is not None:
+        poll["cluster"] = cluster
+    return {**poll, "events": events, "failed": run.failed}
+
+
 # --------------------------------------------------------------------------------------------- accounting
 def reconcile(poll: dict) -> dict:
     """Conservation of prompt groups, from counts kept independently at each end, in groups:

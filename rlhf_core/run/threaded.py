@@ -33,7 +33,7 @@ from rlhf_core.config import TrainConfig
 from rlhf_core.data.queue import PromptQueue
 from rlhf_core.run import build
 from rlhf_core.run.checkpoint import CheckpointState, read_checkpoint
-from rlhf_core.run.control import ExperienceBuffer, RunFailed, poll_metrics, reconcile
+from rlhf_core.run.control import ExperienceBuffer, RunFailed, assemble_poll, reconcile
 from rlhf_core.run.local import LocalPeer, LocalWeights
 from rlhf_core.run.preflight import check_lengths, check_output_dir
 from rlhf_core.run.roles import RolloutRole, TrainerRole
@@ -251,23 +251,7 @@ class ThreadedRun:
         tstats = self.trainer_role.stats()  # after the drain: step >= drained steps
         bstats, qstats = self.buffer.stats(), self.queue.stats()
         wstats = [{**r.stats(), "alive": True, "restarted": False, "restarts": 0} for r in self.rollout_roles]
-        shared = poll_metrics(bstats, tstats, wstats)
-        for m in metrics:
-            m.update(shared)
-        self.last_step, self.last_version = tstats["step"], tstats["version"]
-        events, self._new_events = self._new_events, []
-        return {
-            "step": self.last_step,
-            "version": self.last_version,
-            "done": self.done,
-            "metrics": metrics,
-            "buffer": bstats,
-            "queue": qstats,
-            "rollout": wstats,
-            "trainer": tstats,
-            "events": events,
-            "failed": self.failed,
-        }
+        return assemble_poll(self, metrics, tstats, bstats, qstats, wstats)
 
     def top_up_prompts(self, n: Optional[int] = None, target: Optional[int] = None) -> int:
         """Schedule prompts with backpressure: fill the queue up to `target` (default two trainer steps)."""
