@@ -110,7 +110,7 @@ class Fleet:
         if len(self.restarts) <= i:
             self.restarts.append(0)
         if self.started:  # its loop starts once it answers (loops.py: pending starts)
-            self.pending_starts[i] = (time.monotonic(), "started")
+            self.pending_starts[i] = (time.monotonic(), "starting")
 
     def _retire_worker(self) -> None:
         i = len(self.workers) - 1

@@ -15,13 +15,15 @@ from rlhf_core.distributed.calls import RunFailed, WorkerDied, task_error
 from rlhf_core.distributed.cluster import rollout_worker_resources
 
 WAITING_EVENT_S = 10.0  # a worker not back after this long is reported as waiting for room
+# a pending start's state (a worker's `error` in the poll while it lasts) -> what its event says once it is up
+ARRIVED = {"restarting": "restarted", "starting": "started"}
 
 
 class LoopWatch:
     """What DistributedRun does about its loops. Uses its trainer, workers, handle, timeout, restarts,
     worker_loops, worker_loop_starts, trainer_loop, stopping, failed, _event and recover_prompts (Fleet)."""
 
-    # worker index -> (since when, "restarted" | "started"): a worker Ray is bringing back, or a new one starting
+    # worker index -> (since when, "restarting" | "starting"): a worker Ray is bringing back, or a new one starting
     pending_starts: dict[int, tuple[float, str]]
     restart_pings: dict[int, object]
     waiting_reported: set[int]
@@ -103,8 +105,8 @@ class LoopWatch:
                 )
             del self.worker_loops[i]
             self.recover_prompts(i)
-            self.pending_starts[i] = (time.monotonic(), "restarted")
-        for i, (since, kind) in list(self.pending_starts.items()):
+            self.pending_starts[i] = (time.monotonic(), "restarting")
+        for i, (since, state) in list(self.pending_starts.items()):
             info = self._restarted(i)
             if info is None:
                 if i not in self.waiting_reported and time.monotonic() - since > WAITING_EVENT_S:
@@ -118,6 +120,7 @@ class LoopWatch:
                 continue
             del self.pending_starts[i]
             self.waiting_reported.discard(i)
+            kind = ARRIVED[state]
             self._event(
                 f"rollout_worker_{kind}",
                 f"rollout worker {i} {kind} after {time.monotonic() - since:.1f} s "

@@ -285,7 +285,7 @@ class DistributedRun(LoopWatch, Fleet):
             except Exception as exc:
                 s = {"index": i, "alive": False, "error": type(exc).__name__}
                 if ref is None:
-                    s.update(error=self.pending_starts[i][1].replace("ed", "ing"), starting=True)
+                    s.update(error=self.pending_starts[i][1], starting=True)
             s["restarts"] = self.restarts[i]
             wstats.append(s)
         fleet = {"cluster/rollout_workers": len(self.workers), "rollout/requeued_prompts": self.requeued_prompts}
