@@ -31,7 +31,7 @@ def check_train(cfg: TrainConfig, resume_from: Optional[str]) -> Optional[str]:
     check_lora_targets(cfg)
     if not resume_from:
         return None
-    from tasks.resume import check_resume
+    from tracking.resume import check_resume
 
     return check_resume(cfg, resume_from)
 
@@ -64,8 +64,8 @@ def check_evaluate(cfg: TrainConfig, target: str, config_given: bool) -> None:
     with --config, that config's paths too (without it the policy's own config is used)."""
     path = Path(target).expanduser()
     if not path.exists():
-        from tasks.resume import check_run
         from tracking import looks_like_run_id, resolve_tracking_uri
+        from tracking.resume import check_run
 
         if not looks_like_run_id(target):
             raise ConfigError(f"--checkpoint {target}: it does not exist; {describe_near(path)}")

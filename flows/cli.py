@@ -200,7 +200,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         except ConfigError as exc:
             return _refuse(exc)
         if resume_from:  # a run that already reached total_steps: say so before anything starts
-            from tasks.resume import nothing_to_train
+            from tracking.resume import nothing_to_train
 
             finished = nothing_to_train(cfg, resume_from)
             if finished:

@@ -1,7 +1,7 @@
 """Prefect tasks for checkpoints, the exported policy, and resolving `resume_from`.
 
 `resume_from` is a checkpoint directory, a run directory (its newest checkpoint) or an MLflow run id
-(tasks/resume.py tells which, without Prefect). For a run id, the newest checkpoint
+(tracking/resume.py tells which, without Prefect). For a run id, the newest checkpoint
 artifact (checkpoints/step_NNNNNN, complete uploads only) is downloaded; a checkpoint directory written by a
 tracked run names its MLflow run too. That run becomes the parent of the resumed run's new MLflow run.
 Either way the checkpoint is validated before anything starts.
@@ -19,7 +19,7 @@ from prefect.cache_policies import NO_CACHE
 from rlhf_core.config import ConfigError, TrainConfig
 from rlhf_core.run.checkpoint import CheckpointError, checkpoint_dir, prune_checkpoints, read_checkpoint
 from tasks import mlflow_client as tracking
-from tasks.resume import local_checkpoint, nothing_to_train
+from tracking.resume import local_checkpoint, nothing_to_train
 
 
 @dataclass

@@ -6,6 +6,8 @@ tasks/sweep.py wrap these in tasks).
     artifacts.py         checkpoints in MLflow (log, prune, find the newest complete, download) and the final policy
                          (the LoggedModel; load_logged_policy)
     plots.py             the reward curve and staleness histogram of a run
+    resume.py            what `resume_from` names (a local checkpoint or run directory, or an MLflow run), told
+                         without Prefect and without downloading (the CLI's check; tasks/checkpoints.py resolves it)
     sweep_record.py      a sweep's parent run and its children (SweepRecord)
     sweep_comparison.py  the children's histories read back, the comparison table and plot
 
