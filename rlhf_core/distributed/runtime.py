@@ -31,7 +31,7 @@ from rlhf_core.distributed.trainer_actor import TrainerActor
 from rlhf_core.distributed.trainer_group import TrainerRankActor
 from rlhf_core.run import build
 from rlhf_core.run.checkpoint import CheckpointState, read_checkpoint
-from rlhf_core.run.control import assemble_poll
+from rlhf_core.run.control import assemble_poll, buffer_options
 from rlhf_core.run.preflight import check_lengths, check_output_dir
 
 log = logging.getLogger("rlhf_core.distributed")
@@ -133,14 +133,7 @@ class DistributedRun(LoopWatch, Fleet):
             )
             self.buffer = _remote(
                 ExperienceBuffer, num_cpus=0, max_concurrency=16, name=peers["buffer"], **here
-            ).remote(
-                cfg.buffer.max_size,
-                cfg.runtime.max_staleness,
-                cfg.trainer.prompts_per_step,
-                filter_groups=cfg.algorithm.filter_groups,
-                ceiling=cfg.runtime.autopilot.max_staleness if cfg.runtime.autopilot.enabled else None,
-                filter_max_rounds=cfg.algorithm.filter_max_rounds,
-            )
+            ).remote(**buffer_options(cfg))
             self.store = _remote(WeightStore, num_cpus=0, max_concurrency=8, name=peers["store"], **here).remote()
             if cfg.reward.model.path:  # its own process and resources; the last bundle of the placement group
                 peers["reward_model"] = f"atrlhf-reward_model-{uuid.uuid4().hex[:12]}"

@@ -16,7 +16,7 @@ import time
 from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:
-    pass
+    from rlhf_core.config import TrainConfig
 
 
 # --------------------------------------------------------------------------------------------- buffer
@@ -277,6 +277,20 @@ class ExperienceBuffer:
             }
         )
         return s
+
+
+def buffer_options(cfg: TrainConfig) -> dict:
+    """The run's ExperienceBuffer arguments, the same on every host (`ExperienceBuffer(**buffer_options(cfg))`, or
+    the Ray actor's `.remote(**buffer_options(cfg))`): with the autopilot, its ceiling bounds the staleness."""
+    pilot = cfg.runtime.autopilot
+    return dict(
+        max_size=cfg.buffer.max_size,
+        max_staleness=cfg.runtime.max_staleness,
+        prompts_per_step=cfg.trainer.prompts_per_step,
+        filter_groups=cfg.algorithm.filter_groups,
+        ceiling=pilot.max_staleness if pilot.enabled else None,
+        filter_max_rounds=cfg.algorithm.filter_max_rounds,
+    )
 
 
 def group_rows(group) -> int:

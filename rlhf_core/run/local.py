@@ -29,7 +29,7 @@ from rlhf_core.rollout import RolloutWorker
 from rlhf_core.run import build
 from rlhf_core.run.checkpoint import CheckpointError, CheckpointState
 from rlhf_core.run.checkpoint import checkpoint_dir as step_checkpoint_dir
-from rlhf_core.run.control import ExperienceBuffer, WeightStore
+from rlhf_core.run.control import ExperienceBuffer, WeightStore, buffer_options
 from rlhf_core.run.evaluation import Evaluator
 from rlhf_core.run.preflight import check_lengths, check_output_dir
 from rlhf_core.run.roles import RolloutRole, TrainerRole
@@ -147,15 +147,7 @@ def build_run(cfg: TrainConfig, share_weights: bool = True, checkpoint_root: Opt
         env=worker.env,
         functions=next((e for e in worker.external if isinstance(e, PythonFunctionRewards)), None),
     )
-    pilot = cfg.runtime.autopilot
-    buffer = ExperienceBuffer(
-        cfg.buffer.max_size,
-        cfg.runtime.max_staleness,
-        cfg.trainer.prompts_per_step,
-        filter_groups=cfg.algorithm.filter_groups,
-        ceiling=pilot.max_staleness if pilot.enabled else None,
-        filter_max_rounds=cfg.algorithm.filter_max_rounds,
-    )
+    buffer = ExperienceBuffer(**buffer_options(cfg))
     parts = RunParts(
         cfg, policy_dir, model, tokenizer, train_prompts, heldout, PromptQueue(train_prompts, cfg.data.seed),
         reward_fn, worker.engine, worker, trainer, evaluator, buffer,

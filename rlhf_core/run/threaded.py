@@ -33,7 +33,7 @@ from rlhf_core.config import TrainConfig
 from rlhf_core.data.queue import PromptQueue
 from rlhf_core.run import build
 from rlhf_core.run.checkpoint import CheckpointState, read_checkpoint
-from rlhf_core.run.control import ExperienceBuffer, RunFailed, assemble_poll, reconcile
+from rlhf_core.run.control import ExperienceBuffer, RunFailed, assemble_poll, buffer_options, reconcile
 from rlhf_core.run.local import LocalPeer, LocalWeights
 from rlhf_core.run.preflight import check_lengths, check_output_dir
 from rlhf_core.run.roles import RolloutRole, TrainerRole
@@ -172,15 +172,7 @@ class ThreadedRun:
         check_lengths(policy_dir, cfg, self.train_prompts + heldout)
         trainer = build.build_trainer(cfg, self.model, self.tokenizer, policy_dir)
         self.evaluator = build.build_evaluator(cfg, self.model, self.tokenizer, policy_dir, heldout)
-        pilot = cfg.runtime.autopilot
-        self.buffer = ExperienceBuffer(
-            cfg.buffer.max_size,
-            cfg.runtime.max_staleness,
-            cfg.trainer.prompts_per_step,
-            filter_groups=cfg.algorithm.filter_groups,
-            ceiling=pilot.max_staleness if pilot.enabled else None,
-            filter_max_rounds=cfg.algorithm.filter_max_rounds,
-        )
+        self.buffer = ExperienceBuffer(**buffer_options(cfg))
         self.queue = PromptQueue(self.train_prompts, cfg.data.seed)
         self.store = SharedWeights()
         self.trainer_role = TrainerRole(
