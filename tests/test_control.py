@@ -193,3 +193,24 @@ def test_a_take_returns_the_bound_it_enforced_even_when_the_bound_moves_meanwhil
     groups, bound = out["got"]
     assert bound == 1 and [g.policy_version for g in unpack_groups(groups)] == [3, 3]
     assert buf.take(1, timeout_s=0.01) == ([], 3)  # the next take enforces the new one
+
+
+def test_both_hosts_poll_results_are_assembled_alike():
+    """assemble_poll is each host's poll result: the step's metrics get the shared figures (over the live workers)
+    and the host's own, the step, version and events move on, and only the Ray host's has `cluster`."""
+    from types import SimpleNamespace
+
+    from rlhf_core.run.control import assemble_poll
+
+    buffer = ExperienceBuffer(max_size=16, max_staleness=1, prompts_per_step=2).stats()
+    trainer = {"step": 3, "version": 3, "busy_frac": 0.5}
+    rollout = [{"alive": True, "busy_frac": 0.8, "env/errors": 1}, {"alive": False, "error": "starting"}]
+    keys = ["step", "version", "done", "metrics", "buffer", "queue", "rollout", "trainer", "events", "failed"]
+    for cluster in (None, {"rollout_workers": 2}):
+        run = SimpleNamespace(last_step=0, last_version=0, _new_events=[{"kind": "k"}], done=False, failed=None)
+        poll = assemble_poll(run, [{"loss": 1.0}], trainer, buffer, {}, rollout, {"x": 1}, cluster)
+        assert list(poll) == (keys if cluster is None else [*keys[:8], "cluster", *keys[8:]])
+        assert poll["events"] == [{"kind": "k"}] and run._new_events == []
+        assert (run.last_step, run.last_version) == (3, 3)
+        m = poll["metrics"][0]
+        assert m["loss"] == 1.0 and m["x"] == 1 and m["util/rollout_busy"] == 0.8 and m["env/errors"] == 1.0
