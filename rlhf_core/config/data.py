@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional
+import re
+from typing import Any, Literal, NamedTuple, Optional
 
 from pydantic import Field, field_validator
 
@@ -50,6 +51,53 @@ class LoraConfig(_Section):
         return dropout
 
 
+class TinyShape(NamedTuple):
+    """The locally built demo policy a model.preset names: its kind (word or chat) and shape."""
+
+    kind: str
+    layers: int
+    hidden: int
+    heads: int
+
+
+TINY_PRESETS: dict[str, TinyShape] = {
+    "tiny": TinyShape("word", 2, 128, 4),
+    "tiny-chat": TinyShape("chat", 2, 128, 4),
+    "micro": TinyShape("word", 1, 32, 2),
+    "micro-chat": TinyShape("chat", 1, 32, 2),
+}
+"""The named model.preset values; any other shape is written kind:LAYERSxHIDDENxHEADS."""
+
+_CUSTOM_PRESET = re.compile(r"^(word|chat):(\d+)x(\d+)x(\d+)$")
+
+
+def preset_shape(preset: str) -> TinyShape:
+    """The TinyShape a model.preset names; ValueError naming model.preset and the presets otherwise."""
+    key = preset.strip() if isinstance(preset, str) else preset
+    if key in TINY_PRESETS:
+        return TINY_PRESETS[key]
+    match = _CUSTOM_PRESET.match(key) if isinstance(key, str) else None
+    if match is None:
+        raise ValueError(
+            f"model.preset {preset!r} is not a preset: choose one of {', '.join(TINY_PRESETS)}, or write a shape "
+            "as kind:LAYERSxHIDDENxHEADS with kind word or chat (e.g. word:1x64x2)"
+        )
+    shape = TinyShape(match[1], int(match[2]), int(match[3]), int(match[4]))
+    if shape.layers < 1 or shape.heads < 1 or shape.hidden < 16:
+        raise ValueError(f"model.preset {preset!r}: layers and heads must be at least 1 and hidden at least 16")
+    if shape.hidden % shape.heads:
+        raise ValueError(f"model.preset {preset!r}: hidden ({shape.hidden}) must be divisible by heads ({shape.heads})")
+    return shape
+
+
+def preset_name(shape: TinyShape) -> str:
+    """The model.preset of a shape: its name when it has one, else kind:LAYERSxHIDDENxHEADS."""
+    for name, named in TINY_PRESETS.items():
+        if named == tuple(shape):
+            return name
+    return f"{shape[0]}:{shape[1]}x{shape[2]}x{shape[3]}"
+
+
 class ModelConfig(_Section):
     """Policy model. `path` empty builds the tiny default model for the synthetic task."""
 
@@ -62,17 +110,28 @@ class ModelConfig(_Section):
     device: str = Field("auto", description="'auto' (CUDA when available, else CPU), 'cpu', 'cuda' or 'cuda:N'.")
     trust_remote_code: bool = Field(False, description="Allow model code shipped inside the model directory to run.")
     gradient_checkpointing: bool = Field(False, description="Trade compute for memory in the trainer's forward pass.")
-    tiny_layers: int = Field(2, ge=1, description="Tiny default policy: number of transformer layers.")
-    tiny_hidden: int = Field(128, ge=16, description="Tiny default policy: hidden width.")
-    tiny_heads: int = Field(4, ge=1, description="Tiny default policy: attention heads.")
-    tiny_kind: Literal["word", "chat"] = Field(
-        "word",
-        description="Tiny default policy: 'word' (Llama, word-level tokenizer, synthetic tasks) or 'chat' (Qwen2, "
-        "byte-level BPE tokenizer trained locally, ChatML template, generation_config with two EOS ids).",
+    preset: str = Field(
+        "tiny",
+        description="The demo policy built locally when path is empty: 'tiny' (word-level Llama for the synthetic "
+        "tasks, 2 layers, hidden 128, 4 heads), 'tiny-chat' (Qwen2 of that shape with a byte-level BPE tokenizer "
+        "trained locally, ChatML template, two EOS ids: reads jsonl/dataset prompts), 'micro' / 'micro-chat' (1 "
+        "layer, hidden 32, 2 heads: the fast test shape), or any shape as kind:LAYERSxHIDDENxHEADS (e.g. "
+        "word:1x64x2, chat:2x128x4).",
     )
     lora: Optional[LoraConfig] = Field(
         None, description="LoRA adapters {r, alpha, dropout, target_modules}; empty or null is full fine-tuning."
     )
+
+    @field_validator("preset")
+    @classmethod
+    def _known_preset(cls, v: str) -> str:
+        preset_shape(v)
+        return v.strip()
+
+    @property
+    def tiny(self) -> TinyShape:
+        """The shape of the demo policy model.preset names (used when model.path is empty)."""
+        return preset_shape(self.preset)
 
     @field_validator("lora", mode="before")
     @classmethod

@@ -16,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from rlhf_core.config.base import ConfigError
+from rlhf_core.config.data import TINY_PRESETS, TinyShape, preset_name, preset_shape
 from rlhf_core.config.train import TrainConfig
 
 
@@ -230,6 +231,27 @@ def _tis_cap(data: dict) -> Optional[str]:
     return f"algorithm.tis_cap is algorithm.rollout_correction {{mode: tis, level: token, upper: {cap}}} now; loaded as such"
 
 
+_TINY_KEYS = {"tiny_kind": 0, "tiny_layers": 1, "tiny_hidden": 2, "tiny_heads": 3}  # their place in a TinyShape
+
+
+def _tiny_preset(data: dict) -> Optional[str]:
+    """model.tiny_kind / tiny_layers / tiny_hidden / tiny_heads (removed): one model.preset names the demo policy.
+    The keys given are laid over model.preset when that is given too (else over the old defaults, 'tiny'), so an
+    old `--set model.tiny_hidden=64` still changes a config's preset."""
+    model = data.get("model")
+    if not isinstance(model, dict) or not any(k in model for k in _TINY_KEYS):
+        return None
+    given = {k: model.pop(k) for k in list(_TINY_KEYS) if k in model}
+    try:
+        shape = list(preset_shape(model.get("preset", "tiny")))
+    except ValueError:  # a bad preset is reported by validation, naming it
+        shape = list(TINY_PRESETS["tiny"])
+    for key, value in given.items():
+        shape[_TINY_KEYS[key]] = value
+    model["preset"] = preset_name(TinyShape(*shape))
+    return f"{', '.join(f'model.{k}' for k in given)} {'is' if len(given) == 1 else 'are'} model.preset now; loaded as model.preset: {model['preset']}"
+
+
 # Keys that moved or went: each rewrites the raw mapping in place and returns the one line to print (or None).
 MIGRATIONS = [
     _runtime_mode,
@@ -238,6 +260,7 @@ MIGRATIONS = [
     _moved("tracking.keep_checkpoints", "checkpoint.keep"),
     _moved("tracking.eval_every", "eval.every"),
     _tis_cap,
+    _tiny_preset,
 ]
 
 
