@@ -91,7 +91,7 @@ def workload_config(name: str, arm: str, quick: bool, tmp: Path, target_every: i
         "env.max_turns=4",
         "env.step_timeout_s=60",
         "reward.function_workers=1",
-        "trainer.warm_start_steps=0",
+        "trainer.warm_start.steps=0",
         "model.preset=micro",
         f"trainer.total_steps={3 if quick else 10}",
         "trainer.prompts_per_step=8",

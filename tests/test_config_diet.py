@@ -95,3 +95,72 @@ def test_a_checkpoint_written_with_the_old_keys_restores_its_preset(tmp_path, ca
     cfg, notes = _load_noting(caplog, [], path=held.run_config)
     assert cfg.model.preset == "micro-chat" and len(notes) == 1 and "model.preset" in notes[0]
     assert policy_to_evaluate(cfg, ckpt) == (chat_policy, ckpt)
+
+
+ENGINE_RENAMED = [
+    (
+        ["rollout.engine=random", "rollout.random_tokens_per_s=100"],
+        ["rollout.engine=random", "rollout.engine_kwargs.tokens_per_s=100"],
+        "rollout.engine_kwargs.tokens_per_s",
+    ),
+    (
+        ["rollout.engine=vllm", "rollout.vllm_gpu_memory_utilization=0.2"],
+        ["rollout.engine=vllm", "rollout.engine_kwargs={gpu_memory_utilization: 0.2}"],
+        "rollout.engine_kwargs.gpu_memory_utilization",
+    ),
+    # an option the engine never read was ignored before: it still is, with the line saying so
+    (["rollout.vllm_gpu_memory_utilization=0.6"], [], "rollout.engine_kwargs.gpu_memory_utilization"),
+    (["rollout.engine=vllm", "rollout.random_tokens_per_s=5"], ["rollout.engine=vllm"], "tokens_per_s"),
+    (["trainer.warm_start_steps=30"], ["trainer.warm_start.steps=30"], "trainer.warm_start.steps"),
+    (["trainer.warm_start_lr=0.001"], ["trainer.warm_start.lr=0.001"], "trainer.warm_start.lr"),
+    (
+        ["trainer.warm_start_targets=prompt_number"],
+        ["trainer.warm_start.targets=prompt_number"],
+        "trainer.warm_start.targets",
+    ),
+]
+
+
+@pytest.mark.parametrize("old, new, key", ENGINE_RENAMED, ids=[" ".join(o) for o, _, _ in ENGINE_RENAMED])
+def test_a_moved_key_loads_as_the_new_one_with_one_line(caplog, old, new, key):
+    test_an_old_key_loads_as_the_new_one_with_one_line(caplog, old, new, key)
+
+
+def test_an_old_config_file_with_every_old_key_loads_with_a_line_each(tmp_path, caplog):
+    old = tmp_path / "old.yaml"
+    old.write_text(
+        "model: {tiny_kind: chat, tiny_layers: 1, tiny_hidden: 32, tiny_heads: 2}\n"
+        "data: {task: max3_chat}\n"
+        "rollout: {engine: vllm, vllm_gpu_memory_utilization: 0.6, random_tokens_per_s: 0}\n"
+        "trainer: {warm_start_steps: 300, warm_start_lr: 0.001, warm_start_targets: prompt_number}\n"
+    )
+    cfg, notes = _load_noting(caplog, [], path=old)
+    assert len(notes) == 6  # one line per rewritten key (the four model.tiny_* keys are one preset)
+    assert cfg.model.preset == "micro-chat" and cfg.rollout.engine_kwargs == {"gpu_memory_utilization": 0.6}
+    assert cfg.trainer.warm_start.model_dump() == {"steps": 300, "lr": 0.001, "targets": "prompt_number"}
+
+
+def test_engine_kwargs_are_checked_against_the_engine():
+    assert load_config(None, ["rollout.engine=random"]).rollout.engine_option("tokens_per_s") == 0.0
+    assert load_config(None, ["rollout.engine=vllm"]).rollout.engine_option("gpu_memory_utilization") == 0.5
+    cfg = load_config(None, ["rollout.engine=random", "rollout.engine_kwargs.tokens_per_s=7"])
+    assert cfg.rollout.engine_option("tokens_per_s") == 7.0
+    for overrides, field in (
+        (["rollout.engine_kwargs.tokens_per_s=5"], "rollout.engine_kwargs.tokens_per_s"),  # hf takes none
+        (["rollout.engine=vllm", "rollout.engine_kwargs.gpu_memory=0.3"], "rollout.engine_kwargs.gpu_memory"),
+        (["rollout.engine=vllm", "rollout.engine_kwargs.tokens_per_s=5"], "rollout.engine_kwargs.tokens_per_s"),
+        (
+            ["rollout.engine=vllm", "rollout.engine_kwargs.gpu_memory_utilization=1.5"],
+            "rollout.engine_kwargs.gpu_memory_utilization",
+        ),
+        (["rollout.engine=random", "rollout.engine_kwargs.tokens_per_s=-1"], "rollout.engine_kwargs.tokens_per_s"),
+    ):
+        with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+            load_config(None, overrides)
+
+
+def test_the_warm_start_is_one_section_of_the_trainer():
+    cfg = load_config("configs/chat-smoke.yaml")
+    assert cfg.trainer.warm_start.steps == 300 and cfg.trainer.warm_start.targets == "prompt_number"
+    with pytest.raises(ConfigError, match="trainer.warm_start.targets"):
+        load_config(None, ["trainer.warm_start.targets=everything"])

@@ -86,7 +86,7 @@ def test_stopping_mid_run_gives_the_prefetched_batch_back(ray_local, tmp_path):
         "runtime.max_staleness=2",
         "rollout.prompts_per_batch=8",
         "rollout.engine=random",
-        "rollout.random_tokens_per_s=1000000",
+        "rollout.engine_kwargs.tokens_per_s=1000000",
     )
     assert cfg.runtime.prefetch
     with DistributedRun(cfg) as run:

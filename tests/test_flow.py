@@ -380,7 +380,7 @@ def test_failure_mid_run_tears_down_and_marks_mlflow_failed(prefect_api, ray_loc
         work,
         "blowup",
         "rollout.engine=random",
-        "rollout.random_tokens_per_s=0.5",
+        "rollout.engine_kwargs.tokens_per_s=0.5",
         "supervision.stall_timeout_s=5",
         "trainer.total_steps=20",
         "eval.every=0",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal, NamedTuple, Optional
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator
 
 from rlhf_core.config.base import _Section
 
@@ -220,11 +220,37 @@ class EvalConfig(_Section):
     )
 
 
+class _VllmEngineKwargs(_Section):
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
+
+
+class _RandomEngineKwargs(_Section):
+    tokens_per_s: float = Field(0.0, ge=0)
+
+
+class _HfEngineKwargs(_Section):
+    pass
+
+
+ENGINE_KWARGS: dict[str, type[_Section]] = {
+    "hf": _HfEngineKwargs,
+    "vllm": _VllmEngineKwargs,
+    "random": _RandomEngineKwargs,
+}
+"""rollout.engine_kwargs each engine takes, with their defaults and bounds."""
+
+
 class RolloutConfig(_Section):
     """Generation."""
 
     engine: Literal["hf", "vllm", "random"] = Field(
         "hf", description="Rollout engine; 'random' emits uniform random tokens (load tests only)."
+    )
+    engine_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Options of rollout.engine only it reads (verl's name), checked against it: vllm "
+        "{gpu_memory_utilization: fraction of GPU memory it may take, 0.5}; random {tokens_per_s: simulated "
+        "generation rate, 0 = as fast as possible}; hf none.",
     )
     num_workers: int = Field(1, ge=1, description="Rollout workers (Ray actors in the distributed runtime).")
     prompts_per_batch: int = Field(16, ge=1, description="Prompts per generation batch on one worker.")
@@ -250,9 +276,6 @@ class RolloutConfig(_Section):
         description="Multi-turn (env): most tokens of a trajectory, prompt plus every turn; it ends, truncated, "
         "where it would pass this (None: the model's context).",
     )
-    random_tokens_per_s: float = Field(
-        0.0, ge=0, description="RandomEngine only: simulated generation rate (0 = as fast as possible)."
-    )
     continuous_batching: bool = Field(
         True,
         description="HF engine: a row that ends leaves the batch and a waiting row takes its place (false: every "
@@ -270,11 +293,39 @@ class RolloutConfig(_Section):
         "is recomputed under them), and with an environment also between a trajectory's turns; token_versions "
         "records each token's version.",
     )
-    vllm_gpu_memory_utilization: float = Field(
-        0.5, gt=0, le=1, description="vLLM engine: fraction of GPU memory it may take."
-    )
     dtype: Optional[Literal["float32", "bfloat16"]] = Field(
         None,
         description="HF engine: the rollout model's weights and compute dtype (None: model.dtype). bfloat16 with a "
         "float32 trainer is a real engine mismatch (as vLLM in bf16): syncs are cast on load, log-probs stay float32.",
     )
+
+    @field_validator("engine_kwargs")
+    @classmethod
+    def _engine_takes_them(cls, kwargs: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        engine = info.data.get("engine")
+        spec = ENGINE_KWARGS.get(engine)
+        if spec is None:  # the engine itself is wrong: that error names rollout.engine
+            return kwargs
+        takes = list(spec.model_fields)
+        for key in kwargs:
+            if key not in spec.model_fields:
+                raise ValueError(
+                    f"rollout.engine_kwargs.{key}: rollout.engine {engine!r} takes no such option ("
+                    + (f"it takes {', '.join(takes)})" if takes else "it takes none: engine_kwargs must be empty)")
+                )
+        try:
+            given = spec.model_validate(kwargs)
+        except ValidationError as err:
+            e = err.errors()[0]
+            raise ValueError(f"rollout.engine_kwargs.{e['loc'][0]}: {e['msg']} (got {e.get('input')!r})") from None
+        return {key: getattr(given, key) for key in kwargs}
+
+    def engine_option(self, key: str) -> Any:
+        """rollout.engine_kwargs[key], or the default of the engine option `key` (an engine built under another
+        rollout.engine, as tests do, gets its defaults)."""
+        if key in self.engine_kwargs:
+            return self.engine_kwargs[key]
+        for spec in ENGINE_KWARGS.values():
+            if key in spec.model_fields:
+                return spec.model_fields[key].default
+        raise KeyError(f"no rollout engine takes the option {key!r}")

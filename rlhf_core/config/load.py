@@ -52,6 +52,9 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
         if path == "<root>" and e["type"] == "value_error":  # a cross-field rule: its message names the fields
             lines.append(str(e["msg"]).removeprefix("Value error, "))
             continue
+        if e["type"] == "value_error" and str(e["msg"]).removeprefix("Value error, ").startswith(path):
+            lines.append(str(e["msg"]).removeprefix("Value error, "))  # the rule's message names the field itself
+            continue
         value = e.get("input")
         shown = repr(value)
         if len(shown) > 80:
@@ -252,6 +255,29 @@ def _tiny_preset(data: dict) -> Optional[str]:
     return f"{', '.join(f'model.{k}' for k in given)} {'is' if len(given) == 1 else 'are'} model.preset now; loaded as model.preset: {model['preset']}"
 
 
+def _engine_kwarg(old: str, key: str, engine: str):
+    """rollout.<old> (removed): an option only `engine` reads is rollout.engine_kwargs.<key> now; under another
+    engine (which never read it) it is dropped, with the line saying so."""
+
+    def migrate(data: dict) -> Optional[str]:
+        rollout = data.get("rollout")
+        if not isinstance(rollout, dict) or old not in rollout:
+            return None
+        value = rollout.pop(old)
+        new = f"rollout.engine_kwargs.{key}"
+        if rollout.get("engine", "hf") != engine:
+            return f"rollout.{old} is {new} now, read by rollout.engine {engine!r} only; ignored"
+        kwargs = rollout.setdefault("engine_kwargs", {})
+        if not isinstance(kwargs, dict):
+            raise ConfigError(f"rollout.{old} moved to {new}, but rollout.engine_kwargs is not a mapping")
+        if key in kwargs:
+            return f"rollout.{old} is {new} now; {new}, also given, wins"
+        kwargs[key] = value
+        return f"rollout.{old} is {new} now; loaded as such"
+
+    return migrate
+
+
 # Keys that moved or went: each rewrites the raw mapping in place and returns the one line to print (or None).
 MIGRATIONS = [
     _runtime_mode,
@@ -261,6 +287,11 @@ MIGRATIONS = [
     _moved("tracking.eval_every", "eval.every"),
     _tis_cap,
     _tiny_preset,
+    _engine_kwarg("random_tokens_per_s", "tokens_per_s", "random"),
+    _engine_kwarg("vllm_gpu_memory_utilization", "gpu_memory_utilization", "vllm"),
+    _moved("trainer.warm_start_steps", "trainer.warm_start.steps"),
+    _moved("trainer.warm_start_lr", "trainer.warm_start.lr"),
+    _moved("trainer.warm_start_targets", "trainer.warm_start.targets"),
 ]
 
 
