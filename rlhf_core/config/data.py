@@ -99,7 +99,7 @@ def preset_name(shape: TinyShape) -> str:
 
 
 class ModelConfig(_Section):
-    """Policy model. `path` empty builds the tiny default model for the synthetic task."""
+    """Policy model. `path` empty builds the demo policy model.preset names (the tiny default: the synthetic tasks)."""
 
     path: str = Field(
         "", description="Local Hugging Face model directory; empty builds the tiny default policy under run.output_dir."
