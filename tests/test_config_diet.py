@@ -30,6 +30,9 @@ RENAMED = [
         "model.preset",
     ),
     (["model.tiny_hidden=64"], ["model.preset=word:2x64x4"], "model.preset"),
+    (["model.tiny_layers=1"], ["model.preset=word:1x128x4"], "model.preset"),
+    (["model.tiny_heads=8"], ["model.preset=word:2x128x8"], "model.preset"),
+    (["model.tiny_kind=word"], ["model.preset=tiny"], "model.preset"),
     (["model.tiny_layers=2", "model.tiny_hidden=128", "model.tiny_heads=4"], [], "model.preset"),
     (["model.preset=micro", "model.tiny_hidden=64"], ["model.preset=word:1x64x2"], "model.preset"),
 ]
