@@ -8,7 +8,7 @@
 Part 1 runs `rlhf_core.distributed.run_distributed` twice on the same config, async (runtime.max_staleness as
 given) then lockstep (runtime.max_staleness=0, the same loops), for the same number of trainer steps: one
 rollout worker (1 CPU) and the trainer (1 CPU) on a 2-CPU Ray instance, torch_threads=1. The policy is the
-tiny default model; the rollout engine is `random` with `rollout.random_tokens_per_s` calibrated (back-to-back
+tiny default model; the rollout engine is `random` with `rollout.engine_kwargs.tokens_per_s` calibrated (back-to-back
 train steps in a Ray worker, before the runs) so that one rollout batch takes about as long as one train step.
 The RandomEngine sleeps instead of computing, so the two roles never compete for a core and the ideal overlap
 is known. The sync run's own phase times (rollout seconds and train seconds per step) give the ideal async
@@ -63,7 +63,7 @@ def pipeline_config(args, mode: str, tokens_per_s: float, output_dir: str):
             # lockstep is max_staleness 0, the same loops
             f"runtime.max_staleness={0 if mode == 'sync' else args.max_staleness}",
             "rollout.engine=random",
-            f"rollout.random_tokens_per_s={tokens_per_s}",
+            f"rollout.engine_kwargs.tokens_per_s={tokens_per_s}",
             "rollout.num_workers=1",
             f"rollout.prompts_per_batch={args.prompts_per_step}",
             f"trainer.prompts_per_step={args.prompts_per_step}",

@@ -53,7 +53,7 @@ def check_sweep(cfg: TrainConfig, grid: dict[str, list], seeds: int) -> None:
     for point_cfg in check_points(cfg, grid, seed_list(cfg, seeds)):
         check_paths(point_cfg)
         model = point_cfg.model
-        key = (model.path, model.tiny_kind, tuple(model.lora.target_modules) if model.lora else None)
+        key = (model.path, model.preset, tuple(model.lora.target_modules) if model.lora else None)
         if key not in lora_checked:
             lora_checked.add(key)
             check_lora_targets(point_cfg)

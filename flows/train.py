@@ -181,8 +181,8 @@ def evaluate_at_start(run: RunState, resume: ResumeTarget) -> None:
     run.eval_start = first["eval/accuracy"]
     run.evals.append({**first, "step": run.step})
     run.tracker.log_metrics_at({**first, "eval/accuracy_start": run.eval_start}, run.step)
-    if run.cfg.trainer.warm_start_steps:
-        run.tracker.log_metrics_at(warm_start_policy(run.runtime, run.cfg.trainer.warm_start_steps), run.step)
+    if run.cfg.trainer.warm_start.steps:
+        run.tracker.log_metrics_at(warm_start_policy(run.runtime, run.cfg.trainer.warm_start.steps), run.step)
 
 
 def supervise(run: RunState, cancel: CancelWatch) -> bool:

@@ -27,7 +27,7 @@ def policy_to_evaluate(cfg: TrainConfig, path: str | Path) -> tuple[Path, Option
             "model.lora.export_merged=true for a merged model to evaluate, or load the adapter with peft"
         )
     if held.kind == "checkpoint":
-        beside = held.policy_beside(cfg.model.tiny_kind)
+        beside = held.policy_beside(cfg.model.tiny.kind)
         if not cfg.model.path and beside is not None:
             return beside, held.path
         return build.resolve_policy_dir(cfg), held.path

@@ -35,10 +35,7 @@ def agent_run_config(tmp_path, name: str, **agent):
         None,
         [
             f"run.output_dir={tmp_path}",
-            "model.tiny_kind=chat",
-            "model.tiny_hidden=32",
-            "model.tiny_layers=1",
-            "model.tiny_heads=2",
+            "model.preset=micro-chat",
             "data.task=max3_chat",
             "data.eval_size=3",
             "rollout.max_new_tokens=6",

@@ -43,7 +43,7 @@ def test_max3_chat_prompts_keep_digits_apart_and_warm_start_teaches_only_the_for
         tokens = tok.convert_ids_to_tokens(p.prompt_ids)
         assert [t for t in tokens if t.isdigit()] == [str(a), str(b), str(c)]
         assert [tok.convert_ids_to_tokens(x) for x in p.answers[0]] == [str(max(a, b, c))]
-    cfg = load_config("configs/chat-smoke.yaml", ["trainer.warm_start_targets=any_answer"])
+    cfg = load_config("configs/chat-smoke.yaml", ["trainer.warm_start.targets=any_answer"])
     targets = warm_start_targets(cfg, tok, train)
     texts = [tok.decode(t[:-1]) for t in targets]
     assert texts == [f"#### {d}" for d in range(10)]
@@ -51,7 +51,7 @@ def test_max3_chat_prompts_keep_digits_apart_and_warm_start_teaches_only_the_for
 
 
 def test_prompt_number_warm_start_quotes_the_questions_own_numbers(chat_policy_dir):
-    """trainer.warm_start_targets=prompt_number: per prompt, '#### n' + EOS for each distinct number its
+    """trainer.warm_start.targets=prompt_number: per prompt, '#### n' + EOS for each distinct number its
     question quotes (the chat template's text around it quotes none); a task whose questions quote no number
     is refused, naming the option."""
     import pytest
@@ -62,7 +62,7 @@ def test_prompt_number_warm_start_quotes_the_questions_own_numbers(chat_policy_d
 
     model, tok = load_policy(chat_policy_dir, dtype="float32", device="cpu")
     train, _ = build_chat_task("max3_chat", tok, eval_size=10)
-    cfg = load_config("configs/chat-smoke.yaml", ["trainer.warm_start_targets=prompt_number"])
+    cfg = load_config("configs/chat-smoke.yaml", ["trainer.warm_start.targets=prompt_number"])
     per_prompt = prompt_number_targets(cfg, tok, train)
     assert sorted(per_prompt) == list(range(len(train)))
     for i, p in enumerate(train[:30]):
@@ -74,5 +74,5 @@ def test_prompt_number_warm_start_quotes_the_questions_own_numbers(chat_policy_d
     assert out["warm_start/steps"] == 2 and out["warm_start/loss"] > 0
 
     wordy = [dataclasses.replace(p, text="the largest of a, b and c?", messages=None) for p in train[:5]]
-    with pytest.raises(ValueError, match="warm_start_targets=prompt_number"):
+    with pytest.raises(ValueError, match="warm_start.targets=prompt_number"):
         warm_start(model, tok, wordy, cfg, 1)

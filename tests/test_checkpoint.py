@@ -28,9 +28,7 @@ def small_cfg(output_dir, *overrides):
         None,
         [
             f"run.output_dir={output_dir}",
-            "model.tiny_hidden=32",
-            "model.tiny_layers=1",
-            "model.tiny_heads=2",
+            "model.preset=micro",
             "trainer.total_steps=4",
             "trainer.prompts_per_step=4",
             "rollout.samples_per_prompt=4",
@@ -246,7 +244,7 @@ def test_bad_checkpoint_fails_before_any_change(full_run, fresh_parts, tmp_path,
 
 def test_mismatched_model_fails_before_any_change(full_run, tmp_path):
     ckpt = full_run[1] / "checkpoints" / "step_000002"
-    other = build_run(small_cfg(tmp_path / "wide", "model.tiny_hidden=64"))
+    other = build_run(small_cfg(tmp_path / "wide", "model.preset=word:1x64x2"))
     snap = snapshot(other)
     with pytest.raises(CheckpointError, match="does not match the model") as exc:
         restore_run_checkpoint(other, ckpt)
@@ -259,7 +257,7 @@ def test_swapped_weights_file_fails_before_any_change(full_run, fresh_parts, tmp
     from safetensors.torch import save_model
 
     path = _broken_copy(full_run, tmp_path)
-    wide = build_run(small_cfg(tmp_path / "wide", "model.tiny_hidden=64"))
+    wide = build_run(small_cfg(tmp_path / "wide", "model.preset=word:1x64x2"))
     save_model(wide.model, str(path / "policy.safetensors"))
     snap = snapshot(fresh_parts)
     with pytest.raises(CheckpointError, match="policy.safetensors"):

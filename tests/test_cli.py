@@ -16,7 +16,7 @@ from rlhf_core.run.checkpoint import save_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 ATRLHF = str(Path(sys.executable).with_name("atrlhf"))
-TINY_EVAL = ["data.eval_size=10", "model.tiny_hidden=32", "model.tiny_heads=2", "model.tiny_layers=1"]
+TINY_EVAL = ["data.eval_size=10", "model.preset=micro"]
 
 
 def test_help_lists_the_commands():
@@ -92,7 +92,7 @@ def test_evaluate_a_checkpoint_of_another_shape_fails_clearly(tiny_model, tmp_pa
             str(ckpt),
             "--set",
             "data.eval_size=10",
-            "model.tiny_hidden=64",
+            "model.preset=word:2x64x4",
             f"run.output_dir={tmp_path / 'other'}",
         ]
     )

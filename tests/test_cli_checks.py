@@ -25,7 +25,7 @@ from flows.cli import main
 from rlhf_core.run.checkpoint import CheckpointState, save_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
-TINY_EVAL = ["data.eval_size=10", "model.tiny_hidden=32", "model.tiny_heads=2", "model.tiny_layers=1"]
+TINY_EVAL = ["data.eval_size=10", "model.preset=micro"]
 STARTED = ("prefect", "ray", "mlflow", "flows.train", "flows.sweep")
 
 

@@ -283,9 +283,9 @@ def test_cluster_dashboard_is_off_by_default():
 
 
 def test_a_chat_task_needs_a_chat_model():
-    with pytest.raises(ConfigError, match="model.tiny_kind=chat"):
+    with pytest.raises(ConfigError, match="model.preset=tiny-chat"):
         load_config(None, ["data.task=max3_chat"])
-    assert load_config("configs/chat-smoke.yaml").model.tiny_kind == "chat"
+    assert load_config("configs/chat-smoke.yaml").model.preset == "tiny-chat"
 
 
 def test_a_batch_a_sharded_trainer_group_cannot_split_is_refused_at_validation():

@@ -97,7 +97,7 @@ def test_a_mismatched_critic_fails_before_any_weight_is_loaded(critic_checkpoint
     overrides = list(GAE)
     path = saved["grpo" if case == "grpo_checkpoint" else "gae"]
     if case == "wider_critic_path":  # a critic body of another hidden size than the one that was saved
-        wide = build.resolve_policy_dir(small_cfg(tmp_path / "wide", "model.tiny_hidden=64"))
+        wide = build.resolve_policy_dir(small_cfg(tmp_path / "wide", "model.preset=word:1x64x2"))
         overrides.append(f"critic.path={wide}")
     elif case != "grpo_checkpoint":
         path = tmp_path / "edited"

@@ -187,8 +187,8 @@ def test_config_rules_for_dataset_and_eval():
         load_config(None, ["data.task=dataset", "model.path=/m"])
     with pytest.raises(ConfigError, match="data.task 'dataset' needs a model that reads text: set model.path"):
         load_config(None, ["data.task=dataset", "data.train_path=/d.parquet"])
-    cfg = load_config(None, ["data.task=dataset", "data.train_path=/d.parquet", "model.tiny_kind=chat"])
-    assert cfg.model.path == "" and cfg.model.tiny_kind == "chat"  # the small chat model reads any text
+    cfg = load_config(None, ["data.task=dataset", "data.train_path=/d.parquet", "model.preset=tiny-chat"])
+    assert cfg.model.path == "" and cfg.model.preset == "tiny-chat"  # the small chat model reads any text
     with pytest.raises(ConfigError, match=r"eval.k=4 is more than eval.n_samples=2"):
         load_config(None, ["eval.n_samples=2", "eval.k=4"])
     cfg = load_config(None, ["eval.n_samples=8", "eval.k=4", "eval.temperature=0.6", "eval.top_p=0.95"])

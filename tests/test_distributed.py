@@ -86,7 +86,7 @@ def test_stopping_mid_run_gives_the_prefetched_batch_back(ray_local, tmp_path):
         "runtime.max_staleness=2",
         "rollout.prompts_per_batch=8",
         "rollout.engine=random",
-        "rollout.random_tokens_per_s=1000000",
+        "rollout.engine_kwargs.tokens_per_s=1000000",
     )
     assert cfg.runtime.prefetch
     with DistributedRun(cfg) as run:
@@ -402,7 +402,7 @@ def test_a_resumed_async_run_trains_on_every_prompt_of_each_epoch_exactly_once(t
         "checkpoint.every=3",
         "supervision.supervise_interval_s=0.2",
         "runtime.wait_timeout_s=60",
-        "model.tiny_layers=1",
+        "model.preset=word:1x128x4",
     ]
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
     repo = Path(__file__).resolve().parents[1]

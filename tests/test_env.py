@@ -396,10 +396,7 @@ def loop_cfg(tmp_path, name: str, **env):
         None,
         [
             f"run.output_dir={tmp_path}",
-            "model.tiny_kind=chat",
-            "model.tiny_hidden=32",
-            "model.tiny_layers=1",
-            "model.tiny_heads=2",
+            "model.preset=micro-chat",
             "data.task=max3_chat",
             "data.eval_size=4",
             "reward.components={answer_after_marker: 1.0}",

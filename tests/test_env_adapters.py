@@ -27,10 +27,7 @@ def adapter_cfg(tmp_path, env: dict, steps: int = 2):
         None,
         [
             f"run.output_dir={tmp_path}",
-            "model.tiny_kind=chat",
-            "model.tiny_hidden=32",
-            "model.tiny_layers=1",
-            "model.tiny_heads=2",
+            "model.preset=micro-chat",
             "data.task=max3_chat",
             "data.eval_size=2",
             "rollout.max_new_tokens=6",

@@ -24,10 +24,7 @@ def chaos_cfg(tmp_path, steps: int, prompts: int, **env_kwargs):
         None,
         [
             f"run.output_dir={tmp_path / 'run'}",
-            "model.tiny_kind=chat",
-            "model.tiny_hidden=32",
-            "model.tiny_layers=1",
-            "model.tiny_heads=2",
+            "model.preset=micro-chat",
             "data.task=max3_chat",
             "data.eval_size=2",
             "reward.components={answer_after_marker: 1.0}",

@@ -200,10 +200,7 @@ def test_a_calculator_run_completes_on_the_small_chat_model(tmp_path):
         None,
         [
             f"run.output_dir={tmp_path}",
-            "model.tiny_kind=chat",
-            "model.tiny_hidden=32",
-            "model.tiny_layers=1",
-            "model.tiny_heads=2",
+            "model.preset=micro-chat",
             "data.task=max3_chat",
             "data.eval_size=2",
             "reward.components={answer_after_marker: 1.0}",

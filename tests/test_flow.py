@@ -47,9 +47,7 @@ TINY = [
     "data.eval_size=20",
     "eval.every=3",
     "checkpoint.every=3",
-    "model.tiny_hidden=32",
-    "model.tiny_heads=2",
-    "model.tiny_layers=1",
+    "model.preset=micro",
     "rollout.prompts_per_batch=4",
     "trainer.prompts_per_step=4",
     "rollout.samples_per_prompt=4",
@@ -364,7 +362,7 @@ def test_mismatched_checkpoint_fails_cleanly(straight_run, work):
     _, straight, _ = straight_run
     ckpt = Path(straight.result()["checkpoint"])
     before = {p.name: p.stat().st_mtime_ns for p in ckpt.iterdir()}
-    cfg = config(work, "mismatch", "model.tiny_hidden=64", "trainer.total_steps=12")  # more steps than it holds
+    cfg = config(work, "mismatch", "model.preset=word:1x64x2", "trainer.total_steps=12")  # more steps than it holds
     state = train(config=cfg, resume_from=str(ckpt), return_state=True)
     assert state.is_failed()
     assert "does not match the model" in state.message
@@ -382,7 +380,7 @@ def test_failure_mid_run_tears_down_and_marks_mlflow_failed(prefect_api, ray_loc
         work,
         "blowup",
         "rollout.engine=random",
-        "rollout.random_tokens_per_s=0.5",
+        "rollout.engine_kwargs.tokens_per_s=0.5",
         "supervision.stall_timeout_s=5",
         "trainer.total_steps=20",
         "eval.every=0",

@@ -223,9 +223,7 @@ def test_the_temporary_prefect_api_dies_with_a_killed_cli(tmp_path, prefect_home
         f"run.output_dir={tmp_path / 'run'}",
         f"tracking.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
         "trainer.total_steps=100000",
-        "model.tiny_layers=1",
-        "model.tiny_hidden=32",
-        "model.tiny_heads=2",
+        "model.preset=micro",
         "data.eval_size=20",
         "cluster.num_cpus=2",
     ]

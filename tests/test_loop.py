@@ -19,9 +19,7 @@ def small_cfg(output_dir, *overrides):
         None,
         [
             f"run.output_dir={output_dir}",
-            "model.tiny_hidden=32",
-            "model.tiny_layers=1",
-            "model.tiny_heads=2",
+            "model.preset=micro",
             "trainer.total_steps=2",
             "trainer.prompts_per_step=4",
             "rollout.samples_per_prompt=4",
@@ -94,7 +92,7 @@ def test_nonfinite_limit_stops_the_run(tmp_path):
 
 
 def test_warm_start_teaches_format_not_answers(tmp_path):
-    cfg = small_cfg(tmp_path, "trainer.lr=3e-3", "model.tiny_hidden=64", "model.tiny_heads=4")
+    cfg = small_cfg(tmp_path, "trainer.lr=3e-3", "model.preset=word:1x64x4")
     parts = build_run(cfg)
     from rlhf_core.data import collate_prompts
     from rlhf_core.rollout import SamplingParams

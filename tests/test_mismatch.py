@@ -146,9 +146,7 @@ def _tiny_cfg(tmp_path, *overrides):
         None,
         [
             f"run.output_dir={tmp_path}",
-            "model.tiny_hidden=32",
-            "model.tiny_layers=1",
-            "model.tiny_heads=2",
+            "model.preset=micro",
             "trainer.prompts_per_step=8",
             "rollout.samples_per_prompt=4",
             "rollout.prompts_per_batch=8",

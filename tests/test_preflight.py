@@ -198,9 +198,9 @@ def test_run_name_must_be_a_plain_directory_name():
 
 BUILD = """
 import sys
-from types import SimpleNamespace
+from rlhf_core.config import ModelConfig
 from rlhf_core.model.policy import ensure_policy
-m = SimpleNamespace(path="", tiny_kind="word", tiny_layers=1, tiny_hidden=32, tiny_heads=2)
+m = ModelConfig(preset="micro")
 print(ensure_policy(m, "max3", sys.argv[1]), flush=True)
 """
 

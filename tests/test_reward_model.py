@@ -169,9 +169,7 @@ def small_cfg(tmp_path, rm_dir, *extra):
         None,
         [
             f"run.output_dir={tmp_path}",
-            "model.tiny_hidden=32",
-            "model.tiny_layers=1",
-            "model.tiny_heads=2",
+            "model.preset=micro",
             "trainer.total_steps=1",
             "trainer.prompts_per_step=2",
             "rollout.samples_per_prompt=2",

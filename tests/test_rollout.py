@@ -415,7 +415,7 @@ def test_build_engine_by_config(tiny_model, tiny_tokenizer):
     from rlhf_core.rollout import build_engine
 
     rnd = build_engine(
-        load_config(None, ["rollout.engine=random", "rollout.random_tokens_per_s=100"]),
+        load_config(None, ["rollout.engine=random", "rollout.engine_kwargs.tokens_per_s=100"]),
         tiny_model,
         tiny_tokenizer,
         seed=3,

@@ -13,14 +13,10 @@ from rlhf_core.model.policy import ModelLoadError, ensure_policy
 
 
 def test_a_tiny_policy_of_another_shape_is_refused_not_ignored(tmp_path):
-    cfg = load_config(
-        None, [f"run.output_dir={tmp_path}", "model.tiny_hidden=32", "model.tiny_heads=2", "model.tiny_layers=1"]
-    )
+    cfg = load_config(None, [f"run.output_dir={tmp_path}", "model.preset=micro"])
     ensure_policy(cfg.model, cfg.data.task, cfg.run.output_dir)
-    wider = load_config(
-        None, [f"run.output_dir={tmp_path}", "model.tiny_hidden=64", "model.tiny_heads=2", "model.tiny_layers=1"]
-    )
-    with pytest.raises(ModelLoadError, match=r"model.tiny_hidden=64 but it has 32"):
+    wider = load_config(None, [f"run.output_dir={tmp_path}", "model.preset=word:1x64x2"])
+    with pytest.raises(ModelLoadError, match=r"model.preset=word:1x64x2 asks for hidden 64 but it has 32"):
         ensure_policy(wider.model, wider.data.task, wider.run.output_dir)
 
 
@@ -30,9 +26,7 @@ def test_evaluate_uses_the_config_inside_the_checkpoint(tmp_path, capsys):
         None,
         [
             f"run.output_dir={tmp_path}",
-            "model.tiny_hidden=32",
-            "model.tiny_heads=2",
-            "model.tiny_layers=1",
+            "model.preset=micro",
             "data.task=sum2",
             "data.eval_size=7",
         ],
@@ -62,9 +56,7 @@ def test_evaluate_an_mlflow_run_id_uses_the_logged_models_config_and_names_the_r
         None,
         [
             f"run.output_dir={tmp_path / 'runs'}",
-            "model.tiny_hidden=32",
-            "model.tiny_heads=2",
-            "model.tiny_layers=1",
+            "model.preset=micro",
             "data.task=sum2",
             "data.eval_size=7",
             f"tracking.tracking_uri={uri}",

@@ -14,9 +14,7 @@ def tiny_cfg(tmp_path, steps: int = 8, *extra: str):
     return load_config(
         None,
         [
-            "model.tiny_layers=1",
-            "model.tiny_hidden=32",
-            "model.tiny_heads=2",
+            "model.preset=micro",
             "data.eval_size=16",
             "rollout.prompts_per_batch=4",
             "rollout.samples_per_prompt=4",

@@ -28,9 +28,7 @@ from tracking.sweep_record import point_tags
 SMALL = [
     "trainer.total_steps=4",
     "data.eval_size=20",
-    "model.tiny_hidden=32",
-    "model.tiny_heads=2",
-    "model.tiny_layers=1",
+    "model.preset=micro",
     "rollout.prompts_per_batch=4",
     "trainer.prompts_per_step=4",
     "rollout.samples_per_prompt=4",

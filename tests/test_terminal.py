@@ -127,7 +127,7 @@ def test_a_failure_inside_the_ray_actors_is_one_line_in_the_terminal(prefect_ser
         "flows.checks.check_lora_targets = lambda cfg: None  # let the typo reach the actors\n"
         "from flows.cli import main\n"
         "sys.exit(main(['train', '--set', 'model.lora.target_modules=[q_projx]', 'trainer.total_steps=2',\n"
-        "               'model.tiny_hidden=32', 'model.tiny_heads=2', 'model.tiny_layers=1', 'cluster.num_cpus=2',\n"
+        "               'model.preset=micro', 'cluster.num_cpus=2',\n"
         f"               'run.output_dir={tmp_path / 'runs'}',\n"
         f"               'tracking.tracking_uri=sqlite:///{tmp_path / 'm.db'}']))\n"
     )

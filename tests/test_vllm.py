@@ -66,7 +66,9 @@ def vllm_engine(tiny_policy_dir, tiny_tokenizer):
         pytest.skip("vLLM needs a CUDA device")
     from rlhf_core.rollout.vllm import VLLMEngine
 
-    cfg = load_config(None, ["rollout.engine=vllm", "model.dtype=float32", "rollout.vllm_gpu_memory_utilization=0.2"])
+    cfg = load_config(
+        None, ["rollout.engine=vllm", "model.dtype=float32", "rollout.engine_kwargs.gpu_memory_utilization=0.2"]
+    )
     return VLLMEngine(tiny_policy_dir, cfg, tiny_tokenizer, seed=0)
 
 
@@ -326,7 +328,7 @@ def test_vllm_lora_adapter_matches_the_peft_model(tiny_policy_dir, tiny_tokenize
         [
             "rollout.engine=vllm",
             "model.dtype=float32",
-            "rollout.vllm_gpu_memory_utilization=0.2",
+            "rollout.engine_kwargs.gpu_memory_utilization=0.2",
             "model.lora.r=8",
             "model.lora.target_modules=[q_proj,k_proj,v_proj,o_proj]",
         ],

@@ -31,9 +31,7 @@ def small(output_dir, *overrides):
         None,
         [
             f"run.output_dir={output_dir}",
-            "model.tiny_hidden=32",
-            "model.tiny_layers=1",
-            "model.tiny_heads=2",
+            "model.preset=micro",
             "trainer.total_steps=2",
             "trainer.prompts_per_step=4",
             "rollout.samples_per_prompt=4",
@@ -127,10 +125,7 @@ def test_jsonl_task_runs_on_the_built_chat_model(tmp_path):
         None,
         [
             f"run.output_dir={tmp_path / 'run'}",
-            "model.tiny_kind=chat",
-            "model.tiny_hidden=32",
-            "model.tiny_layers=1",
-            "model.tiny_heads=2",
+            "model.preset=micro-chat",
             "data.task=jsonl",
             f"data.train_path={data}",
             "data.eval_size=6",

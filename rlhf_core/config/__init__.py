@@ -13,8 +13,8 @@ start from another (`base: other.yaml`). Importing this package imports neither 
     reward.py     components, Python reward functions, the reward model, overlong shaping
     env.py        a multi-turn environment or ToolEnv tools
     agent.py      an agent on the OpenAI-compatible endpoint
-    data.py       buffer, model (LoRA), data, held-out evaluation, rollout
-    run.py        trainer, critic, runtime (staleness, autopilot), cluster, checkpoint, tracking, supervision, run
+    data.py       buffer, model (its preset, LoRA), data, held-out evaluation, rollout (engine_kwargs per engine)
+    run.py        trainer (its warm start), critic, runtime (staleness, autopilot), cluster, checkpoint, tracking, supervision, run
     train.py      TrainConfig and its rules across sections
     load.py       YAML (base:), overrides, migrations of renamed keys, validation, flatten_config
 """
@@ -52,6 +52,7 @@ from rlhf_core.config.run import (
     SupervisionConfig,
     TrackingConfig,
     TrainerConfig,
+    WarmStartConfig,
 )
 from rlhf_core.config.train import TrainConfig
 
@@ -88,6 +89,7 @@ __all__ = [
     "TrackingConfig",
     "TrainConfig",
     "TrainerConfig",
+    "WarmStartConfig",
     "_Section",
     "_format_validation_error",
     "apply_overrides",

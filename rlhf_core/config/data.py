@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional
+import re
+from typing import Any, Literal, NamedTuple, Optional
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator
 
 from rlhf_core.config.base import _Section
 
@@ -50,8 +51,55 @@ class LoraConfig(_Section):
         return dropout
 
 
+class TinyShape(NamedTuple):
+    """The locally built demo policy a model.preset names: its kind (word or chat) and shape."""
+
+    kind: str
+    layers: int
+    hidden: int
+    heads: int
+
+
+TINY_PRESETS: dict[str, TinyShape] = {
+    "tiny": TinyShape("word", 2, 128, 4),
+    "tiny-chat": TinyShape("chat", 2, 128, 4),
+    "micro": TinyShape("word", 1, 32, 2),
+    "micro-chat": TinyShape("chat", 1, 32, 2),
+}
+"""The named model.preset values; any other shape is written kind:LAYERSxHIDDENxHEADS."""
+
+_CUSTOM_PRESET = re.compile(r"^(word|chat):(\d+)x(\d+)x(\d+)$")
+
+
+def preset_shape(preset: str) -> TinyShape:
+    """The TinyShape a model.preset names; ValueError naming model.preset and the presets otherwise."""
+    key = preset.strip() if isinstance(preset, str) else preset
+    if key in TINY_PRESETS:
+        return TINY_PRESETS[key]
+    match = _CUSTOM_PRESET.match(key) if isinstance(key, str) else None
+    if match is None:
+        raise ValueError(
+            f"model.preset {preset!r} is not a preset: choose one of {', '.join(TINY_PRESETS)}, or write a shape "
+            "as kind:LAYERSxHIDDENxHEADS with kind word or chat (e.g. word:1x64x2)"
+        )
+    shape = TinyShape(match[1], int(match[2]), int(match[3]), int(match[4]))
+    if shape.layers < 1 or shape.heads < 1 or shape.hidden < 16:
+        raise ValueError(f"model.preset {preset!r}: layers and heads must be at least 1 and hidden at least 16")
+    if shape.hidden % shape.heads:
+        raise ValueError(f"model.preset {preset!r}: hidden ({shape.hidden}) must be divisible by heads ({shape.heads})")
+    return shape
+
+
+def preset_name(shape: TinyShape) -> str:
+    """The model.preset of a shape: its name when it has one, else kind:LAYERSxHIDDENxHEADS."""
+    for name, named in TINY_PRESETS.items():
+        if named == tuple(shape):
+            return name
+    return f"{shape[0]}:{shape[1]}x{shape[2]}x{shape[3]}"
+
+
 class ModelConfig(_Section):
-    """Policy model. `path` empty builds the tiny default model for the synthetic task."""
+    """Policy model. `path` empty builds the demo policy model.preset names (the tiny default: the synthetic tasks)."""
 
     path: str = Field(
         "", description="Local Hugging Face model directory; empty builds the tiny default policy under run.output_dir."
@@ -62,17 +110,28 @@ class ModelConfig(_Section):
     device: str = Field("auto", description="'auto' (CUDA when available, else CPU), 'cpu', 'cuda' or 'cuda:N'.")
     trust_remote_code: bool = Field(False, description="Allow model code shipped inside the model directory to run.")
     gradient_checkpointing: bool = Field(False, description="Trade compute for memory in the trainer's forward pass.")
-    tiny_layers: int = Field(2, ge=1, description="Tiny default policy: number of transformer layers.")
-    tiny_hidden: int = Field(128, ge=16, description="Tiny default policy: hidden width.")
-    tiny_heads: int = Field(4, ge=1, description="Tiny default policy: attention heads.")
-    tiny_kind: Literal["word", "chat"] = Field(
-        "word",
-        description="Tiny default policy: 'word' (Llama, word-level tokenizer, synthetic tasks) or 'chat' (Qwen2, "
-        "byte-level BPE tokenizer trained locally, ChatML template, generation_config with two EOS ids).",
+    preset: str = Field(
+        "tiny",
+        description="The demo policy built locally when path is empty: 'tiny' (word-level Llama for the synthetic "
+        "tasks, 2 layers, hidden 128, 4 heads), 'tiny-chat' (Qwen2 of that shape with a byte-level BPE tokenizer "
+        "trained locally, ChatML template, two EOS ids: reads jsonl/dataset prompts), 'micro' / 'micro-chat' (1 "
+        "layer, hidden 32, 2 heads: the fast test shape), or any shape as kind:LAYERSxHIDDENxHEADS (e.g. "
+        "word:1x64x2, chat:2x128x4).",
     )
     lora: Optional[LoraConfig] = Field(
         None, description="LoRA adapters {r, alpha, dropout, target_modules}; empty or null is full fine-tuning."
     )
+
+    @field_validator("preset")
+    @classmethod
+    def _known_preset(cls, v: str) -> str:
+        preset_shape(v)
+        return v.strip()
+
+    @property
+    def tiny(self) -> TinyShape:
+        """The shape of the demo policy model.preset names (used when model.path is empty)."""
+        return preset_shape(self.preset)
 
     @field_validator("lora", mode="before")
     @classmethod
@@ -161,11 +220,37 @@ class EvalConfig(_Section):
     )
 
 
+class _VllmEngineKwargs(_Section):
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
+
+
+class _RandomEngineKwargs(_Section):
+    tokens_per_s: float = Field(0.0, ge=0)
+
+
+class _HfEngineKwargs(_Section):
+    pass
+
+
+ENGINE_KWARGS: dict[str, type[_Section]] = {
+    "hf": _HfEngineKwargs,
+    "vllm": _VllmEngineKwargs,
+    "random": _RandomEngineKwargs,
+}
+"""rollout.engine_kwargs each engine takes, with their defaults and bounds."""
+
+
 class RolloutConfig(_Section):
     """Generation."""
 
     engine: Literal["hf", "vllm", "random"] = Field(
         "hf", description="Rollout engine; 'random' emits uniform random tokens (load tests only)."
+    )
+    engine_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Options of rollout.engine only it reads (verl's name), checked against it: vllm "
+        "{gpu_memory_utilization: fraction of GPU memory it may take, 0.5}; random {tokens_per_s: simulated "
+        "generation rate, 0 = as fast as possible}; hf none.",
     )
     num_workers: int = Field(1, ge=1, description="Rollout workers (Ray actors in the distributed runtime).")
     prompts_per_batch: int = Field(16, ge=1, description="Prompts per generation batch on one worker.")
@@ -191,9 +276,6 @@ class RolloutConfig(_Section):
         description="Multi-turn (env): most tokens of a trajectory, prompt plus every turn; it ends, truncated, "
         "where it would pass this (None: the model's context).",
     )
-    random_tokens_per_s: float = Field(
-        0.0, ge=0, description="RandomEngine only: simulated generation rate (0 = as fast as possible)."
-    )
     continuous_batching: bool = Field(
         True,
         description="HF engine: a row that ends leaves the batch and a waiting row takes its place (false: every "
@@ -211,11 +293,39 @@ class RolloutConfig(_Section):
         "is recomputed under them), and with an environment also between a trajectory's turns; token_versions "
         "records each token's version.",
     )
-    vllm_gpu_memory_utilization: float = Field(
-        0.5, gt=0, le=1, description="vLLM engine: fraction of GPU memory it may take."
-    )
     dtype: Optional[Literal["float32", "bfloat16"]] = Field(
         None,
         description="HF engine: the rollout model's weights and compute dtype (None: model.dtype). bfloat16 with a "
         "float32 trainer is a real engine mismatch (as vLLM in bf16): syncs are cast on load, log-probs stay float32.",
     )
+
+    @field_validator("engine_kwargs")
+    @classmethod
+    def _engine_takes_them(cls, kwargs: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        engine = info.data.get("engine")
+        spec = ENGINE_KWARGS.get(engine)
+        if spec is None:  # the engine itself is wrong: that error names rollout.engine
+            return kwargs
+        takes = list(spec.model_fields)
+        for key in kwargs:
+            if key not in spec.model_fields:
+                raise ValueError(
+                    f"rollout.engine_kwargs.{key}: rollout.engine {engine!r} takes no such option ("
+                    + (f"it takes {', '.join(takes)})" if takes else "it takes none: engine_kwargs must be empty)")
+                )
+        try:
+            given = spec.model_validate(kwargs)
+        except ValidationError as err:
+            e = err.errors()[0]
+            raise ValueError(f"rollout.engine_kwargs.{e['loc'][0]}: {e['msg']} (got {e.get('input')!r})") from None
+        return {key: getattr(given, key) for key in kwargs}
+
+    def engine_option(self, key: str) -> Any:
+        """rollout.engine_kwargs[key], or the default of the engine option `key` (an engine built under another
+        rollout.engine, as tests do, gets its defaults)."""
+        if key in self.engine_kwargs:
+            return self.engine_kwargs[key]
+        for spec in ENGINE_KWARGS.values():
+            if key in spec.model_fields:
+                return spec.model_fields[key].default
+        raise KeyError(f"no rollout engine takes the option {key!r}")

@@ -16,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from rlhf_core.config.base import ConfigError
+from rlhf_core.config.data import TINY_PRESETS, TinyShape, preset_name, preset_shape
 from rlhf_core.config.train import TrainConfig
 
 
@@ -50,6 +51,9 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
         path = ".".join(str(p) for p in e["loc"] if p not in ("function-after",)) or "<root>"
         if path == "<root>" and e["type"] == "value_error":  # a cross-field rule: its message names the fields
             lines.append(str(e["msg"]).removeprefix("Value error, "))
+            continue
+        if e["type"] == "value_error" and str(e["msg"]).removeprefix("Value error, ").startswith(path):
+            lines.append(str(e["msg"]).removeprefix("Value error, "))  # the rule's message names the field itself
             continue
         value = e.get("input")
         shown = repr(value)
@@ -230,6 +234,50 @@ def _tis_cap(data: dict) -> Optional[str]:
     return f"algorithm.tis_cap is algorithm.rollout_correction {{mode: tis, level: token, upper: {cap}}} now; loaded as such"
 
 
+_TINY_KEYS = {"tiny_kind": 0, "tiny_layers": 1, "tiny_hidden": 2, "tiny_heads": 3}  # their place in a TinyShape
+
+
+def _tiny_preset(data: dict) -> Optional[str]:
+    """model.tiny_kind / tiny_layers / tiny_hidden / tiny_heads (removed): one model.preset names the demo policy.
+    The keys given are laid over model.preset when that is given too (else over the old defaults, 'tiny'), so an
+    old `--set model.tiny_hidden=64` still changes a config's preset."""
+    model = data.get("model")
+    if not isinstance(model, dict) or not any(k in model for k in _TINY_KEYS):
+        return None
+    given = {k: model.pop(k) for k in list(_TINY_KEYS) if k in model}
+    try:
+        shape = list(preset_shape(model.get("preset", "tiny")))
+    except ValueError:  # a bad preset is reported by validation, naming it
+        shape = list(TINY_PRESETS["tiny"])
+    for key, value in given.items():
+        shape[_TINY_KEYS[key]] = value
+    model["preset"] = preset_name(TinyShape(*shape))
+    return f"{', '.join(f'model.{k}' for k in given)} {'is' if len(given) == 1 else 'are'} model.preset now; loaded as model.preset: {model['preset']}"
+
+
+def _engine_kwarg(old: str, key: str, engine: str):
+    """rollout.<old> (removed): an option only `engine` reads is rollout.engine_kwargs.<key> now; under another
+    engine (which never read it) it is dropped, with the line saying so."""
+
+    def migrate(data: dict) -> Optional[str]:
+        rollout = data.get("rollout")
+        if not isinstance(rollout, dict) or old not in rollout:
+            return None
+        value = rollout.pop(old)
+        new = f"rollout.engine_kwargs.{key}"
+        if rollout.get("engine", "hf") != engine:
+            return f"rollout.{old} is {new} now, read by rollout.engine {engine!r} only; ignored"
+        kwargs = rollout.setdefault("engine_kwargs", {})
+        if not isinstance(kwargs, dict):
+            raise ConfigError(f"rollout.{old} moved to {new}, but rollout.engine_kwargs is not a mapping")
+        if key in kwargs:
+            return f"rollout.{old} is {new} now; {new}, also given, wins"
+        kwargs[key] = value
+        return f"rollout.{old} is {new} now; loaded as such"
+
+    return migrate
+
+
 # Keys that moved or went: each rewrites the raw mapping in place and returns the one line to print (or None).
 MIGRATIONS = [
     _runtime_mode,
@@ -238,6 +286,12 @@ MIGRATIONS = [
     _moved("tracking.keep_checkpoints", "checkpoint.keep"),
     _moved("tracking.eval_every", "eval.every"),
     _tis_cap,
+    _tiny_preset,
+    _engine_kwarg("random_tokens_per_s", "tokens_per_s", "random"),
+    _engine_kwarg("vllm_gpu_memory_utilization", "gpu_memory_utilization", "vllm"),
+    _moved("trainer.warm_start_steps", "trainer.warm_start.steps"),
+    _moved("trainer.warm_start_lr", "trainer.warm_start.lr"),
+    _moved("trainer.warm_start_targets", "trainer.warm_start.targets"),
 ]
 
 

@@ -12,6 +12,26 @@ from pydantic import Field, field_validator, model_validator
 from rlhf_core.config.base import MAX_LR, _Section
 
 
+class WarmStartConfig(_Section):
+    """Supervised steps that teach the answer format (not the task) before RL, on both runtimes."""
+
+    steps: int = Field(
+        0,
+        ge=0,
+        description="Supervised steps before RL (reported as eval/accuracy_warm_start; 0 = none).",
+    )
+    lr: Optional[float] = Field(
+        None, gt=0, le=1.0, description="AdamW learning rate of the warm start; None uses trainer.lr."
+    )
+    targets: Literal["any_answer", "prompt_number"] = Field(
+        "any_answer",
+        description="What the warm start imitates, in the reward's format: any_answer, a training answer drawn "
+        "uniformly regardless of the prompt; prompt_number, a number quoted in the prompt's own question "
+        "(drawn uniformly among them; the right one only by chance), so that the policy learns to answer "
+        "with a number from the question, as an instruct model does, and RL learns which.",
+    )
+
+
 class TrainerConfig(_Section):
     """Optimisation."""
 
@@ -29,21 +49,9 @@ class TrainerConfig(_Section):
     lr_schedule: Literal["constant", "cosine"] = Field("constant", description="Learning-rate schedule after warmup.")
     warmup_steps: int = Field(0, ge=0, description="Linear warmup steps.")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Cosine schedule floor as a fraction of lr.")
-    warm_start_steps: int = Field(
-        0,
-        ge=0,
-        description="Supervised steps that teach the answer format (not the task) before RL, on both runtimes "
-        "(reported as eval/accuracy_warm_start; 0 = none).",
-    )
-    warm_start_lr: Optional[float] = Field(
-        None, gt=0, le=1.0, description="AdamW learning rate of the warm start; None uses trainer.lr."
-    )
-    warm_start_targets: Literal["any_answer", "prompt_number"] = Field(
-        "any_answer",
-        description="What the warm start imitates, in the reward's format: any_answer, a training answer drawn "
-        "uniformly regardless of the prompt; prompt_number, a number quoted in the prompt's own question "
-        "(drawn uniformly among them; the right one only by chance), so that the policy learns to answer "
-        "with a number from the question, as an instruct model does, and RL learns which.",
+    warm_start: WarmStartConfig = Field(
+        default_factory=WarmStartConfig,
+        description="Supervised format warm start before RL {steps, lr, targets} (steps 0 = none).",
     )
     seed: int = Field(0, description="Seed for torch, sampling and initialisation.")
     padding_free: bool = Field(

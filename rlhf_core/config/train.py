@@ -92,11 +92,11 @@ class TrainConfig(_Section):
     def _cross_field(self) -> TrainConfig:
         if self.data.task in ("jsonl", "dataset") and not self.data.train_path:
             raise ValueError(f"data.train_path is required when data.task is '{self.data.task}'")
-        if self.data.task in ("jsonl", "dataset") and not self.model.path and self.model.tiny_kind != "chat":
+        if self.data.task in ("jsonl", "dataset") and not self.model.path and self.model.tiny.kind != "chat":
             raise ValueError(
                 f"data.task '{self.data.task}' needs a model that reads text: set model.path to a Hugging Face "
-                "model directory, or model.tiny_kind=chat (the small chat model built locally; the word-level "
-                "tiny model only speaks the synthetic tasks)"
+                "model directory, or model.preset=tiny-chat (the small chat model built locally; the word-level "
+                f"model.preset {self.model.preset!r} only speaks the synthetic tasks)"
             )
         if not (
             self.reward.components
@@ -130,9 +130,9 @@ class TrainConfig(_Section):
             )
         if self.data.answer_after_marker and not self.reward.marker.strip():
             raise ValueError("data.answer_after_marker needs a non-empty reward.marker to split the answer at")
-        if self.data.task == "max3_chat" and not self.model.path and self.model.tiny_kind != "chat":
+        if self.data.task == "max3_chat" and not self.model.path and self.model.tiny.kind != "chat":
             raise ValueError(
-                "data.task 'max3_chat' needs a chat model: set model.tiny_kind=chat (the small local chat model) "
+                "data.task 'max3_chat' needs a chat model: set model.preset=tiny-chat (the small local chat model) "
                 "or model.path to a chat model"
             )
         return self

@@ -32,7 +32,7 @@ def build_chat_task(
         raise ValueError(f"unknown chat task {task!r}; known: {list(CHAT_TASKS)}")
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(
-            f"data.task {task!r} needs a model with a chat template (model.tiny_kind: chat, or a chat "
+            f"data.task {task!r} needs a model with a chat template (model.preset: tiny-chat, or a chat "
             "model in model.path)"
         )
     problems = list(itertools.product(range(10), repeat=3))

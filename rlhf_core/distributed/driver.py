@@ -42,8 +42,8 @@ def run_distributed(
             on_launch(run)
         result["eval/accuracy_start"] = run.eval_start if resume_from else run.evaluate()["eval/accuracy"]
         run.eval_start = result["eval/accuracy_start"]
-        if cfg.trainer.warm_start_steps and not resume_from:
-            result.update(run.warm_start(cfg.trainer.warm_start_steps))
+        if cfg.trainer.warm_start.steps and not resume_from:
+            result.update(run.warm_start(cfg.trainer.warm_start.steps))
         polls: list[dict] = []
 
         def record(poll: dict) -> None:

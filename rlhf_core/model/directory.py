@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Optional
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
-TINY_POLICY_DIRS = {"word": "tiny_policy", "chat": "tiny_chat_policy"}  # under run.output_dir, by model.tiny_kind
+TINY_POLICY_DIRS = {"word": "tiny_policy", "chat": "tiny_chat_policy"}  # under run.output_dir, by model.preset's kind
 TINY_MODEL_TYPES = {"word": "llama", "chat": "qwen2"}  # their architectures (rlhf_core.model.policy builds them)
 
 

@@ -175,7 +175,7 @@ def build_tiny_policy(
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tiny_tokenizer()
     if hidden % heads:
-        raise ValueError(f"model.tiny_hidden ({hidden}) must be divisible by model.tiny_heads ({heads})")
+        raise ValueError(f"model.preset: hidden ({hidden}) must be divisible by heads ({heads})")
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=hidden,
@@ -245,17 +245,18 @@ def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
 def ensure_policy(model_cfg, task: str, output_dir: str | Path, seed: int = 0) -> Path:
     """The policy directory a run uses: `model.path`, or the tiny default built once under output_dir.
 
-    A tiny policy already under output_dir must have the shape the config asks for (model.tiny_layers,
-    tiny_hidden, tiny_heads): a different one is refused, never silently used."""
+    A tiny policy already under output_dir must have the shape the config's model.preset names: a different one
+    is refused, never silently used."""
     if model_cfg.path:
         return check_model_dir(model_cfg.path)
+    tiny_shape = model_cfg.tiny
     shape = {
-        "num_hidden_layers": model_cfg.tiny_layers,
-        "hidden_size": model_cfg.tiny_hidden,
-        "num_attention_heads": model_cfg.tiny_heads,
+        "num_hidden_layers": tiny_shape.layers,
+        "hidden_size": tiny_shape.hidden,
+        "num_attention_heads": tiny_shape.heads,
     }
-    size = {"layers": model_cfg.tiny_layers, "hidden": model_cfg.tiny_hidden, "heads": model_cfg.tiny_heads}
-    if getattr(model_cfg, "tiny_kind", "word") == "chat":
+    size = {"layers": tiny_shape.layers, "hidden": tiny_shape.hidden, "heads": tiny_shape.heads}
+    if tiny_shape.kind == "chat":
         from rlhf_core.model.chat import build_chat_policy
 
         tiny = Path(output_dir) / TINY_POLICY_DIRS["chat"]
@@ -266,10 +267,11 @@ def ensure_policy(model_cfg, task: str, output_dir: str | Path, seed: int = 0) -
     built = json.loads((tiny / "config.json").read_text())
     differs = {k: (built.get(k), v) for k, v in shape.items() if built.get(k) != v}
     if differs:
-        names = {"num_hidden_layers": "tiny_layers", "hidden_size": "tiny_hidden", "num_attention_heads": "tiny_heads"}
-        detail = ", ".join(f"model.{names[k]}={want} but it has {have}" for k, (have, want) in differs.items())
+        names = {"num_hidden_layers": "layers", "hidden_size": "hidden", "num_attention_heads": "heads"}
+        detail = ", ".join(f"{names[k]} {want} but it has {have}" for k, (have, want) in differs.items())
         raise ModelLoadError(
-            f"the tiny policy already built in {tiny} has another shape ({detail}); use another "
-            "run.output_dir, delete that directory to rebuild it, or set the fields to match"
+            f"the tiny policy already built in {tiny} has another shape (model.preset={model_cfg.preset} asks for "
+            f"{detail}); use another run.output_dir, delete that directory to rebuild it, or set model.preset to "
+            "match"
         )
     return tiny

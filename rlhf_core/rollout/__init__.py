@@ -69,7 +69,7 @@ def build_engine(
             len(tokenizer),
             stops,
             tokenizer.pad_token_id,
-            tokens_per_s=cfg.rollout.random_tokens_per_s,
+            tokens_per_s=cfg.rollout.engine_option("tokens_per_s"),
             seed=seed,
         )
     return HFEngine(

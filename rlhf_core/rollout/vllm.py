@@ -189,7 +189,7 @@ class VLLMEngine:
             seed=seed,
             dtype=cfg.model.dtype,
             trust_remote_code=cfg.model.trust_remote_code,
-            gpu_memory_utilization=cfg.rollout.vllm_gpu_memory_utilization,
+            gpu_memory_utilization=cfg.rollout.engine_option("gpu_memory_utilization"),
             max_model_len=max_len,
         )
         self.lora_cfg = cfg.model.lora

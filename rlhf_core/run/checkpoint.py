@@ -78,12 +78,13 @@ class PathContents:
     kind: str
     run_config: Optional[Path] = None
 
-    def policy_beside(self, tiny_kind: str = "word") -> Optional[Path]:
-        """For a checkpoint under <run_dir>/checkpoints/: the tiny policy (`tiny_kind`: word or chat) built in
-        <run_dir>, which holds the architecture a tiny run's checkpoint lacks; None when it is not there."""
+    def policy_beside(self, kind: str = "word") -> Optional[Path]:
+        """For a checkpoint under <run_dir>/checkpoints/: the tiny policy (`kind`: word or chat, the kind of
+        model.preset, cfg.model.tiny.kind) built in <run_dir>, which holds the architecture a tiny run's checkpoint
+        lacks; None when it is not there."""
         if self.kind != "checkpoint":
             return None
-        beside = self.path.parent.parent / TINY_POLICY_DIRS[tiny_kind]
+        beside = self.path.parent.parent / TINY_POLICY_DIRS[kind]
         return beside if (beside / "config.json").is_file() else None
 
 

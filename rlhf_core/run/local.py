@@ -290,8 +290,8 @@ def run_sync(
             )
     else:
         run_facts["eval_start"] = evaluate_parts(parts)["eval/accuracy"]
-        if cfg.trainer.warm_start_steps:
-            run_facts.update(warm_start(parts, cfg.trainer.warm_start_steps))
+        if cfg.trainer.warm_start.steps:
+            run_facts.update(warm_start(parts, cfg.trainer.warm_start.steps))
     parts.trainer_role.run_facts = run_facts
     start = time.perf_counter()
     trainer = parts.trainer

@@ -359,7 +359,7 @@ def check_lora_targets(cfg) -> None:
         return
     from rlhf_core.model.directory import TINY_MODEL_TYPES, TINY_POLICY_DIRS, linear_layer_names, target_modules_problem
 
-    kind = cfg.model.tiny_kind
+    kind = cfg.model.tiny.kind
     policy_dir = Path(cfg.model.path or Path(cfg.run.output_dir) / TINY_POLICY_DIRS[kind]).expanduser()
     names = linear_layer_names(policy_dir)
     if names is None:

@@ -3,7 +3,7 @@
 Each training prompt is paired with an answer drawn uniformly from the set of distinct training answers
 (not its own), written the way the configured reward reads it (after `reward.marker` when the
 answer_after_marker component is on, e.g. "#### 7"), followed by EOS; the policy takes
-`trainer.warm_start_steps` cross-entropy steps on them with its own AdamW (the RL optimizer is untouched).
+`trainer.warm_start.steps` cross-entropy steps on them with its own AdamW (the RL optimizer is untouched).
 The policy learns to emit one well-formed answer and stop, so rewards are not all zero at the start of
 RL, while its accuracy stays near chance (reported as eval/accuracy_warm_start). Both runtimes call
 `warm_start` on the trainer's model before the first weights are published.
@@ -64,11 +64,11 @@ def warm_start(model, tokenizer, train_prompts: list[Prompt], cfg: TrainConfig, 
     when given, is called after each step (whoever reports it chooses how often)."""
     rng = np.random.default_rng(cfg.trainer.seed + 1)
     per_prompt = None
-    if cfg.trainer.warm_start_targets == "prompt_number":
+    if cfg.trainer.warm_start.targets == "prompt_number":
         per_prompt = prompt_number_targets(cfg, tokenizer, train_prompts)
         if not per_prompt:
             raise ValueError(
-                "trainer.warm_start_targets=prompt_number but no training prompt quotes a number in its question: "
+                "trainer.warm_start.targets=prompt_number but no training prompt quotes a number in its question: "
                 "use any_answer"
             )
         pool = sorted(per_prompt)  # only prompts with numbers to quote
@@ -76,8 +76,8 @@ def warm_start(model, tokenizer, train_prompts: list[Prompt], cfg: TrainConfig, 
         targets = warm_start_targets(cfg, tokenizer, train_prompts)
         pool = list(range(len(train_prompts)))
         if not targets:
-            raise ValueError("trainer.warm_start_steps > 0 but the training prompts have no answers to imitate")
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.trainer.warm_start_lr or cfg.trainer.lr)
+            raise ValueError("trainer.warm_start.steps > 0 but the training prompts have no answers to imitate")
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.trainer.warm_start.lr or cfg.trainer.lr)
     n = cfg.trainer.prompts_per_step * cfg.rollout.samples_per_prompt
     dev = next(model.parameters()).device
     loss = torch.zeros(())
