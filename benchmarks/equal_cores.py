@@ -23,7 +23,8 @@ Workloads:
             whole step.
 
 Per run: samples_per_s and tokens_per_s trained (steps x rows, the trainer's tokens, over the wall clock from the
-loops' start to the last step, evaluations excluded), time_to_target_s (same clock; None when not reached),
+loops' start to the last step, evaluations excluded), time_to_target_s (same clock; None when not reached)
+and steps_to_target (the step of that evaluation), final_accuracy (the loop's; a host's with run_host(final_eval=True)),
 trainer_busy and rollout_busy (util/*: busy seconds over wall seconds; the loop's from its roles' busy seconds),
 load_before / load_after (os.getloadavg, 1 min). Per arm and workload: the median over repetitions, and its ratio
 to the loop's.
@@ -125,42 +126,45 @@ def run_loop(cfg, target: float) -> dict:
 
     parts = build_run(cfg, share_weights=True)
     parts.evaluator = timed = Timed(parts.evaluator)
-    marks: dict = {"hit": None, "end": None}
+    marks: dict = {"hit": None, "hit_step": None, "end": None}
     t0 = time.perf_counter()
 
     def on_step(m: dict) -> None:
         now = time.perf_counter() - t0 - timed.seconds
         marks["end"] = now
         if marks["hit"] is None and m.get("eval/accuracy", -1.0) >= target:
-            marks["hit"] = now
+            marks["hit"], marks["hit_step"] = now, parts.trainer.step
 
     try:
-        run_sync(cfg, parts=parts, on_step=on_step)
+        result = run_sync(cfg, parts=parts, on_step=on_step)
     finally:
         parts.worker.close()
     wall = marks["end"]
     t, w = parts.trainer.stats(), parts.worker.stats()
-    return figures(cfg, wall, t["tokens"], marks["hit"], t["busy_s"] / wall, w["busy_s"] / wall)
+    fig = figures(cfg, wall, t["tokens"], marks["hit"], t["busy_s"] / wall, w["busy_s"] / wall)
+    fig.update({"steps_to_target": marks["hit_step"], "final_accuracy": result["eval/accuracy"]})
+    return fig
 
 
-def run_host(cfg, target: float) -> dict:
+def run_host(cfg, target: float, final_eval: bool = False) -> dict:
+    """One run on cfg.cluster.host; final_eval: also evaluate the final weights (off the clock) as final_accuracy."""
     if cfg.cluster.host != "ray":
-        return supervised(cfg, target)
+        return supervised(cfg, target, final_eval)
     import ray
 
     # a Ray of this arm's own (address "local": never another session's instance on the machine), gone after it
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        return supervised(cfg, target)
+        return supervised(cfg, target, final_eval)
     finally:
         ray.shutdown()
 
 
-def supervised(cfg, target: float) -> dict:
+def supervised(cfg, target: float, final_eval: bool = False) -> dict:
     from rlhf_core.run.hosts import make_runtime
     from rlhf_core.run.supervise import Sinks, supervise
 
-    marks: dict = {"hit": None, "end": None, "final": None}
+    marks: dict = {"hit": None, "hit_step": None, "end": None, "final": None, "accuracy": None}
     with make_runtime(cfg) as rt:
         rt.launch()
         timed = Timed(rt.evaluate)
@@ -169,7 +173,7 @@ def supervised(cfg, target: float) -> dict:
         def evaluate(step: int) -> None:
             acc = timed()["eval/accuracy"]
             if marks["hit"] is None and acc >= target:
-                marks["hit"] = time.perf_counter() - t0 - timed.seconds
+                marks["hit"], marks["hit_step"] = time.perf_counter() - t0 - timed.seconds, step
 
         def on_poll(poll: dict) -> None:
             if poll["done"] and marks["end"] is None:
@@ -179,12 +183,18 @@ def supervised(cfg, target: float) -> dict:
         sinks = Sinks(on_poll=on_poll, evaluate=evaluate if cfg.eval.every else None)
         t0 = time.perf_counter()
         supervise(cfg, rt, rt.last_step, sinks)
+        if final_eval:
+            marks["accuracy"] = rt.evaluate()["eval/accuracy"]
     final = marks["final"]
     alive = [s for s in final["rollout"] if s.get("alive")]
     rollout_busy = sum(s["busy_frac"] for s in alive) / max(1, len(alive))
-    return figures(
+    fig = figures(
         cfg, marks["end"], final["trainer"]["tokens"], marks["hit"], final["trainer"]["busy_frac"], rollout_busy
     )
+    fig["steps_to_target"] = marks["hit_step"]
+    if final_eval:
+        fig["final_accuracy"] = marks["accuracy"]
+    return fig
 
 
 def figures(cfg, wall: float, tokens: int, hit, trainer_busy: float, rollout_busy: float) -> dict:
