@@ -259,21 +259,16 @@ def _engine_kwarg(old: str, key: str, engine: str):
     """rollout.<old> (removed): an option only `engine` reads is rollout.engine_kwargs.<key> now; under another
     engine (which never read it) it is dropped, with the line saying so."""
 
+    move = _moved(f"rollout.{old}", f"rollout.engine_kwargs.{key}")
+
     def migrate(data: dict) -> Optional[str]:
         rollout = data.get("rollout")
         if not isinstance(rollout, dict) or old not in rollout:
             return None
-        value = rollout.pop(old)
-        new = f"rollout.engine_kwargs.{key}"
         if rollout.get("engine", "hf") != engine:
-            return f"rollout.{old} is {new} now, read by rollout.engine {engine!r} only; ignored"
-        kwargs = rollout.setdefault("engine_kwargs", {})
-        if not isinstance(kwargs, dict):
-            raise ConfigError(f"rollout.{old} moved to {new}, but rollout.engine_kwargs is not a mapping")
-        if key in kwargs:
-            return f"rollout.{old} is {new} now; {new}, also given, wins"
-        kwargs[key] = value
-        return f"rollout.{old} is {new} now; loaded as such"
+            rollout.pop(old)
+            return f"rollout.{old} is rollout.engine_kwargs.{key} now, read by rollout.engine {engine!r} only; ignored"
+        return move(data)
 
     return migrate
 
