@@ -237,24 +237,36 @@ class AgentRunner:
 
 def episode_record(e: EpisodeLog) -> dict:
     """An episode as a trajectory-file record (rlhf_core.env.score.trajectory_record's keys), for its MLflow
-    trace: each request's new messages (all of them when it rewrote the history), then its first choice's
-    reply with the version of its first token and its tool calls."""
-    messages, shown = [], []
-    for call in e.calls:
+    trace (tracking.traces): `messages`, each request's new messages (all of them when it rewrote the history)
+    then its first choice's reply with the versions of its first and last tokens and its tool calls; and
+    `requests`, one entry per request (`request_record`), which the trace makes one span each."""
+    messages, requests, shown = [], [], []
+    for i, call in enumerate(e.calls):
         sent = call.messages or [{"role": "user", "content": call.text or ""}]
         new = sent[len(shown) :] if sent[: len(shown)] == shown else sent
-        messages += [{"role": m["role"], "content": m.get("content", "")} for m in new]
+        new = [{"role": m["role"], "content": m.get("content", "")} for m in new]
         reply = (
             call.replies[0] if call.replies else {"role": "assistant", "content": call.texts[0] if call.texts else ""}
         )
-        first = call.completions[0] if call.completions else None
-        calls = [dict(c["function"]) for c in reply.get("tool_calls") or []]
-        version = first.versions[0] if first is not None and first.versions else None
+        entry = request_record(i, call, new, reply)
+        requests.append(entry)
+        messages += new
         messages.append(
-            {"role": "assistant", "content": reply.get("content", ""), "policy_version": version, "tool_calls": calls}
+            {
+                "role": "assistant",
+                "content": entry["reply"]["content"],
+                "policy_version": entry["reply_version_first"],
+                "policy_version_last": entry["reply_version_last"],
+                "tool_calls": entry["reply"]["tool_calls"],
+            }
         )
         shown = list(sent) + [reply]
-    versions = [m["policy_version"] for m in messages if m.get("policy_version") is not None]
+    firsts = [r["policy_version_first"] for r in requests if r["policy_version_first"] is not None]
+    lasts = [r["policy_version_last"] for r in requests if r["policy_version_last"] is not None]
+    if e.error is None:
+        ended = "done"
+    else:
+        ended = "failed: timeout" if e.timed_out else "failed: error"
     return {
         "row": {k: v if isinstance(v, (str, int, float, bool, type(None))) else str(v) for k, v in e.row.items()},
         "messages": messages,
@@ -263,9 +275,45 @@ def episode_record(e: EpisodeLog) -> dict:
         "tool_calls": sum(len(m.get("tool_calls") or []) for m in messages),
         "success": bool(e.metrics["success"]) if "success" in e.metrics else None,
         "error": e.error,
-        "policy_version": min(versions) if versions else None,
+        "policy_version": min(firsts) if firsts else None,
+        "policy_version_last": max(lasts) if lasts else None,
+        "trained_at": "eval",
+        "ended": ended,
+        "metrics": dict(e.metrics),
+        "requests": requests,
         "prefix_breaks": e.prefix_breaks,
         "segments": len(e.segments),
+        "latency_s": e.latency_s,
+    }
+
+
+def request_record(index: int, call, new: list[dict], reply: dict) -> dict:
+    """One request of an episode: its new input messages, its first choice's reply (content and tool calls),
+    its prompt and completion token counts (completion: every choice's, as the response's `usage` counts),
+    the versions of the weights that generated its first and last tokens (over its choices; the first
+    choice's alone as `reply_version_*`), its latency, and whether it started a segment (`new_segment`) that
+    broke the episode's prefix (`prefix_break`)."""
+    first = call.completions[0] if call.completions else None
+    versions = [c.versions for c in call.completions if c.versions]
+    return {
+        "index": index,
+        "kind": "chat" if call.messages is not None else "text",
+        "messages": new,
+        "reply": {
+            "content": reply.get("content", "") or "",
+            "tool_calls": [dict(c["function"]) for c in reply.get("tool_calls") or []],
+        },
+        "choices": len(call.completions),
+        "prompt_tokens": len(call.prompt_ids),
+        "completion_tokens": sum(len(c.ids) for c in call.completions),
+        "policy_version_first": min(v[0] for v in versions) if versions else None,
+        "policy_version_last": max(v[-1] for v in versions) if versions else None,
+        "reply_version_first": first.versions[0] if first is not None and first.versions else None,
+        "reply_version_last": first.versions[-1] if first is not None and first.versions else None,
+        "started_ns": call.started_ns,
+        "latency_s": call.latency_s,
+        "new_segment": call.new_segment,
+        "prefix_break": call.prefix_break,
     }
 
 

@@ -52,7 +52,10 @@ class Call:
     """One request: the prompt ids the endpoint built and each choice's completion. For a chat request, the
     messages sent and each choice's reply (normalised, `rlhf_core.agent.api.signature`), so that the next
     request that continues the conversation reuses these ids instead of re-tokenizing; for a text completion,
-    the prompt text and each choice's returned text."""
+    the prompt text and each choice's returned text. `started_ns` (wall clock, ns) and `latency_s` (from the
+    request's arrival to its answer) are the endpoint's timing; `new_segment` and `prefix_break` are set when
+    the episode records it (it started a segment; it started one although the episode had one: a prefix
+    break)."""
 
     prompt_ids: list[int]
     completions: list[Completion]
@@ -61,6 +64,10 @@ class Call:
     tools: str = ""
     text: Optional[str] = None
     texts: list[str] = field(default_factory=list)
+    started_ns: Optional[int] = None
+    latency_s: Optional[float] = None
+    new_segment: bool = False
+    prefix_break: bool = False
 
 
 @dataclass
@@ -164,7 +171,9 @@ class EpisodeLog:
                 if len(full) <= len(prompt) and prompt[: len(full)] == full:
                     base = seg
                     break
-            if base is None and self.segments:
+            call.new_segment = base is None
+            call.prefix_break = base is None and bool(self.segments)
+            if call.prefix_break:
                 self.prefix_breaks += 1
             start = base.copy() if base is not None else Segment(list(prompt))
             observation = prompt[len(start.full) :]

@@ -248,6 +248,7 @@ class AgentServer:
             )
 
     async def _chat(self, request) -> dict:
+        started, t0 = time.time_ns(), time.perf_counter()
         log = self._episode(request)
         req = api.parse_chat(await self._json(request))
         self._begin(log)
@@ -275,10 +276,12 @@ class AgentServer:
                     "content": api.token_logprobs(self.tokenizer, content, c.logprobs[: len(content)], top_i)
                 }
             choices.append(choice)
-        call = Call(prompt_ids, completions, messages=messages, replies=replies, tools=tools)
+        call = Call(prompt_ids, completions, messages=messages, replies=replies, tools=tools, started_ns=started)
+        call.latency_s = time.perf_counter() - t0
         return self._answer("chat.completion", log, [call], choices)
 
     async def _completions(self, request) -> dict:
+        started, t0 = time.time_ns(), time.perf_counter()
         log = self._episode(request)
         req = api.parse_completion(await self._json(request))
         self._begin(log)
@@ -303,7 +306,10 @@ class AgentServer:
                 if req.logprobs is not None:
                     choice["logprobs"] = _legacy_logprobs(self.tokenizer, self._content(c), c.logprobs, top_i)
                 choices.append(choice)
-            calls.append(Call(prompt_ids, completions, text=p if isinstance(p, str) else None, texts=texts))
+            call = Call(prompt_ids, completions, text=p if isinstance(p, str) else None, texts=texts)
+            call.started_ns, call.latency_s = started, time.perf_counter() - t0
+            calls.append(call)
+            started, t0 = time.time_ns(), time.perf_counter()  # the next prompt's generation starts now
         return self._answer("text_completion", log, calls, choices)
 
     def _answer(self, kind: str, log: Optional[EpisodeLog], calls: list[Call], choices: list[dict]) -> dict:
