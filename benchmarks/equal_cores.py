@@ -56,7 +56,12 @@ ARMS = {
     "ray_async": ["runtime.max_staleness=2"],
     "ray_partial": ["runtime.max_staleness=2", "rollout.partial_rollout=true"],
 }
-COMMON = ["cluster.num_cpus=2", "cluster.rollout_cpus=1", "cluster.trainer_cpus=1", "checkpoint.every=0"]
+COMMON = [
+    "cluster.num_cpus=2",
+    "cluster.resources.rollout.CPU=1",
+    "cluster.resources.trainer.CPU=1",
+    "checkpoint.every=0",
+]
 
 
 def workload_config(name: str, arm: str, quick: bool, tmp: Path, target_every: int):
@@ -99,7 +104,7 @@ def workload_config(name: str, arm: str, quick: bool, tmp: Path, target_every: i
         f"rollout.prompts_per_batch={per_batch}",
         "rollout.samples_per_prompt=4",
         f"rollout.num_workers={workers}",
-        f"cluster.rollout_cpus={1.0 / workers}",
+        f"cluster.resources.rollout.CPU={1.0 / workers}",
         "data.eval_size=4",
         "eval.every=0",
     ]

@@ -73,9 +73,9 @@ def cluster_cfg(tmp_path, c, *overrides):
         [
             f"run.output_dir={tmp_path}",
             f"cluster.address={c.address}",
-            "cluster.rollout_resources={rollout_node: 1}",
-            "cluster.trainer_resources={trainer_node: 1}",
-            "cluster.trainer_cpus=1",
+            "cluster.resources.rollout.rollout_node=1",
+            "cluster.resources.trainer.trainer_node=1",
+            "cluster.resources.trainer.CPU=1",
             "data.eval_size=100",
             "supervision.supervise_interval_s=0.2",
             "runtime.wait_timeout_s=60",
@@ -174,7 +174,7 @@ def test_the_trainers_node_lost_ends_the_run_with_its_checkpoints_and_a_restarte
     with _single_machine_ray():
         trainer_node = cluster.add_node(num_cpus=1, resources={"spare_trainer": 1}, node_ip_address=LOOPBACK)
     cluster.wait_for_nodes()
-    overrides = ["trainer.total_steps=300", "checkpoint.every=5", "cluster.trainer_resources={spare_trainer: 1}"]
+    overrides = ["trainer.total_steps=300", "checkpoint.every=5", "cluster.resources.trainer={spare_trainer: 1}"]
     cfg = cluster_cfg(tmp_path, cluster, *overrides)
     state: dict = {}
 

@@ -101,9 +101,10 @@ def test_autoscale_bounds_are_checked_against_the_starting_fleet():
         _cfg("cluster.autoscale.min_workers=3", "cluster.autoscale.max_workers=2")
     with pytest.raises(ConfigError, match="rollout.num_workers=3"):
         load_config(None, ["rollout.num_workers=3", "cluster.autoscale.enabled=true"])
-    with pytest.raises(ConfigError, match="not a custom resource"):
-        _cfg("cluster.rollout_resources={CPU: 1}")
-    assert _cfg("cluster.rollout_resources={rollout_node: 1}").cluster.rollout_resources == {"rollout_node": 1.0}
+    with pytest.raises(ConfigError, match="cluster.resources.rollout.memory"):
+        _cfg("cluster.resources.rollout.memory=1")
+    pinned = _cfg("cluster.resources.rollout={rollout_node: 1}").cluster.resources.rollout
+    assert pinned == {"CPU": 1.0, "GPU": 0.0, "rollout_node": 1.0}
 
 
 def test_a_scale_request_is_read_once_and_answered(tmp_path):

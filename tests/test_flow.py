@@ -427,7 +427,7 @@ def test_the_loops_are_task_runs_that_span_the_run(prefect_api, ray_local, work)
         "loops",
         "trainer.total_steps=3000",  # far more than the test waits for; it cancels the run when it has seen enough
         "rollout.num_workers=2",
-        "cluster.rollout_cpus=0.5",
+        "cluster.resources.rollout.CPU=0.5",
         "checkpoint.every=0",
         "eval.every=0",
         "tracking.log_model=false",
@@ -528,7 +528,7 @@ def test_a_run_that_fails_before_producing_anything_does_not_move_latest(straigh
     cfg, straight, _ = straight_run
     latest = work / "straight" / "latest"
     assert latest.resolve() == Path(straight.result()["run_dir"]).resolve()
-    refused = config(work, "straight", "cluster.rollout_cpus=64", "tracking.run_name=refused")
+    refused = config(work, "straight", "cluster.resources.rollout.CPU=64", "tracking.run_name=refused")
     state = train(config=refused, return_state=True)
     assert state.is_failed() and "not enough resources" in state.message
     assert latest.resolve() == Path(straight.result()["run_dir"]).resolve()

@@ -119,7 +119,7 @@ def test_evicted_length_mean(packed):
 
 
 def test_health_monitor_engine_mismatch_after_n_polls():
-    cfg = load_config(None, ["supervision.engine_mismatch_kl=0.05", "supervision.engine_mismatch_polls=3"])
+    cfg = load_config(None, ["supervision.engine_mismatch.kl=0.05", "supervision.engine_mismatch.polls=3"])
     m = HealthMonitor(cfg, now=0)
 
     def poll(step, kl):
@@ -161,7 +161,7 @@ def _tiny_cfg(tmp_path, *overrides):
 
 def test_an_engine_that_ignores_weight_updates_is_detected_while_staleness_says_nothing(tmp_path):
     # the tiny policy drifts slowly: a faster lr and a bound of 0.02 (bf16 numerics on it are ~1e-7)
-    cfg = _tiny_cfg(tmp_path, "trainer.total_steps=10", "trainer.lr=0.01", "supervision.engine_mismatch_kl=0.02")
+    cfg = _tiny_cfg(tmp_path, "trainer.total_steps=10", "trainer.lr=0.01", "supervision.engine_mismatch.kl=0.02")
     parts = build_run(cfg, share_weights=False)
     parts.engine.__class__ = StaleEngine
     monitor = HealthMonitor(cfg, now=0)

@@ -237,7 +237,9 @@ def test_default_roles_with_a_reward_model_fit_two_cpus(tiny_reward_model_dir):
     from rlhf_core.distributed.cluster import required_resources
 
     cfg = load_config("configs/tiny.yaml", [f"reward.model.path={tiny_reward_model_dir}"])
-    assert cfg.cluster.reward_cpus == 0.0
+    assert cfg.cluster.resources.reward["CPU"] == 0.0
     assert required_resources(cfg)["CPU"] <= 2
-    cfg = load_config("configs/tiny.yaml", [f"reward.model.path={tiny_reward_model_dir}", "cluster.reward_cpus=2"])
+    cfg = load_config(
+        "configs/tiny.yaml", [f"reward.model.path={tiny_reward_model_dir}", "cluster.resources.reward.CPU=2"]
+    )
     assert required_resources(cfg)["CPU"] == required_resources(load_config("configs/tiny.yaml", []))["CPU"] + 2

@@ -86,10 +86,10 @@ def test_reward_model_actor_scores_as_the_in_process_scorer(ray_local, tmp_path,
             "data.eval_size=4",
             f"reward.model.path={chat_reward_model_dir}",
             "reward.model.batch_size=5",
-            "cluster.reward_cpus=0.5",
+            "cluster.resources.reward.CPU=0.5",
         ],
     )
-    assert required_resources(cfg)["CPU"] == cfg.rollout.num_workers * cfg.cluster.rollout_cpus + 1.0 + 0.5
+    assert required_resources(cfg)["CPU"] == cfg.rollout.num_workers * cfg.cluster.resources.rollout["CPU"] + 1.0 + 0.5
     parts = build_run(cfg)
     (local,) = parts.worker.external
     prompts = parts.train_prompts[:3]

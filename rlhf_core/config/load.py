@@ -273,6 +273,37 @@ def _engine_kwarg(old: str, key: str, engine: str):
     return migrate
 
 
+def _custom_resources(role: str):
+    """cluster.<role>_resources (removed): the custom Ray resources of a role are keys of cluster.resources.<role>
+    now, beside its CPU and GPU (a key also given there wins)."""
+    old, new = f"cluster.{role}_resources", f"cluster.resources.{role}"
+
+    def migrate(data: dict) -> Optional[str]:
+        cluster = data.get("cluster")
+        if not isinstance(cluster, dict) or f"{role}_resources" not in cluster:
+            return None
+        custom = cluster.pop(f"{role}_resources")
+        if custom is None:
+            custom = {}
+        if not isinstance(custom, dict):
+            raise ConfigError(f"{old} (now {new}) must map custom resource names to amounts, got {custom!r}")
+        for name in custom:
+            if name in ("CPU", "GPU"):
+                raise ConfigError(f"{old}: {name!r} is not a custom resource; set {new}.{name}")
+        resources = cluster.setdefault("resources", {})
+        target = resources.setdefault(role, {}) if isinstance(resources, dict) else None
+        if not isinstance(target, dict):
+            raise ConfigError(f"{old} moved to {new}, but {new} is not a mapping")
+        given = sorted(name for name in custom if name in target)
+        for name, amount in custom.items():
+            target.setdefault(name, amount)
+        if given:
+            return f"{old} is {new} now (its keys beside CPU and GPU); {', '.join(f'{new}.{n}' for n in given)}, also given, wins"
+        return f"{old} is {new} now (its keys beside CPU and GPU); loaded as such"
+
+    return migrate
+
+
 # Keys that moved or went: each rewrites the raw mapping in place and returns the one line to print (or None).
 MIGRATIONS = [
     _runtime_mode,
@@ -287,6 +318,15 @@ MIGRATIONS = [
     _moved("trainer.warm_start_steps", "trainer.warm_start.steps"),
     _moved("trainer.warm_start_lr", "trainer.warm_start.lr"),
     _moved("trainer.warm_start_targets", "trainer.warm_start.targets"),
+    *(
+        _moved(f"cluster.{role}_{kind}s", f"cluster.resources.{role}.{kind.upper()}")
+        for role in ("rollout", "trainer", "reward")
+        for kind in ("cpu", "gpu")
+    ),
+    _custom_resources("rollout"),
+    _custom_resources("trainer"),
+    _moved("supervision.engine_mismatch_kl", "supervision.engine_mismatch.kl"),
+    _moved("supervision.engine_mismatch_polls", "supervision.engine_mismatch.polls"),
 ]
 
 

@@ -166,6 +166,57 @@ class AutoscaleConfig(_Section):
         return self
 
 
+ROLE_RESOURCE_DEFAULTS = {
+    "rollout": {"CPU": 1.0, "GPU": 0.0},
+    "trainer": {"CPU": 1.0, "GPU": 0.0},
+    "reward": {"CPU": 0.0, "GPU": 0.0},
+}
+_NOT_CUSTOM = ("memory", "object_store_memory")  # Ray's own resources that are no actor's `resources=` key
+
+
+def _role_default(role: str):
+    return lambda: dict(ROLE_RESOURCE_DEFAULTS[role])
+
+
+class RoleResources(_Section):
+    """cluster.resources: what each role's actors ask Ray for, in Ray's vocabulary. CPU and GPU (fractions allowed)
+    become the actor's num_cpus / num_gpus, a key left out keeps its default; any other key is a custom resource
+    (the actor's resources=), which pins the role to the nodes started with it (ray start --resources=...)."""
+
+    rollout: dict[str, float] = Field(
+        default_factory=_role_default("rollout"),
+        description="Ray resources of each rollout worker (default {CPU: 1, GPU: 0}).",
+    )
+    trainer: dict[str, float] = Field(
+        default_factory=_role_default("trainer"),
+        description="Ray resources of the trainer (default {CPU: 1, GPU: 0}): CPU is the whole role's, split "
+        "evenly across its cluster.trainer_workers ranks (Ray's logical CPUs: a 2-core machine runs one rollout "
+        "worker and 2 trainer ranks as they are); GPU and custom resources are each rank's.",
+    )
+    reward: dict[str, float] = Field(
+        default_factory=_role_default("reward"),
+        description="Ray resources of the reward-model actor, when reward.model.path is set (default {CPU: 0, "
+        "GPU: 0}): the rollout workers wait while it scores their rows, so a small RM runs in their share (a "
+        "2-core machine fits the default roles); reserve CPUs or GPUs for a large RM.",
+    )
+
+    @field_validator("rollout", "trainer", "reward")
+    @classmethod
+    def _amounts(cls, v: dict[str, float], info) -> dict[str, float]:
+        field = f"cluster.resources.{info.field_name}"
+        for name, amount in v.items():
+            if name.upper() in ("CPU", "GPU") and name not in ("CPU", "GPU"):
+                raise ValueError(f"{field}.{name}: Ray spells it {name.upper()} (a custom {name!r} pins to no node)")
+            if name in _NOT_CUSTOM:
+                raise ValueError(f"{field}.{name}: Ray's {name} is not asked for per role; CPU, GPU or custom keys")
+            if name in ("CPU", "GPU") and not amount >= 0:
+                raise ValueError(f"{field}.{name}: the amount must be 0 or more, got {amount}")
+            if name not in ("CPU", "GPU") and not amount > 0:
+                raise ValueError(f"{field}.{name}: a custom resource's amount must be above 0, got {amount}")
+        default = ROLE_RESOURCE_DEFAULTS[info.field_name]
+        return {"CPU": v.get("CPU", default["CPU"]), "GPU": v.get("GPU", default["GPU"]), **v}
+
+
 class ClusterConfig(_Section):
     """Where the roles run: Ray placement, or one process (cluster.host threads)."""
 
@@ -183,8 +234,6 @@ class ClusterConfig(_Section):
     )
     num_cpus: Optional[int] = Field(None, ge=1, description="CPUs of a local Ray instance (None = all).")
     num_gpus: Optional[int] = Field(None, ge=0, description="GPUs of a local Ray instance (None = detected).")
-    rollout_cpus: float = Field(1.0, ge=0, description="CPUs per rollout worker.")
-    rollout_gpus: float = Field(0.0, ge=0, description="GPUs per rollout worker (fractions allowed).")
     trainer_workers: int = Field(
         1,
         ge=1,
@@ -192,31 +241,11 @@ class ClusterConfig(_Section):
         "group (gloo on CPU, NCCL on GPU), shard the policy with FSDP2 and each train on a slice of every step's "
         "batch, with the update of one process; 1 keeps the single trainer actor.",
     )
-    trainer_cpus: float = Field(
-        1.0,
-        ge=0,
-        description="CPUs of the trainer role, split evenly across its cluster.trainer_workers ranks (Ray's logical "
-        "CPUs: a 2-core machine runs one rollout worker and 2 trainer ranks as they are).",
-    )
-    trainer_gpus: float = Field(0.0, ge=0, description="GPUs of each trainer rank (fractions allowed).")
-    reward_cpus: float = Field(
-        0.0,
-        ge=0,
-        description="CPUs reserved for the reward-model actor (when reward.model.path is set); 0 by default: the "
-        "rollout workers wait while it scores their rows, so a small RM runs in their share (a 2-core machine fits "
-        "the default roles); reserve CPUs for a large RM on CPU.",
-    )
-    reward_gpus: float = Field(
-        0.0, ge=0, description="GPUs of the reward-model actor (when reward.model.path is set; fractions allowed)."
-    )
-    rollout_resources: dict[str, float] = Field(
-        default_factory=dict,
-        description="Custom Ray resources each rollout worker requires, e.g. {rollout_node: 1} to place them on the "
-        "nodes started with that resource (ray start --resources='{\"rollout_node\": 4}').",
-    )
-    trainer_resources: dict[str, float] = Field(
-        default_factory=dict,
-        description="Custom Ray resources each trainer rank requires, e.g. {trainer_node: 1}.",
+    resources: RoleResources = Field(
+        default_factory=RoleResources,
+        description="Ray resources of each role, in Ray's vocabulary: {rollout: {CPU: 1, GPU: 0}, trainer: {CPU: 1, "
+        "GPU: 0}, reward: {CPU: 0, GPU: 0}}; any other key is a custom resource, e.g. "
+        "{rollout: {rollout_node: 1}} to place the rollout workers on the nodes started with it.",
     )
     autoscale: AutoscaleConfig = Field(
         default_factory=AutoscaleConfig,
@@ -235,23 +264,22 @@ class ClusterConfig(_Section):
         "every port to 127.0.0.1 either way; joining a cluster (address set) is unaffected.",
     )
 
-    @field_validator("rollout_resources", "trainer_resources")
-    @classmethod
-    def _custom_resources(cls, v: dict[str, float], info) -> dict[str, float]:
-        for name, amount in v.items():
-            if name in ("CPU", "GPU", "memory", "object_store_memory"):
-                raise ValueError(
-                    f"{name!r} is not a custom resource: set it with cluster.rollout_cpus / rollout_gpus / "
-                    "trainer_cpus / trainer_gpus"
-                )
-            if not amount > 0:
-                raise ValueError(f"resource {name!r}: the amount must be above 0, got {amount}")
-        return v
+    def per_actor(self, role: str) -> dict[str, float]:
+        """What one actor of `role` ('rollout', 'trainer' or 'reward') asks Ray for ({CPU, GPU, custom...}): a
+        trainer rank gets cluster.resources.trainer.CPU / cluster.trainer_workers, the rest as given."""
+        need = dict(getattr(self.resources, role))
+        if role == "trainer":
+            need["CPU"] = need["CPU"] / self.trainer_workers
+        return need
 
-    @property
-    def trainer_rank_cpus(self) -> float:
-        """Ray CPUs of each trainer rank: trainer_cpus split across the trainer_workers ranks."""
-        return self.trainer_cpus / self.trainer_workers
+    def actor_options(self, role: str) -> dict:
+        """The Ray actor options of one actor of `role`: num_cpus, num_gpus and, where it asks for custom
+        resources, resources={...}."""
+        need = self.per_actor(role)
+        options: dict = {"num_cpus": need.pop("CPU"), "num_gpus": need.pop("GPU")}
+        if need:
+            options["resources"] = need
+        return options
 
 
 class CheckpointConfig(_Section):
@@ -281,6 +309,18 @@ class TrackingConfig(_Section):
     log_model: bool = Field(True, description="Log the final policy as an MLflow artifact that loads back.")
 
 
+class EngineMismatchConfig(_Section):
+    """The engine-mismatch warning: the rollout engine does not compute what the trainer does."""
+
+    kl: float = Field(
+        0.05,
+        gt=0,
+        description="Health event engine_mismatch when mismatch/engine_kl (KL rollout || trainer on tokens of the "
+        "trainer's own version) stays above this for supervision.engine_mismatch.polls polls.",
+    )
+    polls: int = Field(3, ge=1, description="Consecutive polls above supervision.engine_mismatch.kl.")
+
+
 class SupervisionConfig(_Section):
     """The Prefect flow's health checks and their limits."""
 
@@ -299,13 +339,10 @@ class SupervisionConfig(_Section):
     stall_timeout_s: float = Field(
         180.0, gt=0, description="Fail when no trainer step completes for this long, naming the stuck role."
     )
-    engine_mismatch_kl: float = Field(
-        0.05,
-        gt=0,
-        description="Health event engine_mismatch when mismatch/engine_kl (KL rollout || trainer on tokens of the "
-        "trainer's own version) stays above this for engine_mismatch_polls polls.",
+    engine_mismatch: EngineMismatchConfig = Field(
+        default_factory=EngineMismatchConfig,
+        description="The engine-mismatch warning {kl, polls}: mismatch/engine_kl above kl for polls polls.",
     )
-    engine_mismatch_polls: int = Field(3, ge=1, description="Consecutive polls above engine_mismatch_kl.")
 
 
 class RunConfig(_Section):

@@ -148,26 +148,25 @@ def _single_machine_ray() -> Iterator[None]:
         ray_constants.ENABLE_RAY_CLUSTER = saved
 
 
+def role_counts(cfg, rollout_workers: Optional[int] = None) -> dict[str, int]:
+    """How many actors of each role the run starts: rollout workers, trainer ranks, the reward model (0 or 1)."""
+    n = cfg.rollout.num_workers if rollout_workers is None else rollout_workers
+    return {"rollout": n, "trainer": cfg.cluster.trainer_workers, "reward": 1 if cfg.reward.model.path else 0}
+
+
 def required_resources(cfg, rollout_workers: Optional[int] = None) -> dict[str, float]:
     """What the run's roles need in all: CPU, GPU and the custom resources they are pinned by."""
-    c = cfg.cluster
-    n = cfg.rollout.num_workers if rollout_workers is None else rollout_workers
-    rm = 1 if cfg.reward.model.path else 0  # the reward-model actor
-    t = c.trainer_workers
-    need = {
-        "CPU": n * c.rollout_cpus + t * c.trainer_rank_cpus + rm * c.reward_cpus,
-        "GPU": n * c.rollout_gpus + t * c.trainer_gpus + rm * c.reward_gpus,
-    }
-    for per, count in ((c.rollout_resources, n), (c.trainer_resources, t)):
-        for name, amount in per.items():
-            need[name] = need.get(name, 0.0) + amount * count
+    need = {"CPU": 0.0, "GPU": 0.0}
+    for role, count in role_counts(cfg, rollout_workers).items():
+        if count:
+            for name, amount in cfg.cluster.per_actor(role).items():
+                need[name] = need.get(name, 0.0) + amount * count
     return need
 
 
 def rollout_worker_resources(cfg) -> dict[str, float]:
     """One rollout worker's resources, as Ray counts them."""
-    c = cfg.cluster
-    return {"CPU": c.rollout_cpus, "GPU": c.rollout_gpus, **c.rollout_resources}
+    return cfg.cluster.per_actor("rollout")
 
 
 def room_for(per_worker: dict[str, float], available: dict[str, float]) -> bool:
@@ -181,17 +180,23 @@ def check_resources(cfg) -> None:
     have = ray.cluster_resources()
     short = {k: (v, have.get(k, 0.0)) for k, v in need.items() if v > have.get(k, 0.0) + 1e-9}
     if short:
-        c = cfg.cluster
         detail = ", ".join(f"{k}: need {v:g}, cluster has {h:g}" for k, (v, h) in short.items())
         custom = {k for k in short if k not in ("CPU", "GPU")}
+        counts = role_counts(cfg)
+        roles = " + ".join(
+            f"{counts[role]} {label} x {_shown(cfg.cluster.per_actor(role))}"
+            for role, label in (
+                ("rollout", "rollout worker(s)"),
+                ("trainer", "trainer rank(s)"),
+                ("reward", "reward model"),
+            )
+            if counts[role]
+        )
         raise ClusterError(
-            f"not enough resources for the requested roles ({detail}); roles: {cfg.rollout.num_workers} rollout "
-            f"worker(s) x (cpus={c.rollout_cpus:g}, gpus={c.rollout_gpus:g}) + {c.trainer_workers} trainer rank(s) x "
-            f"(cpus={c.trainer_rank_cpus:g}, gpus={c.trainer_gpus:g})"
-            + (f" + reward model (cpus={c.reward_cpus:g}, gpus={c.reward_gpus:g})" if cfg.reward.model.path else "")
-            + ". Lower rollout.num_workers / cluster.*_cpus / cluster.*_gpus or add nodes."
+            f"not enough resources for the requested roles ({detail}); roles: {roles}. Lower rollout.num_workers / "
+            "cluster.resources.<role>.CPU / GPU or add nodes."
             + (
-                f" {sorted(custom)}: cluster.rollout_resources / trainer_resources ask for them; start nodes with "
+                f" {sorted(custom)}: cluster.resources.<role> ask for them; start nodes with "
                 "them (ray start --resources='{\"name\": amount}')."
                 if custom
                 else ""
@@ -199,21 +204,28 @@ def check_resources(cfg) -> None:
         )
 
 
+def _shown(per_actor: dict[str, float]) -> str:
+    return "{" + ", ".join(f"{k}: {v:g}" for k, v in per_actor.items()) + "}"
+
+
+def placement_bundles(cfg) -> list[dict[str, float]]:
+    """The placement group's bundles: each trainer rank, each rollout worker, the reward model; in that order."""
+    counts = role_counts(cfg)
+    bundles = [cfg.cluster.per_actor(role) for role in ("trainer", "rollout", "reward") for _ in range(counts[role])]
+    return [{k: v for k, v in b.items() if v > 0} or {"CPU": 0.01} for b in bundles]
+
+
 def gpu_placement_group(cfg, timeout_s: float):
     """A placement group (one bundle per role: each trainer rank, rollout workers, reward model; in that
     order, PACKed) when any role asks for GPUs or the trainer has several ranks; None otherwise."""
-    c = cfg.cluster
-    rm = bool(cfg.reward.model.path)
-    if c.rollout_gpus == 0 and c.trainer_gpus == 0 and not (rm and c.reward_gpus > 0) and c.trainer_workers == 1:
+    counts = role_counts(cfg)
+    if cfg.cluster.trainer_workers == 1 and not any(
+        cfg.cluster.per_actor(role)["GPU"] > 0 for role, count in counts.items() if count
+    ):
         return None
     from ray.util.placement_group import placement_group
 
-    bundles = [
-        {"CPU": c.trainer_rank_cpus, "GPU": c.trainer_gpus, **c.trainer_resources} for _ in range(c.trainer_workers)
-    ] + [rollout_worker_resources(cfg) for _ in range(cfg.rollout.num_workers)]
-    if rm:  # the reward-model actor's bundle, last
-        bundles.append({"CPU": c.reward_cpus, "GPU": c.reward_gpus})
-    bundles = [{k: v for k, v in b.items() if v > 0} or {"CPU": 0.01} for b in bundles]
+    bundles = placement_bundles(cfg)
     pg = placement_group(bundles, strategy="PACK")
     try:
         ray.get(pg.ready(), timeout=timeout_s)

@@ -41,15 +41,12 @@ class Fleet:
         """A rollout worker actor (not started): its own process, restarted by Ray where it can be placed."""
         c = self.cfg.cluster
         options = dict(
-            num_cpus=c.rollout_cpus,
-            num_gpus=c.rollout_gpus,
+            **c.actor_options("rollout"),
             max_concurrency=4,
             max_restarts=c.max_restarts,
             max_task_retries=0,
             **(placement or {}),
         )
-        if c.rollout_resources:
-            options["resources"] = dict(c.rollout_resources)
         return ray.remote(RolloutActor).options(**options).remote(self.cfg, self.policy_dir, index, self.peers)
 
     def room_for_worker(self) -> bool:

@@ -11,7 +11,7 @@ from rlhf_core.run import build
 
 class RewardModelActor:
     """The reward model (`rlhf_core.reward.model.RewardModelScorer`) in its own process, with its own
-    resources (cluster.reward_cpus / reward_gpus); rollout workers find it by name and send it their rows.
+    resources (cluster.resources.reward); rollout workers find it by name and send it their rows.
     Calls run one at a time (the actor's default concurrency): one model, one set of running moments."""
 
     def __init__(self, cfg, policy_dir: str):

@@ -139,27 +139,23 @@ class DistributedRun(LoopWatch, Fleet):
                 peers["reward_model"] = f"atrlhf-reward_model-{uuid.uuid4().hex[:12]}"
                 self.reward_model = _remote(
                     RewardModelActor,
-                    num_cpus=c.reward_cpus,
-                    num_gpus=c.reward_gpus,
+                    **c.actor_options("reward"),
                     name=peers["reward_model"],
                     **placed(cfg.rollout.num_workers + c.trainer_workers),
                 ).remote(cfg, self.policy_dir)
-            pinned = {"resources": dict(c.trainer_resources)} if c.trainer_resources else {}
             self.trainer = _remote(
                 TrainerActor,
-                num_cpus=c.trainer_rank_cpus,
-                num_gpus=c.trainer_gpus,
+                **c.actor_options("trainer"),
                 max_concurrency=4,
-                **pinned,
                 **placed(0),
             ).remote(cfg, self.policy_dir, train_prompts, heldout, self.buffer, self.store)
             ranks = c.trainer_workers  # bundles 0..ranks-1 of the placement group: the trainer group
             if ranks > 1:
                 address = self._get(self.trainer.group_address.remote(), "the trainer's group address")
                 self.trainer_ranks = [
-                    _remote(
-                        TrainerRankActor, num_cpus=c.trainer_rank_cpus, num_gpus=c.trainer_gpus, **pinned, **placed(r)
-                    ).remote(cfg, self.policy_dir, r, address)
+                    _remote(TrainerRankActor, **c.actor_options("trainer"), **placed(r)).remote(
+                        cfg, self.policy_dir, r, address
+                    )
                     for r in range(1, ranks)
                 ]
             self.workers = [self._new_worker(i, placed(i + ranks)) for i in range(cfg.rollout.num_workers)]
