@@ -34,8 +34,11 @@ endif
 
 install: $(STAMP)
 
+# The whole suite over TEST_WORKERS processes: its end-to-end tests spend most of their time waiting (Ray start-ups,
+# servers, polls), so three processes share two cores well. `make test TEST_WORKERS=0` runs it in one process.
+TEST_WORKERS ?= 3
 test: install
-	$(PY) -m pytest -q --durations=25
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=25
 
 # The unit tests: everything not marked `slow` (no Ray cluster, Prefect server or long training runs).
 test-fast: install
