@@ -22,7 +22,6 @@ from rlhf_core.distributed.rollout_actor import rollout_rng_states
 from rlhf_core.distributed.trainer_group import group_address, join_trainer_group
 from rlhf_core.model.lora import adapter_state_dict, is_lora
 from rlhf_core.run import build
-from rlhf_core.run.build import export_run_policy
 from rlhf_core.run.checkpoint import CheckpointState, load_weights_into
 from rlhf_core.run.roles import TRAINED_PROMPTS_FILE, TrainerRole  # noqa: F401  (TRAINED_PROMPTS_FILE: importable here)
 
@@ -51,16 +50,9 @@ class TrainerActor:
             self._make_role(build.build_trainer(cfg, self.model, self.tokenizer))
 
     def _make_role(self, trainer) -> None:
-        sharded = self.sharded
+        on_all, full = (self._on_all, lambda: self._on_all("full_weights")) if self.sharded else (None, None)
         self.role = TrainerRole(
-            self.cfg,
-            trainer,
-            self.tokenizer,
-            self.buffer,
-            self.store,
-            call=self._on_all if sharded else None,
-            model=self.model,
-            full_weights=(lambda: self._on_all("full_weights")) if sharded else None,
+            self.cfg, trainer, self.tokenizer, self.buffer, self.store, call=on_all, model=self.model, full_weights=full
         )
 
     @property
@@ -197,7 +189,7 @@ class TrainerActor:
         model.lora.export_merged), with its tokenizer and the run's config."""
         with self.role.lock:
             self._refresh_model()
-            return str(export_run_policy(self.cfg, self.model, self.tokenizer, path))
+            return str(build.export_run_policy(self.cfg, self.model, self.tokenizer, path))
 
     def crash(self) -> None:
         """Fault-injection hook: die the way a segfault or an OOM kill would."""

@@ -1,41 +1,9 @@
-"""Health checks of a running training run, and the actions taken on them: the one supervision policy.
-
-`HealthMonitor.check(poll)` reads one `DistributedRun.poll()` result and returns a `Decision`: whether to
-publish weights now, pause or resume rollout admission, how many prompts to schedule, or to fail with a
-message naming the cause. `Supervisor.tick()` polls the runtime, checks and applies the decision; the
-Prefect flow and `run_distributed` both supervise through it, so there is one stall detector and one set
-of limits. Every finding is a `HealthEvent` (the flow logs it and shows a table artifact at the end).
-Thresholds come from `cfg.supervision`. Plain Python: no Ray, no Prefect.
-
-Policies (the runtime enforces the hard bound max_staleness on its own; these keep the run healthy):
-
-- staleness: mean staleness above staleness_warn x max_staleness -> publish weights now (once per trainer
-  version, when runtime.sync_every > 1 leaves workers behind the trainer), with no event: staleness up to
-  max_staleness is the design working (a `staleness_high` warning only for a mean above it). Supervision never
-  changes the bound itself: the buffer owns the bound in force (`async/max_staleness` reports it at each step)
-  and only the autopilot, when enabled, moves it.
-- buffer: trainer starving (buffer below one step and no step since the last poll) -> resume admission,
-  schedule more prompts; overflow (buffer/dropped_overflow grew) -> pause admission until the buffer is
-  back under half its capacity.
-- workers: a restart is reported and waited for; more than cluster.max_restarts restarts in the run (all workers
-  together: the run's one restart budget), or a worker
-  down for stall_timeout_s, fails the run.
-- non-finite losses: trainer/step_finite == 0 counted; nonfinite_limit in a row fails the run.
-- stall: no trainer step for stall_timeout_s fails the run, naming the role that is stuck.
-- engine mismatch: mismatch/engine_kl (fresh tokens only) above engine_mismatch.kl for engine_mismatch.polls
-  polls -> an engine_mismatch warning naming the likely causes (weights not loaded, dtype/sampling, adapter).
-- fleet: the number of rollout workers (rlhf_core.autoscale.FleetPolicy: an `atrlhf scale` request, or the
-  autoscaler when cluster.autoscale.enabled) -> applied through the runtime (`set_rollout_workers`), an info event
-  with its reason; `cluster/rollout_workers` reports the size at every step.
-- staleness autopilot (runtime.autopilot.enabled): `rlhf_core.autopilot.StalenessAutopilot` decides
-  from the step metrics; a change of runtime.max_staleness is applied through the runtime
-  (`set_max_staleness`) and reported as an info event (autopilot_raise / autopilot_lower) with its reason.
-"""
+"""The health checks of a running run (rlhf_core.supervision's policies): `HealthMonitor.check(poll)` reads one
+poll and returns a `Decision`; every finding is a `HealthEvent`."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
@@ -425,71 +393,3 @@ class HealthMonitor:
             "paused rollout admission" if paused else "resumed rollout admission",
             reason,
         )
-
-
-class Supervisor:
-    """One supervision tick: poll, check health, report the events, act on the decision.
-
-    `runtime` is a DistributedRun (or anything with its control methods); `report(event)` is called for
-    every HealthEvent before the decision is applied, so a failure is reported before it is raised.
-    """
-
-    def __init__(
-        self,
-        cfg: TrainConfig,
-        runtime,
-        start_step: int = 0,
-        report: Optional[Callable[[HealthEvent], None]] = None,
-        requests=None,
-    ):
-        self.cfg = cfg
-        self.runtime = runtime
-        self.requests = requests  # rlhf_core.run.requests.ScaleRequests: `atrlhf scale` asking for a fleet size
-        self.fleet_size = cfg.rollout.num_workers
-        # a resumed autopilot goes on from the bound it had reached (the runtime restored it into the buffer)
-        start_bound = getattr(runtime, "restored_max_staleness", None)
-        self.monitor = HealthMonitor(cfg, start_step=start_step, start_bound=start_bound)
-        self.report = report or (lambda event: None)
-
-    @property
-    def events(self) -> list[HealthEvent]:
-        return self.monitor.events
-
-    def tick(self) -> dict:
-        """Returns the poll. Raises SupervisionError when a health limit is exceeded."""
-        poll = self.runtime.poll()
-        request = poll["scale_request"] = self.requests.poll() if self.requests is not None else None
-        decision = self.monitor.check(poll)
-        for event in decision.events:
-            self.report(event)
-        self.apply(decision)
-        if request is not None:  # `atrlhf scale` waits for this answer
-            said = [e.detail for e in decision.events if e.kind.startswith("scale")]
-            self.requests.answer(self.fleet_size if decision.rollout_workers is not None else None, "; ".join(said))
-        return poll
-
-    def apply(self, d: Decision) -> None:
-        if d.fail:
-            raise SupervisionError(d.fail)
-        if d.request_sync:
-            self.runtime.request_sync()
-        if d.throttle is not None:
-            self.runtime.throttle(d.throttle)
-        if d.max_staleness is not None:
-            self.runtime.set_max_staleness(d.max_staleness)
-        if d.rollout_workers is not None:
-            if hasattr(self.runtime, "set_rollout_workers"):
-                self.fleet_size = self.runtime.set_rollout_workers(d.rollout_workers, d.rollout_workers_reason)
-            else:
-                d.rollout_workers = None
-                self.monitor._event(
-                    d,
-                    self.monitor.last_step,
-                    "scale_unsupported",
-                    "warning",
-                    "none",
-                    "this host runs its rollout in one process (cluster.host: threads): its fleet cannot change",
-                )
-                self.report(d.events[-1])
-        if not self.monitor.throttled:
-            self.runtime.top_up_prompts(d.top_up)
