@@ -27,6 +27,7 @@ def tiny_cfg(tmp_path, *overrides):
             "data.eval_size=100",
             "supervision.supervise_interval_s=0.2",
             "runtime.wait_timeout_s=60",
+            "trainer.lr_schedule=constant",  # the short runs below were sized with a constant lr
             *overrides,
         ],
     )

@@ -57,6 +57,7 @@ TINY = [
     "algorithm.loss=m2po",
     "algorithm.kl_coef=0.01",
     "runtime.max_staleness=0",
+    "trainer.lr_schedule=constant",  # policy/lr_micro below: a constant lr
 ]
 
 CONTRACT_PER_STEP = [
