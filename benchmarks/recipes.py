@@ -7,6 +7,7 @@ split stay the recipe's). Held-out greedy accuracy at
 the end is compared with the documented target; the time is the run's training wall clock (start-up excluded).
 
     python benchmarks/recipes.py --recipes tiny tiny-lora --seeds 10 --json
+    python benchmarks/recipes.py --recipes tiny-multiturn --first-seed 5 --seeds 5   # seeds 5-9
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ sys.path.insert(0, str(REPO))
 # recipe -> (config, documented target of the final held-out accuracy, where the target is written)
 RECIPES = {
     "tiny": ("configs/tiny.yaml", 0.9, "README: `make train` climbs above 0.9"),
-    "tiny-lora": ("configs/tiny-lora.yaml", 0.9, "docs/benchmarks.md: >= 0.9"),
+    "tiny-lora": ("configs/tiny-lora.yaml", 0.65, "docs/benchmarks.md: >= 0.65 (>= 0.9 in 3 seeds of 10)"),
     "chat-smoke": ("configs/chat-smoke.yaml", 0.9, "README: about 0.97 within 30 steps"),
     "tiny-multiturn": ("configs/tiny-multiturn.yaml", 0.542, "docs/benchmarks.md: >= 2 x 0.271"),
 }
@@ -62,12 +63,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=list(RECIPES))
     parser.add_argument("--seeds", type=int, default=10)
+    parser.add_argument("--first-seed", type=int, default=0, help="seeds first..first+seeds-1 (to finish a series)")
     parser.add_argument("--set", action="append", default=[], help="an override for every run")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     runs, load = [], [os.getloadavg()[0]]
     for recipe in args.recipes:
-        for seed in range(args.seeds):
+        for seed in range(args.first_seed, args.first_seed + args.seeds):
             r = one_run(recipe, seed, args.set)
             load.append(os.getloadavg()[0])
             runs.append(r)

@@ -69,6 +69,26 @@ def base_chat_policy_dir(tmp_path_factory):
     return build_chat_policy(tmp_path_factory.mktemp("base_chat_policy"), style="base", layers=1, hidden=32, heads=2)
 
 
+@pytest.fixture(scope="module")
+def tool_policy(tmp_path_factory):
+    """(model, tokenizer, stop ids): the chat model (its BPE merges cover the tool turns) taught to answer the
+    agents' question with a call to `reveal` (turn 1 of examples/agents/tool_model.py only: a few seconds). One
+    per module: tests may train it."""
+    from rlhf_core.model.chat import build_chat_policy
+    from rlhf_core.model.policy import load_policy, stop_token_ids
+    from rlhf_core.usercode import load_attr
+
+    tool_model = str(Path(__file__).resolve().parents[1] / "examples" / "agents" / "tool_model.py")
+    out = tmp_path_factory.mktemp("tool_policy")
+    build_chat_policy(out, layers=1, hidden=32, heads=2, corpus=load_attr(tool_model, "corpus", "test")(0))
+    model, tok = load_policy(out, dtype="float32", device="cpu")
+    stops = stop_token_ids(out, tok)
+    torch.manual_seed(0)
+    pairs = load_attr(tool_model, "examples", "test")(tok, stops, 10, 0, 1)  # turn 1 only
+    load_attr(tool_model, "supervised", "test")(model, pairs, 40, 1e-2, 2)
+    return model, tok, stops
+
+
 @pytest.fixture(scope="session")
 def tiny_reward_model_dir(tiny_policy_dir, tmp_path_factory):
     """A sequence-classification reward model (LlamaForSequenceClassification, one label, random weights) with

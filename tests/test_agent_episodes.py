@@ -17,31 +17,12 @@ from rlhf_core.agent.segments import Call, Completion, EpisodeLog, Segment, epis
 from rlhf_core.config import AgentConfig, RolloutConfig, validate_config
 from rlhf_core.data.prompts import Prompt
 from rlhf_core.env.chat import ChatFormat
-from rlhf_core.model.policy import load_policy, stop_token_ids
 from rlhf_core.reward.components import build_reward_fn
 from rlhf_core.rollout import HFEngine, RolloutWorker, SamplingParams
 from rlhf_core.trainer.trainer import sequence_logprobs
 from rlhf_core.usercode import load_attr
 
-ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = str(Path(__file__).parent / "agent_fixtures.py")
-TOOL_MODEL = str(ROOT / "examples" / "agents" / "tool_model.py")
-
-
-@pytest.fixture(scope="module")
-def tool_policy(tmp_path_factory):
-    """The chat model (its BPE merges cover the tool turns) taught to answer the agents' question with a call
-    to `reveal` (turn 1 of examples/agents/tool_model.py only: a few seconds)."""
-    from rlhf_core.model.chat import build_chat_policy
-
-    out = tmp_path_factory.mktemp("tool_policy")
-    build_chat_policy(out, layers=1, hidden=32, heads=2, corpus=load_attr(TOOL_MODEL, "corpus", "test")(0))
-    model, tok = load_policy(out, dtype="float32", device="cpu")
-    stops = stop_token_ids(out, tok)
-    torch.manual_seed(0)
-    pairs = load_attr(TOOL_MODEL, "examples", "test")(tok, stops, 10, 0, 1)  # turn 1 only
-    load_attr(TOOL_MODEL, "supervised", "test")(model, pairs, 40, 1e-2, 2)
-    return model, tok, stops
 
 
 def runner_for(tok, stops, name: str, **agent) -> AgentRunner:

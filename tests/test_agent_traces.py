@@ -9,20 +9,16 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import torch
 
 from rlhf_core.agent.runner import AgentRunner, episode_record
 from rlhf_core.agent.segments import Call, Completion, EpisodeLog
 from rlhf_core.config import AgentConfig, RolloutConfig
 from rlhf_core.data.prompts import Prompt
-from rlhf_core.model.policy import load_policy, stop_token_ids
 from rlhf_core.rollout import HFEngine
 from rlhf_core.usercode import load_attr
 from tracking.traces import EVAL_TRAJECTORIES, trace_evaluation
 
-ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = str(Path(__file__).parent / "agent_fixtures.py")
-TOOL_MODEL = str(ROOT / "examples" / "agents" / "tool_model.py")
 VERSION = 7  # the engine's weights: every generated token's version
 
 
@@ -31,20 +27,12 @@ def prompts(n: int, meta=None) -> list[Prompt]:
 
 
 @pytest.fixture(scope="module")
-def evaluated(tmp_path_factory):
-    """Three held-out evaluations with the chat model taught to call `reveal` (as tests/test_agent_episodes.py
-    builds it): `calls_the_tool` on 2 rows (2 requests each, a tool call between), `rewrites_history` on 1 (its
+def evaluated(tool_policy):
+    """Three held-out evaluations with the chat model taught to call `reveal` (conftest's
+    tool_policy): `calls_the_tool` on 2 rows (2 requests each, a tool call between), `rewrites_history` on 1 (its
     second request breaks the prefix), `hangs_on_some` on a 'boom' row (one request, then the agent raises).
     name -> (the evaluation's result, its EpisodeLogs)."""
-    from rlhf_core.model.chat import build_chat_policy
-
-    out = tmp_path_factory.mktemp("tool_policy")
-    build_chat_policy(out, layers=1, hidden=32, heads=2, corpus=load_attr(TOOL_MODEL, "corpus", "test")(0))
-    model, tok = load_policy(out, dtype="float32", device="cpu")
-    stops = stop_token_ids(out, tok)
-    torch.manual_seed(0)
-    pairs = load_attr(TOOL_MODEL, "examples", "test")(tok, stops, 10, 0, 1)  # turn 1 only
-    load_attr(TOOL_MODEL, "supervised", "test")(model, pairs, 40, 1e-2, 2)
+    model, tok, stops = tool_policy
     engine = HFEngine(model, stops, tok.pad_token_id, version=VERSION)
     results = {}
     for name, rows in [

@@ -154,18 +154,7 @@ def _message_spans(client, trace_id: str, root_id: str, messages: list[dict], ep
                 },
             )
             results = [x.get("content", "") for x in messages[i + 1 :] if x.get("role") == "tool"]
-            for j, call in enumerate(m.get("tool_calls") or []):
-                call = call if isinstance(call, dict) else {"name": str(call)}
-                tool = client.start_span(
-                    f"tool {call.get('name')}",
-                    trace_id=trace_id,
-                    parent_id=span.span_id,
-                    span_type="TOOL",
-                    inputs={"arguments": call.get("arguments", {})},
-                )
-                client.end_span(
-                    trace_id, tool.span_id, outputs={"result": _short(results[j]) if j < len(results) else None}
-                )
+            _tool_spans(client, trace_id, span.span_id, m.get("tool_calls") or [], results)
             client.end_span(trace_id, span.span_id, outputs={"text": text})
         else:
             span = client.start_span(
@@ -177,6 +166,23 @@ def _message_spans(client, trace_id: str, root_id: str, messages: list[dict], ep
                 attributes=episode,
             )
             client.end_span(trace_id, span.span_id, outputs={"text": text})
+
+
+def _tool_spans(client, trace_id: str, parent_id: str, calls: list, results: list, at_ns=None) -> None:
+    """One TOOL span per tool call under `parent_id`: its arguments in, the matching tool result out (the j-th
+    tool message after the call; None when the episode ended first). `at_ns`: the spans' time (None = now)."""
+    for j, call in enumerate(calls):
+        call = call if isinstance(call, dict) else {"name": str(call)}
+        tool = client.start_span(
+            f"tool {call.get('name')}",
+            trace_id=trace_id,
+            parent_id=parent_id,
+            span_type="TOOL",
+            inputs={"arguments": call.get("arguments", {})},
+            start_time_ns=at_ns,
+        )
+        result = _short(results[j]) if j < len(results) else None
+        client.end_span(trace_id, tool.span_id, outputs={"result": result}, end_time_ns=at_ns)
 
 
 def _request_spans(client, trace_id: str, root_id: str, requests: list[dict], episode: dict) -> None:
@@ -201,17 +207,7 @@ def _request_spans(client, trace_id: str, root_id: str, requests: list[dict], ep
         reply = req.get("reply") or {}
         following = requests[i + 1]["messages"] if i + 1 < len(requests) else []
         results = [m.get("content", "") for m in following if m.get("role") == "tool"]
-        for j, call in enumerate(reply.get("tool_calls") or []):
-            tool = client.start_span(
-                f"tool {call.get('name')}",
-                trace_id=trace_id,
-                parent_id=span.span_id,
-                span_type="TOOL",
-                inputs={"arguments": call.get("arguments", {})},
-                start_time_ns=ended,
-            )
-            result = _short(results[j]) if j < len(results) else None
-            client.end_span(trace_id, tool.span_id, outputs={"result": result}, end_time_ns=ended)
+        _tool_spans(client, trace_id, span.span_id, reply.get("tool_calls") or [], results, ended)
         outputs = {"content": _short(reply.get("content", "")), "tool_calls": reply.get("tool_calls") or []}
         client.end_span(trace_id, span.span_id, outputs=outputs, end_time_ns=ended)
 
