@@ -368,16 +368,7 @@ def test_a_checkpoint_written_with_the_old_resource_keys_restores_them(tmp_path,
     new = load_config(None, ["cluster.resources.rollout={GPU: 1, rollout_node: 1}", "cluster.resources.trainer.CPU=2"])
     old = new.model_dump(mode="json")
     del old["cluster"]["resources"]
-    old["cluster"].update(
-        rollout_cpus=1.0,
-        rollout_gpus=1.0,
-        trainer_cpus=2.0,
-        trainer_gpus=0.0,
-        reward_cpus=0.0,
-        reward_gpus=0.0,
-        rollout_resources={"rollout_node": 1.0},
-        trainer_resources={},
-    )
+    old["cluster"].update(_OLD_DEFAULTS, rollout_gpus=1.0, trainer_cpus=2.0, rollout_resources={"rollout_node": 1.0})
     (ckpt / "train_config.yaml").write_text(yaml.safe_dump(old))
 
     cfg, notes = _load_noting(caplog, [], path=inspect_path(ckpt).run_config)
