@@ -80,6 +80,7 @@ def arm_config(arm: str, threads: int, steps: int, eval_every: int, out: Path, p
         f"model.path={policy}",
         f"trainer.total_steps={steps}",
         f"eval.every={eval_every}",
+        "trainer.lr_schedule=constant",  # tiny.yaml decays (cosine); TRL's arm runs lr_scheduler_type "constant"
     ]
     if arm == "ours_threads":
         extra = [*COMMON, *EQUAL_ARMS["threads"], f"cluster.torch_threads={max(1, threads // 2)}"]

@@ -83,10 +83,14 @@ def sigterm_kept() -> Iterator[None]:
 def shared_ray(cfg: TrainConfig, slots: int):
     """For a sweep: join Ray once for all the runs of the block (a run that finds Ray joined reuses it and
     leaves it up; parallel runs never race to start or shut it down). Without cluster.address, a local
-    instance with room for `slots` runs of `cfg` at once, shut down when the block leaves."""
+    instance with room for `slots` runs of `cfg` at once, shut down when the block leaves. With cluster.host
+    'threads' the runs need no Ray: none is started (the block yields None)."""
     from rlhf_core.distributed.cluster import connect, required_resources, teardown
 
     cluster = cfg.cluster
+    if cluster.host == "threads":
+        yield None
+        return
     if not cluster.address:
         per_run = max(cluster.num_cpus or 0, required_resources(cfg)["CPU"], 1)
         cluster = cluster.model_copy(update={"num_cpus": math.ceil(per_run * slots)})
@@ -171,7 +175,8 @@ class RunResources:
                 )
             self._shielded(lambda: tracker.end(self._mlflow_status()), "ending the MLflow run")
         if self.runtime is not None:  # teardown is idempotent: a no-op after the teardown task
-            self._shielded(self.runtime.teardown, "teardown")
+            # a run that failed or was interrupted does not wait for a loop stuck mid-batch: its actors are killed
+            self._shielded(lambda: self.runtime.teardown(failed=exc_type is not None), "teardown")
         if self.run_dir is not None:
             self._shielded(self.run_dir.release, "releasing the run directory")
 

@@ -194,7 +194,7 @@ def test_the_sigterm_guard_puts_back_the_handler_ray_replaces():
 
 def test_a_run_holds_one_of_each_kind():
     class Runtime:
-        def teardown(self):
+        def teardown(self, failed=False):
             pass
 
     resources = RunResources(logging.getLogger("test"))

@@ -187,8 +187,9 @@ def test_the_readme_resume_and_evaluate_examples_run_as_written_after_make_train
 def test_the_readme_sweep_example_runs_as_written(fresh_clone, monkeypatch, prefect_api, _mlflow_db_template, capsys):
     """The README's `atrlhf sweep` command as written, from a fresh clone: its grid (2 losses x 2 staleness bounds)
     and seeds (2) are read, every point is validated before anything starts, and all 8 points train to the
-    comparison, each at the bound it names. The one change: each point trains 2 steps of a smaller batch (the
-    base config the command loads, shortened where the command hands it to the sweep); about 3.5 minutes here."""
+    comparison, each at the bound it names. The one change: each point trains 2 steps of a smaller batch on the
+    in-process threads host (the base config the command loads, changed where the command hands it to the sweep;
+    tests/test_sweep.py runs sweeps on Ray)."""
     import shutil
 
     import flows.cli
@@ -203,6 +204,7 @@ def test_the_readme_sweep_example_runs_as_written(fresh_clone, monkeypatch, pref
         started.update(cfg=cfg, grid=grid, seeds=seeds)
         data = cfg.model_dump(mode="json")
         short = ["trainer.total_steps=2", "trainer.prompts_per_step=4", "rollout.prompts_per_batch=4"]
+        short.append("cluster.host=threads")  # in-process (no Ray processes): the Ray host's sweep is test_sweep's
         apply_overrides(data, [*short, "data.eval_size=20", "eval.every=0", "checkpoint.every=0"])
         return real_sweep(validate_config(data), grid, seeds, *rest)
 

@@ -33,6 +33,7 @@ from rlhf_core.run import build
 from rlhf_core.run.checkpoint import CheckpointState, read_checkpoint
 from rlhf_core.run.control import assemble_poll, buffer_options
 from rlhf_core.run.preflight import check_lengths, check_output_dir
+from rlhf_core.run.supervise import FAILED_GRACE_S, stop_grace
 
 log = logging.getLogger("rlhf_core.distributed")
 
@@ -190,7 +191,7 @@ class DistributedRun(LoopWatch, Fleet):
             took = time.monotonic() - t0
             say(f"first weights (version {self.last_version}) loaded by every rollout worker ({took:.1f} s)")
         except BaseException:
-            self.teardown()
+            self.teardown(failed=True)
             raise
         return {
             "ray_address": self.handle.address,
@@ -356,8 +357,9 @@ class DistributedRun(LoopWatch, Fleet):
     def export(self, path: str | Path) -> str:
         return get_or_fail(self.trainer.export.remote(str(path)), max(self.timeout, 600), "the model export")
 
-    def stop(self) -> None:
-        """Stop the loops and wait (bounded) for them to return."""
+    def stop(self, grace_s: Optional[float] = None) -> None:
+        """Stop the loops and wait for them to return, at most `grace_s` (default: runtime.wait_timeout_s, at
+        most 30 s; a run that failed waits FAILED_GRACE_S: a role stuck mid-batch is killed, not waited for)."""
         if self.trainer is None:
             return
         self.stopping = True
@@ -369,18 +371,19 @@ class DistributedRun(LoopWatch, Fleet):
                 pass
         loops = [r for r in [self.trainer_loop, *self.worker_loops.values()] if r is not None]
         try:
-            ray.wait(refs + loops, num_returns=len(refs + loops), timeout=min(self.timeout, 30))
+            ray.wait(refs + loops, num_returns=len(refs + loops), timeout=stop_grace(self.timeout, grace_s))
         except Exception:
             pass
         self.started = False
 
-    def teardown(self) -> None:
-        """Idempotent: stop loops, kill exactly our actors and placement group, shut Ray down if we started it."""
+    def teardown(self, failed: bool = False) -> None:
+        """Idempotent: stop loops, kill exactly our actors and placement group, shut Ray down if we started it.
+        `failed`: the run ended on an error, its loops get FAILED_GRACE_S to return before the kill."""
         if self.handle is None:
             return
         try:
             if ray.is_initialized():
-                self.stop()
+                self.stop(FAILED_GRACE_S if failed else None)
         finally:
             teardown(self.handle)
             self.handle = None
@@ -388,8 +391,8 @@ class DistributedRun(LoopWatch, Fleet):
     def __enter__(self) -> DistributedRun:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.teardown()
+    def __exit__(self, exc_type, *exc) -> None:
+        self.teardown(failed=exc_type is not None)
 
     # ------------------------------------------------------------------ reconciliation
     reconcile = staticmethod(reconcile)  # the conservation of groups (rlhf_core.distributed.control owns it)

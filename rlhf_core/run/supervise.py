@@ -17,6 +17,14 @@ from typing import Optional
 from rlhf_core.run.requests import ScaleRequests
 from rlhf_core.supervision import HealthEvent, Supervisor
 
+FAILED_GRACE_S = 3.0  # how long a failed run's loops get to return before the teardown ends them
+
+
+def stop_grace(wait_timeout_s: float, grace_s: Optional[float] = None) -> float:
+    """How long a host's stop waits for its loops: `grace_s` when given, else runtime.wait_timeout_s capped at
+    30 s (a normal stop: the loops finish their batch, give a prefetched batch back, and the counts close)."""
+    return min(wait_timeout_s, 30.0) if grace_s is None else grace_s
+
 
 class Every:
     """Fires at the first step at or after each multiple of `every`; never when every is 0."""

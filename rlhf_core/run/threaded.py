@@ -37,6 +37,7 @@ from rlhf_core.run.control import ExperienceBuffer, RunFailed, assemble_poll, bu
 from rlhf_core.run.local import LocalPeer, LocalWeights
 from rlhf_core.run.preflight import check_lengths, check_output_dir
 from rlhf_core.run.roles import RolloutRole, TrainerRole
+from rlhf_core.run.supervise import FAILED_GRACE_S, stop_grace
 
 log = logging.getLogger("rlhf_core.run")
 
@@ -147,7 +148,7 @@ class ThreadedRun:
             for role in self.rollout_roles:
                 role.adopt_weights()
         except BaseException:
-            self.teardown()
+            self.teardown(failed=True)
             raise
         self.launched = True
         self.last_step, self.last_version = self.trainer_role.trainer.step, self.trainer_role.trainer.version
@@ -295,28 +296,29 @@ class ThreadedRun:
         with self.trainer_role.lock:
             return str(build.export_run_policy(self.cfg, self.model, self.tokenizer, path))
 
-    def stop(self) -> None:
-        """Stop the loops and wait (bounded) for them to return."""
+    def stop(self, grace_s: Optional[float] = None) -> None:
+        """Stop the loops and wait for them to return, at most `grace_s` (DistributedRun.stop's bound)."""
         if self.trainer_role is None:
             return
         self.stopping = True
         for role in [self.trainer_role, *self.rollout_roles]:
             role.stop()
-        deadline = time.monotonic() + min(self.timeout, 30)
+        grace = stop_grace(self.timeout, grace_s)
+        deadline = time.monotonic() + grace
         for loop in [self.trainer_loop, *self.worker_loops.values()]:
             if loop is not None:
                 loop.join(timeout=max(0.0, deadline - time.monotonic()))
                 if loop.is_alive():
-                    log.warning("%s did not stop within %.0f s", loop.name, min(self.timeout, 30))
+                    log.warning("%s did not stop within %.0f s", loop.name, grace)
         self.started = False
 
-    def teardown(self) -> None:
+    def teardown(self, failed: bool = False) -> None:
         """Idempotent: stop the loops, close what the workers and the evaluator started (reward and environment
-        processes)."""
+        processes). `failed`: the run ended on an error, its loops get FAILED_GRACE_S to return."""
         if self.trainer_role is None and not self.rollout_roles:
             return
         try:
-            self.stop()
+            self.stop(FAILED_GRACE_S if failed else None)
         finally:
             for role in self.rollout_roles:
                 role.worker.close()
@@ -329,8 +331,8 @@ class ThreadedRun:
     def __enter__(self) -> ThreadedRun:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.teardown()
+    def __exit__(self, exc_type, *exc) -> None:
+        self.teardown(failed=exc_type is not None)
 
     def wait_loop(
         self,
