@@ -1,6 +1,6 @@
 """The sweep deployment end to end: `prefect deploy --all` from prefect.yaml on a real Prefect server, a
-`process` worker running `atrlhf-sweep/staleness-sweep` from this checkout (shrunk to two points), the
-points as child flow runs of atrlhf-train, one MLflow parent with its children, the comparison artifacts.
+`process` worker running `atrlhf-sweep/staleness-sweep` from this checkout (shrunk to two points on the
+in-process threads host), the points as child flow runs of atrlhf-train, one MLflow parent with its children, the comparison artifacts.
 
 The server, deploy and worker fixtures are those of tests/test_deployment.py.
 """
@@ -40,6 +40,7 @@ def test_sweep_deployment_run_by_a_worker(deployed, work):  # noqa: F811 - fixtu
         [
             *SMALL,
             "tracking.log_system_metrics=false",
+            "cluster.host=threads",  # the points in the worker's process (no Ray: test_sweep.py runs Ray sweeps)
             f"run.output_dir={work / 'sweep'}",
             f"tracking.tracking_uri=sqlite:///{db}",
         ],
