@@ -1,6 +1,7 @@
 """The sweep deployment end to end: `prefect deploy --all` from prefect.yaml on a real Prefect server, a
 `process` worker running `atrlhf-sweep/staleness-sweep` from this checkout (shrunk to two points on the
-in-process threads host), the points as child flow runs of atrlhf-train, one MLflow parent with its children, the comparison artifacts.
+in-process threads host), the points as child flow runs of atrlhf-train, one MLflow parent with its children,
+the comparison artifacts.
 
 The server, deploy and worker fixtures are those of tests/test_deployment.py.
 """

@@ -534,6 +534,10 @@ def test_padding_free_matches_the_padded_path(tiny_model, eos_batch, loss, agg):
     if masking == "trust_region":
         base.append("algorithm.loss_options.clip_eps=null")
     b = with_empty_rows(stale(eos_batch))
+    from rlhf_core.trainer.logprobs import shared_prefix_plan
+
+    # the padding-free micro-batches share their groups' prompts (shared_prefix_logprobs), not merely pack them
+    assert shared_prefix_plan(b.prompt_ids[:16], b.prompt_mask[:16], b.response_mask[:16]) is not None
     ref = perturbed(tiny_model)
     models = {free: copy.deepcopy(tiny_model) for free in (True, False)}
     metrics = {
@@ -578,6 +582,59 @@ def test_packed_logprobs_equal_padded_and_models_isolate_packed_sequences(which,
     torch.testing.assert_close(packed[m], padded[m], atol=1e-5, rtol=0)
     torch.testing.assert_close(ent_packed[m], ent_padded[m], atol=1e-5, rtol=0)
     assert bool((packed[~m] == 0).all())
+
+
+@pytest.mark.parametrize("which", ["tiny", "chat"])
+def test_rows_sharing_a_prompt_compute_it_once_with_the_same_logprobs_and_gradients(
+    which, tiny_policy_dir, chat_policy_dir
+):
+    """shared_prefix_logprobs (one sequence per distinct prompt, the group's responses after it under a 4D mask)
+    gives the padded pass's log-probs and entropies, 0 off the mask, and the same gradients: what reaches the
+    shared prompt sums over its responses as it would over copies. Rows shuffled: groups need not be adjacent."""
+    from rlhf_core.trainer.logprobs import (
+        padding_free_logprobs,
+        prefix_sharing_works,
+        shared_prefix_logprobs,
+        shared_prefix_plan,
+    )
+
+    model, tok = _policy(which, tiny_policy_dir, chat_policy_dir)
+    assert prefix_sharing_works(model) and padding_free_logprobs(model) is shared_prefix_logprobs
+    cfg = make_cfg("rollout.max_new_tokens=10", "rollout.top_k=3", "rollout.temperature=0.7")
+    b = _on_policy_batch(model, tok, cfg)
+    perm = torch.randperm(len(b), generator=torch.Generator().manual_seed(0))
+    args = (b.prompt_ids[perm], b.prompt_mask[perm], b.response_ids[perm], b.response_mask[perm])
+    plan = shared_prefix_plan(*args[:2], args[3])
+    assert plan is not None and plan["G"] == 4 and plan["S"] < int(args[1].sum() + args[3].sum())
+    sampling = SamplingParams.from_config(cfg.rollout)
+    results = {}
+    for name, fn in (("padded", sequence_logprobs), ("shared", shared_prefix_logprobs)):
+        model.zero_grad(set_to_none=True)
+        lp, ent = fn(model, *args, with_entropy=True, sampling=sampling)
+        ((lp * args[3]).sum() + (lp * args[3]).square().sum()).backward()
+        results[name] = (lp.detach(), ent, {n: p.grad.clone() for n, p in model.named_parameters()})
+    m = args[3].bool()
+    (lp_p, ent_p, grad_p), (lp_s, ent_s, grad_s) = results["padded"], results["shared"]
+    torch.testing.assert_close(lp_s[m], lp_p[m], atol=1e-5, rtol=0)
+    torch.testing.assert_close(ent_s[m], ent_p[m], atol=1e-5, rtol=0)
+    assert bool((lp_s[~m] == 0).all())
+    for n in grad_p:
+        torch.testing.assert_close(grad_s[n], grad_p[n], atol=1e-5, rtol=1e-4, msg=lambda msg, n=n: f"{n}: {msg}")
+
+
+def test_sharing_prompts_is_used_only_where_it_saves_tokens():
+    """No shared prompt, or responses so long that the prompt is a small part: the plan is None (packing)."""
+    from rlhf_core.trainer.logprobs import shared_prefix_plan
+
+    prompts = torch.arange(1, 25).view(4, 6)
+    ones = torch.ones_like(prompts)
+    short = torch.ones((4, 3), dtype=torch.long)
+    assert shared_prefix_plan(prompts, ones, short) is None  # four distinct prompts
+    grouped = prompts[:2].repeat_interleave(2, 0)
+    assert shared_prefix_plan(grouped, ones, short)["G"] == 2  # 2 x (6 + 2 x 3) tokens instead of 4 x 9
+    long = torch.ones((4, 60), dtype=torch.long)
+    assert shared_prefix_plan(grouped, ones, long) is None  # 252 tokens instead of 264: not worth a 4D mask
+    assert shared_prefix_plan(grouped, ones, long, force=True)["S"] == 126
 
 
 def test_pack_rows_places_whole_sequences_within_the_budget():

@@ -1,6 +1,8 @@
 """Log-probabilities of responses under a policy: padded rows (`sequence_logprobs`), one packed row per
-micro-batch (`packed_sequence_logprobs`, padding-free training), the per-token helper both use, and how rows are
-packed. The distribution is the one the rollout engine sampled from (`rollout.base.processed_logits`)."""
+micro-batch (`packed_sequence_logprobs`, padding-free training), one sequence per distinct prompt with its
+responses after it (`shared_prefix_logprobs`: a GRPO group's prompt computed once), the per-token helper they
+use, and how rows are packed. The distribution is the one the rollout engine sampled from
+(`rollout.base.processed_logits`)."""
 
 from __future__ import annotations
 
@@ -152,3 +154,146 @@ def packing_isolates(model) -> bool:
         model.train(was_training)
     model._atrlhf_packing_isolates = ok
     return ok
+
+
+# Shared prompts: the rows of a GRPO group have one prompt. Its forward pass (and its share of the backward) is
+# the same for each of them: computed once per group, its keys and values serve every response of the group.
+SHARED_PREFIX_MAX_MASK = 1 << 22  # mask elements of one micro-batch (groups x S x S) above which it is not used
+SHARED_PREFIX_MIN_SAVING = 0.2  # the fraction of the packed tokens that sharing must save to be used
+
+
+def shared_prefix_plan(prompt_ids, prompt_mask, response_mask, force: bool = False) -> Optional[dict]:
+    """How a micro-batch's rows would share their prompts, or None when sharing does not pay: one sequence per
+    distinct prompt (its real tokens, then every response to it, each with its own position ids continuing
+    the prompt's), when that saves at least SHARED_PREFIX_MIN_SAVING of the tokens that packing keeps and its
+    attention mask stays within SHARED_PREFIX_MAX_MASK elements (long responses: packing costs less).
+    `force`: whenever any two rows share a prompt."""
+    prompt_lens = prompt_mask.sum(-1)
+    if bool((prompt_lens == 0).any()):
+        return None
+    keys = torch.where(prompt_mask.bool(), prompt_ids, torch.full_like(prompt_ids, -1))
+    uniq, group = torch.unique(keys, dim=0, return_inverse=True)
+    G, N = uniq.shape[0], keys.shape[0]
+    if G == N:
+        return None
+    resp_lens = response_mask.sum(-1)
+    group_prompt = torch.zeros(G, dtype=prompt_lens.dtype, device=prompt_lens.device).scatter_(0, group, prompt_lens)
+    seq_lens = group_prompt.clone().index_add_(0, group, resp_lens)
+    packed_tokens = int((prompt_lens + resp_lens).sum())
+    S = int(seq_lens.max())
+    too_few = int(seq_lens.sum()) > (1 - SHARED_PREFIX_MIN_SAVING) * packed_tokens
+    if not force and (too_few or G * S * S > SHARED_PREFIX_MAX_MASK):
+        return None
+    return {"group": group, "group_prompt": group_prompt, "resp_lens": resp_lens, "G": G, "S": S}
+
+
+def shared_prefix_logprobs(
+    model,
+    prompt_ids,
+    prompt_mask,
+    response_ids,
+    response_mask,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    sampling: Optional[SamplingParams] = None,
+    plan: Optional[dict] = None,
+):
+    """`sequence_logprobs` with each distinct prompt computed once: one sequence per prompt, [prompt, response
+    of row a, response of row b, ...], where a response's tokens take the positions that follow the prompt
+    and attend to the prompt and to their own response only (a 4D attention mask; `prefix_sharing_works`
+    checks that the model honours it). The same outputs ([N, L], 0 where response_mask is False); gradients
+    reaching the shared prompt sum over its responses, as they would over copies. `plan`: shared_prefix_plan's
+    (computed when not given; falls back to `packed_sequence_logprobs` when it is None)."""
+    plan = plan or shared_prefix_plan(prompt_ids, prompt_mask, response_mask)
+    if plan is None:
+        return packed_sequence_logprobs(
+            model, prompt_ids, prompt_mask, response_ids, response_mask, temperature, with_entropy, sampling
+        )
+    sampling = sampling or SamplingParams(temperature=temperature)
+    dev = prompt_ids.device
+    N, L = response_ids.shape
+    group, group_prompt, resp_lens, G, S = (plan[k] for k in ("group", "group_prompt", "resp_lens", "G", "S"))
+    # each response's start in its group's sequence: the prompt, then the responses of the rows before it
+    order = torch.argsort(group, stable=True)
+    lens_sorted = resp_lens[order]
+    before = lens_sorted.cumsum(0) - lens_sorted  # over all rows, in group order
+    first = torch.full((G,), N, dtype=torch.long, device=dev).scatter_reduce_(
+        0, group[order], torch.arange(N, device=dev), "amin"
+    )
+    start = torch.empty_like(resp_lens)
+    start[order] = group_prompt[group[order]] + before - before[first[group[order]]]
+    input_ids = torch.zeros((G, S), dtype=prompt_ids.dtype, device=dev)
+    positions = torch.zeros((G, S), dtype=torch.long, device=dev)
+    owner = torch.full((G, S), -2, dtype=torch.long, device=dev)  # -1 the prompt, r response of row r, -2 padding
+    # prompts: one representative row per group (left-padded: its real tokens are the last ones)
+    rep = first[torch.arange(G, device=dev)]
+    rep = order[rep]
+    pm = prompt_mask[rep].bool()
+    g_idx, col = pm.nonzero(as_tuple=True)
+    within = (pm.long().cumsum(-1) - 1)[g_idx, col]  # the token's place among the prompt's real tokens
+    input_ids[g_idx, within] = prompt_ids[rep][g_idx, col]
+    positions[g_idx, within] = within
+    owner[g_idx, within] = -1
+    i, j = response_mask.nonzero(as_tuple=True)
+    rank = (response_mask.long().cumsum(-1) - 1)[i, j]  # the token's place among its response's real tokens
+    gi = group[i]
+    input_ids[gi, start[i] + rank] = response_ids[i, j]
+    positions[gi, start[i] + rank] = group_prompt[gi] + rank
+    owner[gi, start[i] + rank] = i
+    q, k = owner.unsqueeze(2), owner.unsqueeze(1)
+    causal = torch.ones((S, S), dtype=torch.bool, device=dev).tril()
+    allowed = causal & (k != -2) & ((k == -1) | (k == q))
+    allowed |= torch.eye(S, dtype=torch.bool, device=dev)  # padding attends to itself (no empty row)
+    dtype = next(model.parameters()).dtype
+    mask = torch.zeros((G, 1, S, S), dtype=dtype, device=dev).masked_fill_(
+        ~allowed.unsqueeze(1), torch.finfo(dtype).min
+    )
+    out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
+    # a response's first token is predicted at the prompt's last token, each next one at its own previous token
+    at = torch.where(rank == 0, group_prompt[gi] - 1, start[i] + rank - 1)
+    values, ent = token_logprobs(out[gi, at], response_ids[i, j], sampling, with_entropy)
+    logprobs = torch.zeros((N, L), dtype=values.dtype, device=dev).index_put((i, j), values)
+    entropy = None if ent is None else torch.zeros((N, L), dtype=ent.dtype, device=dev).index_put((i, j), ent)
+    return logprobs, entropy
+
+
+@torch.no_grad()
+def prefix_sharing_works(model) -> bool:
+    """Whether `model` honours a 4D attention mask with explicit position ids (eager and sdpa attention do;
+    flash-attention kernels ignore such masks): two responses sharing one prompt get the log-probs they get
+    packed apart. Remembered per model."""
+    known = getattr(model, "_atrlhf_prefix_sharing", None)
+    if known is not None:
+        return known
+    was_training = model.training
+    model.eval()
+    try:
+        dev = next(model.parameters()).device
+        V = int(model.get_input_embeddings().weight.shape[0])
+        prompt = ((torch.arange(6, device=dev) * 7 + 3) % V).repeat(3, 1)
+        prompt_mask = torch.ones_like(prompt)
+        prompt_mask[2, :2] = 0  # a shorter prompt (left padding), alone in its group
+        response = (torch.arange(15, device=dev).view(3, 5) * 5 + 1) % V
+        response_mask = torch.ones_like(response)
+        response_mask[1, 3:] = 0
+        args = (model, prompt, prompt_mask, response, response_mask)
+        plan = shared_prefix_plan(prompt, prompt_mask, response_mask, force=True)
+        shared = shared_prefix_logprobs(*args, plan=plan)[0]
+        apart = sequence_logprobs(*args)[0]
+        tol = 1e-4 if shared.dtype == torch.float32 else 5e-2
+        ok = bool(((shared - apart).abs() * response_mask).max() <= tol * (1 + float(apart.abs().max())))
+    except Exception:  # a model that refuses a 4D mask or explicit position ids
+        ok = False
+    finally:
+        model.train(was_training)
+    model._atrlhf_prefix_sharing = ok
+    return ok
+
+
+def padding_free_logprobs(model):
+    """The padding-free forward pass `model` supports: `shared_prefix_logprobs` (rows sharing a prompt compute it
+    once, and are packed when that does not pay) where it honours a 4D mask, else `packed_sequence_logprobs`
+    where it keeps packed sequences apart, else None (the caller pads)."""
+    if not packing_isolates(model):
+        return None
+    return shared_prefix_logprobs if prefix_sharing_works(model) else packed_sequence_logprobs

@@ -37,7 +37,7 @@ from rlhf_core.model.sharding import (
 )
 from rlhf_core.rollout.base import SamplingParams
 from rlhf_core.trainer.ledger import mismatch_ledger
-from rlhf_core.trainer.logprobs import packed_sequence_logprobs, packing_isolates, sequence_logprobs
+from rlhf_core.trainer.logprobs import padding_free_logprobs, sequence_logprobs
 from rlhf_core.trainer.schedule import build_lr_lambda
 from rlhf_core.types import RolloutBatch
 
@@ -154,8 +154,8 @@ class Trainer:
     def _logprobs(self, model, batch: RolloutBatch, idx: slice, with_entropy: bool = False):
         fn = sequence_logprobs
         if self.tcfg.padding_free:
-            if packing_isolates(model):
-                fn = packed_sequence_logprobs
+            if (free := padding_free_logprobs(model)) is not None:
+                fn = free
             elif not self._warned_padding:
                 self._warned_padding = True
                 warnings.warn(
