@@ -92,9 +92,9 @@ def mode_config(args, mode: str, policy_dir: Path, output_dir: str):
     return load_config(
         ROOT / "configs" / "tiny.yaml",
         [
-            *MODES[mode],
-            f"model.path={policy_dir}",
             f"runtime.max_staleness={args.max_staleness}",
+            *MODES[mode],  # after the bound: sync's runtime.max_staleness=0 wins
+            f"model.path={policy_dir}",
             "rollout.num_workers=1",
             f"rollout.samples_per_prompt={args.samples_per_prompt}",
             f"rollout.prompts_per_batch={per_batch}",
