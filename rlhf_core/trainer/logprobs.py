@@ -225,9 +225,8 @@ def shared_prefix_logprobs(
     input_ids = torch.zeros((G, S), dtype=prompt_ids.dtype, device=dev)
     positions = torch.zeros((G, S), dtype=torch.long, device=dev)
     owner = torch.full((G, S), -2, dtype=torch.long, device=dev)  # -1 the prompt, r response of row r, -2 padding
-    # prompts: one representative row per group (left-padded: its real tokens are the last ones)
-    rep = first[torch.arange(G, device=dev)]
-    rep = order[rep]
+    # prompts: the first row of each group stands for it (its real tokens, wherever the padding is)
+    rep = order[first]
     pm = prompt_mask[rep].bool()
     g_idx, col = pm.nonzero(as_tuple=True)
     within = (pm.long().cumsum(-1) - 1)[g_idx, col]  # the token's place among the prompt's real tokens
