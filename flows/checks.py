@@ -5,7 +5,7 @@ and nothing is started: no run directory, no Prefect API, no Ray, no MLflow run 
 
     train     rlhf_core.run.preflight.check_paths (model.path, critic.path, reward.model.path, data files, reward
               functions, environment and tools imported, a run.name in use), check_lora_targets (on the meta
-              device), --resume-from (tasks.resume: a checkpoint, a run directory's newest, or an MLflow run
+              device), --resume-from (tracking.resume: a checkpoint, a run directory's newest, or an MLflow run
               holding one; a missing one lists the checkpoints that exist near it)
     sweep     --grid keys and values validated as --set would validate them, then every point, with the same
               path checks for each point's config

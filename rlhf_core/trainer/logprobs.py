@@ -125,35 +125,45 @@ def pack_rows(lengths: list[int]) -> tuple[list[int], list[int]]:
     return rows, offsets
 
 
-@torch.no_grad()
-def packing_isolates(model) -> bool:
-    """Whether `model` keeps packed sequences apart (attention within each sequence, as its position ids
-    restart): two short sequences' logits packed in one row equal their logits alone. Remembered per model."""
-    known = getattr(model, "_atrlhf_packing_isolates", None)
+def _once_per_model(model, attr: str, check) -> bool:
+    """`check(model)` run once, in eval mode and without gradients (the model's mode put back after), its answer
+    remembered on the model as `attr`: how a forward pass's support for a layout is tested before it is used."""
+    known = getattr(model, attr, None)
     if known is not None:
         return known
     was_training = model.training
     model.eval()
     try:
-        dev = next(model.parameters()).device
-        V = int(model.get_input_embeddings().weight.shape[0])
-        a = (torch.arange(7, device=dev) * 7 + 3) % V
-        b = (torch.arange(5, device=dev) * 5 + 1) % V
-        alone = [
-            model(input_ids=x[None], position_ids=torch.arange(len(x), device=dev)[None], use_cache=False).logits[0]
-            for x in (a, b)
-        ]
-        pos = torch.cat([torch.arange(7, device=dev), torch.arange(5, device=dev)])[None]
-        packed = model(input_ids=torch.cat([a, b])[None], position_ids=pos, use_cache=False).logits[0]
-        ref = torch.cat(alone).float()
-        tol = (1e-4 if ref.dtype == packed.dtype == torch.float32 and alone[0].dtype == torch.float32 else 5e-2) * (
-            1 + float(ref.abs().max())
-        )
-        ok = bool((packed.float() - ref).abs().max() <= tol)
+        with torch.no_grad():
+            ok = bool(check(model))
     finally:
         model.train(was_training)
-    model._atrlhf_packing_isolates = ok
+    setattr(model, attr, ok)
     return ok
+
+
+def packing_isolates(model) -> bool:
+    """Whether `model` keeps packed sequences apart (attention within each sequence, as its position ids
+    restart): two short sequences' logits packed in one row equal their logits alone. Remembered per model."""
+    return _once_per_model(model, "_atrlhf_packing_isolates", _isolates_packed_sequences)
+
+
+def _isolates_packed_sequences(model) -> bool:
+    dev = next(model.parameters()).device
+    V = int(model.get_input_embeddings().weight.shape[0])
+    a = (torch.arange(7, device=dev) * 7 + 3) % V
+    b = (torch.arange(5, device=dev) * 5 + 1) % V
+    alone = [
+        model(input_ids=x[None], position_ids=torch.arange(len(x), device=dev)[None], use_cache=False).logits[0]
+        for x in (a, b)
+    ]
+    pos = torch.cat([torch.arange(7, device=dev), torch.arange(5, device=dev)])[None]
+    packed = model(input_ids=torch.cat([a, b])[None], position_ids=pos, use_cache=False).logits[0]
+    ref = torch.cat(alone).float()
+    tol = (1e-4 if ref.dtype == packed.dtype == torch.float32 and alone[0].dtype == torch.float32 else 5e-2) * (
+        1 + float(ref.abs().max())
+    )
+    return bool((packed.float() - ref).abs().max() <= tol)
 
 
 # Shared prompts: the rows of a GRPO group have one prompt. Its forward pass (and its share of the backward) is
@@ -256,37 +266,31 @@ def shared_prefix_logprobs(
     return logprobs, entropy
 
 
-@torch.no_grad()
 def prefix_sharing_works(model) -> bool:
     """Whether `model` honours a 4D attention mask with explicit position ids (eager and sdpa attention do;
     flash-attention kernels ignore such masks): two responses sharing one prompt get the log-probs they get
     packed apart. Remembered per model."""
-    known = getattr(model, "_atrlhf_prefix_sharing", None)
-    if known is not None:
-        return known
-    was_training = model.training
-    model.eval()
+    return _once_per_model(model, "_atrlhf_prefix_sharing", _shares_prefixes)
+
+
+def _shares_prefixes(model) -> bool:
+    dev = next(model.parameters()).device
+    V = int(model.get_input_embeddings().weight.shape[0])
+    prompt = ((torch.arange(6, device=dev) * 7 + 3) % V).repeat(3, 1)
+    prompt_mask = torch.ones_like(prompt)
+    prompt_mask[2, :2] = 0  # a shorter prompt (left padding), alone in its group
+    response = (torch.arange(15, device=dev).view(3, 5) * 5 + 1) % V
+    response_mask = torch.ones_like(response)
+    response_mask[1, 3:] = 0
+    args = (model, prompt, prompt_mask, response, response_mask)
     try:
-        dev = next(model.parameters()).device
-        V = int(model.get_input_embeddings().weight.shape[0])
-        prompt = ((torch.arange(6, device=dev) * 7 + 3) % V).repeat(3, 1)
-        prompt_mask = torch.ones_like(prompt)
-        prompt_mask[2, :2] = 0  # a shorter prompt (left padding), alone in its group
-        response = (torch.arange(15, device=dev).view(3, 5) * 5 + 1) % V
-        response_mask = torch.ones_like(response)
-        response_mask[1, 3:] = 0
-        args = (model, prompt, prompt_mask, response, response_mask)
         plan = shared_prefix_plan(prompt, prompt_mask, response_mask, force=True)
         shared = shared_prefix_logprobs(*args, plan=plan)[0]
-        apart = sequence_logprobs(*args)[0]
-        tol = 1e-4 if shared.dtype == torch.float32 else 5e-2
-        ok = bool(((shared - apart).abs() * response_mask).max() <= tol * (1 + float(apart.abs().max())))
     except Exception:  # a model that refuses a 4D mask or explicit position ids
-        ok = False
-    finally:
-        model.train(was_training)
-    model._atrlhf_prefix_sharing = ok
-    return ok
+        return False
+    apart = sequence_logprobs(*args)[0]
+    tol = 1e-4 if shared.dtype == torch.float32 else 5e-2
+    return bool(((shared - apart).abs() * response_mask).max() <= tol * (1 + float(apart.abs().max())))
 
 
 def padding_free_logprobs(model):
