@@ -1,13 +1,13 @@
 """Rollout corrections against a real engine mismatch: none / tis / mis on the tiny task with a bf16 rollout engine.
 
-Runs `rlhf_core.loop.run_sync` on configs/tiny.yaml with `rollout.dtype: bfloat16` (the rollout model in bf16,
-the trainer in float32: a mismatch as with vLLM in bf16) for each `algorithm.rollout_correction.mode` and seed,
+Runs `rlhf_core.loop.run_sync` on configs/tiny.yaml with `rollout.engine_kwargs.dtype: bfloat16` (the rollout model
+in bf16, the trainer in float32: a mismatch as with vLLM in bf16) for each `algorithm.rollout_correction.mode` and seed,
 all in one invocation, and reports time and steps to 0.9 held-out greedy accuracy, the final accuracy, and the
 mismatch ledger's mean `mismatch/engine_kl` and `mismatch/drift_kl`. Target: every mode reaches 0.9.
 
     python benchmarks/corrections.py --seeds 0 1 2 3 4          # table
     python benchmarks/corrections.py --seeds 0 --json           # one JSON object
-    python benchmarks/corrections.py --modes none tis --set rollout.dtype=float32
+    python benchmarks/corrections.py --modes none tis --set rollout.engine_kwargs.dtype=float32
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def run_one(mode: str, seed: int, steps: int, eval_every: int, overrides: list[s
         cfg = load_config(
             "configs/tiny.yaml",
             [
-                "rollout.dtype=bfloat16",
+                "rollout.engine_kwargs.dtype=bfloat16",
                 f"algorithm.rollout_correction.mode={mode}",
                 f"trainer.seed={seed}",
                 f"data.seed={seed}",

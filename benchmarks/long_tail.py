@@ -14,8 +14,8 @@ one rollout worker (1 CPU) and the trainer (1 CPU), torch_threads 1, the same st
 
 - sync:             lockstep (runtime.max_staleness=0), batch-at-a-time generation, padded training
 - async:            async (runtime.max_staleness as configured), batch-at-a-time generation, padded training
-- async_continuous: continuous batching (the same active rows, rollout.max_active_rows = one step's rows;
-                    a call takes two steps' prompts, so ended rows are replaced) + padding-free training
+- async_continuous: continuous batching (the same active rows, rollout.engine_kwargs.max_active_rows = one step's
+                    rows; a call takes two steps' prompts, so ended rows are replaced) + padding-free training
 - async_partial:    async_continuous + rollout.partial_rollout (weights adopted between decode steps)
 
 Per mode: tokens_per_s (response tokens trained on / wall clock of the run), rollout_busy and trainer_busy (the
@@ -40,11 +40,15 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
 MODES = {
-    "sync": ["runtime.max_staleness=0", "rollout.continuous_batching=false", "trainer.padding_free=false"],
-    "async": ["rollout.continuous_batching=false", "trainer.padding_free=false"],
-    "async_continuous": ["rollout.continuous_batching=true", "trainer.padding_free=true"],
+    "sync": [
+        "runtime.max_staleness=0",
+        "rollout.engine_kwargs.continuous_batching=false",
+        "trainer.padding_free=false",
+    ],
+    "async": ["rollout.engine_kwargs.continuous_batching=false", "trainer.padding_free=false"],
+    "async_continuous": ["rollout.engine_kwargs.continuous_batching=true", "trainer.padding_free=true"],
     "async_partial": [
-        "rollout.continuous_batching=true",
+        "rollout.engine_kwargs.continuous_batching=true",
         "trainer.padding_free=true",
         "rollout.partial_rollout=true",
     ],
@@ -98,7 +102,7 @@ def mode_config(args, mode: str, policy_dir: Path, output_dir: str):
             "rollout.num_workers=1",
             f"rollout.samples_per_prompt={args.samples_per_prompt}",
             f"rollout.prompts_per_batch={per_batch}",
-            f"rollout.max_active_rows={rows}",
+            f"rollout.engine_kwargs.max_active_rows={rows}",
             f"trainer.prompts_per_step={args.prompts_per_step}",
             f"trainer.micro_batch_size={rows}",
             f"rollout.max_new_tokens={args.max_new_tokens}",

@@ -75,7 +75,6 @@ def pipeline_config(args, mode: str, tokens_per_s: float, output_dir: str):
             "cluster.torch_threads=1",
             "data.eval_size=32",
             f"run.output_dir={output_dir}",
-            f"runtime.prefetch={'false' if args.no_prefetch else 'true'}",
         ],
     )
 
@@ -464,7 +463,7 @@ def main() -> None:
     parser.add_argument(
         "--no-prefetch",
         action="store_true",
-        help="runtime.prefetch=false: the trainer takes each "
+        help="ASYNCTENSORRLHF_NO_PREFETCH=1 (inherited by the Ray workers): the trainer takes each "
         "batch only after the previous step (for before/after comparisons)",
     )
     parser.add_argument("--poll-s", type=float, default=0.5, help="run_distributed poll interval in async mode")
@@ -482,6 +481,11 @@ def main() -> None:
     import logging
 
     import ray
+
+    if args.no_prefetch:  # set before Ray starts: its worker processes inherit it
+        from rlhf_core.run.trainer_role import NO_PREFETCH_ENV
+
+        os.environ[NO_PREFETCH_ENV] = "1"
 
     logging.getLogger("ray").setLevel(logging.ERROR)
     output_dir = tempfile.mkdtemp(prefix="pipeline_bench_")

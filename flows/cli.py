@@ -118,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
         "applies) and either 'response' (text, tokenized with the model's tokenizer with NO special tokens "
         "added; special-token text such as <|im_end|> in it becomes that token) or 'response_ids' (token ids). "
         "Responses are the generated tokens only, without the prompt; the prompt may be given as a dataset "
-        "row gives it (data.prompt_key or data.messages_key): the reward functions and the reward model see it. "
+        "row gives it (data.prompt_key, or a row's messages): the reward functions and the reward model see it. "
         "Other keys are columns the reward functions get.",
     )
     _add_config_args(s)

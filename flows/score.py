@@ -58,7 +58,7 @@ def cmd_score_trajectories(cfg: TrainConfig, input_path: str, as_json: bool = Fa
 
     try:
         records = read_trajectories(input_path)
-        results = score_trajectories(cfg.env, records, cfg.reward.function_workers)
+        results = score_trajectories(cfg.env, records, cfg.env.workers)
     except (EnvLoadError, OSError, ValueError) as exc:
         print(f"atrlhf: {exc}", file=sys.stderr)
         return EXIT_FAILED

@@ -90,7 +90,7 @@ def start(
         stop_ids = build.build_stop_ids(cfg, tokenizer, policy_dir)
     engine = HFEngine(model, stop_ids, tokenizer.pad_token_id, seed=cfg.trainer.seed)
     name = run_id or Path(checkpoint or policy_dir).name
-    server = AgentServer(tokenizer, stop_ids, model_name=name, max_context=cfg.rollout.max_total_tokens, port=port)
+    server = AgentServer(tokenizer, stop_ids, model_name=name, max_context=cfg.env.max_total_tokens, port=port)
     server.serve(engine)
     server.start()
     return Serving(server, run_id or str(checkpoint or policy_dir), source)

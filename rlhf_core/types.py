@@ -73,7 +73,7 @@ class RolloutBatch:
     token_versions:    LongTensor [N, L] or None: the version of the weights that produced each response token
                        (padding: the row's policy_version). None: every token is of the row's policy_version.
     truncated:         BoolTensor [N] or None: rows known to be cut before their end (multi-turn: by
-                       env.max_turns or rollout.max_total_tokens), which algorithm.mask_truncated masks besides
+                       env.max_turns or env.max_total_tokens), which algorithm.mask_truncated masks besides
                        the rows cut at rollout.max_new_tokens. None: none known.
     """
 

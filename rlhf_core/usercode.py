@@ -215,7 +215,7 @@ def check_tool_source(path: str, name: str, where: str) -> None:
     raise ValueError(f"{where}.name: {source} defines no function named {name!r}")
 
 
-def check_factory_source(factory: str, where: str = "env.factory") -> None:
+def check_factory_source(factory: str, where: str = "env.path/env.name") -> None:
     """Config-time check of an adapter's factory 'module:callable' (or 'file.py:callable'), by reading the
     source: the module or file exists and defines or imports `callable` (a function, a class or a name)."""
     path, _, name = factory.rpartition(":")

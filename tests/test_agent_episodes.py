@@ -14,7 +14,7 @@ import torch
 from rlhf_core.agent.api import normalize_messages
 from rlhf_core.agent.runner import AgentError, AgentRunner
 from rlhf_core.agent.segments import Call, Completion, EpisodeLog, Segment, episode_batch
-from rlhf_core.config import AgentConfig, RolloutConfig, validate_config
+from rlhf_core.config import AgentConfig, validate_config
 from rlhf_core.data.prompts import Prompt
 from rlhf_core.env.chat import ChatFormat
 from rlhf_core.reward.components import build_reward_fn
@@ -25,9 +25,9 @@ from rlhf_core.usercode import load_attr
 FIXTURES = str(Path(__file__).parent / "agent_fixtures.py")
 
 
-def runner_for(tok, stops, name: str, **agent) -> AgentRunner:
+def runner_for(tok, stops, name: str, max_failures: int = 20, **agent) -> AgentRunner:
     cfg = AgentConfig(path=FIXTURES, name=name, **agent)
-    return AgentRunner(cfg, RolloutConfig(max_new_tokens=32), tok, stops)
+    return AgentRunner(cfg, tok, stops, max_failures=max_failures)
 
 
 def prompts(n: int, meta=None) -> list[Prompt]:
@@ -173,7 +173,7 @@ def test_an_agent_that_hangs_or_raises_fails_its_episode_alone(tool_policy):
     agent/timeouts; enough failures in a row stop the run with the agent's error."""
     model, tok, stops = tool_policy
     sampling = SamplingParams(max_new_tokens=4, temperature=1.0)
-    runner = runner_for(tok, stops, "hangs_on_some", timeout_s=1.0, max_consecutive_failures=5)
+    runner = runner_for(tok, stops, "hangs_on_some", timeout_s=1.0, max_failures=5)
     worker = worker_for(tok, stops, runner, sampling, 2, HFEngine(model, stops, tok.pad_token_id))
     try:
         batch, _ = worker.rollout(prompts(3, {0: {"hang": True}, 1: {"boom": True}}))

@@ -12,7 +12,7 @@ import pytest
 
 from rlhf_core.agent.runner import AgentRunner, episode_record
 from rlhf_core.agent.segments import Call, Completion, EpisodeLog
-from rlhf_core.config import AgentConfig, RolloutConfig
+from rlhf_core.config import AgentConfig
 from rlhf_core.data.prompts import Prompt
 from rlhf_core.rollout import HFEngine
 from rlhf_core.usercode import load_attr
@@ -40,7 +40,7 @@ def evaluated(tool_policy):
         ("rewrites_history", prompts(1)),
         ("hangs_on_some", prompts(1, {0: {"boom": True}})),
     ]:
-        runner = AgentRunner(AgentConfig(path=FIXTURES, name=name, timeout_s=60), RolloutConfig(), tok, stops)
+        runner = AgentRunner(AgentConfig(path=FIXTURES, name=name, timeout_s=60), tok, stops)
         try:
             results[name] = (runner.evaluate(engine, rows, 32), runner.last_episodes)
         finally:

@@ -328,18 +328,6 @@ def test_a_batch_a_sharded_trainer_group_cannot_split_is_refused_at_validation()
     assert 0 < refused < checked
 
 
-def test_a_critic_shards_with_the_trainer_group_and_its_micro_batches_must_split_too():
-    """algorithm.advantage 'gae' with cluster.trainer_workers > 1 is a sharded critic (trainer.sharding): it
-    runs in its own micro-batches on the same ranks, so critic.micro_batch_size is checked like the trainer's."""
-    gae = ["algorithm.advantage=gae", "trainer.prompts_per_step=3", "rollout.prompts_per_batch=3"]
-    gae += ["rollout.samples_per_prompt=3", "cluster.trainer_workers=2", "trainer.micro_batch_size=64"]
-    cfg = load_config(None, [*gae, "critic.micro_batch_size=4"])  # 9 rows: ranks of 5 and 4, 2 micro-batches
-    assert cfg.cluster.trainer_workers == 2 and cfg.algorithm.advantage == "gae"
-    with pytest.raises(ConfigError, match="critic.micro_batch_size=1"):  # 5 micro-batches, a rank of 4 rows
-        load_config(None, [*gae, "critic.micro_batch_size=1"])
-    load_config(None, [*gae[1:], "critic.micro_batch_size=1"])  # no critic without gae: nothing to split
-
-
 def test_a_recipe_states_only_what_differs_from_its_base(tmp_path):
     """`base: other.yaml` (relative to the file) is read first and the recipe's keys merged on top, section by
     section; a chain works, a loop and a missing base are named errors."""

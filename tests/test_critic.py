@@ -20,7 +20,6 @@ GAE = [
     "algorithm.advantage_options.gamma=1.0",
     "algorithm.advantage_options.lam=0.95",
     "critic.lr=0.001",
-    "critic.micro_batch_size=5",
     "trainer.micro_batch_size=8",
 ]
 

@@ -22,11 +22,12 @@ from rlhf_core.usercode import load_attr, load_env_class
 FIXTURES = str(Path(__file__).parent / "env_fixtures.py")
 
 
-def env_config(name: str, **env) -> TrainConfig:
+def env_config(name: str, max_failures: int = 20, **env) -> TrainConfig:
     return validate_config(
         {
             "env": {"path": FIXTURES, "name": name, **env},
             "rollout": {"max_new_tokens": 6, "samples_per_prompt": 2, "temperature": 1.0},
+            "supervision": {"max_consecutive_failures": max_failures},
         }
     )
 
@@ -63,7 +64,7 @@ def prompts_for(tok, n: int) -> list[Prompt]:
 
 
 def runner_for(cfg: TrainConfig, tok, stops, workers: int = 1) -> EnvRunner:
-    return EnvRunner(cfg.env, cfg.rollout, tok, stops, workers)
+    return EnvRunner(cfg.env, tok, stops, workers, max_failures=cfg.supervision.max_consecutive_failures)
 
 
 # ------------------------------------------------------------------------------------------------ config
@@ -84,7 +85,9 @@ def test_env_config_names_the_field(tmp_path):
         validate_config({"env": {"tools": [{"path": FIXTURES, "name": "nope"}]}})
     with pytest.raises(ConfigError, match="env.max_turns"):
         validate_config({"env": {"name": "CountEnv", "path": FIXTURES, "max_turns": 0}})
-    with pytest.raises(ConfigError, match="rollout.max_total_tokens"):
+    with pytest.raises(ConfigError, match="env.max_total_tokens"):
+        validate_config({"env": {"max_total_tokens": 1}})
+    with pytest.raises(ConfigError, match="env.max_total_tokens"):  # the old key, moved there
         validate_config({"rollout": {"max_total_tokens": 1}})
 
 
@@ -299,8 +302,14 @@ def test_trajectory_ends_truncated_at_max_total_tokens(chat):
     limit = len(prompts[0].prompt_ids) + 8
     cfg = validate_config(
         {
-            "env": {"path": FIXTURES, "name": "CountEnv", "kwargs": {"turns": 10}, "max_turns": 10},
-            "rollout": {"max_new_tokens": 6, "samples_per_prompt": 2, "max_total_tokens": limit},
+            "env": {
+                "path": FIXTURES,
+                "name": "CountEnv",
+                "kwargs": {"turns": 10},
+                "max_turns": 10,
+                "max_total_tokens": limit,
+            },
+            "rollout": {"max_new_tokens": 6, "samples_per_prompt": 2},
         }
     )
     runner = runner_for(cfg, tok, stops)
@@ -371,9 +380,9 @@ def test_a_bad_step_result_names_what_is_wrong(chat):
 def test_consecutive_failures_stop_the_run_with_the_envs_error(chat):
     with pytest.raises(
         EnvError,
-        match=r"failed 3 calls in a row \(env.max_consecutive_failures=3\); the last \(raised\): step: ValueError",
+        match=r"failed 3 calls in a row \(supervision.max_consecutive_failures=3\); the last \(raised\): step: Val",
     ):
-        run_env(chat, "CountEnv", n=2, kwargs={"fail_at": 1}, max_consecutive_failures=3)
+        run_env(chat, "CountEnv", n=2, kwargs={"fail_at": 1}, max_failures=3)
 
 
 def test_a_slow_episode_does_not_stall_the_others_of_its_process(chat, tmp_path):
@@ -389,7 +398,7 @@ def test_a_slow_episode_does_not_stall_the_others_of_its_process(chat, tmp_path)
 
 
 # ------------------------------------------------------------------------------------ single-process loop
-def loop_cfg(tmp_path, name: str, **env):
+def loop_cfg(tmp_path, name: str, max_failures: int = 20, **env):
     from rlhf_core.config import load_config
 
     cfg = load_config(
@@ -405,7 +414,8 @@ def loop_cfg(tmp_path, name: str, **env):
             "trainer.prompts_per_step=2",
             "rollout.samples_per_prompt=2",
             "rollout.prompts_per_batch=2",
-            "reward.function_workers=1",
+            "env.workers=1",
+            f"supervision.max_consecutive_failures={max_failures}",
             "eval.every=1",
             "checkpoint.every=0",
         ],
@@ -440,7 +450,7 @@ def test_run_sync_trains_on_trajectories(tmp_path):
 def test_groups_with_a_failed_trajectory_are_left_out(tmp_path):
     from rlhf_core.loop import build_run
 
-    cfg = loop_cfg(tmp_path, "CountEnv", kwargs={"turns": 3, "fail_at": 2}, max_consecutive_failures=100)
+    cfg = loop_cfg(tmp_path, "CountEnv", kwargs={"turns": 3, "fail_at": 2}, max_failures=100)
     parts = build_run(cfg)
     try:
         trajs = parts.worker.env.run(parts.engine, parts.train_prompts[:2], 2, parts.worker.sampling)
@@ -501,7 +511,7 @@ def test_atrlhf_score_replays_a_trajectory_file(tmp_path, capsys):
     with path.open("a") as f:  # a line whose recorded observation differs from what the env says now
         f.write(json.dumps({"messages": [{"role": "assistant", "content": "a"}, {"role": "user", "content": "no"}]}))
         f.write("\n")
-    env = [f"env.path={FIXTURES}", "env.name=CountEnv", "env.kwargs={turns: 2}", "reward.function_workers=1"]
+    env = [f"env.path={FIXTURES}", "env.name=CountEnv", "env.kwargs={turns: 2}", "env.workers=1"]
     assert main(["score", "--input", str(path), "--json", "--set", *env]) == 0
     out = json.loads(capsys.readouterr().out)
     rows = out["rows"]

@@ -31,12 +31,12 @@ def adapter_cfg(tmp_path, env: dict, steps: int = 2):
             "data.task=max3_chat",
             "data.eval_size=2",
             "rollout.max_new_tokens=6",
-            "rollout.max_total_tokens=768",
+            "env.max_total_tokens=768",
             f"trainer.total_steps={steps}",
             "trainer.prompts_per_step=2",
             "rollout.samples_per_prompt=2",
             "rollout.prompts_per_batch=2",
-            "reward.function_workers=1",
+            "env.workers=1",
             "eval.every=0",
             "checkpoint.every=0",
         ],
@@ -47,16 +47,17 @@ def adapter_cfg(tmp_path, env: dict, steps: int = 2):
 
 @needs_gem
 def test_adapter_config_is_checked():
-    gym = {"adapter": "gym", "factory": "gem:make", "kwargs": {"env_id": GAME}}
+    gym = {"adapter": "gym", "path": "gem", "name": "make", "kwargs": {"env_id": GAME}}
     assert validate_config({"env": gym}).env.class_name == "GymAdapter"
+    assert validate_config({"env": gym}).env.factory == "gem:make"
+    tool = [{"path": str(REPO / "examples" / "envs" / "calculator.py"), "name": "add"}]
     cases = [
-        ({"adapter": "gym"}, "env.adapter: gym needs env.factory"),
-        ({"adapter": "gym", "factory": "gem"}, "is not 'module:callable'"),
-        ({"adapter": "gym", "factory": "no_such_module_xyz:make"}, "neither an existing .py file nor an importable"),
-        ({"adapter": "gym", "factory": "gem:no_such_thing"}, "defines no 'no_such_thing'"),
-        ({"adapter": "gym", "factory": "gem:make", "name": "X"}, "leave env.name, env.path and env.tools empty"),
-        ({"factory": "gem:make"}, "env.factory is used only with env.adapter"),
-        ({"adapter": "gymnasium", "factory": "gem:make"}, "env.adapter"),
+        ({"adapter": "gym"}, "env.adapter: gym needs env.path (a module or .py file) and env.name"),
+        ({"adapter": "gym", "path": "gem"}, "env.adapter: gym needs env.path"),
+        ({"adapter": "gym", "path": "no_such_module_xyz", "name": "make"}, "neither an existing .py file nor an"),
+        ({"adapter": "gym", "path": "gem", "name": "no_such_thing"}, "defines no 'no_such_thing'"),
+        ({"adapter": "gym", "path": "gem", "name": "make", "tools": tool}, "leave env.tools empty"),
+        ({"adapter": "gymnasium", "path": "gem", "name": "make"}, "env.adapter"),
     ]
     for env, text in cases:
         with pytest.raises(ConfigError, match="env") as info:
@@ -91,12 +92,13 @@ def test_the_gym_example_runs_in_the_pool():
         {
             "env": {
                 "adapter": "gym",
-                "factory": f"{REPO}/examples/envs/gym_game.py:CountdownGame",
+                "path": f"{REPO}/examples/envs/gym_game.py",
+                "name": "CountdownGame",
                 "kwargs": {"start": 1},
             }
         }
     ).env
-    pool = EnvPool(env.path, env.class_name, env.instance_kwargs(), workers=1, timeout_s=10)
+    pool = EnvPool(env.class_path, env.class_name, env.instance_kwargs(), workers=1, timeout_s=10)
 
     def answer():
         while True:
@@ -119,7 +121,7 @@ def test_the_gym_example_runs_in_the_pool():
 def test_a_gem_game_trains_through_run_sync(tmp_path):
     from rlhf_core.loop import run_sync
 
-    env = {"adapter": "gym", "factory": "gem:make", "kwargs": {"env_id": GAME}, "max_turns": 2}
+    env = {"adapter": "gym", "path": "gem", "name": "make", "kwargs": {"env_id": GAME}, "max_turns": 2}
     seen = []
     result = run_sync(adapter_cfg(tmp_path, env), on_step=seen.append)
     assert result["steps"] == 2 and len(seen) == 2
@@ -174,7 +176,8 @@ def test_an_openenv_environment_trains_through_run_sync(tmp_path, echo_server, m
     monkeypatch.syspath_prepend(str(root))  # the client package `openenv init` made (spawned processes inherit it)
     env = {
         "adapter": "openenv",
-        "factory": "echo_env.client:EchoEnv",
+        "path": "echo_env.client",
+        "name": "EchoEnv",
         "kwargs": {"base_url": url},
         "max_turns": 2,
         "max_sessions": 3,
@@ -208,7 +211,7 @@ def test_max_sessions_caps_the_episodes_open_at_once(chat_policy_dir, tmp_path):
     fixtures = str(Path(__file__).parent / "env_fixtures.py")
     env = {"path": fixtures, "name": "ChaosEnv", "kwargs": {"dir": str(tmp_path), "turns": 2}, "max_sessions": 2}
     cfg = validate_config({"env": env})
-    runner = EnvRunner(cfg.env, cfg.rollout, tok, stops, 1)
+    runner = EnvRunner(cfg.env, tok, stops, 1)
     open_now, most = set(), [0]
     reset, close = runner.pool.reset, runner.pool.close_episode
 

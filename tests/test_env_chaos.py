@@ -33,7 +33,7 @@ def chaos_cfg(tmp_path, steps: int, prompts: int, **env_kwargs):
             f"trainer.prompts_per_step={prompts}",
             "rollout.samples_per_prompt=2",
             f"rollout.prompts_per_batch={prompts}",
-            "reward.function_workers=2",
+            "env.workers=2",
             "eval.every=0",
             "checkpoint.every=0",
         ],
@@ -94,8 +94,8 @@ def test_a_chaotic_environment_trains_and_every_failure_is_counted(tmp_path):
 
 
 def test_an_environment_whose_every_step_raises_stops_the_run_with_its_error(tmp_path):
-    """16 episodes per batch, every step raises: the run stops within 30 s (env.max_consecutive_failures=20 failed
-    calls in a row; each batch's successful resets do not clear the count) with the environment's own message,
+    """16 episodes per batch, every step raises: the run stops within 30 s (supervision.max_consecutive_failures=20
+    failed calls in a row; each batch's successful resets do not clear the count) with the environment's own message,
     file and line; every episode it opened was closed; no process is left."""
     from rlhf_core.loop import build_run, run_sync
 
@@ -110,7 +110,7 @@ def test_an_environment_whose_every_step_raises_stops_the_run_with_its_error(tmp
         parts.worker.close()
     assert time.monotonic() - start < 30
     message = str(caught.value)
-    assert "failed 20 calls in a row (env.max_consecutive_failures=20)" in message
+    assert "failed 20 calls in a row (supervision.max_consecutive_failures=20)" in message
     assert "step: ValueError: injected failure at step 1 (at " in message and "env_fixtures.py:" in message
     _, by_instance = events(tmp_path / "events")
     assert_closed_once(by_instance)

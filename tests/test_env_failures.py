@@ -39,13 +39,11 @@ def prompts_for(tok, n: int) -> list[Prompt]:
     return out
 
 
-def run_env(chat, name: str, n: int = 1, G: int = 2, workers: int = 1, runs: int = 1, rollout=None, **env):
+def run_env(chat, name: str, n: int = 1, G: int = 2, workers: int = 1, runs: int = 1, max_failures=20, **env):
     """`runs` calls of EnvRunner.run on n prompts x G; returns (runner, trajectories of the last call)."""
     model, tok, stops = chat
-    cfg = validate_config(
-        {"env": {"path": FIXTURES, "name": name, **env}, "rollout": {"max_new_tokens": 4, **(rollout or {})}}
-    )
-    runner = EnvRunner(cfg.env, cfg.rollout, tok, stops, workers)
+    cfg = validate_config({"env": {"path": FIXTURES, "name": name, **env}, "rollout": {"max_new_tokens": 4}})
+    runner = EnvRunner(cfg.env, tok, stops, workers, max_failures=max_failures)
     engine = HFEngine(model, stops, tok.pad_token_id, seed=0)
     try:
         for _ in range(runs):
@@ -104,14 +102,12 @@ def test_a_successful_reset_does_not_clear_the_failure_count_a_step_does(chat, t
     # every step raises: 4 failures per call; the second call trips the limit of 6 (its resets succeed)
     with pytest.raises(EnvError, match=r"failed 6 calls in a row .* the last \(raised\): step: ValueError: "
                        r"injected failure at step 1 \(at .*env_fixtures.py:\d+\)"):  # fmt: skip
-        run_env(chat, "ChaosEnv", n=2, runs=2, kwargs={"dir": str(tmp_path), "raises": 1.0}, max_consecutive_failures=6)
+        run_env(chat, "ChaosEnv", n=2, runs=2, kwargs={"dir": str(tmp_path), "raises": 1.0}, max_failures=6)
     counts, by_instance = events(tmp_path)
     assert 6 <= counts["raise"] <= 8 and counts["open"] == 8  # the second call's other episodes: reset too
     assert_closed_once(by_instance)  # the run stopped: every episode it opened was closed
     # a step that succeeds clears it: one failure per call (at step 2), never two in a row
-    runner, trajs = run_env(
-        chat, "CountEnv", G=1, runs=3, kwargs={"turns": 3, "fail_at": 2}, max_consecutive_failures=2
-    )
+    runner, trajs = run_env(chat, "CountEnv", G=1, runs=3, kwargs={"turns": 3, "fail_at": 2}, max_failures=2)
     assert runner.errors == 3 and runner.consecutive_failures == 1
 
 
@@ -141,7 +137,7 @@ def test_every_result_is_checked_and_a_bad_one_fails_its_trajectory_alone(chat):
 
 # ------------------------------------------------------------------------------ closed once, cut, finish
 def test_cut_episodes_are_told_masked_and_every_episode_is_closed_once(chat, tmp_path):
-    """Cut by env.max_turns and by rollout.max_total_tokens: finish(reason) is called and its value added to the
+    """Cut by env.max_turns and by env.max_total_tokens: finish(reason) is called and its value added to the
     rewards; the rows are marked truncated, which algorithm.mask_truncated masks; failed and timed-out episodes
     are closed too, each once."""
     from rlhf_core.trainer.trainer import Trainer
@@ -153,7 +149,7 @@ def test_cut_episodes_are_told_masked_and_every_episode_is_closed_once(chat, tmp
     assert all(t.env_rewards == [1.0, 1.0, 0.5] and t.finish_reward == 0.5 for t in trajs)
     model, tok, stops = chat
     limit = len(prompts_for(tok, 1)[0].prompt_ids) + 6
-    _, cut = run_env(chat, "ChaosEnv", G=2, kwargs=kwargs, max_turns=9, rollout={"max_total_tokens": limit})
+    _, cut = run_env(chat, "ChaosEnv", G=2, kwargs=kwargs, max_turns=9, max_total_tokens=limit)
     assert all(t.cut == "max_total_tokens" and t.truncated and t.env_rewards[-1] == 0.5 for t in cut)
     # failed (raised) and timed out episodes: closed as well
     run_env(chat, "ChaosEnv", G=4, kwargs={**kwargs, "raises": 0.5, "hang": 0.5, "hang_s": 1.5}, step_timeout_s=0.5)
@@ -187,7 +183,7 @@ def test_reset_gets_the_row_as_data_not_the_rendered_prompt(chat):
     prompts = [row_to_prompt(r, f"row {i}", i, tok, RowKeys(), system_prompt="Be brief.") for i, r in enumerate(rows)]
     assert "<|im_start|>" in prompts[0].text  # what the model sees: rendered, with the system prompt
     cfg = validate_config({"env": {"path": FIXTURES, "name": "RowEnv"}})
-    runner = EnvRunner(cfg.env, cfg.rollout, tok, stops, 1)
+    runner = EnvRunner(cfg.env, tok, stops, 1)
     try:
         trajs = runner.run(
             HFEngine(model, stops, tok.pad_token_id, seed=0), prompts, 1, SamplingParams(max_new_tokens=4)

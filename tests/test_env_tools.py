@@ -94,10 +94,10 @@ def tool_runner(tok, stops, tools, **env):
     cfg = validate_config(
         {
             "env": {"tools": [{"path": p, "name": n} for p, n in tools], **env},
-            "rollout": {"max_total_tokens": 4096},  # the scripted engine has no context limit
         }
     )
-    return EnvRunner(cfg.env, cfg.rollout, tok, stops, 1)
+    cfg.env.max_total_tokens = 4096  # the scripted engine has no context limit
+    return EnvRunner(cfg.env, tok, stops, 1)
 
 
 def test_a_tool_call_runs_and_its_result_comes_back_as_a_tool_message(chat_policy_dir):
@@ -205,12 +205,12 @@ def test_a_calculator_run_completes_on_the_small_chat_model(tmp_path):
             "data.eval_size=2",
             "reward.components={answer_after_marker: 1.0}",
             "rollout.max_new_tokens=48",
-            "rollout.max_total_tokens=512",
+            "env.max_total_tokens=512",
             "trainer.total_steps=2",
             "trainer.prompts_per_step=2",
             "rollout.samples_per_prompt=2",
             "rollout.prompts_per_batch=2",
-            "reward.function_workers=1",
+            "env.workers=1",
             "eval.every=0",
             "checkpoint.every=0",
             f"env.tools=[{{path: {CALCULATOR}, name: add}}]",

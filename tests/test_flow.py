@@ -493,7 +493,7 @@ def test_a_loop_that_fails_is_a_failed_task_run_with_its_error(prefect_api, ray_
         "checkpoint.every=0",
         "eval.every=0",
         f"reward.functions=[{{path: {tmp_path / 'bad_reward.py'}, name: raises}}]",
-        "reward.max_consecutive_failures=1",
+        "supervision.max_consecutive_failures=1",
     )
     state = train(config=cfg, return_state=True)
     assert state.is_failed()

@@ -1,5 +1,5 @@
 """The mismatch ledger (rlhf_core.trainer.ledger), evicted lengths, the engine_mismatch detector, and the bf16
-rollout engine (rollout.dtype) as a real source of mismatch on the tiny task."""
+rollout engine (rollout.engine_kwargs.dtype) as a real source of mismatch on the tiny task."""
 
 from __future__ import annotations
 
@@ -194,7 +194,7 @@ def test_bf16_lora_syncs(tmp_path, tiny_policy_dir):
     from rlhf_core.model.lora import adapter_state_dict
     from rlhf_core.run import build
 
-    cfg = _tiny_cfg(tmp_path, f"model.path={tiny_policy_dir}", "model.lora.r=4", "rollout.dtype=bfloat16")
+    cfg = _tiny_cfg(tmp_path, f"model.path={tiny_policy_dir}", "model.lora.r=4", "rollout.engine_kwargs.dtype=bfloat16")
     model, _ = build.build_policy(cfg, tiny_policy_dir)
     engine_model = build.rollout_model(cfg, model)
     assert engine_model is not model and next(engine_model.parameters()).dtype == torch.bfloat16
@@ -207,7 +207,7 @@ def test_bf16_lora_syncs(tmp_path, tiny_policy_dir):
 def test_tiny_task_engine_kl_is_zero_in_fp32_and_positive_in_bf16(tmp_path):
     kls = {}
     for dtype in ("float32", "bfloat16"):
-        cfg = _tiny_cfg(tmp_path / dtype, "trainer.total_steps=3", f"rollout.dtype={dtype}")
+        cfg = _tiny_cfg(tmp_path / dtype, "trainer.total_steps=3", f"rollout.engine_kwargs.dtype={dtype}")
         seen: list[dict] = []
         run_sync(cfg, on_step=seen.append)
         kls[dtype] = [m["mismatch/engine_kl"] for m in seen]

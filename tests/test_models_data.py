@@ -452,8 +452,8 @@ def test_config_data_keys_must_differ_and_marker_split_needs_a_marker():
     from rlhf_core.config import ConfigError, load_config
 
     cfg = load_config(None, ["data.prompt_key=question", "data.answer_after_marker=true"])
-    assert (cfg.data.prompt_key, cfg.data.messages_key, cfg.data.answer_key) == ("question", "messages", "answer")
-    with pytest.raises(ConfigError, match="data.prompt_key, data.messages_key, data.answer_key must name different"):
+    assert (cfg.data.prompt_key, cfg.data.answer_key) == ("question", "answer")
+    with pytest.raises(ConfigError, match="data.prompt_key, data.answer_key must name different"):
         load_config(None, ["data.prompt_key=answer"])
     with pytest.raises(ConfigError, match="data.answer_after_marker needs a non-empty reward.marker"):
         load_config(None, ["data.answer_after_marker=true", "reward.marker=''"])

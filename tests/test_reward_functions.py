@@ -313,10 +313,10 @@ def worker_factory(tiny_model, tiny_tokenizer):
 
     made = []
 
-    def make(reward_cfg: RewardConfig):
+    def make(reward_cfg: RewardConfig, max_failures: int = 20):
         tok = tiny_tokenizer
         stop = [tok.eos_token_id]
-        cfg = load_config(None, [])
+        cfg = load_config(None, [f"supervision.max_consecutive_failures={max_failures}"])
         cfg.reward = reward_cfg
         worker = RolloutWorker(
             HFEngine(tiny_model, stop, tok.pad_token_id, seed=0),
@@ -416,9 +416,8 @@ def test_failures_score_zero_warn_and_then_stop_the_run(worker_factory, function
         {"name": "raises", "weight": 1.0},
         {"name": "sleeps", "weight": 1.0},
         function_timeout_s=0.3,
-        max_consecutive_failures=6,
     )
-    worker = worker_factory(cfg)
+    worker = worker_factory(cfg, max_failures=6)
     with caplog.at_level(logging.WARNING, logger="rlhf_core.reward"):
         batch, _ = worker.rollout(max3_prompts[0][:2])  # 2 chunks each: 2 failed calls per function
     comps = dict(zip(cfg.column_names(), batch.reward_components.T))
@@ -435,16 +434,15 @@ def test_failures_score_zero_warn_and_then_stop_the_run(worker_factory, function
 
 
 def test_a_hung_row_is_one_failed_call_and_the_run_goes_on(worker_factory, functions_file, max3_prompts, tmp_path):
-    """With one process and max_consecutive_failures=2, a row stuck past its deadline fails that row only and
-    counts once: the batch's other rows score and the run does not stop."""
+    """With one process and supervision.max_consecutive_failures=2, a row stuck past its deadline fails that row
+    only and counts once: the batch's other rows score and the run does not stop."""
     cfg = reward_cfg(
         functions_file,
         {"name": "hangs_once", "weight": 1.0},
         function_workers=1,
         function_timeout_s=1.0,
-        max_consecutive_failures=2,
     )
-    worker = worker_factory(cfg)
+    worker = worker_factory(cfg, max_failures=2)
     flag = {"flag": str(tmp_path / "hung")}
     prompts = [type(p)(**{**p.__dict__, "meta": {**p.meta, "extra_info": flag}}) for p in max3_prompts[0][:2]]
     batch, _ = worker.rollout(prompts)
@@ -459,8 +457,8 @@ def test_a_hung_row_is_one_failed_call_and_the_run_goes_on(worker_factory, funct
 def test_a_success_resets_the_consecutive_count(worker_factory, functions_file, max3_prompts):
     from rlhf_core.reward.functions.external import RewardFunctionError
 
-    cfg = reward_cfg(functions_file, {"name": "raises_on_b"}, max_consecutive_failures=5)
-    worker = worker_factory(cfg)
+    cfg = reward_cfg(functions_file, {"name": "raises_on_b"})
+    worker = worker_factory(cfg, max_failures=5)
     p, q = max3_prompts[0][:2]
     b = type(p)(**{**p.__dict__, "answer_text": "b"})  # verl's ground truth: this row's calls raise
     worker.rollout([b, q, b])  # rows: 4 failures, 4 successes, 4 failures: never 5 in a row

@@ -93,7 +93,7 @@ def test_trl_and_verl_examples_and_a_timeout_through_atrlhf_train(prefect_server
         "functions",
         functions,
         "reward.function_timeout_s=0.5",
-        "reward.max_consecutive_failures=1000",
+        "supervision.max_consecutive_failures=1000",
     )
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     assert run.info.status == "FINISHED"
@@ -132,7 +132,7 @@ def test_a_raising_function_stops_the_run_with_its_error(prefect_server, tmp_pat
         tmp_path,
         "raising",
         f"[{{path: {tmp_path / 'helpers.py'}, name: raises}}]",
-        "reward.max_consecutive_failures=3",
+        "supervision.max_consecutive_failures=3",
     )
     text = out.stdout + out.stderr
     assert out.returncode != 0

@@ -761,6 +761,6 @@ def test_a_model_whose_cache_rows_cannot_be_edited_falls_back_and_says_so(mixed_
         batch = engine.generate(mixed_length_batch, 2, SamplingParams(max_new_tokens=6), lambda: pytest.fail("called"))
     (warning,) = [w for w in caught if issubclass(w.category, RuntimeWarning)]
     text = str(warning.message)
-    assert "rollout.continuous_batching has no effect" in text
+    assert "rollout.engine_kwargs.continuous_batching has no effect" in text
     assert "partial rollouts (rollout.partial_rollout) adopt new weights only between generation calls" in text
     assert len(batch) == 8 and engine.version == 0

@@ -100,9 +100,9 @@ CASES = {  # GRPO and PPO share their code: GRPO with a KL term, PPO without one
 }
 # no KL: a resumed run's reference is its resumed weights, with N ranks or one; full weights and LoRA adapters
 RESUME_CASES = ("m2po-ratio_sq", "lora-m2po", "ppo-gae-critic")
-# 24 rows per rank: 3 micro-batches (the critic's: 4 of 6 rows); one process: the whole batch at once
-SHARDED_MICRO = ("trainer.micro_batch_size=8", "critic.micro_batch_size=6")
-SINGLE_MICRO = ("trainer.micro_batch_size=128", "critic.micro_batch_size=128")
+# 24 rows per rank: 3 micro-batches (the policy's and the critic's); one process: the whole batch at once
+SHARDED_MICRO = ("trainer.micro_batch_size=8",)
+SINGLE_MICRO = ("trainer.micro_batch_size=128",)
 METRICS = (
     "loss/total",
     "loss/policy",

@@ -51,7 +51,8 @@ def test_a_ray_actors_failure_is_one_line_with_the_actor_and_the_cause():
     deep = "/deep" * 60
     env_error = (
         f"RunFailed: rollout worker 0 failed: EnvError: environment MyEnv ({deep}/env.py) failed 20 calls in a row "
-        f"(env.max_consecutive_failures=20); the last (raised): step: ValueError: no such move (at {deep}/env.py:41)"
+        f"(supervision.max_consecutive_failures=20); the last (raised): step: ValueError: no such move "
+        f"(at {deep}/env.py:41)"
     )
     line = failure_line(env_error)
     assert len(line) <= 500 and line.startswith("RunFailed: rollout worker 0 failed: EnvError: environment MyEnv")

@@ -52,7 +52,6 @@ def sync_losses(cfg) -> list[dict]:
 GAE = (
     "algorithm.advantage=gae",
     "critic.lr=1e-3",
-    "critic.micro_batch_size=4",
     "reward.overlong={buffer_len: 4, penalty: 1.0}",
     "trainer.total_steps=3",
 )

@@ -6,11 +6,12 @@ text environment, or this one.
 
     env:
       adapter: gym
-      factory: examples/envs/gym_game.py:CountdownGame   # gem-llm: factory: gem:make
-      kwargs: {start: 3}                                 # gem-llm: kwargs: {env_id: game:GuessTheNumber-v0-easy}
+      path: examples/envs/gym_game.py   # gem-llm: path: gem
+      name: CountdownGame               # gem-llm: name: make
+      kwargs: {start: 3}                # gem-llm: kwargs: {env_id: game:GuessTheNumber-v0-easy}
       max_turns: 4
 
-The factory is called with env.kwargs once per episode; reset gets the row's seed (else its index).
+The factory (env.path:env.name) is called with env.kwargs once per episode; reset gets the row's seed (else its index).
 """
 
 from __future__ import annotations

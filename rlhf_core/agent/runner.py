@@ -12,7 +12,7 @@ Failures: an agent that raises, returns something else, or runs past `agent.time
 alone (agent/errors, agent/timeouts): the group of that episode is left out of training (an infrastructure
 failure is not a bad answer, as with environments) and the other groups train. An agent that blocks its
 event loop (a blocking call in a coroutine) is given up on after the timeout plus `BLOCKED_GRACE_S`: its
-episodes fail and the next batch runs on a fresh event loop. `agent.max_consecutive_failures` failed episodes
+episodes fail and the next batch runs on a fresh event loop. `supervision.max_consecutive_failures` failed episodes
 in a row stop the run with the agent's error.
 """
 
@@ -41,7 +41,7 @@ BLOCKED_GRACE_S = 5.0  # past timeout_s, how long a batch waits for an event loo
 
 
 class AgentError(RuntimeError):
-    """The agent failed agent.max_consecutive_failures episodes in a row (the message has its error)."""
+    """The agent failed supervision.max_consecutive_failures episodes in a row (the message has its error)."""
 
 
 def load_agent(path: str, name: str):
@@ -55,14 +55,25 @@ class AgentRunner:
     """Runs the configured agent's episodes on the endpoint (`run`), and is the rollout worker's and the
     evaluator's way to them (`rollout`, `evaluate`)."""
 
-    def __init__(self, agent_cfg, rollout_cfg, tokenizer, stop_ids: Sequence[int], model_name: str = "policy"):
+    def __init__(
+        self,
+        agent_cfg,
+        tokenizer,
+        stop_ids: Sequence[int],
+        model_name: str = "policy",
+        max_context: Optional[int] = None,
+        max_failures: int = 20,
+    ):
+        """max_context: most tokens of a request's prompt plus completion (env.max_total_tokens; None: the
+        model's); max_failures: failed episodes in a row that stop the run (supervision.max_consecutive_failures)."""
         self.cfg = agent_cfg
+        self.max_failures = max_failures
         self.fn = load_agent(agent_cfg.path, agent_cfg.name)
         self.server = AgentServer(
             tokenizer,
             stop_ids,
             model_name=model_name,
-            max_context=rollout_cfg.max_total_tokens,
+            max_context=max_context,
             max_requests=agent_cfg.max_requests,
         )
         self.errors = 0  # failed episodes over the run (agent/errors), timeouts included
@@ -154,10 +165,10 @@ class AgentRunner:
             self.errors += 1
             self.timeouts += int(e.timed_out)
             self.consecutive_failures += 1
-            if self.consecutive_failures >= self.cfg.max_consecutive_failures:
+            if self.consecutive_failures >= self.max_failures:
                 raise AgentError(
                     f"agent {self.cfg.name} ({self.cfg.path}) failed {self.consecutive_failures} episodes in a row "
-                    f"(agent.max_consecutive_failures={self.cfg.max_consecutive_failures}): {e.error}"
+                    f"(supervision.max_consecutive_failures={self.max_failures}): {e.error}"
                 )
 
     def stats(self) -> dict[str, float]:

@@ -25,9 +25,6 @@ class AgentConfig(_Section):
         120.0, gt=0, description="Longest one episode may run; past it the episode fails (agent/timeouts)."
     )
     max_requests: int = Field(32, ge=1, description="Most requests one episode may make; later ones get a 400.")
-    max_consecutive_failures: int = Field(
-        20, ge=1, description="Stop the run when this many episodes in a row raise or time out."
-    )
 
     @property
     def enabled(self) -> bool:

@@ -151,7 +151,7 @@ class DataConfig(_Section):
     train_path: str = Field(
         "",
         description="Training prompts (task 'jsonl' or 'dataset'): rows with 'prompt' (text or chat list) or "
-        "'messages', and 'answer' or verl's reward_model.ground_truth (key names: prompt_key, messages_key, answer_key).",
+        "'messages', and 'answer' or verl's reward_model.ground_truth (key names: prompt_key, answer_key).",
     )
     eval_path: str = Field(
         "", description="Held-out prompts (task 'jsonl' or 'dataset'); empty holds out eval_size rows of train_path."
@@ -175,12 +175,9 @@ class DataConfig(_Section):
     prompt_key: str = Field(
         "prompt",
         min_length=1,
-        description="The key holding the prompt: text or a chat list (e.g. 'question' for raw GSM8K); dotted for nested keys.",
-    )
-    messages_key: str = Field(
-        "messages",
-        min_length=1,
-        description="The key holding chat messages [{role, content}] (used instead of prompt_key when present).",
+        description="The key holding the prompt: text or a chat list [{role, content}] (e.g. 'question' for raw "
+        "GSM8K); dotted for nested keys. With 'prompt', a row that has 'messages' (TRL's conversational schema) "
+        "uses them.",
     )
     answer_key: str = Field(
         "answer",
@@ -229,7 +226,9 @@ class _RandomEngineKwargs(_Section):
 
 
 class _HfEngineKwargs(_Section):
-    pass
+    continuous_batching: bool = Field(True)
+    max_active_rows: Optional[int] = Field(None, ge=1)
+    dtype: Optional[Literal["float32", "bfloat16"]] = None
 
 
 ENGINE_KWARGS: dict[str, type[_Section]] = {
@@ -250,7 +249,11 @@ class RolloutConfig(_Section):
         default_factory=dict,
         description="Options of rollout.engine only it reads (verl's name), checked against it: vllm "
         "{gpu_memory_utilization: fraction of GPU memory it may take, 0.5}; random {tokens_per_s: simulated "
-        "generation rate, 0 = as fast as possible}; hf none.",
+        "generation rate, 0 = as fast as possible}; hf {continuous_batching: true (a row that ends leaves the batch "
+        "and a waiting row takes its place; false: every row of a batch is computed until the longest one ends), "
+        "max_active_rows: rows decoding at once (null: prompts_per_batch x samples_per_prompt), dtype: the "
+        "engine's weights and compute dtype, float32 or bfloat16 (null: model.dtype; bfloat16 with a float32 "
+        "trainer is a real engine mismatch, as vLLM in bf16: syncs are cast on load, log-probs stay float32)}.",
     )
     num_workers: int = Field(1, ge=1, description="Rollout workers (Ray actors in the distributed runtime).")
     prompts_per_batch: int = Field(16, ge=1, description="Prompts per generation batch on one worker.")
@@ -270,33 +273,11 @@ class RolloutConfig(_Section):
         description="Extra token ids that end a response, besides the tokenizer's EOS and every id of the model's "
         "generation_config.json eos_token_id.",
     )
-    max_total_tokens: Optional[int] = Field(
-        None,
-        ge=2,
-        description="Multi-turn (env): most tokens of a trajectory, prompt plus every turn; it ends, truncated, "
-        "where it would pass this (None: the model's context).",
-    )
-    continuous_batching: bool = Field(
-        True,
-        description="HF engine: a row that ends leaves the batch and a waiting row takes its place (false: every "
-        "row of a batch is computed until the longest one ends).",
-    )
-    max_active_rows: Optional[int] = Field(
-        None,
-        ge=1,
-        description="HF engine with continuous batching: rows decoding at once (None: prompts_per_batch x "
-        "samples_per_prompt).",
-    )
     partial_rollout: bool = Field(
         False,
         description="Adopt newly published weights between decode steps instead of between batches (the KV cache "
         "is recomputed under them), and with an environment also between a trajectory's turns; token_versions "
         "records each token's version.",
-    )
-    dtype: Optional[Literal["float32", "bfloat16"]] = Field(
-        None,
-        description="HF engine: the rollout model's weights and compute dtype (None: model.dtype). bfloat16 with a "
-        "float32 trainer is a real engine mismatch (as vLLM in bf16): syncs are cast on load, log-probs stay float32.",
     )
 
     @field_validator("engine_kwargs")

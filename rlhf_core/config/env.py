@@ -28,27 +28,24 @@ class EnvConfig(_Section):
 
     path: str = Field(
         "",
-        description="A .py file (relative to the working directory) or an importable module holding the class; "
-        "empty for the built-in ToolEnv.",
+        description="A .py file (relative to the working directory) or an importable module holding the class (with "
+        "env.adapter: the factory); empty for the built-in ToolEnv.",
     )
     name: str = Field(
         "",
-        description="The environment class's name there; empty = no environment (ToolEnv when env.tools is set).",
+        description="The environment class's name there; empty = no environment (ToolEnv when env.tools is set). "
+        "With env.adapter: the callable that makes the environment or client from env.kwargs, once per episode "
+        "(e.g. path 'gem', name 'make', kwargs {env_id: game:GuessTheNumber-v0-easy}).",
     )
     kwargs: dict[str, Any] = Field(
         default_factory=dict,
-        description="Keyword arguments of the class's __init__ (with env.adapter: of env.factory, e.g. base_url).",
+        description="Keyword arguments of the class's __init__ (with env.adapter: of the factory, e.g. base_url).",
     )
     adapter: Literal["", "gym", "openenv"] = Field(
         "",
         description="Run an environment you already have: 'gym' (gymnasium-style reset(seed=...) and five-value "
-        "step, text observations, e.g. gem-llm games) or 'openenv' (an OpenEnv EnvClient); made by "
-        "env.factory with env.kwargs. Empty: env.name's class.",
-    )
-    factory: str = Field(
-        "",
-        description="With env.adapter: 'module:callable' (or 'file.py:callable') that makes the environment or client "
-        "from env.kwargs, once per episode (e.g. 'gem:make' with kwargs {env_id: game:GuessTheNumber-v0-easy}).",
+        "step, text observations, e.g. gem-llm games) or 'openenv' (an OpenEnv EnvClient); made by the callable "
+        "env.path:env.name with env.kwargs. Empty: env.name is the environment class.",
     )
     action_field: str = Field(
         "",
@@ -73,11 +70,16 @@ class EnvConfig(_Section):
         description="Longest one reset, step, finish or close (and one tool call) may run; past it the trajectory "
         "fails.",
     )
-    max_consecutive_failures: int = Field(
-        20,
+    max_total_tokens: Optional[int] = Field(
+        None,
+        ge=2,
+        description="Most tokens of a trajectory, prompt plus every turn; it ends, truncated, where it would pass "
+        "this (None: the model's context). Also an agent's request: its prompt plus its completion.",
+    )
+    workers: int = Field(
+        2,
         ge=1,
-        description="Stop the run when this many environment calls in a row fail (raise, time out, return something "
-        "malformed, or die with their process); a successful step clears the count, a successful reset does not.",
+        description="Processes per rollout worker that hold the environment instances (and run the tools' calls).",
     )
     max_observation_chars: int = Field(
         100_000,
@@ -116,11 +118,21 @@ class EnvConfig(_Section):
         return self.name or ("ToolEnv" if self.tools else "")
 
     @property
+    def class_path(self) -> str:
+        """Where class_name is loaded from: env.path, or '' (built in) for ToolEnv and the adapters."""
+        return "" if self.adapter else self.path
+
+    @property
     def description(self) -> str:
         """The environment as errors name it: 'GuessEnv (envs/guess.py)', 'gem:make (adapter gym)'."""
         if self.adapter:
             return f"{self.factory} (adapter {self.adapter})"
         return f"{self.class_name} ({self.path or 'built-in'})"
+
+    @property
+    def factory(self) -> str:
+        """With env.adapter, the callable that makes each episode's environment: 'env.path:env.name'."""
+        return f"{self.path}:{self.name}" if self.adapter else ""
 
     def instance_kwargs(self) -> dict[str, Any]:
         """What each instance is made with: env.kwargs; with env.tools, the tools and their timeout; with
@@ -145,20 +157,16 @@ class EnvConfig(_Section):
         from rlhf_core.usercode import check_env_source, check_factory_source, check_tool_source
 
         if self.adapter:
-            if not self.factory:
+            if not self.path or not self.name:
                 raise ValueError(
-                    f"env.adapter: {self.adapter} needs env.factory: 'module:callable' (docs/environments.md)"
+                    f"env.adapter: {self.adapter} needs env.path (a module or .py file) and env.name (the callable "
+                    "there that makes the environment or client), e.g. path 'gem', name 'make' (docs/environments.md)"
                 )
-            if self.name or self.path or self.tools:
-                raise ValueError(
-                    "env.adapter runs env.factory's environment: leave env.name, env.path and env.tools empty"
-                )
-            check_factory_source(self.factory, "env.factory")
-            module, _, attr = self.factory.rpartition(":")
-            if is_file_path(module) and str(Path(module).resolve()) != module:
-                self.factory = f"{Path(module).resolve()}:{attr}"
-        elif self.factory:
-            raise ValueError("env.factory is used only with env.adapter (gym or openenv); set env.adapter")
+            if self.tools:
+                raise ValueError("env.adapter runs the factory's environment: leave env.tools empty")
+            check_factory_source(self.factory, "env.path/env.name")
+            if is_file_path(self.path) and str(Path(self.path).resolve()) != self.path:
+                self.path = str(Path(self.path).resolve())
         if self.enabled and not self.adapter:
             check_env_source(self.path, self.class_name, "env")
             resolved = str(Path(self.path).resolve()) if is_file_path(self.path) else self.path

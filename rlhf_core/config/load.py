@@ -304,6 +304,54 @@ def _custom_resources(role: str):
     return migrate
 
 
+def _gone(key: str, why: str):
+    """A key that went with nothing in its place: it is dropped with one line saying why."""
+    *path, last = key.split(".")
+
+    def migrate(data: dict) -> Optional[str]:
+        node = data
+        for part in path:
+            node = node.get(part) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or last not in node:
+            return None
+        node.pop(last)
+        return f"{key} is gone ({why}); ignored"
+
+    return migrate
+
+
+def _messages_key(data: dict) -> Optional[str]:
+    """data.messages_key (removed): data.prompt_key takes text or a chat list; with its default ('prompt') a row's
+    'messages' are used, as the old default messages_key did."""
+    section = data.get("data")
+    if not isinstance(section, dict) or "messages_key" not in section:
+        return None
+    key = section.pop("messages_key")
+    if key == "messages":
+        return "data.messages_key is gone (with data.prompt_key 'prompt', a row's 'messages' are used); ignored"
+    if "prompt_key" in section:
+        return "data.messages_key is data.prompt_key now (text or a chat list); data.prompt_key, also given, wins"
+    section["prompt_key"] = key
+    return f"data.messages_key is data.prompt_key now (text or a chat list); loaded as data.prompt_key: {key}"
+
+
+def _env_factory(data: dict) -> Optional[str]:
+    """env.factory (removed): with env.adapter the factory is env.path (module or file) and env.name (callable)."""
+    env = data.get("env")
+    if not isinstance(env, dict) or "factory" not in env:
+        return None
+    factory = env.pop("factory")
+    if not factory:
+        return "env.factory is env.path + env.name now; it was empty: ignored"
+    path, _, name = str(factory).rpartition(":")
+    if not path or not name:
+        raise ConfigError(f"env.factory {factory!r} (now env.path + env.name) is not 'module:callable'")
+    if env.get("path") or env.get("name"):
+        return "env.factory is env.path + env.name now; env.path / env.name, also given, win"
+    env["path"], env["name"] = path, name
+    return f"env.factory is env.path + env.name now; loaded as env.path: {path}, env.name: {name}"
+
+
 # Keys that moved or went: each rewrites the raw mapping in place and returns the one line to print (or None).
 MIGRATIONS = [
     _runtime_mode,
@@ -327,6 +375,18 @@ MIGRATIONS = [
     _custom_resources("trainer"),
     _moved("supervision.engine_mismatch_kl", "supervision.engine_mismatch.kl"),
     _moved("supervision.engine_mismatch_polls", "supervision.engine_mismatch.polls"),
+    _moved("rollout.max_total_tokens", "env.max_total_tokens"),
+    *(_engine_kwarg(key, key, "hf") for key in ("continuous_batching", "max_active_rows", "dtype")),
+    _gone(
+        "runtime.prefetch", "the trainer always prefetches; benchmarks turn it off with ASYNCTENSORRLHF_NO_PREFETCH=1"
+    ),
+    _moved("critic.micro_batch_size", "trainer.micro_batch_size"),
+    *(
+        _moved(f"{s}.max_consecutive_failures", "supervision.max_consecutive_failures")
+        for s in ("reward", "env", "agent")
+    ),
+    _messages_key,
+    _env_factory,
 ]
 
 

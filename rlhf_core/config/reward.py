@@ -124,11 +124,6 @@ class RewardConfig(_Section):
     function_workers: int = Field(
         2, ge=1, description="Processes per rollout worker that run the Python reward functions."
     )
-    max_consecutive_failures: int = Field(
-        20,
-        ge=1,
-        description="Stop the run when a Python reward function fails (raises or times out) this many calls in a row.",
-    )
 
     @model_validator(mode="after")
     def _known_components(self) -> RewardConfig:

@@ -40,7 +40,10 @@ class TrainerConfig(_Section):
         16, ge=1, description="Prompt groups consumed per trainer step (batch = prompts_per_step x samples_per_prompt)."
     )
     micro_batch_size: int = Field(
-        64, ge=1, description="Sequences per forward/backward; gradients accumulate over micro-batches."
+        64,
+        ge=1,
+        description="Sequences per forward/backward, the policy's and the critic's; gradients accumulate over "
+        "micro-batches.",
     )
     lr: float = Field(3e-4, gt=0, description=f"AdamW peak learning rate (at most {MAX_LR:g}).")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
@@ -84,7 +87,6 @@ class CriticConfig(_Section):
     value_clip: Optional[float] = Field(
         0.5, gt=0, description="Clip range of new values around the step's old values in the value loss; null = none."
     )
-    micro_batch_size: int = Field(64, ge=1, description="Sequences per critic forward/backward.")
     warmup_steps: int = Field(
         0, ge=0, description="First trainer steps in which only the critic trains (the policy's weights stay)."
     )
@@ -130,10 +132,6 @@ class RuntimeConfig(_Section):
         120.0,
         gt=0,
         description="Longest any blocking wait may last before failing with a message naming what it waited for.",
-    )
-    prefetch: bool = Field(
-        True,
-        description="The trainer takes the next batch (for version V + 1) from the buffer while step V trains.",
     )
     autopilot: AutopilotConfig = Field(
         default_factory=AutopilotConfig,
@@ -335,6 +333,15 @@ class SupervisionConfig(_Section):
     )
     nonfinite_limit: int = Field(
         5, ge=1, description="Fail after this many consecutive non-finite (skipped) trainer steps."
+    )
+    max_consecutive_failures: int = Field(
+        20,
+        ge=1,
+        description="The limit on user code's failures: the run stops when this many calls in a row of one piece of "
+        "it fail (a Python reward function's calls: raise or time out; an environment's calls: raise, time out, "
+        "return something malformed, or die with their process; an agent's episodes). Below it a failure is that "
+        "row's or episode's alone, and its message is printed. A success clears the count (for an environment a "
+        "successful step; a reset does not).",
     )
     stall_timeout_s: float = Field(
         180.0, gt=0, description="Fail when no trainer step completes for this long, naming the stuck role."

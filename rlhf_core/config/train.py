@@ -120,7 +120,7 @@ class TrainConfig(_Section):
                 f"eval.metric {self.eval.metric!r} is not a reward column; choose one of {metrics} ('accuracy': "
                 "the first answer-checking component, else a total reward above 0)"
             )
-        keys = {f"data.{k}": getattr(self.data, k) for k in ("prompt_key", "messages_key", "answer_key")}
+        keys = {f"data.{k}": getattr(self.data, k) for k in ("prompt_key", "answer_key")}
         if len(set(keys.values())) < len(keys):
             raise ValueError(f"{', '.join(keys)} must name different keys (got {list(keys.values())})")
         if self.eval.n_samples and self.eval.k > self.eval.n_samples:
@@ -181,22 +181,20 @@ class TrainConfig(_Section):
                 f"cluster.host='threads' hosts one trainer in this process; cluster.trainer_workers={ranks} needs "
                 "cluster.host='ray' (a sharded trainer group is one Ray actor per rank)"
             )
-        micros = [("trainer.micro_batch_size", self.trainer.micro_batch_size)]
-        if self.algorithm.advantage_spec.critic:  # the critic is sharded on the same ranks, in its own micro-batches
-            micros.append(("critic.micro_batch_size", self.critic.micro_batch_size))
         # each rank trains on its rows (trainer.sharding.rank_rows, sizes differing by at most 1) in as many
-        # micro-batches as the widest rank needs: every rank must have a row for each of them
+        # micro-batches as the widest rank needs: every rank must have a row for each of them (the critic's too,
+        # sharded on the same ranks in the same micro-batches)
         fewest, widest = self.batch_size // ranks, -(-self.batch_size // ranks)
-        for field_name, micro in micros:
-            if ranks > 1 and fewest < -(-widest // micro):
-                raise ValueError(
-                    f"a sharded trainer group cannot split the batch: trainer.prompts_per_step="
-                    f"{self.trainer.prompts_per_step} x rollout.samples_per_prompt={self.rollout.samples_per_prompt} "
-                    f"= {self.batch_size} rows over cluster.trainer_workers={ranks} ranks leaves a rank {fewest} "
-                    f"row(s) for the {-(-widest // micro)} micro-batches of {field_name}={micro} every "
-                    f"rank must run together. Make the batch a multiple of {field_name} x "
-                    f"cluster.trainer_workers, or raise {field_name}"
-                )
+        field_name, micro = "trainer.micro_batch_size", self.trainer.micro_batch_size
+        if ranks > 1 and fewest < -(-widest // micro):
+            raise ValueError(
+                f"a sharded trainer group cannot split the batch: trainer.prompts_per_step="
+                f"{self.trainer.prompts_per_step} x rollout.samples_per_prompt={self.rollout.samples_per_prompt} "
+                f"= {self.batch_size} rows over cluster.trainer_workers={ranks} ranks leaves a rank {fewest} "
+                f"row(s) for the {-(-widest // micro)} micro-batches of {field_name}={micro} every "
+                f"rank must run together. Make the batch a multiple of {field_name} x "
+                f"cluster.trainer_workers, or raise {field_name}"
+            )
         lowest = pilot.min_staleness if pilot.enabled else self.runtime.max_staleness
         bound = "runtime.autopilot.min_staleness" if pilot.enabled else "runtime.max_staleness"
         window = self.trainer.prompts_per_step * (lowest + 1)

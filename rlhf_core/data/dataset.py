@@ -4,7 +4,7 @@ A path may be a parquet, JSON or JSONL (or CSV / Arrow) file, a directory writte
 Dataset, or a DatasetDict whose split is chosen by data.train_split / data.eval_split), another local
 directory of data files, or a Hugging Face hub id (loaded with the split, where the machine has hub access).
 verl's parquet schema loads as it is (`prompt` a chat list, `reward_model.ground_truth` the answer, every
-other column in `Prompt.meta`); any other table maps its columns with data.prompt_key / messages_key /
+other column in `Prompt.meta`); any other table maps its columns with data.prompt_key /
 answer_key. Rows become Prompts through `rlhf_core.data.rows.row_to_prompt`, the code path JSONL uses, so
 errors name the file, the row (0-based, as `dataset[i]`), the missing key and the keys found.
 """

@@ -1,6 +1,6 @@
 """JSONL prompt datasets: one UTF-8 JSON object per line with `prompt` (or chat `messages`) and `answer`.
 
-The key names are configurable (data.prompt_key, data.messages_key, data.answer_key), and with
+The key names are configurable (data.prompt_key, data.answer_key), and with
 data.answer_after_marker a whole worked solution ('... #### 72') is reduced to the text after its last
 reward marker, so raw GSM8K lines ({"question", "answer"}) load as they are. The tokenizer's chat template
 is applied when the model has one; answers become token-pattern variants (`rlhf_core.data.answer_patterns`)

@@ -3,8 +3,9 @@
 Every file-backed prompt source (JSONL lines, `datasets` rows from parquet / JSON / a saved directory / the
 hub) goes through `row_to_prompt`, so a row means the same thing whatever file it came from:
 
-- the prompt is `messages_key` (a chat message list) when the row has it, else `prompt_key`, which may hold a
-  string (one user turn) or a chat message list (verl's schema: `prompt: [{role, content}, ...]`);
+- the prompt is `prompt_key` (data.prompt_key), which may hold a string (one user turn) or a chat message list
+  (verl's schema: `prompt: [{role, content}, ...]`); with the default ('prompt'), a row that has `messages` (TRL's
+  conversational schema) uses them;
 - the answer is `answer_key`; keys may be dotted to reach into nested objects (`reward_model.ground_truth`),
   and with the default `answer_key` ('answer') a row without it falls back to verl's
   `reward_model.ground_truth`, so verl parquet files load with no key settings;
@@ -34,7 +35,9 @@ _MISSING = object()
 @dataclass(frozen=True)
 class RowKeys:
     """Where a row keeps its prompt, its chat messages and its answer (dotted for nested keys), and how the
-    answer is prepared (`prepare_answer`'s answer_after_marker and the RewardConfig that will score it)."""
+    answer is prepared (`prepare_answer`'s answer_after_marker and the RewardConfig that will score it).
+    messages_key, when set and present in a row, is used before prompt_key: from a config it is 'messages' with
+    the default prompt_key and unset ('') with another."""
 
     prompt_key: str = "prompt"
     messages_key: str = "messages"
@@ -44,9 +47,8 @@ class RowKeys:
 
     @classmethod
     def from_config(cls, data_cfg, reward_cfg=None) -> RowKeys:
-        return cls(
-            data_cfg.prompt_key, data_cfg.messages_key, data_cfg.answer_key, data_cfg.answer_after_marker, reward_cfg
-        )
+        messages_key = "messages" if data_cfg.prompt_key == "prompt" else ""
+        return cls(data_cfg.prompt_key, messages_key, data_cfg.answer_key, data_cfg.answer_after_marker, reward_cfg)
 
 
 def get_field(row: dict, key: str, default=_MISSING):
@@ -118,14 +120,15 @@ def prompt_messages(row: dict, where: str, keys: RowKeys) -> tuple[str, list[dic
     """(the key the prompt came from, its chat messages, whether the row was conversational).
 
     A plain-text prompt becomes one user message (not conversational)."""
-    value = get_field(row, keys.messages_key)
+    value = get_field(row, keys.messages_key) if keys.messages_key else _MISSING
     if value is not _MISSING:
         return keys.messages_key, _messages(value, where, keys.messages_key), True
     value = get_field(row, keys.prompt_key)
     if value is _MISSING:
         raise DatasetError(
-            f"{where}: no prompt: needs a {keys.prompt_key!r} string or chat list, or a {keys.messages_key!r} list; "
-            f"{_found_keys(row, keys.prompt_key)}; set data.prompt_key (or data.messages_key) to the key that holds it"
+            f"{where}: no prompt: needs a {keys.prompt_key!r} string or chat list"
+            + (f", or a {keys.messages_key!r} list" if keys.messages_key else "")
+            + f"; {_found_keys(row, keys.prompt_key)}; set data.prompt_key to the key that holds it"
         )
     if isinstance(value, (list, tuple)):
         return keys.prompt_key, _messages(value, where, keys.prompt_key), True

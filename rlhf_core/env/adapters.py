@@ -4,7 +4,8 @@
 `step(action) -> (observation, reward, terminated, truncated, info)` whose observations are text (gem-llm
 games, gymnasium text environments); `env.adapter: openenv` wraps an OpenEnv
 `EnvClient` (async `reset` / `step` returning a `StepResult`), one session of its server per episode. Either is
-made by `env.factory` ("module:callable" or "file.py:callable") called with `env.kwargs`, once per episode, in
+made by the callable `env.name` of the module or file `env.path` ("module:callable", "file.py:callable" here) called
+with `env.kwargs`, once per episode, in
 the environment process (as any environment is). The row's `seed` (else its `index`) seeds the episode, so
 the samples of one group play the same game.
 
@@ -23,7 +24,7 @@ from rlhf_core.usercode import import_path
 _SEEDING = threading.Lock()  # gym-style resets often seed the process-wide RNGs: one at a time per process
 
 
-def load_factory(factory: str, where: str = "env.factory"):
+def load_factory(factory: str, where: str = "env.path/env.name"):
     """The callable `factory` names: 'module:callable' or 'path/to/file.py:callable'."""
     path, _, name = factory.rpartition(":")
     if not path or not name:

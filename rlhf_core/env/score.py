@@ -113,7 +113,7 @@ def score_trajectories(env_cfg, records: list[dict], workers: int = 1) -> list[d
     """Replay each record in a fresh environment; per record: env_reward, turns, success, observations_match,
     error (None or the failing call's error)."""
     pool = EnvPool(
-        env_cfg.path,
+        env_cfg.class_path,
         env_cfg.class_name,
         env_cfg.instance_kwargs(),
         workers,

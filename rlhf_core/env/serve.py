@@ -5,7 +5,7 @@ asyncio event loop, each as a task of its own:
 
   reset   make an instance with env.kwargs and call its reset(row)
   step    call its step(action)
-  finish  call its finish(reason) (an episode cut by env.max_turns or rollout.max_total_tokens)
+  finish  call its finish(reason) (an episode cut by env.max_turns or env.max_total_tokens)
   close   call its close(), once, and drop it; every instance still open is closed when the process is told
           to stop
 

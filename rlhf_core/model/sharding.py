@@ -57,7 +57,7 @@ def micro_slices(rows: slice, n_micro: int) -> list[slice]:
         raise ValueError(
             f"a rank's {n} rows cannot make the {n_micro} micro-batches every rank must run (FSDP's forward and "
             "backward are collectives): give the step more rows or raise the micro-batch size "
-            "(trainer.micro_batch_size, or critic.micro_batch_size for the critic)"
+            "(trainer.micro_batch_size, the policy's and the critic's)"
         )
     base, extra = divmod(n, n_micro)
     out, lo = [], rows.start

@@ -77,12 +77,13 @@ def build_engine(
         stops,
         tokenizer.pad_token_id,
         seed=seed,
-        continuous_batching=getattr(cfg.rollout, "continuous_batching", True),
+        continuous_batching=cfg.rollout.engine_option("continuous_batching"),
         max_active_rows=max_active_rows(cfg),
     )
 
 
 def max_active_rows(cfg) -> int:
-    """rollout.max_active_rows, or the rows of one generation batch (prompts_per_batch x samples_per_prompt)."""
-    rows = getattr(cfg.rollout, "max_active_rows", None)
+    """rollout.engine_kwargs.max_active_rows, or the rows of one generation batch (prompts_per_batch x
+    samples_per_prompt)."""
+    rows = cfg.rollout.engine_option("max_active_rows")
     return int(rows) if rows else cfg.rollout.prompts_per_batch * cfg.rollout.samples_per_prompt

@@ -53,7 +53,7 @@ class HFEngine:
         # rows decoding at once in continuous batching; None: every row of the call
         self.max_active_rows = None if max_active_rows is None else int(max_active_rows)
         if self.max_active_rows is not None and self.max_active_rows < 1:
-            raise ValueError(f"rollout.max_active_rows must be at least 1, got {max_active_rows}")
+            raise ValueError(f"rollout.engine_kwargs.max_active_rows must be at least 1, got {max_active_rows}")
         self.weight_updates = 0  # weights adopted between decode steps (partial rollouts)
         self.stop_token_ids = as_stop_ids(stop_token_ids)
         self.eos_token_id = self.stop_token_ids[0]
@@ -346,7 +346,8 @@ class HFEngine:
 
 NO_CACHE_SURGERY = (
     "this model's KV cache ({}) is not a DynamicCache of full-attention layers, whose rows can be edited: generating "
-    "batch at a time, so rollout.continuous_batching has no effect, and partial rollouts (rollout.partial_rollout) "
+    "batch at a time, so rollout.engine_kwargs.continuous_batching has no effect, and partial rollouts "
+    "(rollout.partial_rollout) "
     "adopt new weights only between generation calls (a multi-turn trajectory's between its turns), never within one"
 )
 

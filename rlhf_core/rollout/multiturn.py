@@ -24,14 +24,14 @@ behaviour log-prob is that of the version it is stamped with.
 
 How an episode ends, and what follows (docs/environments.md, "Failures"):
   done    the environment said so (or gave no observation);
-  cut     env.max_turns reached, or the next observation or model turn would pass rollout.max_total_tokens:
+  cut     env.max_turns reached, or the next observation or model turn would pass env.max_total_tokens:
           `truncated` (masked by algorithm.mask_truncated), and an environment defining finish(reason) is asked
           for a final reward, added to its rewards;
   failed  an environment call raised, overran env.step_timeout_s, returned something malformed, or its process
           died while running it: `error`, `error_kind` (the group is left out of training).
 Its environment's close() runs once however it ended, the run stopping included. A trajectory whose process
 was lost while it ran another's call starts again from reset (same row), not a failure. The run stops with
-EnvError after env.max_consecutive_failures failed calls in a row (a successful step clears the count, a
+EnvError after supervision.max_consecutive_failures failed calls in a row (a successful step clears the count, a
 successful reset does not), carrying the environment's last error (message, file:line).
 """
 
@@ -54,7 +54,7 @@ MAX_RESTARTS = 3  # an episode whose process is lost under it more often than th
 
 
 class EnvError(RuntimeError):
-    """The environment failed env.max_consecutive_failures calls in a row (the message has its error)."""
+    """The environment failed supervision.max_consecutive_failures calls in a row (the message has its error)."""
 
 
 @dataclass
@@ -151,7 +151,17 @@ class EnvRunner:
     engine: anything with generate(PromptBatch, samples_per_prompt, SamplingParams) -> RolloutBatch and a
     `version`; tokenizer: the policy's; stop_ids: the run's stop set."""
 
-    def __init__(self, env_cfg, rollout_cfg, tokenizer, stop_ids: Sequence[int], workers: int, where: str = "model"):
+    def __init__(
+        self,
+        env_cfg,
+        tokenizer,
+        stop_ids: Sequence[int],
+        workers: Optional[int] = None,
+        where: str = "model",
+        max_failures: int = 20,
+    ):
+        """workers: the process pool's size (None: env.workers); max_failures: failed calls in a row that stop the
+        run (supervision.max_consecutive_failures)."""
         self.cfg = env_cfg
         self.tokenizer = tokenizer
         self.stop_ids = [int(i) for i in stop_ids]
@@ -162,16 +172,17 @@ class EnvRunner:
 
             tools = tool_schemas([(t.path, t.name) for t in env_cfg.tools])
         self.chat = ChatFormat(tokenizer, self.stop_ids, tools=tools, where=where)
-        limit = rollout_cfg.max_total_tokens
+        self.max_failures = max_failures
+        limit = env_cfg.max_total_tokens
         model_limit = getattr(tokenizer, "model_max_length", None)
         if limit is None and isinstance(model_limit, int) and model_limit < 1_000_000:
             limit = model_limit
         self.max_total_tokens = limit
         self.pool = EnvPool(
-            env_cfg.path,
+            env_cfg.class_path,
             env_cfg.class_name,
             env_cfg.instance_kwargs(),
-            workers,
+            env_cfg.workers if workers is None else workers,
             env_cfg.step_timeout_s,
             env_cfg.max_observation_chars,
         )
@@ -308,16 +319,16 @@ class EnvRunner:
         return "model"
 
     def _fail(self, t: Trajectory, op: str, error: str, kind: str) -> str:
-        """Trajectory t failed (an environment call, or what it returned); at env.max_consecutive_failures
+        """Trajectory t failed (an environment call, or what it returned); at supervision.max_consecutive_failures
         failed calls in a row the run stops with EnvError carrying the environment's error."""
         t.error, t.error_kind = f"{op}: {error}", kind
         self.error_counts[kind] += 1
         self.consecutive_failures += 1
-        if self.consecutive_failures >= self.cfg.max_consecutive_failures:
+        if self.consecutive_failures >= self.max_failures:
             raise EnvError(
                 f"environment {self.cfg.description} failed "
-                f"{self.consecutive_failures} calls in a row (env.max_consecutive_failures="
-                f"{self.cfg.max_consecutive_failures}); the last ({kind}): {t.error}"
+                f"{self.consecutive_failures} calls in a row (supervision.max_consecutive_failures="
+                f"{self.max_failures}); the last ({kind}): {t.error}"
             )
         return "end"
 
@@ -346,7 +357,7 @@ class EnvRunner:
                 )
             t.transcript += [Turn(str(m.get("role")), str(m.get("content"))) for m in messages]
         if self.max_total_tokens is not None and t.length >= self.max_total_tokens:
-            text = f"the opening prompt has {t.length} tokens, rollout.max_total_tokens={self.max_total_tokens}"
+            text = f"the opening prompt has {t.length} tokens, env.max_total_tokens={self.max_total_tokens}"
             return self._fail(t, "reset", text, "bad_result")
         return "model"
 

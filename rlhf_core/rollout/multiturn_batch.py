@@ -18,7 +18,7 @@ def trajectory_batch(trajs: Sequence[Trajectory], pad_token_id: int, version: in
     """The trajectories as one RolloutBatch (rows in order; group_ids by prompt, contiguous). token_versions:
     each id's version (`Trajectory.versions`); policy_version: the oldest model token's, `version` for a row
     without one; padding carries the row's policy_version (as RolloutBatch documents). truncated: the rows cut
-    by env.max_turns or rollout.max_total_tokens (algorithm.mask_truncated)."""
+    by env.max_turns or env.max_total_tokens (algorithm.mask_truncated)."""
     N = len(trajs)
     P = max(1, max(len(t.prompt_ids) for t in trajs))
     L = max(1, max(len(t.ids) for t in trajs))

@@ -82,6 +82,11 @@ def build_reward(cfg: TrainConfig, tokenizer, stop_ids: list[int]):
     return build_reward_fn(cfg.reward, tokenizer, stop_ids, cfg.rollout.max_new_tokens)
 
 
+def build_reward_functions(cfg: TrainConfig, tokenizer, stop_ids: list[int]) -> PythonFunctionRewards:
+    """reward.functions in their process pool, stopping the run at supervision.max_consecutive_failures."""
+    return PythonFunctionRewards(cfg.reward, tokenizer, stop_ids, cfg.supervision.max_consecutive_failures)
+
+
 def build_external_rewards(cfg: TrainConfig, tokenizer, stop_ids: list[int], reward_model=None) -> list:
     """The rewards scored beside the tensor-native one, on the rollout side (`RolloutWorker`'s contract), in
     the column order of `RewardConfig.column_names()`: reward.functions (Python functions in a process pool,
@@ -91,7 +96,7 @@ def build_external_rewards(cfg: TrainConfig, tokenizer, stop_ids: list[int], rew
     and `score(prompts, batch)`."""
     external = []
     if cfg.reward.functions:
-        external.append(PythonFunctionRewards(cfg.reward, tokenizer, stop_ids))
+        external.append(build_reward_functions(cfg, tokenizer, stop_ids))
     if cfg.reward.model.path:
         if reward_model is None:
             reward_model = LocalRewardModel(RewardModelScorer(cfg.reward.model, tokenizer, stop_ids))
@@ -126,22 +131,24 @@ def build_rollout_worker(
 
 
 def rollout_casts(cfg: TrainConfig, model) -> bool:
-    """Whether rollout.dtype asks the HF engine for another dtype than `model`'s parameters."""
+    """Whether rollout.engine_kwargs.dtype asks the HF engine for another dtype than `model`'s parameters."""
     from rlhf_core.models import resolve_dtype
 
-    dtype = resolve_dtype(cfg.rollout.dtype) if cfg.rollout.dtype else None
+    name = cfg.rollout.engine_option("dtype")
+    dtype = resolve_dtype(name) if name else None
     return dtype is not None and cfg.rollout.engine == "hf" and next(model.parameters()).dtype != dtype
 
 
 def rollout_model(cfg: TrainConfig, model):
-    """The rollout engine's model: `model` itself, or with rollout.dtype a copy whose parameters are in that dtype
-    (a LoRA model's adapters too; buffers such as rotary frequencies keep theirs, as from_pretrained(dtype=) leaves
-    them). Syncs copy the trainer's tensors into it, cast on load (HFEngine.load_weights: copy_)."""
+    """The rollout engine's model: `model` itself, or with rollout.engine_kwargs.dtype a copy whose parameters are
+    in that dtype (a LoRA model's adapters too; buffers such as rotary frequencies keep theirs, as
+    from_pretrained(dtype=) leaves them). Syncs copy the trainer's tensors into it, cast on load
+    (HFEngine.load_weights: copy_)."""
     if not rollout_casts(cfg, model):
         return model
     from rlhf_core.models import resolve_dtype
 
-    dtype = resolve_dtype(cfg.rollout.dtype)
+    dtype = resolve_dtype(cfg.rollout.engine_option("dtype"))
     engine_model = copy.deepcopy(model).eval()
     with torch.no_grad():
         for param in engine_model.parameters():  # tied weights are one Parameter: cast once
@@ -150,13 +157,14 @@ def rollout_model(cfg: TrainConfig, model):
 
 
 def build_env_runner(cfg: TrainConfig, tokenizer, stop_ids: list[int], policy_dir: str | Path = "model"):
-    """The multi-turn environment's runner (its process pool: reward.function_workers processes) when
+    """The multi-turn environment's runner (its process pool: env.workers processes) when
     env.name or env.tools is set, else None."""
     if not cfg.env.enabled:
         return None
     from rlhf_core.rollout.multiturn import EnvRunner
 
-    return EnvRunner(cfg.env, cfg.rollout, tokenizer, stop_ids, cfg.reward.function_workers, where=str(policy_dir))
+    limit = cfg.supervision.max_consecutive_failures
+    return EnvRunner(cfg.env, tokenizer, stop_ids, where=str(policy_dir), max_failures=limit)
 
 
 def build_agent_runner(cfg: TrainConfig, tokenizer, stop_ids: list[int], policy_dir: str | Path = "model"):
@@ -166,7 +174,14 @@ def build_agent_runner(cfg: TrainConfig, tokenizer, stop_ids: list[int], policy_
         return None
     from rlhf_core.agent.runner import AgentRunner
 
-    return AgentRunner(cfg.agent, cfg.rollout, tokenizer, stop_ids, model_name=Path(policy_dir).name or "policy")
+    return AgentRunner(
+        cfg.agent,
+        tokenizer,
+        stop_ids,
+        model_name=Path(policy_dir).name or "policy",
+        max_context=cfg.env.max_total_tokens,
+        max_failures=cfg.supervision.max_consecutive_failures,
+    )
 
 
 def build_evaluator(
@@ -198,7 +213,7 @@ def build_evaluator(
     external, owns = (), False
     if evaluation_needs_functions(cfg) and env is None:
         owns = functions is None
-        external = [functions if functions is not None else PythonFunctionRewards(cfg.reward, tokenizer, stop_ids)]
+        external = [functions if functions is not None else build_reward_functions(cfg, tokenizer, stop_ids)]
     return Evaluator(
         engine,
         heldout,

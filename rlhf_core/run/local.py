@@ -130,7 +130,9 @@ def build_run(cfg: TrainConfig, share_weights: bool = True, checkpoint_root: Opt
     train_prompts, heldout = build.build_prompts(cfg, tokenizer)
     check_lengths(policy_dir, cfg, train_prompts + heldout)
     reward_fn = build.build_reward(cfg, tokenizer, build.build_stop_ids(cfg, tokenizer, policy_dir))
-    share_weights = share_weights and not build.rollout_casts(cfg, model)  # rollout.dtype: the engine's own copy
+    share_weights = share_weights and not build.rollout_casts(
+        cfg, model
+    )  # rollout.engine_kwargs.dtype: the engine's own copy
     engine_model = model if share_weights else copy.deepcopy(model)
     worker = build.build_rollout_worker(
         cfg, engine_model, tokenizer, policy_dir, build.rollout_seed(cfg, None), reward_fn=reward_fn

@@ -334,7 +334,7 @@ def check_user_code(cfg) -> None:
     if cfg.env.adapter:
         from rlhf_core.env.adapters import load_factory
 
-        checks.append(("env.factory", cfg.env.factory, lambda: load_factory(cfg.env.factory)))
+        checks.append(("env.path/env.name", cfg.env.factory, lambda: load_factory(cfg.env.factory)))
     elif cfg.env.enabled:
         checks.append(
             ("env", cfg.env.path or cfg.env.class_name, lambda: load_env_class(cfg.env.path, cfg.env.class_name))

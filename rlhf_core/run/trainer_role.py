@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -26,6 +27,14 @@ from rlhf_core.types import Experience, cat_rollouts
 
 log = logging.getLogger("rlhf_core.run")
 TRAINED_PROMPTS_FILE = "trained_prompts.jsonl"  # in the run dir: one line per step, {"step", "prompt_ids"}
+NO_PREFETCH_ENV = "ASYNCTENSORRLHF_NO_PREFETCH"
+"""Set to 1 to turn the trainer's prefetch off (an ablation for benchmarks/pipeline.py --no-prefetch; not a config
+key: no run is better without it). Read in the trainer's process, which inherits it from the driver."""
+
+
+def prefetch_enabled() -> bool:
+    """Whether the trainer takes batch V + 1 while step V trains (always, unless NO_PREFETCH_ENV is 1)."""
+    return os.environ.get(NO_PREFETCH_ENV, "") not in ("1", "true", "yes")
 
 
 class TrainerRole:
@@ -178,13 +187,14 @@ class TrainerRole:
     def run(self, total_steps: int) -> dict:
         """Train until total_steps or stop(), continuously (in lockstep with rollout at max_staleness 0).
 
-        Two helper threads keep the data plane off the trainer's critical path: with runtime.prefetch one
-        takes the batch for version V + 1 while step V trains, and one ships each published snapshot and
-        advances the buffer, one at a time and in order, while the next step trains. A batch still prefetched
-        when the loop ends goes back to the buffer; the last publish completes first."""
+        Two helper threads keep the data plane off the trainer's critical path: one takes the batch for version
+        V + 1 while step V trains (unless a benchmark turns it off: `prefetch_enabled`), and one ships each
+        published snapshot and advances the buffer, one at a time and in order, while the next step trains. A
+        batch still prefetched when the loop ends goes back to the buffer; the last publish completes first."""
         self.stop_event.clear()
         self.total_steps = total_steps
         wait_s = 0.5
+        prefetch = prefetch_enabled()
         nxt = None
         shipping = None  # the publish in flight, if any
 
@@ -211,7 +221,7 @@ class TrainerRole:
                         self.idle_s += time.perf_counter() - t0
                         if not groups:
                             continue
-                        if self.cfg.runtime.prefetch and self.trainer.step + 1 < total_steps:
+                        if prefetch and self.trainer.step + 1 < total_steps:
                             nxt = take_pool.submit(self.take, wait_s, self.trainer.version + 1)
                         self.train_on(groups, bound, t0, shipper=ship)
                 except BaseException:

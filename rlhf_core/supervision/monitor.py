@@ -327,7 +327,8 @@ class HealthMonitor:
                 f"mismatch/engine_kl {kl:.3g} > supervision.engine_mismatch.kl={limit:g} for {self.mismatch_polls} "
                 "polls on tokens generated with the trainer's own version: the rollout engine does not compute "
                 "what the trainer does. Likely causes: published weights not loaded by the engine (a sync that "
-                "fails silently), a dtype or sampling difference (rollout.dtype, top_p/top_k/min_p, temperature), "
+                "fails silently), a dtype or sampling difference (rollout.engine_kwargs.dtype, top_p/top_k/min_p, "
+                "temperature), "
                 "a stale LoRA adapter (adapters not synced or another model.lora)",
             )
 

@@ -4,7 +4,7 @@
 head on every position. `Critic` owns it, its AdamW and its counters: `values` (no gradient, by the current
 critic at training time: values are not behaviour quantities, so stale samples need nothing special) and
 `update` (one pass of the clipped value loss over the step's batch in micro-batches of
-critic.micro_batch_size; the loss of every micro-batch is its exact share of the step's, as for the policy).
+trainer.micro_batch_size, as the policy's; the loss of every micro-batch is its exact share of the step's).
 Checkpointed inside the trainer's state (`Trainer.state_dict()["critic"]`).
 
 Sharded (a `group` of N trainer ranks, the policy's): the value model is sharded with FSDP2 as the policy is
@@ -100,7 +100,7 @@ class Critic:
 
     def _micro(self, n: int) -> list[slice]:
         """This rank's rows of an n-row step in micro-batches, as many on every rank (FSDP's collectives)."""
-        return rank_micro_slices(n, self.group, self.ccfg.micro_batch_size)
+        return rank_micro_slices(n, self.group, self.cfg.trainer.micro_batch_size)
 
     def _forward(self, batch: RolloutBatch, idx: slice) -> torch.Tensor:
         """Values [n, L] of the states before each response token of rows `idx`."""

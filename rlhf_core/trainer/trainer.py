@@ -115,7 +115,7 @@ class Trainer:
     def truncated_rows(self, batch: RolloutBatch) -> torch.Tensor:
         """BoolTensor [N]: rows cut at rollout.max_new_tokens, i.e. as long as that and not ending with a stop
         id (without the stop set: every row of that length), and the rows the batch marks cut
-        (`RolloutBatch.truncated`: trajectories cut by env.max_turns or rollout.max_total_tokens)."""
+        (`RolloutBatch.truncated`: trajectories cut by env.max_turns or env.max_total_tokens)."""
         lengths = batch.response_lengths.to(batch.response_ids.device)
         full = lengths >= self.cfg.rollout.max_new_tokens
         if self.stop_ids is not None:

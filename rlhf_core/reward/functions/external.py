@@ -14,7 +14,7 @@ reward.function_timeout_s) and returns per-row tensors, one per reward column (`
 
 A failing call (it raised, timed out, or its process was killed past its deadline) is counted once, however
 many rows it covered, and reported (a warning with the batch's and the run's failure counts and the first
-error); after reward.max_consecutive_failures failed calls in a row, `score` raises RewardFunctionError with
+error); after supervision.max_consecutive_failures failed calls in a row, `score` raises RewardFunctionError with
 the error, which fails the run.
 """
 
@@ -33,7 +33,7 @@ log = logging.getLogger("rlhf_core.reward")
 
 
 class RewardFunctionError(RuntimeError):
-    """A Python reward function failed reward.max_consecutive_failures calls in a row."""
+    """A Python reward function failed supervision.max_consecutive_failures calls in a row."""
 
 
 def completion_ids(response_ids: torch.Tensor, response_mask: torch.Tensor, stop_ids: Sequence[int]) -> list[list[int]]:
@@ -57,8 +57,11 @@ class PythonFunctionRewards:
     weights: {label: weight} (the external-reward contract: the worker adds sum(weight x score) to the
     rewards); columns: every name `score` returns, in order."""
 
-    def __init__(self, reward_cfg: RewardConfig, tokenizer, stop_ids: Sequence[int]):
+    def __init__(self, reward_cfg: RewardConfig, tokenizer, stop_ids: Sequence[int], max_failures: int = 20):
+        """max_failures: failed calls of one function in a row that stop the run
+        (supervision.max_consecutive_failures)."""
         self.cfg = reward_cfg
+        self.max_failures = max_failures
         self.tokenizer = tokenizer
         self.stop_ids = list(stop_ids)
         self.specs = list(reward_cfg.functions)
@@ -145,11 +148,11 @@ class PythonFunctionRewards:
                 batch_failures[f] += 1
                 self.consecutive[f] += 1
                 self.first_error[f] = self.first_error[f] or error
-                if self.consecutive[f] >= self.cfg.max_consecutive_failures:
+                if self.consecutive[f] >= self.max_failures:
                     raise RewardFunctionError(
                         f"reward function {self.labels[f]} (reward.functions[{f}], {self.specs[f].name} in "
                         f"{self.specs[f].path or 'built-ins'}) failed {self.consecutive[f]} calls in a row "
-                        f"(reward.max_consecutive_failures={self.cfg.max_consecutive_failures}): {error}"
+                        f"(supervision.max_consecutive_failures={self.max_failures}): {error}"
                     )
             for i, (value, extra, error) in zip(rows, out):
                 if error is not None:
