@@ -93,13 +93,17 @@ def test_stopping_mid_run_gives_the_prefetched_batch_back(ray_local, tmp_path):
 
 def test_the_bound_the_user_set_is_the_bound_trained_at(ray_local, tmp_path):
     """tau = 4 where the trainer is the slower role: staleness reaches 4 (the supervisor once narrowed admission
-    on its own to tau <= 3), and async/max_staleness reports the bound in force at every step."""
+    on its own to tau <= 3), and async/max_staleness reports the bound in force at every step. The random engine
+    makes the rollout the faster role however loaded the machine is (with the HF engine a busy machine could
+    leave the rollout behind, and staleness below the bound)."""
     cfg = tiny_cfg(
         tmp_path,
         "trainer.total_steps=40",
         "runtime.max_staleness=4",
         "trainer.prompts_per_step=4",
         "rollout.prompts_per_batch=4",
+        "rollout.engine=random",
+        "rollout.engine_kwargs.tokens_per_s=1000000",
         "supervision.staleness_warn=0.5",
     )
     result = run_distributed(cfg, poll_interval_s=0.2)
