@@ -197,18 +197,28 @@ def _restart_limit(data: dict) -> Optional[str]:
     return "supervision.restart_limit is gone (cluster.max_restarts, also given, is the run's one restart budget)"
 
 
+_ABSENT = object()
+
+
+def _pop(data: dict, dotted: str) -> Any:
+    """Remove the raw config's key `dotted` ('rollout.dtype') and return its value, or _ABSENT."""
+    *path, last = dotted.split(".")
+    node = data
+    for part in path:
+        node = node.get(part) if isinstance(node, dict) else None
+    if not isinstance(node, dict) or last not in node:
+        return _ABSENT
+    return node.pop(last)
+
+
 def _moved(old: str, new: str):
     """A key that moved: its value goes to the new key (unless that is given too) with one line naming it."""
 
     def migrate(data: dict) -> Optional[str]:
-        *old_path, old_key = old.split(".")
         *new_path, new_key = new.split(".")
-        node = data
-        for part in old_path:
-            node = node.get(part) if isinstance(node, dict) else None
-        if not isinstance(node, dict) or old_key not in node:
+        value = _pop(data, old)
+        if value is _ABSENT:
             return None
-        value = node.pop(old_key)
         target = data
         for part in new_path:
             target = target.setdefault(part, {}) if isinstance(target, dict) else None
@@ -306,16 +316,9 @@ def _custom_resources(role: str):
 
 def _gone(key: str, why: str):
     """A key that went with nothing in its place: it is dropped with one line saying why."""
-    *path, last = key.split(".")
 
     def migrate(data: dict) -> Optional[str]:
-        node = data
-        for part in path:
-            node = node.get(part) if isinstance(node, dict) else None
-        if not isinstance(node, dict) or last not in node:
-            return None
-        node.pop(last)
-        return f"{key} is gone ({why}); ignored"
+        return None if _pop(data, key) is _ABSENT else f"{key} is gone ({why}); ignored"
 
     return migrate
 
