@@ -11,9 +11,7 @@ the end is compared with the documented target; the time is the run's training w
     python examples/agents/tool_model.py runs/tiny-agent/tool_model   # once, before the agent recipe
     python benchmarks/recipes.py --recipes tiny-agent --seeds 5 --set trainer.total_steps=25
 
-A target given relative to the start ("2x start", the agent recipe's) is reached when the final held-out accuracy
-is at least twice the untrained policy's and above it. Each run also reports the sampled training reward
-(`reward/mean`) over its first and last 10 steps.
+Each run also reports the sampled training reward (`reward/mean`) over its first and last 10 steps.
 """
 
 from __future__ import annotations
@@ -37,15 +35,9 @@ RECIPES = {
     "tiny-lora": ("configs/tiny-lora.yaml", 0.65, "docs/benchmarks.md: >= 0.65 (>= 0.9 in 3 seeds of 10)"),
     "chat-smoke": ("configs/chat-smoke.yaml", 0.9, "README: about 0.97 within 30 steps"),
     "tiny-multiturn": ("configs/tiny-multiturn.yaml", 0.542, "docs/benchmarks.md: >= 2 x 0.271"),
-    "tiny-agent": ("configs/tiny-agent.yaml", "2x start", "docs/benchmarks.md: >= 2 x the untrained policy's"),
+    # the best answer that ignores the tool: always 9, right on 28 of the 100 held-out prompts
+    "tiny-agent": ("configs/tiny-agent.yaml", 0.56, "docs/benchmarks.md: >= 2 x 0.28 (always 9)"),
 }
-
-
-def reached(target, start: float, final: float) -> bool:
-    """final >= target, or for a target relative to the start ('2x start'): final >= 2 x start and > start."""
-    if target == "2x start":
-        return final >= 2 * start and final > start
-    return final >= target
 
 
 def one_run(recipe: str, seed: int, overrides: list[str]) -> dict:
@@ -67,7 +59,7 @@ def one_run(recipe: str, seed: int, overrides: list[str]) -> dict:
         "seed": seed,
         "accuracy_start": result.get("eval/accuracy_start"),
         "accuracy_final": result["eval/accuracy"],
-        "reached": reached(target, result.get("eval/accuracy_start") or 0.0, result["eval/accuracy"]),
+        "reached": result["eval/accuracy"] >= target,
         "reward_first10": round(sum(rewards[:10]) / max(1, len(rewards[:10])), 3),
         "reward_last10": round(sum(rewards[-10:]) / max(1, len(rewards[-10:])), 3),
         "train_wall_s": round(result.get("wall_s", wall), 1),
