@@ -11,7 +11,8 @@ import pytest
 from pydantic import BaseModel
 
 from rlhf_core.config import ConfigError, TrainConfig, load_config
-from tests.test_config_diet import _load_noting, test_an_old_key_loads_as_the_new_one_with_one_line
+from tests.test_config_diet import _load_noting
+from tests.test_config_diet import test_an_old_key_loads_as_the_new_one_with_one_line as _loads_as_the_new_key
 
 MOVED = [
     (["rollout.max_total_tokens=64"], ["env.max_total_tokens=64"], "env.max_total_tokens"),
@@ -55,7 +56,7 @@ MOVED = [
 
 @pytest.mark.parametrize("old, new, key", MOVED, ids=[" ".join(o) for o, _, _ in MOVED])
 def test_a_moved_key_loads_as_its_new_home_with_one_line(caplog, old, new, key):
-    test_an_old_key_loads_as_the_new_one_with_one_line(caplog, old, new, key)
+    _loads_as_the_new_key(caplog, old, new, key)
 
 
 def test_env_factory_is_env_path_and_name(caplog, tmp_path):
