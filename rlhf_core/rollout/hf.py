@@ -347,8 +347,8 @@ class HFEngine:
 NO_CACHE_SURGERY = (
     "this model's KV cache ({}) is not a DynamicCache of full-attention layers, whose rows can be edited: generating "
     "batch at a time, so rollout.engine_kwargs.continuous_batching has no effect, and partial rollouts "
-    "(rollout.partial_rollout) "
-    "adopt new weights only between generation calls (a multi-turn trajectory's between its turns), never within one"
+    "(rollout.partial_rollout) adopt new weights only between generation calls (a multi-turn trajectory's between "
+    "its turns), never within one"
 )
 
 
