@@ -32,6 +32,7 @@ import torch
 
 from rlhf_core.agent.segments import EpisodeLog, as_metrics, as_reward, episode_batch, split_by_group
 from rlhf_core.agent.server import AgentServer
+from rlhf_core.config.base import MAX_CONSECUTIVE_FAILURES
 from rlhf_core.data.prompts import Prompt
 from rlhf_core.rollout.base import SamplingParams
 from rlhf_core.rollout.multiturn import prompt_row
@@ -62,7 +63,7 @@ class AgentRunner:
         stop_ids: Sequence[int],
         model_name: str = "policy",
         max_context: Optional[int] = None,
-        max_failures: int = 20,
+        max_failures: int = MAX_CONSECUTIVE_FAILURES,
     ):
         """max_context: most tokens of a request's prompt plus completion (env.max_total_tokens; None: the
         model's); max_failures: failed episodes in a row that stop the run (supervision.max_consecutive_failures)."""

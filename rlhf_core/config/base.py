@@ -13,6 +13,9 @@ class ConfigError(ValueError):
 
 MAX_LR = 1.0
 """Largest trainer.lr accepted: above it AdamW diverges at once (1e38 overflows to inf in its update)."""
+
+MAX_CONSECUTIVE_FAILURES = 20
+"""Default of supervision.max_consecutive_failures, and of the runners of user code built without a config."""
 MAX_SEQUENCE_TOKENS = 131072
 """Largest rollout.max_new_tokens (and data.max_prompt_tokens) accepted before any model is loaded: the
 longest context of current open models. The model's own limit is checked at launch

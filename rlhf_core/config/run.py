@@ -9,7 +9,7 @@ from typing import Literal, Optional
 
 from pydantic import Field, field_validator, model_validator
 
-from rlhf_core.config.base import MAX_LR, _Section
+from rlhf_core.config.base import MAX_CONSECUTIVE_FAILURES, MAX_LR, _Section
 
 
 class WarmStartConfig(_Section):
@@ -335,7 +335,7 @@ class SupervisionConfig(_Section):
         5, ge=1, description="Fail after this many consecutive non-finite (skipped) trainer steps."
     )
     max_consecutive_failures: int = Field(
-        20,
+        MAX_CONSECUTIVE_FAILURES,
         ge=1,
         description="The limit on user code's failures: the run stops when this many calls in a row of one piece of "
         "it fail (a Python reward function's calls: raise or time out; an environment's calls: raise, time out, "

@@ -42,6 +42,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
+from rlhf_core.config.base import MAX_CONSECUTIVE_FAILURES
 from rlhf_core.data.prompts import Prompt, collate_prompts
 from rlhf_core.env.chat import ChatFormat
 from rlhf_core.env.checks import ERROR_KINDS
@@ -158,7 +159,7 @@ class EnvRunner:
         stop_ids: Sequence[int],
         workers: Optional[int] = None,
         where: str = "model",
-        max_failures: int = 20,
+        max_failures: int = MAX_CONSECUTIVE_FAILURES,
     ):
         """workers: the process pool's size (None: env.workers); max_failures: failed calls in a row that stop the
         run (supervision.max_consecutive_failures)."""

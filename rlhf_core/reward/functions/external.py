@@ -27,6 +27,7 @@ from collections.abc import Sequence
 import torch
 
 from rlhf_core.config import RewardConfig
+from rlhf_core.config.base import MAX_CONSECUTIVE_FAILURES
 from rlhf_core.reward.functions.pool import Call, FunctionPool
 
 log = logging.getLogger("rlhf_core.reward")
@@ -57,7 +58,9 @@ class PythonFunctionRewards:
     weights: {label: weight} (the external-reward contract: the worker adds sum(weight x score) to the
     rewards); columns: every name `score` returns, in order."""
 
-    def __init__(self, reward_cfg: RewardConfig, tokenizer, stop_ids: Sequence[int], max_failures: int = 20):
+    def __init__(
+        self, reward_cfg: RewardConfig, tokenizer, stop_ids: Sequence[int], max_failures: int = MAX_CONSECUTIVE_FAILURES
+    ):
         """max_failures: failed calls of one function in a row that stop the run
         (supervision.max_consecutive_failures)."""
         self.cfg = reward_cfg
