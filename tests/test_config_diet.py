@@ -149,10 +149,15 @@ def test_engine_kwargs_are_checked_against_the_engine():
     assert load_config(None, ["rollout.engine=vllm"]).rollout.engine_option("gpu_memory_utilization") == 0.5
     cfg = load_config(None, ["rollout.engine=random", "rollout.engine_kwargs.tokens_per_s=7"])
     assert cfg.rollout.engine_option("tokens_per_s") == 7.0
+    # an option of another engine is set aside (one override switches any recipe's engine); one no engine takes
+    for overrides in (
+        ["rollout.engine_kwargs.tokens_per_s=5"],
+        ["rollout.engine=vllm", "rollout.engine_kwargs.tokens_per_s=5"],
+    ):
+        assert "tokens_per_s" not in load_config(None, overrides).rollout.engine_kwargs
     for overrides, field in (
-        (["rollout.engine_kwargs.tokens_per_s=5"], "rollout.engine_kwargs.tokens_per_s"),  # hf takes none
         (["rollout.engine=vllm", "rollout.engine_kwargs.gpu_memory=0.3"], "rollout.engine_kwargs.gpu_memory"),
-        (["rollout.engine=vllm", "rollout.engine_kwargs.tokens_per_s=5"], "rollout.engine_kwargs.tokens_per_s"),
+        (["rollout.engine_kwargs.tokens_per_sec=5"], "rollout.engine_kwargs.tokens_per_sec"),
         (
             ["rollout.engine=vllm", "rollout.engine_kwargs.gpu_memory_utilization=1.5"],
             "rollout.engine_kwargs.gpu_memory_utilization",

@@ -165,10 +165,10 @@ def config_fields(model: type[BaseModel] = TrainConfig, prefix: str = "") -> lis
 
 
 def test_the_config_has_the_fields_it_has():
-    """The count moves only on purpose: 164 before this round's moves, 156 after them. Change the number with the
-    field."""
+    """The count moves only on purpose: 164 before last round's moves, 156 after them, 158 with
+    supervision.sync_check.{action, tolerance}. Change the number with the field."""
     fields = config_fields()
-    assert len(fields) == len(set(fields)) == 156, len(fields)
+    assert len(fields) == len(set(fields)) == 158, len(fields)
     for gone in (
         "runtime.prefetch",
         "rollout.max_total_tokens",

@@ -12,6 +12,7 @@ import torch
 from rlhf_core.config import ConfigError, load_config
 from rlhf_core.loop import build_run, export_run, generate_step_batch, run_sync
 from rlhf_core.model.lora import LoraConfigError, adapter_state_dict, is_lora
+from rlhf_core.rollout import probe as sync_probe
 from rlhf_core.run import build
 from rlhf_core.run.checkpoint import CheckpointError, load_checkpoint, read_checkpoint
 from rlhf_core.trainer import sequence_logprobs
@@ -113,8 +114,8 @@ def test_sync_ships_adapters_only_and_the_engine_matches_the_trainer(tmp_path):
             if "lora_B" in n:
                 p.normal_(0, 0.2)
     trainer.train_step(batch)
-    payload = trainer.state_dict_for_sync()
-    assert payload and all("lora_A" in k or "lora_B" in k for k in payload)
+    payload, probe = sync_probe.split(trainer.state_dict_for_sync())  # the adapters and the sync probe's reference
+    assert probe is not None and payload and all("lora_A" in k or "lora_B" in k for k in payload)
     n_adapter = sum(p.numel() for n, p in parts.model.named_parameters() if p.requires_grad)
     assert sum(t.numel() for t in payload.values()) == n_adapter
     assert sum(t.numel() for t in payload.values()) < sum(p.numel() for p in parts.model.parameters()) / 5

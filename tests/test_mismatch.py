@@ -161,7 +161,14 @@ def _tiny_cfg(tmp_path, *overrides):
 
 def test_an_engine_that_ignores_weight_updates_is_detected_while_staleness_says_nothing(tmp_path):
     # the tiny policy drifts slowly: a faster lr and a bound of 0.02 (bf16 numerics on it are ~1e-7)
-    cfg = _tiny_cfg(tmp_path, "trainer.total_steps=10", "trainer.lr=0.01", "supervision.engine_mismatch.kl=0.02")
+    # the sync probe would fail the first sync (tests/test_sync_probe.py): off, to see the ledger's own detection
+    cfg = _tiny_cfg(
+        tmp_path,
+        "trainer.total_steps=10",
+        "trainer.lr=0.01",
+        "supervision.engine_mismatch.kl=0.02",
+        "supervision.sync_check.action=off",
+    )
     parts = build_run(cfg, share_weights=False)
     parts.engine.__class__ = StaleEngine
     monitor = HealthMonitor(cfg, now=0)

@@ -12,6 +12,7 @@ from rlhf_core.algorithms import AGG_MODES, compute_policy_loss
 from rlhf_core.config import load_config
 from rlhf_core.data import collate_prompts
 from rlhf_core.rollout import HFEngine, SamplingParams
+from rlhf_core.rollout import probe as sync_probe
 from rlhf_core.trainer import Trainer, build_lr_lambda, sequence_logprobs
 
 G = 4
@@ -310,7 +311,8 @@ def test_trainer_follows_the_schedule(tiny_model, batch):
 def test_state_dict_for_sync(tiny_model, tiny_tokenizer, batch):
     trainer = Trainer(tiny_model, make_cfg(), pad_token_id=0)
     trainer.train_step(batch)
-    sync = trainer.state_dict_for_sync()
+    sync, probe = sync_probe.split(trainer.state_dict_for_sync())
+    assert probe is not None and probe[1].shape[:2] == (sync_probe.PROBE_ROWS, probe[0].shape[1] - 1)
     named = dict(tiny_model.named_parameters())
     assert set(named) <= set(sync)
     for t in sync.values():

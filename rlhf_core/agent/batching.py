@@ -20,7 +20,7 @@ import torch
 
 from rlhf_core.agent.segments import Completion
 from rlhf_core.data.prompts import Prompt, collate_prompts
-from rlhf_core.rollout.base import SamplingParams, sampling_logprobs, takes_between_steps
+from rlhf_core.rollout.base import SamplingParams, takes_between_steps
 
 
 @dataclass
@@ -133,19 +133,8 @@ class Batcher:
     @staticmethod
     def _top(engine, prompt: list[int], ids: list[int], sampling: SamplingParams, k: int) -> list[list[tuple]]:
         """The k most likely tokens and their log-probs at each generated position, under the distribution
-        sampled from (one forward pass over prompt + completion, at the weights that generated it)."""
-        if not ids:
-            return []
-        model = engine.model
-        was_training = model.training
-        model.eval()
-        try:
-            x = torch.tensor([prompt + ids], device=engine.device)
-            logits = model(input_ids=x).logits[0, len(prompt) - 1 : len(prompt) - 1 + len(ids)]
-        finally:
-            model.train(was_training)
-        values, index = sampling_logprobs(logits, sampling).topk(k, dim=-1)
-        return [list(zip(i, v)) for i, v in zip(index.tolist(), values.tolist())]
+        sampled from, at the weights that generated it (the engine's `top_logprobs`)."""
+        return engine.top_logprobs(prompt, ids, sampling, k) if ids else []
 
 
 def cut_at_stop(tokenizer, c: Completion, stops: list[str], stop_ids) -> None:

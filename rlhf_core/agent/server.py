@@ -343,8 +343,8 @@ class AgentServer:
 
     # ------------------------------------------------------------------ generation (rlhf_core.agent.batching)
     async def _generate(self, log, rows, params, seed, top, stops) -> tuple[list[Completion], list]:
-        if top and not hasattr(self.engine, "model"):
-            raise api.APIError(400, "top log-probs need a Hugging Face engine", param="top_logprobs")
+        if top and not hasattr(self.engine, "top_logprobs"):
+            raise api.APIError(400, f"top log-probs: {type(self.engine).__name__} has none", param="top_logprobs")
         if log is not None:
             log.inflight += 1
         try:

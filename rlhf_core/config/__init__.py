@@ -5,7 +5,7 @@ one-line description; the defaults run the embedded tiny demo on a laptop CPU. P
 as the flow's parameter form and MLflow logs it flattened as params (`flatten_config`).
 
 Bad input fails with `ConfigError`, whose message names the dotted field path and the offending value.
-A renamed key still loads under its new name, with one line saying so (`load.MIGRATIONS`); a YAML file may
+A renamed key still loads under its new name, with one line saying so (`migrations.MIGRATIONS`); a YAML file may
 start from another (`base: other.yaml`). Importing this package imports neither torch nor transformers.
 
     base.py       ConfigError, the section base class, limits that need no model
@@ -25,16 +25,15 @@ from rlhf_core.config.base import MAX_LR, MAX_SEQUENCE_TOKENS, RUN_CONFIG_FILE, 
 from rlhf_core.config.data import BufferConfig, DataConfig, EvalConfig, LoraConfig, ModelConfig, RolloutConfig
 from rlhf_core.config.env import ENV_COLUMNS, EnvConfig, EnvToolConfig
 from rlhf_core.config.load import (
-    MIGRATIONS,
     _format_validation_error,
     apply_overrides,
     flatten_config,
     load_config,
-    migrate_config,
     parse_grid_item,
     read_config_file,
     validate_config,
 )
+from rlhf_core.config.migrations import MIGRATIONS, migrate_config
 from rlhf_core.config.reward import (
     REWARD_COMPONENT_NAMES,
     OverlongConfig,

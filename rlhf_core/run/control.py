@@ -366,8 +366,8 @@ def busy_fraction(busy_s: float, since: Optional[float]) -> float:
 
 def poll_metrics(buffer_stats: dict, trainer_stats: dict, alive_workers: list[dict]) -> dict:
     """What every host adds to each step's metrics at a poll: the buffer's counters, each role's busy fraction
-    (util/rollout_busy: the mean over the live rollout workers) and the env/* and agent/* counts of the run so far
-    (all workers)."""
+    (util/rollout_busy: the mean over the live rollout workers), the env/* and agent/* counts of the run so far
+    (all workers) and the latest sync probe's sync/probe_kl and sync/probe_diff (the worst worker's)."""
     b = buffer_stats
     shared = {
         "buffer/size": b["size"],
@@ -380,6 +380,10 @@ def poll_metrics(buffer_stats: dict, trainer_stats: dict, alive_workers: list[di
     }
     for key in sorted({k for s in alive_workers for k in s if k.startswith(("env/", "agent/"))}):
         shared[key] = float(sum(s.get(key, 0.0) for s in alive_workers))
+    probed = [s for s in alive_workers if s.get("sync_probe_kl") is not None]  # each one's latest sync probe
+    if probed:
+        shared["sync/probe_kl"] = max(float(s["sync_probe_kl"]) for s in probed)
+        shared["sync/probe_diff"] = max(float(s["sync_probe_diff"]) for s in probed)
     return shared
 
 
@@ -392,6 +396,8 @@ def assemble_poll(run, metrics: list[dict], trainer: dict, buffer: dict, queue: 
     shared = {**poll_metrics(buffer, trainer, [s for s in rollout if s["alive"]]), **(extra_metrics or {})}
     for m in metrics:
         m.update(shared)
+        if "mismatch/engine_kl" not in m and "sync/probe_kl" in shared:  # no fresh token: the latest sync probe's
+            m["mismatch/engine_kl"] = shared["sync/probe_kl"]  # k3 of engine-sampled tokens (rollout/probe.py)
     run.last_step, run.last_version = trainer["step"], trainer["version"]
     events, run._new_events = run._new_events, []
     poll = {"step": run.last_step, "version": run.last_version, "done": run.done, "metrics": metrics}

@@ -7,7 +7,9 @@ engine's dtype, kernels, sampling code, or weights that never reached it); a tok
 policy's drift over k updates. With k3 per token, k3 = exp(d) − d − 1, d = log π_train − log π_rollout
 (samples from the rollout engine; the estimator of `async/mismatch_kl`):
 
-    mismatch/engine_kl          mean k3 over the valid tokens of staleness 0 (absent when there are none)
+    mismatch/engine_kl          mean k3 over the valid tokens of staleness 0 (absent when there are none: the
+                                poll then fills it from the latest sync probe, the same k3 over tokens the engine
+                                sampled with the trainer's weights, `rlhf_core.rollout.probe`)
     mismatch/kl_staleness_<k>   mean k3 over the valid tokens k ≥ 1 versions old
     mismatch/drift_kl           mean k3 over the stale tokens (k ≥ 1) minus mismatch/engine_kl (present when
                                 both kinds of token are in the batch)

