@@ -77,6 +77,7 @@ def arm(engine_name: str, model_name: str, model_dir: str) -> dict:
     base = [
         f"rollout.engine={engine_name}", "model.dtype=float32", f"rollout.max_new_tokens={spec['new_tokens']}",
         f"rollout.prompts_per_batch={spec['prompts']}", f"rollout.samples_per_prompt={spec['samples']}",
+        f"trainer.prompts_per_step={spec['prompts']}",
     ]  # fmt: skip
     cfg = load_config(None, base)
     start = time.perf_counter()

@@ -363,19 +363,17 @@ def test_vllm_lora_adapter_matches_the_peft_model(vllm_policy_dir, tiny_tokenize
     assert engine.lora_request.lora_int_id == 3 and not Path(request.lora_path).exists()
 
 
-def test_vllm_stops_where_the_hf_engine_does_on_a_chat_model(tmp_path):
-    """The chat fixture's kind of model (Qwen2, byte-level BPE, ChatML, a generation_config.json listing several
-    EOS ids): vLLM and the HF engine given the run's stop set answer chat-template prompts identically (greedy,
-    float32): some end on the tokenizer's EOS, some on another id of generation_config.json, some run to the cap;
-    the stop token is kept and nothing follows it."""
+@pytest.fixture(scope="module")
+def chat_vllm(tmp_path_factory):
+    """The chat fixture's kind of model (Qwen2, byte-level BPE, ChatML, a generation_config.json listing several EOS
+    ids), perturbed so that greedy answers end at different places: (model, tokenizer, stop ids, its vLLM engine)."""
     import json
 
-    from rlhf_core.data.prompts import Prompt
     from rlhf_core.model.chat import build_chat_policy
     from rlhf_core.model.policy import load_policy, stop_token_ids
     from rlhf_core.rollout.vllm import VLLMEngine
 
-    path = build_chat_policy(tmp_path / "chat", layers=1, hidden=64, heads=2)  # heads of 32: the CPU attention's
+    path = build_chat_policy(tmp_path_factory.mktemp("chat") / "chat", layers=1, hidden=64, heads=2)  # heads of 32
     model, tok = load_policy(path, dtype="float32", device="cpu")
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():  # a random chat model repeats one token; this one ends some answers on <|im_end|>
@@ -389,9 +387,18 @@ def test_vllm_stops_where_the_hf_engine_does_on_a_chat_model(tmp_path):
     config_path.write_text(json.dumps(generation))
     stops = stop_token_ids(path, tok)
     assert tok.eos_token_id in stops and extra_stop in stops
-    engine = VLLMEngine(
-        path, load_config(None, ["rollout.engine=vllm", "model.dtype=float32"]), tok, seed=0, stop_token_ids=stops
-    )
+    cfg = load_config(None, ["rollout.engine=vllm", "model.dtype=float32", "data.max_prompt_tokens=256"])
+    return model.to(DEVICE), tok, stops, VLLMEngine(path, cfg, tok, seed=0, stop_token_ids=stops)
+
+
+def test_vllm_stops_where_the_hf_engine_does_on_a_chat_model(chat_vllm):
+    """vLLM and the HF engine given the run's stop set answer chat-template prompts identically (greedy, float32):
+    some end on the tokenizer's EOS, some on another id of generation_config.json, some run to the cap; the stop
+    token is kept and nothing follows it."""
+    from rlhf_core.data.prompts import Prompt
+
+    model, tok, stops, engine = chat_vllm
+    extra_stop = 202
     questions = ("What is 2 + 3?", "Name a colour.", "Say hello.", "Count to three.", "Why is the sky blue?")
     questions += ("Add 4 and 5.", "Hi", "Tell me a joke.")
     texts = [
@@ -415,6 +422,33 @@ def test_vllm_stops_where_the_hf_engine_does_on_a_chat_model(tmp_path):
     assert bool((last[ended] == tok.eos_token_id).any()) and bool((last[ended] == extra_stop).any())
     assert bool((~ended).any())  # and some ran to the cap
     assert torch.equal(m, response_mask_from_eos(out.response_ids, torch.tensor(stops)))
+
+
+def test_a_multi_turn_environment_runs_on_vllm_as_on_the_hf_engine(chat_vllm):
+    """Multi-turn episodes (tests/env_fixtures.py's CountEnv, three turns, greedy) on vLLM: the same trajectories as
+    on the HF engine (every turn's ids, the observations between them), behaviour log-probs to float32 noise."""
+    from pathlib import Path
+
+    from rlhf_core.config import validate_config
+    from rlhf_core.rollout.multiturn import EnvRunner
+    from tests.test_env import prompts_for
+
+    model, tok, stops, engine = chat_vllm
+    fixtures = str(Path(__file__).parent / "env_fixtures.py")
+    cfg = validate_config({"env": {"path": fixtures, "name": "CountEnv", "kwargs": {"turns": 3}, "max_turns": 3}})
+    greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
+    runs = {}
+    for name, eng in (("vllm", engine), ("hf", HFEngine(model, stops, tok.pad_token_id))):
+        runner = EnvRunner(cfg.env, tok, stops, 1, max_failures=5)
+        try:
+            runs[name] = runner.run(eng, prompts_for(tok, 4), 1, greedy)
+        finally:
+            runner.close()
+    assert [t.error for t in runs["vllm"]] == [None] * 4
+    assert all(t.turns == 3 and t.done for t in runs["vllm"])
+    for ours, theirs in zip(runs["vllm"], runs["hf"]):
+        assert ours.ids == theirs.ids and [t.text for t in ours.transcript] == [t.text for t in theirs.transcript]
+        assert ours.logprobs == pytest.approx(theirs.logprobs, abs=2e-3)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -116,14 +116,19 @@ def _model_shape(model_path: str) -> dict:
 
 
 def cpu_kv_cache_bytes(shape: dict, rows: int, max_len: int, dtype: str) -> int:
-    """KV-cache bytes for `rows` sequences of `max_len` tokens (twice that, for vLLM's block rounding and requests
-    queued beside a batch), at least 64 MiB: on the CPU vLLM otherwise reserves most of the machine's memory."""
+    """KV-cache bytes for `rows` sequences of `max_len` tokens, at least 64 MiB and at most an eighth of the machine's
+    memory (vLLM preempts and recomputes requests that find no room: slower, never wrong); on the CPU vLLM otherwise
+    reserves most of the machine's memory. rollout.engine_kwargs.kv_cache_memory_bytes sets it outright."""
     layers = int(shape.get("num_hidden_layers", 1))
     heads = int(shape.get("num_attention_heads", 1))
     kv_heads = int(shape.get("num_key_value_heads") or heads)
     head_dim = int(shape.get("head_dim") or int(shape.get("hidden_size", 64)) // heads)
     per_token = 2 * layers * kv_heads * head_dim * (4 if dtype == "float32" else 2)
-    return max(64 << 20, 2 * max(rows, 64) * max_len * per_token)
+    try:
+        ceiling = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 8
+    except (OSError, ValueError):
+        ceiling = 4 << 30
+    return max(64 << 20, min(ceiling, max(rows, 64) * max_len * per_token))
 
 
 class _RotaryReloadNote(logging.Filter):
