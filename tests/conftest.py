@@ -282,9 +282,13 @@ def prefect_api(prefect_server):
         stack.enter_context(temporary_settings({PREFECT_API_URL: prefect_server["url"]}))
         # also as the process-global settings context, as prefect_test_harness does: a flow run in a thread
         # (the cancel tests) starts from that, not from this thread's context
-        global_context = getattr(prefect.context, "_temporary_global_settings_context", None)  # private in 3.x
+        global_context = getattr(prefect.context, "_temporary_global_settings_context", None)  # private, 3.8 on
         if global_context is not None:
             stack.enter_context(global_context(prefect.context.get_settings_context()))
+        else:  # Prefect 3.7 (beside vLLM: fastapi < 0.137): a thread's settings fall back to GLOBAL_SETTINGS_CONTEXT
+            saved = prefect.context.GLOBAL_SETTINGS_CONTEXT
+            prefect.context.GLOBAL_SETTINGS_CONTEXT = prefect.context.get_settings_context()
+            stack.callback(setattr, prefect.context, "GLOBAL_SETTINGS_CONTEXT", saved)
         yield prefect_server
 
 
