@@ -169,6 +169,33 @@ class CrashOnceEnv(ChaosEnv):
         return ChaosEnv.step(self, action)
 
 
+class CrashBesideWaitersEnv(ChaosEnv):
+    """Plain (threaded) steps. On the first step of each instance of a process, before the crash: the last of
+    `others` + 1 instances to step kills its process (once: the file <dir>/crashed says it happened) while the
+    others are still running theirs (each waits `wait_s`): `others` + 1 calls are running at the death, the
+    crashing one started last. After the crash, steps as ChaosEnv (no failures)."""
+
+    def __init__(self, dir: str, others: int = 3, wait_s: float = 2.0, **kwargs):
+        super().__init__(dir, **kwargs)
+        self.others, self.wait_s = others, wait_s
+
+    def step(self, action):
+        if self.t > 0 or (self.dir / "crashed").exists():
+            return ChaosEnv.step(self, action)
+        self.log("step")
+        if (self.dir / f"{os.getpid()}.log").read_text().count("step ") > self.others:
+            try:
+                os.close(os.open(self.dir / "crashed", os.O_CREAT | os.O_EXCL))
+            except FileExistsError:
+                pass
+            else:
+                self.log("crash")
+                os._exit(17)
+        time.sleep(self.wait_s)
+        self.t += 1
+        return f"turn {self.t}", 1.0, self.t >= self.turns, {}
+
+
 class BadValuesEnv:
     """Returns, for the row whose answer is `k`, the k-th malformed value below (the last one is well formed)."""
 

@@ -60,9 +60,10 @@ def children() -> set[int]:
 @pytest.mark.slow  # ~20 s: 30 training steps, ~600 environment steps, ~10 processes killed and replaced
 def test_a_chaotic_environment_trains_and_every_failure_is_counted(tmp_path):
     """30 steps, 2 prompts x 2 samples each, 2 environment processes. The run completes; each failure kind is
-    counted as injected (a process killed while it held several calls may charge one more episode, or restart
-    one whose reply was not sent yet), within sampling error of the configured rates; every process killed was
-    replaced; every episode opened was closed once (but those killed with their process); no process is left."""
+    counted as injected (each crash charges one episode: at most one off, when a call beside it started after
+    it; a timeout or other count may be off by a call whose reply was not sent yet), within sampling error of
+    the configured rates; every process killed was replaced; every episode opened was closed once (but those
+    killed with their process); no process is left."""
     from rlhf_core.loop import build_run, run_sync
 
     before = children()
@@ -84,7 +85,7 @@ def test_a_chaotic_environment_trains_and_every_failure_is_counted(tmp_path):
           f"process restarts {metrics['env/process_restarts']:g}")  # fmt: skip
     assert metrics["env/process_restarts"] == counts["crash"] >= 1
     for kind, n in injected.items():
-        assert abs(counted[kind] - n) <= 2, (kind, counted, injected)
+        assert abs(counted[kind] - n) <= (1 if kind == "process_died" else 2), (kind, counted, injected)
     assert metrics["env/errors"] == sum(counted.values())
     for kind, rate in zip(injected, (RATES["raises"], RATES["hang"], RATES["bad"], RATES["crash"])):
         sigma = math.sqrt(rate * (1 - rate) / steps)

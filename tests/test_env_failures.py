@@ -98,6 +98,38 @@ def test_a_dead_process_fails_its_episode_alone_and_the_others_start_again(chat,
     assert_closed_once(by_instance)
 
 
+def test_a_process_that_dies_with_several_calls_running_charges_one_of_them(chat, tmp_path):
+    """Four episodes in one process, their first steps in threads: three wait while the fourth (started last)
+    kills the process. One episode fails (process_died, the message says how many calls were running), the
+    three that were only waiting beside it start again and finish; one replacement."""
+    kwargs = {"dir": str(tmp_path), "others": 3, "turns": 2}
+    runner, trajs = run_env(chat, "CrashBesideWaitersEnv", G=4, kwargs=kwargs, max_turns=2)
+    failed = [t for t in trajs if t.error]
+    assert len(failed) == 1 and failed[0].error_kind == "process_died", [(t.error_kind, t.error) for t in failed]
+    assert "(4 calls were running there; this one started last" in failed[0].error
+    assert all(t.done and t.restarts == 1 and t.turns == 2 for t in trajs if not t.error)
+    metrics = runner.metrics()
+    assert metrics["env/errors/process_died"] == 1.0 and metrics["env/process_restarts"] == 1.0
+    counts, by_instance = events(tmp_path)
+    assert counts["crash"] == 1 and counts["open"] == 4 + 3
+    assert_closed_once(by_instance)
+
+
+def test_a_suspect_of_an_earlier_death_is_charged_before_the_call_that_started_last():
+    """The rule that picks the one trajectory a process's death is charged to: a trajectory that was running at
+    an earlier death (and was restarted) is charged first; else the call that started last; nothing running,
+    nobody."""
+    from types import SimpleNamespace
+
+    from rlhf_core.env.pool import EnvPool
+
+    pool = SimpleNamespace(suspects=set())
+    assert EnvPool._culprit(pool, {}) == set()
+    assert EnvPool._culprit(pool, {3: 10, 5: 12, 7: 11}) == {5}
+    pool.suspects = {7}
+    assert EnvPool._culprit(pool, {3: 10, 5: 12, 7: 11}) == {7}
+
+
 def test_a_successful_reset_does_not_clear_the_failure_count_a_step_does(chat, tmp_path):
     # every step raises: 4 failures per call; the second call trips the limit of 6 (its resets succeed)
     with pytest.raises(EnvError, match=r"failed 6 calls in a row .* the last \(raised\): step: ValueError: "

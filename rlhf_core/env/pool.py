@@ -10,11 +10,13 @@ message, file:line) and its kind (checks.ERROR_KINDS: raised, timeout, bad_resul
 dies, or leaves a request unanswered past its timeout plus a grace (an environment that blocks its event loop),
 is killed and replaced (`replaced`: env/process_restarts):
 
-  - the trajectories whose call was running there when it died fail (process_died); of those it left
-    unanswered, the one whose call blocks it (timeout);
+  - one trajectory fails: of those it left unanswered, the one whose call blocks it (timeout); when it died,
+    the one whose call was running there (process_died). When several calls were running at its death, a
+    trajectory that was already running at an earlier death (a suspect) is charged, else the call that started
+    last (a crash usually follows its call's start, while the calls beside it wait on I/O);
   - every other trajectory it hosted is lost, not failed: its pending request, or the next one made for it, is
-    answered `EnvReply(restart=True)`, and the runner starts it again from reset (same row). A process that
-    died between calls charges nobody.
+    answered `EnvReply(restart=True)`, and the runner starts it again from reset (same row); those that were
+    running become suspects until they end. A process that died between calls charges nobody.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from multiprocessing.connection import wait as wait_any
 from typing import Any, Optional
 
 from rlhf_core.env.checks import check_step_result  # noqa: F401 (re-exported)
-from rlhf_core.env.serve import MARK_SLOTS, EnvStepTimeout, error_text, serve  # noqa: F401 (re-exported)
+from rlhf_core.env.serve import MARK_SLOTS, MARKS_SIZE, EnvStepTimeout, error_text, serve  # noqa: F401 (re-exported)
 
 START_TIMEOUT_S = 120.0  # a pool process must have imported the environment within this
 KILL_GRACE_S = 5.0  # beyond a request's timeout before its process is killed
@@ -54,7 +56,7 @@ class EnvReply:
 class _Slot:
     def __init__(self, ctx, spec: tuple):
         self.conn, child = ctx.Pipe()
-        self.marks = ctx.RawArray("q", MARK_SLOTS)  # eid + 1 of each call running in the process (serve.py)
+        self.marks = ctx.RawArray("q", MARKS_SIZE)  # eid + 1 of each call running in the process, its start order
         self.process = ctx.Process(target=serve, args=(child, self.marks, *spec), daemon=True)
         self.process.start()
         child.close()
@@ -62,7 +64,12 @@ class _Slot:
         self.episodes: set[int] = set()
 
     def running(self) -> set[int]:
-        return {int(v) - 1 for v in self.marks if v}
+        return set(self.started_at())
+
+    def started_at(self) -> dict[int, int]:
+        """eid -> start order (larger: later) of each call running in the process."""
+        marks = self.marks[:]
+        return {int(v) - 1: int(marks[MARK_SLOTS + k]) for k, v in enumerate(marks[:MARK_SLOTS]) if v}
 
     def kill(self) -> None:
         if self.process.is_alive():
@@ -89,6 +96,7 @@ class EnvPool:
         self.slots = [_Slot(self.ctx, self.spec) for _ in range(workers)]
         self.where: dict[int, int] = {}  # eid -> slot index
         self.lost: set[int] = set()  # trajectories whose process was replaced: their next request restarts them
+        self.suspects: set[int] = set()  # running (and restarted, not charged) when a process died
         self.failed: list[EnvReply] = []  # replies made here, handed out by the next poll
         deadline = time.monotonic() + START_TIMEOUT_S
         for slot in self.slots:
@@ -129,6 +137,7 @@ class EnvPool:
     def close_episode(self, eid: int) -> None:
         """End trajectory `eid`: its instance's close() runs in its process (once; nothing when it is gone)."""
         self.lost.discard(eid)
+        self.suspects.discard(eid)
         i = self.where.pop(eid, None)
         if i is None:
             return
@@ -217,10 +226,12 @@ class EnvPool:
             )
         else:
             slot.process.join(1)  # its exit code, when it is exiting
-            charged, kind = slot.running() & set(slot.pending), "process_died"
+            started = {eid: n for eid, n in slot.started_at().items() if eid in slot.pending}
+            charged, kind = self._culprit(started), "process_died"
             error = f"its environment process died (exit code {slot.process.exitcode}) while running this call"
-            if len(charged) > 1:
-                error += f" ({len(charged)} calls were running there)"
+            if len(started) > 1:
+                error += f" ({len(started)} calls were running there; this one started last or ran at an earlier death)"
+                self.suspects |= set(started) - charged
         for eid in slot.episodes:
             self.where.pop(eid, None)
             op = slot.pending.get(eid, ("step", 0.0))[0]
@@ -234,6 +245,14 @@ class EnvPool:
         self.slots[i] = _Slot(self.ctx, self.spec)
         self.replaced += 1
         self._await_ready(self.slots[i], time.monotonic() + START_TIMEOUT_S)
+
+    def _culprit(self, started: dict[int, int]) -> set[int]:
+        """The one trajectory charged with a process's death, of those whose calls were running there (eid ->
+        start order): a suspect (running at an earlier death too), else the call that started last."""
+        if not started:
+            return set()
+        suspects = [eid for eid in started if eid in self.suspects]
+        return {max(suspects or started, key=started.__getitem__)}
 
     def close(self) -> None:
         """Stop every process; each first closes the instances it still holds (within the timeout)."""
@@ -249,6 +268,7 @@ class EnvPool:
         self.slots = []
         self.where.clear()
         self.lost.clear()
+        self.suspects.clear()
 
     def __del__(self):
         try:

@@ -15,14 +15,16 @@ answers with its kind (checks.ERROR_KINDS) and one line: type, message, file:lin
 failed is kept until its close.
 
 While a call runs, its trajectory is marked in `marks`, memory shared with the parent (a slot per thread of
-the process's thread pool, one for the event loop: a coroutine is running while the loop executes it): when
-the process dies or blocks, the parent reads there whose call was running, the one it is charged to.
+the process's thread pool, one for the event loop: a coroutine is running while the loop executes it), with the
+order in which the running calls started (the second half of `marks`): when the process dies or blocks, the
+parent reads there whose calls were running, and charges one of them (pool.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
+import itertools
 import os
 import sys
 import threading
@@ -35,6 +37,7 @@ from rlhf_core.env.checks import BadResult, check_finish_result, check_opening, 
 
 THREADS_PER_PROCESS = 64  # plain (non-async) calls in flight at once in one process
 MARK_SLOTS = THREADS_PER_PROCESS + 1  # marks: a slot per thread, then one for the event loop
+MARKS_SIZE = 2 * MARK_SLOTS  # marks: eid + 1 per slot, then each slot's start order (a count, larger: later)
 
 
 _OWN_FILES = {"serve.py", "checks.py", "pool.py"}  # frames of this package's machinery, left out of errors
@@ -65,12 +68,14 @@ def error_kind(exc: BaseException) -> str:
 class _Marks:
     """Which trajectory's call runs where: slot value eid + 1 (0: free). A slot per pool thread (a plain method
     is running while its thread runs it), and one for the event loop (a coroutine is running while the loop
-    executes it, between its awaits): one coroutine runs at a time."""
+    executes it, between its awaits): one coroutine runs at a time. `shared[MARK_SLOTS + slot]`: when the call
+    in the slot started, as a count (a coroutine: its first step)."""
 
     def __init__(self, shared):
         self.shared = shared
         self.local = threading.local()
         self.next_thread = iter(range(THREADS_PER_PROCESS))
+        self.started = itertools.count(1)
 
     def init_thread(self) -> None:
         self.local.slot = next(self.next_thread, None)
@@ -79,6 +84,7 @@ class _Marks:
         """fn(arg) in a pool thread, marked while it runs."""
         slot = getattr(self.local, "slot", None)
         if slot is not None:
+            self.shared[MARK_SLOTS + slot] = next(self.started)
             self.shared[slot] = eid + 1
         try:
             return fn(arg)
@@ -88,7 +94,8 @@ class _Marks:
 
     def on_loop(self, eid: int, awaitable):
         """An awaitable running `awaitable`, marked in the loop's slot while the loop executes it."""
-        return _OnLoop(self.shared, eid + 1, awaitable if inspect.iscoroutine(awaitable) else _awaiting(awaitable))
+        coro = awaitable if inspect.iscoroutine(awaitable) else _awaiting(awaitable)
+        return _OnLoop(self.shared, eid + 1, coro, next(self.started))
 
 
 async def _awaiting(awaitable):
@@ -98,12 +105,13 @@ async def _awaiting(awaitable):
 class _OnLoop:
     """Drives a coroutine step by step (as `await coro` would), marking the loop's slot during each step."""
 
-    def __init__(self, shared, mark: int, coro):
-        self.shared, self.mark, self.coro = shared, mark, coro
+    def __init__(self, shared, mark: int, coro, started: int):
+        self.shared, self.mark, self.coro, self.started = shared, mark, coro, started
 
     def __await__(self):
         value, error = None, None
         while True:
+            self.shared[MARK_SLOTS + THREADS_PER_PROCESS] = self.started
             self.shared[THREADS_PER_PROCESS] = self.mark
             try:
                 yielded = self.coro.send(value) if error is None else self.coro.throw(error)
