@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from rlhf_core.config import ConfigError, TrainConfig, apply_overrides, validate_config
+from rlhf_core.config import ConfigError, TrainConfig, apply_overrides, migrate_config, validate_config
 
 SEED_KEY = "trainer.seed"
 
@@ -141,7 +141,9 @@ def point_config(base: TrainConfig, point: SweepPoint, sweep: str) -> dict:
     """The child's config as a plain mapping, NOT validated (`check_points` does, before the sweep starts; the
     child validates it again). Its own output directory `<run.output_dir>/<sweep id>/<point>` and run name."""
     data = base.model_dump(mode="json")
-    apply_overrides(data, [f"{k}={json.dumps(v)}" for k, v in point.values])
+    for key, value in point.values:  # each as `--set key=value` after the base: typed last, it wins
+        apply_overrides(data, [f"{key}={json.dumps(value)}"])
+        migrate_config(data, old_wins=True)
     apply_overrides(
         data,
         [
@@ -163,6 +165,7 @@ def check_points(base: TrainConfig, grid: dict[str, list], seeds: list[int], swe
             data = base.model_dump(mode="json")
             try:
                 apply_overrides(data, [f"{key}={json.dumps(value)}"])
+                migrate_config(data, old_wins=True)
                 validate_config(data)
             except ConfigError as exc:
                 raise ConfigError(f"--grid {key}={value_text(value)}: {_one_line(exc)}") from None

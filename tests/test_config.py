@@ -258,7 +258,7 @@ def test_runtime_mode_loads_under_its_replacement_with_one_line(caplog):
     """runtime.mode is gone: lockstep is runtime.max_staleness 0. An old config still loads, with one line naming
     the replacement; 'async' is simply accepted; anything else is refused naming the key."""
     with caplog.at_level("WARNING", logger="rlhf_core.config"):
-        cfg = load_config(None, ["runtime.mode=sync", "runtime.max_staleness=3"])
+        cfg = load_config(None, ["runtime.max_staleness=3", "runtime.mode=sync"])  # typed last, it wins
     assert cfg.runtime.max_staleness == 0 and "mode" not in cfg.runtime.model_dump()
     notes = [r.getMessage() for r in caplog.records if r.name == "rlhf_core.config"]
     assert len(notes) == 1 and "runtime.max_staleness: 0" in notes[0]

@@ -194,7 +194,17 @@ RESOURCES_RENAMED = [
         "cluster.resources.trainer",
     ),
     (["cluster.trainer_resources={}"], [], "cluster.resources.trainer"),
-    # the new key, also given, wins (as every moved key's)
+    # the key typed last wins, whichever spelling (as every moved key's)
+    (
+        ["cluster.resources.rollout.CPU=2", "cluster.rollout_cpus=4"],
+        ["cluster.resources.rollout.CPU=4"],
+        "(given after cluster.resources.rollout.CPU, it wins)",
+    ),
+    (
+        ["cluster.resources.rollout.a=3", "cluster.rollout_resources={a: 1}"],
+        ["cluster.resources.rollout.a=1"],
+        "(given after cluster.resources.rollout, it wins)",
+    ),
     (
         ["cluster.rollout_cpus=4", "cluster.resources.rollout.CPU=2"],
         ["cluster.resources.rollout.CPU=2"],

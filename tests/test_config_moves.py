@@ -30,18 +30,28 @@ MOVED = [
     # an HF-engine option under another engine was never read: dropped, the line says so
     (["rollout.engine=random", "rollout.dtype=bfloat16"], ["rollout.engine=random"], "read by rollout.engine 'hf'"),
     (["critic.micro_batch_size=8"], ["trainer.micro_batch_size=8"], "trainer.micro_batch_size"),
-    (
+    (  # what is typed last wins, whichever spelling
         ["critic.micro_batch_size=8", "trainer.micro_batch_size=16"],
         ["trainer.micro_batch_size=16"],
-        "trainer.micro_batch_size, also given, wins",
+        "trainer.micro_batch_size now; loaded as such",
+    ),
+    (
+        ["trainer.micro_batch_size=16", "critic.micro_batch_size=8"],
+        ["trainer.micro_batch_size=8"],
+        "(given after trainer.micro_batch_size, it wins)",
     ),
     (["runtime.prefetch=false"], [], "ASYNCTENSORRLHF_NO_PREFETCH"),
     (["data.messages_key=conv"], ["data.prompt_key=conv"], "data.prompt_key"),
     (["data.messages_key=messages"], [], "data.prompt_key 'prompt'"),  # the old default: what prompt does now
     (
+        ["data.prompt_key=question", "data.messages_key=conv"],
+        ["data.prompt_key=conv"],
+        "loaded as data.prompt_key: conv",
+    ),
+    (
         ["data.messages_key=conv", "data.prompt_key=question"],
         ["data.prompt_key=question"],
-        "data.prompt_key, also given, wins",
+        "data.prompt_key now",
     ),
     *(
         (
@@ -184,3 +194,33 @@ def test_the_config_has_the_fields_it_has():
     ):
         assert gone not in fields
     assert {"env.max_total_tokens", "env.workers", "supervision.max_consecutive_failures"} <= set(fields)
+
+
+@pytest.mark.parametrize(
+    "in_file, typed, expected",
+    [
+        ({"trainer": {"warm_start": {"steps": 300}}}, "trainer.warm_start_steps=0", 0),  # old key typed, new in file
+        ({"trainer": {"warm_start_steps": 300}}, "trainer.warm_start.steps=0", 0),  # new key typed, old in file
+        ({"trainer": {"warm_start_steps": 300}}, "trainer.warm_start_steps=7", 7),  # old key in both
+        ({"trainer": {"warm_start": {"steps": 300}}}, "trainer.warm_start.steps=5", 5),
+    ],
+)
+def test_the_command_line_wins_over_the_file_whatever_spelling_either_uses(tmp_path, in_file, typed, expected):
+    """`--set` is the last word on a key, whether the file or the override spells it the old way or the new."""
+    import yaml
+
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(in_file))
+    assert load_config(str(path), [typed]).trainer.warm_start.steps == expected
+    assert load_config(str(path)).trainer.warm_start.steps == 300  # the file alone, either spelling
+
+
+def test_the_last_of_two_overrides_wins_whatever_spelling_and_the_engine_is_read_in_context(tmp_path):
+    """Overrides apply in order, each migrated against everything before it: a later spelling wins over an earlier
+    one, and an old engine option typed after the file chose the engine still lands under that engine."""
+    path = tmp_path / "recipe.yaml"
+    path.write_text("rollout:\n  engine: vllm\n  engine_kwargs: {gpu_memory_utilization: 0.3}\n")
+    cfg = load_config(str(path), ["rollout.vllm_gpu_memory_utilization=0.7"])
+    assert cfg.rollout.engine_kwargs["gpu_memory_utilization"] == 0.7
+    cfg = load_config(None, ["tracking.eval_every=3", "eval.every=4", "tracking.eval_every=5"])
+    assert cfg.eval.every == 5

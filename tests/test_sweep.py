@@ -13,7 +13,7 @@ import pytest
 from flows.cli import main, parse_grid
 from flows.deployment import load_sweep_parameters
 from rlhf_core.config import ConfigError, TrainConfig, load_config, parse_grid_item, validate_config
-from rlhf_core.sweep_grid import SweepPoint, check_grid, expand_grid, point_config, seed_list, sweep_id
+from rlhf_core.sweep_grid import SweepPoint, check_grid, check_points, expand_grid, point_config, seed_list, sweep_id
 from tracking.sweep_comparison import (
     ChildHistory,
     comparison_plot,
@@ -143,6 +143,16 @@ def test_a_point_config_has_its_own_dir_and_seed_and_is_validated_by_the_child()
     (not_a_section,) = expand_grid({"trainer.lr.x": [1]}, [0])
     with pytest.raises(ConfigError, match="not a section"):
         point_config(base, not_a_section, "sweep-x")
+
+
+def test_a_grid_key_spelled_the_old_way_still_sets_each_point():
+    """A grid value is `--set key=value` after the base config: spelled the old way, it still wins over the base's
+    value under the new spelling (which a loaded base always uses)."""
+    base = load_config(None, ["run.output_dir=/tmp/out", "trainer.warm_start.steps=300"])
+    points = expand_grid({"trainer.warm_start_steps": [0, 7]}, [0])
+    assert [validate_config(point_config(base, p, "s")).trainer.warm_start.steps for p in points] == [0, 7]
+    checked = check_points(base, {"trainer.warm_start_steps": [0, 7]}, [0])
+    assert [c.trainer.warm_start.steps for c in checked] == [0, 7]
 
 
 def _child(values, seed, accuracies, status="FINISHED", error=""):

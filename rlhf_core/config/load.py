@@ -16,7 +16,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from rlhf_core.config.base import ConfigError
-from rlhf_core.config.migrations import migrate_config
+from rlhf_core.config.migrations import migrate_config, migration_notes
 from rlhf_core.config.train import TrainConfig
 
 
@@ -152,7 +152,8 @@ def read_config_file(path: str | os.PathLike, _seen: tuple = ()) -> dict:
 
 def load_config(path: str | os.PathLike | None = None, overrides: Iterable[str] = ()) -> TrainConfig:
     """Read a YAML config (or the defaults when `path` is None; `base: other.yaml` inherits), apply dotted
-    overrides, validate.
+    overrides, validate. What is typed last wins whatever spelling of a key the file or an override uses: the
+    file's renamed keys are migrated first, then each override is applied and migrated in turn.
 
     >>> cfg = load_config(None, ["algorithm.loss_options.clip_eps=0.1"])
     >>> cfg.algorithm.loss_options.clip_eps
@@ -164,9 +165,14 @@ def load_config(path: str | os.PathLike | None = None, overrides: Iterable[str] 
         source = f" in {Path(path)}"
         data = read_config_file(path)
     overrides = list(overrides)
-    apply_overrides(data, overrides)
+    notes = migration_notes(data)  # one line per migration: the last override's word on it
+    for override in overrides:
+        apply_overrides(data, [override])
+        notes.update(migration_notes(data, old_wins=True))
     if overrides:
         source += f" (with overrides {overrides})"
+    for note in notes.values():
+        logging.getLogger("rlhf_core.config").warning("%s%s", note, source)
     return validate_config(data, source)
 
 

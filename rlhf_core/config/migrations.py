@@ -1,5 +1,9 @@
 """Renamed and removed config keys: each migration rewrites one old key of a raw config mapping in place and
-returns the line that says so (`migrate_config`, applied by rlhf_core.config.load before validation)."""
+returns the line that says so (`migrate_config`, applied by rlhf_core.config.load before validation).
+
+What the user typed last wins, whatever spelling of a key either place uses: the file is migrated first, then
+each override is applied and migrated in turn with `old_wins=True` (the old key just typed is the latest word,
+over its new spelling already present); a file or one mapping that gives both spellings keeps the new one."""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ from rlhf_core.config.base import ConfigError
 from rlhf_core.config.data import ENGINE_KWARGS, TINY_PRESETS, TinyShape, preset_name, preset_shape
 
 
-def _runtime_mode(data: dict) -> Optional[str]:
+def _runtime_mode(data: dict, old_wins: bool = False) -> Optional[str]:
     """runtime.mode (removed): lockstep is runtime.max_staleness 0, and 'async' was the only other value."""
     runtime = data.get("runtime")
     if not isinstance(runtime, dict) or "mode" not in runtime:
@@ -23,14 +27,14 @@ def _runtime_mode(data: dict) -> Optional[str]:
     raise ConfigError(f"runtime.mode={mode!r}: the key is gone; lockstep is runtime.max_staleness: 0")
 
 
-def _restart_limit(data: dict) -> Optional[str]:
+def _restart_limit(data: dict, old_wins: bool = False) -> Optional[str]:
     """supervision.restart_limit (removed): cluster.max_restarts is the run's one restart budget."""
     sup = data.get("supervision")
     if not isinstance(sup, dict) or "restart_limit" not in sup:
         return None
     limit = sup.pop("restart_limit")
     cluster = data.setdefault("cluster", {})
-    if isinstance(cluster, dict) and "max_restarts" not in cluster:
+    if isinstance(cluster, dict) and ("max_restarts" not in cluster or old_wins):
         cluster["max_restarts"] = limit
         return "supervision.restart_limit is cluster.max_restarts now (the run's one restart budget); loaded as such"
     return "supervision.restart_limit is gone (cluster.max_restarts, also given, is the run's one restart budget)"
@@ -53,7 +57,7 @@ def _pop(data: dict, dotted: str) -> Any:
 def _moved(old: str, new: str):
     """A key that moved: its value goes to the new key (unless that is given too) with one line naming it."""
 
-    def migrate(data: dict) -> Optional[str]:
+    def migrate(data: dict, old_wins: bool = False) -> Optional[str]:
         *new_path, new_key = new.split(".")
         value = _pop(data, old)
         if value is _ABSENT:
@@ -63,21 +67,22 @@ def _moved(old: str, new: str):
             target = target.setdefault(part, {}) if isinstance(target, dict) else None
         if not isinstance(target, dict):
             raise ConfigError(f"{old} moved to {new}, but {'.'.join(new_path)} is not a section")
-        if new_key in target:
+        if new_key in target and not old_wins:
             return f"{old} is {new} now; {new}, also given, wins"
+        given = new_key in target
         target[new_key] = value
-        return f"{old} is {new} now; loaded as such"
+        return f"{old} is {new} now; loaded as such" + (f" (given after {new}, it wins)" if given else "")
 
     return migrate
 
 
-def _tis_cap(data: dict) -> Optional[str]:
+def _tis_cap(data: dict, old_wins: bool = False) -> Optional[str]:
     """algorithm.tis_cap (removed): truncated IS is algorithm.rollout_correction {mode: tis, level: token, upper}."""
     algo = data.get("algorithm")
     if not isinstance(algo, dict) or "tis_cap" not in algo:
         return None
     cap = algo.pop("tis_cap")
-    if cap is None or "rollout_correction" in algo:
+    if cap is None or ("rollout_correction" in algo and not old_wins):
         return "algorithm.tis_cap is gone (algorithm.rollout_correction is the one correction); ignored"
     algo["rollout_correction"] = {"mode": "tis", "level": "token", "upper": cap}
     return f"algorithm.tis_cap is algorithm.rollout_correction {{mode: tis, level: token, upper: {cap}}} now; loaded as such"
@@ -86,7 +91,7 @@ def _tis_cap(data: dict) -> Optional[str]:
 _TINY_KEYS = {"tiny_kind": 0, "tiny_layers": 1, "tiny_hidden": 2, "tiny_heads": 3}  # their place in a TinyShape
 
 
-def _tiny_preset(data: dict) -> Optional[str]:
+def _tiny_preset(data: dict, old_wins: bool = False) -> Optional[str]:
     """model.tiny_kind / tiny_layers / tiny_hidden / tiny_heads (removed): one model.preset names the demo policy.
     The keys given are laid over model.preset when that is given too (else over the old defaults, 'tiny'), so an
     old `--set model.tiny_hidden=64` still changes a config's preset."""
@@ -110,19 +115,19 @@ def _engine_kwarg(old: str, key: str, engine: str):
 
     move = _moved(f"rollout.{old}", f"rollout.engine_kwargs.{key}")
 
-    def migrate(data: dict) -> Optional[str]:
+    def migrate(data: dict, old_wins: bool = False) -> Optional[str]:
         rollout = data.get("rollout")
         if not isinstance(rollout, dict) or old not in rollout:
             return None
         if rollout.get("engine", "hf") != engine:
             rollout.pop(old)
             return f"rollout.{old} is rollout.engine_kwargs.{key} now, read by rollout.engine {engine!r} only; ignored"
-        return move(data)
+        return move(data, old_wins)
 
     return migrate
 
 
-def _other_engines_options(data: dict) -> Optional[str]:
+def _other_engines_options(data: dict, old_wins: bool = False) -> Optional[str]:
     """rollout.engine_kwargs that belong to another engine than rollout.engine are set aside, with one line: one
     override (`--set rollout.engine=hf`) switches the engine of any recipe. A key no engine takes is still refused."""
     rollout = data.get("rollout")
@@ -151,7 +156,7 @@ def _custom_resources(role: str):
     now, beside its CPU and GPU (a key also given there wins)."""
     old, new = f"cluster.{role}_resources", f"cluster.resources.{role}"
 
-    def migrate(data: dict) -> Optional[str]:
+    def migrate(data: dict, old_wins: bool = False) -> Optional[str]:
         cluster = data.get("cluster")
         if not isinstance(cluster, dict) or f"{role}_resources" not in cluster:
             return None
@@ -169,7 +174,12 @@ def _custom_resources(role: str):
             raise ConfigError(f"{old} moved to {new}, but {new} is not a mapping")
         given = sorted(name for name in custom if name in target)
         for name, amount in custom.items():
-            target.setdefault(name, amount)
+            if old_wins:
+                target[name] = amount
+            else:
+                target.setdefault(name, amount)
+        if given and old_wins:
+            return f"{old} is {new} now (its keys beside CPU and GPU); loaded as such (given after {new}, it wins)"
         if given:
             return f"{old} is {new} now (its keys beside CPU and GPU); {', '.join(f'{new}.{n}' for n in given)}, also given, wins"
         return f"{old} is {new} now (its keys beside CPU and GPU); loaded as such"
@@ -180,13 +190,13 @@ def _custom_resources(role: str):
 def _gone(key: str, why: str):
     """A key that went with nothing in its place: it is dropped with one line saying why."""
 
-    def migrate(data: dict) -> Optional[str]:
+    def migrate(data: dict, old_wins: bool = False) -> Optional[str]:
         return None if _pop(data, key) is _ABSENT else f"{key} is gone ({why}); ignored"
 
     return migrate
 
 
-def _messages_key(data: dict) -> Optional[str]:
+def _messages_key(data: dict, old_wins: bool = False) -> Optional[str]:
     """data.messages_key (removed): data.prompt_key takes text or a chat list; with its default ('prompt') a row's
     'messages' are used, as the old default messages_key did."""
     section = data.get("data")
@@ -195,13 +205,13 @@ def _messages_key(data: dict) -> Optional[str]:
     key = section.pop("messages_key")
     if key == "messages":
         return "data.messages_key is gone (with data.prompt_key 'prompt', a row's 'messages' are used); ignored"
-    if "prompt_key" in section:
+    if "prompt_key" in section and not old_wins:
         return "data.messages_key is data.prompt_key now (text or a chat list); data.prompt_key, also given, wins"
     section["prompt_key"] = key
     return f"data.messages_key is data.prompt_key now (text or a chat list); loaded as data.prompt_key: {key}"
 
 
-def _env_factory(data: dict) -> Optional[str]:
+def _env_factory(data: dict, old_wins: bool = False) -> Optional[str]:
     """env.factory (removed): with env.adapter the factory is env.path (module or file) and env.name (callable)."""
     env = data.get("env")
     if not isinstance(env, dict) or "factory" not in env:
@@ -212,7 +222,7 @@ def _env_factory(data: dict) -> Optional[str]:
     path, _, name = str(factory).rpartition(":")
     if not path or not name:
         raise ConfigError(f"env.factory {factory!r} (now env.path + env.name) is not 'module:callable'")
-    if env.get("path") or env.get("name"):
+    if (env.get("path") or env.get("name")) and not old_wins:
         return "env.factory is env.path + env.name now; env.path / env.name, also given, win"
     env["path"], env["name"] = path, name
     return f"env.factory is env.path + env.name now; loaded as env.path: {path}, env.name: {name}"
@@ -257,11 +267,18 @@ MIGRATIONS = [
 ]
 
 
-def migrate_config(data: dict) -> list[str]:
-    """Rewrite renamed or removed keys of a raw config mapping in place; returns one note per key rewritten."""
-    notes = []
-    for migration in MIGRATIONS:
-        note = migration(data)
+def migrate_config(data: dict, old_wins: bool = False) -> list[str]:
+    """Rewrite renamed or removed keys of a raw config mapping in place; returns one note per key rewritten.
+    `old_wins`: an old key present was given after its new spelling (an override just applied), so it wins."""
+    return list(migration_notes(data, old_wins).values())
+
+
+def migration_notes(data: dict, old_wins: bool = False) -> dict[int, str]:
+    """migrate_config's notes by the index of the migration (in MIGRATIONS) that wrote each: a later note of the
+    same migration (the next override) replaces the earlier one."""
+    notes = {}
+    for i, migration in enumerate(MIGRATIONS):
+        note = migration(data, old_wins)
         if note:
-            notes.append(note)
+            notes[i] = note
     return notes
