@@ -172,10 +172,10 @@ class CrashOnceEnv(ChaosEnv):
 class CrashBesideWaitersEnv(ChaosEnv):
     """Plain (threaded) steps. On the first step of each instance of a process, before the crash: the last of
     `others` + 1 instances to step kills its process (once: the file <dir>/crashed says it happened) while the
-    others are still running theirs (each waits `wait_s`): `others` + 1 calls are running at the death, the
-    crashing one started last. After the crash, steps as ChaosEnv (no failures)."""
+    others are still running theirs (each waits `wait_s`, longer than the crash takes to come): `others` + 1
+    calls are running at the death, the crashing one started last. After the crash, steps as ChaosEnv (no failures)."""
 
-    def __init__(self, dir: str, others: int = 3, wait_s: float = 2.0, **kwargs):
+    def __init__(self, dir: str, others: int = 3, wait_s: float = 60.0, **kwargs):
         super().__init__(dir, **kwargs)
         self.others, self.wait_s = others, wait_s
 
@@ -191,7 +191,7 @@ class CrashBesideWaitersEnv(ChaosEnv):
             else:
                 self.log("crash")
                 os._exit(17)
-        time.sleep(self.wait_s)
+        time.sleep(self.wait_s)  # the crash comes first: this process dies with the call still running
         self.t += 1
         return f"turn {self.t}", 1.0, self.t >= self.turns, {}
 

@@ -185,6 +185,7 @@ def perturbed(model, scale=0.02, seed=1):
 
 
 MICRO_CASES = [(loss, agg) for loss in ("ppo", "grpo", "m2po-trust_region", "m2po-ratio_sq") for agg in AGG_MODES]
+MICRO_CASES += [("ppo-drop", agg) for agg in AGG_MODES]  # mis, its rejected tokens dropped from the step's mask
 
 
 @pytest.mark.parametrize("loss,agg", MICRO_CASES, ids=[f"{loss}-{agg}" for loss, agg in MICRO_CASES])
@@ -207,7 +208,9 @@ def test_micro_batch_size_does_not_change_the_update(tiny_model, eos_batch, loss
         "rollout.max_new_tokens=8",
         "algorithm.kl_coef=0.05",
     ]
-    if masking:
+    if masking == "drop":
+        base.append("algorithm.rollout_correction={mode: mis, upper: 1.05, rejected: drop}")
+    elif masking:
         base.append(f"algorithm.loss_options.masking={masking}")
     if masking == "trust_region":
         base.append("algorithm.loss_options.clip_eps=null")
@@ -234,6 +237,9 @@ def test_micro_batch_size_does_not_change_the_update(tiny_model, eos_batch, loss
     if name == "m2po":
         assert small["m2po/masked_frac"] == pytest.approx(big["m2po/masked_frac"], abs=1e-6)
         assert big["m2po/masked_frac"] > 0  # the mask is active
+    if masking == "drop":
+        assert small["correction/masked_frac"] == pytest.approx(big["correction/masked_frac"], abs=1e-6)
+        assert 0 < big["correction/masked_frac"] < 1  # some tokens are rejected, hence dropped
     assert small["policy/grad_norm"] == pytest.approx(big["policy/grad_norm"], rel=1e-4)
     for (pname, p), q in zip(models[128].named_parameters(), models[8].parameters()):
         torch.testing.assert_close(q.grad, p.grad, atol=1e-6, rtol=1e-4, msg=lambda m, n=pname: f"{n}: {m}")
@@ -531,7 +537,9 @@ def test_padding_free_matches_the_padded_path(tiny_model, eos_batch, loss, agg):
         "algorithm.kl_coef=0.05",
         "trainer.micro_batch_size=16",
     ]
-    if masking:
+    if masking == "drop":
+        base.append("algorithm.rollout_correction={mode: mis, upper: 1.05, rejected: drop}")
+    elif masking:
         base.append(f"algorithm.loss_options.masking={masking}")
     if masking == "trust_region":
         base.append("algorithm.loss_options.clip_eps=null")

@@ -131,10 +131,16 @@ def compute_policy_loss(
     spec = policy_loss_spec(algo_cfg.loss)
     if (keep_mask is not None or kept_norm is not None) and spec.step_mask is None:
         raise ValueError(f"policy loss {algo_cfg.loss!r} takes no step-wide keep_mask/kept_norm")
+    correction = getattr(algo_cfg, "rollout_correction", None)
+    behaviour, raw_advantages = old_logprobs, advantages
     # algorithm.rollout_correction, for every loss: the ratio against the trainer's log-probs, w·A (correction.py)
-    old_logprobs, advantages, corrected = apply_correction(
-        getattr(algo_cfg, "rollout_correction", None), logprobs, old_logprobs, advantages, mask, rollout_logprobs
+    old_logprobs, advantages, mask, corrected = apply_correction(
+        correction, logprobs, old_logprobs, advantages, mask, rollout_logprobs
     )
+    if spec.step_mask is not None and keep_mask is None and corrected:
+        # a step-mask loss (M2PO) keeps its mask on the behaviour ratio: after the correction its ratio is taken
+        # against the trainer's log-probs, 1 by construction, and it would mask nothing (it would be PPO)
+        keep_mask, kept_norm = step_keep_mask(algo_cfg, logprobs, behaviour, raw_advantages, mask)
     inputs = _loss_inputs(
         algo_cfg,
         logprobs,
@@ -169,9 +175,7 @@ def step_keep_mask(
     spec = policy_loss_spec(algo_cfg.loss)
     if spec.step_mask is None:
         return None
-    old_logprobs, advantages, _ = apply_correction(
-        getattr(algo_cfg, "rollout_correction", None), logprobs.detach(), old_logprobs, advantages, mask, None
-    )
+    # on the behaviour ratio, also with a rollout correction (which would make the ratio 1: see compute_policy_loss)
     inputs = _loss_inputs(algo_cfg, logprobs.detach(), old_logprobs, advantages, mask, None, None)
     keep = spec.step_mask(inputs, algo_cfg.loss_options)
     valid = as_mask(mask, logprobs.detach())

@@ -80,8 +80,11 @@ class RolloutCorrection(BaseModel):
     """`algorithm.rollout_correction`: importance weights w = pi_train / pi_rollout between the trainer's
     log-probs (the weights it holds at the step) and the rollout engine's, applied with every loss
     (rlhf_core.algorithms.correction; verl's rollout correction). tis: w truncated at upper; mis: w, zero outside
-    [lower, upper]; icepop: mis per token. level sequence: one weight per row, the geometric mean of its
-    tokens' ratios. With a correction on, every loss takes its ratio against the trainer's log-probs (decoupled)."""
+    [lower, upper]; icepop: mis per token. level sequence: one weight per row, the product of its tokens' ratios
+    (verl's sequence-level IS weight); level geometric: their geometric mean (verl's 'geometric' rejection level).
+    rejected (mis, icepop): 'zero' keeps a rejected token in the loss's denominators with a term of 0 (IcePop),
+    'drop' takes it out of the loss's token mask (verl's rejection sampling). With a correction on, every loss
+    takes its ratio against the trainer's log-probs (decoupled)."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -89,8 +92,15 @@ class RolloutCorrection(BaseModel):
         "none",
         description="none | tis (truncate at upper) | mis (mask outside [lower, upper]) | icepop (mis per token).",
     )
-    level: Literal["token", "sequence"] = Field(
-        "token", description="Per-token weights, or one per sequence (geometric mean of its token ratios)."
+    level: Literal["token", "sequence", "geometric"] = Field(
+        "token",
+        description="Per-token weights, or one per sequence: the product of its token ratios (sequence, verl's "
+        "sequence IS) or their geometric mean (geometric).",
+    )
+    rejected: Literal["zero", "drop"] = Field(
+        "zero",
+        description="mis/icepop: a rejected token's term is 0 and it stays in the loss's denominators (zero, "
+        "IcePop), or it leaves the loss's token mask (drop, verl's rejection sampling).",
     )
     lower: Optional[float] = Field(None, gt=0, description="mis/icepop: lowest weight kept; None: 1 / upper.")
     upper: float = Field(2.0, gt=0, description="tis: truncation; mis/icepop: highest weight kept.")
@@ -99,6 +109,8 @@ class RolloutCorrection(BaseModel):
     def _consistent(self) -> RolloutCorrection:
         if self.mode == "icepop" and self.level != "token":
             raise ValueError("rollout_correction.mode 'icepop' masks per token: use level 'token' (or mode 'mis')")
+        if self.rejected == "drop" and self.mode == "tis":
+            raise ValueError("rollout_correction.rejected 'drop' drops the tokens mis/icepop reject; tis rejects none")
         if self.lower is not None and self.lower >= self.upper:
             raise ValueError(f"rollout_correction.lower ({self.lower}) must be below upper ({self.upper})")
         return self
@@ -106,6 +118,11 @@ class RolloutCorrection(BaseModel):
     @property
     def enabled(self) -> bool:
         return self.mode != "none"
+
+    @property
+    def drops(self) -> bool:
+        """mis / icepop with rejected 'drop': rejected tokens leave the loss's token mask."""
+        return self.enabled and self.mode != "tis" and self.rejected == "drop"
 
     @property
     def lower_bound(self) -> float:

@@ -56,3 +56,18 @@ def mismatch_ledger(
     if stale and fresh:
         out["mismatch/drift_kl"] = float(sums[1:].sum() / stale) - out["mismatch/engine_kl"]
     return out
+
+
+def reward_column_means(cfg, batch) -> dict[str, float]:
+    """reward/<column>: the batch mean of each reward column (unweighted: components, Python functions and
+    their extra metrics, `RewardConfig.column_names`), from the per-row values the rollout worker put on
+    the batch; rows a function did not apply to (NaN) are left out of its mean, and a column with no row
+    is not logged. {} for a batch without them. A trajectory's env/* and an episode's agent/* columns are
+    logged under their own names."""
+    comps = batch.reward_components
+    names = cfg.reward.column_names() + cfg.env.column_names() + cfg.agent.column_names()
+    if comps is None or comps.ndim != 2 or comps.shape[1] != len(names):
+        return {}
+    means = comps.float().nanmean(0).tolist()
+    own = ("env/", "agent/")
+    return {(n if n.startswith(own) else f"reward/{n}"): float(v) for n, v in zip(names, means) if v == v}

@@ -22,6 +22,7 @@ from rlhf_core.algorithms import (
     kl_penalty,
     step_keep_mask,
 )
+from rlhf_core.algorithms.correction import step_rejection
 from rlhf_core.model.lora import adapter_state_dict, adapters_disabled, is_lora
 from rlhf_core.model.policy import disable_dropout
 from rlhf_core.model.sharding import (
@@ -37,7 +38,7 @@ from rlhf_core.model.sharding import (
 )
 from rlhf_core.rollout import probe as sync_probe
 from rlhf_core.rollout.base import SamplingParams
-from rlhf_core.trainer.ledger import mismatch_ledger
+from rlhf_core.trainer.ledger import mismatch_ledger, reward_column_means
 from rlhf_core.trainer.logprobs import padding_free_logprobs, sequence_logprobs
 from rlhf_core.trainer.schedule import build_lr_lambda
 from rlhf_core.types import RolloutBatch
@@ -232,14 +233,21 @@ class Trainer:
         N = len(batch)
         size = world(self.group)[1]
         micro = rank_micro_slices(N, self.group, self.tcfg.micro_batch_size)  # this rank's rows
-        total_tokens = step_mask.sum().clamp(min=1)
-        loss_kwargs: dict = {"norm_len": self.cfg.rollout.max_new_tokens, "global_norm": global_normalisers(step_mask)}
-        keep = None
-        if self.algo.loss_spec.step_mask is not None and (len(micro) > 1 or size > 1):
-            # One micro-batch is the whole step: the loss then computes its mask from its own rows.
+        drops = self.algo.rollout_correction.drops
+        current = None
+        if drops or (self.algo.loss_spec.step_mask is not None and (len(micro) > 1 or size > 1)):
+            # whole-step statistics: M2PO's mask (one micro-batch: the loss takes it from its rows), the drop
             with torch.no_grad():
                 current = torch.cat([self._logprobs(self.model, batch, idx)[0] for idx in micro])
             current = gather_rows(current, N, self.group)
+        # a dropping correction: the rejected tokens leave the step's mask, hence its denominators
+        step_mask, rejected_stats = step_rejection(
+            self.algo.rollout_correction, current, batch.behavior_logprobs, step_mask
+        )
+        total_tokens = step_mask.sum().clamp(min=1)
+        loss_kwargs: dict = {"norm_len": self.cfg.rollout.max_new_tokens, "global_norm": global_normalisers(step_mask)}
+        keep = None
+        if self.algo.loss_spec.step_mask is not None and current is not None:
             keep, loss_kwargs["kept_norm"] = step_keep_mask(
                 self.algo, current, batch.behavior_logprobs, advantages, step_mask
             )
@@ -286,6 +294,8 @@ class Trainer:
                 else:  # means over this micro-batch's valid tokens
                     sums[k] = sums[k] + v * token_share if k in sums else v * token_share
         sums["loss/total"] = loss_sum
+        for k, v in rejected_stats.items():  # the step's on every rank: summed over ranks, but maxima
+            sums[k] = v.detach().float() / (1 if k.endswith("_max") else size)
         sums["policy/entropy"] = entropy_sum / total_tokens
         sums["async/mismatch_kl"] = mismatch_kl / total_tokens
         sums["async/mismatch_m2"] = mismatch_m2 / total_tokens
@@ -357,18 +367,8 @@ class Trainer:
         return metrics
 
     def reward_component_means(self, batch: RolloutBatch) -> dict[str, float]:
-        """reward/<column>: the batch mean of each reward column (unweighted: components, Python functions and
-        their extra metrics, `RewardConfig.column_names`), from the per-row values the rollout worker put on
-        the batch; rows a function did not apply to (NaN) are left out of its mean, and a column with no row
-        is not logged. {} for a batch without them."""
-        comps = batch.reward_components
-        names = self.cfg.reward.column_names() + self.cfg.env.column_names() + self.cfg.agent.column_names()
-        if comps is None or comps.ndim != 2 or comps.shape[1] != len(names):
-            return {}
-        means = comps.float().nanmean(0).tolist()
-        # a trajectory's env/* and an episode's agent/* columns are logged under their own names
-        own = ("env/", "agent/")
-        return {(n if n.startswith(own) else f"reward/{n}"): float(v) for n, v in zip(names, means) if v == v}
+        """reward/<column> (and env/*, agent/*): the batch mean of each reward column (`reward_column_means`)."""
+        return reward_column_means(self.cfg, batch)
 
     # ------------------------------------------------------------------ weights and state
     def state_dict_for_sync(self) -> dict[str, torch.Tensor]:
