@@ -268,3 +268,37 @@ def divide(a: float, b: float) -> float:
 
 def undocumented(x):
     return x
+
+
+class HangHalfEnv:
+    """Plain (threaded) calls. An instance made for an even row (`problem`) hangs in its first step for
+    `hang_s` (past env.step_timeout_s: its thread overruns); an odd one ends at its first step. Its close()
+    logs 'close-during-step' when it runs while the instance's step still runs, else 'close'; every event goes
+    to <dir>/<pid>.log as '<event> <problem>'."""
+
+    def __init__(self, dir: str, hang_s: float = 600.0):
+        self.dir, self.hang_s, self.in_step, self.problem = Path(dir), hang_s, False, -1
+
+    def log(self, event: str) -> None:
+        fd = os.open(self.dir / f"{os.getpid()}.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        try:
+            os.write(fd, f"{event} {self.problem}\n".encode())
+        finally:
+            os.close(fd)
+
+    def reset(self, row):
+        self.problem = int(row["problem"])
+        return row["prompt"]
+
+    def step(self, action):
+        self.in_step = True
+        try:
+            if self.problem % 2 == 0:
+                self.log("hang")
+                time.sleep(self.hang_s)
+            return "done", 1.0, True, {}
+        finally:
+            self.in_step = False
+
+    def close(self):
+        self.log("close-during-step" if self.in_step else "close")

@@ -99,20 +99,59 @@ def test_a_dead_process_fails_its_episode_alone_and_the_others_start_again(chat,
 
 
 def test_a_process_that_dies_with_several_calls_running_charges_one_of_them(chat, tmp_path):
-    """Four episodes in one process, their first steps in threads: three wait while the fourth (started last)
-    kills the process. One episode fails (process_died, the message says how many calls were running), the
-    three that were only waiting beside it start again and finish; one replacement."""
-    kwargs = {"dir": str(tmp_path), "others": 3, "turns": 2}
-    runner, trajs = run_env(chat, "CrashBesideWaitersEnv", G=4, kwargs=kwargs, max_turns=2)
+    """Two episodes in one process, their first steps in threads: one waits while the other (started last)
+    kills the process. One episode fails (process_died, the message says how many calls were running), the one
+    that was only waiting beside it starts again and finishes; one replacement. (Two, not more: the runner
+    generates for the episodes that are ready once they are at least as many as those waiting on the
+    environment, so a third would wait for the first two.)"""
+    kwargs = {"dir": str(tmp_path), "others": 1, "turns": 2}
+    runner, trajs = run_env(chat, "CrashBesideWaitersEnv", G=2, kwargs=kwargs, max_turns=2)
     failed = [t for t in trajs if t.error]
     assert len(failed) == 1 and failed[0].error_kind == "process_died", [(t.error_kind, t.error) for t in failed]
-    assert "(4 calls were running there; this one started last" in failed[0].error
+    assert "(2 calls were running there; this one started last" in failed[0].error
     assert all(t.done and t.restarts == 1 and t.turns == 2 for t in trajs if not t.error)
     metrics = runner.metrics()
     assert metrics["env/errors/process_died"] == 1.0 and metrics["env/process_restarts"] == 1.0
     counts, by_instance = events(tmp_path)
-    assert counts["crash"] == 1 and counts["open"] == 4 + 3
+    assert counts["crash"] == 1 and counts["open"] == 2 + 1
     assert_closed_once(by_instance)
+
+
+def test_hung_plain_steps_retire_their_process_and_never_starve_the_healthy_ones(chat, tmp_path):
+    """One environment process, 5 batches of 32 episodes; half of them hang in their first plain step (a thread
+    that overruns env.step_timeout_s and cannot be stopped): 80 hung threads, more than a process has (64). The
+    hung episodes fail (timeout) and every healthy one ends well in every batch, the last included: the process
+    retires once it holds STUCK_THREADS overrun threads (a fresh one takes the new episodes) and goes once its
+    episodes have ended. No close() ran beside its instance's step. Nothing is left running."""
+    from rlhf_core.env.serve import STUCK_THREADS, THREADS_PER_PROCESS
+    from tests.test_env_chaos import children
+
+    before = children()
+    model, tok, stops = chat
+    cfg = validate_config(
+        {
+            "env": {"path": FIXTURES, "name": "HangHalfEnv", "kwargs": {"dir": str(tmp_path)}, "step_timeout_s": 0.5},
+            "rollout": {"max_new_tokens": 4},
+        }
+    )
+    runner = EnvRunner(cfg.env, tok, stops, 1, max_failures=10_000)
+    engine = HFEngine(model, stops, tok.pad_token_id, seed=0)
+    try:
+        for _ in range(5):
+            trajs = runner.run(engine, prompts_for(tok, 8), 4, SamplingParams(max_new_tokens=4))
+            hung = [t for t in trajs if t.row["problem"] % 2 == 0]
+            healthy = [t for t in trajs if t.row["problem"] % 2 == 1]
+            assert all(t.error_kind == "timeout" for t in hung), [t.error for t in hung]
+            assert all(t.done and not t.error for t in healthy), [t.error for t in healthy]
+        assert runner.pool.recycled >= 1 and sum(not slot.retiring for slot in runner.pool.slots) == 1
+        assert 5 * 16 > THREADS_PER_PROCESS > STUCK_THREADS
+    finally:
+        runner.close()
+    events = collections.Counter(
+        line.split()[0] for log in tmp_path.glob("*.log") for line in log.read_text().splitlines()
+    )
+    assert events["hang"] == 5 * 16 and events["close-during-step"] == 0, events
+    assert children() <= before
 
 
 def test_a_suspect_of_an_earlier_death_is_charged_before_the_call_that_started_last():

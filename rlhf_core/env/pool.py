@@ -17,6 +17,11 @@ is killed and replaced (`replaced`: env/process_restarts):
   - every other trajectory it hosted is lost, not failed: its pending request, or the next one made for it, is
     answered `EnvReply(restart=True)`, and the runner starts it again from reset (same row); those that were
     running become suspects until they end. A process that died between calls charges nobody.
+
+A plain call that overran its timeout keeps a thread of its process busy (Python cannot stop it). A process with
+STUCK_THREADS such threads retires: it takes no new episode (a fresh process joins the pool in its place,
+counted in `replaced`) and goes once the episodes it hosts have ended (`recycled`): its healthy episodes finish
+where they are, and no process runs out of threads.
 """
 
 from __future__ import annotations
@@ -28,7 +33,16 @@ from multiprocessing.connection import wait as wait_any
 from typing import Any, Optional
 
 from rlhf_core.env.checks import check_step_result  # noqa: F401 (re-exported)
-from rlhf_core.env.serve import MARK_SLOTS, MARKS_SIZE, EnvStepTimeout, error_text, serve  # noqa: F401 (re-exported)
+from rlhf_core.env.serve import (  # noqa: F401 (re-exported)
+    MARK_SLOTS,
+    MARKS_SIZE,
+    STUCK_THREADS,
+    THREADS_PER_PROCESS,
+    EnvStepTimeout,
+    error_text,
+    now_us,
+    serve,
+)
 
 START_TIMEOUT_S = 120.0  # a pool process must have imported the environment within this
 KILL_GRACE_S = 5.0  # beyond a request's timeout before its process is killed
@@ -62,14 +76,20 @@ class _Slot:
         child.close()
         self.pending: dict[int, tuple[str, float]] = {}  # eid -> (op, deadline) of requests in flight
         self.episodes: set[int] = set()
+        self.retiring = False  # too many overrun threads: no new episodes, replaced once its episodes ended
 
     def running(self) -> set[int]:
         return set(self.started_at())
 
     def started_at(self) -> dict[int, int]:
-        """eid -> start order (larger: later) of each call running in the process."""
+        """eid -> when (µs, `serve.now_us`) each call running in the process started."""
         marks = self.marks[:]
         return {int(v) - 1: int(marks[MARK_SLOTS + k]) for k, v in enumerate(marks[:MARK_SLOTS]) if v}
+
+    def overrun_threads(self, timeout_s: float) -> int:
+        """Threads of the process still running a call started more than `timeout_s` (+ 1 s) ago."""
+        marks, before = self.marks[:], now_us() - int((timeout_s + 1.0) * 1e6)
+        return sum(1 for k in range(THREADS_PER_PROCESS) if marks[k] and marks[MARK_SLOTS + k] < before)
 
     def kill(self) -> None:
         if self.process.is_alive():
@@ -90,8 +110,10 @@ class EnvPool:
     ):
         self.spec = (path, name, dict(kwargs), float(timeout_s), int(max_chars))
         self.timeout_s = float(timeout_s)
+        self.workers = int(workers)
         self.ctx = mp.get_context("spawn")
         self.replaced = 0
+        self.recycled = 0  # of those, processes retired for their overrun threads
         self.has_finish = False
         self.slots = [_Slot(self.ctx, self.spec) for _ in range(workers)]
         self.where: dict[int, int] = {}  # eid -> slot index
@@ -122,7 +144,8 @@ class EnvPool:
     def reset(self, eid: int, row: dict) -> None:
         """Make trajectory `eid`'s environment (in the least loaded process) and reset it with `row`."""
         self.lost.discard(eid)
-        i = min(range(len(self.slots)), key=lambda k: len(self.slots[k].episodes))
+        open_slots = [k for k, slot in enumerate(self.slots) if not slot.retiring]
+        i = min(open_slots, key=lambda k: len(self.slots[k].episodes))
         self.where[eid] = i
         self.slots[i].episodes.add(eid)
         self._send(eid, "reset", row)
@@ -210,6 +233,7 @@ class EnvPool:
             overdue = {eid for eid, (_, d) in slot.pending.items() if d < now}
             if overdue:
                 self._lose(i, overdue)
+        self._recycle()
         out += self.failed
         self.failed = []
         return out
@@ -242,13 +266,35 @@ class EnvPool:
             else:
                 self.lost.add(eid)
         slot.kill()
+        if slot.retiring:  # its replacement has joined already: _recycle removes it
+            slot.episodes.clear()
+            slot.pending.clear()
+            return
         self.slots[i] = _Slot(self.ctx, self.spec)
         self.replaced += 1
         self._await_ready(self.slots[i], time.monotonic() + START_TIMEOUT_S)
 
+    def _recycle(self) -> None:
+        """Retire the processes with STUCK_THREADS overrun threads (a fresh process joins for each, so that new
+        episodes have somewhere to go); a retired process goes once the episodes it hosts have ended."""
+        for slot in self.slots:
+            if not slot.retiring and slot.overrun_threads(self.timeout_s) >= STUCK_THREADS:
+                slot.retiring = True
+        for _ in range(self.workers - sum(not slot.retiring for slot in self.slots)):
+            self.slots.append(_Slot(self.ctx, self.spec))
+            self.replaced += 1
+            self._await_ready(self.slots[-1], time.monotonic() + START_TIMEOUT_S)
+        for i in reversed(range(len(self.slots))):
+            slot = self.slots[i]
+            if slot.retiring and not slot.episodes and not slot.pending:
+                slot.kill()
+                del self.slots[i]
+                self.where = {eid: k - (k > i) for eid, k in self.where.items()}
+                self.recycled += 1
+
     def _culprit(self, started: dict[int, int]) -> set[int]:
         """The one trajectory charged with a process's death, of those whose calls were running there (eid ->
-        start order): a suspect (running at an earlier death too), else the call that started last."""
+        start time): a suspect (running at an earlier death too), else the call that started last."""
         if not started:
             return set()
         suspects = [eid for eid in started if eid in self.suspects]

@@ -10,21 +10,23 @@ asyncio event loop, each as a task of its own:
           to stop
 
 Every call runs under env.step_timeout_s: a coroutine method is awaited, a plain one runs in a thread, so an
-environment waiting on a slow tool never holds up the other trajectories of its process. A call that fails
+environment waiting on a slow tool never holds up the other trajectories of its process. A plain call that
+overruns keeps its thread (Python cannot stop it): the instance's close() waits until that call ends, never
+running beside it; the parent stops sending new episodes to a process with STUCK_THREADS such threads and
+replaces it once its episodes have ended (pool.py). A call that fails
 answers with its kind (checks.ERROR_KINDS) and one line: type, message, file:line. An instance whose call
 failed is kept until its close.
 
 While a call runs, its trajectory is marked in `marks`, memory shared with the parent (a slot per thread of
 the process's thread pool, one for the event loop: a coroutine is running while the loop executes it), with the
-order in which the running calls started (the second half of `marks`): when the process dies or blocks, the
-parent reads there whose calls were running, and charges one of them (pool.py).
+time each running call started (the second half of `marks`): when the process dies or blocks, the parent reads
+there whose calls were running, and charges one of them; it also counts there the threads that overran (pool.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
-import itertools
 import os
 import sys
 import threading
@@ -36,8 +38,9 @@ from typing import Any
 from rlhf_core.env.checks import BadResult, check_finish_result, check_opening, check_step_result
 
 THREADS_PER_PROCESS = 64  # plain (non-async) calls in flight at once in one process
+STUCK_THREADS = THREADS_PER_PROCESS // 4  # overrun threads that retire a process (its episodes end first)
 MARK_SLOTS = THREADS_PER_PROCESS + 1  # marks: a slot per thread, then one for the event loop
-MARKS_SIZE = 2 * MARK_SLOTS  # marks: eid + 1 per slot, then each slot's start order (a count, larger: later)
+MARKS_SIZE = 2 * MARK_SLOTS  # marks: eid + 1 per slot, then when each slot's call started (monotonic clock, µs)
 
 
 _OWN_FILES = {"serve.py", "checks.py", "pool.py"}  # frames of this package's machinery, left out of errors
@@ -65,17 +68,22 @@ def error_kind(exc: BaseException) -> str:
     return "bad_result" if isinstance(exc, BadResult) else "raised"
 
 
+def now_us() -> int:
+    """The monotonic clock in µs (system-wide: comparable between the pool's processes)."""
+    return time.monotonic_ns() // 1000
+
+
 class _Marks:
     """Which trajectory's call runs where: slot value eid + 1 (0: free). A slot per pool thread (a plain method
     is running while its thread runs it), and one for the event loop (a coroutine is running while the loop
     executes it, between its awaits): one coroutine runs at a time. `shared[MARK_SLOTS + slot]`: when the call
-    in the slot started, as a count (a coroutine: its first step)."""
+    in the slot started (time.monotonic_ns() // 1000, the system-wide clock the parent reads too; a coroutine:
+    its first step)."""
 
     def __init__(self, shared):
         self.shared = shared
         self.local = threading.local()
         self.next_thread = iter(range(THREADS_PER_PROCESS))
-        self.started = itertools.count(1)
 
     def init_thread(self) -> None:
         self.local.slot = next(self.next_thread, None)
@@ -84,7 +92,7 @@ class _Marks:
         """fn(arg) in a pool thread, marked while it runs."""
         slot = getattr(self.local, "slot", None)
         if slot is not None:
-            self.shared[MARK_SLOTS + slot] = next(self.started)
+            self.shared[MARK_SLOTS + slot] = now_us()
             self.shared[slot] = eid + 1
         try:
             return fn(arg)
@@ -95,7 +103,7 @@ class _Marks:
     def on_loop(self, eid: int, awaitable):
         """An awaitable running `awaitable`, marked in the loop's slot while the loop executes it."""
         coro = awaitable if inspect.iscoroutine(awaitable) else _awaiting(awaitable)
-        return _OnLoop(self.shared, eid + 1, coro, next(self.started))
+        return _OnLoop(self.shared, eid + 1, coro, now_us())
 
 
 async def _awaiting(awaitable):
@@ -125,15 +133,18 @@ class _OnLoop:
                 value, error = None, exc
 
 
-async def _call(marks: _Marks, eid: int, executor, fn, arg, timeout_s: float):
+async def _call(marks: _Marks, eid: int, executor, fn, arg, timeout_s: float, threads: dict | None = None):
     """fn(arg) under the timeout: awaited when it is a coroutine function, else run in a thread (a thread that
-    overruns is left to finish on its own: Python cannot stop it)."""
-    loop = asyncio.get_running_loop()
+    overruns is left to finish on its own: Python cannot stop it; `threads[eid]` is its future until it ends)."""
     deadline = time.monotonic() + timeout_s
     try:
         if inspect.iscoroutinefunction(fn):
             return await asyncio.wait_for(marks.on_loop(eid, fn(arg)), timeout_s)
-        result = await asyncio.wait_for(loop.run_in_executor(executor, marks.in_thread, eid, fn, arg), timeout_s)
+        future = executor.submit(marks.in_thread, eid, fn, arg)
+        if threads is not None:
+            threads[eid] = future
+            future.add_done_callback(lambda done: threads.pop(eid) if threads.get(eid) is done else None)
+        result = await asyncio.wait_for(asyncio.wrap_future(future), timeout_s)
         if inspect.isawaitable(result):
             result = await asyncio.wait_for(marks.on_loop(eid, result), max(0.0, deadline - time.monotonic()))
         return result
@@ -196,8 +207,10 @@ async def _main(conn, marks: _Marks, cls, kwargs: dict, timeout_s: float, max_ch
             text = f"its result cannot be sent between processes: {exc}"
             conn.send(("error", message[1], message[2], "bad_result", text))
 
+    threads: dict = {}  # eid -> the future of its call running in a thread (one that overran included)
+
     def call(eid: int, fn, arg):
-        return _call(marks, eid, executor, fn, arg, timeout_s)
+        return _call(marks, eid, executor, fn, arg, timeout_s, threads)
 
     async def handle(op: str, eid: int, payload) -> None:
         try:
@@ -230,6 +243,9 @@ async def _main(conn, marks: _Marks, cls, kwargs: dict, timeout_s: float, max_ch
         if eid in making:
             doomed.add(eid)
         env = envs.pop(eid, None)
+        running = threads.get(eid)
+        if running is not None:  # a call that overran its timeout still holds the instance: close after it ends
+            await asyncio.wait([asyncio.wrap_future(running)])
         if env is not None and callable(getattr(env, "close", None)):
             try:
                 await call(eid, lambda _: env.close(), None)
