@@ -169,6 +169,21 @@ def test_reconcile_balances_the_groups_and_shows_one_lost_or_trained_twice():
     assert (twice["in_flight"], twice["unaccounted"]) == (-1, 0)
 
 
+def test_a_worker_whose_loop_was_revoked_but_lived_on_is_counted_once():
+    """A loop declared lost in a process that lived on: the buffer counts what it accepted from the revoked lease
+    (revoked_groups), refuses its later pushes, and the worker's next loop pushes under a new lease. The worker's
+    own count under the revoked lease is left out of `generated`: each group is counted once."""
+    buf = ExperienceBuffer(max_size=64, max_staleness=4, prompts_per_step=2)
+    groups = [make_experience(i, 0, [1.0, 0.0]) for i in range(5)]
+    assert buf.push(pack_groups(groups[:2]), "0-old", 0) == 2
+    buf.revoke("0-old")
+    assert buf.push(pack_groups(groups[2:3]), "0-old", 1) == 0  # refused: its prompts went back to the queue
+    assert buf.push(pack_groups(groups[3:]), "0-new", 0) == 2
+    worker = {"alive": True, "groups_pushed": 5, "pushed_by_holder": {"0-old": 3, "0-new": 2}}
+    rec = reconcile({"buffer": buf.stats(), "rollout": [worker], "trainer": {"groups_trained": 0}})
+    assert rec["generated"] == 4 == rec["buffered"] and rec["unaccounted"] == 0, rec
+
+
 def test_a_resumed_buffer_admits_only_the_window_ahead():
     """Admission counts groups from version 0: a run resumed at version 300 would have 300 versions of room, and
     admission would never hold rollout back again. `start_at` counts from the resumed version."""

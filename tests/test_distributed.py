@@ -134,6 +134,38 @@ def test_killed_rollout_worker_is_restarted_and_run_completes(ray_local, tmp_pat
     assert "rollout_worker_died" in kinds and "rollout_worker_restarted" in kinds
 
 
+def test_a_worker_declared_lost_that_lived_on_generates_again_under_a_new_lease(ray_local, tmp_path):
+    """The driver declares worker 0's loop lost (its leases revoked, its prompts requeued) while its process lives
+    on, as after a partition that healed: Ray does not restart it, the ping answers, the driver starts its loop
+    again in the same process. That loop takes a new lease name and generates (the revoked one would have every
+    admission refused: the only worker idle, the run stuck); every group is counted once."""
+    import ray
+
+    cfg = tiny_cfg(tmp_path, "trainer.total_steps=20")
+    with DistributedRun(cfg) as run:
+        run.launch()
+        run.start()
+        while run.poll()["step"] < 5:
+            time.sleep(0.1)
+        holder = ray.get(run.workers[0].ping.remote())["holder"]
+        ray.get(run.workers[0].stop.remote())
+        ray.get(run.worker_loops.pop(0))  # the loop ended; the driver takes it as lost (the process lives on)
+        pushed = ray.get(run.workers[0].stats.remote())["groups_pushed"]
+        run.recover_prompts(0)
+        run.pending_starts[0] = (time.monotonic(), "restarting")
+        deadline = time.monotonic() + 120
+        while not run.done and time.monotonic() < deadline:
+            final = run.poll()
+            time.sleep(0.2)
+        assert run.done, f"the worker never generated again (step {final['step']})"
+        assert run.restarts == [0]  # nothing died
+        stats = ray.get(run.workers[0].stats.remote())
+        assert stats["groups_pushed"] > pushed and ray.get(run.workers[0].ping.remote())["holder"] != holder
+        run.stop()  # the loops stop and their last pushes land: then every group is where it is counted
+        rec = run.reconcile(run.poll())
+    assert rec["unaccounted"] == 0 and rec["in_flight"] == 0, rec
+
+
 def test_trainer_failure_ends_run_with_clear_error_and_keeps_checkpoint(ray_local, tmp_path):
     from rlhf_core.distributed import RunFailed
     from rlhf_core.run.checkpoint import read_checkpoint

@@ -33,7 +33,7 @@ class RolloutActor:
         seed = build.rollout_seed(cfg, index)
         build.setup_process(cfg, seed)
         self.cfg, self.index = cfg, index
-        self.holder = f"{index}-{uuid.uuid4().hex[:8]}"  # this incarnation: its prompts are leased to it
+        self.holder = f"{index}-{uuid.uuid4().hex[:8]}"  # this loop's lease name (a new one per run_loop)
         timeout = cfg.runtime.wait_timeout_s
         buffer, queue, store = (ray.get_actor(peers[k]) for k in ("buffer", "queue", "store"))
         model, tokenizer = build.build_policy(cfg, policy_dir)
@@ -68,6 +68,11 @@ class RolloutActor:
         return self.role.adopt_weights()
 
     def run_loop(self) -> dict:
+        """The role's cycle, under a lease name of its own: a loop the driver declared lost had its name revoked
+        (its prompts went back to the queue), and a loop started again in this same process (Ray did not
+        restart it) must not carry the revoked name, or every admission would be refused and it would never
+        generate again."""
+        self.holder = self.role.holder = f"{self.index}-{uuid.uuid4().hex[:8]}"
         return self.role.run()
 
     def stop(self) -> None:

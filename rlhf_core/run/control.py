@@ -1,6 +1,6 @@
 """A run's control objects, in plain Python: the experience buffer with admission control (the one owner of
-the staleness bound), weight-store bookkeeping, and the conservation of prompt groups (`reconcile`). The
-prompt queue, plain Python too, sits beside the prompt source: `rlhf_core.data.queue`.
+the staleness bound), weight-store bookkeeping, and the conservation of prompt groups (`reconcile`, written in
+accounting.py). The prompt queue, plain Python too, sits beside the prompt source: `rlhf_core.data.queue`.
 
 Nothing here imports Ray: the in-process host (`rlhf_core.run.local`) uses these objects as they are, and the
 Ray runtime makes each one an actor as it is (`ray.remote(WeightStore)`), so every rule about admission,
@@ -14,6 +14,8 @@ from __future__ import annotations
 import threading
 import time
 from typing import TYPE_CHECKING, Optional
+
+from rlhf_core.run.accounting import reconcile  # noqa: F401 (its home: accounting.py)
 
 if TYPE_CHECKING:
     from rlhf_core.config import TrainConfig
@@ -270,6 +272,7 @@ class ExperienceBuffer:
                 "filtered_groups_frac": self.filtered_groups / self.groups_pushed if self.groups_pushed else 0.0,
                 "short_takes": self.short_takes,
                 "revoked_groups": self.revoked_groups,
+                "revoked_holders": sorted(self.revoked),
                 "refused_groups": self.refused_groups,
                 "max_staleness": self.max_staleness,
                 # buffer/evicted_length_mean: mean response length of the evicted groups' rows (0 before any)
@@ -405,40 +408,6 @@ def assemble_poll(run, metrics: list[dict], trainer: dict, buffer: dict, queue: 
     if cluster is not None:
         poll["cluster"] = cluster
     return {**poll, "events": events, "failed": run.failed}
-
-
-# --------------------------------------------------------------------------------------------- accounting
-def reconcile(poll: dict) -> dict:
-    """Conservation of prompt groups, from counts kept independently at each end, in groups:
-
-        generated (rollout workers' own count of pushes the buffer accepted)
-          = trained (the trainer's own count) + evicted + dropped + filtered + buffered + in_flight
-
-    where in_flight = taken from the buffer but not trained yet (0 once the loops have stopped: a
-    prefetched batch goes back). `unaccounted` is generated minus the right-hand side: a group lost between
-    a worker and the buffer makes it non-zero; a group trained twice (or taken and never trained) makes
-    in_flight non-zero once the loops have stopped. A rollout worker lost or retired is counted by what the
-    buffer accepted from it (`revoked_groups`: its own count died with it). filtered: groups
-    algorithm.filter_groups kept out (all rewards equal), counted as consumed."""
-    b = poll["buffer"]
-    # the workers' own counts, and for workers lost or retired (revoked) the buffer's count of what it accepted
-    generated = sum(s.get("groups_pushed", 0) for s in poll["rollout"] if s.get("alive")) + b.get("revoked_groups", 0)
-    trained = int(poll["trainer"].get("groups_trained", 0))
-    in_flight = b["sampled"] - trained
-    filtered = int(b.get("filtered_groups", 0))
-    accounted = trained + b["evicted_stale"] + b["dropped_overflow"] + filtered + b["size"] + in_flight
-    return {
-        "generated": generated,
-        "pushed": b["pushed"],
-        "trained": trained,
-        "consumed": b["sampled"],
-        "evicted": b["evicted_stale"],
-        "dropped": b["dropped_overflow"],
-        "filtered": filtered,
-        "buffered": b["size"],
-        "in_flight": in_flight,
-        "unaccounted": generated - accounted,
-    }
 
 
 # --------------------------------------------------------------------------------------------- failures

@@ -29,7 +29,8 @@ class RolloutRole:
         self.stop_event = threading.Event()
         self.syncs: list[dict] = []
         self.groups_pushed = 0
-        self.pending_push = None  # (future, n_groups) of a push not yet confirmed (the continuous loop only)
+        self.pushed_by_holder: dict = {}  # lease name -> groups pushed under it (reconcile leaves revoked ones out)
+        self.pending_push = None  # (future, n_groups, holder) of a push not yet confirmed (the continuous loop only)
         self._push_pool = None  # the loop's push thread, made on first use
         # seconds outside generation, by phase (stats: per batch): where the rollout's cycle goes
         self.phase_s = {"weights": 0.0, "prompts": 0.0, "split": 0.0, "push": 0.0}
@@ -120,21 +121,26 @@ class RolloutRole:
         self.confirm_push()
         if wait:
             self._push(groups, batch)
-            self.groups_pushed += len(groups)
+            self._count_push(len(groups), self.holder)
         else:
             if self._push_pool is None:
                 self._push_pool = ThreadPoolExecutor(1, thread_name_prefix="rollout-push")
-            self.pending_push = (self._push_pool.submit(self._push, groups, batch), len(groups))
+            self.pending_push = (self._push_pool.submit(self._push, groups, batch), len(groups), self.holder)
         self.phase_s["push"] += time.perf_counter() - t2
         return len(groups)
 
     def confirm_push(self) -> None:
         """Wait for the push in flight, if any, and count its groups."""
         if self.pending_push is not None:
-            future, n_groups = self.pending_push
+            future, n_groups, holder = self.pending_push
             self.pending_push = None
             future.result()  # a failed push surfaces here, a batch later
-            self.groups_pushed += n_groups
+            self._count_push(n_groups, holder)
+
+    def _count_push(self, n_groups: int, holder) -> None:
+        self.groups_pushed += n_groups
+        if holder is not None:
+            self.pushed_by_holder[holder] = self.pushed_by_holder.get(holder, 0) + n_groups
 
     def step(self) -> bool:
         """One batch, whole: False when admission refuses it (the buffer holds what the bound allows). A batch is
@@ -207,6 +213,7 @@ class RolloutRole:
             {
                 "index": self.index,
                 "groups_pushed": self.groups_pushed,
+                "pushed_by_holder": dict(self.pushed_by_holder),
                 "syncs": len(self.syncs),
                 "syncs_mid_batch": sum(1 for x in self.syncs if x.get("mid_batch")),
                 "sync_stall_s_mean": sum(stalls) / len(stalls) if stalls else 0.0,
