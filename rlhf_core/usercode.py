@@ -150,6 +150,7 @@ BUILTIN_ENVS = {
     "ToolEnv": "rlhf_core.env.tools",
     "GymAdapter": "rlhf_core.env.adapters",
     "OpenEnvAdapter": "rlhf_core.env.adapters",
+    "TextArenaAdapter": "rlhf_core.env.adapters",
 }
 """Environments given by name alone (path empty): name -> the module that defines it."""
 

@@ -129,6 +129,67 @@ def test_a_gem_game_trains_through_run_sync(tmp_path):
         assert m["env/errors"] == 0 and 1 <= m["env/turns_mean"] <= 2
 
 
+def rock(observation: str) -> str:
+    """A TextArena opponent (env.kwargs.opponent): always rock."""
+    assert isinstance(observation, str) and observation
+    return "[rock]"
+
+
+def test_a_textarena_game_plays_with_no_glue():
+    """The adapter plays a one-player TextArena game (GuessTheNumber, raw: the game's own messages) to its end
+    with the reward of the policy's seat, and a two-player one (IteratedRockPaperScissors) against an opponent
+    callable at the other seat; a two-player game without one is refused naming env.kwargs.opponent."""
+    pytest.importorskip("textarena", reason="the envs extra (textarena) is not installed")
+    from rlhf_core.env.adapters import TextArenaAdapter
+
+    env = TextArenaAdapter("textarena:make", {"env_id": "GuessTheNumber-v0-raw"})
+    (opening,) = env.reset({"index": 0})
+    assert opening["role"] == "user" and "[GAME] You are Player 0" in opening["content"]
+    observation, reward, done, _ = env.step("[10]")
+    assert not done and reward == 0.0 and "[Player 0] [10]" in observation and "[GAME] The target" in observation
+    assert "You are Player 0" not in observation  # only what is new since the policy's last turn
+    for guess in range(1, 21):  # play it out: a win at some guess, or the game ends on its turn limit
+        observation, reward, done, _ = env.step(f"[{guess}]")
+        if done:
+            break
+    assert done and observation is None and isinstance(reward, float)
+    opponent = f"{__file__}:rock"
+    duel = TextArenaAdapter(
+        "textarena:make",
+        {"env_id": "IteratedRockPaperScissors-v0-raw", "num_players": 2, "player": 1, "opponent": opponent},
+    )
+    (opening,) = duel.reset({"index": 0})
+    assert "You are Player 1" in opening["content"]
+    rounds = 0
+    while True:
+        observation, reward, done, _ = duel.step("[paper]")  # paper beats the opponent's rock every round
+        rounds += 1
+        if done:
+            break
+        assert "Round result: Player 1 wins" in observation  # the round the opponent played reached the policy
+    assert rounds > 1 and reward > 0, (rounds, reward)
+    with pytest.raises(ValueError, match="env.kwargs.opponent"):
+        TextArenaAdapter("textarena:make", {"env_id": "IteratedRockPaperScissors-v0-raw", "num_players": 2})
+
+
+def test_a_textarena_game_trains_through_run_sync(tmp_path):
+    pytest.importorskip("textarena", reason="the envs extra (textarena) is not installed")
+    from rlhf_core.loop import run_sync
+
+    env = {
+        "adapter": "textarena",
+        "path": "textarena",
+        "name": "make",
+        "kwargs": {"env_id": "GuessTheNumber-v0-raw"},
+        "max_turns": 2,
+    }
+    seen = []
+    result = run_sync(adapter_cfg(tmp_path, env), on_step=seen.append)
+    assert result["steps"] == 2 and len(seen) == 2
+    for m in seen:
+        assert m["env/errors"] == 0 and 1 <= m["env/turns_mean"] <= 2
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

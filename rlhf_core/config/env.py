@@ -41,10 +41,11 @@ class EnvConfig(_Section):
         default_factory=dict,
         description="Keyword arguments of the class's __init__ (with env.adapter: of the factory, e.g. base_url).",
     )
-    adapter: Literal["", "gym", "openenv"] = Field(
+    adapter: Literal["", "gym", "openenv", "textarena"] = Field(
         "",
         description="Run an environment you already have: 'gym' (gymnasium-style reset(seed=...) and five-value "
-        "step, text observations, e.g. gem-llm games) or 'openenv' (an OpenEnv EnvClient); made by the callable "
+        "step, text observations, e.g. gem-llm games), 'textarena' (a TextArena game, single- or multi-player: "
+        "env.kwargs num_players, player, opponent) or 'openenv' (an OpenEnv EnvClient); made by the callable "
         "env.path:env.name with env.kwargs. Empty: env.name is the environment class.",
     )
     action_field: str = Field(

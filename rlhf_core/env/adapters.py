@@ -2,7 +2,10 @@
 
 `env.adapter: gym` wraps any object with gymnasium-style `reset(seed=...) -> (observation, info)` and
 `step(action) -> (observation, reward, terminated, truncated, info)` whose observations are text (gem-llm
-games, gymnasium text environments); `env.adapter: openenv` wraps an OpenEnv
+games, gymnasium text environments); `env.adapter: textarena` wraps a TextArena game (`reset(num_players, seed)`,
+`get_observation() -> (player, observation)`, `step(action) -> (done, info)`, `close() -> (rewards, info)`),
+single- or multi-player, the policy at one seat and an opponent callable at the others; `env.adapter: openenv`
+wraps an OpenEnv
 `EnvClient` (async `reset` / `step` returning a `StepResult`), one session of its server per episode. Either is
 made by the callable `env.name` of the module or file `env.path` ("module:callable", "file.py:callable" here) called
 with `env.kwargs`, once per episode, in
@@ -190,5 +193,75 @@ class OpenEnvAdapter:
         await self.client.close()
 
 
-ADAPTERS = {"gym": "GymAdapter", "openenv": "OpenEnvAdapter"}
+class TextArenaAdapter:
+    """A TextArena game (`env.adapter: textarena`; e.g. env.path textarena, env.name make, env.kwargs {env_id:
+    GuessTheNumber-v0-raw}) as this project's environment. Adapter keys of env.kwargs (the rest go to the factory):
+    `num_players` (default 1), `player` (the policy's seat, default 0) and `opponent` ('module:callable', a
+    callable(observation text) -> action text that plays every other seat; required for more than one player).
+    Each turn the policy sees what reached its seat since its last turn (a raw game's messages, one line each
+    with their sender, or the new part of a wrapped game's observation text); the reward is its seat's, from the
+    game's close() at the end."""
+
+    def __init__(self, factory: str, kwargs: Optional[dict] = None, **_):
+        kwargs = dict(kwargs or {})
+        self.num_players = int(kwargs.pop("num_players", 1))
+        self.player = int(kwargs.pop("player", 0))
+        opponent = kwargs.pop("opponent", None)
+        if not 0 <= self.player < self.num_players:
+            raise ValueError(f"env.kwargs.player {self.player} is not a seat of {self.num_players} player(s)")
+        if self.num_players > 1 and not opponent:
+            raise ValueError(
+                f"{factory}: {self.num_players} players need env.kwargs.opponent ('module:callable', observation "
+                "text -> action text) to play the seats the policy does not"
+            )
+        self.opponent = load_factory(opponent, "env.kwargs.opponent") if opponent else None
+        self.env = load_factory(factory)(**kwargs)
+        self.name, self.seen = factory, {}
+
+    def _text(self, pid: int, observation: Any) -> str:
+        if isinstance(observation, str):  # a wrapped game's whole history so far: the part this seat has not seen
+            seen, self.seen[pid] = self.seen.get(pid, ""), observation
+            return observation[len(seen) :].strip() if observation.startswith(seen) else observation
+        lines = []
+        for entry in observation or ():
+            sender, message = entry[0], entry[1]
+            who = "GAME" if isinstance(sender, int) and sender < 0 else f"Player {sender}"
+            lines.append(f"[{who}] {message}")
+        return "\n".join(lines)
+
+    def _to_policy(self) -> Optional[str]:
+        """Play the other seats until it is the policy's turn: its observation, or None when the game ended."""
+        while True:
+            pid, observation = self.env.get_observation()
+            text = self._text(pid, observation)
+            if pid == self.player:
+                return text
+            done, _ = self.env.step(str(self.opponent(text)))
+            if done:
+                return None
+
+    def reset(self, row: dict):
+        with _SEEDING:
+            self.env.reset(num_players=self.num_players, seed=row_seed(row))
+        text = self._to_policy()
+        if text is None:
+            raise RuntimeError(f"{self.name}: the game ended before the policy's first turn")
+        return [{"role": "user", "content": text}]
+
+    def step(self, action: str):
+        done, info = self.env.step(action)
+        text = None if done else self._to_policy()
+        info = dict(info) if isinstance(info, dict) else {}
+        if not done and text is not None:
+            return text, 0.0, False, info
+        result = self.env.close()
+        rewards = result[0] if isinstance(result, tuple) else result
+        reward = rewards.get(self.player, 0.0) if isinstance(rewards, dict) else float(rewards or 0.0)
+        return None, float(reward), True, info
+
+    def close(self) -> None:
+        pass  # the game is closed when it ends (its close() gives the rewards); nothing holds a resource before
+
+
+ADAPTERS = {"gym": "GymAdapter", "openenv": "OpenEnvAdapter", "textarena": "TextArenaAdapter"}
 """env.adapter -> the class of this module that runs it."""
