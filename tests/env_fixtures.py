@@ -148,11 +148,16 @@ class ChaosEnv:
 class CrashOnceEnv(ChaosEnv):
     """The first instance (in any process) to take a step waits until the other instances of its process have
     taken `others` steps, then kills its process; once (the file <dir>/crashed says it happened). Its step is a
-    coroutine, as are the others' (which never wait): when it kills the process no other call is running."""
+    coroutine, as are the others' (which never wait): when it kills the process no other call is running.
+    tag_opening: reset's opening names the process (an environment a replay cannot reproduce)."""
 
-    def __init__(self, dir: str, others: int = 3, **kwargs):
+    def __init__(self, dir: str, others: int = 3, tag_opening: bool = False, **kwargs):
         super().__init__(dir, **kwargs)
-        self.others = others
+        self.others, self.tag_opening = others, tag_opening
+
+    def reset(self, row):
+        opening = super().reset(row)
+        return f"{opening} (process {os.getpid()})" if self.tag_opening else opening  # differs in a new process
 
     async def step(self, action):
         if self.t == 0:

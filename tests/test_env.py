@@ -360,13 +360,14 @@ def test_a_step_past_its_timeout_fails_sync_and_async(chat):
 
 def test_an_env_that_blocks_its_process_is_killed_and_replaced(chat, monkeypatch):
     """Both episodes share one process; the first step blocks its event loop, so the second's never starts: the
-    first fails (timeout), the second starts again from reset in the new process, and blocks that one too."""
+    first fails (timeout), the second is replayed in the new process (reset, then its step again: nothing of the
+    model's is generated again), and blocks that one too."""
     import rlhf_core.env.pool as pool
 
     monkeypatch.setattr(pool, "KILL_GRACE_S", 0.5)
     runner, trajs = run_env(chat, "BlockingEnv", step_timeout_s=0.5)
     assert all("killed and replaced" in t.error and t.error_kind == "timeout" for t in trajs)
-    assert sorted(t.restarts for t in trajs) == [0, 1]
+    assert sorted(t.replays for t in trajs) == [0, 1] and all(t.restarts == 0 for t in trajs)
     assert runner.pool.replaced == 2
     assert runner.metrics()["env/errors/timeout"] == 2 and runner.metrics()["env/process_restarts"] == 2
 

@@ -74,17 +74,21 @@ def assert_closed_once(by_instance: dict) -> None:
 
 
 # ---------------------------------------------------------------------------------------- failure isolation
-def test_a_dead_process_fails_its_episode_alone_and_the_others_start_again(chat, tmp_path):
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_a_dead_process_fails_its_episode_alone_and_the_others_go_on(chat, tmp_path, deterministic):
     """Four episodes of 6 turns in one process; the first to step kills it once the three others are in
-    mid-episode: that episode fails (process_died), the three others start again from reset in the new process
-    and finish; one replacement; nothing else is counted."""
-    kwargs = {"dir": str(tmp_path), "others": 3, "turns": 6}
+    mid-episode: that episode fails (process_died); the three others are replayed in the new process (reset and
+    their answered actions again, each answer as recorded) and go on from where they were, nothing of the model's
+    generated again. An environment whose opening differs in the new process (not deterministic) is started
+    again from reset instead. One replacement; nothing else is counted."""
+    kwargs = {"dir": str(tmp_path), "others": 3, "turns": 6, "tag_opening": not deterministic}
     runner, trajs = run_env(chat, "CrashOnceEnv", G=4, kwargs=kwargs, max_turns=6)
     failed = [t for t in trajs if t.error]
     assert len(failed) == 1 and failed[0].error_kind == "process_died"
     assert "its environment process died (exit code 17) while running this call" in failed[0].error
     others = [t for t in trajs if not t.error]
-    assert all(t.done and t.turns == 6 and t.restarts == 1 and len(t.env_rewards) == 6 for t in others)
+    assert all(t.done and t.turns == 6 and len(t.env_rewards) == 6 and t.replays == 1 for t in others)
+    assert all(t.restarts == (0 if deterministic else 1) for t in others)
     assert runner.metrics() == {
         "env/errors": 1.0,
         "env/errors/raised": 0.0,
@@ -92,24 +96,26 @@ def test_a_dead_process_fails_its_episode_alone_and_the_others_start_again(chat,
         "env/errors/bad_result": 0.0,
         "env/errors/process_died": 1.0,
         "env/process_restarts": 1.0,
+        "env/episodes_replayed": 3.0 if deterministic else 0.0,
     }
     counts, by_instance = events(tmp_path)
-    assert counts["crash"] == 1 and counts["open"] == 4 + 3  # the three opened again
+    # the three opened again to replay (and, where the replay differed, once more from reset)
+    assert counts["crash"] == 1 and counts["open"] == 4 + 3 + (0 if deterministic else 3)
     assert_closed_once(by_instance)
 
 
 def test_a_process_that_dies_with_several_calls_running_charges_one_of_them(chat, tmp_path):
     """Two episodes in one process, their first steps in threads: one waits while the other (started last)
     kills the process. One episode fails (process_died, the message says how many calls were running), the one
-    that was only waiting beside it starts again and finishes; one replacement. (Two, not more: the runner
-    generates for the episodes that are ready once they are at least as many as those waiting on the
-    environment, so a third would wait for the first two.)"""
+    that was only waiting beside it is replayed (reset, its step sent again) and finishes; one replacement.
+    (Two, not more: the runner generates for the episodes that are ready once they are at least as many as
+    those waiting on the environment, so a third would wait for the first two.)"""
     kwargs = {"dir": str(tmp_path), "others": 1, "turns": 2}
     runner, trajs = run_env(chat, "CrashBesideWaitersEnv", G=2, kwargs=kwargs, max_turns=2)
     failed = [t for t in trajs if t.error]
     assert len(failed) == 1 and failed[0].error_kind == "process_died", [(t.error_kind, t.error) for t in failed]
     assert "(2 calls were running there; this one started last" in failed[0].error
-    assert all(t.done and t.restarts == 1 and t.turns == 2 for t in trajs if not t.error)
+    assert all(t.done and t.replays == 1 and t.restarts == 0 and t.turns == 2 for t in trajs if not t.error)
     metrics = runner.metrics()
     assert metrics["env/errors/process_died"] == 1.0 and metrics["env/process_restarts"] == 1.0
     counts, by_instance = events(tmp_path)

@@ -33,9 +33,8 @@ import torch
 from rlhf_core.agent.segments import EpisodeLog, as_metrics, as_reward, episode_batch, split_by_group
 from rlhf_core.agent.server import AgentServer
 from rlhf_core.config.base import MAX_CONSECUTIVE_FAILURES
-from rlhf_core.data.prompts import Prompt
+from rlhf_core.data.prompts import Prompt, prompt_row
 from rlhf_core.rollout.base import SamplingParams
-from rlhf_core.rollout.multiturn import prompt_row
 from rlhf_core.usercode import load_attr
 
 BLOCKED_GRACE_S = 5.0  # past timeout_s, how long a batch waits for an event loop an agent blocks

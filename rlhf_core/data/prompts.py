@@ -186,3 +186,19 @@ class PromptSource:
         self.index = 0
         self._order = self._permutation(self.epoch)
         self._skip = counts if max(counts.values()) > self.epoch else None
+
+
+def prompt_row(prompt: Prompt) -> dict:
+    """The dataset row an environment's reset sees, as data: the row's other columns (`Prompt.meta`), `prompt`
+    (the row's prompt as written: its text, or its messages when it was a conversation), `messages` (a
+    conversation's messages, data.system_prompt included), `answer` and `index` (the row's index in its split);
+    never the chat-template rendering."""
+    row = dict(prompt.meta)
+    if prompt.messages:
+        row.setdefault("prompt", prompt.messages)
+        row.setdefault("messages", prompt.messages)
+    else:  # `text`: a Prompt made without prompt_text (by hand)
+        row.setdefault("prompt", prompt.prompt_text or prompt.text)
+    row.setdefault("answer", prompt.answer_text)
+    row.setdefault("index", prompt.uid)
+    return row

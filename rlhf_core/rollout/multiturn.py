@@ -30,7 +30,8 @@ How an episode ends, and what follows (docs/environments.md, "Failures"):
   failed  an environment call raised, overran env.step_timeout_s, returned something malformed, or its process
           died while running it: `error`, `error_kind` (the group is left out of training).
 Its environment's close() runs once however it ended, the run stopping included. A trajectory whose process
-was lost while it ran another's call starts again from reset (same row), not a failure. The run stops with
+was lost while it ran another's call is replayed into a fresh instance (replay.py) and goes on, or, where the
+replay differs, starts again from reset (same row); neither is a failure. The run stops with
 EnvError after supervision.max_consecutive_failures failed calls in a row (a successful step clears the count, a
 successful reset does not), carrying the environment's last error (message, file:line).
 """
@@ -40,13 +41,14 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Optional
+from typing import Any, Optional
 
 from rlhf_core.config.base import MAX_CONSECUTIVE_FAILURES
-from rlhf_core.data.prompts import Prompt, collate_prompts
+from rlhf_core.data.prompts import Prompt, collate_prompts, prompt_row  # noqa: F401 (prompt_row re-exported)
 from rlhf_core.env.chat import ChatFormat
 from rlhf_core.env.checks import ERROR_KINDS
 from rlhf_core.env.pool import EnvPool
+from rlhf_core.rollout import replay
 from rlhf_core.rollout.base import takes_between_steps
 from rlhf_core.rollout.multiturn_batch import last_turn_batch, trajectory_batch, trajectory_metrics  # noqa: F401 (re-exported)
 
@@ -93,6 +95,11 @@ class Trajectory:
     error: Optional[str] = None
     error_kind: Optional[str] = None  # checks.ERROR_KINDS
     restarts: int = 0  # started again from reset after its process was lost
+    replays: int = 0  # its exchange replayed into a fresh instance after its process was lost (replay.py)
+    replaying: Optional[int] = None  # while replaying: the recorded answers replayed so far
+    opening: Any = None  # what reset gave; the actions sent and the step answers got: what a replay plays again
+    sent: list[str] = field(default_factory=list)
+    answers: list = field(default_factory=list)
     info: dict = field(default_factory=dict)
     transcript: list[Turn] = field(default_factory=list)
     reward: Optional[float] = None  # the trajectory's total reward, once scored
@@ -127,23 +134,8 @@ class Trajectory:
 
     def restart(self) -> None:
         """Back to before its reset (its process was lost): everything but the row and the restart count."""
-        self.__dict__.update(Trajectory(self.prompt, self.row, self.eid, restarts=self.restarts + 1).__dict__)
-
-
-def prompt_row(prompt: Prompt) -> dict:
-    """The dataset row an environment's reset sees, as data: the row's other columns (`Prompt.meta`), `prompt`
-    (the row's prompt as written: its text, or its messages when it was a conversation), `messages` (a
-    conversation's messages, data.system_prompt included), `answer` and `index` (the row's index in its split);
-    never the chat-template rendering."""
-    row = dict(prompt.meta)
-    if prompt.messages:
-        row.setdefault("prompt", prompt.messages)
-        row.setdefault("messages", prompt.messages)
-    else:  # `text`: a Prompt made without prompt_text (by hand)
-        row.setdefault("prompt", prompt.prompt_text or prompt.text)
-    row.setdefault("answer", prompt.answer_text)
-    row.setdefault("index", prompt.uid)
-    return row
+        again = Trajectory(self.prompt, self.row, self.eid, restarts=self.restarts + 1, replays=self.replays)
+        self.__dict__.update(again.__dict__)
 
 
 class EnvRunner:
@@ -191,6 +183,7 @@ class EnvRunner:
         self.error_counts = dict.fromkeys(ERROR_KINDS, 0)  # failed trajectories over the run, by kind
         self.last_eval: list[Trajectory] = []  # the latest evaluation's episodes (MLflow traces)
         self.steps = 0
+        self.replayed = 0  # episodes whose exchange was replayed into a fresh instance (replay.py)
         self._grader = None
 
     @property
@@ -199,10 +192,12 @@ class EnvRunner:
         return sum(self.error_counts.values())
 
     def metrics(self) -> dict[str, float]:
-        """env/errors and env/errors/<kind> (failed trajectories in the run so far), env/process_restarts."""
+        """env/errors and env/errors/<kind> (failed trajectories in the run so far), env/process_restarts,
+        env/episodes_replayed (lost with their process and replayed, rather than started again)."""
         out = {"env/errors": float(self.errors)}
         out.update({f"env/errors/{kind}": float(n) for kind, n in self.error_counts.items()})
         out["env/process_restarts"] = float(self.pool.replaced)
+        out["env/episodes_replayed"] = float(self.replayed)
         return out
 
     def close(self) -> None:
@@ -267,7 +262,10 @@ class EnvRunner:
     def _take_reply(self, t: Trajectory, reply) -> str:
         """Apply an environment reply; returns who the trajectory waits for now: 'model' (its next turn), 'env'
         (a restart's reset, a finish) or 'end'."""
-        if reply.restart:
+        if t.replaying is not None or reply.restart:  # its process was lost: replay its exchange, else restart
+            turn = replay.take(self, t, reply) if t.replaying is not None else replay.start(self, t, reply.op)
+            if turn is not None:
+                return turn
             if t.restarts >= MAX_RESTARTS:
                 return self._fail(
                     t, reply.op, f"its environment process was lost {t.restarts + 1} times", "process_died"
@@ -279,6 +277,7 @@ class EnvRunner:
         if reply.error is not None:
             return self._fail(t, reply.op, reply.error, reply.kind or "raised")
         if reply.op == "reset":
+            t.opening = reply.value
             return self._opened(t, reply.value)
         if reply.op == "finish":
             if reply.value is not None:
@@ -287,6 +286,7 @@ class EnvRunner:
             return "end"
         self.consecutive_failures = 0
         observation, reward, done, info = reply.value
+        t.answers.append(reply.value)
         t.env_rewards.append(reward)
         t.info = info
         calls = info.get("tool_calls", 0)
@@ -412,6 +412,7 @@ class EnvRunner:
                 else:
                     self.pool.close_episode(t.eid)
                 continue
+            t.sent.append(text)
             self.pool.step(t.eid, text)
             sent.append(t)
         return sent
