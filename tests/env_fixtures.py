@@ -86,6 +86,15 @@ class MarkerEnv:
         return "again", 0.0, False, {}
 
 
+def append_event(dir: Path, event: str, who) -> None:
+    """Append '<event> <who>' to <dir>/<pid>.log in one write (processes and threads append side by side)."""
+    fd = os.open(dir / f"{os.getpid()}.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    try:
+        os.write(fd, f"{event} {who}\n".encode())
+    finally:
+        os.close(fd)
+
+
 class ChaosEnv:
     """Fails at random, seeded per episode (seed, the row's problem, the instance's number in its process). At
     each step, with probability `crash` it kills its process (os._exit), `raises` it raises, `hang` it sleeps
@@ -106,11 +115,7 @@ class ChaosEnv:
         self.rng = random.Random(0)
 
     def log(self, event: str) -> None:
-        fd = os.open(self.dir / f"{os.getpid()}.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT)
-        try:
-            os.write(fd, f"{event} {self.uid}\n".encode())
-        finally:
-            os.close(fd)
+        append_event(self.dir, event, self.uid)
 
     def reset(self, row):
         self.log("open")
@@ -285,11 +290,7 @@ class HangHalfEnv:
         self.dir, self.hang_s, self.in_step, self.problem = Path(dir), hang_s, False, -1
 
     def log(self, event: str) -> None:
-        fd = os.open(self.dir / f"{os.getpid()}.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT)
-        try:
-            os.write(fd, f"{event} {self.problem}\n".encode())
-        finally:
-            os.close(fd)
+        append_event(self.dir, event, self.problem)
 
     def reset(self, row):
         self.problem = int(row["problem"])
