@@ -222,6 +222,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return _refuse(exc)
         return cmd_sweep(cfg, grid, args.seeds, args.max_parallel, args.metric, args.target, args.sweep_id)
     try:
+        if args.checkpoint == "latest":  # run.output_dir/latest: its exported policy, else its newest checkpoint
+            from flows.serve import latest_policy
+
+            try:
+                args.checkpoint = str(latest_policy(cfg))
+            except FileNotFoundError as exc:
+                raise ConfigError(str(exc)) from None
         check_evaluate(cfg, args.checkpoint, config_given=bool(args.config))
     except ConfigError as exc:
         return _refuse(exc)

@@ -134,3 +134,47 @@ def test_concurrent_requests_are_generated_together(served):
     assert len(answers) == 8 and all(a.choices for a in answers)
     calls = engine.calls[before:]
     assert sum(calls) == 8 and len(calls) < 8, calls  # requests that arrive together share an engine call
+
+
+def test_a_text_continuation_after_a_stop_string_keeps_the_generated_ids_once(served):
+    """A ReAct-style text agent: stop=[s] ends the completion at s (returned without it, generated with it); the
+    agent appends s and an observation and asks again. The episode is one segment whose model tokens are the
+    generated ids as generated (s's tokens included, once) and whose observation tokens are the appended text
+    alone: the stop string is not tokenized a second time. A prompt that drops s is not the model's context:
+    it starts a new segment (a prefix break). A request answered after its episode closed is not recorded."""
+    from rlhf_core.agent.segments import EpisodeLog
+
+    server, engine, tok, stops = served
+    c = client(server)
+    prompt = "max of 1, 2, 3 ="
+    full = c.completions.create(model="m", prompt=prompt, max_tokens=8, temperature=0).choices[0].text
+    assert len(full) >= 4, full  # the fixture's greedy text: long enough to stop inside it
+    stop = full[2:4]
+    returned = full[: full.find(stop)]
+
+    log = EpisodeLog("react", {})
+    server.open_episode(log)
+    agent = openai.OpenAI(base_url=server.episode_url("react"), api_key=server.key, max_retries=0)
+    first = agent.completions.create(model="m", prompt=prompt, max_tokens=8, temperature=0, stop=[stop])
+    assert first.choices[0].text == returned and first.choices[0].finish_reason == "stop"
+    generated = list(log.calls[0].completions[0].ids)
+    assert stop in tok.decode(generated)  # generated with the stop string, returned without it
+    observation = " 42\n"
+    agent.completions.create(model="m", prompt=prompt + returned + stop + observation, max_tokens=3, temperature=0)
+    assert len(log.segments) == 1 and log.prefix_breaks == 0
+    seg = log.segments[0]
+    first_prompt = log.calls[0].prompt_ids
+    assert seg.prompt_ids == first_prompt and seg.ids[: len(generated)] == generated
+    obs_ids = seg.ids[len(generated) : len(generated) + len(seg.model) - sum(seg.model)]
+    assert not any(seg.model[len(generated) : len(generated) + len(obs_ids)])
+    assert tok.decode(obs_ids) == observation  # the appended text alone: the stop string is not there twice
+    assert tok.decode(seg.full).count(stop) == tok.decode(first_prompt + generated).count(stop)
+    # the agent dropped the stop string: not what the model saw, so a new segment
+    agent.completions.create(model="m", prompt=prompt + returned + observation, max_tokens=2, temperature=0)
+    assert len(log.segments) == 2 and log.prefix_breaks == 1
+    server.close_episode("react")
+    calls = len(log.calls)
+    late = EpisodeLog("late", {})
+    server.open_episode(late)
+    late.close()  # the runner read the episode: a request still in flight is answered, not recorded
+    assert not late.record(log.calls[0]) and late.calls == [] and len(log.calls) == calls

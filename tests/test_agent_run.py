@@ -3,14 +3,17 @@
 
 from __future__ import annotations
 
-import threading
-import time
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import openai
 import pytest
 
 from rlhf_core.config import ConfigError, load_config, validate_config
+
+REPO = Path(__file__).resolve().parents[1]
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = str(Path(__file__).parent / "agent_fixtures.py")
@@ -53,7 +56,6 @@ def agent_run_config(tmp_path, name: str, **agent):
 
 def test_run_sync_trains_with_an_agent_and_serve_answers_on_its_checkpoint(tmp_path, capsys):
     from flows.cli import main
-    from flows.serve import cmd_serve
     from rlhf_core.loop import build_run, generate_step_batch, run_sync
 
     cfg = agent_run_config(tmp_path, "two_requests")
@@ -77,23 +79,28 @@ def test_run_sync_trains_with_an_agent_and_serve_answers_on_its_checkpoint(tmp_p
     assert len(batch) == 4 and batch.loss_mask.sum() < batch.response_mask.sum()
     assert metrics["reward/agent"] == 1.0
 
-    # atrlhf serve on the checkpoint the run wrote (its architecture: the tiny chat model beside it)
+    # `atrlhf serve --checkpoint latest` (the CLI, in its own process) on the checkpoint the run wrote: latest is
+    # run.output_dir/latest, the newest run's exported policy or else its newest checkpoint
     checkpoint = tmp_path / "checkpoints" / "step_000002"
     assert checkpoint.is_dir()
     assert main(["serve", "--checkpoint", str(tmp_path / "missing")]) == 2  # checked before anything starts
     assert "does not exist" in capsys.readouterr().err
-    stop = threading.Event()
-    codes = []
-    thread = threading.Thread(target=lambda: codes.append(cmd_serve(cfg, str(checkpoint), 0, [], stop=stop)))
-    thread.start()
+    out_dir = tmp_path / "out"
+    assert main(["serve", "--checkpoint", "latest", "--set", f"run.output_dir={out_dir}"]) == 2  # no run yet
+    assert f"{out_dir / 'latest'} does not exist" in capsys.readouterr().err
+    out_dir.mkdir()
+    (out_dir / "latest").symlink_to(tmp_path)
+    cmd = [sys.executable, "-m", "flows.cli", "serve", "--checkpoint", "latest", "--set", f"run.output_dir={out_dir}"]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        out = ""
-        deadline = time.monotonic() + 120
-        while "OPENAI_API_KEY=" not in out and thread.is_alive() and time.monotonic() < deadline:
-            time.sleep(0.1)
-            out += capsys.readouterr().out
-        lines = dict(line.strip().split("=", 1) for line in out.splitlines() if line.strip().startswith("OPENAI_"))
-        assert lines["OPENAI_BASE_URL"].startswith("http://127.0.0.1:"), out
+        lines: dict = {}
+        while "OPENAI_API_KEY" not in lines:
+            line = proc.stdout.readline()
+            assert line, proc.stderr.read()[-3000:]  # it ended before serving
+            if line.strip().startswith("OPENAI_"):
+                key, value = line.strip().split("=", 1)
+                lines[key] = value
+        assert lines["OPENAI_BASE_URL"].startswith("http://127.0.0.1:")
         client = openai.OpenAI(base_url=lines["OPENAI_BASE_URL"], api_key=lines["OPENAI_API_KEY"], max_retries=0)
         assert [m.id for m in client.models.list().data] == ["step_000002"]
         answer = client.chat.completions.create(
@@ -101,9 +108,9 @@ def test_run_sync_trains_with_an_agent_and_serve_answers_on_its_checkpoint(tmp_p
         )
         assert answer.choices[0].message.role == "assistant" and answer.system_fingerprint == "atrlhf-v0"
     finally:
-        stop.set()
-        thread.join(timeout=30)
-    assert codes == [0]
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+    assert proc.returncode == 0
 
 
 def test_serve_latest_finds_the_newest_policy(tmp_path):

@@ -134,7 +134,7 @@ def test_atrlhf_scale_grows_and_shrinks_the_fleet_of_a_live_run(cluster, tmp_pat
     add_rollout_node(cluster)  # a node added to the cluster (the previous test removed one)
     # paced by a judge that waits (0.3 s a batch, no CPU), so that the run lasts long enough for a new worker's
     # process to start (10-30 s here) however fast the machine trains
-    cfg = cluster_cfg(tmp_path, cluster, "trainer.total_steps=200", "rollout.num_workers=1", JUDGE)
+    cfg = cluster_cfg(tmp_path, cluster, "trainer.total_steps=400", "rollout.num_workers=1", JUDGE)
     state: dict = {"asks": []}
 
     def scale(n: int) -> subprocess.Popen:
@@ -148,9 +148,19 @@ def test_atrlhf_scale_grows_and_shrinks_the_fleet_of_a_live_run(cluster, tmp_pat
         elif len(state["asks"]) == 1 and len(working) == 2:  # the new worker generates: back to one
             state["grown_at"] = poll["step"]
             state["asks"].append(scale(1))
+        elif "grown_at" in state and "shrunk_at" not in state and poll["metrics"]:
+            if poll["metrics"][-1].get("cluster/rollout_workers") == 1:
+                state["shrunk_at"] = poll["step"]
 
-    result = run_distributed(cfg, on_poll=on_poll)
-    assert result["steps"] == 200 and state["grown_at"] < 200
+    def done() -> bool:  # 10 steps on one worker again: enough
+        return state.get("shrunk_at") is not None and state["last_step"] >= state["shrunk_at"] + 10
+
+    def watch(poll):
+        state["last_step"] = poll["step"]
+        on_poll(poll)
+
+    result = run_distributed(cfg, on_poll=watch, cancelled=done)
+    assert result["cancelled"] and state["grown_at"] < state["shrunk_at"] < result["steps"] < 400
     outs = [p.communicate(timeout=60) for p in state["asks"]]
     assert [p.returncode for p in state["asks"]] == [0, 0], outs
     assert "2 rollout worker(s)" in outs[0][0] and "1 rollout worker(s)" in outs[1][0]

@@ -1,8 +1,9 @@
 """Python reward functions end to end: real `atrlhf train` processes (their own Prefect API, a local Ray,
 MLflow on SQLite) on the tiny task, with the example functions of examples/rewards/.
 
-- a run with the TRL-style and the verl-style example and a function that sleeps past its timeout
-  completes, and MLflow holds reward/<label> for each, the verl metric, and the timeouts as failures;
+- a run whose reward is the TRL-style and the verl-style example and a function that sleeps past its timeout
+  (no component) completes, and MLflow holds reward/<label> for each, the verl metric, the timeouts as
+  failures, and the held-out evaluation by the function eval.metric names;
 - a run with a function that raises stops with the function's error (not a restart loop), and the MLflow
   run is FAILED with that error in its tags.
 """
@@ -81,6 +82,9 @@ def train(
 
 
 def test_trl_and_verl_examples_and_a_timeout_through_atrlhf_train(prefect_server, tmp_path, mlflow_db):
+    """A reward of functions alone (reward.components {}): TRL's and verl's examples and one that times out,
+    weighted; eval.metric a function's label: the trainer actor's held-out evaluation reports that function's
+    mean as eval/accuracy and eval/<label>."""
     (tmp_path / "helpers.py").write_text(HELPERS)
     functions = (
         "[{path: examples/rewards/trl_style.py, name: last_number_matches, weight: 0.5}, "
@@ -94,6 +98,8 @@ def test_trl_and_verl_examples_and_a_timeout_through_atrlhf_train(prefect_server
         functions,
         "reward.function_timeout_s=0.5",
         "supervision.max_consecutive_failures=1000",
+        "reward.components={}",
+        "eval.metric=last_number_matches",
     )
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     assert run.info.status == "FINISHED"
@@ -110,19 +116,20 @@ def test_trl_and_verl_examples_and_a_timeout_through_atrlhf_train(prefect_server
             "reward/sleeps/failed",
         ]
     }
+    assert history["reward/exact_match"] == []  # no component: the functions alone
+    del history["reward/exact_match"]
     assert all(len(v) == 3 for v in history.values()), history  # one value per trainer step
     assert all(0 <= v <= 1 for v in history["reward/last_number_matches"] + history["reward/verl_score"])
     assert all(0 <= v <= 4 for v in history["reward/verl_score/length"])  # words of <= max_new_tokens tokens
     assert history["reward/last_number_matches/failed"] == [0.0] * 3
     assert history["reward/sleeps/failed"] == [1.0] * 3 and history["reward/sleeps"] == [0.0] * 3  # timed out: 0
     for s, mean in enumerate(history["reward/mean"]):  # the total adds up by weight (a failed call adds 0)
-        expected = (
-            history["reward/exact_match"][s]
-            + 0.5 * history["reward/last_number_matches"][s]
-            + history["reward/verl_score"][s]
-        )
+        expected = 0.5 * history["reward/last_number_matches"][s] + history["reward/verl_score"][s]
         assert mean == pytest.approx(expected, abs=1e-5)
     assert "timed out after 0.5 s (reward.function_timeout_s)" in out.stdout + out.stderr
+    final = run.data.metrics
+    assert final["eval/last_number_matches"] == final["eval/accuracy"]
+    assert 0.0 <= final["eval/accuracy"] <= 1.0
 
 
 def test_a_raising_function_stops_the_run_with_its_error(prefect_server, tmp_path, mlflow_db):
@@ -140,27 +147,3 @@ def test_a_raising_function_stops_the_run_with_its_error(prefect_server, tmp_pat
     assert "rollout_worker_restarted" not in text  # failed once, not restarted
     assert run.info.status == "FAILED"
     assert "reward.functions[0]" in run.data.tags["error"] and "ValueError: cannot score" in run.data.tags["error"]
-
-
-def test_a_reward_of_only_functions_scores_training_and_held_out_evaluation(prefect_server, tmp_path, mlflow_db):
-    """reward.components {} with one function, eval.metric its label: the Ray runtime trains on the function alone,
-    and the trainer actor's held-out evaluation reports the function's mean as eval/accuracy and eval/<label>."""
-    out, (client, run) = train(
-        prefect_server,
-        tmp_path,
-        "functions-only",
-        "[{path: examples/rewards/trl_style.py, name: last_number_matches}]",
-        "reward.components={}",
-        "eval.metric=last_number_matches",
-    )
-    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
-    assert run.info.status == "FINISHED"
-
-    def history(key):
-        return [m.value for m in client.get_metric_history(run.info.run_id, key)]
-
-    assert len(history("reward/last_number_matches")) == 3 and history("reward/exact_match") == []
-    assert history("reward/mean") == pytest.approx(history("reward/last_number_matches"), abs=1e-6)
-    final = run.data.metrics
-    assert final["eval/last_number_matches"] == final["eval/accuracy"]
-    assert 0.0 <= final["eval/accuracy"] <= 1.0

@@ -64,6 +64,7 @@ class Call:
     tools: str = ""
     text: Optional[str] = None
     texts: list[str] = field(default_factory=list)
+    seen: list[str] = field(default_factory=list)  # per choice: the text of the ids generated (a stop string kept)
     started_ns: Optional[int] = None
     latency_s: Optional[float] = None
     new_segment: bool = False
@@ -145,24 +146,37 @@ class EpisodeLog:
         return None
 
     def text_base(self, text: str, stop_ids: Sequence[int]) -> Optional[tuple[list[int], str]]:
-        """When a text prompt continues a recorded one (its prompt text and a returned text, then more): (those
-        ids, the rest of the text). A completion that ended on a stop id is not continued (its text lacks the
+        """When a text prompt continues a recorded one (its prompt text and the text of the ids generated, then
+        more): (those ids, the rest of the text). A completion cut at a stop string was generated with the stop
+        string (returned without it): the prompt continues it only where it has the stop string back (a ReAct
+        agent appending 'Observation: ...' after stop=['Observation:']), and then the stop string is not
+        tokenized a second time. A completion that ended on a stop id is not continued (its text lacks the
         stop token the model saw)."""
         with self.lock:
             calls = list(self.calls)
         for call in reversed(calls):
             if call.text is None:
                 continue
-            for returned, c in zip(call.texts, call.completions):
+            seen = call.seen or call.texts
+            for returned, c in zip(seen, call.completions):
                 head = call.text + returned
                 if c.ids and c.ids[-1] not in stop_ids and text.startswith(head) and len(text) > len(head):
                     return call.prompt_ids + c.ids, text[len(head) :]
         return None
 
     # ------------------------------------------------------------------ recording
-    def record(self, call: Call) -> None:
-        """Add a request and join it into the segments (the module's rules)."""
+    def close(self) -> None:
+        """The episode ended: from now on nothing is recorded (a request still in flight is answered, not kept),
+        so that what the runner reads stays as it was when the episode returned."""
         with self.lock:
+            self.closed = True
+
+    def record(self, call: Call) -> bool:
+        """Add a request and join it into the segments (the module's rules). False when the episode was closed
+        first (the request is not part of it)."""
+        with self.lock:
+            if self.closed:
+                return False
             self.calls.append(call)
             prompt = call.prompt_ids
             base = None
@@ -184,6 +198,7 @@ class EpisodeLog:
                     seg = start.copy()
                     self.segments.append(seg)
                 seg.extend(observation, c)
+        return True
 
     def post(self, reward: Any, metrics: Any = None) -> None:
         """A reward posted to the episode's `.../reward` endpoint (the agent may return None instead)."""

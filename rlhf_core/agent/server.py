@@ -125,7 +125,7 @@ class AgentServer:
     def close_episode(self, eid: str) -> None:
         log = self.episodes.pop(eid, None)
         if log is not None:
-            log.closed = True
+            log.close()
 
     # ------------------------------------------------------------------ HTTP
     def _app(self):
@@ -298,24 +298,27 @@ class AgentServer:
             params, seed = self._params(req, self._budget(req.token_limit, len(prompt_ids)))
             top = req.logprobs or 0
             completions, tops = await self._generate(log, [prompt_ids] * req.n, params, seed, top, req.stops)
-            texts = []
+            texts, seen = [], []
             for c, top_i in zip(completions, tops):
                 text = self._text(c)
                 texts.append(text)
+                seen.append(
+                    text if c.cut is None else self.tokenizer.decode(self._content(c), skip_special_tokens=True)
+                )
                 choice = {"index": len(choices), "text": text, "logprobs": None, "finish_reason": _finish(c, {})}
                 if req.logprobs is not None:
                     choice["logprobs"] = _legacy_logprobs(self.tokenizer, self._content(c), c.logprobs, top_i)
                 choices.append(choice)
-            call = Call(prompt_ids, completions, text=p if isinstance(p, str) else None, texts=texts)
+            call = Call(prompt_ids, completions, text=p if isinstance(p, str) else None, texts=texts, seen=seen)
             call.started_ns, call.latency_s = started, time.perf_counter() - t0
             calls.append(call)
             started, t0 = time.time_ns(), time.perf_counter()  # the next prompt's generation starts now
         return self._answer("text_completion", log, calls, choices)
 
     def _answer(self, kind: str, log: Optional[EpisodeLog], calls: list[Call], choices: list[dict]) -> dict:
-        if log is not None and not log.closed:
+        if log is not None:
             for call in calls:
-                log.record(call)
+                log.record(call)  # not kept once the episode closed (a request still in flight at its end)
         version = int(getattr(self.engine, "version", 0))
         prompt_tokens = sum(len(c.prompt_ids) for c in calls)
         completion_tokens = sum(len(x.ids) for c in calls for x in c.completions)

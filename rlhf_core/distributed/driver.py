@@ -24,12 +24,15 @@ def run_distributed(
     on_poll: Optional[Callable[[dict], None]] = None,
     poll_interval_s: Optional[float] = None,
     on_launch: Optional[Callable[[DistributedRun], None]] = None,
+    cancelled: Optional[Callable[[], bool]] = None,
 ) -> dict:
     """Run to cfg.trainer.total_steps on Ray without Prefect, supervised by the one supervision loop the flow
     runs (`rlhf_core.run.supervise`: health checks, their actions, the stall detector); returns final metrics
     and run facts.
 
-    `on_launch(run)` is called once the actors are up (benchmarks and fault tests use it). With cluster.host
+    `on_launch(run)` is called once the actors are up (benchmarks and fault tests use it); `cancelled()` returning
+    True ends the run before cfg.trainer.total_steps, as a cancelled flow run ends (the loops stop; what they
+    pushed meanwhile is in the last poll, so reconcile stays exact; result["cancelled"]). With cluster.host
     'threads' the run is a `rlhf_core.run.threaded.ThreadedRun` (no Ray) under the same supervision."""
     if poll_interval_s is not None:
         cfg = cfg.model_copy(deep=True)
@@ -57,8 +60,12 @@ def run_distributed(
             on_event=lambda ev: log.info("health: %s at step %d -> %s: %s", ev.kind, ev.step, ev.action, ev.detail),
             on_poll=record,
         )
+        if cancelled is not None:
+            sinks.cancelled, sinks.cancel_check_s = cancelled, 0.0
         start = time.perf_counter()
-        supervise(cfg, run, run.last_step, sinks)
+        result["cancelled"] = not supervise(cfg, run, run.last_step, sinks)
+        if result["cancelled"]:
+            record(run.poll())  # after the loops stopped: their last pushes
         result["wall_s"] = time.perf_counter() - start
         final = polls[-1]
         result["final_poll"] = final
