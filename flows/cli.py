@@ -380,6 +380,7 @@ def cmd_evaluate(
     from flows.evaluate import evaluate
     from rlhf_core.model.policy import ModelLoadError
     from rlhf_core.run.checkpoint import CheckpointError
+    from rlhf_core.run.evaluation import failed_episodes
 
     try:
         done = evaluate(cfg, target, run_config_overrides or [], use_run_config=run_config_overrides is not None)
@@ -401,7 +402,7 @@ def cmd_evaluate(
         print(
             f"held-out {'accuracy' if cfg.eval.metric == 'accuracy' else 'mean ' + cfg.eval.metric} "
             f"{result['eval/accuracy']:.3f} (mean reward {result['eval/reward_mean']:.3f}) on "
-            f"{result['eval/prompts']} {cfg.data.task} prompts — {where}"
+            f"{result['eval/prompts']} {cfg.data.task} prompts — {where}{failed_episodes(result)}"
         )
         if "eval/pass@k" in result:
             print(

@@ -15,6 +15,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from rlhf_core.config import TrainConfig
+from rlhf_core.run.evaluation import failed_episodes
 
 WARM_START_REPORT_S = 10.0  # a line at least this often while the warm start runs
 
@@ -62,10 +63,11 @@ def evaluate_heldout(runtime, step: int) -> dict:
     """Greedy accuracy and mean reward on the held-out prompts, with the trainer's current weights."""
     result = dict(runtime.evaluate())
     get_run_logger().info(
-        "held-out evaluation at step %d: accuracy %.3f, reward %.3f",
+        "held-out evaluation at step %d: accuracy %.3f, reward %.3f%s",
         step,
         result["eval/accuracy"],
         result["eval/reward_mean"],
+        failed_episodes(result),
     )
     return result
 

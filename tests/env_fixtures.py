@@ -44,6 +44,18 @@ class AsyncSleepEnv(CountEnv):
         return [{"role": "user", "content": f"turn {self.t}"}], self.reward, self.t >= self.turns, {}
 
 
+class SlowRowEnv(AsyncSleepEnv):
+    """AsyncSleepEnv whose steps sleep `slow_s` for the row whose problem is `slow_problem`, none for the others."""
+
+    def __init__(self, slow_problem: int = 0, slow_s: float = 3.0, **kwargs):
+        super().__init__(**kwargs)
+        self.slow_problem, self.slow_s = slow_problem, slow_s
+
+    async def reset(self, row):
+        self.sleep = self.slow_s if row.get("problem") == self.slow_problem else 0.0
+        return row["prompt"]
+
+
 class BlockingEnv(CountEnv):
     """A coroutine step that blocks its event loop (time.sleep): only killing the process stops it."""
 

@@ -86,7 +86,7 @@ def test_text_completions_and_stop_strings(served):
         assert cut.choices[0].text == full[: full.find(stop)] and cut.choices[0].finish_reason == "stop"
 
 
-def test_wrong_key_malformed_oversized_and_streaming_are_refused(served):
+def test_wrong_key_malformed_oversized_and_unsupported_are_refused(served):
     server, *_ = served
     with pytest.raises(openai.AuthenticationError) as err:
         client(server, key="sk-wrong").chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
@@ -97,11 +97,13 @@ def test_wrong_key_malformed_oversized_and_streaming_are_refused(served):
     with pytest.raises(openai.BadRequestError) as err:  # a message without a role
         c.chat.completions.create(model="m", messages=[{"content": "no role"}])
     assert err.value.body["param"] == "messages[0]" and err.value.body["type"] == "invalid_request_error"
-    with pytest.raises(openai.BadRequestError) as err:
-        c.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], stream=True)
-    assert "streaming" in err.value.message
-    with pytest.raises(openai.BadRequestError, match="tool_choice"):
+    with pytest.raises(openai.BadRequestError, match="no tools") as err:  # a forced call needs a tool to call
         c.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], tool_choice="required")
+    assert err.value.body["param"] == "tool_choice"
+    for fmt in ({"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "a", "schema": {}}}):
+        with pytest.raises(openai.BadRequestError, match="no constrained decoding") as err:  # refused, not ignored
+            c.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], response_format=fmt)
+        assert err.value.body["param"] == "response_format" and err.value.body["code"] == "unsupported_parameter"
     headers = {"Authorization": f"Bearer {server.key}", "Content-Type": "application/json"}
     url = f"{server.base_url}/chat/completions"
     bad = httpx.post(url, content=b"{not json", headers=headers)
@@ -178,3 +180,46 @@ def test_a_text_continuation_after_a_stop_string_keeps_the_generated_ids_once(se
     server.open_episode(late)
     late.close()  # the runner read the episode: a request still in flight is answered, not recorded
     assert not late.record(log.calls[0]) and late.calls == [] and len(log.calls) == calls
+
+
+def test_streamed_answers_are_the_whole_answers_as_server_sent_events(served):
+    """stream: true (LangChain's .stream, the Agents SDK's run_streamed, LiteLLM): the openai client's stream of
+    chunks joins to the answer the same request gets unstreamed (greedy), with its finish reason and, with
+    stream_options.include_usage, its usage; text completions too. Inside an episode a streamed request is
+    recorded like any other."""
+    from rlhf_core.agent.segments import EpisodeLog
+
+    server, engine, tok, stops = served
+    c = client(server)
+    messages = [{"role": "user", "content": "max of 4, 9, 2?"}]
+    whole = c.chat.completions.create(model="m", messages=messages, max_tokens=6, temperature=0)
+    chunks = list(
+        c.chat.completions.create(
+            model="m",
+            messages=messages,
+            max_tokens=6,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert all(ch.object == "chat.completion.chunk" for ch in chunks)
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == whole.choices[0].message.content
+    finishes = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    assert finishes == [whole.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    plain = c.completions.create(model="m", prompt="max of 1, 2", max_tokens=5, temperature=0)
+    streamed = list(c.completions.create(model="m", prompt="max of 1, 2", max_tokens=5, temperature=0, stream=True))
+    assert "".join(ch.choices[0].text for ch in streamed) == plain.choices[0].text
+
+    log = EpisodeLog("streamed", {})
+    server.open_episode(log)
+    try:
+        agent = openai.OpenAI(base_url=server.episode_url("streamed"), api_key=server.key, max_retries=0)
+        list(agent.chat.completions.create(model="m", messages=messages, max_tokens=6, temperature=0, stream=True))
+    finally:
+        server.close_episode("streamed")
+    (call,) = log.calls
+    assert tok.decode(call.completions[0].ids, skip_special_tokens=True).startswith(text)
+    assert len(log.segments) == 1 and sum(log.segments[0].model) == len(call.completions[0].ids)

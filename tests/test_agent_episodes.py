@@ -72,6 +72,43 @@ def test_tool_calls_round_trip_and_two_requests_make_one_trajectory(tool_policy)
     assert s.model == [True] * len(generated) + [False] * len(observation) + [True] * len(answer)
 
 
+def test_a_forced_tool_choice_makes_the_call_and_trains_only_what_the_model_wrote(tool_policy):
+    """tool_choice "required" (smolagents' ToolCallingAgent, LangChain's function-calling structured output) and
+    a named function: the model's turn is opened with the template's tool-call opening (and the function's
+    name), so the reply is a call. The opening is part of the prompt ids (an observation: masked), the
+    completion is what the model generated; the recorded turn continues like any tool call."""
+    import openai
+
+    from rlhf_core.agent.server import AgentServer
+
+    model, tok, stops = tool_policy
+    tools = load_attr(FIXTURES, "TOOLS", "test")
+    question = load_attr(FIXTURES, "QUESTION", "test")
+    server = AgentServer(tok, stops, model_name="tool").start()
+    server.serve(HFEngine(model, stops, tok.pad_token_id))
+    log = EpisodeLog("forced", {})
+    server.open_episode(log)
+    try:
+        c = openai.OpenAI(base_url=server.episode_url("forced"), api_key=server.key, max_retries=0)
+        messages = [{"role": "user", "content": question}]
+        named = {"type": "function", "function": {"name": "reveal"}}
+        for choice in ("required", named):
+            r = c.chat.completions.create(
+                model="m", messages=messages, tools=tools, tool_choice=choice, max_tokens=32, temperature=0
+            )
+            assert r.choices[0].finish_reason == "tool_calls", r.choices[0].message
+            assert r.choices[0].message.tool_calls[0].function.name == "reveal"
+        fmt = ChatFormat(tok, stops, tools=tools)
+        for call, prefill in zip(log.calls, ("<tool_call>\n", '<tool_call>\n{"name": "reveal", "arguments":')):
+            opening = tok(prefill, add_special_tokens=False)["input_ids"]
+            assert call.prompt_ids == fmt.prompt_ids(messages) + opening
+            assert not tok.decode(call.completions[0].ids).startswith("<tool_call>")  # the model wrote the rest
+        assert log.segments[0].prompt_ids == log.calls[0].prompt_ids  # the opening: prompt, never trained
+    finally:
+        server.close_episode("forced")
+        server.close()
+
+
 def test_a_two_request_episode_trains_on_policy(tool_policy):
     """Sampled (temperature 1, top-p 0.9) through the rollout worker: each episode is one row, its model tokens
     trained on with the engine's log-probs, which the trainer's recomputation matches (ratio 1 within 1e-5);
@@ -166,6 +203,35 @@ def test_a_reward_posted_to_the_endpoint(tool_policy):
         assert "BadRequestError" in e.error and "agent.max_requests=1" in e.error and e.requests == 1
     finally:
         runner.close()
+
+
+def test_an_agent_that_raises_is_scored_agent_error_reward_and_trains(tool_policy, caplog):
+    """agent.error_reward: the episodes whose agent raised (as a framework does on malformed model output) keep what
+    they generated and train with that reward instead of failing; they do not count toward the failures in a row
+    that stop the run (two in a row here would, with max_failures 2); the error is printed once for the batch
+    with how many episodes it ended. Without error_reward the same episodes fail (the test below)."""
+    import logging
+
+    model, tok, stops = tool_policy
+    sampling = SamplingParams(max_new_tokens=4, temperature=1.0)
+    runner = runner_for(tok, stops, "hangs_on_some", timeout_s=30.0, max_failures=2, error_reward=-1.0)
+    worker = worker_for(tok, stops, runner, sampling, 2, HFEngine(model, stops, tok.pad_token_id))
+    try:
+        with caplog.at_level(logging.WARNING, logger="rlhf_core.agent"):
+            batch, _ = worker.rollout(prompts(2, {1: {"boom": True}}))
+        assert batch.prompt_uids.tolist() == [0, 0, 1, 1]  # both groups train
+        assert batch.rewards.tolist() == [1.0, 1.0, -1.0, -1.0]
+        assert batch.loss_mask[2:].sum() > 0  # the raising episodes' generated tokens are trained
+        assert [e.error for e in runner.last_episodes] == [None] * 4
+        assert [e.raised for e in runner.last_episodes] == [None, None, "ValueError: boom", "ValueError: boom"]
+        stats = worker.stats()
+        assert stats["agent/errors"] == 0 and stats["agent/errors_rewarded"] == 2
+        lines = [r.getMessage() for r in caplog.records if "boom" in r.getMessage()]
+        assert lines == [
+            "agent hangs_on_some: 2 of 4 episode(s) raised (scored agent.error_reward): ValueError: boom"
+        ], lines
+    finally:
+        worker.close()
 
 
 def test_an_agent_that_hangs_or_raises_fails_its_episode_alone(tool_policy):

@@ -274,3 +274,46 @@ def test_reset_gets_the_row_as_data_not_the_rendered_prompt(chat):
     messages = [system, {"role": "user", "content": "And 3 + 4?"}]
     assert conversation == {"prompt": messages, "messages": messages, "answer": "7", "source": "x", "index": 1}
     assert trajs[0].prompt_ids == prompts[0].prompt_ids and trajs[1].prompt_ids == prompts[1].prompt_ids
+
+
+# ---------------------------------------------------------------------------------------- no batch barrier
+def test_streamed_episodes_hand_on_each_group_as_it_ends_while_a_slow_one_runs(chat):
+    """EnvRunner.stream: three prompts start, one of them slow (2 s per environment step); the two fast groups are
+    handed on at once, and prompts fed after them (the room they freed) run and are handed on too, all before
+    the slow group ends: a slow episode holds its own group, not a batch. The same trajectories come back from
+    run() (one batch) in the prompts' order."""
+    import time
+
+    model, tok, stops = chat
+    env = {"path": FIXTURES, "name": "SlowRowEnv", "kwargs": {"slow_problem": 0, "slow_s": 2.0, "turns": 2}}
+    cfg = validate_config({"env": {**env, "max_turns": 2}, "rollout": {"max_new_tokens": 4}})
+    runner = EnvRunner(cfg.env, tok, stops, 1)
+    engine = HFEngine(model, stops, tok.pad_token_id, seed=0)
+    prompts = prompts_for(tok, 5)
+    queue = [prompts[:3], [], [prompts[3]], [], [prompts[4]]]
+    emitted, fed_at = [], []
+    start = time.monotonic()
+
+    def feed(in_flight):
+        fed_at.append(in_flight)
+        if not queue:
+            return None
+        if in_flight > 1 and not queue[0]:  # hold back until the fast ones ended (room freed)
+            return []
+        return queue.pop(0)
+
+    def emit(group):
+        emitted.append((group[0].prompt.uid, time.monotonic() - start, [t.done for t in group]))
+
+    try:
+        runner.stream(engine, 2, SamplingParams(max_new_tokens=4), feed, emit)
+        batch = runner.run(engine, prompts[1:3], 2, SamplingParams(max_new_tokens=4, temperature=0.0))
+    finally:
+        runner.close()
+    order = [uid for uid, _, _ in emitted]
+    assert sorted(order) == [0, 1, 2, 3, 4] and order[-1] == 0, emitted  # the slow group ends last
+    slow_end = emitted[-1][1]
+    assert slow_end >= 4.0  # two steps of 2 s
+    assert all(at < 2.0 for uid, at, _ in emitted if uid != 0), emitted  # the others did not wait for it
+    assert all(all(done) for _, _, done in emitted)
+    assert [t.prompt.uid for t in batch] == [1, 1, 2, 2] and all(t.done for t in batch)

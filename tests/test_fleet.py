@@ -39,6 +39,30 @@ def test_a_lost_workers_undelivered_batches_go_back_to_the_front_of_the_queue(ma
     assert set(uids(b1) + uids(b2)).isdisjoint(uids(q.get(10)))  # delivered prompts are not served again yet
 
 
+def test_leases_settled_out_of_order_requeue_exactly_the_prompts_in_flight(max3_prompts):
+    """A worker streaming environment episodes holds a lease per group and its groups end in any order: lease 3
+    pushed, lease 1 pushed, lease 4 failed (released), lease 2 still running when the worker is lost. Exactly
+    lease 2's prompt goes back: nothing pushed is served twice, nothing in flight is lost (the buffer's record
+    of the last lease accepted alone, 3, would requeue nothing and lose lease 2's prompt)."""
+    train, _ = max3_prompts
+    q = PromptQueue(train, seed=0)
+    buf = ExperienceBuffer(max_size=32, max_staleness=4, prompts_per_step=2)
+    assert buf.try_admit(4, holder="0-aaaa") == 4
+    got = {lease: q.get(1, "0-aaaa", lease, settled=[]) for lease in (1, 2, 3, 4)}
+    assert sorted(q.leases["0-aaaa"]) == [1, 2, 3, 4]  # streamed: no lease is taken as done by its number
+    buf.push(pack_groups([make_experience(got[3][0].uid, 0, [1.0, 0.0])]), "0-aaaa", 3)
+    buf.push(pack_groups([make_experience(got[1][0].uid, 0, [0.0, 1.0])]), "0-aaaa", 1)
+    buf.release(1, "0-aaaa", 4)  # its group failed: nothing pushed, the lease is done
+    five = q.get(1, "0-aaaa", 5, settled=[3, 1])  # the worker tells the queue what ended since its last request
+    assert sorted(q.leases["0-aaaa"]) == [2, 4, 5]
+    assert buf.settled_leases("0-aaaa") == (1, [3, 4])
+    assert buf.revoke("0-aaaa") == 3  # the last lease accepted
+    low, above = buf.settled_leases("0-aaaa")
+    assert q.requeue("0-aaaa", low, above) == 2  # lease 2 (in flight) and lease 5 (just taken)
+    assert uids(q.get(2)) == uids(got[2]) + uids(five)  # generated again first, in their order
+    assert q.stats()["requeued"] == 2
+
+
 def test_a_revoked_worker_is_refused_its_admission_freed_and_its_groups_counted():
     buf = ExperienceBuffer(max_size=32, max_staleness=1, prompts_per_step=2)
     assert buf.try_admit(2, holder="0-aaaa") == 2 and buf.try_admit(2, holder="1-bbbb") == 2

@@ -43,6 +43,7 @@ class _Body(BaseModel):
     stop: Optional[Union[str, list[str]]] = None
     seed: Optional[int] = None
     stream: bool = False
+    stream_options: Optional[dict] = None
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
     logit_bias: Optional[dict] = None
@@ -59,10 +60,28 @@ class ChatRequest(_Body):
     tool_choice: Optional[Union[str, dict]] = None
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=20)
+    response_format: Optional[dict] = None
 
     @property
     def token_limit(self) -> Optional[int]:
         return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def forced_tool(self) -> Optional[str]:
+        """'' when tool_choice is "required" (some tool), the function's name when it names one, else None."""
+        if self.tool_choice == "required":
+            return ""
+        if isinstance(self.tool_choice, dict):
+            return self.tool_choice["function"]["name"]
+        return None
+
+    def tool_prefill(self) -> str:
+        """The text the model's turn starts with when tool_choice forces a call: the template's tool-call opening
+        (Qwen2.5 / Hermes `<tool_call>`), and for a named function its name, so the model writes the arguments."""
+        forced = self.forced_tool
+        if forced is None:
+            return ""
+        return "<tool_call>\n" + (f'{{"name": {json.dumps(forced)}, "arguments":' if forced else "")
 
 
 class CompletionRequest(_Body):
@@ -86,13 +105,6 @@ class CompletionRequest(_Body):
 def _parse(cls, body: Any):
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
-    if body.get("stream"):
-        raise APIError(
-            400,
-            "streaming is not supported yet: this endpoint answers whole responses only (send stream: false)",
-            param="stream",
-            code="unsupported_parameter",
-        )
     try:
         req = cls.model_validate(body)
     except ValidationError as exc:
@@ -110,24 +122,42 @@ def _parse(cls, body: Any):
 
 
 def parse_chat(body: Any) -> ChatRequest:
+    """A chat request, validated. tool_choice: 'auto', 'none', 'required' or a function of `tools` (the last two
+    force a call: `ChatRequest.tool_prefill`); response_format other than 'text' is refused (no constrained
+    decoding here), never ignored."""
     req = _parse(ChatRequest, body)
-    choice = req.tool_choice
-    if choice not in (None, "auto", "none"):
-        raise APIError(
-            400,
-            f"tool_choice {choice!r} is not supported: the model decides whether to call a tool ('auto'), or its "
-            "calls are left as text ('none')",
-            param="tool_choice",
-            code="unsupported_parameter",
-        )
     if req.top_logprobs and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     for i, tool in enumerate(req.tools or []):
         fn = tool.get("function") if isinstance(tool, dict) else None
-        if tool.get("type", "function") != "function" or not isinstance(fn, dict) or not fn.get("name"):
+        if not isinstance(fn, dict) or tool.get("type", "function") != "function" or not fn.get("name"):
             raise APIError(
                 400, f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}", f"tools[{i}]"
             )
+    names = [t["function"]["name"] for t in req.tools or []]
+    choice = req.tool_choice
+    if isinstance(choice, dict):
+        fn = choice.get("function") if choice.get("type", "function") == "function" else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise APIError(400, "tool_choice must be {'type': 'function', 'function': {'name': ...}}", "tool_choice")
+        if fn["name"] not in names:
+            raise APIError(400, f"tool_choice names {fn['name']!r}, which is not among tools {names}", "tool_choice")
+    elif choice not in (None, "auto", "none", "required"):
+        raise APIError(
+            400, f"tool_choice {choice!r}: expected 'auto', 'none', 'required' or a function", param="tool_choice"
+        )
+    if req.forced_tool is not None and not names:
+        raise APIError(400, "tool_choice forces a tool call but the request has no tools", param="tool_choice")
+    kind = (req.response_format or {}).get("type", "text")
+    if kind != "text":
+        raise APIError(
+            400,
+            f"response_format {kind!r} is not supported: this engine has no constrained decoding, so the answer "
+            "would not be guaranteed to parse (ask for JSON in the prompt and parse it, or send response_format "
+            "'text')",
+            param="response_format",
+            code="unsupported_parameter",
+        )
     return req
 
 
@@ -252,3 +282,29 @@ def token_logprobs(tokenizer, ids: list[int], logprobs: list[float], top: Option
             ]
         out.append(entry)
     return out
+
+
+def stream_chunks(answer: dict, include_usage: bool = False) -> list[dict]:
+    """A whole answer (`chat.completion` or `text_completion`) as the chunks of an OpenAI stream: per choice, its
+    content (and tool calls) in one delta, then its finish reason; with stream_options.include_usage, a last
+    chunk with the usage and no choices. The server sends each as a server-sent event, then `[DONE]`."""
+    chat = answer["object"] == "chat.completion"
+    head = {k: answer[k] for k in ("id", "created", "model", "system_fingerprint")}
+    head["object"] = "chat.completion.chunk" if chat else "text_completion"
+    chunks = []
+    for choice in answer["choices"]:
+        if chat:
+            message = choice["message"]
+            delta = {"role": "assistant", "content": message.get("content")}
+            if message.get("tool_calls"):
+                delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
+            first = {"index": choice["index"], "delta": delta, "logprobs": choice["logprobs"], "finish_reason": None}
+            last = {"index": choice["index"], "delta": {}, "logprobs": None, "finish_reason": choice["finish_reason"]}
+        else:
+            first = {"index": choice["index"], "text": choice["text"], "logprobs": choice["logprobs"]}
+            first["finish_reason"] = None
+            last = {"index": choice["index"], "text": "", "logprobs": None, "finish_reason": choice["finish_reason"]}
+        chunks += [{**head, "choices": [first]}, {**head, "choices": [last]}]
+    if include_usage:
+        chunks.append({**head, "choices": [], "usage": answer["usage"]})
+    return chunks

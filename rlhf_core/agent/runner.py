@@ -13,15 +13,20 @@ alone (agent/errors, agent/timeouts): the group of that episode is left out of t
 failure is not a bad answer, as with environments) and the other groups train. An agent that blocks its
 event loop (a blocking call in a coroutine) is given up on after the timeout plus `BLOCKED_GRACE_S`: its
 episodes fail and the next batch runs on a fresh event loop. `supervision.max_consecutive_failures` failed episodes
-in a row stop the run with the agent's error.
+in a row stop the run with the agent's error. With `agent.error_reward` set, an agent that raises (a framework's
+error for malformed model output, e.g. DSPy's AdapterParseError) does not fail its episode: the episode trains
+on what it generated with that reward (agent/errors_rewarded), so the policy learns from the bad output. Each
+distinct error of a batch is printed once with how many episodes it ended (`report_errors`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import copy
 import inspect
+import logging
 import secrets
 import threading
 import time
@@ -36,6 +41,8 @@ from rlhf_core.config.base import MAX_CONSECUTIVE_FAILURES
 from rlhf_core.data.prompts import Prompt, prompt_row
 from rlhf_core.rollout.base import SamplingParams
 from rlhf_core.usercode import load_attr
+
+log = logging.getLogger("rlhf_core.agent")
 
 BLOCKED_GRACE_S = 5.0  # past timeout_s, how long a batch waits for an event loop an agent blocks
 
@@ -79,6 +86,7 @@ class AgentRunner:
         self.errors = 0  # failed episodes over the run (agent/errors), timeouts included
         self.timeouts = 0  # of which past agent.timeout_s (agent/timeouts)
         self.consecutive_failures = 0
+        self.errors_rewarded = 0  # episodes whose agent raised, scored agent.error_reward (agent/errors_rewarded)
         self.last_episodes: list[EpisodeLog] = []
         self._loop: Optional[asyncio.AbstractEventLoop] = None
 
@@ -137,7 +145,10 @@ class AgentRunner:
             else:
                 e.error = "TimeoutError raised by the agent"
         except Exception as exc:  # noqa: BLE001 - the agent's failure is its episode's alone
-            e.error = f"{type(exc).__name__}: {exc}"
+            if self.cfg.error_reward is None:
+                e.error = f"{type(exc).__name__}: {exc}"
+            else:  # scored, not failed: the model's output made the agent raise
+                e.raised, e.reward, e.metrics = f"{type(exc).__name__}: {exc}", float(self.cfg.error_reward), {}
         finally:
             e.latency_s = time.perf_counter() - start
             self.server.close_episode(e.eid)
@@ -158,6 +169,8 @@ class AgentRunner:
             e.reward = as_reward(value)
 
     def _count(self, episodes: list[EpisodeLog]) -> None:
+        report_errors(episodes, f"agent {self.cfg.name}")
+        self.errors_rewarded += sum(e.raised is not None for e in episodes)
         for e in episodes:
             if e.error is None:
                 self.consecutive_failures = 0
@@ -172,8 +185,13 @@ class AgentRunner:
                 )
 
     def stats(self) -> dict[str, float]:
-        """agent/errors and agent/timeouts: failed episodes over the run so far."""
-        return {"agent/errors": float(self.errors), "agent/timeouts": float(self.timeouts)}
+        """agent/errors and agent/timeouts: failed episodes over the run so far; agent/errors_rewarded: episodes
+        whose agent raised, scored agent.error_reward."""
+        return {
+            "agent/errors": float(self.errors),
+            "agent/timeouts": float(self.timeouts),
+            "agent/errors_rewarded": float(self.errors_rewarded),
+        }
 
     def close(self) -> None:
         self.server.close()
@@ -337,3 +355,12 @@ class AgentEvaluator:
 
     def __call__(self) -> dict:
         return self.runner.evaluate(self.engine, self.prompts, self.max_new_tokens)
+
+
+def report_errors(episodes: Sequence[EpisodeLog], who: str) -> None:
+    """Each distinct error of one batch of episodes, once, on the console: how many episodes it ended and what
+    became of them (failed and left out, or scored agent.error_reward)."""
+    texts = collections.Counter((e.error or e.raised, e.error is None) for e in episodes if e.error or e.raised)
+    for (text, scored), n in texts.items():
+        fate = "raised (scored agent.error_reward)" if scored else "failed (left out of training)"
+        log.warning("%s: %d of %d episode(s) %s: %s", who, n, len(episodes), fate, text)

@@ -120,6 +120,7 @@ class EpisodeLog:
         self.error: Optional[str] = None
         self.timed_out = False
         self.latency_s = 0.0
+        self.raised: Optional[str] = None  # the agent's error when agent.error_reward scored it instead of failing it
         self.lock = threading.Lock()
 
     @property

@@ -130,14 +130,17 @@ class AgentServer:
     # ------------------------------------------------------------------ HTTP
     def _app(self):
         from starlette.applications import Starlette
-        from starlette.responses import JSONResponse
+        from starlette.responses import JSONResponse, StreamingResponse
         from starlette.routing import Route
 
         def route(path: str, fn, method: str):
             async def endpoint(request):
                 try:
                     self._auth(request)
-                    return JSONResponse(await fn(request))
+                    answer = await fn(request)
+                    if isinstance(answer, Streamed):
+                        return StreamingResponse(answer.events(), media_type="text/event-stream")
+                    return JSONResponse(answer)
                 except api.APIError as exc:
                     return JSONResponse(exc.body(), status_code=exc.status)
                 except Exception as exc:  # noqa: BLE001 - the client gets the error, the server keeps serving
@@ -261,13 +264,16 @@ class AgentServer:
             prompt_ids = ids + fmt.observation_ids(rest, last)
         else:
             prompt_ids = fmt.prompt_ids(messages)
+        prefill = req.tool_prefill()  # a forced call: the turn opens with it (masked)
+        if prefill:
+            prompt_ids = prompt_ids + list(self.tokenizer(prefill, add_special_tokens=False)["input_ids"])
         params, seed = self._params(req, self._budget(req.token_limit, len(prompt_ids)))
         top = (req.top_logprobs or 0) if req.logprobs else 0
         completions, tops = await self._generate(log, [prompt_ids] * req.n, params, seed, top, req.stops)
         parse = bool(req.tools) and req.tool_choice != "none"
         choices, replies = [], []
         for i, (c, top_i) in enumerate(zip(completions, tops)):
-            message, normal = api.assistant_message(self._text(c), parse)
+            message, normal = api.assistant_message(prefill + self._text(c), parse)
             replies.append(normal)
             content = self._content(c)
             choice = {"index": i, "message": message, "logprobs": None, "finish_reason": _finish(c, message)}
@@ -278,7 +284,7 @@ class AgentServer:
             choices.append(choice)
         call = Call(prompt_ids, completions, messages=messages, replies=replies, tools=tools, started_ns=started)
         call.latency_s = time.perf_counter() - t0
-        return self._answer("chat.completion", log, [call], choices)
+        return Streamed.wrap(req, self._answer("chat.completion", log, [call], choices))
 
     async def _completions(self, request) -> dict:
         started, t0 = time.time_ns(), time.perf_counter()
@@ -313,7 +319,7 @@ class AgentServer:
             call.started_ns, call.latency_s = started, time.perf_counter() - t0
             calls.append(call)
             started, t0 = time.time_ns(), time.perf_counter()  # the next prompt's generation starts now
-        return self._answer("text_completion", log, calls, choices)
+        return Streamed.wrap(req, self._answer("text_completion", log, calls, choices))
 
     def _answer(self, kind: str, log: Optional[EpisodeLog], calls: list[Call], choices: list[dict]) -> dict:
         if log is not None:
@@ -363,6 +369,26 @@ class AgentServer:
 
     def _idle_episodes(self) -> int:
         return sum(1 for log in list(self.episodes.values()) if log.inflight == 0)
+
+
+class Streamed:
+    """An answer asked for with stream: true. It is generated and recorded whole, as any request, then sent as
+    server-sent events (`api.stream_chunks`, then `data: [DONE]`), which is what streaming clients read."""
+
+    def __init__(self, chunks: list[dict]):
+        self.chunks = chunks
+
+    @classmethod
+    def wrap(cls, req, answer: dict):
+        if not req.stream:
+            return answer
+        include_usage = bool((req.stream_options or {}).get("include_usage"))
+        return cls(api.stream_chunks(answer, include_usage))
+
+    async def events(self):
+        for chunk in self.chunks:
+            yield f"data: {json.dumps(chunk)}\n\n"
+        yield "data: [DONE]\n\n"
 
 
 def _finish(c: Completion, message: dict) -> str:

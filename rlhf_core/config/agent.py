@@ -4,7 +4,7 @@ policy's OpenAI-compatible endpoint."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from pydantic import Field, model_validator
 
@@ -25,6 +25,13 @@ class AgentConfig(_Section):
         120.0, gt=0, description="Longest one episode may run; past it the episode fails (agent/timeouts)."
     )
     max_requests: int = Field(32, ge=1, description="Most requests one episode may make; later ones get a 400.")
+    error_reward: Optional[float] = Field(
+        None,
+        description="The reward of an episode whose agent raised (e.g. a framework's parse error on malformed model "
+        "output): the episode trains on what it generated with this reward (agent/errors_rewarded), so the policy "
+        "learns to avoid the output. None: the episode fails, its group is left out (agent/errors). A timeout "
+        "fails the episode either way.",
+    )
 
     @property
     def enabled(self) -> bool:

@@ -261,7 +261,13 @@ class RolloutConfig(_Section):
         "trainer is a real engine mismatch, as vLLM in bf16: syncs are cast on load, log-probs stay float32)}.",
     )
     num_workers: int = Field(1, ge=1, description="Rollout workers (Ray actors in the distributed runtime).")
-    prompts_per_batch: int = Field(16, ge=1, description="Prompts per generation batch on one worker.")
+    prompts_per_batch: int = Field(
+        16,
+        ge=1,
+        description="Prompts per generation batch on one worker. With an environment on an async host (Ray or "
+        "threads) the groups kept in flight per worker: a group is pushed as soon as its episodes end and a new "
+        "one starts, with no batch barrier (newer weights adopted between turns).",
+    )
     samples_per_prompt: int = Field(8, ge=1, description="Completions per prompt (the GRPO group size G).")
     max_new_tokens: int = Field(4, ge=1, description="Maximum generated tokens per completion.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature.")

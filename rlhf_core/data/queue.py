@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
+from collections.abc import Sequence
 from typing import Optional
 
 from rlhf_core.data.prompts import Prompt, PromptSource
@@ -45,7 +46,12 @@ class PromptQueue:
             self.scheduled += len(new)
             return len(new)
 
-    def get(self, n: int, holder: Optional[str] = None, batch: int = 0) -> list[Prompt]:
+    def get(
+        self, n: int, holder: Optional[str] = None, batch: int = 0, settled: Optional[list[int]] = None
+    ) -> list[Prompt]:
+        """n prompts, leased to `holder` under lease number `batch`. settled: the holder's leases known done
+        (a worker whose groups end out of order: environment episodes streamed); None: the holder's batches
+        end in order, so leases before batch - 1 are done."""
         with self.lock:
             if len(self.queue) < n:
                 new = self.source.next(n - len(self.queue))
@@ -55,8 +61,9 @@ class PromptQueue:
             self.served += len(out)
             if holder is not None:
                 held = self.leases.setdefault(holder, {})
-                for done in [b for b in held if b < batch - 1]:
-                    del held[done]
+                done = [b for b in held if b < batch - 1] if settled is None else settled
+                for b in done:
+                    held.pop(b, None)
                 held[batch] = out
             return out
 
@@ -70,12 +77,14 @@ class PromptQueue:
         with self.lock:
             return sorted(self.leases.get(holder, {}))
 
-    def requeue(self, holder: str, after: int) -> int:
-        """The holder is gone: its prompts of batches after `after` go back to the front of the queue, in their
-        order; its lease ends. Returns how many prompts went back."""
+    def requeue(self, holder: str, after: int, settled: Sequence[int] = ()) -> int:
+        """The holder is gone: its prompts of batches after `after` (but those `settled`: delivered or failed out
+        of order) go back to the front of the queue, in their order; its lease ends. Returns how many prompts
+        went back."""
+        done = set(settled)
         with self.lock:
             held = self.leases.pop(holder, {})
-            back = [p for b in sorted(held) if b > after for p in held[b]]
+            back = [p for b in sorted(held) if b > after and b not in done for p in held[b]]
             self.queue.extendleft(reversed(back))
             self.requeued += len(back)
             return len(back)

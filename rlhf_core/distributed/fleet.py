@@ -63,8 +63,9 @@ class Fleet:
         leased = self._get(self.queue.holders.remote(f"{index}-"), "the prompt queue's leases")
         admitted = self._get(self.buffer.holder_names.remote(f"{index}-"), "the replay buffer's workers")
         for holder in sorted(set(leased) | set(admitted)):  # one admitted but dead before its first prompts too
-            last = self._get(self.buffer.revoke.remote(holder), "the replay buffer to revoke a lost worker")
-            back += self._get(self.queue.requeue.remote(holder, last), "the prompt queue to requeue prompts")
+            self._get(self.buffer.revoke.remote(holder), "the replay buffer to revoke a lost worker")
+            low, above = self._get(self.buffer.settled_leases.remote(holder), "the replay buffer's leases")
+            back += self._get(self.queue.requeue.remote(holder, low, above), "the prompt queue to requeue prompts")
         if back:
             self.requeued_prompts += back
             self._event(

@@ -203,7 +203,7 @@ class EnvRunner:
     def close(self) -> None:
         self.pool.close()
 
-    # ------------------------------------------------------------------ one batch of trajectories
+    # ------------------------------------------------------------------ trajectories, batched or streamed
     def run(
         self, engine, prompts: Sequence[Prompt], samples_per_prompt: int, sampling, between_steps=None
     ) -> list[Trajectory]:
@@ -212,52 +212,33 @@ class EnvRunner:
 
         between_steps (partial rollouts): returns None or (state_dict, version) for the engine to adopt; asked
         before every turn and, where the engine takes it, between its decode steps (see the module doc)."""
-        trajs = [
-            Trajectory(prompt=p, row=prompt_row(p), eid=next(_eids)) for p in prompts for _ in range(samples_per_prompt)
-        ]
-        by_eid = {t.eid: t for t in trajs}
-        waiting: set[int] = set()  # waiting for the environment
-        ready: list[Trajectory] = []  # waiting for the model
-        unopened = list(reversed(trajs))  # not reset yet: env.max_sessions episodes are open at once
-        opened: set[int] = set()
+        fed = [list(prompts)]
+        ended: dict[int, list[Trajectory]] = {}
+        self.stream(
+            engine,
+            samples_per_prompt,
+            sampling,
+            feed=lambda _: fed.pop() if fed else None,
+            emit=lambda group: ended.__setitem__(group[0].eid, group),
+            between_steps=between_steps,
+        )
+        return [t for first in sorted(ended) for t in ended[first]]
 
-        def open_more(ended=()) -> None:
-            opened.difference_update(ended)
-            while unopened and (self.cfg.max_sessions is None or len(opened) < self.cfg.max_sessions):
-                t = unopened.pop()
-                self.pool.reset(t.eid, t.row)
-                waiting.add(t.eid)
-                opened.add(t.eid)
+    def new_trajectory(self, p: Prompt) -> Trajectory:
+        return Trajectory(prompt=p, row=prompt_row(p), eid=next(_eids))
 
-        try:
-            open_more()
-            while waiting or ready:
-                generate_now = bool(ready) and len(ready) >= len(waiting)
-                for reply in self.pool.poll(0.0 if generate_now else 1.0):
-                    t = by_eid.get(reply.eid)
-                    if t is None or reply.eid not in waiting:
-                        continue
-                    turn = self._take_reply(t, reply)
-                    if turn != "env":
-                        waiting.discard(t.eid)
-                    if turn == "model":
-                        ready.append(t)
-                    elif turn == "end":
-                        self.pool.close_episode(t.eid)
-                        open_more([t.eid])
-                if ready and len(ready) >= len(waiting):
-                    batch, ready = ready, []
-                    sent = {t.eid for t in self._generate(engine, batch, sampling, between_steps)}
-                    waiting.update(sent)
-                    open_more([t.eid for t in batch if t.eid not in sent])
-        except BaseException as exc:
-            for t in trajs:  # the run stops: every episode of the call is closed (once: the pool forgets it)
-                self.pool.close_episode(t.eid)
-            if isinstance(exc, EnvError):
-                self.close()
-            raise
-        self._grade(trajs)
-        return trajs
+    def aborted(self, exc: BaseException) -> None:
+        """The episodes' driver stops on `exc` (their environments are closed): EnvError also ends the pool."""
+        if isinstance(exc, EnvError):
+            self.close()
+
+    def stream(self, engine, samples_per_prompt: int, sampling, feed, emit, between_steps=None) -> None:
+        """Episodes without a batch barrier (`rlhf_core.rollout.episode_stream.stream`): `feed(groups_in_flight)`
+        gives more prompts (a list; None: no more ever), `emit(group)` gets each prompt's trajectories once all
+        ended."""
+        from rlhf_core.rollout.episode_stream import stream
+
+        stream(self, engine, samples_per_prompt, sampling, feed, emit, between_steps)
 
     def _take_reply(self, t: Trajectory, reply) -> str:
         """Apply an environment reply; returns who the trajectory waits for now: 'model' (its next turn), 'env'

@@ -113,9 +113,7 @@ class RolloutWorker:
         try:
             return self._rollout(prompts, self._probing(between_steps))
         finally:
-            pending, self._unchecked_probe = self._unchecked_probe, None
-            if pending is not None and int(self.engine.version) == int(pending[1]):
-                self.sync_check.check(self.engine, pending[0], pending[1], self.name)
+            self._check_adopted()
 
     def _rollout(self, prompts: Sequence[Prompt], between_steps):
         start = time.perf_counter()
@@ -168,10 +166,55 @@ class RolloutWorker:
         none (then `rollout` returns an empty batch). With between_steps (partial rollouts) trajectories adopt
         newer weights between turns and within them; each token keeps its version (`trajectory_batch`).
         env_metrics: the batch's env/* means and the run's env/errors (by kind) and env/process_restarts."""
+        trajs = self.env.run(self.engine, prompts, self.samples_per_prompt, self.sampling, between_steps=between_steps)
+        return self._env_batch(prompts, trajs, start)
+
+    def stream_env_groups(self, feed, emit, between_steps=None) -> None:
+        """Multi-turn without a batch barrier (`EnvRunner.stream`): `feed(groups_in_flight)` gives prompts (a list,
+        possibly empty; None: no more), and each prompt's group is scored and handed to `emit(prompt, groups)` (one
+        Experience on CPU, or none when the group failed) as soon as its trajectories ended. Busy time: while
+        any group is in flight; idle: while none is (the feed had nothing to give)."""
+        mark = [time.perf_counter(), False]  # since when, and whether groups were in flight since then
+
+        def account(in_flight: int) -> None:
+            now = time.perf_counter()
+            if mark[1]:
+                self.busy_s += now - mark[0]
+            else:
+                self.idle_s += now - mark[0]
+            mark[0], mark[1] = now, in_flight > 0
+
+        def give(in_flight: int):
+            account(in_flight)
+            self._check_adopted()  # the engine is between requests here
+            prompts = feed(in_flight)
+            mark[1] = mark[1] or bool(prompts)
+            return prompts
+
+        def done(group) -> None:
+            t0 = time.perf_counter()
+            batch, _ = self._env_batch([group[0].prompt], group, t0)
+            self.busy_s -= time.perf_counter() - t0  # on the stream's clock already (`account`)
+            emit(group[0].prompt, split_groups(batch.to("cpu"), self.samples_per_prompt) if len(batch) else [])
+
+        hook = self._probing(between_steps) if between_steps is not None else None
+        try:
+            self.env.stream(self.engine, self.samples_per_prompt, self.sampling, give, done, hook)
+        finally:
+            account(0)
+            self._check_adopted()
+
+    def _check_adopted(self) -> None:
+        """The sync check of weights adopted between decode steps or turns, once the engine is between requests."""
+        pending, self._unchecked_probe = self._unchecked_probe, None
+        if pending is not None and int(self.engine.version) == int(pending[1]):
+            self.sync_check.check(self.engine, pending[0], pending[1], self.name)
+
+    def _env_batch(self, prompts: Sequence[Prompt], trajs: list, start: float):
+        """The batch of `prompts`' trajectories (contiguous per prompt): failed groups left out, scored."""
         from rlhf_core.rollout.multiturn import last_turn_batch, trajectory_batch, trajectory_metrics
 
         G = self.samples_per_prompt
-        trajs = self.env.run(self.engine, prompts, G, self.sampling, between_steps=between_steps)
         keep = [g for g in range(len(prompts)) if not any(t.error for t in trajs[g * G : (g + 1) * G])]
         kept = [t for g in keep for t in trajs[g * G : (g + 1) * G]]
         self.last_trajectories = kept

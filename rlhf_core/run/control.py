@@ -76,6 +76,9 @@ class ExperienceBuffer:
         # by holder (a rollout worker's incarnation): [last batch number accepted, groups accepted, groups admitted
         # and not pushed or released yet]
         self.holders: dict[str, list[int]] = {}
+        # by holder: (W, leases above W settled): every lease number <= W was pushed or released as failed; a
+        # streaming worker settles its leases out of order, and requeue after its loss must be exact
+        self.settled: dict[str, tuple[int, set]] = {}
         self.revoked: set[str] = set()
         self.revoked_groups = 0  # groups accepted from holders since revoked (reconcile counts them as generated)
         self.refused_groups = 0  # groups pushed by a revoked holder after it was revoked: not stored
@@ -121,12 +124,15 @@ class ExperienceBuffer:
                 self._holder(holder)[2] += granted
             return granted
 
-    def release(self, n_groups: int, holder: Optional[str] = None) -> None:
+    def release(self, n_groups: int, holder: Optional[str] = None, batch: Optional[int] = None) -> None:
         """Return an admission that will not be used (a worker loop stopping with one granted ahead, or groups
-        an environment failed)."""
+        an environment failed). batch: the lease number of a batch that ends here with nothing pushed (its
+        groups all failed): settled, its prompts are not requeued."""
         with self.lock:
             if holder is not None and holder in self.revoked:
                 return  # revoking it already freed what it held
+            if holder is not None and batch is not None:
+                self._settle(holder, int(batch))
             self.admitted = max(0, self.admitted - int(n_groups))
             if holder is not None:
                 record = self._holder(holder)
@@ -154,6 +160,7 @@ class ExperienceBuffer:
                 record = self._holder(holder)
                 record[0], record[1] = max(record[0], int(batch)), record[1] + len(groups)
                 record[2] = max(0, record[2] - len(groups))
+                self._settle(holder, int(batch))
         accepted = 0
         for g in groups:
             r = group_rewards(g) if self.filter_groups else None
@@ -168,6 +175,23 @@ class ExperienceBuffer:
             if not constant:
                 accepted += bool(self.buf.push(g))
         return accepted
+
+    def _settle(self, holder: str, batch: int) -> None:
+        """Lease `batch` of `holder` is done (pushed, or failed whole); leases count from 1."""
+        low, above = self.settled.get(holder, (0, set()))
+        if batch > low:
+            above.add(batch)
+            while low + 1 in above:
+                low += 1
+                above.discard(low)
+        self.settled[holder] = (low, above)
+
+    def settled_leases(self, holder: str) -> tuple[int, list[int]]:
+        """(W, the leases above W settled) of `holder`, revoked or not: `PromptQueue.requeue` puts back exactly
+        the leases after W not settled (in flight when it was lost)."""
+        with self.lock:
+            low, above = self.settled.get(holder, (0, set()))
+            return low, sorted(above)
 
     def holder_names(self, prefix: str = "") -> list[str]:
         """The holders (worker incarnations) with pushes or admissions recorded, not revoked."""

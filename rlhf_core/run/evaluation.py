@@ -244,3 +244,10 @@ class Evaluator:
             seed=self.seed,
             external=self.external,
         )
+
+
+def failed_episodes(result: dict) -> str:
+    """What an evaluation line adds when episodes failed (an agent's or an environment's errors): how many; the
+    errors themselves were printed once each where they happened."""
+    failed = int(result.get("eval/agent_errors", 0) + result.get("eval/env_errors", 0))
+    return f"; {failed} episode(s) failed (their errors above), counted as not solved" if failed else ""

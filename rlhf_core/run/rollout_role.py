@@ -75,11 +75,14 @@ class RolloutRole:
         )
         return state_dict, version
 
-    def ask_prompts(self, n_prompts: int):
-        """Send the request for the next batch's prompts (leased to this holder under the next batch number)."""
+    def ask_prompts(self, n_prompts: int, settled: Optional[list[int]] = None):
+        """Send the request for the next batch's prompts (leased to this holder under the next batch number).
+        settled: the leases done since the last request, when they end out of order (streamed episodes)."""
         self.batches += 1
         if self.holder is None:
             return self.queue.submit("get", n_prompts)
+        if settled is not None:
+            return self.queue.submit("get", n_prompts, self.holder, self.batches, settled)
         return self.queue.submit("get", n_prompts, self.holder, self.batches)
 
     def _push(self, groups: list, batch: int):
@@ -92,9 +95,12 @@ class RolloutRole:
             return self.buffer.submit("try_admit", n)
         return self.buffer.submit("try_admit", n, 1, self.holder)
 
-    def _release(self, n: int) -> None:
+    def _release(self, n: int, lease: Optional[int] = None) -> None:
+        """Free n admitted groups; lease: the batch they were leased under, when it ends with nothing pushed."""
         if self.holder is None:
             self.buffer.release(n)
+        elif lease is not None:
+            self.buffer.release(n, self.holder, lease)
         else:
             self.buffer.release(n, self.holder)
 
@@ -153,7 +159,7 @@ class RolloutRole:
         self.adopt_weights()
         made = self.generate(granted)
         if made < granted:  # groups an environment failed (or prompts that ran out): their admission is free again
-            self._release(granted - made)
+            self._release(granted - made, self.batches if not made else None)
         return True
 
     def run(self) -> dict:
@@ -167,6 +173,15 @@ class RolloutRole:
         does not use is released when it ends."""
         self.stop_event.clear()
         self.loop_running = True
+        if self.worker.env is not None:  # environment episodes: no batch barrier (rollout_stream.py)
+            from rlhf_core.run.rollout_stream import run_streaming
+
+            self.work_started = self.work_started or time.perf_counter()
+            try:
+                run_streaming(self)
+            finally:
+                self.loop_running = False
+            return self.stats()
         n = self.cfg.rollout.prompts_per_batch
         admit = None
         try:
@@ -184,7 +199,7 @@ class RolloutRole:
                 admit = self._admit(n)
                 made = self.generate(granted, prompts_call=prompts, wait=False)
                 if made < granted:
-                    self._release(granted - made)
+                    self._release(granted - made, self.batches if not made else None)
             self.confirm_push()
         finally:
             self.loop_running = False

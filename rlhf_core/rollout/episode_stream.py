@@ -1,0 +1,97 @@
+"""Episodes without a batch barrier: the environment runner's driver loop (`EnvRunner.run` and `.stream`).
+
+One loop drives every episode in flight: an episode waits for its environment (its process pool answers
+asynchronously) or for the model; the engine generates for those ready as soon as at least as many are ready as
+are still waiting. New prompts are taken whenever the loop would otherwise only wait (the feed decides how many:
+the rollout's admission and the staleness bound live there), and a prompt's group of trajectories is handed on
+the moment its last trajectory ends, so one slow episode holds only its own group, not a batch.
+"""
+
+from __future__ import annotations
+
+IDLE_POLL_S = 0.05  # while the feed may still give prompts: how long one wait on the environments lasts at most
+
+
+def stream(runner, engine, samples_per_prompt: int, sampling, feed, emit, between_steps=None) -> None:
+    """Episodes without a batch barrier: `feed(groups_in_flight)` is asked for more prompts whenever the
+    driver has nothing to wait on and may start more (a list, possibly empty: none now; None: none ever);
+    each prompt's samples_per_prompt trajectories start at once; `emit(group)` gets a prompt's trajectories
+    as soon as all of them ended (graded), whatever the others in flight are doing. Returns once feed said
+    None and every group was emitted. Each environment is closed however its episode ended (an exception
+    out of here included)."""
+    by_eid: dict = {}  # eid -> its Trajectory, while it runs
+    waiting: set[int] = set()  # waiting for the environment
+    ready: list = []  # waiting for the model
+    unopened: list = []  # not reset yet: env.max_sessions episodes are open at once
+    opened: set[int] = set()
+    groups: dict[int, list] = {}  # first eid -> its group, while any of it runs
+    left: dict[int, int] = {}  # first eid -> its trajectories not ended yet
+    of_group: dict[int, int] = {}
+    exhausted = False
+
+    def take_more() -> None:
+        nonlocal exhausted
+        prompts = feed(len(groups)) if not exhausted else None
+        if prompts is None:
+            exhausted = True
+            return
+        for p in prompts:
+            trajs = [runner.new_trajectory(p) for _ in range(samples_per_prompt)]
+            first = trajs[0].eid
+            groups[first], left[first] = trajs, len(trajs)
+            for t in trajs:
+                by_eid[t.eid], of_group[t.eid] = t, first
+            unopened[:0] = reversed(trajs)  # popped from the end: in order
+
+    def open_more(ended=()) -> None:
+        opened.difference_update(ended)
+        for eid in ended:
+            first = of_group.pop(eid)
+            by_eid.pop(eid)
+            left[first] -= 1
+            if not left[first]:
+                del left[first]
+                group = groups.pop(first)
+                runner._grade(group)
+                emit(group)
+        while unopened and (runner.cfg.max_sessions is None or len(opened) < runner.cfg.max_sessions):
+            t = unopened.pop()
+            runner.pool.reset(t.eid, t.row)
+            waiting.add(t.eid)
+            opened.add(t.eid)
+
+    try:
+        take_more()
+        open_more()
+        while waiting or ready or unopened or not exhausted:
+            if not exhausted and not ready and not unopened:
+                take_more()  # room to start more (the feed decides how many; admission lives there)
+                open_more()
+            if not (waiting or ready or unopened):
+                if exhausted:
+                    break
+                runner.pool.poll(0.02)  # nothing in flight and nothing granted yet: ask again shortly
+                continue
+            generate_now = bool(ready) and len(ready) >= len(waiting)
+            for reply in runner.pool.poll(0.0 if generate_now else (IDLE_POLL_S if not exhausted else 1.0)):
+                t = by_eid.get(reply.eid)
+                if t is None or reply.eid not in waiting:
+                    continue
+                turn = runner._take_reply(t, reply)
+                if turn != "env":
+                    waiting.discard(t.eid)
+                if turn == "model":
+                    ready.append(t)
+                elif turn == "end":
+                    runner.pool.close_episode(t.eid)
+                    open_more([t.eid])
+            if ready and len(ready) >= len(waiting):
+                batch, ready = ready, []
+                sent = {t.eid for t in runner._generate(engine, batch, sampling, between_steps)}
+                waiting.update(sent)
+                open_more([t.eid for t in batch if t.eid not in sent])
+    except BaseException as exc:
+        for t in by_eid.values():  # the run stops: every episode in flight is closed (once: the pool forgets it)
+            runner.pool.close_episode(t.eid)
+        runner.aborted(exc)
+        raise
