@@ -9,6 +9,8 @@ the moment its last trajectory ends, so one slow episode holds only its own grou
 
 from __future__ import annotations
 
+import time
+
 IDLE_POLL_S = 0.05  # while the feed may still give prompts: how long one wait on the environments lasts at most
 
 
@@ -70,7 +72,7 @@ def stream(runner, engine, samples_per_prompt: int, sampling, feed, emit, betwee
             if not (waiting or ready or unopened):
                 if exhausted:
                     break
-                runner.pool.poll(0.02)  # nothing in flight and nothing granted yet: ask again shortly
+                time.sleep(IDLE_POLL_S / 2)  # nothing in flight, nothing granted yet: ask again shortly (no spin)
                 continue
             generate_now = bool(ready) and len(ready) >= len(waiting)
             for reply in runner.pool.poll(0.0 if generate_now else (IDLE_POLL_S if not exhausted else 1.0)):

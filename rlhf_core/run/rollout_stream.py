@@ -18,7 +18,8 @@ REFUSED_WAIT_S = 0.01  # after admission refused: the next ask waits this long (
 
 def run_streaming(role) -> None:
     """Drive `role.worker`'s environment stream until role.stop(); the episodes in flight then finish and push."""
-    target = role.cfg.rollout.prompts_per_batch
+    # as many groups as the staleness bound admits for this worker's share: a step's worth per version it spans
+    target = role.cfg.rollout.prompts_per_batch * (1 + role.cfg.runtime.max_staleness)
     lease_of: dict[int, list[int]] = {}  # prompt uid -> its leases in flight (a prompt may be in flight twice)
     settled: list[int] = []  # leases done since the last prompt request (sent with it, for the queue to drop)
     refused_at = [0.0]
