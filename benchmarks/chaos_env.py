@@ -36,7 +36,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 RATES = {"crash": 0.02, "raises": 0.05, "hang": 0.02, "bad": 0.02}  # per step, as tests/test_env_chaos.py
 
 
-def chaos_config(host: str, chaos: bool, steps: int, warm_start: int, tmp: Path):
+def chaos_config(host: str, chaos: bool, steps: int, warm_start: int, tmp: Path, env_workers: int = 2):
     from rlhf_core.config import load_config
 
     events = tmp / "events"
@@ -57,17 +57,19 @@ def chaos_config(host: str, chaos: bool, steps: int, warm_start: int, tmp: Path)
         f"env.kwargs={json.dumps(kwargs)}",
         "env.max_turns=3",
         "env.step_timeout_s=1.0",
+        f"env.workers={env_workers}",
     ]
     return load_config(ROOT / "configs" / "chat-smoke.yaml", overrides), events
 
 
-def one_run(host: str, chaos: bool, steps: int, warm_start: int, tmp: Path) -> dict:
+def one_run(host: str, chaos: bool, steps: int, warm_start: int, tmp: Path, env_workers: int = 2) -> dict:
     from equal_cores import run_host
     from test_env_failures import events as read_events
 
-    cfg, events = chaos_config(host, chaos, steps, warm_start, tmp)
+    cfg, events = chaos_config(host, chaos, steps, warm_start, tmp, env_workers)
     start = time.perf_counter()
     out: dict = {"host": host, "chaos": chaos, "steps": steps, "episodes_per_step": cfg.batch_size}
+    out["env_workers"] = cfg.env.workers
     try:
         fig = run_host(cfg, target=2.0)  # no accuracy target: throughput only
         out.update(completed=True, samples_per_s=fig["samples_per_s"], loops_s=fig["wall_s"])
@@ -98,6 +100,7 @@ def main() -> None:
     parser.add_argument("--hosts", default="ray,threads")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warm-start", type=int, default=0, help="trainer.warm_start.steps (chat-smoke's: 300)")
+    parser.add_argument("--env-workers", type=int, default=2, help="env.workers (processes per rollout worker)")
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout, nothing else")
     args = parser.parse_args()
     logging.disable(logging.WARNING)
@@ -106,7 +109,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="chaos_env_") as tmp:
         for host in args.hosts.split(","):
             for chaos in (True, False):
-                run = one_run(host, chaos, args.steps, args.warm_start, Path(tmp) / f"{host}-{chaos}")
+                run = one_run(host, chaos, args.steps, args.warm_start, Path(tmp) / f"{host}-{chaos}", args.env_workers)
                 runs.append(run)
                 say(json.dumps(run))
     ratios = {}

@@ -449,15 +449,20 @@ def test_run_sync_trains_on_trajectories(tmp_path):
 
 
 def test_groups_with_a_failed_trajectory_are_left_out(tmp_path):
+    """An episode that fails is started again in its group's slot (EPISODE_RETRIES times, training only); a group
+    is left out when one of its slots failed every try. Here every episode fails."""
     from rlhf_core.loop import build_run
+    from rlhf_core.rollout.worker import EPISODE_RETRIES
 
     cfg = loop_cfg(tmp_path, "CountEnv", kwargs={"turns": 3, "fail_at": 2}, max_failures=100)
     parts = build_run(cfg)
     try:
         trajs = parts.worker.env.run(parts.engine, parts.train_prompts[:2], 2, parts.worker.sampling)
-        assert all(t.error for t in trajs)
+        assert all(t.error for t in trajs) and parts.worker.env.retried == 0  # run() alone: no retries
         batch, _ = parts.worker.rollout(parts.train_prompts[:2])
-        assert len(batch) == 0 and parts.worker.env_metrics["env/errors"] == 8
+        metrics = parts.worker.env_metrics
+        assert len(batch) == 0 and metrics["env/errors"] == 4 + 4 * (1 + EPISODE_RETRIES)
+        assert metrics["env/episodes_retried"] == 4 * EPISODE_RETRIES
     finally:
         parts.worker.close()
 

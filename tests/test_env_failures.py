@@ -97,6 +97,7 @@ def test_a_dead_process_fails_its_episode_alone_and_the_others_go_on(chat, tmp_p
         "env/errors/process_died": 1.0,
         "env/process_restarts": 1.0,
         "env/episodes_replayed": 3.0 if deterministic else 0.0,
+        "env/episodes_retried": 0.0,  # run() alone (an evaluation's): a failed episode stays failed
     }
     counts, by_instance = events(tmp_path)
     # the three opened again to replay (and, where the replay differed, once more from reset)

@@ -14,13 +14,14 @@ import time
 IDLE_POLL_S = 0.05  # while the feed may still give prompts: how long one wait on the environments lasts at most
 
 
-def stream(runner, engine, samples_per_prompt: int, sampling, feed, emit, between_steps=None) -> None:
+def stream(runner, engine, samples_per_prompt: int, sampling, feed, emit, between_steps=None, retries: int = 0) -> None:
     """Episodes without a batch barrier: `feed(groups_in_flight)` is asked for more prompts whenever the
     driver has nothing to wait on and may start more (a list, possibly empty: none now; None: none ever);
     each prompt's samples_per_prompt trajectories start at once; `emit(group)` gets a prompt's trajectories
     as soon as all of them ended (graded), whatever the others in flight are doing. Returns once feed said
     None and every group was emitted. Each environment is closed however its episode ended (an exception
-    out of here included)."""
+    out of here included). retries: a failed episode is started again (same prompt, from reset) up to this many
+    times in its group's slot, so that it costs itself and not its group (training; an evaluation keeps it)."""
     by_eid: dict = {}  # eid -> its Trajectory, while it runs
     waiting: set[int] = set()  # waiting for the environment
     ready: list = []  # waiting for the model
@@ -30,6 +31,7 @@ def stream(runner, engine, samples_per_prompt: int, sampling, feed, emit, betwee
     left: dict[int, int] = {}  # first eid -> its trajectories not ended yet
     of_group: dict[int, int] = {}
     exhausted = False
+    counter = [0]  # prompts taken so far
 
     def take_more() -> None:
         nonlocal exhausted
@@ -39,6 +41,9 @@ def stream(runner, engine, samples_per_prompt: int, sampling, feed, emit, betwee
             return
         for p in prompts:
             trajs = [runner.new_trajectory(p) for _ in range(samples_per_prompt)]
+            for t in trajs:
+                t.group = counter[0]
+            counter[0] += 1
             first = trajs[0].eid
             groups[first], left[first] = trajs, len(trajs)
             for t in trajs:
@@ -49,7 +54,16 @@ def stream(runner, engine, samples_per_prompt: int, sampling, feed, emit, betwee
         opened.difference_update(ended)
         for eid in ended:
             first = of_group.pop(eid)
-            by_eid.pop(eid)
+            t = by_eid.pop(eid)
+            if t.error is not None and t.tries < retries:  # in its slot, afresh: the group waits for it
+                again = runner.new_trajectory(t.prompt)
+                again.tries, again.group = t.tries + 1, t.group
+                group = groups[first]
+                group[group.index(t)] = again
+                by_eid[again.eid], of_group[again.eid] = again, first
+                unopened.append(again)
+                runner.retried += 1
+                continue
             left[first] -= 1
             if not left[first]:
                 del left[first]

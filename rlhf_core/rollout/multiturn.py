@@ -96,6 +96,8 @@ class Trajectory:
     error_kind: Optional[str] = None  # checks.ERROR_KINDS
     restarts: int = 0  # started again from reset after its process was lost
     replays: int = 0  # its exchange replayed into a fresh instance after its process was lost (replay.py)
+    tries: int = 0  # failed episodes of its group's slot before it, started again in its place (episode_stream.py)
+    group: int = 0  # its prompt's place in the stream's order
     replaying: Optional[int] = None  # while replaying: the recorded answers replayed so far
     opening: Any = None  # what reset gave; the actions sent and the step answers got: what a replay plays again
     sent: list[str] = field(default_factory=list)
@@ -184,6 +186,7 @@ class EnvRunner:
         self.last_eval: list[Trajectory] = []  # the latest evaluation's episodes (MLflow traces)
         self.steps = 0
         self.replayed = 0  # episodes whose exchange was replayed into a fresh instance (replay.py)
+        self.retried = 0  # failed training episodes started again in their group's slot (env/episodes_retried)
         self._grader = None
 
     @property
@@ -193,11 +196,13 @@ class EnvRunner:
 
     def metrics(self) -> dict[str, float]:
         """env/errors and env/errors/<kind> (failed trajectories in the run so far), env/process_restarts,
-        env/episodes_replayed (lost with their process and replayed, rather than started again)."""
+        env/episodes_replayed (lost with their process and replayed, rather than started again),
+        env/episodes_retried (failed training episodes started again in their group's slot)."""
         out = {"env/errors": float(self.errors)}
         out.update({f"env/errors/{kind}": float(n) for kind, n in self.error_counts.items()})
         out["env/process_restarts"] = float(self.pool.replaced)
         out["env/episodes_replayed"] = float(self.replayed)
+        out["env/episodes_retried"] = float(self.retried)
         return out
 
     def close(self) -> None:
@@ -205,7 +210,7 @@ class EnvRunner:
 
     # ------------------------------------------------------------------ trajectories, batched or streamed
     def run(
-        self, engine, prompts: Sequence[Prompt], samples_per_prompt: int, sampling, between_steps=None
+        self, engine, prompts: Sequence[Prompt], samples_per_prompt: int, sampling, between_steps=None, retries=0
     ) -> list[Trajectory]:
         """samples_per_prompt trajectories per prompt (contiguous per prompt), run to their end; each one's
         environment is closed however it ended (an exception out of here included).
@@ -219,8 +224,9 @@ class EnvRunner:
             samples_per_prompt,
             sampling,
             feed=lambda _: fed.pop() if fed else None,
-            emit=lambda group: ended.__setitem__(group[0].eid, group),
+            emit=lambda group: ended.__setitem__(group[0].group, group),
             between_steps=between_steps,
+            retries=retries,
         )
         return [t for first in sorted(ended) for t in ended[first]]
 
@@ -232,13 +238,15 @@ class EnvRunner:
         if isinstance(exc, EnvError):
             self.close()
 
-    def stream(self, engine, samples_per_prompt: int, sampling, feed, emit, between_steps=None) -> None:
+    def stream(
+        self, engine, samples_per_prompt: int, sampling, feed, emit, between_steps=None, retries: int = 0
+    ) -> None:
         """Episodes without a batch barrier (`rlhf_core.rollout.episode_stream.stream`): `feed(groups_in_flight)`
         gives more prompts (a list; None: no more ever), `emit(group)` gets each prompt's trajectories once all
         ended."""
         from rlhf_core.rollout.episode_stream import stream
 
-        stream(self, engine, samples_per_prompt, sampling, feed, emit, between_steps)
+        stream(self, engine, samples_per_prompt, sampling, feed, emit, between_steps, retries)
 
     def _take_reply(self, t: Trajectory, reply) -> str:
         """Apply an environment reply; returns who the trajectory waits for now: 'model' (its next turn), 'env'
@@ -248,8 +256,8 @@ class EnvRunner:
             if turn is not None:
                 return turn
             if t.restarts >= MAX_RESTARTS:
-                return self._fail(
-                    t, reply.op, f"its environment process was lost {t.restarts + 1} times", "process_died"
+                return self._fail(  # another call's crash each time: not this environment's failure in a row
+                    t, reply.op, f"its environment process was lost {t.restarts + 1} times", "process_died", False
                 )
             t.restart()
             self.pool.reset(t.eid, t.row)
@@ -300,12 +308,14 @@ class EnvRunner:
             t.transcript.append(Turn(str(m.get("role")), str(m.get("content"))))
         return "model"
 
-    def _fail(self, t: Trajectory, op: str, error: str, kind: str) -> str:
+    def _fail(self, t: Trajectory, op: str, error: str, kind: str, charged: bool = True) -> str:
         """Trajectory t failed (an environment call, or what it returned); at supervision.max_consecutive_failures
-        failed calls in a row the run stops with EnvError carrying the environment's error."""
+        failed calls in a row the run stops with EnvError carrying the environment's error. charged=False: a
+        failure that is not the environment's call's (lost with processes other calls crashed) is counted, but
+        not as a failed call in a row."""
         t.error, t.error_kind = f"{op}: {error}", kind
         self.error_counts[kind] += 1
-        self.consecutive_failures += 1
+        self.consecutive_failures += int(charged)
         if self.consecutive_failures >= self.max_failures:
             raise EnvError(
                 f"environment {self.cfg.description} failed "

@@ -15,6 +15,10 @@ from rlhf_core.rollout.base import SamplingParams, takes_between_steps
 from rlhf_core.rollout.probe import SyncCheck
 from rlhf_core.types import Experience, RolloutBatch
 
+# a failed training episode is started again in its group's slot up to this many times (a crash, hang or bad result
+# costs the episode, not its group of G); the group fails when one slot fails every try
+EPISODE_RETRIES = 3
+
 
 class RolloutWorker:
     """Generates with an engine, scores with a tensor-native reward on the engine's device (plus any external
@@ -166,7 +170,8 @@ class RolloutWorker:
         none (then `rollout` returns an empty batch). With between_steps (partial rollouts) trajectories adopt
         newer weights between turns and within them; each token keeps its version (`trajectory_batch`).
         env_metrics: the batch's env/* means and the run's env/errors (by kind) and env/process_restarts."""
-        trajs = self.env.run(self.engine, prompts, self.samples_per_prompt, self.sampling, between_steps=between_steps)
+        G, retries = self.samples_per_prompt, EPISODE_RETRIES
+        trajs = self.env.run(self.engine, prompts, G, self.sampling, between_steps=between_steps, retries=retries)
         return self._env_batch(prompts, trajs, start)
 
     def stream_env_groups(self, feed, emit, between_steps=None) -> None:
@@ -199,7 +204,7 @@ class RolloutWorker:
 
         hook = self._probing(between_steps) if between_steps is not None else None
         try:
-            self.env.stream(self.engine, self.samples_per_prompt, self.sampling, give, done, hook)
+            self.env.stream(self.engine, self.samples_per_prompt, self.sampling, give, done, hook, EPISODE_RETRIES)
         finally:
             account(0)
             self._check_adopted()
