@@ -488,7 +488,9 @@ def test_the_loops_are_task_runs_that_span_the_run(prefect_api, ray_local, work)
 
 def test_a_loop_that_fails_is_a_failed_task_run_with_its_error(prefect_api, ray_local, work, tmp_path):
     """A rollout worker's loop that raises (a reward function that always fails): its task run ends Failed with
-    the worker's error, without a retry (only a worker whose process died gets a new attempt); the flow fails."""
+    the worker's error, without a retry (only a worker whose process died gets a new attempt); the flow fails
+    with the function's error (RewardFunctionError, its place in reward.functions, the limit that stopped it),
+    and its MLflow run is FAILED with that error in its tags."""
     (tmp_path / "bad_reward.py").write_text(
         "def raises(prompts, completions, **kw):\n    raise ValueError('cannot score this')\n"
     )
@@ -499,11 +501,15 @@ def test_a_loop_that_fails_is_a_failed_task_run_with_its_error(prefect_api, ray_
         "checkpoint.every=0",
         "eval.every=0",
         f"reward.functions=[{{path: {tmp_path / 'bad_reward.py'}, name: raises}}]",
-        "supervision.max_consecutive_failures=1",
+        "supervision.max_consecutive_failures=3",
     )
     state = train(config=cfg, return_state=True)
     assert state.is_failed()
     assert "cannot score this" in state.message
+    assert "RewardFunctionError" in state.message and "failed 3 calls in a row" in state.message
+    (run,) = runs_named(work, "loop-fails")
+    assert run.info.status == "FAILED"
+    assert "reward.functions[0]" in run.data.tags["error"] and "ValueError: cannot score this" in run.data.tags["error"]
     worker = flow_task_runs(state.state_details.flow_run_id)["rollout-worker-0"]
     assert worker.state.type == StateType.FAILED and worker.run_count == 1
     assert "cannot score this" in worker.state.message
