@@ -4,7 +4,8 @@ The worker keeps rollout.prompts_per_batch x (1 + runtime.max_staleness) groups 
 staleness bound admits for it): whenever fewer are, it asks admission for the difference (the bound lives there,
 as for batches), takes that many prompts, each under a lease of its own, and starts their episodes; a group is
 scored and pushed the moment its last episode ends, so one slow episode holds only its own group. While episodes
-keep failing (a retried episode per group started, over the stream so far) it keeps one batch's worth instead:
+keep failing (a retried episode per group started, over the stream so far), and until one batch's worth of
+groups has ended, it keeps one batch's worth instead:
 depth before breadth, so that groups complete instead of every group advancing at once, and each environment
 process hosts fewer episodes (a process crash replays every episode it hosted). Newer weights are adopted between
 turns (as partial rollouts do: each token keeps the version that generated it, and a group is as old as its
@@ -27,12 +28,12 @@ def run_streaming(role) -> None:
     batch = role.cfg.rollout.prompts_per_batch
     full = batch * (1 + role.cfg.runtime.max_staleness)
     env = role.worker.env
-    retried_at_start, started = env.retried, [0]
+    retried_at_start, started, ended = env.retried, [0], [0]
 
-    def target() -> int:
+    def target() -> int:  # one batch's worth until a batch's worth ended without failing much, then the full width
         retried = env.retried - retried_at_start
-        failing = retried >= FAILING_RETRIES_PER_GROUP * max(batch, started[0])
-        return batch if failing else full
+        healthy = ended[0] >= batch and retried < FAILING_RETRIES_PER_GROUP * started[0]
+        return full if healthy else batch
 
     lease_of: dict[int, list[int]] = {}  # prompt uid -> its leases in flight (a prompt may be in flight twice)
     settled: list[int] = []  # leases done since the last prompt request (sent with it, for the queue to drop)
@@ -64,6 +65,7 @@ def run_streaming(role) -> None:
         return prompts
 
     def emit(prompt, groups: list) -> None:
+        ended[0] += 1
         lease = lease_of[prompt.uid].pop(0)
         if not lease_of[prompt.uid]:
             del lease_of[prompt.uid]
