@@ -37,21 +37,12 @@ RATES = {"crash": 0.02, "raises": 0.05, "hang": 0.02, "bad": 0.02}  # per step, 
 
 
 def chaos_config(host: str, chaos: bool, steps: int, warm_start: int, tmp: Path, env_workers: int = 2):
-    from rlhf_core.config import load_config
+    from no_barrier import chat_smoke_config
 
     events = tmp / "events"
     events.mkdir(parents=True)
     kwargs = {"dir": str(events), "seed": 0, "turns": 3, "hang_s": 2.0, **(RATES if chaos else {})}
-    overrides = [
-        f"run.output_dir={tmp / 'run'}",
-        f"cluster.host={host}",
-        "cluster.num_cpus=2",
-        f"trainer.total_steps={steps}",
-        f"trainer.warm_start.steps={warm_start}",
-        "data.eval_size=8",
-        "eval.every=0",
-        "checkpoint.every=0",
-        "tracking.log_system_metrics=false",
+    env = [
         f"env.path={ROOT / 'tests' / 'env_fixtures.py'}",
         "env.name=ChaosEnv",
         f"env.kwargs={json.dumps(kwargs)}",
@@ -59,7 +50,7 @@ def chaos_config(host: str, chaos: bool, steps: int, warm_start: int, tmp: Path,
         "env.step_timeout_s=1.0",
         f"env.workers={env_workers}",
     ]
-    return load_config(ROOT / "configs" / "chat-smoke.yaml", overrides), events
+    return chat_smoke_config(host, steps, warm_start, tmp / "run", *env), events
 
 
 def one_run(host: str, chaos: bool, steps: int, warm_start: int, tmp: Path, env_workers: int = 2) -> dict:

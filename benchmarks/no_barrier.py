@@ -33,11 +33,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 ARMS = {"lockstep": ["runtime.max_staleness=0"], "async": []}  # async: the recipe's own bound (2)
 
 
-def arm_config(host: str, arm: str, steps: int, warm_start: int, tmp: Path):
+def chat_smoke_config(host: str, steps: int, warm_start: int, output_dir: Path, *env_and_more: str):
+    """configs/chat-smoke.yaml at its default batch on `host` (2 CPUs), `steps` steps, no evaluation or checkpoint,
+    with the environment and anything else `env_and_more` sets (benchmarks/chaos_env.py uses it too)."""
     from rlhf_core.config import load_config
 
     overrides = [
-        f"run.output_dir={tmp}",
+        f"run.output_dir={output_dir}",
         f"cluster.host={host}",
         "cluster.num_cpus=2",
         f"trainer.total_steps={steps}",
@@ -46,13 +48,14 @@ def arm_config(host: str, arm: str, steps: int, warm_start: int, tmp: Path):
         "eval.every=0",
         "checkpoint.every=0",
         "tracking.log_system_metrics=false",
-        f"env.path={ROOT / 'benchmarks' / 'latency_env.py'}",
-        "env.name=LatencyEnv",
-        "env.max_turns=4",
-        "env.step_timeout_s=60",
-        *ARMS[arm],
+        *env_and_more,
     ]
     return load_config(ROOT / "configs" / "chat-smoke.yaml", overrides)
+
+
+def arm_config(host: str, arm: str, steps: int, warm_start: int, tmp: Path):
+    env = [f"env.path={ROOT / 'benchmarks' / 'latency_env.py'}", "env.name=LatencyEnv", "env.max_turns=4"]
+    return chat_smoke_config(host, steps, warm_start, tmp, *env, "env.step_timeout_s=60", *ARMS[arm])
 
 
 def main() -> None:
