@@ -105,6 +105,20 @@ def test_a_dead_process_fails_its_episode_alone_and_the_others_go_on(chat, tmp_p
     assert_closed_once(by_instance)
 
 
+def test_episodes_started_again_from_reset_keep_their_group(chat, tmp_path):
+    """Two prompts x 2 episodes in one process; the first to step kills it, the three others start again from
+    reset (their environment is not deterministic): at least one of them is in the second group. Each keeps
+    its place: run() returns both groups, contiguous and complete, each episode with its prompt (a restart
+    that forgot its group handed the trainer 2 rows for 4 answers)."""
+    kwargs = {"dir": str(tmp_path), "others": 3, "turns": 3, "tag_opening": True}
+    runner, trajs = run_env(chat, "CrashOnceEnv", n=2, G=2, kwargs=kwargs, max_turns=3)
+    assert [t.group for t in trajs] == [0, 0, 1, 1]
+    assert [t.prompt.uid for t in trajs] == [0, 0, 1, 1]
+    assert sum(t.restarts for t in trajs) == 3 and sum(bool(t.error) for t in trajs) == 1
+    assert any(t.restarts for t in trajs[2:])
+    assert all(t.done and t.turns == 3 for t in trajs if not t.error)
+
+
 def test_a_process_that_dies_with_several_calls_running_charges_one_of_them(chat, tmp_path):
     """Two episodes in one process, their first steps in threads: one waits while the other (started last)
     kills the process. One episode fails (process_died, the message says how many calls were running), the one

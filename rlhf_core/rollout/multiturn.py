@@ -135,8 +135,10 @@ class Trajectory:
         return int(versions[0]), int(versions[-1])
 
     def restart(self) -> None:
-        """Back to before its reset (its process was lost): everything but the row and the restart count."""
+        """Back to before its reset (its process was lost): everything but the row, its place (group, tries)
+        and the restart count."""
         again = Trajectory(self.prompt, self.row, self.eid, restarts=self.restarts + 1, replays=self.replays)
+        again.tries, again.group = self.tries, self.group
         self.__dict__.update(again.__dict__)
 
 
