@@ -68,8 +68,12 @@ KEYS = ("samples_per_s", "time_to_target_s", "steps_to_target", "final_accuracy"
 
 
 # ---------------------------------------------------------------------------------------------- the arms (child)
-def arm_config(arm: str, threads: int, steps: int, eval_every: int, out: Path, policy: Path):
-    """The run config of `arm`: configs/tiny.yaml with the shared policy directory, steps and eval cadence."""
+def arm_config(
+    arm: str, threads: int, steps: int, eval_every: int, out: Path, policy: Path, seed: int = 0, overrides=()
+):
+    """The run config of `arm`: configs/tiny.yaml with the shared policy directory, steps, eval cadence and the
+    sampling seed (trainer.seed: torch, sampling, TRL's seed; data.seed: the prompts' shuffle). The policy's
+    initialisation is the same in every run (built once, `build_policy`)."""
     from equal_cores import ARMS as EQUAL_ARMS
     from equal_cores import COMMON
 
@@ -81,12 +85,14 @@ def arm_config(arm: str, threads: int, steps: int, eval_every: int, out: Path, p
         f"trainer.total_steps={steps}",
         f"eval.every={eval_every}",
         "trainer.lr_schedule=constant",  # tiny.yaml decays (cosine); TRL's arm runs lr_scheduler_type "constant"
+        f"trainer.seed={seed}",
+        f"data.seed={seed}",
     ]
     if arm == "ours_threads":
         extra = [*COMMON, *EQUAL_ARMS["threads"], f"cluster.torch_threads={max(1, threads // 2)}"]
     else:  # ours (equal_cores' loop arm) and trl: one process, lockstep, `threads` torch threads
         extra = [*COMMON, *EQUAL_ARMS["loop"], f"cluster.torch_threads={threads}"]
-    return load_config(ROOT / "configs" / "tiny.yaml", [*shared, *extra])
+    return load_config(ROOT / "configs" / "tiny.yaml", [*shared, *extra, *overrides])
 
 
 def run_ours(cfg, arm: str, target: float) -> dict:
@@ -121,7 +127,14 @@ def run_trl(cfg, target: float) -> dict:
     evaluator = build.build_evaluator(cfg, model, tokenizer, policy_dir, heldout)
     timed = Timed(evaluator)
     scorer = Scorer(cfg)
-    dataset = Dataset.from_list([{"prompt": p.text, "answer": p.answer_text} for p in train])
+    # TRL tokenizes a text prompt without special tokens: the text is our prompt's ids decoded with them (the
+    # tokenizer's BOS included), so that TRL trains on exactly the ids ours trains on and both are evaluated on
+    texts = [tokenizer.decode(p.prompt_ids) for p in train]
+    for p, text in zip(train, texts):
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if list(ids) != list(p.prompt_ids):
+            raise RuntimeError(f"TRL would train on other ids than ours: {text!r} -> {ids}, ours {p.prompt_ids}")
+    dataset = Dataset.from_list([{"prompt": t, "answer": p.answer_text} for t, p in zip(texts, train)])
 
     def exact_match(prompts, completions, completion_ids, answer, **kwargs) -> list[float]:
         """OUR reward on TRL's completion ids (generated ids up to and including the first EOS)."""
@@ -219,7 +232,16 @@ def child(args) -> None:
     if args.pin:
         allowed = sorted(os.sched_getaffinity(0))
         os.sched_setaffinity(0, allowed[: args.threads[0]])
-    cfg = arm_config(args.child, args.threads[0], args.steps, args.eval_every, Path(args.out), Path(args.policy))
+    cfg = arm_config(
+        args.child,
+        args.threads[0],
+        args.steps,
+        args.eval_every,
+        Path(args.out),
+        Path(args.policy),
+        args.seeds[0],
+        args.set if args.child != "trl" else (),
+    )
     if args.child == "trl":
         fig = run_trl(cfg, args.target)
     else:
@@ -245,11 +267,12 @@ def build_policy(out: Path) -> Path:
     return Path(ensure_policy(cfg.model, cfg.data.task, out, seed=cfg.trainer.seed)).resolve()
 
 
-def launch(args, arm: str, threads: int, out: Path, policy: Path) -> dict:
+def launch(args, arm: str, threads: int, out: Path, policy: Path, seed: int = 0) -> dict:
     python = args.trl_python if arm == "trl" else args.ours_python
-    cmd = [python, str(Path(__file__).resolve()), "--child", arm, "--threads", str(threads)]
+    cmd = [python, str(Path(__file__).resolve()), "--child", arm, "--threads", str(threads), "--seeds", str(seed)]
     cmd += ["--steps", str(args.steps), "--eval-every", str(args.eval_every), "--target", str(args.target)]
     cmd += ["--out", str(out), "--policy", str(policy)] + (["--pin"] if args.pin else [])
+    cmd += [x for kv in args.set for x in ("--set", kv)]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
     env["OMP_NUM_THREADS"] = str(threads)  # what torch.set_num_threads sets too; also any BLAS pool it starts
@@ -276,11 +299,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="torch thread counts")
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=3, help="repetitions of each seed")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="sampling seeds (trainer.seed, data.seed)")
     parser.add_argument("--steps", type=int, default=400, help="trainer steps per run (configs/tiny.yaml: 400)")
     parser.add_argument("--eval-every", type=int, default=10, help="held-out evaluation every this many steps")
     parser.add_argument("--target", type=float, default=0.9, help="held-out greedy accuracy target")
     parser.add_argument("--json", action="store_true", help="print one JSON object, nothing else")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="a config override of our arms (repeatable)"
+    )
     parser.add_argument("--trl-python", default=os.environ.get("TRL_PYTHON"), help="the TRL venv's python")
     parser.add_argument("--ours-python", default=sys.executable, help="the interpreter of our arms")
     parser.add_argument("--pin", action="store_true", help="pin each arm's process to its first --threads CPUs")
@@ -300,22 +327,24 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="trl_side_by_side_") as tmp:
         work = Path(args.workdir) if args.workdir else Path(tmp)
         policy = build_policy(work)
-        for rep in range(args.reps):
+        for rep, seed in enumerate(s for _ in range(args.reps) for s in args.seeds):
             for n in args.threads:
                 order = args.arms[rep % len(args.arms) :] + args.arms[: rep % len(args.arms)]
                 for arm in order:
                     load_before = os.getloadavg()[0]
-                    fig = launch(args, arm, n, work / f"r{rep}" / f"t{n}" / arm, policy)
+                    fig = launch(args, arm, n, work / f"r{rep}" / f"t{n}" / arm, policy, seed)
                     fig.update({"load_before": load_before, "load_after": os.getloadavg()[0], "rep": rep})
+                    fig["seed"] = seed
                     runs[n][arm].append(fig)
                     hit = fig["time_to_target_s"]
                     say(
-                        f"threads {n} {arm:12s} rep {rep}: {fig['samples_per_s']:7.1f} samples/s, to "
+                        f"threads {n} {arm:12s} seed {seed} rep {rep}: {fig['samples_per_s']:7.1f} samples/s, to "
                         f"{args.target}: {'-' if hit is None else f'{hit:.1f} s'} (step {fig['steps_to_target']}), "
                         f"final acc {fig['final_accuracy']:.3f}, wall {fig['wall_s']:.1f} s, "
                         f"load {load_before:.1f}->{fig['load_after']:.1f}"
                     )
-    out: dict = {"target": args.target, "steps": args.steps, "reps": args.reps, "cpus": os.cpu_count()}
+    out: dict = {"target": args.target, "steps": args.steps, "reps": args.reps, "seeds": args.seeds}
+    out["cpus"] = os.cpu_count()
     out.update({"eval_every": args.eval_every, "pin": args.pin, "wall_s_total": time.perf_counter() - began})
     out["versions"] = {arm: runs[args.threads[0]][arm][0]["versions"] for arm in args.arms}
     out["threads"] = {}
@@ -328,7 +357,10 @@ def main() -> None:
         print(json.dumps(out))
         return
     for n, res in out["threads"].items():
-        print(f"\n{n} torch thread(s), median of {args.reps}\n{'arm':14s}" + "".join(f"{k:>18s}" for k in KEYS))
+        print(
+            f"\n{n} torch thread(s), median of {args.reps * len(args.seeds)}\n{'arm':14s}"
+            + "".join(f"{k:>18s}" for k in KEYS)
+        )
         for arm, fig in res["median"].items():
             cells = "".join(f"{fig[k]:18.3f}" if fig[k] is not None else f"{'-':>18s}" for k in KEYS)
             ratio = res["samples_per_s_vs_ours"].get(arm)

@@ -1,5 +1,6 @@
-"""Agents the agent tests load by path (tests/test_agent_episodes.py): not a test module. Each is written only
-against the `openai` client (and httpx, for posting a reward as an agent in another process would)."""
+"""Agents the agent tests load by path (tests/test_agent_episodes.py): not a test module. Each is written
+against the `openai` client (and httpx, for posting a reward as an agent in another process would), or against an
+agent framework with its defaults (`agents_sdk`: the OpenAI Agents SDK)."""
 
 from __future__ import annotations
 
@@ -80,3 +81,26 @@ async def returns_nothing(client, row):
 
 async def blocks(client, row):
     time.sleep(600)
+
+
+async def agents_sdk(client, row, max_tokens: int = 32):
+    """The OpenAI Agents SDK with its defaults: its Responses API model on the given client, a function tool; the
+    SDK runs the tool and asks again. Reward 1 when the final answer names the largest digit (8)."""
+    from agents import Agent, FunctionTool, ModelSettings, OpenAIResponsesModel, Runner, set_tracing_disabled
+
+    set_tracing_disabled(True)  # no network: the SDK's traces would go to OpenAI
+
+    async def reveal(context, arguments: str) -> str:
+        return "3, 8, 1"
+
+    fn = TOOLS[0]["function"]  # the schema the demo tool model was taught with (an SDK tool as users declare one)
+    tool = FunctionTool(fn["name"], fn["description"], fn["parameters"], reveal, strict_json_schema=False)
+    agent = Agent(
+        name="digits",
+        tools=[tool],
+        model=OpenAIResponsesModel(model="m", openai_client=client),
+        model_settings=ModelSettings(max_tokens=max_tokens),
+    )
+    result = await Runner.run(agent, QUESTION, max_turns=3)
+    tool_calls = sum(1 for item in result.new_items if item.type == "tool_call_item")
+    return {"reward": float("8" in str(result.final_output)), "metrics": {"tool_calls": float(tool_calls)}}

@@ -5,6 +5,7 @@ episode. A copy of the chat model is first taught to call the tool (examples/age
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -107,6 +108,108 @@ def test_a_forced_tool_choice_makes_the_call_and_trains_only_what_the_model_wrot
     finally:
         server.close_episode("forced")
         server.close()
+
+
+def test_the_responses_api_round_trips_a_tool_call_recorded_as_the_chat_path_records_it(tool_policy):
+    """POST /v1/responses (the Agents SDK's default model, the openai client's responses.create): the model's
+    tool call is a function_call item; sending it back with a function_call_output (the whole input, or only the
+    output after previous_response_id) continues the recorded conversation exactly as the chat path does: the
+    second prompt is the first's ids + the generated ids + the tool message's ids, one segment. stream: true
+    gives the Responses events ending in response.completed with the same output; text.format json and an
+    unknown previous_response_id are 400s naming the field."""
+    import openai
+
+    from rlhf_core.agent.server import AgentServer
+
+    model, tok, stops = tool_policy
+    chat_tools = load_attr(FIXTURES, "TOOLS", "test")
+    tools = [{"type": "function", **t["function"]} for t in chat_tools]  # the Responses API's flat form
+    question = load_attr(FIXTURES, "QUESTION", "test")
+    server = AgentServer(tok, stops, model_name="tool").start()
+    server.serve(HFEngine(model, stops, tok.pad_token_id))
+    fmt = ChatFormat(tok, stops, tools=chat_tools)
+    try:
+        for way in ("input", "previous_response_id"):
+            log = EpisodeLog(way, {})
+            server.open_episode(log)
+            c = openai.OpenAI(base_url=server.episode_url(way), api_key=server.key, max_retries=0)
+            first = c.responses.create(
+                model="m", input=question, tools=tools, max_output_tokens=32, temperature=0, instructions="Be brief."
+            )
+            (call,) = [item for item in first.output if item.type == "function_call"]
+            assert call.name == "reveal" and first.status == "completed"
+            result = {"type": "function_call_output", "call_id": call.call_id, "output": "3, 8, 1"}
+            if way == "input":
+                conversation = [{"role": "user", "content": question}, *[i.model_dump() for i in first.output]]
+                second = c.responses.create(
+                    model="m", input=[*conversation, result], tools=tools, instructions="Be brief.",
+                    max_output_tokens=8, temperature=0,
+                )  # fmt: skip
+            else:
+                second = c.responses.create(
+                    model="m", input=[result], previous_response_id=first.id, tools=tools, max_output_tokens=8,
+                    temperature=0,
+                )  # fmt: skip
+            assert second.output[0].type == "message" and second.usage.output_tokens >= 1
+            server.close_episode(way)
+            one, two = log.calls
+            messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": question}]
+            assert one.prompt_ids == fmt.prompt_ids(messages)
+            observation = fmt.observation_ids([{"role": "tool", "content": "3, 8, 1"}], one.completions[0].ids[-1])
+            assert two.prompt_ids == one.prompt_ids + one.completions[0].ids + observation, way
+            assert len(log.segments) == 1 and log.prefix_breaks == 0
+        c = openai.OpenAI(base_url=server.base_url, api_key=server.key, max_retries=0)
+        whole = c.responses.create(model="m", input="max of 4, 9, 2?", max_output_tokens=6, temperature=0)
+        events = list(c.responses.create(model="m", input="max of 4, 9, 2?", max_output_tokens=6, temperature=0,
+                                         stream=True))  # fmt: skip
+        assert events[0].type == "response.created" and events[-1].type in ("response.completed", "response.incomplete")
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+        delta = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+        assert delta == whole.output_text == events[-1].response.output_text
+        assert events[-1].response.status == whole.status
+        with pytest.raises(openai.BadRequestError) as err:
+            c.responses.create(model="m", input="x", text={"format": {"type": "json_object"}})
+        assert err.value.body["param"] == "text.format"
+        with pytest.raises(openai.BadRequestError) as err:
+            c.responses.create(model="m", input="x", previous_response_id="resp_nope")
+        assert err.value.body["param"] == "previous_response_id"
+    finally:
+        server.close()
+
+
+def test_an_openai_agents_sdk_agent_with_its_defaults_is_one_recorded_episode(tool_policy):
+    """The OpenAI Agents SDK (openai-agents) unchanged: its default Responses model on the episode's client, a
+    function tool the SDK runs itself. The model's call comes back as a function_call, the SDK sends the tool's
+    output, and the two requests are one segment whose second prompt extends the first by the generated ids and
+    the tool message's ids, as with the chat API."""
+    import copy
+
+    model, tok, stops = tool_policy
+    model = copy.deepcopy(model)  # taught here to end its answer after the tool's output too (the SDK refuses an
+    tool_model = str(Path(__file__).resolve().parents[1] / "examples" / "agents" / "tool_model.py")  # incomplete)
+    torch.manual_seed(0)
+    pairs = load_attr(tool_model, "examples", "test")(tok, stops, 16, 0, 2)  # turn 1 and turn 2 in turn
+    load_attr(tool_model, "supervised", "test")(model, pairs, 60, 1e-2, 4)
+    runner = runner_for(tok, stops, "agents_sdk")
+    try:
+        (e,) = runner.run(HFEngine(model, stops, tok.pad_token_id), prompts(1), 1, SamplingParams(32, 0.0))
+    finally:
+        runner.close()
+    assert e.error is None and e.metrics == {"tool_calls": 1.0}, e.error
+    first, second = e.calls
+    assert first.replies[0]["tool_calls"][0]["function"] == {"name": "reveal", "arguments": {}}
+    # the SDK's tool arrives as the same chat tool (its schema, key order included) as the chat fixture's TOOLS
+    assert json.loads(first.tools) == load_attr(FIXTURES, "TOOLS", "test")
+    fmt = ChatFormat(tok, stops, tools=load_attr(FIXTURES, "TOOLS", "test"))
+    assert first.prompt_ids == fmt.prompt_ids(
+        [
+            {"role": "user", "content": load_attr(FIXTURES, "QUESTION", "test")},
+        ]
+    )
+    generated = first.completions[0].ids
+    observation = fmt.observation_ids([{"role": "tool", "content": "3, 8, 1"}], generated[-1])
+    assert second.prompt_ids == first.prompt_ids + generated + observation
+    assert len(e.segments) == 1 and e.prefix_breaks == 0
 
 
 def test_a_two_request_episode_trains_on_policy(tool_policy):

@@ -2,12 +2,13 @@
 
     POST /v1/chat/completions   messages (+ tools, rendered through the model's own chat template), sampling
     POST /v1/completions        a text (or token ids) prompt
+    POST /v1/responses          OpenAI's Responses API, as the chat request it means (rlhf_core.agent.responses)
     GET  /v1/models             the one model served
     POST /episodes/<id>/v1/...  the same, recorded for episode <id> (an agent's base_url)
     POST /episodes/<id>/reward  {"reward": float, "metrics": {...}}: the episode's reward, posted
 
 A wrong or missing key is a 401, a malformed request an OpenAI-style 400 error body, a body over
-`max_body_bytes` a 413, `stream: true` a 400 that names streaming. Prompts are built as token ids here (the
+`max_body_bytes` a 413; `stream: true` answers as server-sent events. Prompts are built as token ids here (the
 chat template, `rlhf_core.env.chat.ChatFormat`); a request that continues a recorded conversation reuses the
 ids the policy generated and appends the new messages' ids, as environments do (docs/agents.md).
 
@@ -32,6 +33,7 @@ from typing import Optional
 
 from rlhf_core.agent import api
 from rlhf_core.agent.batching import Batcher, cut_at_stop
+from rlhf_core.agent.responses import Responses, sse, stream_events
 from rlhf_core.agent.segments import Call, Completion, EpisodeLog
 from rlhf_core.env.chat import ChatFormat, ChatFormatError
 from rlhf_core.rollout.base import SamplingParams
@@ -73,6 +75,7 @@ class AgentServer:
         self.requests = 0  # answered, over the server's life
         self._formats: dict[str, ChatFormat] = {}
         self.batcher = Batcher(self.stop_ids, self.pad_token_id, batch_wait_s, self._idle_episodes)
+        self.responses = Responses()  # the Responses API's translation and its kept responses
         self._server = None
         self._thread: Optional[threading.Thread] = None
 
@@ -160,6 +163,7 @@ class AgentServer:
                 route(f"{prefix}/v1/models", self._models, "GET"),
                 route(f"{prefix}/v1/chat/completions", self._chat, "POST"),
                 route(f"{prefix}/v1/completions", self._completions, "POST"),
+                route(f"{prefix}/v1/responses", self._responses, "POST"),
             ]
         routes += [route(p, self._reward, "POST") for p in ("/episodes/{eid}/reward", "/episodes/{eid}/v1/reward")]
         return Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found})
@@ -254,6 +258,25 @@ class AgentServer:
         started, t0 = time.time_ns(), time.perf_counter()
         log = self._episode(request)
         req = api.parse_chat(await self._json(request))
+        return Streamed.wrap(req, await self._chat_answer(log, req, started, t0))
+
+    async def _responses(self, request):
+        """POST /v1/responses: the chat request it means, answered as a Response (rlhf_core.agent.responses)."""
+        started, t0 = time.time_ns(), time.perf_counter()
+        log = self._episode(request)
+        body, echo = self.responses.to_chat(await self._json(request))
+        try:
+            req = api.parse_chat(body)
+        except api.APIError as exc:  # name the Responses field
+            if exc.param == "response_format":
+                exc.param, exc.message = "text.format", exc.message.replace("response_format", "text.format")
+            elif exc.param == "max_completion_tokens":
+                exc.param, exc.message = "max_output_tokens", exc.message.replace(exc.param, "max_output_tokens")
+            raise
+        response = self.responses.to_response(await self._chat_answer(log, req, started, t0), echo)
+        return Streamed(sse(stream_events(response))) if req.stream else response
+
+    async def _chat_answer(self, log: Optional[EpisodeLog], req: api.ChatRequest, started: int, t0: float) -> dict:
         self._begin(log)
         messages = api.normalize_messages(req.messages)
         fmt = self._chat_format(req.tools)
@@ -284,7 +307,7 @@ class AgentServer:
             choices.append(choice)
         call = Call(prompt_ids, completions, messages=messages, replies=replies, tools=tools, started_ns=started)
         call.latency_s = time.perf_counter() - t0
-        return Streamed.wrap(req, self._answer("chat.completion", log, [call], choices))
+        return self._answer("chat.completion", log, [call], choices)
 
     async def _completions(self, request) -> dict:
         started, t0 = time.time_ns(), time.perf_counter()
@@ -373,22 +396,23 @@ class AgentServer:
 
 class Streamed:
     """An answer asked for with stream: true. It is generated and recorded whole, as any request, then sent as
-    server-sent events (`api.stream_chunks`, then `data: [DONE]`), which is what streaming clients read."""
+    server-sent events: a chat or text completion as chunks (`api.stream_chunks`, then `data: [DONE]`), a
+    Response as the Responses stream's events (`responses.stream_events`); what streaming clients read."""
 
-    def __init__(self, chunks: list[dict]):
-        self.chunks = chunks
+    def __init__(self, lines):
+        self.lines = list(lines)
 
     @classmethod
     def wrap(cls, req, answer: dict):
         if not req.stream:
             return answer
         include_usage = bool((req.stream_options or {}).get("include_usage"))
-        return cls(api.stream_chunks(answer, include_usage))
+        chunks = api.stream_chunks(answer, include_usage)
+        return cls([*(f"data: {json.dumps(chunk)}\n\n" for chunk in chunks), "data: [DONE]\n\n"])
 
     async def events(self):
-        for chunk in self.chunks:
-            yield f"data: {json.dumps(chunk)}\n\n"
-        yield "data: [DONE]\n\n"
+        for line in self.lines:
+            yield line
 
 
 def _finish(c: Completion, message: dict) -> str:
