@@ -18,6 +18,7 @@ export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export MLFLOW_DISABLE_TELEMETRY := true
 export DO_NOT_TRACK := 1
+export LITELLM_LOCAL_MODEL_COST_MAP := True
 
 .PHONY: install test test-fast lint lock train bench clean
 

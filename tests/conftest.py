@@ -80,7 +80,8 @@ def tool_policy(tmp_path_factory):
 
     tool_model = str(Path(__file__).resolve().parents[1] / "examples" / "agents" / "tool_model.py")
     out = tmp_path_factory.mktemp("tool_policy")
-    build_chat_policy(out, layers=1, hidden=32, heads=2, corpus=load_attr(tool_model, "corpus", "test")(0))
+    corpus = load_attr(tool_model, "corpus", "test")(0)  # 8,192 positions: a framework's own system prompt fits
+    build_chat_policy(out, layers=1, hidden=32, heads=2, corpus=corpus, max_positions=8192)
     model, tok = load_policy(out, dtype="float32", device="cpu")
     stops = stop_token_ids(out, tok)
     torch.manual_seed(0)
