@@ -58,6 +58,7 @@ from tasks.cluster import (
 )
 from tasks.tracking import link_mlflow_run, log_model, log_plots, start_tracking
 from tracking import MlflowTracker, run_url, ui_command
+from tracking.errors import ErrorTexts
 from tracking.traces import trace_evaluation
 
 CANCEL_CHECK_INTERVAL_S = 1.0
@@ -156,6 +157,7 @@ class RunState:
     last_metrics: dict = field(default_factory=dict)
     final_poll: dict = field(default_factory=dict)
     events: list[HealthEvent] = field(default_factory=list)
+    errors: ErrorTexts = field(default_factory=ErrorTexts)  # the agents' error texts (MLflow: agent_errors.json)
 
     @property
     def checkpoint_facts(self) -> dict:
@@ -336,6 +338,7 @@ def pacing(cfg: TrainConfig) -> str:
 def _record(run: RunState, poll: dict) -> None:
     """A poll's step and trainer metrics into the run state and MLflow."""
     run.step, run.final_poll = poll["step"], poll
+    run.errors.update(poll, run.tracker, run.step)
     if poll["metrics"]:
         run.history.extend(poll["metrics"])
         run.tracker.log_metrics(poll["metrics"])

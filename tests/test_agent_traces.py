@@ -5,6 +5,7 @@ whether it broke the prefix, the reward and the episode's outcome on the root.""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -14,7 +15,7 @@ from rlhf_core.agent.runner import AgentRunner, episode_record
 from rlhf_core.agent.segments import Call, Completion, EpisodeLog
 from rlhf_core.config import AgentConfig
 from rlhf_core.data.prompts import Prompt
-from rlhf_core.rollout import HFEngine
+from rlhf_core.rollout import HFEngine, SamplingParams
 from rlhf_core.usercode import load_attr
 from tracking.traces import EVAL_TRAJECTORIES, trace_evaluation
 
@@ -159,3 +160,41 @@ def test_a_request_record_keeps_versions_across_a_weight_update():
     failed.error, failed.timed_out = "the agent ran past agent.timeout_s=1", True
     rec = episode_record(failed)
     assert (rec["requests"], rec["ended"], rec["policy_version"]) == ([], "failed: timeout", None)
+
+
+def test_each_distinct_agent_error_reaches_mlflow_once_with_its_count(tool_policy, mlflow_db, tmp_path):
+    """An agent that raises on some rows: the runner's stats carry each distinct error text with how many
+    episodes it ended ("failed: ..." without agent.error_reward, "raised: ..." with it); the flow's ErrorTexts
+    writes them to the run's MLflow artifact agent_errors.json when they change (read back from a real SQLite
+    store), with the steps they were first and last seen at."""
+    from mlflow import MlflowClient
+
+    from tracking import MlflowTracker
+    from tracking.errors import ARTIFACT, ErrorTexts
+
+    model, tok, stops = tool_policy
+    engine = HFEngine(model, stops, tok.pad_token_id)
+    uri = f"sqlite:///{mlflow_db}"
+    mlflow = MlflowClient(uri)
+    experiment = mlflow.create_experiment("errors", artifact_location=str(tmp_path / "artifacts"))
+    run = mlflow.create_run(experiment)
+    tracker = MlflowTracker(uri, run.info.run_id, experiment)
+    errors = ErrorTexts()
+    boom = {0: {"boom": True}, 2: {"boom": True}}
+    for error_reward, step in ((None, 3), (0.0, 5)):
+        runner = AgentRunner(AgentConfig(path=FIXTURES, name="hangs_on_some", error_reward=error_reward), tok, stops)
+        try:
+            runner.run(engine, prompts(3, boom), 1, SamplingParams(4, 0.0))
+            texts = runner.stats()["agent_error_texts"]
+        finally:
+            runner.close()
+        fate = "failed" if error_reward is None else "raised"
+        assert texts == {f"{fate}: ValueError: boom": 2}
+        assert errors.update({"rollout": [{"agent_error_texts": texts}, {}]}, tracker, step)
+        assert not errors.update({"rollout": [{"agent_error_texts": texts}]}, tracker, step + 1)  # nothing new
+    path = mlflow.download_artifacts(run.info.run_id, ARTIFACT, str(tmp_path / "down"))
+    rows = json.loads(Path(path).read_text())
+    assert rows == [
+        {"error": "failed: ValueError: boom", "episodes": 2, "first_step": 3, "last_step": 3},
+        {"error": "raised: ValueError: boom", "episodes": 2, "first_step": 5, "last_step": 5},
+    ]

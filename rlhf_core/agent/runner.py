@@ -43,6 +43,8 @@ from rlhf_core.rollout.base import SamplingParams
 from rlhf_core.usercode import load_attr
 
 log = logging.getLogger("rlhf_core.agent")
+MAX_ERROR_TEXTS = 100  # distinct error texts a runner keeps (the first ones; later new ones are not kept)
+ERROR_TEXT_CHARS = 500
 
 BLOCKED_GRACE_S = 5.0  # past timeout_s, how long a batch waits for an event loop an agent blocks
 
@@ -87,6 +89,7 @@ class AgentRunner:
         self.timeouts = 0  # of which past agent.timeout_s (agent/timeouts)
         self.consecutive_failures = 0
         self.errors_rewarded = 0  # episodes whose agent raised, scored agent.error_reward (agent/errors_rewarded)
+        self.error_texts: collections.Counter = collections.Counter()  # "<fate>: <error>" -> episodes it ended
         self.last_episodes: list[EpisodeLog] = []
         self._loop: Optional[asyncio.AbstractEventLoop] = None
 
@@ -169,7 +172,9 @@ class AgentRunner:
             e.reward = as_reward(value)
 
     def _count(self, episodes: list[EpisodeLog]) -> None:
-        report_errors(episodes, f"agent {self.cfg.name}")
+        for text in report_errors(episodes, f"agent {self.cfg.name}"):
+            if text in self.error_texts or len(self.error_texts) < MAX_ERROR_TEXTS:
+                self.error_texts[text] += 1
         self.errors_rewarded += sum(e.raised is not None for e in episodes)
         for e in episodes:
             if e.error is None:
@@ -184,13 +189,15 @@ class AgentRunner:
                     f"(supervision.max_consecutive_failures={self.max_failures}): {e.error}"
                 )
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> dict:
         """agent/errors and agent/timeouts: failed episodes over the run so far; agent/errors_rewarded: episodes
-        whose agent raised, scored agent.error_reward."""
+        whose agent raised, scored agent.error_reward; agent_error_texts: each distinct error ("failed: ..." or
+        "raised: ...") and how many episodes it ended (the run's MLflow artifact agent_errors.json)."""
         return {
             "agent/errors": float(self.errors),
             "agent/timeouts": float(self.timeouts),
             "agent/errors_rewarded": float(self.errors_rewarded),
+            "agent_error_texts": dict(self.error_texts),
         }
 
     def close(self) -> None:
@@ -357,10 +364,16 @@ class AgentEvaluator:
         return self.runner.evaluate(self.engine, self.prompts, self.max_new_tokens)
 
 
-def report_errors(episodes: Sequence[EpisodeLog], who: str) -> None:
+def report_errors(episodes: Sequence[EpisodeLog], who: str) -> list[str]:
     """Each distinct error of one batch of episodes, once, on the console: how many episodes it ended and what
-    became of them (failed and left out, or scored agent.error_reward)."""
+    became of them (failed and left out, or scored agent.error_reward). Returns one "<fate>: <error>" per
+    episode that ended with an error (the error cut to ERROR_TEXT_CHARS)."""
     texts = collections.Counter((e.error or e.raised, e.error is None) for e in episodes if e.error or e.raised)
     for (text, scored), n in texts.items():
         fate = "raised (scored agent.error_reward)" if scored else "failed (left out of training)"
         log.warning("%s: %d of %d episode(s) %s: %s", who, n, len(episodes), fate, text)
+    return [
+        f"{'raised' if scored else 'failed'}: {text[:ERROR_TEXT_CHARS]}"
+        for (text, scored), n in texts.items()
+        for _ in range(n)
+    ]

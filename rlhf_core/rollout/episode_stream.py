@@ -2,7 +2,8 @@
 
 One loop drives every episode in flight: an episode waits for its environment (its process pool answers
 asynchronously) or for the model; the engine generates for those ready as soon as at least as many are ready as
-are still waiting. New prompts are taken whenever the loop would otherwise only wait (the feed decides how many:
+are still waiting, or when no environment answered for IDLE_POLL_S (so a ready episode never waits on a slow
+one's environment). New prompts are taken whenever the loop would otherwise only wait (the feed decides how many:
 the rollout's admission and the staleness bound live there), and a prompt's group of trajectories is handed on
 the moment its last trajectory ends, so one slow episode holds only its own group, not a batch.
 """
@@ -89,7 +90,8 @@ def stream(runner, engine, samples_per_prompt: int, sampling, feed, emit, betwee
                 time.sleep(IDLE_POLL_S / 2)  # nothing in flight, nothing granted yet: ask again shortly (no spin)
                 continue
             generate_now = bool(ready) and len(ready) >= len(waiting)
-            for reply in runner.pool.poll(0.0 if generate_now else (IDLE_POLL_S if not exhausted else 1.0)):
+            replies = runner.pool.poll(0.0 if generate_now else (IDLE_POLL_S if ready or not exhausted else 1.0))
+            for reply in replies:
                 t = by_eid.get(reply.eid)
                 if t is None or reply.eid not in waiting:
                     continue
@@ -101,7 +103,8 @@ def stream(runner, engine, samples_per_prompt: int, sampling, feed, emit, betwee
                 elif turn == "end":
                     runner.pool.close_episode(t.eid)
                     open_more([t.eid])
-            if ready and len(ready) >= len(waiting):
+            if ready and (len(ready) >= len(waiting) or not replies):  # or nothing came for IDLE_POLL_S: a
+                # lone ready episode does not wait for a slow one's environment
                 batch, ready = ready, []
                 sent = {t.eid for t in runner._generate(engine, batch, sampling, between_steps)}
                 waiting.update(sent)
