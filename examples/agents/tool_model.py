@@ -98,15 +98,21 @@ def build_tool_model(
     lr: float = 2e-3,
     batch: int = 64,
     seed: int = 0,
+    max_positions: int = 8192,
 ) -> Path:
-    """Build the chat model, teach it the tool format (module doc), save it to out_dir; returns out_dir."""
+    """Build the chat model, teach it the tool format (module doc), save it to out_dir; returns out_dir.
+    max_positions: its context (rotary positions: no parameters), long enough for an agent framework's own
+    system prompt (smolagents' ToolCallingAgent, DSPy's adapters: thousands of tokens)."""
     import torch
 
     from rlhf_core.model.chat import build_chat_policy
     from rlhf_core.model.policy import load_policy, stop_token_ids
 
     out = Path(out_dir)
-    build_chat_policy(out, style="instruct", layers=layers, hidden=hidden, heads=heads, seed=seed, corpus=corpus(seed))
+    build_chat_policy(
+        out, style="instruct", layers=layers, hidden=hidden, heads=heads, seed=seed, corpus=corpus(seed),
+        max_positions=max_positions,
+    )  # fmt: skip
     model, tokenizer = load_policy(out, dtype="float32", device="cpu")
     torch.manual_seed(seed)
     pairs = examples(tokenizer, stop_token_ids(out, tokenizer), 4000, seed)
