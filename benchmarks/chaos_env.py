@@ -81,6 +81,7 @@ def one_run(host: str, chaos: bool, steps: int, warm_start: int, tmp: Path, env_
         injected={k: counts[k] for k in ("crash", "raise", "hang", "bad")},
         closed_once=not not_once,
         not_closed_once=len(not_once),
+        not_closed_once_examples={i: by_instance[i] for i in not_once[:5]},  # what each one's log says
         processes_alive=sum(1 for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"),
     )
     return out

@@ -175,6 +175,33 @@ def test_hung_plain_steps_retire_their_process_and_never_starve_the_healthy_ones
     assert children() <= before
 
 
+def test_an_instance_held_by_an_overrun_step_is_closed_when_the_pool_stops(tmp_path):
+    """A step that overran its timeout (0.3 s) still holds its instance when the pool closes: the process waits
+    for that step to end (2 s, past the timeout + 1 s a stop used to wait) and then closes the instance, once and
+    never beside the step; the process is gone after close() (the Ray chaos run's instance left unclosed)."""
+    import psutil
+
+    from rlhf_core.env.pool import EnvPool
+
+    pool = EnvPool(FIXTURES, "HangHalfEnv", {"dir": str(tmp_path), "hang_s": 2.0}, workers=1, timeout_s=0.3)
+    pid = pool.slots[0].process.pid
+    replies = []
+    try:
+        pool.reset(0, {"problem": 0, "prompt": "hi"})
+        while not replies:
+            replies = pool.poll(1.0)
+        pool.step(0, "an action")
+        replies = []
+        while not replies:
+            replies = pool.poll(1.0)
+    finally:
+        pool.close()
+    assert replies[0].kind == "timeout", replies
+    logged = (tmp_path / f"{pid}.log").read_text().split()
+    assert logged[::2] == ["hang", "close"], logged
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
 def test_a_suspect_of_an_earlier_death_is_charged_before_the_call_that_started_last():
     """The rule that picks the one trajectory a process's death is charged to: a trajectory that was running at
     an earlier death (and was restarted) is charged first; else the call that started last; nothing running,

@@ -21,7 +21,8 @@ is killed and replaced (`replaced`: env/process_restarts):
 A plain call that overran its timeout keeps a thread of its process busy (Python cannot stop it). A process with
 STUCK_THREADS such threads retires: it takes no new episode (a fresh process joins the pool in its place,
 counted in `replaced`) and goes once the episodes it hosts have ended (`recycled`): its healthy episodes finish
-where they are, and no process runs out of threads.
+where they are, and no process runs out of threads. A process that goes (retired, or the pool closing) is told to
+stop: it closes every instance it holds, one an overrun call holds once that call ends (within STOP_GRACE_S).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from rlhf_core.env.checks import check_step_result  # noqa: F401 (re-exported)
 from rlhf_core.env.serve import (  # noqa: F401 (re-exported)
     MARK_SLOTS,
     MARKS_SIZE,
+    STOP_GRACE_S,
     STUCK_THREADS,
     THREADS_PER_PROCESS,
     EnvStepTimeout,
@@ -77,6 +79,7 @@ class _Slot:
         self.pending: dict[int, tuple[str, float]] = {}  # eid -> (op, deadline) of requests in flight
         self.episodes: set[int] = set()
         self.retiring = False  # too many overrun threads: no new episodes, replaced once its episodes ended
+        self.stop_by = 0.0  # told to stop: killed if still alive by then (monotonic)
 
     def running(self) -> set[int]:
         return set(self.started_at())
@@ -90,6 +93,15 @@ class _Slot:
         """Threads of the process still running a call started more than `timeout_s` (+ 1 s) ago."""
         marks, before = self.marks[:], now_us() - int((timeout_s + 1.0) * 1e6)
         return sum(1 for k in range(THREADS_PER_PROCESS) if marks[k] and marks[MARK_SLOTS + k] < before)
+
+    def stop(self, timeout_s: float) -> None:
+        """Tell the process to stop: it closes the instances it holds (those an overrun call holds once the call
+        ends, within STOP_GRACE_S) and exits; `kill` it if it is still alive at `stop_by`."""
+        try:
+            self.conn.send(None)
+        except (OSError, ValueError):
+            pass
+        self.stop_by = time.monotonic() + timeout_s + 2 + STOP_GRACE_S
 
     def kill(self) -> None:
         if self.process.is_alive():
@@ -116,6 +128,7 @@ class EnvPool:
         self.recycled = 0  # of those, processes retired for their overrun threads
         self.has_finish = False
         self.slots = [_Slot(self.ctx, self.spec) for _ in range(workers)]
+        self.stopping: list[_Slot] = []  # retired processes closing their instances before they exit
         self.where: dict[int, int] = {}  # eid -> slot index
         self.lost: set[int] = set()  # trajectories whose process was replaced: their next request restarts them
         self.suspects: set[int] = set()  # running (and restarted, not charged) when a process died
@@ -287,10 +300,15 @@ class EnvPool:
         for i in reversed(range(len(self.slots))):
             slot = self.slots[i]
             if slot.retiring and not slot.episodes and not slot.pending:
-                slot.kill()
+                slot.stop(self.timeout_s)  # it closes what it holds (the closes sent before this one first)
+                self.stopping.append(slot)
                 del self.slots[i]
                 self.where = {eid: k - (k > i) for eid, k in self.where.items()}
                 self.recycled += 1
+        now = time.monotonic()
+        for slot in [s for s in self.stopping if not s.process.is_alive() or s.stop_by < now]:
+            slot.kill()
+            self.stopping.remove(slot)
 
     def _culprit(self, started: dict[int, int]) -> set[int]:
         """The one trajectory charged with a process's death, of those whose calls were running there (eid ->
@@ -301,17 +319,14 @@ class EnvPool:
         return {max(suspects or started, key=started.__getitem__)}
 
     def close(self) -> None:
-        """Stop every process; each first closes the instances it still holds (within the timeout)."""
+        """Stop every process; each first closes the instances it still holds (within the timeout; those a call
+        that overran holds once that call ends, within STOP_GRACE_S)."""
         for slot in self.slots:
-            try:
-                slot.conn.send(None)
-            except (OSError, ValueError):
-                pass
-        deadline = time.monotonic() + self.timeout_s + 2
-        for slot in self.slots:
-            slot.process.join(max(0.0, deadline - time.monotonic()))
+            slot.stop(self.timeout_s)
+        for slot in self.slots + self.stopping:
+            slot.process.join(max(0.0, slot.stop_by - time.monotonic()))
             slot.kill()
-        self.slots = []
+        self.slots, self.stopping = [], []
         self.where.clear()
         self.lost.clear()
         self.suspects.clear()

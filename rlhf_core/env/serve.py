@@ -7,7 +7,7 @@ asyncio event loop, each as a task of its own:
   step    call its step(action)
   finish  call its finish(reason) (an episode cut by env.max_turns or env.max_total_tokens)
   close   call its close(), once, and drop it; every instance still open is closed when the process is told
-          to stop
+          to stop (one a call that overran still holds once that call ends, within STOP_GRACE_S)
 
 Every call runs under env.step_timeout_s: a coroutine method is awaited, a plain one runs in a thread, so an
 environment waiting on a slow tool never holds up the other trajectories of its process. A plain call that
@@ -41,6 +41,7 @@ THREADS_PER_PROCESS = 64  # plain (non-async) calls in flight at once in one pro
 STUCK_THREADS = THREADS_PER_PROCESS // 4  # overrun threads that retire a process (its episodes end first)
 MARK_SLOTS = THREADS_PER_PROCESS + 1  # marks: a slot per thread, then one for the event loop
 MARKS_SIZE = 2 * MARK_SLOTS  # marks: eid + 1 per slot, then when each slot's call started (monotonic clock, µs)
+STOP_GRACE_S = 5.0  # a stopping process waits this long beyond the timeout for calls that overran it (see _main)
 
 
 _OWN_FILES = {"serve.py", "checks.py", "pool.py"}  # frames of this package's machinery, left out of errors
@@ -266,13 +267,21 @@ async def _main(conn, marks: _Marks, cls, kwargs: dict, timeout_s: float, max_ch
             start(close(eid), closing)
         else:
             start(handle(op, eid, payload), tasks)
-    # told to stop (or the owner is gone): every instance is closed, one still being made once made (doomed),
-    # within the timeout; calls in flight get their own timeout to end
+    # told to stop (or the owner is gone): every instance is closed, one still being made once made (doomed);
+    # calls in flight get their own timeout to end, and an instance a call that overran still holds is closed once
+    # that call ends, within STOP_GRACE_S: past it the process exits without closing it, and says so
     doomed.update(making)
     for eid in list(envs):
         start(close(eid), closing)
     if tasks or closing:
-        await asyncio.wait(tasks | closing, timeout=timeout_s + 1)
+        await asyncio.wait(tasks | closing, timeout=timeout_s + 1 + STOP_GRACE_S)
+    held = sorted(eid for eid, future in threads.items() if not future.done())
+    if held:
+        print(
+            f"env: stopping with {len(held)} call(s) still running {timeout_s + 1 + STOP_GRACE_S:g} s after the stop "
+            f"(trajectories {held[:8]}): their instances are not closed",
+            file=sys.stderr,
+        )
     for task in tasks | closing:
         task.cancel()
     executor.shutdown(wait=False, cancel_futures=True)
