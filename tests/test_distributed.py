@@ -54,10 +54,10 @@ def test_the_warm_start_reports_its_progress_while_it_runs(ray_local, tmp_path):
     seen: list[tuple[int, float]] = []
     with DistributedRun(tiny_cfg(tmp_path)) as run:
         run.launch()
-        out = run.warm_start(200, progress=lambda done, loss: seen.append((done, loss)), every_s=0.02)
-    assert out["warm_start/steps"] == 200 and 0.0 <= out["eval/accuracy_warm_start"] <= 1.0
+        out = run.warm_start(40, progress=lambda done, loss: seen.append((done, loss)), every_s=0.02)
+    assert out["warm_start/steps"] == 40 and 0.0 <= out["eval/accuracy_warm_start"] <= 1.0
     done = [d for d, _ in seen]
-    assert len(seen) >= 3 and done == sorted(done) and 0 < done[-1] <= 200, seen
+    assert len(seen) >= 3 and done == sorted(done) and 0 < done[-1] <= 40, seen
     assert all(loss is not None and loss > 0 for d, loss in seen if d > 0), seen
 
 
