@@ -202,6 +202,37 @@ def test_an_instance_held_by_an_overrun_step_is_closed_when_the_pool_stops(tmp_p
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
 
+def test_calls_queued_behind_busy_threads_are_not_timed_out_and_every_close_runs(tmp_path):
+    """192 episodes in one process, each step a plain call that takes 0.25 s (under the 0.6 s timeout): three
+    times the process's 64 threads, so the last calls wait ~0.5 s for a thread. The timeout counts from a call's
+    start in its thread: no step times out, and every instance is closed once (on the old code queued calls timed
+    out and a queued close was cancelled: the Ray chaos run's hung instances that were never closed)."""
+    from rlhf_core.env.pool import EnvPool
+    from rlhf_core.env.serve import THREADS_PER_PROCESS
+
+    n = 3 * THREADS_PER_PROCESS
+    kwargs = {"dir": str(tmp_path), "turns": 1, "hang": 1.0, "hang_s": 0.25}
+    pool = EnvPool(FIXTURES, "ChaosEnv", kwargs, workers=1, timeout_s=0.6)
+    errors, live = [], set(range(n))
+    try:
+        for eid in range(n):
+            pool.reset(eid, {"problem": eid, "prompt": "p"})
+        while live:
+            for reply in pool.poll(1.0):
+                if reply.op == "reset" and not reply.error:
+                    pool.step(reply.eid, "a")
+                    continue
+                errors += [reply.error] if reply.error else []
+                pool.close_episode(reply.eid)
+                live.discard(reply.eid)
+    finally:
+        pool.close()
+    assert not errors, errors[:3]
+    counts, by_instance = events(tmp_path)
+    assert counts["open"] == counts["close"] == n and counts["hang"] == n, counts
+    assert_closed_once(by_instance)
+
+
 def test_a_suspect_of_an_earlier_death_is_charged_before_the_call_that_started_last():
     """The rule that picks the one trajectory a process's death is charged to: a trajectory that was running at
     an earlier death (and was restarted) is charged first; else the call that started last; nothing running,

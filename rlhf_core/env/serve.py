@@ -41,6 +41,7 @@ THREADS_PER_PROCESS = 64  # plain (non-async) calls in flight at once in one pro
 STUCK_THREADS = THREADS_PER_PROCESS // 4  # overrun threads that retire a process (its episodes end first)
 MARK_SLOTS = THREADS_PER_PROCESS + 1  # marks: a slot per thread, then one for the event loop
 MARKS_SIZE = 2 * MARK_SLOTS  # marks: eid + 1 per slot, then when each slot's call started (monotonic clock, µs)
+QUEUED_POLL_S = 0.05  # how often a call queued behind busy threads looks whether it has started
 STOP_GRACE_S = 5.0  # a stopping process waits this long beyond the timeout for calls that overran it (see _main)
 
 
@@ -136,16 +137,32 @@ class _OnLoop:
 
 async def _call(marks: _Marks, eid: int, executor, fn, arg, timeout_s: float, threads: dict | None = None):
     """fn(arg) under the timeout: awaited when it is a coroutine function, else run in a thread (a thread that
-    overruns is left to finish on its own: Python cannot stop it; `threads[eid]` is its future until it ends)."""
+    overruns is left to finish on its own: Python cannot stop it; `threads[eid]` is its future until it ends). A
+    thread's timeout counts from the call's start there, not from its wait for a free thread."""
     deadline = time.monotonic() + timeout_s
     try:
         if inspect.iscoroutinefunction(fn):
             return await asyncio.wait_for(marks.on_loop(eid, fn(arg)), timeout_s)
-        future = executor.submit(marks.in_thread, eid, fn, arg)
+        started: list[float] = []
+
+        def run():
+            started.append(time.monotonic())
+            return marks.in_thread(eid, fn, arg)
+
+        future = executor.submit(run)
         if threads is not None:
             threads[eid] = future
             future.add_done_callback(lambda done: threads.pop(eid) if threads.get(eid) is done else None)
-        result = await asyncio.wait_for(asyncio.wrap_future(future), timeout_s)
+        waiting = asyncio.wrap_future(future)
+        # the timeout counts from when the call starts in its thread: a call queued behind busy threads is the
+        # process's wait, not the environment's (and is never cancelled there: a close must run once queued)
+        while not waiting.done():
+            if started:
+                deadline = started[0] + timeout_s
+                if time.monotonic() >= deadline:
+                    raise asyncio.TimeoutError
+            await asyncio.wait({waiting}, timeout=max(0.0, deadline - time.monotonic()) if started else QUEUED_POLL_S)
+        result = waiting.result()
         if inspect.isawaitable(result):
             result = await asyncio.wait_for(marks.on_loop(eid, result), max(0.0, deadline - time.monotonic()))
         return result
