@@ -78,6 +78,11 @@ class RolloutActor:
     def stop(self) -> None:
         self.role.stop()
 
+    def close(self) -> None:
+        """Close what the worker holds (environment processes: each closes the instances it holds first; reward
+        processes; the agent runner) before the actor is killed; called once its loop has been stopped."""
+        self.worker.close()
+
     def stats(self) -> dict:
         return {**self.role.stats(), "restarted": self.restarted}
 

@@ -29,6 +29,7 @@ from rlhf_core.distributed.reward_model_actor import RewardModelActor
 from rlhf_core.distributed.rollout_actor import rollout_rng_states
 from rlhf_core.distributed.trainer_actor import TrainerActor
 from rlhf_core.distributed.trainer_group import TrainerRankActor
+from rlhf_core.env.serve import STOP_GRACE_S
 from rlhf_core.run import build
 from rlhf_core.run.checkpoint import CheckpointState, read_checkpoint
 from rlhf_core.run.control import assemble_poll, buffer_options
@@ -384,9 +385,26 @@ class DistributedRun(LoopWatch, Fleet):
         try:
             if ray.is_initialized():
                 self.stop(FAILED_GRACE_S if failed else None)
+                self.close_workers()
         finally:
             teardown(self.handle)
             self.handle = None
+
+    def close_workers(self) -> None:
+        """Each rollout worker closes what it holds before its actor is killed (an environment instance a hung
+        step still holds is closed once that step ends, within STOP_GRACE_S), bounded: a worker that does not
+        answer is killed as before."""
+        refs = []
+        for actor in self.workers:
+            try:
+                refs.append(actor.close.remote())
+            except Exception:
+                pass
+        bound = (self.cfg.env.step_timeout_s if self.cfg.env.path else 0.0) + 3 + STOP_GRACE_S
+        try:
+            ray.wait(refs, num_returns=len(refs), timeout=bound)
+        except Exception:
+            pass
 
     def __enter__(self) -> DistributedRun:
         return self
