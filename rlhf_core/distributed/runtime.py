@@ -29,7 +29,7 @@ from rlhf_core.distributed.reward_model_actor import RewardModelActor
 from rlhf_core.distributed.rollout_actor import rollout_rng_states
 from rlhf_core.distributed.trainer_actor import TrainerActor
 from rlhf_core.distributed.trainer_group import TrainerRankActor
-from rlhf_core.env.serve import STOP_GRACE_S
+from rlhf_core.env.serve import stop_wait_s
 from rlhf_core.run import build
 from rlhf_core.run.checkpoint import CheckpointState, read_checkpoint
 from rlhf_core.run.control import assemble_poll, buffer_options
@@ -400,7 +400,7 @@ class DistributedRun(LoopWatch, Fleet):
                 refs.append(actor.close.remote())
             except Exception:
                 pass
-        bound = (self.cfg.env.step_timeout_s if self.cfg.env.path else 0.0) + 3 + STOP_GRACE_S
+        bound = stop_wait_s(self.cfg.env.step_timeout_s if self.cfg.env.path else 0.0) + 2
         try:
             ray.wait(refs, num_returns=len(refs), timeout=bound)
         except Exception:

@@ -37,13 +37,13 @@ from rlhf_core.env.checks import check_step_result  # noqa: F401 (re-exported)
 from rlhf_core.env.serve import (  # noqa: F401 (re-exported)
     MARK_SLOTS,
     MARKS_SIZE,
-    STOP_GRACE_S,
     STUCK_THREADS,
     THREADS_PER_PROCESS,
     EnvStepTimeout,
     error_text,
     now_us,
     serve,
+    stop_wait_s,
 )
 
 START_TIMEOUT_S = 120.0  # a pool process must have imported the environment within this
@@ -101,7 +101,7 @@ class _Slot:
             self.conn.send(None)
         except (OSError, ValueError):
             pass
-        self.stop_by = time.monotonic() + timeout_s + 2 + STOP_GRACE_S
+        self.stop_by = time.monotonic() + stop_wait_s(timeout_s) + 1
 
     def kill(self) -> None:
         if self.process.is_alive():

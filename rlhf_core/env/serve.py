@@ -41,8 +41,12 @@ THREADS_PER_PROCESS = 64  # plain (non-async) calls in flight at once in one pro
 STUCK_THREADS = THREADS_PER_PROCESS // 4  # overrun threads that retire a process (its episodes end first)
 MARK_SLOTS = THREADS_PER_PROCESS + 1  # marks: a slot per thread, then one for the event loop
 MARKS_SIZE = 2 * MARK_SLOTS  # marks: eid + 1 per slot, then when each slot's call started (monotonic clock, µs)
-QUEUED_POLL_S = 0.05  # how often a call queued behind busy threads looks whether it has started
 STOP_GRACE_S = 5.0  # a stopping process waits this long beyond the timeout for calls that overran it (see _main)
+
+
+def stop_wait_s(timeout_s: float) -> float:
+    """How long a process told to stop waits for its calls and closes before it exits (see _main)."""
+    return timeout_s + 1 + STOP_GRACE_S
 
 
 _OWN_FILES = {"serve.py", "checks.py", "pool.py"}  # frames of this package's machinery, left out of errors
@@ -143,10 +147,11 @@ async def _call(marks: _Marks, eid: int, executor, fn, arg, timeout_s: float, th
     try:
         if inspect.iscoroutinefunction(fn):
             return await asyncio.wait_for(marks.on_loop(eid, fn(arg)), timeout_s)
-        started: list[float] = []
+        loop, began, started = asyncio.get_running_loop(), asyncio.Event(), []
 
         def run():
             started.append(time.monotonic())
+            loop.call_soon_threadsafe(began.set)
             return marks.in_thread(eid, fn, arg)
 
         future = executor.submit(run)
@@ -156,12 +161,12 @@ async def _call(marks: _Marks, eid: int, executor, fn, arg, timeout_s: float, th
         waiting = asyncio.wrap_future(future)
         # the timeout counts from when the call starts in its thread: a call queued behind busy threads is the
         # process's wait, not the environment's (and is never cancelled there: a close must run once queued)
-        while not waiting.done():
-            if started:
-                deadline = started[0] + timeout_s
-                if time.monotonic() >= deadline:
-                    raise asyncio.TimeoutError
-            await asyncio.wait({waiting}, timeout=max(0.0, deadline - time.monotonic()) if started else QUEUED_POLL_S)
+        await began.wait()
+        deadline = started[0] + timeout_s
+        await asyncio.wait({waiting}, timeout=max(0.0, deadline - time.monotonic()))
+        if not waiting.done():  # its thread runs on; what it ends with is read then, so it is never reported unread
+            waiting.add_done_callback(lambda done: done.cancelled() or done.exception())
+            raise asyncio.TimeoutError
         result = waiting.result()
         if inspect.isawaitable(result):
             result = await asyncio.wait_for(marks.on_loop(eid, result), max(0.0, deadline - time.monotonic()))
@@ -291,11 +296,11 @@ async def _main(conn, marks: _Marks, cls, kwargs: dict, timeout_s: float, max_ch
     for eid in list(envs):
         start(close(eid), closing)
     if tasks or closing:
-        await asyncio.wait(tasks | closing, timeout=timeout_s + 1 + STOP_GRACE_S)
+        await asyncio.wait(tasks | closing, timeout=stop_wait_s(timeout_s))
     held = sorted(eid for eid, future in threads.items() if not future.done())
     if held:
         print(
-            f"env: stopping with {len(held)} call(s) still running {timeout_s + 1 + STOP_GRACE_S:g} s after the stop "
+            f"env: stopping with {len(held)} call(s) still running {stop_wait_s(timeout_s):g} s after the stop "
             f"(trajectories {held[:8]}): their instances are not closed",
             file=sys.stderr,
         )
