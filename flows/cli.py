@@ -6,6 +6,7 @@
     atrlhf sweep [--config PATH] [--set key=value ...] --grid key=v1,v2 [--grid ...] [--seeds N]
                  [--max-parallel N] [--metric NAME] [--target ACC] [--sweep-id ID]
     atrlhf serve --checkpoint PATH_OR_RUN_OR_latest [--port N] [--config PATH] [--set key=value ...]
+    atrlhf audit RUN_DIR_OR_RUN_ID_OR_latest [--config PATH] [--json]
 
 The config is validated before anything else is imported or started: a bad field exits with status 2 and
 a message naming it; so does every path and name it uses (model, data, resume target, LoRA target modules,
@@ -170,6 +171,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--rollout-workers", type=int, required=True, metavar="N", help="rollout workers wanted (>= 1)")
     c.add_argument("--tracking-uri", help="MLflow tracking URI of a run id (default MLFLOW_TRACKING_URI, ./mlflow.db)")
     c.add_argument("--wait-s", type=float, default=30.0, help="seconds to wait for the run's answer (default 30)")
+    a = sub.add_parser("audit", help="print a run's audit: what each configured mechanism did (flows/audit.py)")
+    a.add_argument("run", metavar="RUN_DIR_OR_RUN_ID", help="the run's directory, MLflow run id, or latest")
+    a.add_argument("--config", help="the YAML whose run.output_dir holds `latest` (default: the embedded defaults)")
+    a.add_argument("--tracking-uri", help="MLflow tracking URI of a run id (default MLFLOW_TRACKING_URI, ./mlflow.db)")
+    a.add_argument("--json", action="store_true", help="print the audit as JSON")
     return parser
 
 
@@ -188,6 +194,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from flows.scale import cmd_scale
 
         return cmd_scale(args.run, args.rollout_workers, args.tracking_uri, args.wait_s)
+    if args.command == "audit":  # reads what a run wrote
+        from flows.audit import cmd_audit
+
+        try:
+            output_dir = load_config(args.config).run.output_dir if args.config else TrainConfig().run.output_dir
+        except ConfigError as exc:
+            return _refuse(exc)
+        return cmd_audit(args.run, output_dir, args.tracking_uri, as_json=args.json)
     try:
         cfg = _load(args)
     except ConfigError as exc:

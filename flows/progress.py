@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Optional
 
 from rlhf_core.supervision import HealthEvent
+from rlhf_core.supervision.audit import AUDIT_FILE, audit_table
 
 
 def event_rows(events: list[HealthEvent]) -> list[dict]:
@@ -105,3 +106,22 @@ class CancelWatch:
         except Exception:  # the API being briefly unreachable is no reason to stop training
             return False
         return bool(state is not None and (state.is_cancelling() or state.is_cancelled()))
+
+
+def audit_markdown(report: dict) -> str:
+    """The run audit's table for the summary artifact (empty when the run kept no audit)."""
+    return "\n" + audit_table(report) + "\n" if report else ""
+
+
+def log_audit(tracker, report: dict, logger) -> None:
+    """The run audit to MLflow (audit.json) and its verdict to the log; a failure to log it is a warning."""
+    if not report:
+        return
+    try:
+        tracker.log_dict(report, AUDIT_FILE)
+    except Exception as exc:  # the tracking store may be what failed the run
+        logger.warning("could not log %s to MLflow: %s", AUDIT_FILE, exc)
+    flagged = [
+        f"{c['name']} {c['verdict']}" for c in report.get("checks", ()) if c["verdict"] in ("inactive", "failed")
+    ]
+    logger.info("run audit: %s%s", report.get("verdict"), f" ({', '.join(flagged)})" if flagged else "")

@@ -25,8 +25,9 @@ class ScaleError(ValueError):
     """The target is neither a run directory nor an MLflow run id that names one."""
 
 
-def resolve_run_dir(target: str, tracking_uri: Optional[str] = None) -> Path:
-    """A run directory (output_dir/latest works), or the directory an MLflow run's `atrlhf.run_dir` tag names."""
+def resolve_run_dir(target: str, tracking_uri: Optional[str] = None, running: bool = True) -> Path:
+    """A run directory (output_dir/latest works), or the directory an MLflow run's `atrlhf.run_dir` tag names
+    (`running`: a run that is still running)."""
     path = Path(target)
     if path.is_dir():
         return path.resolve()
@@ -43,7 +44,7 @@ def resolve_run_dir(target: str, tracking_uri: Optional[str] = None) -> Path:
     run_dir = run.data.tags.get("atrlhf.run_dir")
     if not run_dir or not Path(run_dir).is_dir():
         raise ScaleError(f"MLflow run {target} names no run directory on this machine (tag atrlhf.run_dir={run_dir!r})")
-    if run.info.status != "RUNNING":
+    if running and run.info.status != "RUNNING":
         raise ScaleError(f"MLflow run {target} is {run.info.status}, not running: there is no fleet to scale")
     return Path(run_dir)
 

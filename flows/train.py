@@ -35,8 +35,10 @@ from prefect.states import Cancelled
 from flows.lifecycle import RunResources, raise_if_pending, sigterm_kept
 from flows.progress import (
     CancelWatch,
+    audit_markdown,
     event_rows,
     ledger_of,
+    log_audit,
     mismatch_markdown,
     progress_line,
     reward_component_keys,
@@ -158,6 +160,7 @@ class RunState:
     final_poll: dict = field(default_factory=dict)
     events: list[HealthEvent] = field(default_factory=list)
     errors: ErrorTexts = field(default_factory=ErrorTexts)  # the agents' error texts (MLflow: agent_errors.json)
+    audit: dict = field(default_factory=dict)  # the run audit's latest report (rlhf_core.supervision.audit)
 
     @property
     def checkpoint_facts(self) -> dict:
@@ -234,10 +237,14 @@ def supervise(run: RunState, cancel: CancelWatch) -> bool:
         cancel_check_s=CANCEL_CHECK_INTERVAL_S,
         wait=time.sleep,
         after_stop=lambda: wait(loops, timeout=LOOP_END_WAIT_S),  # their task runs end now, not with the flow
+        on_audit=lambda report: setattr(run, "audit", report),
     )
     run.events = sinks.events
     loops.extend(watch_loops(run, start=True))
-    finished = run_supervision(cfg, run.runtime, run.step, sinks)
+    try:
+        finished = run_supervision(cfg, run.runtime, run.step, sinks)
+    finally:  # final on every way out: finished, failed or cancelled
+        log_audit(run.tracker, run.audit, run.logger)
     run.events = sinks.events
     if finished:
         update_progress_artifact(artifact_id=progress_id, progress=100.0)
@@ -306,7 +313,10 @@ def finish(run: RunState) -> dict:
         description="Health events found by the supervising flow",
     )
     create_markdown_artifact(
-        markdown=_summary_markdown(cfg, result, tracker) + mismatch_markdown(run.evals) + plots.markdown,
+        markdown=_summary_markdown(cfg, result, tracker)
+        + mismatch_markdown(run.evals)
+        + audit_markdown(run.audit)
+        + plots.markdown,
         key="atrlhf-summary",
         description="Run summary",
     )

@@ -181,6 +181,12 @@ def test_flow_completes_and_records_everything(straight_run, work):
     assert not client.list_artifacts(run.info.run_id, "model")  # the policy is stored once, as the LoggedModel
     plots = {Path(a.path).name for a in client.list_artifacts(run.info.run_id, "plots")}
     assert plots == {"reward_curve.png", "reward_curve.json", "staleness_histogram.png"}
+    # the run audit: final, in MLflow and in the run directory, and printed by `atrlhf audit <run id>`
+    audit = client.download_artifacts(run.info.run_id, "audit.json")
+    report = json.loads(Path(audit).read_text())
+    assert report["final"] and {c["name"] for c in report["checks"]} >= {"weights", "staleness", "ledger"}
+    assert {c["verdict"] for c in report["checks"] if c["name"] in ("weights", "ledger", "lr_schedule")} == {"ok"}
+    assert json.loads((Path(result["run_dir"]) / "audit.json").read_text())["checks"] == report["checks"]
 
     # the logged model loads back, with the exported weights, and leaves no temporary directory behind
     temps_before = set(Path(tempfile.gettempdir()).glob("atrlhf-model-*"))

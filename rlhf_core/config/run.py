@@ -374,6 +374,12 @@ class SupervisionConfig(_Section):
         default_factory=EngineMismatchConfig,
         description="The engine-mismatch warning {kl, polls}: mismatch/engine_kl above kl for polls polls.",
     )
+    audit: Literal["warn", "fail", "off"] = Field(
+        "warn",
+        description="The run audit (rlhf_core.supervision.audit): for each mechanism the config turns on, a verdict "
+        "with its evidence, in <run dir>/audit.json and `atrlhf audit`. An inactive or failed verdict is a health "
+        "event; 'fail' also ends the run with it, 'off' keeps no audit.",
+    )
     sync_check: SyncCheckConfig = Field(
         default_factory=SyncCheckConfig,
         description="The check of every weight sync {action: fail | warn | off, tolerance}: the engine's log-probs "

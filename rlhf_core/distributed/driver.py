@@ -64,8 +64,6 @@ def run_distributed(
             sinks.cancelled, sinks.cancel_check_s = cancelled, 0.0
         start = time.perf_counter()
         result["cancelled"] = not supervise(cfg, run, run.last_step, sinks)
-        if result["cancelled"]:
-            record(run.poll())  # after the loops stopped: their last pushes
         result["wall_s"] = time.perf_counter() - start
         final = polls[-1]
         result["final_poll"] = final

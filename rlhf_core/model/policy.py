@@ -242,6 +242,17 @@ def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def dropout_max(model: torch.nn.Module) -> float:
+    """The largest dropout probability left in the model (its dropout modules' p and attention_dropout floats)."""
+    found = [0.0]
+    for module in model.modules():
+        if isinstance(module, _DROPOUT):
+            found.append(float(module.p))
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            found.append(float(module.attention_dropout))
+    return max(found)
+
+
 def ensure_policy(model_cfg, task: str, output_dir: str | Path, seed: int = 0) -> Path:
     """The policy directory a run uses: `model.path`, or the tiny default built once under output_dir.
 

@@ -107,6 +107,13 @@ def split(state_dict: Optional[dict]) -> tuple[Optional[dict], Optional[tuple[to
     return weights, (state_dict[PROBE_IDS], state_dict[PROBE_LOGPROBS])
 
 
+def snapshot_bytes(snapshot: Optional[dict]) -> int:
+    """The bytes of the weights a sync ships (the probe's rows and reference left out)."""
+    if not snapshot:
+        return 0
+    return sum(v.numel() * v.element_size() for k, v in snapshot.items() if k not in (PROBE_IDS, PROBE_LOGPROBS))
+
+
 class SyncCheck:
     """The rollout side: after a sync, the engine's probe tokens and log-probs against the published reference.
 
@@ -127,6 +134,8 @@ class SyncCheck:
         self.last_diff: Optional[float] = None
         self.last_kl: Optional[float] = None  # k3 KL(engine ‖ trainer) over the latest sync's probe tokens
         self.max_diff = 0.0
+        self.first: Optional[torch.Tensor] = None  # the reference of the first checked sync
+        self.moved_max = 0.0  # the most the trainer's probe log-probs moved since then, the engine agreeing
 
     def before_load(self, engine, probe: Optional[tuple[torch.Tensor, torch.Tensor]], version: int) -> None:
         """Before the first checked sync (no previous reference to tell an ignored update by): the engine's probe
@@ -152,8 +161,13 @@ class SyncCheck:
         self.checks += 1
         self.last_diff, self.max_diff = diff, max(self.max_diff, diff)
         previous, self.previous = self.previous, (int(version), ref)
+        if self.first is None:
+            self.first = ref.float()
         if diff <= self.tolerance:
             self._before = None
+            # the engine agreed: how far its log-probs moved since the first sync (an adapter in use moves them)
+            then = self.first.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+            self.moved_max = max(self.moved_max, float((expected - then).abs().mean()))
             return
         self.failures += 1
         message = (
@@ -201,4 +215,5 @@ class SyncCheck:
             "sync_probe_diff": self.last_diff,
             "sync_probe_diff_max": self.max_diff,
             "sync_probe_kl": self.last_kl,
+            "sync_probe_moved_max": self.moved_max,
         }

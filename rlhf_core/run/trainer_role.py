@@ -14,6 +14,8 @@ from typing import Optional
 
 import torch
 
+from rlhf_core.model.policy import dropout_max
+from rlhf_core.rollout.probe import snapshot_bytes
 from rlhf_core.run.checkpoint import (
     CheckpointState,
     capture_rng,
@@ -77,6 +79,7 @@ class TrainerRole:
         self.work_started: Optional[float] = None  # wall clock of the first step: busy_frac's denominator
         self.error: Optional[str] = None
         self.staleness_hist: dict[int, int] = {}
+        self._model_facts: Optional[dict] = None
         self.groups_trained = 0  # counted here, independently of the buffer's count (reconcile)
         self.trained: dict[int, int] = {}  # prompt uid -> times trained on in the run: in every checkpoint
         self.checkpoints_written: list[dict] = []
@@ -136,6 +139,7 @@ class TrainerRole:
         (shipper or self.ship)(version, snapshot, due)
         if due:  # the CPU copy of the weights (with N trainer ranks: gathered from the shards)
             m["sync/snapshot_s"] = snapshot_s
+            m["sync/bytes"] = snapshot_bytes(snapshot)
         if due and self.last_publish_s is not None:
             m["sync/latency_s"] = self.last_publish_s  # the latest publish that has completed
         t2 = time.perf_counter()
@@ -323,6 +327,17 @@ class TrainerRole:
                 "staleness_hist": dict(self.staleness_hist),
                 "consecutive_skips": self.trainer.consecutive_skips,
                 "groups_trained": self.groups_trained,
+                **self.model_facts(),
             }
         )
         return s
+
+    def model_facts(self) -> dict:
+        """What the run audit checks of the trained model, computed once: its bytes (a LoRA sync ships far fewer)
+        and the largest dropout left active in it (the trainer turns dropout off)."""
+        if self._model_facts is None:
+            params = list(self.model.parameters()) if isinstance(self.model, torch.nn.Module) else []
+            self._model_facts = {"model_bytes": sum(p.numel() * p.element_size() for p in params)} if params else {}
+            if params:
+                self._model_facts["dropout_max"] = dropout_max(self.model)
+        return self._model_facts

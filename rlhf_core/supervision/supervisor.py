@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Optional
 
 from rlhf_core.config import TrainConfig
+from rlhf_core.supervision.audit import RunAudit
 from rlhf_core.supervision.monitor import Decision, HealthEvent, HealthMonitor, SupervisionError
 
 
@@ -32,6 +33,7 @@ class Supervisor:
         start_bound = getattr(runtime, "restored_max_staleness", None)
         self.monitor = HealthMonitor(cfg, start_step=start_step, start_bound=start_bound)
         self.report = report or (lambda event: None)
+        self.audit = RunAudit(cfg, start_step) if cfg.supervision.audit != "off" else None
 
     @property
     def events(self) -> list[HealthEvent]:
@@ -42,6 +44,7 @@ class Supervisor:
         poll = self.runtime.poll()
         request = poll["scale_request"] = self.requests.poll() if self.requests is not None else None
         decision = self.monitor.check(poll)
+        self.audit_poll(poll, decision)
         for event in decision.events:
             self.report(event)
         self.apply(decision)
@@ -49,6 +52,39 @@ class Supervisor:
             said = [e.detail for e in decision.events if e.kind.startswith("scale")]
             self.requests.answer(self.fleet_size if decision.rollout_workers is not None else None, "; ".join(said))
         return poll
+
+    def audit_poll(self, poll: dict, d: Optional[Decision] = None) -> list[HealthEvent]:
+        """The poll's evidence to the run audit, then its new findings (`audit_findings`)."""
+        if self.audit is None:
+            return []
+        self.audit.observe(poll)
+        return self.audit_findings(int(poll.get("step", self.monitor.last_step)), d)
+
+    def audit_findings(self, step: int, d: Optional[Decision] = None) -> list[HealthEvent]:
+        """Each audit verdict newly inactive or failed becomes a health event: added to `d` (reported with the
+        decision; with supervision.audit 'fail' the decision ends the run), or reported here when there is none."""
+        if self.audit is None:
+            return []
+        ends = self.cfg.supervision.audit == "fail"
+        events = [
+            HealthEvent(
+                step,
+                f"audit_{c.name}",
+                "error" if c.verdict == "failed" or ends else "warning",
+                "fail" if ends else "none",
+                f"audit: {c.name} {c.verdict}: {c.evidence}",
+            )
+            for c in self.audit.findings()
+        ]
+        self.monitor.events.extend(events)
+        if d is not None:
+            d.events.extend(events)
+            if events and ends and not d.fail:
+                d.fail = f"supervision.audit is fail and the run audit found: {events[0].detail}"
+        else:
+            for event in events:
+                self.report(event)
+        return events
 
     def apply(self, d: Decision) -> None:
         if d.fail:
