@@ -195,7 +195,7 @@ def decode_exact_reward(response_ids, answers, tokenizer, stop_ids):
 
 def contains_regexes(answers):
     """Per answer: a regex for its spellings ('1000', '1,000') as a whole number / word (docs/rewards.md)."""
-    from rlhf_core.reward.answers import text_variants
+    from rlhf_core.reward.answer_forms import text_variants
 
     out = []
     for answer in answers:

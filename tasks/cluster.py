@@ -111,7 +111,7 @@ LOOP_TASKS = ("rollout-worker-loop", "trainer-loop")
 def restarted_by_ray(task, task_run, state) -> bool:
     """Retry condition of a rollout worker's loop: only a worker whose process died (and Ray restarts) runs a new
     loop; a loop that raised failed for good."""
-    from rlhf_core.distributed.runtime import WorkerDied
+    from rlhf_core.run.control import WorkerDied
 
     return isinstance(state.result(raise_on_failure=False), WorkerDied)
 

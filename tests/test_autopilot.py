@@ -7,7 +7,7 @@ import pytest
 
 from rlhf_core.autopilot import StalenessAutopilot
 from rlhf_core.config import ConfigError, load_config
-from rlhf_core.distributed.control import ExperienceBuffer
+from rlhf_core.run.control import ExperienceBuffer
 from rlhf_core.supervision import HealthMonitor, Supervisor
 
 PILOT = [

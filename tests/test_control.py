@@ -11,8 +11,9 @@ from pathlib import Path
 import torch
 
 from rlhf_core.data.queue import PromptQueue
-from rlhf_core.distributed.control import ExperienceBuffer, WeightStore, busy_fraction, reconcile
-from rlhf_core.distributed.transport import group_rows, pack_groups, pack_state_dict, unpack_groups, unpack_state_dict
+from rlhf_core.distributed.transport import pack_groups, pack_state_dict, unpack_groups, unpack_state_dict
+from rlhf_core.run.accounting import reconcile
+from rlhf_core.run.control import ExperienceBuffer, WeightStore, busy_fraction, group_rows
 from tests.test_buffer import make_experience
 
 REPO = Path(__file__).resolve().parents[1]
@@ -20,7 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_control_and_transport_import_no_ray():
     code = (
-        "import sys; import rlhf_core.distributed.control, rlhf_core.distributed.transport, rlhf_core.data.queue, "
+        "import sys; import rlhf_core.run.control, rlhf_core.distributed.transport, rlhf_core.data.queue, "
         "rlhf_core.loop; "
         "assert 'ray' not in sys.modules, 'ray was imported'"
     )
@@ -36,7 +37,7 @@ def test_the_prompt_queue_and_weight_store_processes_import_no_torch(max3_prompt
     code = (
         "import pickle, sys\n"
         "from rlhf_core.data.queue import PromptQueue\n"
-        "from rlhf_core.distributed.control import WeightStore\n"
+        "from rlhf_core.run.control import WeightStore\n"
         "prompts = pickle.loads(sys.stdin.buffer.read())\n"
         "q = PromptQueue(prompts, seed=1); q.top_up(4); served = q.get(6); q.load_state_dict(q.state_dict())\n"
         "store = WeightStore(); store.publish(3, ['ref'], 0.1); assert store.get_if_newer(2) == (3, ['ref'])\n"

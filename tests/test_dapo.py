@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from rlhf_core.config import ConfigError, load_config
-from rlhf_core.distributed.control import ExperienceBuffer
 from rlhf_core.distributed.transport import pack_groups, unpack_groups
+from rlhf_core.run.control import ExperienceBuffer
 from tests.test_buffer import make_experience
 
 

@@ -413,7 +413,7 @@ def test_a_resumed_async_run_trains_on_every_prompt_of_each_epoch_exactly_once(t
     import sys
     from pathlib import Path
 
-    from rlhf_core.distributed.trainer_actor import TRAINED_PROMPTS_FILE
+    from rlhf_core.run.trainer_role import TRAINED_PROMPTS_FILE
 
     n_prompts, per_step = 40, 4  # max3 has 1000 problems: 4% of them train, an epoch is 10 steps
     common = [

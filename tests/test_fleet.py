@@ -12,8 +12,9 @@ import pytest
 from rlhf_core.autoscale import FleetPolicy
 from rlhf_core.config import ConfigError, load_config
 from rlhf_core.data.queue import PromptQueue
-from rlhf_core.distributed.control import ExperienceBuffer, reconcile
 from rlhf_core.distributed.transport import pack_groups
+from rlhf_core.run.accounting import reconcile
+from rlhf_core.run.control import ExperienceBuffer
 from rlhf_core.run.requests import ScaleRequests, read_answer, request_scale
 from tests.test_buffer import make_experience
 

@@ -13,13 +13,8 @@ from torch.overrides import TorchFunctionMode
 from transformers import PreTrainedTokenizerFast
 
 from rlhf_core.config import ConfigError, RewardConfig, load_config
-from rlhf_core.reward.answers import (
-    answer_variants,
-    continuation_token_ids,
-    number_forms,
-    patterns_from_texts,
-    whitespace_token_ids,
-)
+from rlhf_core.reward.answer_forms import answer_variants, number_forms
+from rlhf_core.reward.answers import continuation_token_ids, patterns_from_texts, whitespace_token_ids
 from rlhf_core.reward.components import (
     REWARD_COMPONENTS,
     answer_after_marker_reward,

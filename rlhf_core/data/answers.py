@@ -59,7 +59,7 @@ def answer_patterns(tokenizer, text: str, task: str = "jsonl") -> list[list[int]
     """`Prompt.answers` of an answer text, as the prompt builder of data.task makes them.
 
     The word-level synthetic tasks ('max3', 'sum2') match the answer's one tokenization; every other task
-    (JSONL datasets, chat tasks) matches all `rlhf_core.reward.answers.answer_variants` (as is, stripped, with a
+    (JSONL datasets, chat tasks) matches all `rlhf_core.reward.answer_forms.answer_variants` (as is, stripped, with a
     leading space, number spellings). Returns a list of token-id lists; [] when the text tokenizes to nothing.
     """
     if task in SYNTHETIC_TASKS:

@@ -1,8 +1,5 @@
 """The Ray runtime: the only Ray code.
 
-    control.py    experience buffer with admission control, weight-store bookkeeping, the conservation of
-                  prompt groups (reconcile); plain Python, no Ray import (the runtime wraps each object, and
-                  the prompt queue of rlhf_core.data.queue, in a Ray actor)
     transport.py  experience and weights packed for Ray's object store (no Ray import)
     calls.py      a bounded wait on a Ray reference (get_or_fail, WaitTimeout), the fault-injection death
     rollout_actor.py       the rollout actor (a RolloutWorker in its own process)
@@ -13,6 +10,7 @@
     runtime.py    DistributedRun: launch, loops, poll, sync, checkpoint, teardown
     driver.py     run_distributed: a DistributedRun supervised without Prefect (tests, benchmarks)
 
+The runtime wraps rlhf_core.run.control's objects (and the prompt queue of rlhf_core.data.queue) in Ray actors.
 Importing this package does not import Ray; the names below load their modules (and Ray) on first use.
 """
 

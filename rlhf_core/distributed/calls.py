@@ -7,8 +7,6 @@ import os
 
 import ray
 
-from rlhf_core.run.control import RunFailed, WorkerDied  # noqa: F401  (importable here: every host raises them)
-
 
 class WaitTimeout(TimeoutError):
     """A blocking wait ran past runtime.wait_timeout_s."""

@@ -11,8 +11,9 @@ from typing import Optional
 
 import ray
 
-from rlhf_core.distributed.calls import RunFailed, WorkerDied, task_error
+from rlhf_core.distributed.calls import task_error
 from rlhf_core.distributed.cluster import rollout_worker_resources
+from rlhf_core.run.control import RunFailed, WorkerDied
 
 WAITING_EVENT_S = 10.0  # a worker not back after this long is reported as waiting for room
 # a pending start's state (a worker's `error` in the poll while it lasts) -> what its event says once it is up

@@ -20,9 +20,8 @@ import ray
 
 from rlhf_core.config import TrainConfig
 from rlhf_core.data.queue import PromptQueue
-from rlhf_core.distributed.calls import RunFailed, WorkerDied, get_or_fail  # noqa: F401  (importable here)
+from rlhf_core.distributed.calls import get_or_fail
 from rlhf_core.distributed.cluster import ClusterHandle, check_resources, connect, gpu_placement_group, teardown
-from rlhf_core.distributed.control import ExperienceBuffer, WeightStore, reconcile
 from rlhf_core.distributed.fleet import Fleet
 from rlhf_core.distributed.loops import LoopWatch
 from rlhf_core.distributed.reward_model_actor import RewardModelActor
@@ -31,8 +30,9 @@ from rlhf_core.distributed.trainer_actor import TrainerActor
 from rlhf_core.distributed.trainer_group import TrainerRankActor
 from rlhf_core.env.serve import stop_wait_s
 from rlhf_core.run import build
+from rlhf_core.run.accounting import reconcile
 from rlhf_core.run.checkpoint import CheckpointState, read_checkpoint
-from rlhf_core.run.control import assemble_poll, buffer_options
+from rlhf_core.run.control import ExperienceBuffer, RunFailed, WeightStore, WorkerDied, assemble_poll, buffer_options
 from rlhf_core.run.preflight import check_lengths, check_output_dir
 from rlhf_core.run.supervise import FAILED_GRACE_S, stop_grace
 
@@ -413,4 +413,4 @@ class DistributedRun(LoopWatch, Fleet):
         self.teardown(failed=exc_type is not None)
 
     # ------------------------------------------------------------------ reconciliation
-    reconcile = staticmethod(reconcile)  # the conservation of groups (rlhf_core.distributed.control owns it)
+    reconcile = staticmethod(reconcile)  # the conservation of groups (rlhf_core.run.control owns it)

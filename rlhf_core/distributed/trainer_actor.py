@@ -23,7 +23,7 @@ from rlhf_core.distributed.trainer_group import group_address, join_trainer_grou
 from rlhf_core.model.lora import adapter_state_dict, is_lora
 from rlhf_core.run import build
 from rlhf_core.run.checkpoint import CheckpointState, load_weights_into
-from rlhf_core.run.roles import TRAINED_PROMPTS_FILE, TrainerRole  # noqa: F401  (TRAINED_PROMPTS_FILE: importable here)
+from rlhf_core.run.roles import TrainerRole
 
 log = logging.getLogger("rlhf_core.distributed")
 

@@ -12,7 +12,6 @@ from dataclasses import fields
 
 import torch
 
-from rlhf_core.run.control import group_rewards, group_rows  # noqa: F401  (importable from here too)
 from rlhf_core.types import Experience, RolloutBatch
 
 

@@ -12,7 +12,6 @@ instance per trajectory, run in the rollout worker's environment process pool, n
         def close(self) -> None: ...                                   # optional: once per episode
 
 Every method may be a coroutine (awaited). Modules:
-  spec.py        find the class (config time: by reading the source) and import it (in the pool)
   checks.py      every value an environment returns, checked where it arrives; the failure kinds
   serve.py       a pool process: the instances, every call under the timeout, close() once per episode
   pool.py        EnvPool: spawned processes, many trajectories in flight per process, failure isolation
@@ -23,7 +22,8 @@ beside the rollout engines, in rlhf_core/rollout/multiturn.py and multiturn_batc
 this package's pool, so the environment package never imports the rollout package.
   protocol.py    Environment: the interface above as a typing.Protocol
 
-This package's __init__ imports nothing: the pool's processes import serve.py, checks.py and spec.py, no torch.
+This package's __init__ imports nothing: the pool's processes import serve.py and checks.py (and
+rlhf_core.usercode, which finds and imports the class), no torch.
 The public names (docs/api.md: `Environment`, `ToolEnv`) load their module on first use.
 """
 

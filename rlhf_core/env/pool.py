@@ -33,18 +33,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import wait as wait_any
 from typing import Any, Optional
 
-from rlhf_core.env.checks import check_step_result  # noqa: F401 (re-exported)
-from rlhf_core.env.serve import (  # noqa: F401 (re-exported)
-    MARK_SLOTS,
-    MARKS_SIZE,
-    STUCK_THREADS,
-    THREADS_PER_PROCESS,
-    EnvStepTimeout,
-    error_text,
-    now_us,
-    serve,
-    stop_wait_s,
-)
+from rlhf_core.env.serve import MARK_SLOTS, MARKS_SIZE, STUCK_THREADS, THREADS_PER_PROCESS, now_us, serve, stop_wait_s
 
 START_TIMEOUT_S = 120.0  # a pool process must have imported the environment within this
 KILL_GRACE_S = 5.0  # beyond a request's timeout before its process is killed

@@ -8,7 +8,7 @@ The modules:
                   answer_variants)
   answers         those packed into tensors (patterns_from_texts), vocabulary-derived token sets
   text            the text matcher behind reward.match: text
-  functions/      user Python reward functions (reward.functions): spec, the process pool, math_verify
+  functions/      user Python reward functions (reward.functions): the process pool, math_verify
                   (no torch), and `external.PythonFunctionRewards`, the rollout worker's external reward
   model           the learned reward model (reward.model)
 Scoring responses by hand with a run's whole reward is `rlhf_core.scoring` (it builds a run's parts).

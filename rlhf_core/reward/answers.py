@@ -9,13 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from rlhf_core.reward.answer_forms import (  # noqa: F401  (re-exported: the answers' spellings)
-    SPACE_PREFIXES,
-    WHITESPACE_CHARS,
-    answer_variants,
-    number_forms,
-    text_variants,
-)
+from rlhf_core.reward.answer_forms import SPACE_PREFIXES, WHITESPACE_CHARS, answer_variants
 from rlhf_core.reward.tensor_native import pack_patterns
 from rlhf_core.types import PackedPatterns
 

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from rlhf_core.reward.answers import answer_variants, continuation_token_ids, whitespace_token_ids
+from rlhf_core.reward.answer_forms import answer_variants
+from rlhf_core.reward.answers import continuation_token_ids, whitespace_token_ids
 from rlhf_core.reward.tensor_native import (
     PatternsLike,
     _check_rows,

@@ -15,8 +15,6 @@ import threading
 import time
 from typing import TYPE_CHECKING, Optional
 
-from rlhf_core.run.accounting import reconcile  # noqa: F401 (its home: accounting.py)
-
 if TYPE_CHECKING:
     from rlhf_core.config import TrainConfig
 

@@ -32,8 +32,9 @@ import torch
 from rlhf_core.config import TrainConfig
 from rlhf_core.data.queue import PromptQueue
 from rlhf_core.run import build
+from rlhf_core.run.accounting import reconcile
 from rlhf_core.run.checkpoint import CheckpointState, read_checkpoint
-from rlhf_core.run.control import ExperienceBuffer, RunFailed, assemble_poll, buffer_options, reconcile
+from rlhf_core.run.control import ExperienceBuffer, RunFailed, assemble_poll, buffer_options
 from rlhf_core.run.local import LocalPeer, LocalWeights
 from rlhf_core.run.preflight import check_lengths, check_output_dir
 from rlhf_core.run.roles import RolloutRole, TrainerRole
