@@ -14,7 +14,7 @@ This package's __init__ imports nothing; the names below load their module on fi
 
 from __future__ import annotations
 
-import importlib
+from rlhf_core.lazy import lazy_exports
 
 _LAZY = {
     "AgentError": "rlhf_core.agent.runner",
@@ -24,16 +24,4 @@ _LAZY = {
 }
 
 __all__ = sorted(_LAZY)
-
-
-def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_exports(globals(), _LAZY)

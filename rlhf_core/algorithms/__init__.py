@@ -26,9 +26,6 @@ ever).
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
 from rlhf_core.algorithms import builtin as _builtin  # noqa: F401  (registers the built-ins)
 from rlhf_core.algorithms.options import (
     IMPORTANCE_LEVELS,
@@ -47,6 +44,7 @@ from rlhf_core.algorithms.registry import (
     register_advantage,
     register_policy_loss,
 )
+from rlhf_core.lazy import lazy_exports
 
 _LAZY = {  # torch modules: name -> the module that holds it, imported on first access
     "rlhf_core.algorithms.advantages": (
@@ -71,33 +69,19 @@ _LAZY = {  # torch modules: name -> the module that holds it, imported on first 
         "step_keep_mask",
     ),
     "rlhf_core.algorithms.policy_loss": (
-        "clipped_surrogate",
         "compute_grpo_loss",
         "compute_m2po_loss",
         "compute_ppo_loss",
-        "importance_ratio",
         "m2po_keep_mask",
-        "m2po_trust_region_mask",
     ),
+    "rlhf_core.algorithms.surrogate": ("clipped_surrogate", "importance_ratio", "m2po_trust_region_mask"),
     "rlhf_core.algorithms.value": (
         "explained_variance",
         "value_loss",
     ),  # not value_loss.py: the submodule would shadow the function
 }
 _WHERE = {name: module for module, names in _LAZY.items() for name in names}
-
-
-def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    loaded = importlib.import_module(module)
-    globals().update({lazy: getattr(loaded, lazy) for lazy in _LAZY[module]})
-    return globals()[name]
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_WHERE))
+__getattr__, __dir__ = lazy_exports(globals(), _WHERE)
 
 
 __all__ = [

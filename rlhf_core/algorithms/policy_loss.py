@@ -49,15 +49,7 @@ from typing import Optional
 import torch
 
 from rlhf_core.algorithms.aggregation import agg_loss, masked_mean
-from rlhf_core.algorithms.dispatch import (  # noqa: F401  (importable from here, as before)
-    _LOSS_FIELDS,
-    POLICY_LOSSES,
-    STEP_MASK_LOSSES,
-    LossInputs,
-    compute_policy_loss,
-    step_keep_mask,
-)
-from rlhf_core.algorithms.options import IMPORTANCE_LEVELS, M2PO_MASKINGS
+from rlhf_core.algorithms.options import M2PO_MASKINGS
 from rlhf_core.algorithms.surrogate import (
     Norm,
     Stats,
@@ -72,24 +64,7 @@ from rlhf_core.algorithms.surrogate import (
     m2po_trust_region_mask,
 )
 
-__all__ = [  # the names below m2po_keep_mask are re-exported from where they now live
-    "compute_grpo_loss",
-    "compute_m2po_loss",
-    "compute_ppo_loss",
-    "m2po_keep_mask",
-    "compute_policy_loss",
-    "step_keep_mask",
-    "LossInputs",
-    "POLICY_LOSSES",
-    "STEP_MASK_LOSSES",
-    "IMPORTANCE_LEVELS",
-    "M2PO_MASKINGS",
-    "Norm",
-    "Stats",
-    "clipped_surrogate",
-    "importance_ratio",
-    "m2po_trust_region_mask",
-]
+__all__ = ["compute_grpo_loss", "compute_m2po_loss", "compute_ppo_loss", "m2po_keep_mask"]
 
 # --------------------------------------------------------------------------------------------------
 # Losses

@@ -16,21 +16,16 @@ Importing this package does not import Ray; the names below load their modules (
 
 from __future__ import annotations
 
-import importlib
+from rlhf_core.lazy import lazy_exports
 
 _LAZY = {
-    "ClusterError": "cluster",
-    "check_resources": "cluster",
-    "connect": "cluster",
-    "DistributedRun": "runtime",
-    "RunFailed": "runtime",
-    "run_distributed": "driver",
+    "ClusterError": "rlhf_core.distributed.cluster",
+    "check_resources": "rlhf_core.distributed.cluster",
+    "connect": "rlhf_core.distributed.cluster",
+    "DistributedRun": "rlhf_core.distributed.runtime",
+    "RunFailed": "rlhf_core.run.control",  # every host raises it
+    "run_distributed": "rlhf_core.distributed.driver",
 }
 
 __all__ = sorted(_LAZY)
-
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        return getattr(importlib.import_module(f"rlhf_core.distributed.{_LAZY[name]}"), name)
-    raise AttributeError(f"module 'rlhf_core.distributed' has no attribute {name!r}")
+__getattr__, __dir__ = lazy_exports(globals(), _LAZY)

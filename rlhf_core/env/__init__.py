@@ -29,7 +29,7 @@ The public names (docs/api.md: `Environment`, `ToolEnv`) load their module on fi
 
 from __future__ import annotations
 
-import importlib
+from rlhf_core.lazy import lazy_exports
 
 _LAZY = {
     "Environment": "rlhf_core.env.protocol",
@@ -37,16 +37,4 @@ _LAZY = {
 }
 
 __all__ = sorted(_LAZY)
-
-
-def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:  # a submodule not yet imported (`from rlhf_core.env import pool`) lands here too
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_exports(globals(), _LAZY)

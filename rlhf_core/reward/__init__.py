@@ -23,7 +23,7 @@ import layers one-way at import time.
 
 from __future__ import annotations
 
-import importlib
+from rlhf_core.lazy import lazy_exports
 
 # public name -> the module that defines it (loaded on first access, then cached in this module)
 _LAZY = {
@@ -52,16 +52,4 @@ _LAZY = {
 }
 
 __all__ = sorted(_LAZY)
-
-
-def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:  # a submodule not yet imported (`from rlhf_core.reward import model`) lands here too
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_exports(globals(), _LAZY)
