@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from rlhf_core.config import ConfigError, load_config
+from rlhf_core.model.directory import model_context_length
 from rlhf_core.model.policy import ModelLoadError, check_model_dir, load_policy
 from rlhf_core.run.preflight import (
     LATEST,
@@ -19,7 +20,6 @@ from rlhf_core.run.preflight import (
     check_lengths,
     check_output_dir,
     claim_run_dir,
-    model_context_length,
 )
 
 

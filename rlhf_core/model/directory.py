@@ -1,17 +1,25 @@
 """A local Hugging Face model directory, checked before anything loads it: config.json, tokenizer files and the
-safetensors headers (a few KB each, never the weights). Plain Python: no torch, no transformers, so the command
-line checks `model.path` before anything starts (rlhf_core.run.preflight); `rlhf_core.model.policy` loads what passes.
+safetensors headers (a few KB each, never the weights), its context length (`model_context_length`), and a reward
+model's directory (`check_reward_model_config`: a sequence-classification model with one label). Plain Python: no
+torch, no transformers, so the command line checks `model.path` and `reward.model.path` before anything starts
+(rlhf_core.run.preflight); `rlhf_core.model.policy` and `rlhf_core.reward.model` load what passes.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
+
+from rlhf_core.config.base import ConfigError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 TINY_POLICY_DIRS = {"word": "tiny_policy", "chat": "tiny_chat_policy"}  # under run.output_dir, by model.preset's kind
 TINY_MODEL_TYPES = {"word": "llama", "chat": "qwen2"}  # their architectures (rlhf_core.model.policy builds them)
+# config.json keys that hold a model's context length, by architecture family (the first present wins)
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
+_SCALING_TYPES = ("linear", "dynamic", "yarn", "longrope")
 
 
 class ModelLoadError(ValueError):
@@ -138,3 +146,64 @@ def target_modules_problem(targets, linear: list[str]) -> Optional[str]:
         f"model.lora.target_modules: {unknown} match no linear layer of the model; its linear modules are {linear} "
         "(name some of these)"
     )
+
+
+def model_context_length(policy_dir: str | os.PathLike) -> Optional[tuple[int, str]]:
+    """(context length, how it was read) from a model directory's config.json, or None when it names none."""
+    cfg_file = Path(policy_dir) / "config.json"
+    try:
+        config: Any = json.loads(cfg_file.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None  # check_model_dir reports a missing or broken config.json with its own message
+    if not isinstance(config, dict):
+        return None
+    for section in (config, config.get("text_config") or {}):  # multimodal models nest the language model's
+        if not isinstance(section, dict):
+            continue
+        for key in CONTEXT_KEYS:
+            value = section.get(key)
+            if isinstance(value, int) and value > 0:
+                scaling = section.get("rope_scaling") or {}
+                kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
+                factor = scaling.get("factor") if isinstance(scaling, dict) else None
+                if kind in _SCALING_TYPES and isinstance(factor, (int, float)) and factor > 1:
+                    base = scaling.get("original_max_position_embeddings") or value
+                    scaled = int(base * factor)
+                    if scaled > value:
+                        return scaled, f"{key}={value} with rope_scaling {kind} x{factor:g}"
+                return value, f"{key}={value}"
+    return None
+
+
+def check_reward_model_config(path: str | os.PathLike, field: str = "reward.model.path") -> Path:
+    """reward.model.path is a directory whose config.json names a *ForSequenceClassification architecture
+    with one label (num_labels=1: one score per sequence); ConfigError naming the field otherwise."""
+    p = Path(path).expanduser()
+    where = f"{field}={str(path)!r}"
+    if not p.is_dir():
+        raise ConfigError(
+            f"{where}: {p} {'is not a directory' if p.exists() else 'does not exist'}; it must be a local "
+            "directory saved from AutoModelForSequenceClassification (save_pretrained)"
+        )
+    cfg_file = p / "config.json"
+    try:
+        config: Any = json.loads(cfg_file.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{where}: the reward model directory {p} has no config.json") from None
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{where}: {cfg_file} is not valid JSON: {exc}") from None
+    archs = (config.get("architectures") if isinstance(config, dict) else None) or []
+    if not any(str(a).endswith("ForSequenceClassification") for a in archs):
+        raise ConfigError(
+            f"{where}: {cfg_file} names architectures {archs}, not a sequence-classification model; a reward "
+            "model must be saved from AutoModelForSequenceClassification (e.g. LlamaForSequenceClassification) "
+            "with num_labels=1"
+        )
+    labels = config.get("id2label")
+    num_labels = len(labels) if isinstance(labels, dict) else config.get("num_labels", 2)
+    if num_labels != 1:
+        raise ConfigError(
+            f"{where}: the model has {num_labels} labels (id2label in {cfg_file}); a reward model gives one score "
+            "per sequence: num_labels must be 1"
+        )
+    return p

@@ -34,15 +34,15 @@ from typing import Optional
 import torch
 
 from rlhf_core.config import ConfigError, RewardModelConfig
+from rlhf_core.model.directory import check_reward_model_config, model_context_length
 from rlhf_core.model.policy import ModelLoadError, check_model_dir, load_tokenizer, resolve_device, resolve_dtype
-from rlhf_core.run.preflight import check_reward_model_config, model_context_length
 
 REWARD_MODEL_NAME = "reward_model"  # the component name: logged as reward/reward_model
 FIELD = "reward.model.path"
 
 
 def check_reward_model_dir(path: str | Path) -> Path:
-    """The RM directory is a sequence-classification model with one label (`preflight.check_reward_model_config`)
+    """The RM directory is a sequence-classification model with one label (`model.directory.check_reward_model_config`)
     whose weights and tokenizer files are there and readable; ConfigError naming reward.model.path otherwise."""
     check_reward_model_config(path)
     try:

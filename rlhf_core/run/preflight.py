@@ -9,8 +9,9 @@ the model is checked here, each failing with a `ConfigError` that names the fiel
 - `claim_run_dir(output_dir, name)`: this run's own directory under run.output_dir, locked while the run is
   alive so that a second live run refuses it; `output_dir/latest` is pointed at it once it holds something
   (`RunDirClaim.point_latest`), so a run that fails before producing anything does not move it.
-- `check_reward_model_config(path)`: reward.model.path is a model directory whose config.json describes a
-  sequence-classification model with one label (its weights and tokenizer are checked when it loads).
+- `check_reward_model_config(path)` (rlhf_core.model.directory, which the reward model checks with too):
+  reward.model.path is a model directory whose config.json describes a sequence-classification model with one
+  label (its weights and tokenizer are checked when it loads).
 - `check_paths(cfg)`: every other local path the config names (model.path, critic.path, data files), the user
   code it imports (reward functions, environment, tools: imported here, as the workers will) and a run.name
   held by a live run; `check_lora_targets(cfg)`: model.lora.target_modules against the model's linear layers.
@@ -32,10 +33,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from rlhf_core.config import ConfigError
-
-# config.json keys that hold a model's context length, by architecture family (the first present wins)
-CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
-_SCALING_TYPES = ("linear", "dynamic", "yarn", "longrope")
+from rlhf_core.model.directory import check_reward_model_config, model_context_length
 
 
 def check_output_dir(path: str | os.PathLike, field: str = "run.output_dir") -> Path:
@@ -65,33 +63,6 @@ def check_output_dir(path: str | os.PathLike, field: str = "run.output_dir") -> 
             f"model and the exported policy go there. Fix its permissions or choose another {field}"
         ) from None
     return p.resolve()
-
-
-def model_context_length(policy_dir: str | os.PathLike) -> Optional[tuple[int, str]]:
-    """(context length, how it was read) from a model directory's config.json, or None when it names none."""
-    cfg_file = Path(policy_dir) / "config.json"
-    try:
-        config: Any = json.loads(cfg_file.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None  # check_model_dir reports a missing or broken config.json with its own message
-    if not isinstance(config, dict):
-        return None
-    for section in (config, config.get("text_config") or {}):  # multimodal models nest the language model's
-        if not isinstance(section, dict):
-            continue
-        for key in CONTEXT_KEYS:
-            value = section.get(key)
-            if isinstance(value, int) and value > 0:
-                scaling = section.get("rope_scaling") or {}
-                kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
-                factor = scaling.get("factor") if isinstance(scaling, dict) else None
-                if kind in _SCALING_TYPES and isinstance(factor, (int, float)) and factor > 1:
-                    base = scaling.get("original_max_position_embeddings") or value
-                    scaled = int(base * factor)
-                    if scaled > value:
-                        return scaled, f"{key}={value} with rope_scaling {kind} x{factor:g}"
-                return value, f"{key}={value}"
-    return None
 
 
 def check_lengths(policy_dir: str | os.PathLike, cfg, prompts: Optional[Iterable[Any]] = None) -> Optional[int]:
@@ -220,40 +191,6 @@ def point_latest(base: Path, name: str) -> None:
     except OSError:
         tmp.unlink(missing_ok=True)
         (base / f"{LATEST}.txt").write_text(name + "\n")
-
-
-def check_reward_model_config(path: str | os.PathLike, field: str = "reward.model.path") -> Path:
-    """reward.model.path is a directory whose config.json names a *ForSequenceClassification architecture
-    with one label (num_labels=1: one score per sequence); ConfigError naming the field otherwise."""
-    p = Path(path).expanduser()
-    where = f"{field}={str(path)!r}"
-    if not p.is_dir():
-        raise ConfigError(
-            f"{where}: {p} {'is not a directory' if p.exists() else 'does not exist'}; it must be a local "
-            "directory saved from AutoModelForSequenceClassification (save_pretrained)"
-        )
-    cfg_file = p / "config.json"
-    try:
-        config: Any = json.loads(cfg_file.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{where}: the reward model directory {p} has no config.json") from None
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{where}: {cfg_file} is not valid JSON: {exc}") from None
-    archs = (config.get("architectures") if isinstance(config, dict) else None) or []
-    if not any(str(a).endswith("ForSequenceClassification") for a in archs):
-        raise ConfigError(
-            f"{where}: {cfg_file} names architectures {archs}, not a sequence-classification model; a reward "
-            "model must be saved from AutoModelForSequenceClassification (e.g. LlamaForSequenceClassification) "
-            "with num_labels=1"
-        )
-    labels = config.get("id2label")
-    num_labels = len(labels) if isinstance(labels, dict) else config.get("num_labels", 2)
-    if num_labels != 1:
-        raise ConfigError(
-            f"{where}: the model has {num_labels} labels (id2label in {cfg_file}); a reward model gives one score "
-            "per sequence: num_labels must be 1"
-        )
-    return p
 
 
 # ----------------------------------------------------------------- every path and name, before anything starts
