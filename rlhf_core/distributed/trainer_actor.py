@@ -21,8 +21,9 @@ from rlhf_core.distributed.peers import RemoteBuffer, RemoteWeights
 from rlhf_core.distributed.rollout_actor import rollout_rng_states
 from rlhf_core.distributed.trainer_group import group_address, join_trainer_group
 from rlhf_core.model.lora import adapter_state_dict, is_lora
+from rlhf_core.model.weights import load_weights_into
 from rlhf_core.run import build
-from rlhf_core.run.checkpoint import CheckpointState, load_weights_into
+from rlhf_core.run.checkpoint import CheckpointState
 from rlhf_core.run.roles import TrainerRole
 
 log = logging.getLogger("rlhf_core.distributed")

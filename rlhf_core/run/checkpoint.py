@@ -15,8 +15,8 @@
 The single-process loop and the Ray runtime write the same layout, so either resumes from the other's
 checkpoint; so does a sharded trainer group (FSDP2, `trainer.sharding`): it writes whole tensors gathered
 from its ranks (`Trainer.full_weights`, an optimizer state of whole tensors, and the critic's weights and
-optimizer state alike), and loads a checkpoint by keeping each rank's shard (`load_weights_into`, for the
-critic too), so a run saved with N trainer ranks resumes with any other N.
+optimizer state alike), and loads a checkpoint by keeping each rank's shard (`load_weights_into`, in
+rlhf_core/model/weights.py, for the critic too), so a run saved with N trainer ranks resumes with any other N.
 
 A checkpoint is written to a temporary sibling directory and renamed into place, so a crash mid-write never
 leaves a half checkpoint under the final name. Loading validates every file and the parameter names and
@@ -43,14 +43,13 @@ from rlhf_core.model.lora import (
     ADAPTER_WEIGHTS,
     adapter_shapes,
     is_lora,
-    load_adapter_state_dict,
     peft_config_dict,
     save_adapter,
     save_adapter_weights,
     save_merged,
 )
 from rlhf_core.model.policy import TINY_POLICY_DIRS
-from rlhf_core.model.sharding import is_dtensor, shard_like
+from rlhf_core.model.weights import CheckpointError, is_tied, load_weights_into
 from rlhf_core.run.checkpoint_paths import CHECKPOINTS_DIR, META_FILE
 
 FORMAT_VERSION = 2
@@ -106,10 +105,6 @@ def inspect_path(path: str | Path) -> PathContents:
     else:
         kind = "unknown"
     return PathContents(p, kind, run_config)
-
-
-class CheckpointError(ValueError):
-    """A checkpoint is missing, corrupt, or does not match the model or run it is loaded into."""
 
 
 @dataclass
@@ -376,41 +371,13 @@ def read_checkpoint(path: str | Path, model=None, critic=None) -> tuple[Checkpoi
         mismatch = _shape_mismatch(
             {k: list(v.shape) for k, v in weights.items()},
             expected,
-            may_lack=None if live_lora else lambda k: _is_tied(model, k, weights),
+            may_lack=None if live_lora else lambda k: is_tied(model, k, weights),
         )
         if mismatch:
             raise CheckpointError(f"{weights_file} does not match the model: {mismatch}")
     if critic is not None:
         _check_critic(p, state, critic)
     return state, weights
-
-
-def load_weights_into(model, weights: dict[str, torch.Tensor]) -> None:
-    """Copy validated weights into the model in place (tied parameters share storage and get one copy); a
-    LoRA model takes its adapter tensors."""
-    if is_lora(model):
-        try:
-            load_adapter_state_dict(model, weights)
-        except KeyError as exc:
-            raise CheckpointError(str(exc)) from None
-        return
-    live = model.state_dict()
-    # a sharded model (FSDP2) takes each rank's shard of the whole tensors
-    weights = {k: shard_like(v, live[k]) if k in live else v for k, v in weights.items()}
-    missing, unexpected = model.load_state_dict(weights, strict=False)
-    tied = set(getattr(model, "_tied_weights_keys", None) or [])
-    real_missing = [k for k in missing if k not in tied and not _is_tied(model, k, weights)]
-    if real_missing or unexpected:
-        raise CheckpointError(
-            f"weights do not fit the model: missing {real_missing[:3]}, unexpected {list(unexpected)[:3]}"
-        )
-
-
-def _is_tied(model, key: str, weights: dict) -> bool:
-    """A missing key is fine when its tensor shares storage with one that was loaded (tied embeddings)."""
-    sd = {k: v.to_local() if is_dtensor(v) else v for k, v in model.state_dict().items()}
-    ptr = sd[key].data_ptr()
-    return any(sd[k].data_ptr() == ptr for k in weights if k in sd)
 
 
 def write_run_config(directory: str | Path, config: dict) -> Path:

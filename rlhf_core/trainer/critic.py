@@ -36,6 +36,7 @@ from rlhf_core.model.sharding import (
     whole_optimizer_state,
     world,
 )
+from rlhf_core.model.weights import load_weights_into
 from rlhf_core.types import RolloutBatch
 
 
@@ -180,8 +181,6 @@ class Critic:
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from `state_dict()`'s layout (written by N ranks or one); sharded, each rank keeps its shard."""
-        from rlhf_core.run.checkpoint import load_weights_into  # checkpoint imports the trainer package
-
         load_weights_into(self.model, state["weights"])
         load_whole_optimizer_state(self.optimizer, state["optimizer"], self.group)
         self.updates = int(state.get("updates", 0))

@@ -36,6 +36,7 @@ from rlhf_core.model.sharding import (
     whole_optimizer_state,
     world,
 )
+from rlhf_core.model.weights import load_weights_into
 from rlhf_core.rollout import probe as sync_probe
 from rlhf_core.rollout.base import SamplingParams
 from rlhf_core.trainer.ledger import mismatch_ledger, reward_column_means
@@ -401,8 +402,6 @@ class Trainer:
     def load_full_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Copy whole tensors (a state dict, as `full_weights` gives) into the model; sharded, each rank keeps
         its shard (no communication)."""
-        from rlhf_core.run.checkpoint import load_weights_into  # checkpoint imports this package
-
         load_weights_into(self.model, weights)
 
     def state_dict(self) -> dict:
