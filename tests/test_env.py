@@ -15,7 +15,8 @@ from rlhf_core.data.prompts import Prompt
 from rlhf_core.env.chat import ChatFormat, ChatFormatError
 from rlhf_core.model.policy import load_policy, stop_token_ids
 from rlhf_core.rollout import HFEngine, RolloutWorker, SamplingParams
-from rlhf_core.rollout.multiturn import EnvError, EnvRunner, trajectory_batch
+from rlhf_core.rollout.multiturn import EnvError, EnvRunner
+from rlhf_core.rollout.multiturn_batch import trajectory_batch
 from rlhf_core.trainer import sequence_logprobs
 from rlhf_core.usercode import load_attr, load_env_class
 
@@ -507,7 +508,7 @@ def test_atrlhf_score_replays_a_trajectory_file(tmp_path, capsys):
 
     from flows.cli import main
     from rlhf_core.env.score import write_trajectories
-    from rlhf_core.rollout.multiturn import Trajectory, Turn
+    from rlhf_core.rollout.multiturn_batch import Trajectory, Turn
 
     t = Trajectory(prompt=Prompt(0, [1], []), row={"answer": "3"})
     t.transcript = [Turn("user", "count to 3"), Turn("assistant", "one", version=2), Turn("user", "turn 1")]

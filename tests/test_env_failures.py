@@ -15,7 +15,8 @@ from rlhf_core.config import validate_config
 from rlhf_core.data.prompts import Prompt
 from rlhf_core.model.policy import load_policy, stop_token_ids
 from rlhf_core.rollout import HFEngine, SamplingParams
-from rlhf_core.rollout.multiturn import EnvError, EnvRunner, trajectory_batch
+from rlhf_core.rollout.multiturn import EnvError, EnvRunner
+from rlhf_core.rollout.multiturn_batch import trajectory_batch
 
 FIXTURES = str(Path(__file__).parent / "env_fixtures.py")
 

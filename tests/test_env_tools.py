@@ -14,7 +14,8 @@ from rlhf_core.env.chat import ChatFormatError
 from rlhf_core.env.tools import parse_tool_calls, tool_schemas
 from rlhf_core.model.policy import load_policy, stop_token_ids
 from rlhf_core.rollout import SamplingParams
-from rlhf_core.rollout.multiturn import EnvRunner, trajectory_batch
+from rlhf_core.rollout.multiturn import EnvRunner
+from rlhf_core.rollout.multiturn_batch import trajectory_batch
 from rlhf_core.types import RolloutBatch
 
 REPO = Path(__file__).resolve().parents[1]

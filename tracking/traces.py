@@ -33,7 +33,7 @@ from typing import Any, Optional
 log = logging.getLogger("tracking")
 
 TRACE_STEP_TAG = "atrlhf.step"
-EVAL_TRAJECTORIES = "eval/trajectories"  # the key of an evaluation's traced episodes (rlhf_core.run.evaluation)
+EVAL_TRAJECTORIES = "eval/trajectories"  # the key of an evaluation's traced episodes (rlhf_core.env.score)
 REQUEST_ATTRIBUTES = (  # an agent request's span attributes (rlhf_core.agent.runner.request_record)
     "prompt_tokens",
     "completion_tokens",

@@ -39,6 +39,7 @@ from rlhf_core.agent.segments import EpisodeLog, as_metrics, as_reward, episode_
 from rlhf_core.agent.server import AgentServer
 from rlhf_core.config.base import MAX_CONSECUTIVE_FAILURES
 from rlhf_core.data.prompts import Prompt, prompt_row
+from rlhf_core.env.score import EVAL_TRAJECTORIES, TRACED_TRAJECTORIES
 from rlhf_core.rollout.base import SamplingParams
 from rlhf_core.usercode import load_attr
 
@@ -258,8 +259,6 @@ class AgentRunner:
             if e.error is not None:
                 return False
             return bool(e.metrics["success"]) if "success" in e.metrics else e.reward > 0
-
-        from rlhf_core.run.evaluation import EVAL_TRAJECTORIES, TRACED_TRAJECTORIES
 
         return {
             "eval/accuracy": sum(solved(e) for e in episodes) / n,

@@ -31,7 +31,7 @@ from typing import Any, Optional
 import torch
 
 from rlhf_core.data.prompts import Prompt
-from rlhf_core.rollout.multiturn import Trajectory, trajectory_batch
+from rlhf_core.rollout.multiturn_batch import Trajectory, trajectory_batch
 from rlhf_core.types import Experience, RolloutBatch
 
 

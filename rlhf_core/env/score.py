@@ -24,10 +24,12 @@ from typing import Optional
 from rlhf_core.env.pool import EnvPool
 
 REPLAY_POLL_S = 1.0
+EVAL_TRAJECTORIES = "eval/trajectories"  # an evaluation's traced episodes, as trajectory records (not a metric)
+TRACED_TRAJECTORIES = 4  # episodes of each evaluation logged as MLflow traces
 
 
 def trajectory_record(t, trained_at: int | str = "eval") -> dict:
-    """A trajectory (rlhf_core.rollout.multiturn.Trajectory) as one line of a trajectory file. trained_at: the
+    """A trajectory (rlhf_core.rollout.multiturn_batch.Trajectory) as one line of a trajectory file. trained_at: the
     trainer step it was trained at, or "eval" for a held-out evaluation's episode."""
     messages = []
     for turn in t.transcript:

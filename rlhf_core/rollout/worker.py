@@ -217,7 +217,7 @@ class RolloutWorker:
 
     def _env_batch(self, prompts: Sequence[Prompt], trajs: list, start: float):
         """The batch of `prompts`' trajectories (contiguous per prompt): failed groups left out, scored."""
-        from rlhf_core.rollout.multiturn import last_turn_batch, trajectory_batch, trajectory_metrics
+        from rlhf_core.rollout.multiturn_batch import last_turn_batch, trajectory_batch, trajectory_metrics
 
         G = self.samples_per_prompt
         keep = [g for g in range(len(prompts)) if not any(t.error for t in trajs[g * G : (g + 1) * G])]

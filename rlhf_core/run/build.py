@@ -162,7 +162,7 @@ def build_sync_check(cfg: TrainConfig) -> SyncCheck:
 
 def rollout_casts(cfg: TrainConfig, model) -> bool:
     """Whether rollout.engine_kwargs.dtype asks the HF engine for another dtype than `model`'s parameters."""
-    from rlhf_core.models import resolve_dtype
+    from rlhf_core.model.policy import resolve_dtype
 
     name = cfg.rollout.engine_option("dtype")
     dtype = resolve_dtype(name) if name else None
@@ -176,7 +176,7 @@ def rollout_model(cfg: TrainConfig, model):
     (HFEngine.load_weights: copy_)."""
     if not rollout_casts(cfg, model):
         return model
-    from rlhf_core.models import resolve_dtype
+    from rlhf_core.model.policy import resolve_dtype
 
     dtype = resolve_dtype(cfg.rollout.engine_option("dtype"))
     engine_model = copy.deepcopy(model).eval()

@@ -49,8 +49,6 @@ def accuracy_from_components(
     return (total > 0).float()
 
 
-EVAL_TRAJECTORIES = "eval/trajectories"  # a multi-turn evaluation's traced episodes (records, not a metric)
-TRACED_TRAJECTORIES = 4  # episodes of each evaluation logged as MLflow traces
 PASS_AT_K = "eval/pass@k"
 MEAN_AT_K = "eval/mean@k"
 
@@ -176,8 +174,8 @@ def evaluate_env(env, engine, prompts: Sequence[Prompt], reward_fn, pad_token_id
     episode counts as not solved. Also eval/reward_mean, eval/turns_mean and eval/env_errors, and under
     "eval/trajectories" the first TRACED_TRAJECTORIES episodes as trajectory-file records (rlhf_core.env.score),
     which the flow logs as MLflow traces. All episodes are kept on `env.last_eval`."""
-    from rlhf_core.env.score import trajectory_record
-    from rlhf_core.rollout.multiturn import last_turn_batch
+    from rlhf_core.env.score import EVAL_TRAJECTORIES, TRACED_TRAJECTORIES, trajectory_record
+    from rlhf_core.rollout.multiturn_batch import last_turn_batch
 
     greedy = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
     trajs = env.run(engine, prompts, 1, greedy)
