@@ -4,7 +4,8 @@ The module-level imports of every module under rlhf_core/, flows/ and tasks/ (re
 imports under `if TYPE_CHECKING:` and inside functions are not executed at import time and are left out)
 form a graph in which importing a module also imports the packages above it. A cycle in that graph is an
 import circle (build <-> data <-> reward was one): it works or fails depending on which module is imported
-first. Fresh interpreters check the modules that must import without torch.
+first. Fresh interpreters check the modules that must import without torch. Above the modules, the folders form
+layers (LAYER_ORDER): every import, those inside functions included, points down to a folder listed before its own.
 """
 
 from __future__ import annotations
@@ -150,6 +151,107 @@ def test_build_data_and_reward_form_no_circle_even_through_imports_inside_functi
             units[layer(name)] |= {layer(t) for t in targets if layer(t) and layer(t) != layer(name)}
     cycle = find_cycle(units)
     assert cycle is None, "import circle (imports inside functions included): " + " -> ".join(cycle)
+
+
+# ------------------------------------------------------------------------------------------------- layers
+# The folders, bottom first: a module imports from its own folder and the folders before it, never from one after
+# it, at import time or inside a function (not under `if TYPE_CHECKING:`, which never runs). Each sub-package of
+# rlhf_core is a folder, each top-level module of rlhf_core one of its own (rlhf_core/__init__.py is empty), and
+# tracking/, tasks/ and flows/ sit above rlhf_core (docs/architecture.md, "Layers"). A new folder or top-level
+# module fails test_every_module_has_a_layer until it is placed here.
+LAYER_ORDER = (
+    "rlhf_core.types",  # the data that crosses every boundary (RolloutBatch, Experience)
+    "rlhf_core.usercode",  # the one loader of user Python files
+    "rlhf_core.lazy",  # the packages' lazy exports
+    "rlhf_core.algorithms",
+    "rlhf_core.env",
+    "rlhf_core.config",  # validates with the algorithms' registry and the environment's source checks
+    "rlhf_core.autopilot",
+    "rlhf_core.autoscale",
+    "rlhf_core.model",
+    "rlhf_core.reward",
+    "rlhf_core.data",  # the data layer uses the reward's answer forms
+    "rlhf_core.rollout",
+    "rlhf_core.agent",  # drives a rollout engine
+    "rlhf_core.buffer",
+    "rlhf_core.trainer",
+    "rlhf_core.supervision",
+    "rlhf_core.models",  # the public names of model/policy.py (docs/api.md)
+    "rlhf_core.run",  # a run assembled and hosted in-process
+    "rlhf_core.distributed",  # the Ray host of run/'s roles
+    "rlhf_core.loop",
+    "rlhf_core.policy_eval",
+    "rlhf_core.scoring",  # builds a run's reward
+    "rlhf_core.staleness",
+    "rlhf_core.sweep_grid",
+    "tracking",
+    "tasks",
+    "flows",
+)
+# The one import that points up, by (module, the folder it may import): the host factory, which picks the Ray
+# host or the threads host by cluster.host (inside make_runtime, so the threads host never imports Ray).
+UPWARD_ALLOWED = {("rlhf_core.run.hosts", "rlhf_core.distributed")}
+
+
+def layer_of(module: str) -> str | None:
+    """The folder of LAYER_ORDER that holds `module` (None for the empty root package rlhf_core)."""
+    return next((f for f in LAYER_ORDER if module == f or module.startswith(f + ".")), None)
+
+
+def folder_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The module graph between folders: folder -> the folders its modules import."""
+    out: dict[str, set[str]] = {}
+    for name, targets in graph.items():
+        if (src := layer_of(name)) is not None:
+            out.setdefault(src, set()).update(t for t in map(layer_of, targets) if t is not None and t != src)
+    return out
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """'module -> imported module' for every import from a folder into one above it, but UPWARD_ALLOWED's."""
+    rank = {folder: i for i, folder in enumerate(LAYER_ORDER)}
+    found = []
+    for name, targets in sorted(graph.items()):
+        src = layer_of(name)
+        for target in sorted(targets):
+            dst = layer_of(target)
+            if src and dst and rank[dst] > rank[src] and (name, dst) not in UPWARD_ALLOWED:
+                found.append(f"{name} -> {target}")
+    return found
+
+
+def test_every_module_has_a_layer():
+    unplaced = [name for name in _modules() if name != "rlhf_core" and layer_of(name) is None]
+    assert not unplaced, f"place these in LAYER_ORDER (bottom first): {unplaced}"
+    assert not _imported(ast.parse((ROOT / "rlhf_core" / "__init__.py").read_text()), hidden=True)
+
+
+def test_the_layer_check_sees_an_upward_import():
+    """An import planted inside a function of the reward model, up into run/, is found; one under TYPE_CHECKING
+    is not (it never runs); and the named exception is the only one."""
+    planted = (
+        "def check(path):\n    from rlhf_core.run.preflight import check_paths\n\n"
+        "if TYPE_CHECKING:\n    from flows.train import train\n"
+    )
+    graph = import_graph(hidden=True)
+    graph["rlhf_core.reward.model"] = {module for module, _ in _imported(ast.parse(planted), hidden=True)}
+    assert upward_imports(graph) == ["rlhf_core.reward.model -> rlhf_core.run.preflight"]
+    graph["rlhf_core.run.build"] = {"rlhf_core.distributed.runtime"}  # the exception is the host factory's only
+    assert upward_imports(graph) == [
+        "rlhf_core.reward.model -> rlhf_core.run.preflight",
+        "rlhf_core.run.build -> rlhf_core.distributed.runtime",
+    ]
+
+
+def test_imports_point_down_the_layers_even_inside_functions():
+    graph = import_graph(hidden=True)
+    assert "rlhf_core.distributed.runtime" in graph["rlhf_core.run.hosts"]  # the named exception is still needed
+    upward = upward_imports(graph)
+    folders = "\n".join(f"  {f} -> {sorted(t)}" for f, t in sorted(folder_graph(graph).items()))
+    assert not upward, (
+        f"imports from a folder into one above it (LAYER_ORDER): {upward}\nMove the shared code down to the "
+        f"folder that owns it, or pass it in from above. The folder graph now:\n{folders}"
+    )
 
 
 @pytest.mark.parametrize(
