@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from rlhf_core.config import ConfigError, load_config, validate_config
+from tests.ledger_checks import assert_ledger_balances
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -154,4 +155,4 @@ def test_the_ray_runtime_runs_agents(ray_local, tmp_path):
         assert m["agent/requests_mean"] == 2 and m["reward/agent"] == 1.0 and m["agent/prefix_breaks"] == 0
         assert m["agent/errors"] == 0 and m["async/token_staleness_max"] <= 1
     assert result["eval/accuracy"] == 1.0
-    assert result["reconcile"]["unaccounted"] == 0, result["reconcile"]
+    assert_ledger_balances(result["reconcile"])

@@ -10,7 +10,10 @@ import pytest
 import torch
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+from tests.ledger_checks import assert_ledger_balances
+
 ray = pytest.importorskip("ray")
+
 
 from rlhf_core.config import load_config  # noqa: E402
 from rlhf_core.distributed import ClusterError, DistributedRun, run_distributed  # noqa: E402
@@ -86,7 +89,7 @@ def test_stopping_mid_run_gives_the_prefetched_batch_back(ray_local, tmp_path):
     assert 5 <= steps < 500
     assert final["buffer"]["given_back"] == cfg.trainer.prompts_per_step  # the prefetched batch went back
     assert rec["trained"] == rec["consumed"] == steps * cfg.trainer.prompts_per_step  # trained on, not merely taken
-    assert rec["in_flight"] == 0 and rec["unaccounted"] == 0, rec
+    assert_ledger_balances(rec)
     # the rollout loop asks admission for its next batch before generating this one; stopping returns it
     assert final["buffer"]["admitted"] == rec["generated"]
 
@@ -142,7 +145,7 @@ def test_a_worker_declared_lost_that_lived_on_generates_again_under_a_new_lease(
         assert stats["groups_pushed"] > pushed and ray.get(run.workers[0].ping.remote())["holder"] != holder
         run.stop()  # the loops stop and their last pushes land: then every group is where it is counted
         rec = run.reconcile(run.poll())
-    assert rec["unaccounted"] == 0 and rec["in_flight"] == 0, rec
+    assert_ledger_balances(rec)
 
 
 def test_trainer_failure_ends_run_with_clear_error_and_keeps_checkpoint(ray_local, tmp_path):
@@ -197,7 +200,7 @@ def test_an_async_run_learns_within_the_bound_accounts_for_every_prompt_and_chec
     assert len(per_step) == steps and max(per_step) <= 2
     rec = result["reconcile"]
     assert rec["trained"] == rec["consumed"] == steps * cfg.trainer.prompts_per_step
-    assert rec["in_flight"] == 0 and rec["unaccounted"] == 0, rec  # counted at both ends: nothing lost or doubled
+    assert_ledger_balances(rec)  # counted at both ends: nothing lost or doubled
 
     names = sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*"))
     assert names == ["step_000025", "step_000050"]
@@ -312,6 +315,8 @@ def test_a_killed_rollout_worker_is_restarted_a_checkpoint_taken_meanwhile_succe
             events.extend(run.poll()["events"])
             time.sleep(0.2)
         assert run.restarts == [1]
+        run.stop()
+        assert_ledger_balances(run.reconcile(run.poll()))  # what the killed worker pushed is in one account too
     kinds = [e["kind"] for e in events]
     assert "rollout_worker_died" in kinds and "rollout_worker_restarted" in kinds, kinds
 
@@ -344,7 +349,7 @@ def test_partial_rollouts_adopt_weights_mid_batch_and_bound_every_tokens_stalene
     mid_batch = sum(r["syncs_mid_batch"] for r in rollout)
     assert mid_batch >= 1, rollout  # weights did change mid-generation
     rec = result["reconcile"]
-    assert rec["in_flight"] == 0 and rec["unaccounted"] == 0, rec
+    assert_ledger_balances(rec)
 
 
 def test_tau_zero_the_in_process_host_and_the_ray_host_train_the_same_model(ray_local, tmp_path):

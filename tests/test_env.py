@@ -19,6 +19,7 @@ from rlhf_core.rollout.multiturn import EnvError, EnvRunner
 from rlhf_core.rollout.multiturn_batch import trajectory_batch
 from rlhf_core.trainer import sequence_logprobs
 from rlhf_core.usercode import load_attr, load_env_class
+from tests.ledger_checks import assert_ledger_balances
 
 FIXTURES = str(Path(__file__).parent / "env_fixtures.py")
 
@@ -499,7 +500,7 @@ def test_the_ray_runtime_runs_environments(ray_local, tmp_path):
     assert records and all(r["policy_version"] == r["policy_version_last"] == 3 for r in records)
     assert {(r["trained_at"], r["ended"]) for r in records} == {("eval", "done")}
     rec = result["reconcile"]
-    assert rec["unaccounted"] == 0, rec
+    assert_ledger_balances(rec)
 
 
 # ------------------------------------------------------------------------------------------ atrlhf score

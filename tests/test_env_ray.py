@@ -10,6 +10,7 @@ import pytest
 
 from flows.terminal import failure_line
 from rlhf_core.config import validate_config
+from tests.ledger_checks import assert_ledger_balances
 from tests.test_env import loop_cfg
 
 pytestmark = pytest.mark.slow
@@ -81,6 +82,7 @@ def test_a_chaotic_environment_trains_on_the_ray_runtime(ray_local, tmp_path, ma
     )
     result = run_distributed(cfg, poll_interval_s=0.2)
     assert result["steps"] == 12
+    assert_ledger_balances(result["reconcile"])  # every episode's tokens in one account, failures included
     counts, by_instance = events(tmp_path / "events")
     last = result["metrics"][-1]
     counted = {kind: last.get(f"env/errors/{kind}", 0) for kind in ("raised", "timeout", "bad_result", "process_died")}

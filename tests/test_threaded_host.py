@@ -16,6 +16,7 @@ from rlhf_core.config import load_config
 from rlhf_core.distributed import run_distributed
 from rlhf_core.run.hosts import make_runtime
 from rlhf_core.run.threaded import ThreadedRun
+from tests.ledger_checks import assert_ledger_balances
 
 REPO = Path(__file__).resolve().parents[1]
 LOCKSTEP = [
@@ -86,7 +87,7 @@ def test_the_threads_host_trains_within_the_bound_and_accounts_for_every_group(t
     assert len(rollout) == 2 and all(r["groups_pushed"] > 0 for r in rollout)  # both workers generated
     rec = result["reconcile"]
     assert rec["trained"] == rec["consumed"] == 25 * cfg.trainer.prompts_per_step
-    assert rec["in_flight"] == 0 and rec["unaccounted"] == 0, rec
+    assert_ledger_balances(rec)
     assert "ray" not in sys.modules or not sys.modules["ray"].is_initialized()
 
 

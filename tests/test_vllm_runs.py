@@ -11,6 +11,7 @@ import pytest
 
 from rlhf_core.config import load_config
 from rlhf_core.distributed import RunFailed, run_distributed
+from tests.ledger_checks import assert_ledger_balances
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
@@ -72,7 +73,7 @@ def test_partial_rollouts_on_vllm_adopt_weights_mid_batch_within_the_bound(tmp_p
     kls = [m["mismatch/engine_kl"] for m in metrics if m["version"] > 1]
     assert len(kls) == len(metrics) - 1 and max(kls) < 1e-6, kls
     rec = result["reconcile"]
-    assert rec["in_flight"] == 0 and rec["unaccounted"] == 0, rec
+    assert_ledger_balances(rec)
 
 
 def test_lora_on_vllm_trains_with_the_adapter_in_use(tmp_path):

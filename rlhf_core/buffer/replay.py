@@ -39,6 +39,7 @@ class BoundedReplayBuffer(LockedBuffer):
             queue = self._queue
             if len(queue) == self._max_size:
                 self._dropped_overflow += 1  # deque(maxlen) discards the oldest on append
+                self._measure_dropped([queue[0]])
             queue.append(item)
             self._pushed += 1
             if self._waiters:
@@ -71,6 +72,7 @@ class BoundedReplayBuffer(LockedBuffer):
             room = self._max_size - len(self._queue)
             if len(keep) > room:
                 self._dropped_overflow += len(keep) - room
+                self._measure_dropped(keep[: len(keep) - max(room, 0)])
                 keep = keep[len(keep) - room :] if room > 0 else []
             self._queue.extendleft(reversed(keep))
             if keep and self._waiters:
@@ -81,6 +83,9 @@ class BoundedReplayBuffer(LockedBuffer):
         """With the lock held: the given-back items that may re-enter (all of them here)."""
         return items
 
+    def _measure_dropped(self, items: list) -> None:
+        """With the lock held: items dropped on overflow (measured by a buffer given a measure)."""
+
     def _extend(self, items: list | tuple) -> None:
         """With the lock held: append already-accepted items, counting the overflow."""
         if not items:
@@ -89,6 +94,7 @@ class BoundedReplayBuffer(LockedBuffer):
         overflow = len(queue) + len(items) - self._max_size
         if overflow > 0:
             self._dropped_overflow += overflow
+            self._measure_dropped((list(queue) + list(items))[:overflow])  # the oldest go
         queue.extend(items)
         self._pushed += len(items)
         if self._waiters:
@@ -151,10 +157,11 @@ class VersionedReplayBuffer(BoundedReplayBuffer, VersionWindow):
         if max_staleness is not None and max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0 or None, got {max_staleness}")
         super().__init__(max_size)
-        # measure(item) -> (response tokens, rows): the evicted items' lengths (stats evicted_tokens, evicted_rows)
+        # measure(item) -> (response tokens, rows): what the evicted, dropped and buffered items hold (stats
+        # evicted_tokens/rows, dropped_tokens/rows, buffered_tokens/rows: the token ledger's buffer side)
         self._measure = measure
-        self._evicted_tokens = 0
-        self._evicted_rows = 0
+        self._evicted_tokens = self._evicted_rows = 0
+        self._dropped_tokens = self._dropped_rows = 0
         self._max_staleness = max_staleness
         self._version = int(version)
         self._min_fresh = self._fresh_bound()
@@ -175,6 +182,7 @@ class VersionedReplayBuffer(BoundedReplayBuffer, VersionWindow):
             queue = self._queue
             if len(queue) == self._max_size:
                 self._dropped_overflow += 1
+                self._measure_dropped([queue[0]])
             queue.append(item)
             if version < self._min_version:
                 self._min_version = version
@@ -286,14 +294,25 @@ class VersionedReplayBuffer(BoundedReplayBuffer, VersionWindow):
         self._min_version = min((v for v in versions if v >= bound), default=float("inf"))
         return evicted
 
+    def _measured(self, items) -> tuple[int, int]:
+        """(response tokens, rows) of `items` by the measure (0, 0 without one)."""
+        tokens = rows = 0
+        if self._measure is not None:
+            for item in items:
+                t, r = self._measure(item)
+                tokens, rows = tokens + int(t), rows + int(r)
+        return tokens, rows
+
     def _measure_evicted(self, items: list) -> None:
         """With the lock held: add the evicted items' response tokens and rows (when a measure was given)."""
-        if self._measure is None:
-            return
-        for item in items:
-            tokens, rows = self._measure(item)
-            self._evicted_tokens += int(tokens)
-            self._evicted_rows += int(rows)
+        tokens, rows = self._measured(items)
+        self._evicted_tokens += tokens
+        self._evicted_rows += rows
+
+    def _measure_dropped(self, items: list) -> None:
+        tokens, rows = self._measured(items)
+        self._dropped_tokens += tokens
+        self._dropped_rows += rows
 
     def clear(self) -> None:
         with self._lock:
@@ -301,9 +320,14 @@ class VersionedReplayBuffer(BoundedReplayBuffer, VersionWindow):
             self._min_version = float("inf")
             self._reset_counters()
             self._evicted_tokens = self._evicted_rows = 0
+            self._dropped_tokens = self._dropped_rows = 0
 
     def _stats(self) -> dict:
         out = super()._stats()
         out.update(version=self._version, max_staleness=self._max_staleness)
         out.update(evicted_tokens=self._evicted_tokens, evicted_rows=self._evicted_rows)
+        if self._measure is not None:
+            buffered_tokens, buffered_rows = self._measured(self._queue)
+            out.update(dropped_tokens=self._dropped_tokens, dropped_rows=self._dropped_rows)
+            out.update(buffered_tokens=buffered_tokens, buffered_rows=buffered_rows)
         return out

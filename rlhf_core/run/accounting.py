@@ -1,7 +1,10 @@
-"""Accounting of prompt groups across a run's roles (`reconcile`): every group a rollout worker generated is
-trained, evicted, dropped, filtered, buffered or in flight, counted at each end independently."""
+"""Accounting across a run's roles: every group a rollout worker generated is trained, evicted, dropped, filtered,
+buffered or in flight, counted at each end independently (`reconcile`), and so is every sample and response token
+(`token_ledger`, logged as ledger/*)."""
 
 from __future__ import annotations
+
+from rlhf_core.supervision.audit import LEDGER_ACCOUNTS  # the accounts the audit reads back
 
 
 def _pushed_unrevoked(stats: dict, revoked: set) -> int:
@@ -25,7 +28,8 @@ def reconcile(poll: dict) -> dict:
     in_flight non-zero once the loops have stopped. A rollout worker lost or retired is counted by what the
     buffer accepted from it (`revoked_groups`: its own count died with it); a live worker's pushes under a
     lease name since revoked (a loop declared lost whose process lived on) are counted there, not twice.
-    filtered: groups algorithm.filter_groups kept out (all rewards equal), counted as consumed."""
+    filtered: groups algorithm.filter_groups kept out (all rewards equal), counted as consumed. With the token
+    ledger's accounts (`token_ledger`: samples and tokens) when the buffer measures them."""
     b = poll["buffer"]
     # the workers' own counts, and for workers lost or retired (revoked) the buffer's count of what it accepted
     revoked = set(b.get("revoked_holders", ()))
@@ -47,4 +51,53 @@ def reconcile(poll: dict) -> dict:
         "buffered": b["size"],
         "in_flight": in_flight,
         "unaccounted": generated - accounted,
+        **token_ledger(b, poll["trainer"]),
     }
+
+
+def token_ledger(buffer: dict, trainer: dict) -> dict:
+    """Every sample and response token the buffer accepted, in exactly one account, in both units (rows =
+    samples, tokens = the response tokens trained on or not: response_mask summed):
+
+        pushed = trained + evicted + dropped + filtered + buffered + in_flight       (+ revoked, refused apart)
+
+    counted where each happens: pushed, filtered and taken by the run's ExperienceBuffer as groups arrive and
+    leave, evicted (stale), dropped (overflow) and buffered by the buffer that held them, trained by the trainer
+    from the groups it trained on; in_flight = taken - trained (a prefetched batch, 0 once the loops stopped and
+    gave it back). revoked: what a lost worker pushed after its lease was revoked (refused; its prompts were
+    generated again). Keys <account>_samples / <account>_tokens and unaccounted_samples / unaccounted_tokens;
+    {} when the buffer does not measure (a buffer built without group_length)."""
+    if "pushed_tokens" not in buffer or "buffered_tokens" not in buffer:
+        return {}
+    out = {}
+    for unit, suffix in (("samples", "rows"), ("tokens", "tokens")):
+        trained = int(trainer.get(f"trained_{suffix}", 0))
+        row = {
+            "pushed": int(buffer[f"pushed_{suffix}"]),
+            "trained": trained,
+            "evicted": int(buffer.get(f"evicted_{suffix}", 0)),
+            "dropped": int(buffer.get(f"dropped_{suffix}", 0)),
+            "filtered": int(buffer.get(f"filtered_{suffix}", 0)),
+            "buffered": int(buffer.get(f"buffered_{suffix}", 0)),
+            "in_flight": int(buffer.get(f"taken_{suffix}", 0)) - trained,
+            "revoked": int(buffer.get(f"refused_{suffix}", 0)),
+        }
+        row["unaccounted"] = row["pushed"] - sum(row[k] for k in LEDGER_ACCOUNTS)
+        out.update({f"{k}_{unit}": v for k, v in row.items()})
+    return out
+
+
+def group_rows(group) -> int:
+    """Completions in a group, packed (`rlhf_core.distributed.transport.pack_groups`) or not."""
+    if isinstance(group, dict):
+        return int(group["batch"]["response_ids"][1].shape[0])
+    return len(group)
+
+
+def group_length(group) -> tuple[int, int]:
+    """(response tokens, rows) of a group, packed or not: its response_mask summed, and its rows."""
+    if isinstance(group, dict):
+        mask = group["batch"]["response_mask"][1]
+        return int(mask.sum()), int(mask.shape[0])
+    mask = group.batch.response_mask
+    return int(mask.sum()), int(mask.shape[0])

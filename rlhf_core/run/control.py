@@ -15,6 +15,8 @@ import threading
 import time
 from typing import TYPE_CHECKING, Optional
 
+from rlhf_core.run.accounting import group_length, group_rows, token_ledger
+
 if TYPE_CHECKING:
     from rlhf_core.config import TrainConfig
 
@@ -61,6 +63,8 @@ class ExperienceBuffer:
         self.version = 0
         self.weights_version = 0
         self.samples_pushed = 0
+        # the token ledger's buffer side (rlhf_core.run.accounting.token_ledger), as [response tokens, rows]
+        self.measured = {k: [0, 0] for k in ("pushed", "filtered", "taken", "refused")}
         self.given_back = 0
         self.filter_groups = filter_groups
         self.filter_max_rounds = max(1, int(filter_max_rounds))
@@ -154,6 +158,7 @@ class ExperienceBuffer:
             with self.lock:
                 if holder in self.revoked:
                     self.refused_groups += len(groups)
+                    self._add("refused", groups)
                     return 0
                 record = self._holder(holder)
                 record[0], record[1] = max(record[0], int(batch)), record[1] + len(groups)
@@ -165,6 +170,9 @@ class ExperienceBuffer:
             constant = r is not None and bool((r == r[:1]).all())
             with self.lock:
                 self.samples_pushed += group_rows(g)
+                self._add("pushed", [g])
+                if constant:
+                    self._add("filtered", [g])
                 self.groups_pushed += 1
                 self.filtered_groups += constant
                 self.arrived_since_take += 1
@@ -173,6 +181,11 @@ class ExperienceBuffer:
             if not constant:
                 accepted += bool(self.buf.push(g))
         return accepted
+
+    def _add(self, account: str, groups: list, sign: int = 1) -> None:
+        """The groups' response tokens and rows to one account of the token ledger."""
+        measured = [group_length(g) for g in groups]
+        self.measured[account] = [a + sign * sum(m[i] for m in measured) for i, a in enumerate(self.measured[account])]
 
     def _settle(self, holder: str, batch: int) -> None:
         """Lease `batch` of `holder` is done (pushed, or failed whole); leases count from 1."""
@@ -221,6 +234,12 @@ class ExperienceBuffer:
         evicted on the way, so every group taken satisfies the staleness bound at the version that
         trains on it, while the buffer's own version stays V (pushes of V stay welcome, and a skipped
         step can still take for V). With filter_groups, fewer than n once the filter rounds are spent."""
+        groups, bound = self._take(n, timeout_s, for_version)
+        with self.lock:
+            self._add("taken", groups)
+        return groups, bound
+
+    def _take(self, n: int, timeout_s: float, for_version: Optional[int] = None) -> tuple[list, int]:
         version = self.version if for_version is None else int(for_version)
         if not self.filter_groups:
             return self.buf.take_for_bound(n, version, timeout_s)
@@ -251,6 +270,7 @@ class ExperienceBuffer:
             with self.lock:
                 groups = [g for g in self.last_filtered if read_version(g) >= version - bound][:n]
                 self.filtered_groups -= len(groups)  # trained after all: consumed, not filtered
+                self._add("filtered", groups, -1)
                 self.filtered_trained += len(groups)
         if groups:
             self.short_takes += 1
@@ -261,6 +281,8 @@ class ExperienceBuffer:
         prefetched): back to the front of the buffer, uncounted from consumed. Returns how many went back."""
         back = self.buf.requeue(groups)
         self.given_back += len(groups)
+        with self.lock:
+            self._add("taken", groups, -1)  # back in the buffer (or evicted or dropped there, measured by it)
         return back
 
     def start_at(self, version: int) -> None:
@@ -289,6 +311,7 @@ class ExperienceBuffer:
                 "capacity": self.capacity(),
                 "paused": self.paused,
                 "samples_pushed": self.samples_pushed,
+                **{f"{k}_{unit}": v[i] for k, v in self.measured.items() for i, unit in enumerate(("tokens", "rows"))},
                 "given_back": self.given_back,
                 "filtered_groups": self.filtered_groups,
                 "filtered_groups_frac": self.filtered_groups / self.groups_pushed if self.groups_pushed else 0.0,
@@ -316,22 +339,6 @@ def buffer_options(cfg: TrainConfig) -> dict:
         ceiling=pilot.max_staleness if pilot.enabled else None,
         filter_max_rounds=cfg.algorithm.filter_max_rounds,
     )
-
-
-def group_rows(group) -> int:
-    """Completions in a group, packed (`rlhf_core.distributed.transport.pack_groups`) or not."""
-    if isinstance(group, dict):
-        return int(group["batch"]["response_ids"][1].shape[0])
-    return len(group)
-
-
-def group_length(group) -> tuple[int, int]:
-    """(response tokens, rows) of a group, packed or not: its response_mask summed, and its rows."""
-    if isinstance(group, dict):
-        mask = group["batch"]["response_mask"][1]
-        return int(mask.sum()), int(mask.shape[0])
-    mask = group.batch.response_mask
-    return int(mask.sum()), int(mask.shape[0])
 
 
 def group_rewards(group):
@@ -392,7 +399,7 @@ def busy_fraction(busy_s: float, since: Optional[float]) -> float:
 def poll_metrics(buffer_stats: dict, trainer_stats: dict, alive_workers: list[dict]) -> dict:
     """What every host adds to each step's metrics at a poll: the buffer's counters, each role's busy fraction
     (util/rollout_busy: the mean over the live rollout workers), the env/* and agent/* counts of the run so far
-    (all workers) and the latest sync probe's sync/probe_kl and sync/probe_diff (the worst worker's)."""
+    (all workers), the latest sync probe's sync/probe_kl and sync/probe_diff (the worst worker's), ledger/*."""
     b = buffer_stats
     shared = {
         "buffer/size": b["size"],
@@ -403,6 +410,7 @@ def poll_metrics(buffer_stats: dict, trainer_stats: dict, alive_workers: list[di
         "util/rollout_busy": sum(s.get("busy_frac", 0.0) for s in alive_workers) / max(1, len(alive_workers)),
         "util/trainer_busy": trainer_stats["busy_frac"],
     }
+    shared.update({f"ledger/{k}": float(v) for k, v in token_ledger(b, trainer_stats).items()})
     for key in sorted({k for s in alive_workers for k in s if k.startswith(("env/", "agent/"))}):
         shared[key] = float(sum(s.get(key, 0.0) for s in alive_workers))
     probed = [s for s in alive_workers if s.get("sync_probe_kl") is not None]  # each one's latest sync probe

@@ -16,6 +16,7 @@ import torch
 
 from rlhf_core.model.policy import dropout_max
 from rlhf_core.rollout.probe import snapshot_bytes
+from rlhf_core.run.accounting import group_length
 from rlhf_core.run.checkpoint import (
     CheckpointState,
     capture_rng,
@@ -81,6 +82,7 @@ class TrainerRole:
         self.staleness_hist: dict[int, int] = {}
         self._model_facts: Optional[dict] = None
         self.groups_trained = 0  # counted here, independently of the buffer's count (reconcile)
+        self.tokens_trained = self.rows_trained = 0  # and in response tokens and rows (the token ledger)
         self.trained: dict[int, int] = {}  # prompt uid -> times trained on in the run: in every checkpoint
         self.checkpoints_written: list[dict] = []
         self.last_publish_s: Optional[float] = None
@@ -124,7 +126,9 @@ class TrainerRole:
                 self.staleness_hist[int(tau)] = self.staleness_hist.get(int(tau), 0) + int(count)
             m = self.call("train_step", batch)
             self.groups_trained += len(groups)
-            for g in groups:
+            for g in groups:  # the token ledger's trainer side, measured as the buffer measures
+                tokens, rows = group_length(g)
+                self.tokens_trained, self.rows_trained = self.tokens_trained + tokens, self.rows_trained + rows
                 self.trained[g.prompt_id] = self.trained.get(g.prompt_id, 0) + 1
             self._record_trained(self.trainer.step, [g.prompt_id for g in groups])
             version = self.trainer.version
@@ -327,6 +331,8 @@ class TrainerRole:
                 "staleness_hist": dict(self.staleness_hist),
                 "consecutive_skips": self.trainer.consecutive_skips,
                 "groups_trained": self.groups_trained,
+                "trained_tokens": self.tokens_trained,
+                "trained_rows": self.rows_trained,
                 **self.model_facts(),
             }
         )

@@ -4,11 +4,8 @@ measured (its polls: per-step metrics and each role's stats), updated at every p
 Verdicts: `ok` (evidence that it took effect), `inactive` (configured, no effect seen after `WINDOW` trainer steps,
 with the reason where one is known), `failed` (evidence against), `pending` (too early to say). A check that was
 `inactive` becomes `ok` when its effect shows later; `failed` is final. Each check's evidence is a sentence a user can
-read and the figures it rests on.
-
-The checks, when each applies and what each verdict means: docs/orchestration.md, "The run audit".
-
-Plain Python: no torch, no Ray, no Prefect (the supervision loop feeds it; the hosts' sinks publish it).
+read and the figures it rests on. The checks, when each applies and what each verdict means: docs/orchestration.md,
+"The run audit". Plain Python: no torch, no Ray, no Prefect (the supervision loop feeds it; the sinks publish it).
 """
 
 from __future__ import annotations
@@ -22,6 +19,7 @@ from typing import Optional
 
 AUDIT_FILE = "audit.json"
 WINDOW = 5  # trainer steps of evidence before a configured mechanism with no effect is called inactive
+LEDGER_ACCOUNTS = ("trained", "evicted", "dropped", "filtered", "buffered", "in_flight")  # rlhf_core.run.accounting
 NOISE = 1e-4  # a correction weight within this of 1 is engine numerics, not a correction
 
 
@@ -139,7 +137,9 @@ class RunAudit:
             out.append(
                 Check("kl", "ok", f"a non-zero KL term at {n} step(s)", {"steps": n})
                 if n
-                else self._undecided("kl", f"algorithm.kl_coef {algo.kl_coef}: the KL term was 0 at every step")
+                else self._undecided(
+                    "kl", f"algorithm.kl_coef {algo.kl_coef}: the KL term was 0 at every step", at_end=True
+                )
             )
         if "clip_frac" in " ".join(self.seen) or "clip_eps" in algo.loss_options.model_dump():
             out.append(self._clipping())
@@ -323,7 +323,11 @@ class RunAudit:
         figures = {k: [self.seen[k][0], self.seen[k][1]] for k in columns}
         if constant and self.steps >= 2:
             values = ", ".join(f"{k} = {self.seen[k][0]:.4g}" for k in constant)
-            return self._undecided("reward", f"constant at every step: {values} (no learning signal from it)", figures)
+            # a column at 0 throughout may be a sparse reward not earned yet: said at the end; another value at once
+            late = all(self.seen[k][0] == 0 for k in constant)
+            return self._undecided(
+                "reward", f"constant at every step: {values} (no learning signal from it)", figures, late
+            )
         if not columns:
             return self._undecided("reward", "no reward was logged yet")
         return Check(
@@ -374,16 +378,16 @@ class RunAudit:
         led = self.ledger
         if led is None:
             return Check("ledger", "inactive", self.ledger_note)
-        if led.get("unaccounted", 0) != 0:
-            return Check("ledger", "failed", f"{led['unaccounted']} group(s) unaccounted for: {led}", led)
-        return Check(
-            "ledger",
-            "ok",
-            f"{led.get('generated', 0)} generated = {led.get('trained', 0)} trained + "
-            f"{led.get('evicted', 0)} evicted + {led.get('dropped', 0)} dropped + {led.get('filtered', 0)} "
-            f"filtered + {led.get('buffered', 0)} buffered + {led.get('in_flight', 0)} in flight",
-            led,
+        units = (("groups", ""), ("samples", "_samples"), ("tokens", "_tokens"))
+        off = {u: led[f"unaccounted{k}"] for u, k in units if led.get(f"unaccounted{k}")}
+        off.update(
+            {f"{u} in flight after the stop": led[f"in_flight{k}"] for u, k in units if led.get(f"in_flight{k}")}
         )
+        if off:
+            return Check("ledger", "failed", f"not every one accounted for: {off}", led)
+        parts = " + ".join(f"{led.get(k + '_tokens', 0)} {k.replace('_', ' ')}" for k in LEDGER_ACCOUNTS)
+        tokens = f"; {led['pushed_tokens']} response tokens = {parts}" if "pushed_tokens" in led else ""
+        return Check("ledger", "ok", f"{led.get('generated', 0)} groups generated, each in one account{tokens}", led)
 
     def _checkpoint(self) -> Check:
         c = self.checkpoint or {}
@@ -393,13 +397,10 @@ class RunAudit:
             )
         if not c.get("path"):
             return Check("checkpoint", "inactive", "no checkpoint was written (the run ended before checkpoint.every)")
-        return Check(
-            "checkpoint",
-            "ok",
-            f"the last checkpoint ({c['path']}) reads back and holds version "
-            f"{c.get('version')} at step {c.get('step')}",
-            c,
+        said = (
+            f"the last checkpoint ({c['path']}) reads back and holds version {c.get('version')} at step {c.get('step')}"
         )
+        return Check("checkpoint", "ok", said, c)
 
     # ------------------------------------------------------------------ reports
     def findings(self) -> list[Check]:
@@ -415,13 +416,8 @@ class RunAudit:
     def report(self) -> dict:
         checks = self.checks()
         verdicts = [c.verdict for c in checks]
-        overall = (
-            "failed"
-            if "failed" in verdicts
-            else "inactive"
-            if "inactive" in verdicts
-            else ("ok" if self.final or "pending" not in verdicts else "pending")
-        )
+        order = ("failed", "inactive") if self.final else ("failed", "inactive", "pending")
+        overall = next((v for v in order if v in verdicts), "ok")
         return {
             "verdict": overall,
             "final": self.final,
