@@ -1,5 +1,5 @@
-"""What the training flow shows of a run: health-event rows, the progress line, the reward's breakdown,
-and whether the flow run was asked to cancel.
+"""What the training flow shows of a run: health-event rows, the progress line, the reward's breakdown, the
+run summary and audit, and whether the flow run was asked to cancel.
 
 The supervision policy itself (HealthMonitor, Supervisor) lives in rlhf_core.supervision; this module holds
 only presentation and the Prefect-side cancellation check (no @task: tasks/ holds the flow's task runs).
@@ -7,10 +7,12 @@ only presentation and the Prefect-side cancellation check (no @task: tasks/ hold
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
+from rlhf_core.config import TrainConfig
 from rlhf_core.supervision import HealthEvent
 from rlhf_core.supervision.audit import AUDIT_FILE, audit_table
+from tracking import MlflowTracker, run_url, ui_command
 
 
 def event_rows(events: list[HealthEvent]) -> list[dict]:
@@ -125,3 +127,85 @@ def log_audit(tracker, report: dict, logger) -> None:
         f"{c['name']} {c['verdict']}" for c in report.get("checks", ()) if c["verdict"] in ("inactive", "failed")
     ]
     logger.info("run audit: %s%s", report.get("verdict"), f" ({', '.join(flagged)})" if flagged else "")
+
+
+def pacing(cfg: TrainConfig) -> str:
+    """How rollout and training interleave, in words: lockstep at max_staleness 0, else the bound (or the
+    autopilot's range)."""
+    pilot = cfg.runtime.autopilot
+    if pilot.enabled:
+        return f"async (staleness autopilot, tau {pilot.min_staleness}..{pilot.max_staleness})"
+    tau = cfg.runtime.max_staleness
+    return "lockstep (tau = 0)" if tau == 0 else f"async (tau <= {tau})"
+
+
+def fmt(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def summary_markdown(cfg: TrainConfig, result: dict, tracker: MlflowTracker) -> str:
+    keys = [
+        "eval/accuracy_start",
+        "eval/accuracy_resumed",
+        "eval/accuracy",
+        "eval/reward_mean",
+        "eval/pass@k",
+        "eval/mean@k",
+        "reward/mean",
+        *reward_component_keys(result),  # what the reward is made of: correctness apart from format
+        "loss/policy",
+        "policy/entropy",
+        "async/staleness_mean",
+        "throughput/samples_per_s",
+        "steps",
+        "health_events",
+    ]
+    rows = "\n".join(f"| `{k}` | {fmt(result[k])} |" for k in keys if k in result)
+    url = run_url(tracker.uri, tracker.experiment_id, tracker.run_id)
+    model = cfg.model.path or "tiny default"
+    lines = [
+        "# AsyncTensorRLHF run summary",
+        "",
+        f"**{cfg.algorithm.loss}**, **{pacing(cfg)}**, task `{cfg.data.task}`, model `{model}`, "
+        f"{cfg.trainer.total_steps} trainer steps.",
+        "",
+        "| metric | value |",
+        "|---|---|",
+        rows,
+        "",
+    ]
+    if result.get("resumed_at") is not None:
+        lines += [
+            f"Resumed at step {result['resumed_at']}: `eval/accuracy_start` is the lineage's start (before its first "
+            "step), `eval/accuracy_resumed` the accuracy at the resume point.",
+            "",
+        ]
+    if reward_component_keys(result):
+        terms = [*cfg.reward.components.items(), *((f.metric_name, f.weight) for f in cfg.reward.functions)]
+        weights = " + ".join(f"{w:g} x {name}" for name, w in terms)
+        if cfg.reward.model.path:
+            weights += f" + {cfg.reward.model.weight:g} x reward_model"
+        lines += [
+            f"`reward/<component>`: each reward component's mean over the last step's batch, unweighted "
+            f"(`reward/mean` = {weights}).",
+            "",
+        ]
+    if "eval/pass@k" in result:
+        lines += [
+            f"`eval/pass@k`, `eval/mean@k`: k = {cfg.eval.k} of {cfg.eval.n_samples} samples per held-out prompt "
+            f"(temperature {cfg.eval.temperature:g}, top_p {cfg.eval.top_p:g}); in MLflow `eval/pass_at_k`, "
+            "`eval/mean_at_k` (MLflow refuses '@').",
+            "",
+        ]
+    lines += [
+        f"- MLflow run: `{tracker.run_id}` (experiment `{cfg.tracking.experiment}`, store `{tracker.uri}`): "
+        f"[{url}]({url}) — open the UI with `{ui_command(tracker.uri)}`",
+        f"- Final checkpoint: `{result['checkpoint']}`",
+        f"- Exported policy (Hugging Face directory): `{result['export']}`",
+    ]
+    if cfg.tracking.log_model:
+        lines.append(
+            f"- Load the logged model: `from tracking import load_logged_policy; "
+            f'model, tok = load_logged_policy("{tracker.run_id}", "{tracker.uri}")`'
+        )
+    return "\n".join(lines) + "\n"

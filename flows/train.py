@@ -40,8 +40,9 @@ from flows.progress import (
     ledger_of,
     log_audit,
     mismatch_markdown,
+    pacing,
     progress_line,
-    reward_component_keys,
+    summary_markdown,
 )
 from flows.terminal import quiet_terminal
 from rlhf_core.config import TrainConfig, validate_config
@@ -52,6 +53,7 @@ from rlhf_core.supervision import HealthEvent
 from tasks.checkpoints import ResumeTarget, export_policy, record_checkpoint, resolve_resume, save_checkpoint
 from tasks.cluster import (
     evaluate_heldout,
+    evaluate_pinned,
     launch_runtime,
     rollout_loop,
     teardown_runtime,
@@ -59,7 +61,7 @@ from tasks.cluster import (
     warm_start_policy,
 )
 from tasks.tracking import link_mlflow_run, log_model, log_plots, start_tracking
-from tracking import MlflowTracker, run_url, ui_command
+from tracking import MlflowTracker, ui_command
 from tracking.errors import ErrorTexts
 from tracking.traces import trace_evaluation
 
@@ -227,16 +229,17 @@ def supervise(run: RunState, cancel: CancelWatch) -> bool:
     )
     run.runtime.run_facts = run.checkpoint_facts  # the trainer writes its own checkpoints with these
     loops: list = []
+    evaluating: list = []  # the pinned evaluations' task runs
     sinks = Sinks(
         on_event=lambda ev: _log_event(run.logger, ev),
         on_poll=lambda poll: _record(run, poll),
         on_checkpoint=lambda c: _recorded(run, record_checkpoint(run.tracker, c["path"], c["step"])),
-        evaluate=lambda step: _evaluate(run),
+        evaluate=lambda step: _evaluate_pinned(run, evaluating),
         on_tick=tick,
         cancelled=cancelled,
         cancel_check_s=CANCEL_CHECK_INTERVAL_S,
         wait=time.sleep,
-        after_stop=lambda: wait(loops, timeout=LOOP_END_WAIT_S),  # their task runs end now, not with the flow
+        after_stop=lambda: wait(loops + evaluating, timeout=LOOP_END_WAIT_S),  # their task runs end now
         on_audit=lambda report: setattr(run, "audit", report),
     )
     run.events = sinks.events
@@ -268,6 +271,8 @@ def watch_loops(run: RunState, start: bool = False) -> list:
 def finish(run: RunState) -> dict:
     """Final evaluation, checkpoint, export and records; returns the run's result."""
     cfg, tracker = run.cfg, run.tracker
+    for result in run.runtime.evaluations():  # pinned evaluations that finished after the last poll
+        _record_eval(run, result)
     final_eval = _evaluate(run)
     checkpoint = _recorded(run, save_checkpoint(run.runtime, cfg, run.step, tracker, run=run.checkpoint_facts))
     exported = export_policy(run.runtime, cfg)
@@ -313,7 +318,7 @@ def finish(run: RunState) -> dict:
         description="Health events found by the supervising flow",
     )
     create_markdown_artifact(
-        markdown=_summary_markdown(cfg, result, tracker)
+        markdown=summary_markdown(cfg, result, tracker)
         + mismatch_markdown(run.evals)
         + audit_markdown(run.audit)
         + plots.markdown,
@@ -335,14 +340,6 @@ def finish(run: RunState) -> dict:
 
 
 # ------------------------------------------------------------------------------------------- helpers
-def pacing(cfg: TrainConfig) -> str:
-    """How rollout and training interleave, in words: lockstep at max_staleness 0, else the bound (or the
-    autopilot's range)."""
-    pilot = cfg.runtime.autopilot
-    if pilot.enabled:
-        return f"async (staleness autopilot, tau {pilot.min_staleness}..{pilot.max_staleness})"
-    tau = cfg.runtime.max_staleness
-    return "lockstep (tau = 0)" if tau == 0 else f"async (tau <= {tau})"
 
 
 def _record(run: RunState, poll: dict) -> None:
@@ -370,78 +367,22 @@ def _evaluate(run: RunState) -> dict:
     return result
 
 
+def _evaluate_pinned(run: RunState, evaluating: list) -> None:
+    """eval.every: a pinned evaluation of the newest published version, off the critical path (its own task run
+    while it runs; one at a time: a request meanwhile replaces the version waiting)."""
+    if evaluating and not evaluating[-1].state.is_final():
+        run.runtime.submit_evaluation()
+        return
+    evaluating.append(evaluate_pinned.submit(run.runtime, lambda result: _record_eval(run, result)))
+
+
+def _record_eval(run: RunState, result: dict) -> None:
+    version = int(result["eval/version"])  # logged at the step of the version it evaluated
+    trace_evaluation(run.tracker, result, version)
+    run.evals.append({**result, **ledger_of(run.last_metrics), "step": version})
+    run.tracker.log_metrics_at({k: v for k, v in result.items() if k != "skipped"}, version)
+
+
 def _log_event(logger, ev: HealthEvent) -> None:
     level = {"error": logger.error, "warning": logger.warning}.get(ev.severity, logger.info)
     level("health: %s at step %d -> %s: %s", ev.kind, ev.step, ev.action, ev.detail)
-
-
-def _fmt(value: Any) -> str:
-    return f"{value:.4g}" if isinstance(value, float) else str(value)
-
-
-def _summary_markdown(cfg: TrainConfig, result: dict, tracker: MlflowTracker) -> str:
-    keys = [
-        "eval/accuracy_start",
-        "eval/accuracy_resumed",
-        "eval/accuracy",
-        "eval/reward_mean",
-        "eval/pass@k",
-        "eval/mean@k",
-        "reward/mean",
-        *reward_component_keys(result),  # what the reward is made of: correctness apart from format
-        "loss/policy",
-        "policy/entropy",
-        "async/staleness_mean",
-        "throughput/samples_per_s",
-        "steps",
-        "health_events",
-    ]
-    rows = "\n".join(f"| `{k}` | {_fmt(result[k])} |" for k in keys if k in result)
-    url = run_url(tracker.uri, tracker.experiment_id, tracker.run_id)
-    model = cfg.model.path or "tiny default"
-    lines = [
-        "# AsyncTensorRLHF run summary",
-        "",
-        f"**{cfg.algorithm.loss}**, **{pacing(cfg)}**, task `{cfg.data.task}`, model `{model}`, "
-        f"{cfg.trainer.total_steps} trainer steps.",
-        "",
-        "| metric | value |",
-        "|---|---|",
-        rows,
-        "",
-    ]
-    if result.get("resumed_at") is not None:
-        lines += [
-            f"Resumed at step {result['resumed_at']}: `eval/accuracy_start` is the lineage's start (before its first "
-            "step), `eval/accuracy_resumed` the accuracy at the resume point.",
-            "",
-        ]
-    if reward_component_keys(result):
-        terms = [*cfg.reward.components.items(), *((f.metric_name, f.weight) for f in cfg.reward.functions)]
-        weights = " + ".join(f"{w:g} x {name}" for name, w in terms)
-        if cfg.reward.model.path:
-            weights += f" + {cfg.reward.model.weight:g} x reward_model"
-        lines += [
-            f"`reward/<component>`: each reward component's mean over the last step's batch, unweighted "
-            f"(`reward/mean` = {weights}).",
-            "",
-        ]
-    if "eval/pass@k" in result:
-        lines += [
-            f"`eval/pass@k`, `eval/mean@k`: k = {cfg.eval.k} of {cfg.eval.n_samples} samples per held-out prompt "
-            f"(temperature {cfg.eval.temperature:g}, top_p {cfg.eval.top_p:g}); in MLflow `eval/pass_at_k`, "
-            "`eval/mean_at_k` (MLflow refuses '@').",
-            "",
-        ]
-    lines += [
-        f"- MLflow run: `{tracker.run_id}` (experiment `{cfg.tracking.experiment}`, store `{tracker.uri}`): "
-        f"[{url}]({url}) — open the UI with `{ui_command(tracker.uri)}`",
-        f"- Final checkpoint: `{result['checkpoint']}`",
-        f"- Exported policy (Hugging Face directory): `{result['export']}`",
-    ]
-    if cfg.tracking.log_model:
-        lines.append(
-            f"- Load the logged model: `from tracking import load_logged_policy; "
-            f'model, tok = load_logged_policy("{tracker.run_id}", "{tracker.uri}")`'
-        )
-    return "\n".join(lines) + "\n"

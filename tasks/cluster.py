@@ -72,6 +72,37 @@ def evaluate_heldout(runtime, step: int) -> dict:
     return result
 
 
+@task(name="evaluate-pinned", cache_policy=NO_CACHE, persist_result=False)
+def evaluate_pinned(runtime, record: Callable[[dict], None], timeout_s: float = 3600.0) -> list[dict]:
+    """A held-out evaluation of the newest published version on its own worker (rlhf_core.run.pinned_eval): the
+    trainer and the rollout fleet go on. Queued now; this task run spans it, recording each evaluation that
+    finishes (at its version's step: `record`) until the one it queued (or a newer one that replaced it)."""
+    logger = get_run_logger()
+    version = runtime.submit_evaluation()
+    logger.info("held-out evaluation of version %d queued on the evaluation worker", version)
+    done: list[dict] = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not any(r["eval/version"] >= version for r in done):
+        for result in runtime.evaluations():
+            record(result)
+            done.append(result)
+            if "error" in result:
+                logger.warning("held-out evaluation of version %d failed: %s", result["eval/version"], result["error"])
+                continue
+            skipped = f"; versions {result['skipped']} skipped (it was busy)" if result.get("skipped") else ""
+            logger.info(
+                "held-out evaluation of version %d: accuracy %.3f, reward %.3f (%.1f s)%s%s",
+                result["eval/version"],
+                result["eval/accuracy"],
+                result["eval/reward_mean"],
+                result["eval/duration_s"],
+                failed_episodes(result),
+                skipped,
+            )
+        time.sleep(0.25)
+    return done
+
+
 @task(name="warm-start", cache_policy=NO_CACHE, persist_result=False)
 def warm_start_policy(runtime, steps: int) -> dict:
     """Supervised steps that teach the answer format (not the task) before RL; the weights are then published."""

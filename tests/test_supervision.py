@@ -173,7 +173,7 @@ def test_run_summaries_show_the_reward_components():
     from types import SimpleNamespace
 
     from flows.cli import _train_summary
-    from flows.train import _summary_markdown
+    from flows.progress import summary_markdown
 
     config = cfg("reward.components={answer_after_marker: 1.0, format: 0.1}")
     result = {
@@ -190,7 +190,7 @@ def test_run_summaries_show_the_reward_components():
         "mlflow_tracking_uri": "file:///tmp/mlruns",
     }
     tracker = SimpleNamespace(uri="file:///tmp/mlruns", experiment_id="1", run_id="r" * 32)
-    md = _summary_markdown(config, result, tracker)
+    md = summary_markdown(config, result, tracker)
     assert "| `reward/answer_after_marker` | 0 |" in md and "| `reward/format` | 1 |" in md
     assert "1 x answer_after_marker + 0.1 x format" in md
     state = SimpleNamespace(name="Completed", message=None)

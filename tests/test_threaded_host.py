@@ -6,6 +6,7 @@ trains run_sync's model at max_staleness 0, and the Prefect flow runs on it. No 
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -195,3 +196,44 @@ def test_a_role_that_raises_fails_the_next_poll_and_its_loop_watch_naming_it(tmp
             run.poll()
         assert run.failed and run.last_step == 0  # the poll raised before reading the step
     assert run.trainer_role is None and run.rollout_roles == []  # torn down: every loop stopped
+
+
+def test_a_pinned_evaluation_scores_exactly_the_version_it_names_while_the_trainer_goes_on(tmp_path):
+    """rlhf_core.run.pinned_eval: eval.every's evaluation runs on its own thread over a policy copy of its own, on
+    the snapshot the trainer published as version V; the trainer keeps stepping meanwhile, and the result names V.
+    Asked again at the end it equals the synchronous evaluation of the same weights; requests while it is busy
+    queue one version, and the replaced ones are counted."""
+    cfg = threads_cfg(tmp_path, "trainer.total_steps=30", "data.eval_size=60", "eval.every=0")
+    with ThreadedRun(cfg) as run:
+        run.launch()
+        run.start()
+        while run.poll()["step"] < 3:
+            time.sleep(0.05)
+        version = run.submit_evaluation()
+        assert version >= 2  # the newest published (its publish may trail the step by one)
+        results: list = []
+        while not results:
+            run.poll()
+            results += run.evaluations()
+            time.sleep(0.05)
+        assert results[0]["eval/version"] == version and 0.0 <= results[0]["eval/accuracy"] <= 1.0
+        assert run.last_step > version  # the trainer trained on while version `version` was evaluated
+        for _ in range(4):  # one runs, one waits; each request while busy replaces the waiting one
+            run.submit_evaluation()
+        assert run.pinned.wait_idle(120)
+        done = run.evaluations()
+        assert 1 <= len(done) <= 2 and len(done) + run.pinned.stats()["eval_skipped_versions"] == 4, done
+        assert sum(len(r["skipped"]) for r in done) == 4 - len(done)  # each result names the versions it replaced
+        while not run.done:
+            run.poll()
+            time.sleep(0.1)
+        run.stop()
+        assert run.pinned.wait_idle(120)
+        run.evaluations()
+        final = run.submit_evaluation()
+        assert final == 30 and run.pinned.wait_idle(120)
+        (pinned,) = run.evaluations()
+        synchronous = run.evaluate()  # the trainer's own weights, under its lock
+        assert pinned["eval/version"] == 30
+        assert pinned["eval/accuracy"] == synchronous["eval/accuracy"]
+        assert pinned["eval/reward_mean"] == pytest.approx(synchronous["eval/reward_mean"])

@@ -303,6 +303,13 @@ class DistributedRun(LoopWatch, Fleet):
     def evaluate(self) -> dict:
         return get_or_fail(self.trainer.evaluate.remote(), max(self.timeout, 600), "held-out evaluation")
 
+    def submit_evaluation(self) -> int:
+        """A pinned evaluation of the newest published version, on the trainer actor's evaluation thread."""
+        return get_or_fail(self.trainer.submit_evaluation.remote(), self.timeout, "the evaluation request")
+
+    def evaluations(self) -> list[dict]:
+        return get_or_fail(self.trainer.evaluations.remote(), self.timeout, "the finished evaluations")
+
     def checkpoint(self, path: str | Path, run: Optional[dict] = None) -> str:
         """A full resumable checkpoint (rlhf_core.run.checkpoint's one layout): the trainer's state, the prompt
         queue's position, every rollout engine's RNG, and the run facts (`run`, plus eval_start)."""
@@ -395,7 +402,7 @@ class DistributedRun(LoopWatch, Fleet):
         step still holds is closed once that step ends, within STOP_GRACE_S), bounded: a worker that does not
         answer is killed as before."""
         refs = []
-        for actor in self.workers:
+        for actor in [*self.workers, *([self.trainer] if self.trainer is not None else [])]:
             try:
                 refs.append(actor.close.remote())
             except Exception:

@@ -36,6 +36,7 @@ from rlhf_core.run.accounting import reconcile
 from rlhf_core.run.checkpoint import CheckpointState, read_checkpoint
 from rlhf_core.run.control import ExperienceBuffer, RunFailed, assemble_poll, buffer_options
 from rlhf_core.run.local import LocalPeer, LocalWeights
+from rlhf_core.run.pinned_eval import EvaluationHost, pinned_evaluation
 from rlhf_core.run.preflight import check_lengths, check_output_dir
 from rlhf_core.run.roles import RolloutRole, TrainerRole
 from rlhf_core.run.supervise import FAILED_GRACE_S, stop_grace
@@ -94,8 +95,10 @@ class RoleThread(threading.Thread):
         return None if self.error is None else f"{type(self.error).__name__}: {self.error}"
 
 
-class ThreadedRun:
+class ThreadedRun(EvaluationHost):
     """The run's roles on threads of this process; the same control interface as `DistributedRun`."""
+
+    role_attr = "trainer_role"
 
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
@@ -105,6 +108,7 @@ class ThreadedRun:
         self.trainer_role: Optional[TrainerRole] = None
         self.rollout_roles: list[RolloutRole] = []
         self.evaluator = None
+        self.pinned = None
         self.model = self.tokenizer = None
         self.train_prompts: list = []
         self.trainer_loop: Optional[RoleThread] = None
@@ -174,6 +178,7 @@ class ThreadedRun:
         check_lengths(policy_dir, cfg, self.train_prompts + heldout)
         trainer = build.build_trainer(cfg, self.model, self.tokenizer, policy_dir)
         self.evaluator = build.build_evaluator(cfg, self.model, self.tokenizer, policy_dir, heldout)
+        self.pinned = pinned_evaluation(cfg, policy_dir, heldout)  # eval.every's, off the trainer's path
         self.buffer = ExperienceBuffer(**buffer_options(cfg))
         self.queue = PromptQueue(self.train_prompts, cfg.data.seed)
         self.store = SharedWeights()
@@ -327,6 +332,8 @@ class ThreadedRun:
                 self.evaluator.close()
                 if getattr(self.evaluator, "env", None) is not None:
                     self.evaluator.env.close()
+            if self.pinned is not None:
+                self.pinned.close()
             self.trainer_role, self.rollout_roles = None, []
 
     def __enter__(self) -> ThreadedRun:

@@ -16,6 +16,7 @@ import torch
 
 from rlhf_core.model.policy import dropout_max
 from rlhf_core.rollout.probe import snapshot_bytes
+from rlhf_core.rollout.probe import split as sync_probe_split
 from rlhf_core.run.accounting import group_length
 from rlhf_core.run.checkpoint import (
     CheckpointState,
@@ -81,6 +82,7 @@ class TrainerRole:
         self.error: Optional[str] = None
         self.staleness_hist: dict[int, int] = {}
         self._model_facts: Optional[dict] = None
+        self.published: Optional[tuple[int, Optional[dict]]] = None  # (version, snapshot) of the newest publish
         self.groups_trained = 0  # counted here, independently of the buffer's count (reconcile)
         self.tokens_trained = self.rows_trained = 0  # and in response tokens and rows (the token ledger)
         self.trained: dict[int, int] = {}  # prompt uid -> times trained on in the run: in every checkpoint
@@ -168,6 +170,7 @@ class TrainerRole:
         start = time.perf_counter()
         if published:
             self.store.publish(version, snapshot)
+            self.published = (version, snapshot)  # what a pinned evaluation of this version loads
         # after the last step no rollout is admitted for a step that will not come: in lockstep the rollout engines'
         # RNG in the final checkpoint is then where the next step (a resume) starts from
         last = self.total_steps is not None and version >= self.total_steps
@@ -183,6 +186,15 @@ class TrainerRole:
             snapshot, version = self.snapshot(), self.trainer.version
         self.ship(version, snapshot, published=True)
         return time.perf_counter() - start
+
+    def published_weights(self) -> tuple[int, Optional[dict]]:
+        """(version, weights) of the newest published snapshot, its sync probe taken off (before any publish: a
+        snapshot of the trainer's weights taken now): what a pinned evaluation of that version loads."""
+        if self.published is None:
+            with self.lock:
+                self.published = (self.trainer.version, self.snapshot())
+        version, snapshot = self.published
+        return version, sync_probe_split(snapshot)[0]
 
     def _record_trained(self, step: int, prompt_ids: list[int]) -> None:
         """Append the step's prompt ids to <run_dir>/trained_prompts.jsonl (what each step trained on)."""
