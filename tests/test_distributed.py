@@ -14,7 +14,6 @@ from tests.ledger_checks import assert_ledger_balances
 
 ray = pytest.importorskip("ray")
 
-
 from rlhf_core.config import load_config  # noqa: E402
 from rlhf_core.distributed import ClusterError, DistributedRun, run_distributed  # noqa: E402
 
@@ -51,110 +50,21 @@ def assert_all_dead(actors, within_s: float = 30.0) -> None:
             time.sleep(0.2)
 
 
-def test_the_warm_start_reports_its_progress_while_it_runs(ray_local, tmp_path):
+def test_the_warm_start_reports_its_progress_and_a_failed_trainer_ends_the_run_keeping_its_checkpoint(
+    ray_local, tmp_path
+):
     """The warm start runs in the trainer actor: meanwhile the driver hears how far it got (the flow logs it at
-    least every 10 s), from the first steps to the last, and the weights it taught are then published."""
-    seen: list[tuple[int, float]] = []
-    with DistributedRun(tiny_cfg(tmp_path)) as run:
-        run.launch()
-        out = run.warm_start(40, progress=lambda done, loss: seen.append((done, loss)), every_s=0.02)
-    assert out["warm_start/steps"] == 40 and 0.0 <= out["eval/accuracy_warm_start"] <= 1.0
-    done = [d for d, _ in seen]
-    assert len(seen) >= 3 and done == sorted(done) and 0 < done[-1] <= 40, seen
-    assert all(loss is not None and loss > 0 for d, loss in seen if d > 0), seen
-
-
-def test_stopping_mid_run_gives_the_prefetched_batch_back(ray_local, tmp_path):
-    """The trainer prefetches batch V + 1 while V trains; stopping must not count that batch as consumed.
-    A rollout far faster than the trainer keeps the buffer stocked, so a batch is prefetched at the stop."""
-    cfg = tiny_cfg(
-        tmp_path,
-        "trainer.total_steps=500",
-        "runtime.max_staleness=2",
-        "rollout.prompts_per_batch=8",
-        "rollout.engine=random",
-        "rollout.engine_kwargs.tokens_per_s=1000000",
-    )
-    with DistributedRun(cfg) as run:
-        run.launch()
-        run.start()
-        deadline = time.monotonic() + 120
-        while run.poll()["step"] < 5:
-            assert time.monotonic() < deadline, "the async run made no progress"
-            time.sleep(0.2)
-        run.stop()
-        final = run.poll()
-        rec = run.reconcile(final)
-    steps = final["step"]
-    assert 5 <= steps < 500
-    assert final["buffer"]["given_back"] == cfg.trainer.prompts_per_step  # the prefetched batch went back
-    assert rec["trained"] == rec["consumed"] == steps * cfg.trainer.prompts_per_step  # trained on, not merely taken
-    assert_ledger_balances(rec)
-    # the rollout loop asks admission for its next batch before generating this one; stopping returns it
-    assert final["buffer"]["admitted"] == rec["generated"]
-
-
-def test_the_bound_the_user_set_is_the_bound_trained_at(ray_local, tmp_path):
-    """tau = 4 where the trainer is the slower role: staleness reaches 4 (the supervisor once narrowed admission
-    on its own to tau <= 3), and async/max_staleness reports the bound in force at every step. The random engine
-    makes the rollout the faster role however loaded the machine is (with the HF engine a busy machine could
-    leave the rollout behind, and staleness below the bound)."""
-    cfg = tiny_cfg(
-        tmp_path,
-        "trainer.total_steps=40",
-        "runtime.max_staleness=4",
-        "trainer.prompts_per_step=4",
-        "rollout.prompts_per_batch=4",
-        "rollout.engine=random",
-        "rollout.engine_kwargs.tokens_per_s=1000000",
-        "supervision.staleness_warn=0.5",
-    )
-    result = run_distributed(cfg, poll_interval_s=0.2)
-    hist = result["final_poll"]["trainer"]["staleness_hist"]
-    assert max(int(t) for t in hist) == 4, hist
-    assert {m["async/max_staleness"] for m in result["metrics"]} == {4}
-    assert not [e for e in result["events"] if "narrow" in str(e.get("kind"))]
-
-
-def test_a_worker_declared_lost_that_lived_on_generates_again_under_a_new_lease(ray_local, tmp_path):
-    """The driver declares worker 0's loop lost (its leases revoked, its prompts requeued) while its process lives
-    on, as after a partition that healed: Ray does not restart it, the ping answers, the driver starts its loop
-    again in the same process. That loop takes a new lease name and generates (the revoked one would have every
-    admission refused: the only worker idle, the run stuck); every group is counted once."""
-    import ray
-
-    cfg = tiny_cfg(tmp_path, "trainer.total_steps=20")
-    with DistributedRun(cfg) as run:
-        run.launch()
-        run.start()
-        while run.poll()["step"] < 5:
-            time.sleep(0.1)
-        holder = ray.get(run.workers[0].ping.remote())["holder"]
-        ray.get(run.workers[0].stop.remote())
-        ray.get(run.worker_loops.pop(0))  # the loop ended; the driver takes it as lost (the process lives on)
-        pushed = ray.get(run.workers[0].stats.remote())["groups_pushed"]
-        run.recover_prompts(0)
-        run.pending_starts[0] = (time.monotonic(), "restarting")
-        deadline = time.monotonic() + 120
-        while not run.done and time.monotonic() < deadline:
-            final = run.poll()
-            time.sleep(0.2)
-        assert run.done, f"the worker never generated again (step {final['step']})"
-        assert run.restarts == [0]  # nothing died
-        stats = ray.get(run.workers[0].stats.remote())
-        assert stats["groups_pushed"] > pushed and ray.get(run.workers[0].ping.remote())["holder"] != holder
-        run.stop()  # the loops stop and their last pushes land: then every group is where it is counted
-        rec = run.reconcile(run.poll())
-    assert_ledger_balances(rec)
-
-
-def test_trainer_failure_ends_run_with_clear_error_and_keeps_checkpoint(ray_local, tmp_path):
+    least every 10 s), from the first steps to the last, and the weights it taught are then published. The same
+    run then trains; its trainer crashes after a checkpoint: the run ends with RunFailed "trainer failed", and the
+    checkpoint taken before stays readable. (One run for both: each launch of the actors costs seconds.)"""
     from rlhf_core.distributed import RunFailed
     from rlhf_core.run.checkpoint import read_checkpoint
 
+    seen: list[tuple[int, float]] = []
     cfg = tiny_cfg(tmp_path, "trainer.total_steps=500")
     with DistributedRun(cfg) as run:
         run.launch()
+        out = run.warm_start(40, progress=lambda done, loss: seen.append((done, loss)), every_s=0.02)
         run.start()
         while run.poll()["step"] < 3:
             time.sleep(0.1)
@@ -165,8 +75,118 @@ def test_trainer_failure_ends_run_with_clear_error_and_keeps_checkpoint(ray_loca
             while time.monotonic() < deadline:
                 run.poll()
                 time.sleep(0.2)
+    assert out["warm_start/steps"] == 40 and 0.0 <= out["eval/accuracy_warm_start"] <= 1.0
+    done = [d for d, _ in seen]
+    assert len(seen) >= 3 and done == sorted(done) and 0 < done[-1] <= 40, seen
+    assert all(loss is not None and loss > 0 for d, loss in seen if d > 0), seen
     state, _ = read_checkpoint(ckpt)
     assert state.step >= 3
+
+
+def test_the_bound_the_user_set_is_the_bound_trained_at_and_stopping_gives_the_prefetched_batch_back(
+    ray_local, tmp_path
+):
+    """tau = 4 where the trainer is the slower role: staleness reaches 4 (the supervisor once narrowed admission
+    on its own to tau <= 3), and async/max_staleness reports the bound in force at every step. The random engine
+    makes the rollout the faster role however loaded the machine is (with the HF engine a busy machine could
+    leave the rollout behind, and staleness below the bound).
+
+    The run is then stopped mid-run (cancelled after 40 of 500 steps): the trainer prefetches batch V + 1 while V
+    trains, and stopping must not count that batch as consumed. The rollout, far faster than the trainer, keeps
+    the buffer stocked, so a batch is prefetched at the stop."""
+    cfg = tiny_cfg(
+        tmp_path,
+        "trainer.total_steps=500",
+        "runtime.max_staleness=4",
+        "trainer.prompts_per_step=4",
+        "rollout.prompts_per_batch=4",
+        "rollout.engine=random",
+        "rollout.engine_kwargs.tokens_per_s=1000000",
+        "supervision.staleness_warn=0.5",
+    )
+    last_step = [0]
+    result = run_distributed(
+        cfg,
+        poll_interval_s=0.2,
+        on_poll=lambda poll: last_step.__setitem__(0, poll["step"]),
+        cancelled=lambda: last_step[0] >= 40,
+    )
+    assert result["cancelled"]
+    hist = result["final_poll"]["trainer"]["staleness_hist"]
+    assert max(int(t) for t in hist) == 4, hist
+    assert {m["async/max_staleness"] for m in result["metrics"]} == {4}
+    assert not [e for e in result["events"] if "narrow" in str(e.get("kind"))]
+
+    final, rec = result["final_poll"], result["reconcile"]
+    steps = final["step"]
+    assert 40 <= steps < 500
+    assert final["buffer"]["given_back"] == cfg.trainer.prompts_per_step  # the prefetched batch went back
+    assert rec["trained"] == rec["consumed"] == steps * cfg.trainer.prompts_per_step  # trained on, not merely taken
+    assert_ledger_balances(rec)
+    # the rollout loop asks admission for its next batch before generating this one; stopping returns it
+    assert final["buffer"]["admitted"] == rec["generated"]
+
+
+def test_a_rollout_worker_declared_lost_or_killed_generates_again_and_the_run_completes_counting_every_group(
+    ray_local, tmp_path
+):
+    """Two faults of the one rollout worker in one run.
+
+    Declared lost: the driver declares worker 0's loop lost (its leases revoked, its prompts requeued) while its
+    process lives on, as after a partition that healed: Ray does not restart it, the ping answers, the driver
+    starts its loop again in the same process. That loop takes a new lease name and generates (the revoked one
+    would have every admission refused: the only worker idle, the run stuck); nothing died.
+
+    Killed: then the worker's process is killed: Ray restarts it (one restart counted, its death and its restart
+    reported as events), a checkpoint taken while it is down succeeds (its RNG state recorded as missing), and
+    the run completes, every group counted once."""
+    from rlhf_core.run.checkpoint import read_checkpoint
+
+    cfg = tiny_cfg(tmp_path, "trainer.total_steps=40", "cluster.max_restarts=2")
+    events = []
+    with DistributedRun(cfg) as run:
+        run.launch()
+        run.start()
+        deadline = time.monotonic() + 240
+        while (poll := run.poll())["step"] < 5:
+            events.extend(poll["events"])
+            assert time.monotonic() < deadline, "the run made no progress"
+            time.sleep(0.1)
+
+        holder = ray.get(run.workers[0].ping.remote())["holder"]
+        ray.get(run.workers[0].stop.remote())
+        ray.get(run.worker_loops.pop(0))  # the loop ended; the driver takes it as lost (the process lives on)
+        pushed = ray.get(run.workers[0].stats.remote())["groups_pushed"]
+        run.recover_prompts(0)
+        run.pending_starts[0] = (time.monotonic(), "restarting")
+        while ray.get(run.workers[0].stats.remote())["groups_pushed"] <= pushed:
+            poll = run.poll()
+            events.extend(poll["events"])
+            assert time.monotonic() < deadline, f"the worker never generated again (step {poll['step']})"
+            time.sleep(0.2)
+        assert run.restarts == [0]  # nothing died
+        assert ray.get(run.workers[0].ping.remote())["holder"] != holder
+
+        assert not run.done, "the run ended before its worker could be killed: raise trainer.total_steps"
+        run.workers[0].crash.remote()
+        time.sleep(0.2)
+        ckpt = run.checkpoint(tmp_path / "during_restart")  # never fails the run
+        state, _ = read_checkpoint(ckpt)
+        assert len(state.rng["rollout"]) == 1
+        assert (state.rng["rollout"][0] is None) == (state.run.get("rollout_rng_missing") == [0])
+        while not run.done:
+            assert time.monotonic() < deadline, "the run did not recover after the restart"
+            events.extend(run.poll()["events"])
+            time.sleep(0.2)
+        assert run.restarts == [1]
+        run.stop()  # the loops stop and their last pushes land: then every group is where it is counted
+        final = run.poll()
+        events.extend(final["events"])
+        rec = run.reconcile(final)
+    assert final["step"] == 40
+    assert_ledger_balances(rec)
+    kinds = [e["kind"] for e in events]
+    assert "rollout_worker_died" in kinds and "rollout_worker_restarted" in kinds, kinds
 
 
 def test_lockstep_learns(ray_local, tmp_path):
@@ -284,41 +304,6 @@ def test_the_loop_and_the_ray_runtime_resume_from_each_others_checkpoints(ray_lo
         final = run.checkpoint(tmp_path / "ray_ckpt2")
     final_state, _ = read_checkpoint(final)
     assert final_state.step == 5 and sorted(final_state.data["trained"].values()) == [1] * 5 * per_step
-
-
-def test_a_killed_rollout_worker_is_restarted_a_checkpoint_taken_meanwhile_succeeds_and_the_run_completes(
-    ray_local, tmp_path
-):
-    """The rollout worker's process is killed mid-run: Ray restarts it (one restart counted, its death and its
-    restart reported as events), a checkpoint taken while it is down succeeds (its RNG state recorded as missing),
-    and the run completes."""
-    from rlhf_core.run.checkpoint import read_checkpoint
-
-    cfg = tiny_cfg(tmp_path, "trainer.total_steps=20", "cluster.max_restarts=2")
-    events = []
-    with DistributedRun(cfg) as run:
-        run.launch()
-        run.start()
-        deadline = time.monotonic() + 240
-        while (poll := run.poll())["step"] < 3:
-            events.extend(poll["events"])
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
-        run.workers[0].crash.remote()
-        time.sleep(0.2)
-        ckpt = run.checkpoint(tmp_path / "during_restart")  # never fails the run
-        state, _ = read_checkpoint(ckpt)
-        assert len(state.rng["rollout"]) == 1
-        assert (state.rng["rollout"][0] is None) == (state.run.get("rollout_rng_missing") == [0])
-        while not run.done:
-            assert time.monotonic() < deadline, "the run did not recover after the restart"
-            events.extend(run.poll()["events"])
-            time.sleep(0.2)
-        assert run.restarts == [1]
-        run.stop()
-        assert_ledger_balances(run.reconcile(run.poll()))  # what the killed worker pushed is in one account too
-    kinds = [e["kind"] for e in events]
-    assert "rollout_worker_died" in kinds and "rollout_worker_restarted" in kinds, kinds
 
 
 def test_partial_rollouts_adopt_weights_mid_batch_and_bound_every_tokens_staleness(ray_local, tmp_path):
