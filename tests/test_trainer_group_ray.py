@@ -15,7 +15,6 @@ ray = pytest.importorskip("ray")
 
 from rlhf_core.config import load_config  # noqa: E402
 from rlhf_core.distributed import DistributedRun, RunFailed  # noqa: E402
-from rlhf_core.run.hosts import make_runtime  # noqa: E402
 from tests.conftest import drive  # noqa: E402
 
 pytestmark = pytest.mark.slow  # starts a local Ray instance
@@ -42,8 +41,8 @@ def group_cfg(tmp_path, workers: int, *overrides):
 
 
 def sync_losses(cfg) -> list[dict]:
-    """Every step's metrics of a lockstep run to cfg.trainer.total_steps, on the host cluster.host names."""
-    with make_runtime(cfg) as run:
+    """Every step's metrics of a lockstep run to cfg.trainer.total_steps."""
+    with DistributedRun(cfg) as run:
         run.launch()
         return drive(run)
 
@@ -61,13 +60,11 @@ GAE = (
 def test_two_trainer_ranks_take_the_steps_of_one_and_their_checkpoint_resumes_with_one(ray_local, tmp_path):
     """Lockstep (max_staleness 0), one rollout worker, the same seeds: the same batches reach both runs, so the
     losses and gradient norms of 2 ranks and of 1 agree step by step (float32 tolerance, see test_sharded_trainer), the
-    critic's too; the checkpoint holds the critic and resumes with one trainer. The 1-rank reference runs on the
-    threads host (no actors): at max_staleness 0 it trains the Ray host's model step by step
-    (tests/test_distributed.py, tests/test_threaded_host.py); the resumed run is a Ray run with one trainer."""
+    critic's too; the checkpoint holds the critic and resumes with one trainer."""
     from rlhf_core.run.checkpoint import read_checkpoint
 
     two = sync_losses(group_cfg(tmp_path / "two", 2, *GAE, "checkpoint.every=2"))
-    one = sync_losses(group_cfg(tmp_path / "one", 1, *GAE, "cluster.host=threads"))
+    one = sync_losses(group_cfg(tmp_path / "one", 1, *GAE))
     assert [m["step"] for m in two] == [1, 2, 3]
     assert two[0]["critic/value_loss"] > 0
     for a, b in zip(two, one):
