@@ -67,16 +67,12 @@ def work(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def ray_address():
-    """A local Ray that the deployment runs join (cluster.address), so that the test can see their actors."""
+def ray_address(ray_local):
+    """The local Ray (tests/conftest.py) that the deployment runs join (cluster.address), so that the test can see
+    their actors."""
     import ray
 
-    started = not ray.is_initialized()
-    if started:
-        ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
-    yield ray.get_runtime_context().gcs_address
-    if started:
-        ray.shutdown()
+    return ray.get_runtime_context().gcs_address
 
 
 def alive_actors() -> list[str]:
