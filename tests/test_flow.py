@@ -267,43 +267,6 @@ def test_resume_equals_straight_run(straight_run, work, capsys):
     assert not alive_actors()
 
 
-def test_cancel_running_flow(prefect_api, ray_local, work):
-    """Cancelling from the API: the flow stops its loops, tears down, ends the MLflow run KILLED, and the
-    flow run ends Cancelled."""
-    cfg = config(
-        work,
-        "cancel-me",
-        # far more steps than the test waits for (about 10 steps/s here), yet finite: if cancelling failed,
-        # the run would still end on its own instead of holding the module's Ray for the tests after it
-        "trainer.total_steps=3000",
-        "checkpoint.every=0",
-        "eval.every=0",
-    )
-    box: dict = {}
-    thread = threading.Thread(target=lambda: box.update(state=train(config=cfg, return_state=True)), daemon=True)
-    thread.start()
-    client = mlflow_client(work)
-    deadline = time.monotonic() + 180
-    run = None
-    while time.monotonic() < deadline and thread.is_alive():
-        found = runs_named(work, "cancel-me")
-        if found and client.get_metric_history(found[0].info.run_id, "reward/mean"):
-            run = found[0]
-            break
-        time.sleep(0.5)
-    assert run is not None, f"the flow never reached training: {box}"
-    flow_run_id = run.data.tags["prefect.flow_run_id"]
-    with get_client(sync_client=True) as pc:
-        pc.set_flow_run_state(flow_run_id, Cancelling(message="test cancel"), force=True)
-    thread.join(timeout=120)
-    assert not thread.is_alive(), "the flow did not stop after cancellation"
-    assert box["state"].type == StateType.CANCELLED
-    with get_client(sync_client=True) as pc:
-        assert pc.read_flow_run(flow_run_id).state.type == StateType.CANCELLED
-    assert client.get_run(run.info.run_id).info.status == "KILLED"
-    assert not alive_actors(), "cancellation left Ray actors behind"
-
-
 def test_bad_config_fails_fast_naming_the_field(prefect_api, work):
     before = len(runs_named(work, "bad"))
     start = time.perf_counter()
@@ -432,10 +395,13 @@ def state_type(task_run):
     return task_run.state.type if task_run.state is not None else None
 
 
-def test_the_loops_are_task_runs_that_span_the_run(prefect_api, ray_local, work):
+def test_the_loops_are_task_runs_that_span_the_run_and_a_cancel_from_the_api_ends_it(prefect_api, ray_local, work):
     """Async mode: the trainer's loop and each rollout worker's loop are task runs of the flow run, Running while
     the loop works and Completed when the run stops them, with their own log lines; a worker whose process died
-    (SIGKILL) and that Ray restarted is a second attempt of its task run."""
+    (SIGKILL) and that Ray restarted is a second attempt of its task run.
+
+    The run ends by cancelling it from the API: the flow stops its loops, tears down (no actor left), ends the
+    MLflow run KILLED, and the flow run ends Cancelled, in the API as in the state the flow returns."""
     import signal
 
     from ray._private import state as ray_state
@@ -443,7 +409,9 @@ def test_the_loops_are_task_runs_that_span_the_run(prefect_api, ray_local, work)
     cfg = config(
         work,
         "loops",
-        "trainer.total_steps=3000",  # far more than the test waits for; it cancels the run when it has seen enough
+        # far more than the test waits for (about 10 steps/s here), yet finite: if cancelling failed, the run would
+        # still end on its own instead of holding the module's Ray for the tests after it
+        "trainer.total_steps=3000",
         "rollout.num_workers=2",
         "cluster.resources.rollout.CPU=0.5",
         "checkpoint.every=0",
@@ -484,7 +452,11 @@ def test_the_loops_are_task_runs_that_span_the_run(prefect_api, ray_local, work)
     with get_client(sync_client=True) as pc:
         pc.set_flow_run_state(flow_run_id, Cancelling(message="test: enough seen"), force=True)
     thread.join(timeout=180)
-    assert not thread.is_alive() and box["state"].type == StateType.CANCELLED, box
+    assert not thread.is_alive(), "the flow did not stop after cancellation"
+    assert box["state"].type == StateType.CANCELLED, box
+    with get_client(sync_client=True) as pc:
+        assert pc.read_flow_run(flow_run_id).state.type == StateType.CANCELLED
+    assert mlflow_client(work).get_run(run.info.run_id).info.status == "KILLED"
 
     ended = loops(flow_run_id)
     assert {n: r.state.type for n, r in ended.items()} == dict.fromkeys(names, StateType.COMPLETED)
