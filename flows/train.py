@@ -229,7 +229,7 @@ def supervise(run: RunState, cancel: CancelWatch) -> bool:
     )
     run.runtime.run_facts = run.checkpoint_facts  # the trainer writes its own checkpoints with these
     loops: list = []
-    evaluating: list = []  # the pinned evaluations' task runs
+    evaluating: list = []  # (task run, versions it waits for) of the pinned evaluations
     sinks = Sinks(
         on_event=lambda ev: _log_event(run.logger, ev),
         on_poll=lambda poll: _record(run, poll),
@@ -239,7 +239,7 @@ def supervise(run: RunState, cancel: CancelWatch) -> bool:
         cancelled=cancelled,
         cancel_check_s=CANCEL_CHECK_INTERVAL_S,
         wait=time.sleep,
-        after_stop=lambda: wait(loops + evaluating, timeout=LOOP_END_WAIT_S),  # their task runs end now
+        after_stop=lambda: wait(loops + [f for f, _ in evaluating], timeout=LOOP_END_WAIT_S),  # their task runs end
         on_audit=lambda report: setattr(run, "audit", report),
     )
     run.events = sinks.events
@@ -370,10 +370,12 @@ def _evaluate(run: RunState) -> dict:
 def _evaluate_pinned(run: RunState, evaluating: list) -> None:
     """eval.every: a pinned evaluation of the newest published version, off the critical path (its own task run
     while it runs; one at a time: a request meanwhile replaces the version waiting)."""
-    if evaluating and not evaluating[-1].state.is_final():
-        run.runtime.submit_evaluation()
+    version = run.runtime.submit_evaluation()  # pinned now, at the version the trainer published last
+    if evaluating and not evaluating[-1][0].state.is_final():
+        evaluating[-1][1].append(version)  # the running task run records it too
         return
-    evaluating.append(evaluate_pinned.submit(run.runtime, lambda result: _record_eval(run, result)))
+    wanted = [version]
+    evaluating.append((evaluate_pinned.submit(run.runtime, wanted, lambda result: _record_eval(run, result)), wanted))
 
 
 def _record_eval(run: RunState, result: dict) -> None:

@@ -73,16 +73,16 @@ def evaluate_heldout(runtime, step: int) -> dict:
 
 
 @task(name="evaluate-pinned", cache_policy=NO_CACHE, persist_result=False)
-def evaluate_pinned(runtime, record: Callable[[dict], None], timeout_s: float = 3600.0) -> list[dict]:
-    """A held-out evaluation of the newest published version on its own worker (rlhf_core.run.pinned_eval): the
-    trainer and the rollout fleet go on. Queued now; this task run spans it, recording each evaluation that
-    finishes (at its version's step: `record`) until the one it queued (or a newer one that replaced it)."""
+def evaluate_pinned(runtime, wanted: list, record: Callable[[dict], None], timeout_s: float = 3600.0) -> list[dict]:
+    """Held-out evaluations pinned to versions (queued by `runtime.submit_evaluation()` when due; `wanted`: their
+    versions, the flow appends those it queues while this runs) on their own worker (rlhf_core.run.pinned_eval): the
+    trainer and the rollout fleet go on. This task run spans them, recording each one that finishes (at its
+    version's step: `record`) until the newest wanted (or a newer one) is done."""
     logger = get_run_logger()
-    version = runtime.submit_evaluation()
-    logger.info("held-out evaluation of version %d queued on the evaluation worker", version)
+    logger.info("held-out evaluation of version %d queued on the evaluation worker", wanted[-1])
     done: list[dict] = []
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and not any(r["eval/version"] >= version for r in done):
+    while time.monotonic() < deadline and not any(r["eval/version"] >= wanted[-1] for r in done):
         for result in runtime.evaluations():
             record(result)
             done.append(result)

@@ -327,7 +327,14 @@ class VersionedReplayBuffer(BoundedReplayBuffer, VersionWindow):
         out.update(version=self._version, max_staleness=self._max_staleness)
         out.update(evicted_tokens=self._evicted_tokens, evicted_rows=self._evicted_rows)
         if self._measure is not None:
-            buffered_tokens, buffered_rows = self._measured(self._queue)
             out.update(dropped_tokens=self._dropped_tokens, dropped_rows=self._dropped_rows)
-            out.update(buffered_tokens=buffered_tokens, buffered_rows=buffered_rows)
+        return out
+
+    def stats(self, contents: bool = False) -> dict:
+        """The counters; with `contents` (and a measure) also what the queued items hold, buffered_tokens and
+        buffered_rows, in the same snapshot: O(size), for a poll (the admission's hot path reads without)."""
+        with self._lock:
+            out = self._stats()
+            if contents and self._measure is not None:
+                out["buffered_tokens"], out["buffered_rows"] = self._measured(self._queue)
         return out

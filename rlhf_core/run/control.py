@@ -303,7 +303,7 @@ class ExperienceBuffer:
             return self.buf.set_version(self.version)
 
     def stats(self) -> dict:
-        s = self.buf.stats()
+        s = self.buf.stats(contents=True)  # with what it holds: the token ledger's buffered account
         s["sampled"] += self.filtered_trained  # filtered groups trained on a short step count as consumed
         s.update(
             {
