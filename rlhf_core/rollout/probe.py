@@ -109,9 +109,8 @@ def split(state_dict: Optional[dict]) -> tuple[Optional[dict], Optional[tuple[to
 
 def snapshot_bytes(snapshot: Optional[dict]) -> int:
     """The bytes of the weights a sync ships (the probe's rows and reference left out)."""
-    if not snapshot:
-        return 0
-    return sum(v.numel() * v.element_size() for k, v in snapshot.items() if k not in (PROBE_IDS, PROBE_LOGPROBS))
+    weights = split(snapshot)[0]
+    return sum(v.numel() * v.element_size() for v in weights.values()) if weights else 0
 
 
 class SyncCheck:

@@ -15,7 +15,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Optional
 
-from rlhf_core.run.accounting import group_length, group_rows, token_ledger
+from rlhf_core.run.accounting import group_length, token_ledger
 
 if TYPE_CHECKING:
     from rlhf_core.config import TrainConfig
@@ -62,7 +62,6 @@ class ExperienceBuffer:
         self.lock = threading.Lock()
         self.version = 0
         self.weights_version = 0
-        self.samples_pushed = 0
         # the token ledger's buffer side (rlhf_core.run.accounting.token_ledger), as [response tokens, rows]
         self.measured = {k: [0, 0] for k in ("pushed", "filtered", "taken", "refused")}
         self.given_back = 0
@@ -169,7 +168,6 @@ class ExperienceBuffer:
             r = group_rewards(g) if self.filter_groups else None
             constant = r is not None and bool((r == r[:1]).all())
             with self.lock:
-                self.samples_pushed += group_rows(g)
                 self._add("pushed", [g])
                 if constant:
                     self._add("filtered", [g])
@@ -310,7 +308,7 @@ class ExperienceBuffer:
                 "admitted": self.admitted,
                 "capacity": self.capacity(),
                 "paused": self.paused,
-                "samples_pushed": self.samples_pushed,
+                "samples_pushed": self.measured["pushed"][1],  # rows: the token ledger's pushed account
                 **{f"{k}_{unit}": v[i] for k, v in self.measured.items() for i, unit in enumerate(("tokens", "rows"))},
                 "given_back": self.given_back,
                 "filtered_groups": self.filtered_groups,

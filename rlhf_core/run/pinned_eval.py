@@ -71,7 +71,7 @@ class PinnedEvaluation:
                     self.evaluator = self.build()
                 if weights is not None:
                     self.evaluator.engine.load_weights(weights, version)
-                result = {k: v for k, v in dict(self.evaluator()).items()}
+                result = dict(self.evaluator())
             except Exception as exc:  # the evaluation's failure is its result's, not the run's
                 log.warning("held-out evaluation of version %d failed: %s: %s", version, type(exc).__name__, exc)
                 result = {"error": f"{type(exc).__name__}: {exc}"}

@@ -143,7 +143,7 @@ class Audit:
             return
         report = self.audit.report()
         try:
-            self.audit.write(self.cfg.run.run_dir)
+            self.audit.write(self.cfg.run.run_dir, report)  # the one report of this poll: judged once
         except OSError as exc:  # the audit never ends a run by failing to write itself
             log.warning("could not write the run audit: %s", exc)
         self.sinks.on_audit(report)

@@ -426,11 +426,12 @@ class RunAudit:
             "checks": [asdict(c) for c in checks],
         }
 
-    def write(self, run_dir: str | Path) -> Path:
+    def write(self, run_dir: str | Path, report: Optional[dict] = None) -> Path:
+        """<run_dir>/audit.json, atomically: `report` (default: the audit's report now)."""
         path = Path(run_dir) / AUDIT_FILE
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.report(), indent=2, default=str))
+        tmp.write_text(json.dumps(report if report is not None else self.report(), indent=2, default=str))
         tmp.replace(path)
         return path
 
