@@ -76,7 +76,7 @@ def test_a_healthy_run_is_all_ok_and_atrlhf_audit_prints_it(tmp_path, capsys):
     assert result["steps"] == 16
     v = verdicts(report)
     assert set(v) >= {"weights", "staleness", "kl", "clipping", "reward", "lr_schedule", "dropout",
-                      "ledger", "checkpoint"}, v  # fmt: skip
+                      "ledger", "checkpoint", "seeds", "eval_metric"}, v  # fmt: skip
     assert set(v.values()) == {"ok"}, report
     assert report["verdict"] == "ok" and not audit_events(result)
     checkpoint = next(c for c in report["checks"] if c["name"] == "checkpoint")["figures"]
@@ -209,6 +209,26 @@ def test_a_mechanism_is_pending_for_a_window_then_inactive_and_turns_ok_when_its
     assert {c.name: c.verdict for c in audit.checks()}["correction"] == "ok"
     audit.finish()
     assert {c.name: c.verdict for c in audit.checks()}["kl"] == "inactive"
+
+
+def test_seeds_shared_by_two_rollout_workers_and_an_evaluation_metric_other_than_the_configured_one_fail():
+    audit = RunAudit(_cfg("eval.metric=exact_match"))
+    poll = _poll(1)
+    poll["trainer"].update(seed=0, eval_last={"eval/accuracy": 0.5, "eval/exact_match": 0.5, "eval/version": 0})
+    poll["rollout"] = [{"index": 0, "seed": 0}, {"index": 1, "seed": 1000}]
+    audit.observe(poll)
+    v = {c.name: c for c in audit.checks()}
+    assert v["seeds"].verdict == "ok" and v["eval_metric"].verdict == "ok", v
+    poll["trainer"].update(seed=7, eval_last={"eval/accuracy": 0.5, "eval/version": 3})  # accuracy, not the metric
+    poll["rollout"] = [{"index": 0, "seed": 0}, {"index": 1, "seed": 0}]
+    audit.observe(poll)
+    v = {c.name: c for c in audit.checks()}
+    assert v["eval_metric"].verdict == "failed" and "'exact_match'" in v["eval_metric"].evidence, v
+    assert v["seeds"].verdict == "failed" and "trainer seeded torch with 7" in v["seeds"].evidence, v
+    poll["trainer"]["seed"] = 0
+    audit.observe(poll)
+    seeds = {c.name: c for c in audit.checks()}["seeds"]
+    assert seeds.verdict == "failed" and "same seed: {0: ['0', '1']}" in seeds.evidence, seeds
 
 
 def test_a_bound_in_force_other_than_the_one_set_and_an_unbalanced_ledger_fail():

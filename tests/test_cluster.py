@@ -207,3 +207,5 @@ def test_the_trainers_node_lost_ends_the_run_with_its_checkpoints_and_a_restarte
     resumed_cfg = cluster_cfg(tmp_path / "resumed", cluster, *overrides[1:], f"trainer.total_steps={at + 8}")
     result = run_distributed(resumed_cfg, resume_from=str(last))
     assert result["steps"] == at + 8 and [m["step"] for m in result["metrics"]] == list(range(at + 1, at + 9))
+    assert_ledger_balances(result["reconcile"])  # across the resume: the checkpoint's accounts go on
+    assert result["reconcile"]["trained_samples"] == (at + 8) * cfg.batch_size, result["reconcile"]

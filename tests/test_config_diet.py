@@ -369,6 +369,7 @@ def test_an_old_config_file_with_every_old_resource_key_loads_with_a_line_each(t
         "rollout": {"CPU": 4.0, "GPU": 1.0, "rollout_node": 1.0},
         "trainer": {"CPU": 4.0, "GPU": 1.0, "trainer_node": 1.0},
         "reward": {"CPU": 0.5, "GPU": 0.5},
+        "eval": {"CPU": 0.0, "GPU": 0.0},
     }
 
 
@@ -420,3 +421,16 @@ def test_the_engine_mismatch_warning_is_one_section_of_supervision(caplog, old, 
     assert load_config(None).supervision.engine_mismatch.model_dump() == {"kl": 0.05, "polls": 3}
     with pytest.raises(ConfigError, match=r"supervision\.engine_mismatch\.polls"):
         load_config(None, ["supervision.engine_mismatch_polls=0"])
+
+
+def test_the_evaluation_actor_reserves_a_bundle_only_when_it_asks_for_something():
+    """cluster.resources.eval: the pinned evaluations' actor; by default it asks for nothing and reserves nothing,
+    given a GPU share it gets the placement group's last bundle (only when eval.every starts it)."""
+    from rlhf_core.distributed.cluster import placement_bundles, role_counts
+
+    shared = ["cluster.resources.trainer={GPU: 0.75}", "cluster.resources.eval={GPU: 0.25}"]
+    cfg = load_config(None, shared)
+    assert cfg.cluster.actor_options("eval") == {"num_cpus": 0.0, "num_gpus": 0.25}
+    assert role_counts(cfg)["eval"] == 1 and placement_bundles(cfg)[-1] == {"GPU": 0.25}
+    assert role_counts(load_config(None, [*shared, "eval.every=0"]))["eval"] == 0
+    assert role_counts(load_config(None, []))["eval"] == 0

@@ -194,6 +194,14 @@ def test_the_token_ledger_puts_every_sample_and_token_in_exactly_one_account():
     assert (led["in_flight_samples"], led["buffered_samples"], led["unaccounted_samples"]) == (0, 3, 0), led
     # a trainer that counts rows it never took shows as a negative in_flight (the audit's ledger check fails it)
     assert token_ledger(buf.stats(), {"trained_rows": 5, "trained_tokens": 15})["in_flight_samples"] == -3
+    # resumed from a checkpoint whose ledger this was: its accounts go on, what it held buffered is carried
+    before = token_ledger(buf.stats(), {"trained_rows": 2, "trained_tokens": 6})
+    fresh = ExperienceBuffer(max_size=2, max_staleness=1, prompts_per_step=2)
+    fresh.push(pack_groups([make_experience(5, 0, [1.0, 0.0])]))
+    taken, _ = fresh.take(1, timeout_s=0.1)
+    led = token_ledger(fresh.stats(), {"trained_rows": 2, "trained_tokens": 6, "ledger_carried": before})
+    rows = {"pushed": 16, "trained": 4, "evicted": 2, "dropped": 4, "filtered": 3, "buffered": 0, "carried": 3}
+    assert {k: led[f"{k}_samples"] for k in rows} == rows and led["unaccounted_samples"] == 0, led
 
 
 def test_a_worker_whose_loop_was_revoked_but_lived_on_is_counted_once():

@@ -301,9 +301,20 @@ def test_the_loop_and_the_ray_runtime_resume_from_each_others_checkpoints(ray_lo
             assert time.monotonic() < deadline
             time.sleep(0.1)
         run.stop()
+        # eval.every's pinned evaluation runs on an actor of its own, on the version the store holds: the last one
+        assert run.submit_evaluation() == 5
+        deadline, pinned = time.monotonic() + 120, []
+        while not pinned:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+            pinned = run.evaluations()
+        assert pinned[0]["eval/version"] == 5 and run.evaluation.actor is not None
+        assert pinned[0]["eval/accuracy"] == run.evaluate()["eval/accuracy"]  # the trainer's own weights, the same
         final = run.checkpoint(tmp_path / "ray_ckpt2")
     final_state, _ = read_checkpoint(final)
     assert final_state.step == 5 and sorted(final_state.data["trained"].values()) == [1] * 5 * per_step
+    ledger = final_state.run["ledger"]  # carried through both resumes: every step's samples trained, none lost
+    assert ledger["trained_samples"] == 5 * more.batch_size and ledger["unaccounted_tokens"] == 0, ledger
 
 
 def test_partial_rollouts_adopt_weights_mid_batch_and_bound_every_tokens_staleness(ray_local, tmp_path):

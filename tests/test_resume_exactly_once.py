@@ -8,6 +8,8 @@ import time
 
 import pytest
 
+from tests.ledger_checks import assert_ledger_balances
+
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 pytest.importorskip("ray")
 
@@ -15,12 +17,13 @@ pytestmark = pytest.mark.slow  # two training drivers, each with its own Ray
 
 
 _DRIVER = """
+import json
 import sys
 from rlhf_core.config import load_config
 from rlhf_core.distributed import run_distributed
 cfg = load_config("configs/tiny.yaml", sys.argv[3:])
-run_distributed(cfg, poll_interval_s=0.2, resume_from=sys.argv[2] or None)
-print("DRIVER-DONE", sys.argv[1], flush=True)
+result = run_distributed(cfg, poll_interval_s=0.2, resume_from=sys.argv[2] or None)
+print("DRIVER-DONE", sys.argv[1], json.dumps(result["reconcile"]), flush=True)
 """
 
 
@@ -100,6 +103,15 @@ def test_a_resumed_async_run_trains_on_every_prompt_of_each_epoch_exactly_once(t
     finally:
         if second.poll() is None:
             os.killpg(second.pid, signal.SIGKILL)
+    # the token ledger across the resume: the checkpoint's accounts go on, what it held is carried
+    from rlhf_core.run.checkpoint import read_checkpoint
+
+    at_ckpt = read_checkpoint(ckpt)[0].run["ledger"]
+    done_line = [ln for ln in (tmp_path / "second.log").read_text().splitlines() if ln.startswith("DRIVER-DONE")]
+    rec = json.loads(done_line[-1].split(" ", 2)[2])
+    assert_ledger_balances(rec)
+    assert rec["trained_samples"] == total * per_step * 4, rec  # 4 samples a prompt, every step of both runs
+    assert rec["carried_samples"] == at_ckpt["buffered_samples"] + at_ckpt["in_flight_samples"] > 0, (at_ckpt, rec)
     trained_second = records("second")
     assert [r["step"] for r in trained_second] == list(range(last + 1, total + 1))
 

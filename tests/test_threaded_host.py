@@ -120,18 +120,26 @@ def test_a_threads_checkpoint_resumes_on_both_in_process_hosts_to_the_straight_r
     from rlhf_core.run.checkpoint import read_checkpoint
 
     overrides = ["trainer.total_steps=4", "checkpoint.every=2", *LOCKSTEP]
-    straight = run_and_export(threads_cfg(tmp_path / "straight", *overrides), tmp_path / "straight_export")
+    straight_cfg = threads_cfg(tmp_path / "straight", *overrides)
+    batch = straight_cfg.batch_size
+    straight = run_and_export(straight_cfg, tmp_path / "straight_export")
     assert straight["steps"] == 4
     ckpt = tmp_path / "straight" / "checkpoints" / "step_000002"
     state, _ = read_checkpoint(ckpt)
     assert state.step == state.version == 2 and len(state.rng["rollout"]) == 1
     assert sorted(state.data["trained"].values()) == [1] * 8 and state.run["eval_start"] is not None
+    at_ckpt = state.run["ledger"]  # the token ledger the checkpoint recorded
+    assert at_ckpt["trained_samples"] == 2 * batch and at_ckpt["unaccounted_tokens"] == 0, at_ckpt
     reference = weights(tmp_path / "straight_export")
 
     resumed = run_and_export(threads_cfg(tmp_path / "resumed", *overrides), tmp_path / "resumed_export", str(ckpt))
     assert resumed["steps"] == 4 and resumed["step"] == 2  # launched at the checkpoint's step
     assert resumed["eval/accuracy_start"] == state.run["eval_start"]
     assert_same_weights(reference, weights(tmp_path / "resumed_export"))
+    rec = resumed["reconcile"]  # across the resume: the checkpoint's accounts go on, what it held is carried
+    assert_ledger_balances(rec)
+    assert rec["trained_samples"] == 4 * batch, rec
+    assert rec["carried_samples"] == at_ckpt["buffered_samples"] + at_ckpt["in_flight_samples"], rec
 
     loop_cfg = threads_cfg(tmp_path / "loop", *overrides)
     parts = build_run(loop_cfg, share_weights=True)

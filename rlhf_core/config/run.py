@@ -168,6 +168,7 @@ ROLE_RESOURCE_DEFAULTS = {
     "rollout": {"CPU": 1.0, "GPU": 0.0},
     "trainer": {"CPU": 1.0, "GPU": 0.0},
     "reward": {"CPU": 0.0, "GPU": 0.0},
+    "eval": {"CPU": 0.0, "GPU": 0.0},
 }
 _NOT_CUSTOM = ("memory", "object_store_memory")  # Ray's own resources that are no actor's `resources=` key
 
@@ -198,7 +199,14 @@ class RoleResources(_Section):
         "2-core machine fits the default roles); reserve CPUs or GPUs for a large RM.",
     )
 
-    @field_validator("rollout", "trainer", "reward")
+    eval: dict[str, float] = Field(
+        default_factory=_role_default("eval"),
+        description="Ray resources of the evaluation actor, when eval.every > 0 (default {CPU: 0, GPU: 0}): the "
+        "pinned evaluations run there, off the trainer's and the fleet's critical path; give it a GPU share (e.g. "
+        "{GPU: 0.2}) when the policy runs on GPUs.",
+    )
+
+    @field_validator("rollout", "trainer", "reward", "eval")
     @classmethod
     def _amounts(cls, v: dict[str, float], info) -> dict[str, float]:
         field = f"cluster.resources.{info.field_name}"
@@ -263,7 +271,7 @@ class ClusterConfig(_Section):
     )
 
     def per_actor(self, role: str) -> dict[str, float]:
-        """What one actor of `role` ('rollout', 'trainer' or 'reward') asks Ray for ({CPU, GPU, custom...}): a
+        """What one actor of `role` ('rollout', 'trainer', 'reward' or 'eval') asks Ray for ({CPU, GPU, custom...}): a
         trainer rank gets cluster.resources.trainer.CPU / cluster.trainer_workers, the rest as given."""
         need = dict(getattr(self.resources, role))
         if role == "trainer":

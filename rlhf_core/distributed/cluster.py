@@ -149,9 +149,17 @@ def _single_machine_ray() -> Iterator[None]:
 
 
 def role_counts(cfg, rollout_workers: Optional[int] = None) -> dict[str, int]:
-    """How many actors of each role the run starts: rollout workers, trainer ranks, the reward model (0 or 1)."""
+    """How many actors of each role the run reserves for: rollout workers, trainer ranks, the reward model (0 or 1),
+    the evaluation actor (0 or 1: eval.every > 0 and cluster.resources.eval asks for something; one that asks for
+    nothing, the default, is started at the first pinned evaluation without a reservation)."""
     n = cfg.rollout.num_workers if rollout_workers is None else rollout_workers
-    return {"rollout": n, "trainer": cfg.cluster.trainer_workers, "reward": 1 if cfg.reward.model.path else 0}
+    evaluates = cfg.eval.every > 0 and any(v > 0 for v in cfg.cluster.per_actor("eval").values())
+    return {
+        "rollout": n,
+        "trainer": cfg.cluster.trainer_workers,
+        "reward": 1 if cfg.reward.model.path else 0,
+        "eval": 1 if evaluates else 0,
+    }
 
 
 def required_resources(cfg, rollout_workers: Optional[int] = None) -> dict[str, float]:
@@ -209,15 +217,17 @@ def _shown(per_actor: dict[str, float]) -> str:
 
 
 def placement_bundles(cfg) -> list[dict[str, float]]:
-    """The placement group's bundles: each trainer rank, each rollout worker, the reward model; in that order."""
+    """The placement group's bundles: each trainer rank, each rollout worker, the reward model, the evaluation
+    actor; in that order."""
     counts = role_counts(cfg)
-    bundles = [cfg.cluster.per_actor(role) for role in ("trainer", "rollout", "reward") for _ in range(counts[role])]
+    roles = ("trainer", "rollout", "reward", "eval")
+    bundles = [cfg.cluster.per_actor(role) for role in roles for _ in range(counts[role])]
     return [{k: v for k, v in b.items() if v > 0} or {"CPU": 0.01} for b in bundles]
 
 
 def gpu_placement_group(cfg, timeout_s: float):
-    """A placement group (one bundle per role: each trainer rank, rollout workers, reward model; in that
-    order, PACKed) when any role asks for GPUs or the trainer has several ranks; None otherwise."""
+    """A placement group (one bundle per role: each trainer rank, rollout workers, reward model, evaluation
+    actor; in that order, PACKed) when any role asks for GPUs or the trainer has several ranks; None otherwise."""
     counts = role_counts(cfg)
     if cfg.cluster.trainer_workers == 1 and not any(
         cfg.cluster.per_actor(role)["GPU"] > 0 for role, count in counts.items() if count

@@ -21,7 +21,15 @@ import ray
 from rlhf_core.config import TrainConfig
 from rlhf_core.data.queue import PromptQueue
 from rlhf_core.distributed.calls import get_or_fail
-from rlhf_core.distributed.cluster import ClusterHandle, check_resources, connect, gpu_placement_group, teardown
+from rlhf_core.distributed.cluster import (
+    ClusterHandle,
+    check_resources,
+    connect,
+    gpu_placement_group,
+    role_counts,
+    teardown,
+)
+from rlhf_core.distributed.eval_actor import RayEvaluation
 from rlhf_core.distributed.fleet import Fleet
 from rlhf_core.distributed.loops import LoopWatch
 from rlhf_core.distributed.reward_model_actor import RewardModelActor
@@ -76,6 +84,8 @@ class DistributedRun(LoopWatch, Fleet):
         self.timeout = cfg.runtime.wait_timeout_s
         self.policy_dir: Optional[str] = None
         self.eval_start: Optional[float] = None
+        self.heldout: list = []  # the held-out prompts (the evaluation actor's, when eval.every starts it)
+        self.evaluation = RayEvaluation(self)  # eval.every's pinned evaluations, on an actor of their own
         self.run_facts: dict = {}  # what every checkpoint records about the run (the flow adds its MLflow run id)
         # the autopilot's bound a resumed run goes on with (the checkpoint's); None: runtime.max_staleness
         self.restored_max_staleness: Optional[int] = None
@@ -100,6 +110,7 @@ class DistributedRun(LoopWatch, Fleet):
         self.policy_dir = str(build.resolve_policy_dir(cfg))
         # prompts are tokenized once here and shipped to the actors that need them
         train_prompts, heldout = build.build_prompts(cfg, build.build_tokenizer(cfg, self.policy_dir))
+        self.heldout = heldout
         check_lengths(self.policy_dir, cfg, train_prompts + heldout)
         if cfg.reward.model.path:
             from rlhf_core.reward.model import check_reward_model_dir
@@ -126,6 +137,10 @@ class DistributedRun(LoopWatch, Fleet):
                 return {
                     "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle)
                 }
+
+            counts = role_counts(cfg)  # the evaluation actor's bundle, when it reserves one, is the last
+            last = counts["rollout"] + counts["trainer"] + counts["reward"]
+            self.placed_eval = lambda: placed(last) if counts["eval"] else {}
 
             # named, so that rollout workers look them up instead of taking handles in their constructor
             self.peers = peers = {k: f"atrlhf-{k}-{uuid.uuid4().hex[:12]}" for k in ("queue", "buffer", "store")}
@@ -280,6 +295,7 @@ class DistributedRun(LoopWatch, Fleet):
             s["restarts"] = self.restarts[i]
             wstats.append(s)
         fleet = {"cluster/rollout_workers": len(self.workers), "rollout/requeued_prompts": self.requeued_prompts}
+        tstats["eval_last"] = self.evaluation.last  # the run audit's evidence of the evaluation metric
         return assemble_poll(self, metrics, tstats, bstats, qstats, wstats, fleet, self.fleet_stats())
 
     def top_up_prompts(self, n: Optional[int] = None, target: Optional[int] = None) -> int:
@@ -301,14 +317,16 @@ class DistributedRun(LoopWatch, Fleet):
         return self._get(self.buffer.set_max_staleness.remote(bound), "the replay buffer to change max_staleness")
 
     def evaluate(self) -> dict:
-        return get_or_fail(self.trainer.evaluate.remote(), max(self.timeout, 600), "held-out evaluation")
+        result = get_or_fail(self.trainer.evaluate.remote(), max(self.timeout, 600), "held-out evaluation")
+        self.evaluation.remember(result)
+        return result
 
     def submit_evaluation(self) -> int:
-        """A pinned evaluation of the newest published version, on the trainer actor's evaluation thread."""
-        return get_or_fail(self.trainer.submit_evaluation.remote(), self.timeout, "the evaluation request")
+        """A pinned evaluation of the newest published version, on the evaluation actor (started at the first)."""
+        return self.evaluation.submit()
 
     def evaluations(self) -> list[dict]:
-        return get_or_fail(self.trainer.evaluations.remote(), self.timeout, "the finished evaluations")
+        return self.evaluation.drain()
 
     def checkpoint(self, path: str | Path, run: Optional[dict] = None) -> str:
         """A full resumable checkpoint (rlhf_core.run.checkpoint's one layout): the trainer's state, the prompt
@@ -402,11 +420,12 @@ class DistributedRun(LoopWatch, Fleet):
         step still holds is closed once that step ends, within STOP_GRACE_S), bounded: a worker that does not
         answer is killed as before."""
         refs = []
-        for actor in [*self.workers, *([self.trainer] if self.trainer is not None else [])]:
+        for close in [*(w.close.remote for w in self.workers), self.evaluation.close_ref]:
             try:
-                refs.append(actor.close.remote())
+                refs.append(close())
             except Exception:
                 pass
+        refs = [r for r in refs if r is not None]
         bound = stop_wait_s(self.cfg.env.step_timeout_s if self.cfg.env.path else 0.0) + 2
         try:
             ray.wait(refs, num_returns=len(refs), timeout=bound)

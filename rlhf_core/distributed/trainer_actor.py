@@ -24,13 +24,12 @@ from rlhf_core.model.lora import adapter_state_dict, is_lora
 from rlhf_core.model.weights import load_weights_into
 from rlhf_core.run import build
 from rlhf_core.run.checkpoint import CheckpointState
-from rlhf_core.run.pinned_eval import EvaluationHost, pinned_evaluation
 from rlhf_core.run.roles import TrainerRole
 
 log = logging.getLogger("rlhf_core.distributed")
 
 
-class TrainerActor(EvaluationHost):
+class TrainerActor:
     """The trainer role in its own process. With cluster.trainer_workers = N > 1 it is rank 0 of a sharded
     group: after `join_group` every step, snapshot and checkpoint runs on all ranks at once (`_on_all`), each
     rank training on its slice of the batch; rank 0 alone talks to the buffer and the weight store. It keeps an
@@ -47,7 +46,6 @@ class TrainerActor(EvaluationHost):
         self.sharded = cfg.cluster.trainer_workers > 1
         self.address = group_address() if self.sharded else None
         self.evaluator = build.build_evaluator(cfg, self.model, self.tokenizer, policy_dir, heldout)
-        self.pinned = pinned_evaluation(cfg, policy_dir, heldout)  # eval.every's, on a thread of this actor
         self.role: Optional[TrainerRole] = None
         if not self.sharded:
             self._make_role(build.build_trainer(cfg, self.model, self.tokenizer))

@@ -280,11 +280,18 @@ class RolloutWorker:
             "batches": self.batches,
             "version": self.version,
             "reward_mean": self.reward_sum / self.samples if self.samples else 0.0,
+            "seed": sampling_seed(self.engine),
             # env/errors, env/errors/<kind>, env/process_restarts: the run's so far
             **({"env_errors": self.env.errors, **self.env.metrics()} if self.env is not None else {}),
             **(self.agent.stats() if self.agent is not None else {}),
             **self.sync_check.stats(),
         }
+
+
+def sampling_seed(engine) -> Optional[int]:
+    """The seed the engine's sampling stream started from (its torch.Generator's), None without one."""
+    generator = getattr(engine, "generator", None)
+    return int(generator.initial_seed()) if isinstance(generator, torch.Generator) else None
 
 
 def split_groups(batch: RolloutBatch, group_size: int) -> list[Experience]:

@@ -4,7 +4,7 @@ buffered or in flight, counted at each end independently (`reconcile`), and so i
 
 from __future__ import annotations
 
-from rlhf_core.supervision.audit import LEDGER_ACCOUNTS  # the accounts the audit reads back
+from rlhf_core.supervision.audit_config import LEDGER_ACCOUNTS  # the accounts the audit reads back
 
 
 def _pushed_unrevoked(stats: dict, revoked: set) -> int:
@@ -59,16 +59,20 @@ def token_ledger(buffer: dict, trainer: dict) -> dict:
     """Every sample and response token the buffer accepted, in exactly one account, in both units (rows =
     samples, tokens = the response tokens trained on or not: response_mask summed):
 
-        pushed = trained + evicted + dropped + filtered + buffered + in_flight       (+ revoked, refused apart)
+        pushed = trained + evicted + dropped + filtered + buffered + in_flight + carried   (+ revoked, apart)
 
     counted where each happens: pushed, filtered and taken by the run's ExperienceBuffer as groups arrive and
     leave, evicted (stale), dropped (overflow) and buffered by the buffer that held them, trained by the trainer
     from the groups it trained on; in_flight = taken - trained (a prefetched batch, 0 once the loops stopped and
     gave it back). revoked: what a lost worker pushed after its lease was revoked (refused; its prompts were
-    generated again). Keys <account>_samples / <account>_tokens and unaccounted_samples / unaccounted_tokens;
-    {} when the buffer does not measure (a buffer built without group_length)."""
+    generated again). Across a resume (`trainer["ledger_carried"]`: the ledger the checkpoint recorded) the
+    accounts go on from the checkpoint's, and what was buffered or in flight then is `carried`: generated before
+    the checkpoint, lost with the process that held it, its prompts generated again by the resumed run. Keys
+    <account>_samples / <account>_tokens and unaccounted_samples / unaccounted_tokens; {} when the buffer does
+    not measure (a buffer built without group_length)."""
     if "pushed_tokens" not in buffer or "buffered_tokens" not in buffer:
         return {}
+    before = trainer.get("ledger_carried") or {}  # the ledger at the checkpoint this run resumed from
     out = {}
     for unit, suffix in (("samples", "rows"), ("tokens", "tokens")):
         trained = int(trainer.get(f"trained_{suffix}", 0))
@@ -81,7 +85,12 @@ def token_ledger(buffer: dict, trainer: dict) -> dict:
             "buffered": int(buffer.get(f"buffered_{suffix}", 0)),
             "in_flight": int(buffer.get(f"taken_{suffix}", 0)) - trained,
             "revoked": int(buffer.get(f"refused_{suffix}", 0)),
+            "carried": 0,
         }
+        for k in ("pushed", "trained", "evicted", "dropped", "filtered", "revoked"):  # closed accounts go on
+            row[k] += int(before.get(f"{k}_{unit}", 0))
+        # what was buffered or in flight at that checkpoint died with the process that held it: carried
+        row["carried"] = sum(int(before.get(f"{k}_{unit}", 0)) for k in ("buffered", "in_flight", "carried"))
         row["unaccounted"] = row["pushed"] - sum(row[k] for k in LEDGER_ACCOUNTS)
         out.update({f"{k}_{unit}": v for k, v in row.items()})
     return out

@@ -285,6 +285,7 @@ def run_sync(
     if resume_from:
         run_facts.update(restore_run_checkpoint(parts, resume_from).run)
         run_facts.pop("max_staleness", None)  # the bound is the buffer's (restored above with the autopilot)
+        run_facts.pop("ledger", None)  # the trainer role goes on from it (TrainerRole.ledger_carried)
         if parts.trainer.step >= cfg.trainer.total_steps:
             raise CheckpointError(
                 f"{resume_from} holds step {parts.trainer.step}, which already reaches trainer.total_steps="

@@ -37,6 +37,7 @@ class PinnedEvaluation:
         self.results: list[dict] = []
         self.skipped: list[int] = []  # versions replaced while waiting, not yet named in a result
         self.skipped_total = 0
+        self.last: Optional[dict] = None  # the newest evaluation that succeeded (the run audit reads its keys)
         self.closed = False
         self.thread: Optional[threading.Thread] = None
 
@@ -79,6 +80,7 @@ class PinnedEvaluation:
             result["skipped"] = skipped
             with self.cond:
                 self.results.append(result)
+                self.last = result if "error" not in result else self.last
                 self.running = None
                 self.cond.notify_all()
 
@@ -102,7 +104,7 @@ class PinnedEvaluation:
     def stats(self) -> dict:
         with self.cond:
             return {"eval_running": self.running, "eval_pending": self.pending[0] if self.pending else None,
-                    "eval_skipped_versions": self.skipped_total}  # fmt: skip
+                    "eval_skipped_versions": self.skipped_total, "eval_last": self.last}  # fmt: skip
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop the thread (an evaluation under way is left to finish, at most timeout_s) and the evaluator."""
@@ -116,6 +118,12 @@ class PinnedEvaluation:
             self.evaluator.close()
         if getattr(self.evaluator, "env", None) is not None:
             self.evaluator.env.close()
+
+
+def evaluation_evidence(result: dict) -> dict:
+    """An evaluation's eval/* figures alone (no traces, no trajectories): what the trainer's stats carry for the
+    run audit's eval_metric check."""
+    return {k: v for k, v in result.items() if k.startswith("eval/") and isinstance(v, (int, float))}
 
 
 def pinned_evaluation(cfg, policy_dir, heldout: list) -> PinnedEvaluation:
@@ -137,6 +145,7 @@ class EvaluationHost:
 
     role_attr = "role"
     pinned: Optional[PinnedEvaluation] = None
+    last_evaluation: Optional[dict] = None  # the newest synchronous evaluation (`evaluate`: at start and end)
 
     def submit_evaluation(self) -> int:
         """Queue a held-out evaluation of the newest weights the trainer published, on the evaluation thread: the
@@ -148,6 +157,13 @@ class EvaluationHost:
     def evaluations(self) -> list[dict]:
         """The pinned evaluations finished since the last call (each with eval/version)."""
         return self.pinned.drain() if self.pinned is not None else []
+
+    def evaluation_stats(self) -> dict:
+        """For the trainer's stats: the pinned evaluation's state (running, waiting, skipped) and `eval_last`, the
+        newest evaluation's metrics (pinned, else the synchronous one), which the run audit reads."""
+        out = self.pinned.stats() if self.pinned is not None else {}
+        out["eval_last"] = evaluation_evidence(out.get("eval_last") or self.last_evaluation or {})
+        return out
 
     def close(self) -> None:
         """Before the host goes (the Ray host calls it before killing the actor): the evaluation thread and what its

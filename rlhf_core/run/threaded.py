@@ -247,7 +247,7 @@ class ThreadedRun(EvaluationHost):
         """Every role's stats plus the trainer metrics produced since the last poll (DistributedRun.poll's keys)."""
         self._check_loops()
         metrics = self.trainer_role.drain_metrics()
-        tstats = self.trainer_role.stats()  # after the drain: step >= drained steps
+        tstats = {**self.trainer_role.stats(), **self.evaluation_stats()}  # after the drain: step >= drained steps
         bstats, qstats = self.buffer.stats(), self.queue.stats()
         wstats = [{**r.stats(), "alive": True, "restarted": False, "restarts": 0} for r in self.rollout_roles]
         return assemble_poll(self, metrics, tstats, bstats, qstats, wstats)
@@ -273,7 +273,8 @@ class ThreadedRun(EvaluationHost):
         """Held-out evaluation with the trainer's current weights (between two of its steps)."""
         with self.trainer_role.lock, torch_threads(self.threads):
             self.evaluator.engine.version = self.trainer_role.trainer.version
-            return self.evaluator()
+            self.last_evaluation = self.evaluator()
+            return self.last_evaluation
 
     def checkpoint(self, path: str | Path, run: Optional[dict] = None) -> str:
         """A full resumable checkpoint (the one layout): the trainer's state, the prompt queue's position, every

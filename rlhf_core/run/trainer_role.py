@@ -17,7 +17,7 @@ import torch
 from rlhf_core.model.policy import dropout_max
 from rlhf_core.rollout.probe import snapshot_bytes
 from rlhf_core.rollout.probe import split as sync_probe_split
-from rlhf_core.run.accounting import group_length
+from rlhf_core.run.accounting import group_length, token_ledger
 from rlhf_core.run.checkpoint import (
     CheckpointState,
     capture_rng,
@@ -85,6 +85,8 @@ class TrainerRole:
         self.published: Optional[tuple[int, Optional[dict]]] = None  # (version, snapshot) of the newest publish
         self.groups_trained = 0  # counted here, independently of the buffer's count (reconcile)
         self.tokens_trained = self.rows_trained = 0  # and in response tokens and rows (the token ledger)
+        self.ledger_carried: dict = {}  # the token ledger at the checkpoint the run resumed from
+        self.seed = torch.initial_seed()  # what the host seeded torch with (build.setup_process): the audit's
         self.trained: dict[int, int] = {}  # prompt uid -> times trained on in the run: in every checkpoint
         self.checkpoints_written: list[dict] = []
         self.last_publish_s: Optional[float] = None
@@ -310,7 +312,7 @@ class TrainerRole:
                 trainer=self.call("state_dict"),
                 data={**data, "trained": dict(self.trained)},  # exactly-once resume: what was trained on
                 rng={"trainer": capture_rng(), "rollout": list(rollout_rng)},
-                run={"max_staleness": self.bound, **run},
+                run={"max_staleness": self.bound, **run, "ledger": self.ledger()},
                 config=self.cfg.model_dump(mode="json"),
             )
             if self.full_weights is None:
@@ -326,7 +328,14 @@ class TrainerRole:
             restore_rng(state.rng["trainer"])
             if self.cfg.runtime.autopilot.enabled and state.run.get("max_staleness") is not None:
                 self.bound = int(state.run["max_staleness"])
+            self.ledger_carried = dict(state.run.get("ledger") or {})
         return state
+
+    def ledger(self) -> dict:
+        """The token ledger now (the buffer's side and this trainer's), for a checkpoint: a run resumed from it
+        goes on from these accounts ({} when the buffer does not measure)."""
+        trained = {"trained_rows": self.rows_trained, "trained_tokens": self.tokens_trained}
+        return token_ledger(self.buffer.stats(), {**trained, "ledger_carried": self.ledger_carried})
 
     def set_trained(self, trained: dict) -> None:
         """The prompts trained on so far (uid -> times), as a resumed run's prompt queue restored them."""
@@ -345,6 +354,8 @@ class TrainerRole:
                 "groups_trained": self.groups_trained,
                 "trained_tokens": self.tokens_trained,
                 "trained_rows": self.rows_trained,
+                "ledger_carried": self.ledger_carried,
+                "seed": self.seed,
                 **self.model_facts(),
             }
         )

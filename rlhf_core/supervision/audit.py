@@ -13,25 +13,19 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Optional
 
+from rlhf_core.supervision.audit_config import AsConfigured, Check
+
+__all__ = ["AUDIT_FILE", "Check", "RunAudit", "audit_table"]
+
 AUDIT_FILE = "audit.json"
-WINDOW = 5  # trainer steps of evidence before a configured mechanism with no effect is called inactive
-LEDGER_ACCOUNTS = ("trained", "evicted", "dropped", "filtered", "buffered", "in_flight")  # rlhf_core.run.accounting
 NOISE = 1e-4  # a correction weight within this of 1 is engine numerics, not a correction
 
 
-@dataclass
-class Check:
-    name: str
-    verdict: str  # ok | inactive | failed | pending
-    evidence: str
-    figures: dict = field(default_factory=dict)
-
-
-class RunAudit:
+class RunAudit(AsConfigured):
     """Accumulates the evidence of a run's polls (`observe`) and judges it (`checks`)."""
 
     def __init__(self, cfg, start_step: int = 0):
@@ -117,12 +111,6 @@ class RunAudit:
         s = self.seen.get(key)
         return int(s[2]) if s else 0
 
-    def _undecided(self, name: str, evidence: str, figures: Optional[dict] = None, at_end: bool = False) -> Check:
-        """A configured mechanism with no effect seen yet: pending until WINDOW steps (`at_end`: until the run ends,
-        for a mechanism that may rightly act late: clipping once the policy has moved), then inactive."""
-        verdict = "inactive" if self.final or (self.steps >= WINDOW and not at_end) else "pending"
-        return Check(name, verdict, evidence, figures or {})
-
     def checks(self) -> list[Check]:
         cfg, out = self.cfg, []
         out.append(self._weights())
@@ -164,8 +152,11 @@ class RunAudit:
                 )
             )
         out.append(self._reward())
+        if (evaluated := self._eval_metric()) is not None:
+            out.append(evaluated)
         out.append(self._lr())
         out.append(self._dropout())
+        out.append(self._seeds())
         if self.final:
             out.append(self._ledger())
             if cfg.checkpoint.every > 0 and self.checkpoint is not None:
@@ -336,71 +327,6 @@ class RunAudit:
             f"{len(columns)} reward column(s), each varied over the run",
             figures,
         )
-
-    def _lr(self) -> Check:
-        t = self.cfg.trainer
-        lr = self.seen.get("policy/lr")
-        figures = {"lr_min": lr[0] if lr else None, "lr_max": lr[1] if lr else None, "mismatches": len(self.lr_errors)}
-        if self.lr_errors:
-            step, logged, expected = self.lr_errors[0]
-            return Check(
-                "lr_schedule",
-                "failed",
-                f"trainer.lr_schedule {t.lr_schedule!r} (warmup {t.warmup_steps}): "
-                f"step {step} trained at lr {logged:.6g}, the schedule gives {expected:.6g} "
-                f"({len(self.lr_errors)} step(s) off)",
-                figures,
-            )
-        if lr is None:
-            return self._undecided("lr_schedule", "no learning rate was logged yet", figures)
-        return Check(
-            "lr_schedule",
-            "ok",
-            f"{t.lr_schedule} (warmup {t.warmup_steps}): every logged lr equals the "
-            f"schedule's ({lr[0]:.6g}..{lr[1]:.6g})",
-            figures,
-        )
-
-    def _dropout(self) -> Check:
-        p = self.trainer.get("dropout_max")
-        if p is None:
-            return Check("dropout", "pending" if not self.final else "ok", "the trainer reported no dropout module")
-        if float(p) > 0:
-            return Check(
-                "dropout",
-                "failed",
-                f"a dropout of p = {p} is active in the trained model: the trainer's log-probs are not the engine's",
-                {"dropout_max": p},
-            )
-        return Check("dropout", "ok", "no dropout active in the trained model", {"dropout_max": p})
-
-    def _ledger(self) -> Check:
-        led = self.ledger
-        if led is None:
-            return Check("ledger", "inactive", self.ledger_note)
-        units = (("groups", ""), ("samples", "_samples"), ("tokens", "_tokens"))
-        off = {u: led[f"unaccounted{k}"] for u, k in units if led.get(f"unaccounted{k}")}
-        off.update(
-            {f"{u} in flight after the stop": led[f"in_flight{k}"] for u, k in units if led.get(f"in_flight{k}")}
-        )
-        if off:
-            return Check("ledger", "failed", f"not every one accounted for: {off}", led)
-        parts = " + ".join(f"{led.get(k + '_tokens', 0)} {k.replace('_', ' ')}" for k in LEDGER_ACCOUNTS)
-        tokens = f"; {led['pushed_tokens']} response tokens = {parts}" if "pushed_tokens" in led else ""
-        return Check("ledger", "ok", f"{led.get('generated', 0)} groups generated, each in one account{tokens}", led)
-
-    def _checkpoint(self) -> Check:
-        c = self.checkpoint or {}
-        if c.get("error"):
-            return Check(
-                "checkpoint", "failed", f"the last checkpoint {c.get('path')} does not read back: {c['error']}", c
-            )
-        if not c.get("path"):
-            return Check("checkpoint", "inactive", "no checkpoint was written (the run ended before checkpoint.every)")
-        said = (
-            f"the last checkpoint ({c['path']}) reads back and holds version {c.get('version')} at step {c.get('step')}"
-        )
-        return Check("checkpoint", "ok", said, c)
 
     # ------------------------------------------------------------------ reports
     def findings(self) -> list[Check]:
