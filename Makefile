@@ -56,9 +56,10 @@ TEST_WORKERS ?= 2
 test: install
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=25
 
-# The unit tests: everything not marked `slow` (no Ray cluster, Prefect server or long training runs).
+# The unit tests: everything not marked `slow` (no Ray cluster, Prefect server, vLLM engine or long training runs),
+# over TEST_WORKERS processes as `make test` (many of them wait on timeouts and subprocesses).
 test-fast: install
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist worksteal
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -104,6 +104,9 @@ def check_source(path: str, name: str, where: str) -> Kind:
 # Environments run many episodes in one process, on threads, and each opening loads its tools: without this lock
 # a second thread found the module registered but not yet executed ("defines no 'add'", a flaky test).
 _IMPORT_LOCK = threading.Lock()
+USER_MODULE_PREFIX = "atrlhf_user_"
+"""The sys.modules name of each .py file `import_path` loaded: the Ray host ships these by value (an object of a
+class they define, such as a user loss's options in the config, then unpickles in an actor's process)."""
 
 
 def import_path(path: str, where: str, what: str = "file"):
@@ -115,7 +118,7 @@ def import_path(path: str, where: str, what: str = "file"):
     file = Path(path).resolve()
     if not file.is_file():
         raise ValueError(f"{where}: {what} {file} does not exist")
-    module_name = f"atrlhf_user_{abs(hash(str(file)))}"
+    module_name = f"{USER_MODULE_PREFIX}{abs(hash(str(file)))}"
     with _IMPORT_LOCK:
         module = sys.modules.get(module_name)
         if module is None:

@@ -34,6 +34,27 @@ COMMON = [
 ]
 
 
+USER_LOSS = """
+import torch
+from pydantic import Field
+
+from rlhf_core.algorithms import AlgorithmOptions, register_policy_loss
+
+
+class UserPGOptions(AlgorithmOptions):
+    scale: float = Field(1.0, gt=0)
+
+
+@register_policy_loss("user_pg_test", options=UserPGOptions)
+def user_pg(inputs, options):
+    valid = inputs.valid() > 0
+    adv = inputs.advantages.reshape(inputs.logprobs.shape[0], -1)
+    per_token = torch.where(valid, -options.scale * adv * inputs.logprobs, torch.zeros_like(inputs.logprobs))
+    stats = {"user_pg/scale": torch.tensor(options.scale)}
+    return inputs.add_kl(inputs.aggregate(per_token), stats), stats
+"""
+
+
 @pytest.mark.parametrize("mode", ["async", "lockstep"])
 def test_critic_filtering_and_autopilot_on_ray(ray_local, tmp_path, mode):
     pilot = [
@@ -44,10 +65,17 @@ def test_critic_filtering_and_autopilot_on_ray(ray_local, tmp_path, mode):
         "runtime.autopilot.cooldown_steps=1",
         "runtime.autopilot.target_m2=10.0",  # the mismatch never passes it: the bound can only rise
     ]
-    cfg = tiny_cfg(tmp_path, *COMMON, *(pilot if mode == "async" else ["runtime.max_staleness=0"]))
+    # lockstep trains with a user's loss given as a file path: imported in the trainer actor's process, its options
+    # (a class of that file, in the config) shipped by value
+    user_loss = tmp_path / "user_loss.py"
+    user_loss.write_text(USER_LOSS)
+    own = [f"algorithm.loss={user_loss}:user_pg_test", "algorithm.loss_options={scale: 0.5}"]
+    cfg = tiny_cfg(tmp_path, *COMMON, *(pilot if mode == "async" else ["runtime.max_staleness=0", *own]))
     result = run_distributed(cfg, poll_interval_s=0.2)
     assert result["steps"] == 8
     metrics = result["metrics"]
+    if mode == "lockstep":  # the user's loss ran in the trainer actor, with the option the config gave it
+        assert [m["user_pg/scale"] for m in metrics] == pytest.approx([0.5] * 8), metrics[0]
     for key in (
         "critic/value_loss",
         "critic/vf_clipfrac",

@@ -266,3 +266,20 @@ def test_every_public_name_of_the_package_resolves_to_what_it_names():
     for name in algorithms.__all__:
         assert not isinstance(getattr(algorithms, name), types.ModuleType), name
     assert callable(algorithms.value_loss) and callable(algorithms.compute_gae_advantages)
+
+
+def test_a_loss_given_as_a_file_path_loads_with_its_options_and_bad_paths_name_the_key(tmp_path):
+    """algorithm.loss '<file.py>:<name>': the file is imported (once per process; the Ray trainer imports it in its
+    own, tests/test_algo_ray.py) and registers the loss; a missing file or a name it does not register is a
+    ConfigError naming algorithm.loss."""
+    from tests.test_algo_ray import USER_LOSS
+
+    path = tmp_path / "my_losses.py"
+    path.write_text(USER_LOSS)
+    cfg = load_config(None, [f"algorithm.loss={path}:user_pg_test", "algorithm.loss_options={scale: 0.25}"])
+    assert cfg.algorithm.loss_spec.name == "user_pg_test" and cfg.algorithm.loss_options.scale == 0.25
+    assert f"{path}:user_pg_test" not in list(POLICY_LOSSES)  # listed under its own name only
+    with pytest.raises(ConfigError, match=r"algorithm\.loss.*nowhere\.py does not exist"):
+        load_config(None, [f"algorithm.loss={tmp_path / 'nowhere.py'}:user_pg_test"])
+    with pytest.raises(ConfigError, match=r"algorithm\.loss.*registers no policy loss 'other'"):
+        load_config(None, [f"algorithm.loss={path}:other"])

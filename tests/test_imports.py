@@ -290,3 +290,22 @@ def test_every_module_is_at_most_450_lines_and_the_ray_actors_only_host():
     assert len(lines) > 100  # the finder sees the tree
     too_long = {name: n for name, n in lines.items() if n > HOSTS.get(name, MAX_LINES)}
     assert not too_long, f"modules over their limit ({MAX_LINES} lines; the actors {HOSTS}): {too_long}"
+
+
+def test_both_hosts_implement_the_one_control_interface_with_its_signatures():
+    """rlhf_core.run.host_base.RunHost is the control interface the supervision, the flow and run_distributed call:
+    both hosts implement every method of it with its parameters, over HostBase's shared sequences."""
+    import inspect
+
+    from rlhf_core.distributed.runtime import DistributedRun
+    from rlhf_core.run.host_base import HostBase, RunHost
+    from rlhf_core.run.threaded import ThreadedRun
+
+    methods = [n for n, f in vars(RunHost).items() if inspect.isfunction(f) and not n.startswith("_")]
+    assert len(methods) >= 19, methods
+    for host in (ThreadedRun, DistributedRun):
+        assert issubclass(host, HostBase), host
+        for name in methods:
+            want = [p for p in inspect.signature(getattr(RunHost, name)).parameters if p != "self"]
+            got = [p for p in inspect.signature(getattr(host, name)).parameters if p != "self"]
+            assert got[: len(want)] == want, (host.__name__, name, got, want)

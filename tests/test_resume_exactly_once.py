@@ -111,7 +111,8 @@ def test_a_resumed_async_run_trains_on_every_prompt_of_each_epoch_exactly_once(t
     rec = json.loads(done_line[-1].split(" ", 2)[2])
     assert_ledger_balances(rec)
     assert rec["trained_samples"] == total * per_step * 4, rec  # 4 samples a prompt, every step of both runs
-    assert rec["carried_samples"] == at_ckpt["buffered_samples"] + at_ckpt["in_flight_samples"] > 0, (at_ckpt, rec)
+    # (what was buffered or in flight at the checkpoint depends on timing: often some groups, sometimes none)
+    assert rec["carried_samples"] == at_ckpt["buffered_samples"] + at_ckpt["in_flight_samples"], (at_ckpt, rec)
     trained_second = records("second")
     assert [r["step"] for r in trained_second] == list(range(last + 1, total + 1))
 

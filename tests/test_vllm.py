@@ -113,6 +113,7 @@ def weights_of(model) -> dict:
     return whole_cpu_copies(list(model.named_parameters()) + list(model.named_buffers()), None)
 
 
+@pytest.mark.slow  # the real vLLM engine: seconds to start (make test runs it on every CI run)
 @pytest.mark.parametrize(
     "temperature, top_k, top_p, min_p",
     [(1.0, 0, 1.0, 0.0), (0.7, 0, 1.0, 0.0), (1.0, 5, 0.8, 0.0), (0.7, 3, 0.5, 0.0), (1.0, 0, 1.0, 0.2)],
@@ -147,6 +148,7 @@ def test_vllm_logprobs_match_full_forward(
     torch.testing.assert_close(batch.behavior_logprobs[m], trainer_lp[m], atol=2e-3, rtol=0)
 
 
+@pytest.mark.slow  # the real vLLM engine: seconds to start (make test runs it on every CI run)
 def test_vllm_greedy_equals_the_hf_engine_on_the_task(vllm_engine, policy, max3_prompts, tiny_tokenizer):
     """Greedy generations of vLLM and the HF engine agree on the held-out prompts of the tiny task (float32), stop
     where the same stop set says (EOS included in the response, nothing after it), and carry the same log-probs.
@@ -172,6 +174,7 @@ def test_vllm_greedy_equals_the_hf_engine_on_the_task(vllm_engine, policy, max3_
     torch.testing.assert_close(out.behavior_logprobs[m], hf.behavior_logprobs[hf.response_mask], atol=2e-3, rtol=0)
 
 
+@pytest.mark.slow  # the real vLLM engine: seconds to start (make test runs it on every CI run)
 def test_vllm_load_weights_lands_and_the_sync_probe_sees_it(vllm_engine, policy, max3_prompts, tiny_tokenizer):
     """A weight sync in place (vLLM's reload_weights) changes what the engine computes to the new weights': greedy
     outputs equal the HF engine's with them, the probe's log-probs equal the trainer's reference (noise level),
@@ -196,6 +199,7 @@ def test_vllm_load_weights_lands_and_the_sync_probe_sees_it(vllm_engine, policy,
     assert check.tolerance == 1e-3 and check.last_diff < 1e-5 and check.last_kl < 1e-8  # float32: noise
 
 
+@pytest.mark.slow  # the real vLLM engine: seconds to start (make test runs it on every CI run)
 def test_vllm_engine_that_ignores_updates_fails_the_sync_check(vllm_engine, policy, monkeypatch):
     """An engine whose in-place update does nothing is caught at the first sync, and the message names the cause:
     it still computes the previous version."""
@@ -217,6 +221,7 @@ def test_vllm_engine_that_ignores_updates_fails_the_sync_check(vllm_engine, poli
     assert warn.failures == 1 and warn.last_diff > warn.tolerance
 
 
+@pytest.mark.slow  # the real vLLM engine: seconds to start (make test runs it on every CI run)
 def test_in_flight_weight_update(vllm_engine, policy, max3_prompts, tiny_tokenizer):
     """Partial rollouts on vLLM: weights handed over between engine steps are loaded while requests run; tokens
     are stamped with the version in effect when produced, policy_version is each row's oldest, and the tokens
@@ -246,6 +251,7 @@ def test_in_flight_weight_update(vllm_engine, policy, max3_prompts, tiny_tokeniz
     torch.testing.assert_close(batch.behavior_logprobs[first], old_lp[first], atol=2e-3, rtol=0)
 
 
+@pytest.mark.slow  # the real vLLM engine: seconds to start (make test runs it on every CI run)
 @pytest.mark.parametrize("sampling", [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_k=5)])
 def test_vllm_top_logprobs_equal_the_hf_engine(vllm_engine, policy, max3_prompts, sampling):
     """The agent endpoint's top_logprobs: vLLM's k most likely tokens at each generated position, under the
@@ -260,6 +266,7 @@ def test_vllm_top_logprobs_equal_the_hf_engine(vllm_engine, policy, max3_prompts
         assert [lp for _, lp in got] == pytest.approx([lp for _, lp in want], abs=1e-4)
 
 
+@pytest.mark.slow  # the real vLLM engine: seconds to start (make test runs it on every CI run)
 def test_vllm_refuses_head_sizes_its_cpu_attention_lacks(tiny_policy_dir, tiny_tokenizer):
     """The session's tiny fixture has heads of 16, which vLLM's CPU attention has no kernel for: refused at start
     with the reason, not at the first generation."""
@@ -271,6 +278,7 @@ def test_vllm_refuses_head_sizes_its_cpu_attention_lacks(tiny_policy_dir, tiny_t
         VLLMEngine(tiny_policy_dir, load_config(None, ["rollout.engine=vllm"]), tiny_tokenizer)
 
 
+@pytest.mark.slow  # the real vLLM engine: seconds to start (make test runs it on every CI run)
 def test_vllm_sync_moves_a_tied_output_embedding(vllm_engine, policy):
     """The tiny policy ties its output head to the input embedding, and a trainer names that tensor once: after a
     sync that changes only the embedding, the engine computes the new weights' log-probs (the head moved too)."""
@@ -287,6 +295,7 @@ def test_vllm_sync_moves_a_tied_output_embedding(vllm_engine, policy):
     assert check.last_diff < 1e-5
 
 
+@pytest.mark.slow  # the real vLLM engine: seconds to start (make test runs it on every CI run)
 def test_vllm_samples_follow_the_engine_generator(vllm_engine, max3_prompts, tiny_tokenizer):
     """Each request's vLLM seed comes from the engine's generator: the same generator state samples the same
     completions (a checkpoint keeps it, so a resumed run samples what the uninterrupted one would); the next
@@ -305,6 +314,7 @@ def test_vllm_samples_follow_the_engine_generator(vllm_engine, max3_prompts, tin
     assert any(len({tuple(r.tolist()) for r in group}) > 1 for group in per_prompt)
 
 
+@pytest.mark.slow  # the real vLLM engine: seconds to start (make test runs it on every CI run)
 def test_vllm_lora_adapter_matches_the_peft_model(vllm_policy_dir, tiny_tokenizer, max3_prompts):
     """model.lora on vLLM: a sync writes a PEFT adapter directory that every later generation names in a
     LoRARequest (a new id per version, the previous adapter removed); with it, vLLM's greedy answers and log-probs
@@ -391,6 +401,7 @@ def chat_vllm(tmp_path_factory):
     return model.to(DEVICE), tok, stops, VLLMEngine(path, cfg, tok, seed=0, stop_token_ids=stops)
 
 
+@pytest.mark.slow  # the real vLLM engine: seconds to start (make test runs it on every CI run)
 def test_vllm_stops_where_the_hf_engine_does_on_a_chat_model(chat_vllm):
     """vLLM and the HF engine given the run's stop set answer chat-template prompts identically (greedy, float32):
     some end on the tokenizer's EOS, some on another id of generation_config.json, some run to the cap; the stop
@@ -424,6 +435,7 @@ def test_vllm_stops_where_the_hf_engine_does_on_a_chat_model(chat_vllm):
     assert torch.equal(m, response_mask_from_eos(out.response_ids, torch.tensor(stops)))
 
 
+@pytest.mark.slow  # the real vLLM engine: seconds to start (make test runs it on every CI run)
 def test_a_multi_turn_environment_runs_on_vllm_as_on_the_hf_engine(chat_vllm):
     """Multi-turn episodes (tests/env_fixtures.py's CountEnv, three turns, greedy) on vLLM: the same trajectories as
     on the HF engine (every turn's ids, the observations between them), behaviour log-probs to float32 noise."""

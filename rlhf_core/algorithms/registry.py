@@ -99,7 +99,10 @@ class Registry:
         self._names.update({name: spec.name for name in (spec.name, *spec.aliases)})
 
     def get(self, name: str) -> Spec:
-        """The spec of `name` (a name or an alias); ValueError naming the registered ones when there is none."""
+        """The spec of `name` (a name or an alias, or '<file.py or module>:<name>': the user's module is imported in
+        this process first, which registers it); ValueError naming the registered ones when there is none."""
+        if isinstance(name, str) and name not in self._names and ":" in name:
+            self._import_user(name)
         try:
             return self._specs[self._names[name]]
         except (KeyError, TypeError):
@@ -109,9 +112,28 @@ class Registry:
                 "(in every process that trains)"
             ) from None
 
+    def _import_user(self, spelled: str) -> None:
+        """'<path>:<name>': import `path` (a .py file or an importable module, rlhf_core.usercode: once per process,
+        in whichever process asks first: the driver validating the config, a Ray trainer building its loss), whose
+        decorator registers `name`; the whole spelling then names that spec too."""
+        from rlhf_core.usercode import import_path
+
+        path, _, name = spelled.rpartition(":")
+        where = f"algorithm.{self.kind} {spelled!r}"
+        try:
+            import_path(path, where, what="file")
+        except Exception as exc:  # the user's file: its error, named with the key that loads it
+            raise ValueError(f"{where}: importing {path} failed: {type(exc).__name__}: {exc}") from None
+        if name not in self._names:
+            raise ValueError(
+                f"{where}: {path} registers no {self.what} {name!r} (decorate it with "
+                f"rlhf_core.algorithms.{self.decorator}({name!r}))"
+            )
+        self._names[spelled] = self._names[name]
+
     def names(self) -> list[str]:
-        """Every name and alias, sorted."""
-        return sorted(self._names)
+        """Every name and alias, sorted (a '<path>:<name>' spelling is its name's)."""
+        return sorted(n for n in self._names if ":" not in n)
 
     def specs(self) -> list[Spec]:
         return list(self._specs.values())

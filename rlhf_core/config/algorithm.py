@@ -25,7 +25,8 @@ class AlgorithmConfig(_Section):
     loss: str = Field(
         "grpo",
         description="Policy loss by registered name: built in 'ppo' ('grpo' is the same loss) and 'm2po'; others "
-        "registered with rlhf_core.algorithms.register_policy_loss.",
+        "registered with rlhf_core.algorithms.register_policy_loss, or '<file.py or module>:<name>' (the file is "
+        "imported in every process that builds a trainer, where its decorator registers the name).",
     )
     loss_options: OptionsField = Field(
         default_factory=dict,
@@ -36,7 +37,8 @@ class AlgorithmConfig(_Section):
     advantage: str = Field(
         "grpo",
         description="Advantage estimator by registered name: built in 'grpo', 'rloo' and 'gae' (a learned critic, "
-        "configured under critic:); others registered with rlhf_core.algorithms.register_advantage.",
+        "configured under critic:); others registered with rlhf_core.algorithms.register_advantage, or "
+        "'<file.py or module>:<name>' as algorithm.loss.",
     )
     advantage_options: OptionsField = Field(
         default_factory=dict,

@@ -3,9 +3,10 @@
 `EvalActor` holds a policy copy of its own and a `rlhf_core.run.pinned_eval.PinnedEvaluation` thread; it loads the
 weights of exactly version V as a rollout worker does, from the weight store's reference (one object-store read,
 nothing through the driver), so neither the trainer (no lock, no GIL shared with it) nor the rollout fleet waits.
-`RayEvaluation` is the driver's side: it starts the actor at the first request (a run that never evaluates pays
-nothing), asks the store for the newest published version, and drains the finished evaluations. Its resources
-are cluster.resources.eval (default none reserved: CPU 0, GPU 0; its bundle is the placement group's last).
+`RayEvaluation` is the driver's side: it starts the actor with the loops when eval.every is set (else at the first
+request: a run that never evaluates pays nothing), asks the store for the newest published version, and drains the
+finished evaluations. Its resources are cluster.resources.eval (default none reserved: CPU 0, GPU 0; its bundle is
+the placement group's last).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class EvalActor:
         build.setup_process(cfg, cfg.trainer.seed)
         self.timeout = cfg.runtime.wait_timeout_s
         self.pinned = pinned_evaluation(cfg, policy_dir, heldout)
+        self.pinned.evaluator = self.pinned.build()  # ready before the first request (the actor starts with the run)
 
     def submit(self, version: int, ref_box: Optional[list]) -> int:
         weights = None
@@ -57,6 +59,12 @@ class RayEvaluation:
         self.actor = None
         self.submitted: list = []  # requests the actor has not taken yet (ObjectRefs)
         self.last: dict = {}
+
+    def start(self) -> None:
+        """Start the actor now (with the loops, when eval.every will ask for evaluations): its policy copy is built
+        while training runs, not at the first request. Non-blocking."""
+        if self.actor is None:
+            self._start()
 
     def _start(self):
         run, c = self.run, self.run.cfg.cluster

@@ -39,16 +39,31 @@ from rlhf_core.distributed.trainer_group import TrainerRankActor
 from rlhf_core.env.serve import stop_wait_s
 from rlhf_core.run import build
 from rlhf_core.run.accounting import reconcile
-from rlhf_core.run.checkpoint import CheckpointState, read_checkpoint
+from rlhf_core.run.checkpoint import read_checkpoint
 from rlhf_core.run.control import ExperienceBuffer, RunFailed, WeightStore, WorkerDied, assemble_poll, buffer_options
+from rlhf_core.run.host_base import HostBase
 from rlhf_core.run.preflight import check_lengths, check_output_dir
 from rlhf_core.run.supervise import FAILED_GRACE_S, stop_grace
+from rlhf_core.usercode import USER_MODULE_PREFIX
 
 log = logging.getLogger("rlhf_core.distributed")
 
 
 def _remote(cls, **options):
     return ray.remote(cls).options(**options)
+
+
+def ship_user_modules() -> None:
+    """User code loaded from .py files (rlhf_core.usercode: algorithm.loss '<file.py>:<name>' and the like) is not
+    importable by name in an actor's process: objects of its classes (a user loss's options in the config) travel
+    by value. Each actor imports the file itself when it needs the code (the algorithm registry does)."""
+    import sys
+
+    import ray.cloudpickle
+
+    for name, module in list(sys.modules.items()):
+        if name.startswith(USER_MODULE_PREFIX):
+            ray.cloudpickle.register_pickle_by_value(module)
 
 
 def _on_this_node() -> dict:
@@ -59,7 +74,7 @@ def _on_this_node() -> dict:
     return {"scheduling_strategy": NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)}
 
 
-class DistributedRun(LoopWatch, Fleet):
+class DistributedRun(LoopWatch, Fleet, HostBase):
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
         self.handle: Optional[ClusterHandle] = None
@@ -94,11 +109,28 @@ class DistributedRun(LoopWatch, Fleet):
     def _get(self, ref, what: str):
         return get_or_fail(ref, self.timeout, what)
 
-    def _event(self, kind: str, detail: str) -> None:
-        ev = {"time": time.time(), "kind": kind, "detail": detail}
-        self.events.append(ev)
-        self._new_events.append(ev)
-        log.warning("%s: %s", kind, detail)
+    # ------------------------------------------------------------------ the host's reach (HostBase)
+    def _trainer(self, name: str, *args):
+        slow = name in ("restore", "checkpoint")  # a large model's read or write
+        timeout = max(self.timeout, 600) if slow else self.timeout
+        return get_or_fail(getattr(self.trainer, name).remote(*args), timeout, f"the trainer's {name}")
+
+    def _queue(self, name: str, *args):
+        return self._get(getattr(self.queue, name).remote(*args), f"the prompt queue's {name}")
+
+    def _buffer(self, name: str, *args):
+        return self._get(getattr(self.buffer, name).remote(*args), f"the replay buffer's {name}")
+
+    def _rollout_rng(self) -> list:
+        return rollout_rng_states(self.workers)
+
+    def _set_rollout_rng(self, states: list) -> None:
+        for w, rng in zip(self.workers, states):
+            if rng is not None:  # None: the worker was restarting when the checkpoint was taken
+                self._get(w.set_rng_state.remote(rng), "a rollout worker to restore its RNG")
+
+    def _workers_adopt(self) -> None:
+        self._get([w.maybe_load_weights.remote() for w in self.workers], "the rollout workers to load weights")
 
     def launch(self, resume_from: Optional[str] = None, progress: Optional[Callable[[str], None]] = None) -> dict:
         """Join or start Ray, check resources, create the actors, restore a checkpoint if given. `progress(line)`
@@ -121,6 +153,7 @@ class DistributedRun(LoopWatch, Fleet):
 
         say("starting Ray" if not cfg.cluster.address else f"joining Ray at {cfg.cluster.address}")
         self.handle = connect(cfg.cluster)
+        ship_user_modules()
         try:
             where = "a local instance started here" if self.handle.started_ray else f"joined {self.handle.address}"
             say(f"Ray up ({where}, {time.monotonic() - t0:.1f} s); starting the actors")
@@ -196,14 +229,7 @@ class DistributedRun(LoopWatch, Fleet):
             )
             if resume_from:
                 self._restore(str(resume_from))
-            version = self._get(self.trainer.version.remote(), "the trainer version")
-            self._get(self.buffer.start_at.remote(version), "the replay buffer version update")
-            self.request_sync()
-            self._get(
-                [w.maybe_load_weights.remote() for w in self.workers], "the rollout workers to load the initial weights"
-            )
-            stats = self._get(self.trainer.stats.remote(), "trainer stats")
-            self.last_step, self.last_version = stats["step"], stats["version"]
+            self._first_weights()
             took = time.monotonic() - t0
             say(f"first weights (version {self.last_version}) loaded by every rollout worker ({took:.1f} s)")
         except BaseException:
@@ -217,21 +243,6 @@ class DistributedRun(LoopWatch, Fleet):
             "step": self.last_step,
         }
 
-    def _restore(self, path: str) -> None:
-        """Trainer state first (it validates the whole checkpoint), then the data position and the rollout
-        engines' RNG. A checkpoint with fewer rollout RNG states than workers (from the single-process loop,
-        or a run with fewer workers) seeds the workers it has states for; the others keep their own seeds."""
-        state: CheckpointState = self._get(self.trainer.restore.remote(path), "the checkpoint restore")
-        trained = self._get(self.queue.load_state_dict.remote(state.data), "the prompt queue to restore its position")
-        self._get(self.trainer.set_trained.remote(trained), "the trainer's record of trained prompts")
-        for w, rng in zip(self.workers, state.rng.get("rollout", [])):
-            if rng is not None:  # None: the worker was restarting when the checkpoint was taken
-                self._get(w.set_rng_state.remote(rng), "a rollout worker to restore its RNG")
-        self.eval_start = state.run.get("eval_start")
-        if self.cfg.runtime.autopilot.enabled and state.run.get("max_staleness") is not None:
-            # the autopilot's bound goes on where it was (without it, the configured bound is the bound)
-            self.restored_max_staleness = self.set_max_staleness(int(state.run["max_staleness"]))
-
     # ------------------------------------------------------------------ loops
     def start(self) -> None:
         """Start the rollout and trainer loops (non-blocking); at max_staleness 0 they run in lockstep."""
@@ -240,6 +251,8 @@ class DistributedRun(LoopWatch, Fleet):
         facts = {"eval_start": self.eval_start, **self.run_facts}
         self._get(self.trainer.set_checkpointing.remote(self.queue, self.workers, facts), "the trainer's checkpointing")
         self.trainer_loop = self.trainer.run_loop.remote(self.cfg.trainer.total_steps)
+        if self.cfg.eval.every > 0:
+            self.evaluation.start()  # eval.every's actor builds its policy copy while the loops run
         self.worker_loops = {i: w.run_loop.remote() for i, w in enumerate(self.workers)}
         for i, ref in self.worker_loops.items():
             self.worker_loop_starts.setdefault(i, []).append(ref)
@@ -251,10 +264,6 @@ class DistributedRun(LoopWatch, Fleet):
             ray.wait([self.trainer_loop], timeout=seconds)
         else:
             time.sleep(seconds)
-
-    @property
-    def done(self) -> bool:
-        return self.last_step >= self.cfg.trainer.total_steps
 
     # ------------------------------------------------------------------ supervision hooks
     def poll(self) -> dict:
@@ -298,24 +307,6 @@ class DistributedRun(LoopWatch, Fleet):
         tstats["eval_last"] = self.evaluation.last  # the run audit's evidence of the evaluation metric
         return assemble_poll(self, metrics, tstats, bstats, qstats, wstats, fleet, self.fleet_stats())
 
-    def top_up_prompts(self, n: Optional[int] = None, target: Optional[int] = None) -> int:
-        """Schedule prompts with backpressure: fill the queue up to `target` (default two trainer steps)."""
-        target = target or 2 * self.cfg.trainer.prompts_per_step
-        queued = self._get(self.queue.size.remote(), "the prompt queue size")
-        want = max(0, target - queued) if n is None else min(n, max(0, target - queued))
-        return self._get(self.queue.top_up.remote(want), "the prompt queue to accept prompts") if want else 0
-
-    def request_sync(self) -> float:
-        """Publish the trainer's weights now (workers pick them up between batches)."""
-        return self._get(self.trainer.publish.remote(), "the trainer to publish weights")
-
-    def throttle(self, paused: bool) -> None:
-        self._get(self.buffer.set_paused.remote(paused), "the replay buffer to change admission")
-
-    def set_max_staleness(self, bound: int) -> int:
-        """Move the staleness bound at runtime (the autopilot), within runtime.autopilot's range; returns it."""
-        return self._get(self.buffer.set_max_staleness.remote(bound), "the replay buffer to change max_staleness")
-
     def evaluate(self) -> dict:
         result = get_or_fail(self.trainer.evaluate.remote(), max(self.timeout, 600), "held-out evaluation")
         self.evaluation.remember(result)
@@ -328,26 +319,6 @@ class DistributedRun(LoopWatch, Fleet):
     def evaluations(self) -> list[dict]:
         return self.evaluation.drain()
 
-    def checkpoint(self, path: str | Path, run: Optional[dict] = None) -> str:
-        """A full resumable checkpoint (rlhf_core.run.checkpoint's one layout): the trainer's state, the prompt
-        queue's position, every rollout engine's RNG, and the run facts (`run`, plus eval_start)."""
-        data = self._get(self.queue.state_dict.remote(), "the prompt queue position")
-        rollout_rng = rollout_rng_states(self.workers)
-        facts = {"eval_start": self.eval_start, **(run or {})}
-        missing = [i for i, s in enumerate(rollout_rng) if s is None]
-        if missing:  # a worker Ray is restarting: the checkpoint records what it can, and says so
-            facts["rollout_rng_missing"] = missing
-            self._event(
-                "checkpoint_partial",
-                f"rollout worker(s) {missing} were restarting: their sampling RNG is "
-                "not in this checkpoint (a resume seeds them afresh)",
-            )
-        return get_or_fail(
-            self.trainer.checkpoint.remote(str(path), data, rollout_rng, facts),
-            max(self.timeout, 600),
-            "the checkpoint write",
-        )
-
     def warm_start(self, steps: int, progress: Optional[Callable] = None, every_s: float = 10.0) -> dict:
         """The supervised format warm start in the trainer, then its weights published and loaded by every
         rollout worker before the loops start; returns warm_start/* and eval/accuracy_warm_start. Meanwhile
@@ -357,9 +328,7 @@ class DistributedRun(LoopWatch, Fleet):
         while progress is not None and time.monotonic() < deadline and not ray.wait([ref], timeout=every_s)[0]:
             progress(*self._get(self.trainer.warm_start_progress.remote(), "the warm start's progress"))
         metrics = get_or_fail(ref, max(deadline - time.monotonic(), 1), "the warm start")
-        self.request_sync()
-        self._get([w.maybe_load_weights.remote() for w in self.workers], "the rollout workers to load weights")
-        return {**metrics, "eval/accuracy_warm_start": self.evaluate()["eval/accuracy"]}
+        return self._after_warm_start(metrics)
 
     def new_checkpoints(self) -> list[dict]:
         """Checkpoints the async trainer wrote at exact multiples of checkpoint.every since the last
@@ -431,12 +400,6 @@ class DistributedRun(LoopWatch, Fleet):
             ray.wait(refs, num_returns=len(refs), timeout=bound)
         except Exception:
             pass
-
-    def __enter__(self) -> DistributedRun:
-        return self
-
-    def __exit__(self, exc_type, *exc) -> None:
-        self.teardown(failed=exc_type is not None)
 
     # ------------------------------------------------------------------ reconciliation
     reconcile = staticmethod(reconcile)  # the conservation of groups (rlhf_core.run.control owns it)

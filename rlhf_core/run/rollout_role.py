@@ -148,26 +148,38 @@ class RolloutRole:
         if holder is not None:
             self.pushed_by_holder[holder] = self.pushed_by_holder.get(holder, 0) + n_groups
 
+    def _batch(self, admitted, overlap: bool):
+        """The rollout cycle, written once: wait for `admitted` (the admission future), load the newest weights,
+        generate, release what was not made. Returns (whether a batch was generated, the next admission in flight).
+        `overlap` (the continuous loop): the prompt request goes out beside the weights check and the next batch's
+        admission before this batch generates, so its answer is waiting when generation ends."""
+        n = self.cfg.rollout.prompts_per_batch
+        t0 = time.perf_counter()
+        granted = admitted.result()
+        self.worker.add_idle(time.perf_counter() - t0)
+        if not granted:
+            return False, None
+        prompts = self.ask_prompts(granted) if overlap else None
+        self.adopt_weights()  # admitted against version v: weights >= v are published, load them
+        following = self._admit(n) if overlap else None
+        try:
+            made = self.generate(granted, prompts_call=prompts, wait=not overlap)
+        except BaseException:
+            if following is not None:
+                self._release_unused(following, n)
+            raise
+        if made < granted:  # groups an environment failed (or prompts that ran out): their admission is free again
+            self._release(granted - made, self.batches if not made else None)
+        return True, following
+
     def step(self) -> bool:
         """One batch, whole: False when admission refuses it (the buffer holds what the bound allows). A batch is
         rollout.prompts_per_batch prompts, or fewer when admission has room for fewer."""
-        t0 = time.perf_counter()
-        granted = self._admit(self.cfg.rollout.prompts_per_batch).result()
-        self.worker.add_idle(time.perf_counter() - t0)
-        if not granted:
-            return False
-        self.adopt_weights()
-        made = self.generate(granted)
-        if made < granted:  # groups an environment failed (or prompts that ran out): their admission is free again
-            self._release(granted - made, self.batches if not made else None)
-        return True
+        return self._batch(self._admit(self.cfg.rollout.prompts_per_batch), overlap=False)[0]
 
     def run(self) -> dict:
-        """Generate continuously until stop(); idle time (admission denied, weights loading) is counted.
-
-        Round trips overlap where the order allows: the prompt request goes out beside the weights check,
-        and the next batch's admission request goes out before this batch generates, so its answer is
-        waiting when generation ends. The staleness bound does not rest on admission (the buffer evicts
+        """Generate continuously until stop() (`_batch` with its overlap); idle time (admission denied, weights
+        loading) is counted. The staleness bound does not rest on admission (the buffer evicts
         and the trainer checks), and the batch still loads the newest weights when it starts; what an
         early grant can cost is one batch generated after a pause or a lowered bound. A grant the loop
         does not use is released when it ends."""
@@ -186,20 +198,12 @@ class RolloutRole:
         admit = None
         try:
             while not self.stop_event.is_set():
-                t0 = time.perf_counter()
-                granted = (admit or self._admit(n)).result()
-                admit = None
-                if not granted:
+                admitted, admit = admit or self._admit(n), None
+                generated, admit = self._batch(admitted, overlap=True)
+                if not generated:
+                    t0 = time.perf_counter()
                     self.stop_event.wait(0.005)
                     self.worker.add_idle(time.perf_counter() - t0)
-                    continue
-                self.worker.add_idle(time.perf_counter() - t0)
-                prompts = self.ask_prompts(granted)
-                self.adopt_weights()  # admitted against version v: weights >= v are published, load them
-                admit = self._admit(n)
-                made = self.generate(granted, prompts_call=prompts, wait=False)
-                if made < granted:
-                    self._release(granted - made, self.batches if not made else None)
             self.confirm_push()
         finally:
             self.loop_running = False

@@ -5,9 +5,9 @@ between the roles: groups reach the trainer as the rollout made them, and a publ
 snapshot (`Trainer.state_dict_for_sync`, taken under the trainer's lock: its optimizer updates the parameters in
 place), handed to the rollout engines by reference and copied once into each engine's own model.
 
-Its public interface is `DistributedRun`'s (launch, start, wait, poll, top_up_prompts, request_sync, throttle,
-set_max_staleness, evaluate, checkpoint, warm_start, new_checkpoints, export, stop, teardown, reconcile,
-wait_loop, events), so the one supervision loop (`rlhf_core.run.supervise`), the Prefect flow and
+Its public interface is `rlhf_core.run.host_base.RunHost`, as `DistributedRun`'s is, and what is the same on both hosts
+is written once in `HostBase` (restore, the first weights, checkpoints, prompt top-up, the buffer's knobs), so the
+one supervision loop (`rlhf_core.run.supervise`), the Prefect flow and
 `run_distributed` drive either host; `rlhf_core.run.hosts.make_runtime` picks one by cluster.host. The roles'
 cycles, the staleness bound (the buffer's), checkpoints (the trainer role's writer and reader: either host
 resumes the other's), metric names and the accounting (`reconcile`) are the same objects as on Ray.
@@ -33,8 +33,9 @@ from rlhf_core.config import TrainConfig
 from rlhf_core.data.queue import PromptQueue
 from rlhf_core.run import build
 from rlhf_core.run.accounting import reconcile
-from rlhf_core.run.checkpoint import CheckpointState, read_checkpoint
+from rlhf_core.run.checkpoint import read_checkpoint
 from rlhf_core.run.control import ExperienceBuffer, RunFailed, assemble_poll, buffer_options
+from rlhf_core.run.host_base import HostBase
 from rlhf_core.run.local import LocalPeer, LocalWeights
 from rlhf_core.run.pinned_eval import EvaluationHost, pinned_evaluation
 from rlhf_core.run.preflight import check_lengths, check_output_dir
@@ -95,7 +96,7 @@ class RoleThread(threading.Thread):
         return None if self.error is None else f"{type(self.error).__name__}: {self.error}"
 
 
-class ThreadedRun(EvaluationHost):
+class ThreadedRun(EvaluationHost, HostBase):
     """The run's roles on threads of this process; the same control interface as `DistributedRun`."""
 
     role_attr = "trainer_role"
@@ -148,15 +149,11 @@ class ThreadedRun(EvaluationHost):
                 f"({time.monotonic() - t0:.1f} s); loading the first weights")  # fmt: skip
             if resume_from:
                 self._restore(str(resume_from))
-            self.buffer.start_at(self.trainer_role.trainer.version)
-            self.request_sync()
-            for role in self.rollout_roles:
-                role.adopt_weights()
+            self._first_weights()
         except BaseException:
             self.teardown(failed=True)
             raise
         self.launched = True
-        self.last_step, self.last_version = self.trainer_role.trainer.step, self.trainer_role.trainer.version
         took = time.monotonic() - t0
         say(f"first weights (version {self.last_version}) loaded by every rollout worker ({took:.1f} s)")
         return {
@@ -194,20 +191,30 @@ class ThreadedRun(EvaluationHost):
 
     def _peer_state(self) -> tuple[dict, list]:
         """(prompt queue position, every rollout engine's sampling RNG) for a checkpoint."""
-        rng = [getattr(r.worker.engine, "generator", None) for r in self.rollout_roles]
-        return self.queue.state_dict(), [g.get_state() if g is not None else None for g in rng]
+        return self.queue.state_dict(), self._rollout_rng()
 
-    def _restore(self, path: str) -> None:
-        """Trainer state first (it validates the whole checkpoint), then the data position and the rollout engines'
-        RNG (the ones the checkpoint has states for), as DistributedRun restores."""
-        state: CheckpointState = self.trainer_role.restore(path)
-        self.trainer_role.set_trained(self.queue.load_state_dict(state.data))
-        for role, rng in zip(self.rollout_roles, state.rng.get("rollout", [])):
+    # ------------------------------------------------------------------ the host's reach (HostBase)
+    def _trainer(self, name: str, *args):
+        return getattr(self.trainer_role, name)(*args)
+
+    def _queue(self, name: str, *args):
+        return getattr(self.queue, name)(*args)
+
+    def _buffer(self, name: str, *args):
+        return getattr(self.buffer, name)(*args)
+
+    def _rollout_rng(self) -> list:
+        rng = [getattr(r.worker.engine, "generator", None) for r in self.rollout_roles]
+        return [g.get_state() if g is not None else None for g in rng]
+
+    def _set_rollout_rng(self, states: list) -> None:
+        for role, rng in zip(self.rollout_roles, states):
             if rng is not None and hasattr(role.worker.engine, "generator"):
                 role.worker.engine.generator.set_state(rng)
-        self.eval_start = state.run.get("eval_start")
-        if self.cfg.runtime.autopilot.enabled and state.run.get("max_staleness") is not None:
-            self.restored_max_staleness = self.set_max_staleness(int(state.run["max_staleness"]))
+
+    def _workers_adopt(self) -> None:
+        for role in self.rollout_roles:
+            role.adopt_weights()
 
     # ------------------------------------------------------------------ loops
     def start(self) -> None:
@@ -231,10 +238,6 @@ class ThreadedRun(EvaluationHost):
         else:
             time.sleep(seconds)
 
-    @property
-    def done(self) -> bool:
-        return self.last_step >= self.cfg.trainer.total_steps
-
     def _check_loops(self) -> None:
         loops = [("trainer", self.trainer_loop), *((f"rollout worker {i}", t) for i, t in self.worker_loops.items())]
         for what, loop in loops:
@@ -252,22 +255,9 @@ class ThreadedRun(EvaluationHost):
         wstats = [{**r.stats(), "alive": True, "restarted": False, "restarts": 0} for r in self.rollout_roles]
         return assemble_poll(self, metrics, tstats, bstats, qstats, wstats)
 
-    def top_up_prompts(self, n: Optional[int] = None, target: Optional[int] = None) -> int:
-        """Schedule prompts with backpressure: fill the queue up to `target` (default two trainer steps)."""
-        target = target or 2 * self.cfg.trainer.prompts_per_step
-        queued = self.queue.size()
-        want = max(0, target - queued) if n is None else min(n, max(0, target - queued))
-        return self.queue.top_up(want) if want else 0
-
-    def request_sync(self) -> float:
-        """Publish the trainer's weights now (rollout workers adopt them between batches)."""
-        return self.trainer_role.publish()
-
-    def throttle(self, paused: bool) -> None:
-        self.buffer.set_paused(paused)
-
-    def set_max_staleness(self, bound: int) -> int:
-        return self.buffer.set_max_staleness(bound)
+    def set_rollout_workers(self, n: int, reason: str = "") -> int:
+        """The threads host's fleet is the one it was built with (threads are not added or removed)."""
+        return len(self.rollout_roles)
 
     def evaluate(self) -> dict:
         """Held-out evaluation with the trainer's current weights (between two of its steps)."""
@@ -276,13 +266,6 @@ class ThreadedRun(EvaluationHost):
             self.last_evaluation = self.evaluator()
             return self.last_evaluation
 
-    def checkpoint(self, path: str | Path, run: Optional[dict] = None) -> str:
-        """A full resumable checkpoint (the one layout): the trainer's state, the prompt queue's position, every
-        rollout engine's RNG and the run facts."""
-        data, rollout_rng = self._peer_state()
-        facts = {"eval_start": self.eval_start, **(run or {})}
-        return self.trainer_role.checkpoint(str(path), data, rollout_rng, facts)
-
     def warm_start(self, steps: int) -> dict:
         """The supervised format warm start on the trainer's model, then its weights loaded by every rollout
         worker before the loops start; returns warm_start/* and eval/accuracy_warm_start."""
@@ -290,10 +273,7 @@ class ThreadedRun(EvaluationHost):
 
         with self.trainer_role.lock, torch_threads(self.threads):
             metrics = warm_start(self.model, self.tokenizer, self.train_prompts, self.cfg, steps)
-        self.request_sync()
-        for role in self.rollout_roles:
-            role.adopt_weights()
-        return {**metrics, "eval/accuracy_warm_start": self.evaluate()["eval/accuracy"]}
+        return self._after_warm_start(metrics)
 
     def new_checkpoints(self) -> list[dict]:
         """Checkpoints the trainer wrote at exact multiples of checkpoint.every since the last call."""
@@ -336,12 +316,6 @@ class ThreadedRun(EvaluationHost):
             if self.pinned is not None:
                 self.pinned.close()
             self.trainer_role, self.rollout_roles = None, []
-
-    def __enter__(self) -> ThreadedRun:
-        return self
-
-    def __exit__(self, exc_type, *exc) -> None:
-        self.teardown(failed=exc_type is not None)
 
     def wait_loop(
         self,
