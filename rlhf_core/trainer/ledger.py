@@ -71,3 +71,33 @@ def reward_column_means(cfg, batch) -> dict[str, float]:
     means = comps.float().nanmean(0).tolist()
     own = ("env/", "agent/")
     return {(n if n.startswith(own) else f"reward/{n}"): float(v) for n, v in zip(names, means) if v == v}
+
+
+def step_metrics(cfg, batch, sums: dict, recomputed, step_mask, consumer_version: int) -> dict:
+    """A train step's metrics from what it measured: its reduced statistics (`sums`), the mismatch ledger over the
+    trainer's recomputed log-probs of every row, the batch's rewards and lengths, every reward column's mean, and
+    its staleness tau = trainer version - data version, per row and per token (partial rollouts: a row's tokens
+    may be of several versions)."""
+    metrics = {k: float(v) for k, v in sums.items()}
+    # mismatch/*: engine numerics (tokens of this version) apart from drift (older tokens)
+    metrics.update(
+        mismatch_ledger(recomputed, batch.behavior_logprobs, step_mask, batch.versions_per_token(), consumer_version)
+    )
+    metrics.update(
+        {
+            "reward/mean": float(batch.rewards.mean()),
+            "reward/std": float(batch.rewards.std(unbiased=False)),
+            "response/length_mean": float(batch.response_lengths.float().mean()),
+        }
+    )
+    metrics.update(reward_column_means(cfg, batch))
+    staleness = consumer_version - batch.policy_version
+    metrics["async/staleness_mean"] = float(staleness.float().mean())
+    metrics["async/staleness_max"] = int(staleness.max())
+    token_staleness = (consumer_version - batch.versions_per_token())[batch.trained_mask]
+    if token_staleness.numel():
+        metrics["async/token_staleness_mean"] = float(token_staleness.float().mean())
+        metrics["async/token_staleness_max"] = int(token_staleness.max())
+    else:
+        metrics["async/token_staleness_mean"] = metrics["async/token_staleness_max"] = 0
+    return metrics

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import time
 import warnings
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -39,10 +40,26 @@ from rlhf_core.model.sharding import (
 from rlhf_core.model.weights import load_weights_into
 from rlhf_core.rollout import probe as sync_probe
 from rlhf_core.rollout.base import SamplingParams
-from rlhf_core.trainer.ledger import mismatch_ledger, reward_column_means
+from rlhf_core.trainer.ledger import reward_column_means, step_metrics
 from rlhf_core.trainer.logprobs import padding_free_logprobs, sequence_logprobs
 from rlhf_core.trainer.schedule import build_lr_lambda
 from rlhf_core.types import RolloutBatch
+
+
+@dataclass
+class StepPlan:
+    """What a train step settles before any gradient (`Trainer._plan`)."""
+
+    step_mask: torch.Tensor  # the tokens trained on: the step's denominators
+    truncated: Optional[torch.Tensor]  # rows cut at max_new_tokens (algorithm.mask_truncated)
+    advantages: torch.Tensor
+    gae: Optional[dict]  # the critic's values and metrics (algorithm.advantage 'gae')
+    returns: Optional[torch.Tensor]
+    micro: list  # this rank's micro-batches (row slices)
+    keep: Optional[torch.Tensor]  # a whole-step token mask (M2PO)
+    loss_kwargs: dict
+    rejected_stats: dict  # a dropping correction's
+    total_tokens: torch.Tensor
 
 
 class Trainer:
@@ -194,50 +211,64 @@ class Trainer:
             self.model.train(was_training)
 
     def train_step(self, batch: RolloutBatch, advantages: Optional[torch.Tensor] = None) -> dict:
-        """One optimizer step on a batch of complete groups. Returns metrics (floats) under contract names.
+        """One optimizer step on a batch of complete groups: plan (`_plan`), accumulate (`_accumulate`), update
+        (`_update`), metrics (`ledger.step_metrics`). Returns metrics (floats) under contract names.
 
-        The batch is split into micro-batches of trainer.micro_batch_size rows whose gradients accumulate;
-        the update does not depend on that size. Every micro-batch's loss is normalised by the whole
-        step's denominators (`global_normalisers` of the step's mask, the generation budget
-        rollout.max_new_tokens for "seq-mean-token-sum-norm"), so the micro-batch losses sum exactly to
-        the full-batch loss. A loss whose token mask is a statistic of the whole batch (M2PO) gets that
-        mask computed once per step: over several micro-batches this costs one extra forward pass without
-        gradient to get the current log-probs of every row first.
+        Micro-batches of trainer.micro_batch_size rows accumulate gradients, each loss normalised by the whole
+        step's denominators (`global_normalisers` of the step's mask, rollout.max_new_tokens for
+        "seq-mean-token-sum-norm"): the update does not depend on that size. A loss whose token mask is a
+        statistic of the whole batch (M2PO) gets it once per step (one extra forward pass without gradient).
+        Loss metrics: loss/policy, loss/kl (unweighted, with a reference model), loss/total (what is
+        backpropagated: policy + kl_coef·KL), each the full-batch value; policy/ratio_max is the batch's
+        maximum, the other policy/*, m2po/* and tis/* statistics means over its valid tokens.
 
-        Loss metrics: loss/policy (the policy-gradient term), loss/kl (the KL to the reference, when a
-        reference model is used; unweighted), loss/total (what is backpropagated: policy + kl_coef·KL),
-        each the full-batch value. policy/ratio_max is the maximum over the batch; the other policy/*,
-        m2po/* and tis/* statistics are means over the batch's valid tokens.
-
-        Sharded (a `group` of N ranks): every rank gets the whole batch and trains on its rows
-        (`rank_rows`), in the same number of micro-batches on every rank (FSDP's forward and backward are
-        collectives). The denominators are the whole batch's, as for micro-batches; M2PO's mask is computed
-        on every row's current log-probs, gathered from the ranks; gradients are summed across ranks, the
-        clipping norm is the global one, and the metrics are reduced across ranks: the metrics, the
-        gradients and the update are those of one process on the whole batch. The critic (GAE) is updated
-        the same way on the same group (`Critic.update`).
-        """
+        Sharded (a `group` of N ranks): every rank gets the whole batch and trains on its rows (`rank_rows`), in
+        the same number of micro-batches (FSDP's forward and backward are collectives), with the whole batch's
+        denominators; gradients are summed across ranks, the clipping norm is the global one and the metrics are
+        reduced: the update is that of one process on the whole batch. The critic (GAE) likewise."""
         start = time.perf_counter()
         consumer_version = self.version
         self.model.train()
         batch = batch.to(self.device)
+        plan = self._plan(batch, advantages)
+        sums, recomputed = self._accumulate(batch, plan)
+        finite, grad_norm, lr, policy_trains, critic_metrics = self._update(batch, plan, sums)
+        self.model.eval()
+        self.busy_s += time.perf_counter() - start
+        self.samples += len(batch)
+        self.tokens += int(plan.total_tokens)
+        metrics = step_metrics(self.cfg, batch, sums, gather_rows(torch.cat(recomputed), len(batch), self.group),
+                               plan.step_mask, consumer_version)  # fmt: skip
+        metrics.update(critic_metrics)
+        if plan.gae is not None:
+            metrics.update({k: v for k, v in plan.gae.items() if k != "values"})
+            metrics["critic/policy_trains"] = float(policy_trains)
+        if plan.truncated is not None:
+            metrics["response/truncated_frac"] = float(plan.truncated.float().mean())
+        metrics.update({"policy/grad_norm": float(grad_norm), "policy/lr": lr, "version": self.version,
+                        "trainer/skipped_steps": self.skipped_steps, "trainer/step_finite": float(finite)})  # fmt: skip
+        return metrics
+
+    def _plan(self, batch: RolloutBatch, advantages: Optional[torch.Tensor]) -> StepPlan:
+        """What the whole step needs before any gradient: the token mask (truncated rows and rejected tokens out),
+        the advantages (the critic's GAE, or the estimator's), this rank's micro-batches, the denominators, and
+        the whole-step statistics a loss or a dropping correction takes (current log-probs of every row)."""
         step_mask = batch.trained_mask  # multi-turn: the model's tokens only (observations are context)
         truncated = None
         if self.algo.mask_truncated:  # cut at max_new_tokens without a stop id: no loss tokens
             truncated = self.truncated_rows(batch)
             step_mask = step_mask & ~truncated.unsqueeze(1)
-        gae = None
+        gae = returns = None
         if advantages is None and self.critic is not None:
             advantages, returns, gae = self.gae_advantages(batch, step_mask)
         elif advantages is None:
             advantages = self.advantages(batch)
         N = len(batch)
-        size = world(self.group)[1]
         micro = rank_micro_slices(N, self.group, self.tcfg.micro_batch_size)  # this rank's rows
-        drops = self.algo.rollout_correction.drops
         current = None
-        if drops or (self.algo.loss_spec.step_mask is not None and (len(micro) > 1 or size > 1)):
-            # whole-step statistics: M2PO's mask (one micro-batch: the loss takes it from its rows), the drop
+        if self.algo.rollout_correction.drops or (
+            self.algo.loss_spec.step_mask is not None and (len(micro) > 1 or world(self.group)[1] > 1)
+        ):  # whole-step statistics: M2PO's mask (one micro-batch: the loss takes it from its rows), the drop
             with torch.no_grad():
                 current = torch.cat([self._logprobs(self.model, batch, idx)[0] for idx in micro])
             current = gather_rows(current, N, self.group)
@@ -245,22 +276,27 @@ class Trainer:
         step_mask, rejected_stats = step_rejection(
             self.algo.rollout_correction, current, batch.behavior_logprobs, step_mask
         )
-        total_tokens = step_mask.sum().clamp(min=1)
         loss_kwargs: dict = {"norm_len": self.cfg.rollout.max_new_tokens, "global_norm": global_normalisers(step_mask)}
         keep = None
         if self.algo.loss_spec.step_mask is not None and current is not None:
             keep, loss_kwargs["kept_norm"] = step_keep_mask(
                 self.algo, current, batch.behavior_logprobs, advantages, step_mask
             )
+        return StepPlan(step_mask, truncated, advantages, gae, returns, micro, keep, loss_kwargs, rejected_stats,
+                        step_mask.sum().clamp(min=1))  # fmt: skip
+
+    def _accumulate(self, batch: RolloutBatch, plan: StepPlan) -> tuple[dict, list]:
+        """Forward and backward over this rank's micro-batches, each loss its exact share of the step's (the step's
+        denominators): the gradients accumulate. Returns the step's statistics reduced over the ranks, and the
+        trainer's log-probs of each micro-batch (the mismatch ledger's)."""
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, torch.Tensor] = {}
-        entropy_sum = torch.zeros((), device=self.device)
-        loss_sum = torch.zeros((), device=self.device)
-        mismatch_kl = torch.zeros((), device=self.device)
-        mismatch_m2 = torch.zeros((), device=self.device)
-        recomputed = []  # the trainer's log-probs at this version, per micro-batch: the mismatch ledger's
-        for idx in micro:
-            mask = step_mask[idx]
+        zero = torch.zeros((), device=self.device)
+        entropy_sum, loss_sum, mismatch_kl, mismatch_m2 = zero, zero, zero, zero
+        recomputed = []
+        loss_kwargs = dict(plan.loss_kwargs)
+        for idx in plan.micro:
+            mask = plan.step_mask[idx]
             logprobs, entropy = self._logprobs(self.model, batch, idx, with_entropy=True)
             # with kl_in_reward the KL is a reward penalty (gae_advantages), not a loss term
             ref_logprobs = None if self.algo.kl_in_reward else self.reference_logprobs(batch, idx)
@@ -268,16 +304,16 @@ class Trainer:
                 valid = mask.bool()
                 behaviour, current = batch.behavior_logprobs[idx], logprobs.detach()
                 recomputed.append(current)
-                k3 = kl_penalty(behaviour, current, "k3")
-                mismatch_kl += torch.where(valid, k3, torch.zeros_like(k3)).sum()
-                mismatch_m2 += torch.where(valid, (current - behaviour).square(), torch.zeros_like(k3)).sum()
-            if keep is not None:
-                loss_kwargs["keep_mask"] = keep[idx]
+                k3, none = kl_penalty(behaviour, current, "k3"), torch.zeros_like(behaviour)
+                mismatch_kl = mismatch_kl + torch.where(valid, k3, none).sum()
+                mismatch_m2 = mismatch_m2 + torch.where(valid, (current - behaviour).square(), none).sum()
+            if plan.keep is not None:
+                loss_kwargs["keep_mask"] = plan.keep[idx]
             loss, stats = compute_policy_loss(
                 self.algo,
                 logprobs,
                 batch.behavior_logprobs[idx],
-                advantages[idx],
+                plan.advantages[idx],
                 mask=mask,
                 ref_logprobs=ref_logprobs,
                 **loss_kwargs,
@@ -285,7 +321,7 @@ class Trainer:
             loss.backward()  # this micro-batch's exact share of the step's loss: no re-weighting
             loss_sum = loss_sum + loss.detach()
             entropy_sum = entropy_sum + (entropy.detach() * mask).sum()
-            token_share = mask.sum() / total_tokens
+            token_share = mask.sum() / plan.total_tokens
             for k, v in stats.items():
                 v = torch.as_tensor(v, device=self.device).detach().float()
                 if k.startswith("loss/"):  # shares of the step's loss (global normalisers): they add up
@@ -295,12 +331,18 @@ class Trainer:
                 else:  # means over this micro-batch's valid tokens
                     sums[k] = sums[k] + v * token_share if k in sums else v * token_share
         sums["loss/total"] = loss_sum
-        for k, v in rejected_stats.items():  # the step's on every rank: summed over ranks, but maxima
+        size = world(self.group)[1]
+        for k, v in plan.rejected_stats.items():  # the step's on every rank: summed over ranks, but maxima
             sums[k] = v.detach().float() / (1 if k.endswith("_max") else size)
-        sums["policy/entropy"] = entropy_sum / total_tokens
-        sums["async/mismatch_kl"] = mismatch_kl / total_tokens
-        sums["async/mismatch_m2"] = mismatch_m2 / total_tokens
-        sums = reduce_metrics(sums, self.group)  # this rank's shares and maxima → the whole batch's
+        sums["policy/entropy"] = entropy_sum / plan.total_tokens
+        sums["async/mismatch_kl"] = mismatch_kl / plan.total_tokens
+        sums["async/mismatch_m2"] = mismatch_m2 / plan.total_tokens
+        return reduce_metrics(sums, self.group), recomputed  # this rank's shares and maxima -> the whole batch's
+
+    def _update(self, batch: RolloutBatch, plan: StepPlan, sums: dict) -> tuple:
+        """Clip by the global gradient norm, step the optimizer and the schedule (a non-finite loss or norm skips
+        the step and counts it), the critic's update, the version. Returns (finite, grad_norm, the lr this step
+        used, whether the policy trained, the critic's metrics)."""
         params = [p for p in self.model.parameters() if p.requires_grad]
         grad_norm = global_grad_norm(params)
         torch.nn.utils.clip_grads_with_norm_(params, self.tcfg.grad_clip, grad_norm)
@@ -309,7 +351,9 @@ class Trainer:
         policy_trains = self.critic is None or self.step >= self.critic.warmup_steps
         if finite and not policy_trains:
             self.optimizer.zero_grad(set_to_none=True)
-        critic_metrics = {} if gae is None else self.critic.update(batch, gae["values"], returns, step_mask)
+        critic_metrics = (
+            {} if plan.gae is None else self.critic.update(batch, plan.gae["values"], plan.returns, plan.step_mask)
+        )
         lr = self.scheduler.get_last_lr()[0]  # the rate this step's update uses (the scheduler then moves on)
         if finite:
             if policy_trains:
@@ -322,50 +366,7 @@ class Trainer:
             self.skipped_steps += 1
             self.consecutive_skips += 1
         self.step += 1
-        self.model.eval()
-        self.busy_s += time.perf_counter() - start
-        self.samples += N
-        n_tokens = int(total_tokens)
-        self.tokens += n_tokens
-
-        metrics = {k: float(v) for k, v in sums.items()}
-        # mismatch/*: engine numerics (tokens of this version) apart from drift (older tokens), ledger.py
-        recomputed_all = gather_rows(torch.cat(recomputed), N, self.group)
-        metrics.update(
-            mismatch_ledger(
-                recomputed_all, batch.behavior_logprobs, step_mask, batch.versions_per_token(), consumer_version
-            )
-        )
-        metrics.update(critic_metrics)
-        if gae is not None:
-            metrics.update({k: v for k, v in gae.items() if k != "values"})
-            metrics["critic/policy_trains"] = float(policy_trains)
-        if truncated is not None:
-            metrics["response/truncated_frac"] = float(truncated.float().mean())
-        metrics.update(
-            {
-                "policy/grad_norm": float(grad_norm),
-                "policy/lr": lr,
-                "trainer/skipped_steps": self.skipped_steps,
-                "trainer/step_finite": float(finite),
-                "reward/mean": float(batch.rewards.mean()),
-                "reward/std": float(batch.rewards.std(unbiased=False)),
-                "response/length_mean": float(batch.response_lengths.float().mean()),
-                "version": self.version,
-            }
-        )
-        metrics.update(self.reward_component_means(batch))
-        staleness = consumer_version - batch.policy_version  # tau = trainer version - data version
-        metrics["async/staleness_mean"] = float(staleness.float().mean())
-        metrics["async/staleness_max"] = int(staleness.max())
-        # per token: the version that produced each token (partial rollouts: several per row)
-        token_staleness = (consumer_version - batch.versions_per_token())[batch.trained_mask]
-        if token_staleness.numel():
-            metrics["async/token_staleness_mean"] = float(token_staleness.float().mean())
-            metrics["async/token_staleness_max"] = int(token_staleness.max())
-        else:
-            metrics["async/token_staleness_mean"] = metrics["async/token_staleness_max"] = 0
-        return metrics
+        return finite, grad_norm, lr, policy_trains, critic_metrics
 
     def reward_component_means(self, batch: RolloutBatch) -> dict[str, float]:
         """reward/<column> (and env/*, agent/*): the batch mean of each reward column (`reward_column_means`)."""
