@@ -195,17 +195,7 @@ class HFEngine:
         # checked every few steps so that the host can queue kernels ahead.
         check_every = 1 if dev.type == "cpu" else 8
         for t in range(T):
-            z = processed_logits(next_logits, sampling)
-            if sampling.greedy:
-                tok = z.argmax(-1)
-                tok_logp = z.gather(-1, tok[:, None]).squeeze(-1) - torch.logsumexp(z, dim=-1)
-            else:
-                # one softmax pass serves sampling and the logprob (log of the N sampled probabilities):
-                # the same per-step work as transformers' own sampler; filtered tokens have p = 0 exactly
-                probs = torch.softmax(z, dim=-1)
-                tok = torch.multinomial(probs, 1, generator=self.generator)
-                tok_logp = probs.gather(-1, tok).log_().squeeze(-1)
-                tok = tok.squeeze(-1)
+            tok, tok_logp = self._sample(next_logits, sampling)
             tokens[:, t] = tok.masked_fill(finished, self.pad_token_id)
             logps[:, t] = tok_logp.masked_fill(finished, 0.0)
             finished |= torch.isin(tok, stops)
@@ -224,25 +214,8 @@ class HFEngine:
         if was_training:
             self.model.train()
 
-        response_mask = response_mask_from_eos(tokens, stops)
-        lengths = response_mask.sum(-1)
-        steps = max(1, int(lengths.max())) if N else 0  # columns past the longest response are all padding
-        tokens, logps, response_mask = tokens[:, :steps], logps[:, :steps], response_mask[:, :steps]
-        # rows that finished early have pad after EOS already; make the mask authoritative
-        tokens = tokens.masked_fill(~response_mask, self.pad_token_id)
-        logps = logps.masked_fill(~response_mask, 0.0)
-        return RolloutBatch(
-            prompt_ids=prompt_ids,
-            prompt_mask=prompt_mask,
-            response_ids=tokens,
-            response_mask=response_mask,
-            behavior_logprobs=logps,
-            response_lengths=lengths,
-            group_ids=torch.arange(len(prompts), device=dev).repeat_interleave(G),
-            policy_version=torch.full((N,), self.version, dtype=torch.long, device=dev),
-            prompt_uids=prompts.uids.to(dev).repeat_interleave(G),
-            token_versions=torch.full(tokens.shape, self.version, dtype=torch.long, device=dev),
-        )
+        versions = torch.full(tokens.shape, self.version, dtype=torch.long, device=dev)
+        return self._finish(prompts, G, prompt_ids, prompt_mask, tokens, logps, versions, stops)
 
     @torch.no_grad()
     def _generate_continuous(
@@ -291,15 +264,7 @@ class HFEngine:
                     self._join(rows, sample, count, ended, prompt_ids, prompt_mask, prompt_lens, tokens)
                     if rows.size == 0:
                         continue
-            logits = self._decode(rows)
-            z = processed_logits(logits, sampling)
-            if sampling.greedy:
-                tok = z.argmax(-1)
-                tok_logp = z.gather(-1, tok[:, None]).squeeze(-1) - torch.logsumexp(z, dim=-1)
-            else:
-                probs = torch.softmax(z, dim=-1)
-                tok = torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
-                tok_logp = probs.gather(-1, tok[:, None]).log_().squeeze(-1)
+            tok, tok_logp = self._sample(self._decode(rows), sampling)
             col = rows.count.masked_fill(rows.ended, T)
             tokens.index_put_((rows.sample, col), tok)
             logps.index_put_((rows.sample, col), tok_logp)
@@ -313,18 +278,36 @@ class HFEngine:
                 rows.keep(~rows.ended)
         if was_training:
             self.model.train()
-        tokens, logps, versions = tokens[:, :T], logps[:, :T], versions[:, :T]
+        return self._finish(prompts, G, prompt_ids, prompt_mask, tokens[:, :T], logps[:, :T], versions[:, :T], stops)
+
+    def _sample(self, logits: torch.Tensor, sampling: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+        """(token [N], its log-prob [N]) of each row from its next-token logits, under the sampling settings. One
+        softmax pass serves sampling and the log-prob (the log of the sampled probability): the same per-step work
+        as transformers' own sampler; filtered tokens have p = 0 exactly."""
+        z = processed_logits(logits, sampling)
+        if sampling.greedy:
+            tok = z.argmax(-1)
+            return tok, z.gather(-1, tok[:, None]).squeeze(-1) - torch.logsumexp(z, dim=-1)
+        probs = torch.softmax(z, dim=-1)
+        tok = torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
+        return tok, probs.gather(-1, tok[:, None]).log_().squeeze(-1)
+
+    def _finish(self, prompts, G, prompt_ids, prompt_mask, tokens, logps, versions, stops) -> RolloutBatch:
+        """The batch both generation paths return: responses cut to the longest one, the mask authoritative (pad
+        and log-prob 0 after the stop), each row's policy_version the oldest weights that produced one of its
+        tokens (padding carries that version too)."""
+        dev = self.device
         response_mask = response_mask_from_eos(tokens, stops)
         lengths = response_mask.sum(-1)
-        steps = max(1, int(lengths.max())) if N else 0
+        steps = max(1, int(lengths.max())) if len(tokens) else 0  # columns past the longest are all padding
         tokens, logps, response_mask = tokens[:, :steps], logps[:, :steps], response_mask[:, :steps]
         tokens = tokens.masked_fill(~response_mask, self.pad_token_id)
         logps = logps.masked_fill(~response_mask, 0.0)
         versions = versions[:, :steps]
-        # the oldest weights that produced a token of the row; padding carries that version too
-        oldest = versions.masked_fill(~response_mask, torch.iinfo(torch.long).max).amin(-1)
-        policy_version = torch.where(lengths > 0, oldest, self.version) if steps else oldest
-        versions = torch.where(response_mask, versions, policy_version[:, None])
+        policy_version = torch.full((len(tokens),), self.version, dtype=torch.long, device=dev)
+        if steps:  # no rows: no tokens to be older than this version
+            oldest = versions.masked_fill(~response_mask, torch.iinfo(torch.long).max).amin(-1)
+            policy_version = torch.where(lengths > 0, oldest, policy_version)
         return RolloutBatch(
             prompt_ids=prompt_ids,
             prompt_mask=prompt_mask,
@@ -335,7 +318,7 @@ class HFEngine:
             group_ids=torch.arange(len(prompts), device=dev).repeat_interleave(G),
             policy_version=policy_version,
             prompt_uids=prompts.uids.to(dev).repeat_interleave(G),
-            token_versions=versions,
+            token_versions=torch.where(response_mask, versions, policy_version[:, None]),
         )
 
     def _join(self, rows, samples, count, ended, prompt_ids, prompt_mask, prompt_lens, tokens) -> None:
