@@ -86,6 +86,17 @@ class RunHost(Protocol):
     def reconcile(self, poll: dict) -> dict:
         """The accounting of groups, samples and tokens from a poll (rlhf_core.run.accounting)."""
 
+    def wait_loop(
+        self,
+        role: str,
+        index: int = 0,
+        attempt: int = 1,
+        report: Optional[Callable[[dict], None]] = None,
+        report_every_s: float = 30.0,
+    ) -> dict:
+        """Block until one loop ends ("trainer", or "rollout" worker `index`, its `attempt`-th loop): the Prefect
+        task run that spans it waits here. Returns its final stats; raises RunFailed with its error."""
+
 
 class HostBase:
     """What every host does the same way, over the host's reach into its roles (see the module docstring)."""
