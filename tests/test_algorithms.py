@@ -763,13 +763,19 @@ def test_registry_adds_kl_for_every_loss(loss):
 
 def test_grpo_advantages_group_batch_none():
     r = torch.tensor([[1.0, 0.0, 1.0, 0.0]])
-    # group mean .5, population std .5 -> ±1
-    assert torch.allclose(compute_grpo_advantages(r, eps=0.0), torch.tensor([[1.0, -1.0, 1.0, -1.0]]))
-    assert torch.allclose(compute_grpo_advantages(r, scale="none"), torch.tensor([[0.5, -0.5, 0.5, -0.5]]))
-    # batch: centered [[.5, -.5], [0, 0]] / population std of [1, 0, 3, 3] = √1.6875 = 1.299038
+    signs = torch.tensor([[1.0, -1.0, 1.0, -1.0]])
+    # group mean .5; the sample std (the default, / (G - 1)) √(1/3) -> ±√3/2; the population std .5 -> ±1
+    assert torch.allclose(compute_grpo_advantages(r, eps=0.0), signs * math.sqrt(3) / 2)
+    assert torch.allclose(compute_grpo_advantages(r, eps=0.0, unbiased=False), signs)
+    assert torch.allclose(compute_grpo_advantages(r, scale="none"), 0.5 * signs)
+    # the default eps 1e-4 (TRL's): .5 / (√(1/3) + 1e-4)
+    assert torch.allclose(compute_grpo_advantages(r), signs * 0.5 / (math.sqrt(1 / 3) + 1e-4), rtol=0, atol=1e-6)
+    # batch: centered [[.5, -.5], [0, 0]] / std of [1, 0, 3, 3]: population √1.6875, sample √2.25 = 1.5
     r2 = torch.tensor([[1.0, 0.0], [3.0, 3.0]])
-    expected = torch.tensor([[0.5, -0.5], [0.0, 0.0]]) / math.sqrt(1.6875)
-    assert torch.allclose(compute_grpo_advantages(r2, eps=0.0, scale="batch"), expected)
+    centered = torch.tensor([[0.5, -0.5], [0.0, 0.0]])
+    assert torch.allclose(compute_grpo_advantages(r2, eps=0.0, scale="batch"), centered / 1.5)
+    expected = centered / math.sqrt(1.6875)
+    assert torch.allclose(compute_grpo_advantages(r2, eps=0.0, scale="batch", unbiased=False), expected)
     with pytest.raises(ValueError, match="scale"):
         compute_grpo_advantages(r, scale="rank")
 
@@ -791,7 +797,7 @@ def test_constant_groups_and_single_sample_groups_are_exactly_zero():
 
 def test_rloo_takes_no_scale_or_eps():
     r = torch.tensor([[1.0, 0.0, 2.0]])
-    for option in ({"scale": "batch"}, {"eps": 0.1}):
+    for option in ({"scale": "batch"}, {"eps": 0.1}, {"unbiased": False}):
         with pytest.raises(ValueError, match="'rloo' takes no option"):
             compute_advantages("rloo", r, **option)
     # from a config: the estimator gets the options it takes, and only those
@@ -800,9 +806,11 @@ def test_rloo_takes_no_scale_or_eps():
     assert torch.equal(advantages_from_config(cfg, r), compute_grpo_advantages(r, scale="none"))
     cfg = AlgorithmConfig(advantage_options={"scale": "group", "eps": 0.5})
     assert torch.equal(advantages_from_config(cfg, r), compute_grpo_advantages(r, eps=0.5))
+    cfg = AlgorithmConfig(advantage_options={"unbiased": False})
+    assert torch.equal(advantages_from_config(cfg, r), compute_grpo_advantages(r, unbiased=False))
 
 
-@pytest.mark.parametrize("field,value", [("scale", "batch"), ("scale", "none"), ("eps", 0.01)])
+@pytest.mark.parametrize("field,value", [("scale", "batch"), ("scale", "none"), ("eps", 0.01), ("unbiased", "false")])
 def test_config_refuses_advantage_options_rloo_ignores(field, value):
     key = f"algorithm.advantage_options.{field}"
     with pytest.raises(ConfigError, match=f"{key} has no effect with algorithm.advantage 'rloo'"):

@@ -16,16 +16,21 @@ from typing import Any, Optional
 
 import torch
 
+from rlhf_core.algorithms.options import GRPO_STD_EPS, GRPO_STD_UNBIASED
 from rlhf_core.algorithms.registry import ADVANTAGE_REGISTRY, advantage_spec
 
 
-def compute_grpo_advantages(rewards: torch.Tensor, eps: float = 1e-8, scale: str = "group") -> torch.Tensor:
+def compute_grpo_advantages(
+    rewards: torch.Tensor, eps: float = GRPO_STD_EPS, scale: str = "group", unbiased: bool = GRPO_STD_UNBIASED
+) -> torch.Tensor:
     """Group-relative advantages (GRPO, arXiv 2402.03300).
 
     rewards: FloatTensor [..., G]. Returns FloatTensor [..., G].
-    scale "group": (R - mu_g) / (sigma_g + eps), sigma_g the population std (1/G) of the group;
-          "batch": (R - mu_g) / (sigma_all + eps), sigma_all the population std of all rewards;
+    scale "group": (R - mu_g) / (sigma_g + eps), sigma_g the std of the group;
+          "batch": (R - mu_g) / (sigma_all + eps), sigma_all the std of all rewards;
           "none":  R - mu_g (Dr.GRPO, arXiv 2503.20783).
+    unbiased: the sample std (/ (G - 1), Bessel's correction: TRL's GRPOTrainer and verl) when true, the
+    population std (/ G) when false. The defaults (sample std, eps 1e-4) are the `grpo` options' (options.py).
     A group whose rewards are all equal gets advantages of exactly 0 (never NaN).
     """
     rewards = rewards.float()
@@ -36,9 +41,10 @@ def compute_grpo_advantages(rewards: torch.Tensor, eps: float = 1e-8, scale: str
     if scale == "none":
         return centered
     if scale == "group":
-        std = rewards.std(dim=-1, unbiased=False, keepdim=True) if rewards.shape[-1] > 1 else torch.zeros_like(centered)
+        one = rewards.shape[-1] == 1
+        std = torch.zeros_like(centered) if one else rewards.std(dim=-1, unbiased=unbiased, keepdim=True)
     elif scale == "batch":
-        std = rewards.std(unbiased=False) if rewards.numel() > 1 else rewards.new_zeros(())
+        std = rewards.std(unbiased=unbiased) if rewards.numel() > 1 else rewards.new_zeros(())
     else:
         raise ValueError(f"unknown advantage scale {scale!r}; expected 'group', 'batch' or 'none'")
     return centered / (std + eps)
@@ -153,12 +159,16 @@ ADVANTAGE_OPTIONS = ADVANTAGE_REGISTRY.view(
 
 
 def compute_advantages(
-    name: str, rewards: torch.Tensor, eps: Optional[float] = None, scale: Optional[str] = None
+    name: str,
+    rewards: torch.Tensor,
+    eps: Optional[float] = None,
+    scale: Optional[str] = None,
+    unbiased: Optional[bool] = None,
 ) -> torch.Tensor:
     """Advantages by estimator name (config `algorithm.advantage`). rewards: [..., G] -> [..., G].
 
-    eps, scale: options of the estimator (None: the default of its options class). Passing one the estimator
-    does not take (any of them to "rloo") is a ValueError, not silently ignored.
+    eps, scale, unbiased: options of the estimator (None: the default of its options class). Passing one the
+    estimator does not take (any of them to "rloo") is a ValueError, not silently ignored.
     """
     spec = advantage_spec(name)
     if spec.critic:
@@ -166,7 +176,8 @@ def compute_advantages(
             f"advantage estimator {name!r} needs a critic's values and per-token rewards, not group rewards: "
             "call compute_gae_advantages(token_rewards, values, response_mask, gamma, lam)"
         )
-    options = {k: v for k, v in (("eps", eps), ("scale", scale)) if v is not None}
+    given = (("eps", eps), ("scale", scale), ("unbiased", unbiased))
+    options = {k: v for k, v in given if v is not None}
     unused = sorted(set(options) - set(spec.options.model_fields))
     if unused:
         raise ValueError(f"advantage estimator {name!r} takes no option {unused[0]!r}")

@@ -80,7 +80,8 @@ def grpo_advantages(inputs: AdvantageInputs, options: GRPOAdvantageOptions) -> t
     """Group-relative advantages (compute_grpo_advantages), one per sequence: [N]."""
     from rlhf_core.algorithms.advantages import compute_grpo_advantages
 
-    return compute_grpo_advantages(inputs.grouped(), eps=options.eps, scale=options.scale).reshape(-1)
+    grouped = inputs.grouped()
+    return compute_grpo_advantages(grouped, eps=options.eps, scale=options.scale, unbiased=options.unbiased).reshape(-1)
 
 
 @register_advantage("rloo", grouped=True)

@@ -2,7 +2,9 @@
 
 A config writes them under `algorithm.loss_options` and `algorithm.advantage_options`, validated against the class
 of the loss or estimator it names, so an option that does not apply is refused. The defaults are those the
-config had when these options were flat fields of `algorithm:` (`FLAT_KEYS`), so a run behaves as before.
+config had when these options were flat fields of `algorithm:` (`FLAT_KEYS`), but for the group std of 'grpo'
+(`GRPO_STD_UNBIASED`, `GRPO_STD_EPS`: since 2026-12-06 the sample std with eps 1e-4, as TRL's GRPOTrainer; it was
+the population std with eps 1e-6).
 """
 
 from __future__ import annotations
@@ -16,6 +18,11 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from rlhf_core.algorithms.registry import REGISTRIES, AlgorithmOptions
 
 IMPORTANCE_LEVELS = ("token", "sequence")
+GRPO_STD_UNBIASED = True
+"""The default std of 'grpo' advantages: the sample std (Bessel's correction, / (G - 1)), as TRL's GRPOTrainer and
+verl compute it; False: the population std (/ G), this project's default until 2026-12-06."""
+GRPO_STD_EPS = 1e-4
+"""The default eps added to that std (TRL's GRPOTrainer: 1e-4; this project's until 2026-12-06: 1e-6)."""
 M2PO_MASKINGS = ("trust_region", "ratio_sq")
 
 
@@ -61,7 +68,12 @@ class GRPOAdvantageOptions(AlgorithmOptions):
     scale: Literal["group", "batch", "none"] = Field(
         "group", description="Normalisation of the centred rewards: group std, batch std, or none (Dr.GRPO)."
     )
-    eps: float = Field(1e-6, gt=0, description="Added to the std when normalising.")
+    eps: float = Field(GRPO_STD_EPS, gt=0, description="Added to the std when normalising.")
+    unbiased: bool = Field(
+        GRPO_STD_UNBIASED,
+        description="The sample std (Bessel's correction: / (G - 1), as TRL and verl) when true; the population "
+        "std (/ G) when false. For scale 'group' and 'batch'.",
+    )
 
 
 class GAEOptions(AlgorithmOptions):

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from rlhf_core.algorithms.advantages import compute_grpo_advantages
+from rlhf_core.algorithms.options import GRPO_STD_EPS
 from rlhf_core.buffer._base import LockedBuffer, VersionWindow, read_field, read_version
 
 
@@ -101,7 +102,8 @@ class GroupAwareReplayBuffer(LockedBuffer, VersionWindow):
                    group of version v is fresh while v >= V - max_staleness. Stale pushes are refused,
                    and `set_version` evicts stale partial and ready groups (counted in evicted_stale
                    by item). With a limit set, every item must carry policy_version.
-    adv_eps:       eps of compute_grpo_advantages(rewards, eps=adv_eps, scale="group").
+    adv_eps:       eps of compute_grpo_advantages(rewards, eps=adv_eps, scale="group") (the sample std, as the
+                   'grpo' estimator's default; adv_eps defaults to its eps, GRPO_STD_EPS).
 
     Items expose prompt_id and reward (and policy_version) as attributes or dict keys. Each sampled
     item gets its advantage written back (attribute `advantage`, key "advantage" for dicts) when it
@@ -109,7 +111,12 @@ class GroupAwareReplayBuffer(LockedBuffer, VersionWindow):
     """
 
     def __init__(
-        self, group_size: int, max_size: int, max_staleness: int | None = None, adv_eps: float = 1e-8, version: int = 0
+        self,
+        group_size: int,
+        max_size: int,
+        max_staleness: int | None = None,
+        adv_eps: float = GRPO_STD_EPS,
+        version: int = 0,
     ) -> None:
         if group_size < 1:
             raise ValueError(f"group_size must be >= 1, got {group_size}")
