@@ -35,10 +35,13 @@ build):
     "$TRL_VENV/bin/pip" install "trl==1.16.0" "transformers==5.24.0" tokenizers safetensors pydantic pyyaml numpy pebble
 
 Where the arms still differ (TRL set to ours wherever it has a knob; the rest is listed in docs/benchmarks.md):
-TRL's group std is Bessel-corrected with eps 1e-4 (ours: population std, eps 1e-6); TRL's ratio is exactly 1
-(old log-probs = the trainer's own, detached) where ours divides by the rollout engine's log-probs; TRL trains the
-128 rows in one micro-batch (ours: trainer.micro_batch_size 64, two, with the same step normalisers); sampling,
-prompt order and RNG streams differ (both: seeded shuffled epochs of the 800 training prompts).
+TRL's ratio is exactly 1 (old log-probs = the trainer's own, detached) where ours divides by the rollout engine's
+log-probs (1 up to rounding in the lockstep arm); TRL trains the 128 rows in one micro-batch (ours:
+trainer.micro_batch_size 64, two, with the same step normalisers); sampling, prompt order and RNG streams differ
+(both: seeded shuffled epochs of the 800 training prompts). The group std is the same since 2026-12-06 (ours
+defaults to TRL's sample std with eps 1e-4: algorithm.advantage_options.unbiased, eps), so on one identical batch
+the two updates agree to rounding. Steps to the target vary far more between sampling seeds than between the arms:
+compare them over many seeds (docs/benchmarks.md).
 Per run: load_before / load_after (os.getloadavg, 1 min). Per arm and thread count: the median over repetitions, and
 samples/s as a ratio to `ours`.
 """
