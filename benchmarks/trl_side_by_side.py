@@ -106,6 +106,54 @@ def run_ours(cfg, arm: str, target: float) -> dict:
     return run_host(cfg, target, final_eval=True)
 
 
+def trl_args(cfg, output_dir: Path, logging_steps: int = 0):
+    """TRL's GRPOConfig set to our run config `cfg` wherever TRL has a knob (the list in docs/benchmarks.md).
+    logging_steps: 0 logs once, at the end."""
+    from trl import GRPOConfig
+
+    loss_options, adv_options = cfg.algorithm.loss_options, cfg.algorithm.advantage_options
+    return GRPOConfig(
+        output_dir=str(output_dir),
+        max_steps=cfg.trainer.total_steps,
+        per_device_train_batch_size=cfg.batch_size,  # 128 rows: one step = one generation batch = one update
+        gradient_accumulation_steps=1,
+        num_generations=cfg.rollout.samples_per_prompt,
+        max_completion_length=cfg.rollout.max_new_tokens,
+        temperature=cfg.rollout.temperature,
+        top_p=cfg.rollout.top_p,
+        top_k=cfg.rollout.top_k,
+        learning_rate=cfg.trainer.lr,
+        lr_scheduler_type="constant",
+        optim="adamw_torch",
+        adam_beta1=cfg.trainer.betas[0],
+        adam_beta2=cfg.trainer.betas[1],
+        weight_decay=cfg.trainer.weight_decay,
+        max_grad_norm=cfg.trainer.grad_clip,
+        beta=cfg.algorithm.kl_coef,  # 0: no reference model (ours: kl_coef 0)
+        loss_type="dapo",  # sum over the step's tokens / the step's token count = our agg 'token-mean'
+        scale_rewards=adv_options.scale,  # 'group'; its std is the sample std + 1e-4 (no knob) = our defaults
+        epsilon=loss_options.clip_eps,
+        epsilon_high=loss_options.clip_eps_high,
+        num_iterations=1,
+        importance_sampling_level=cfg.algorithm.importance_level,
+        mask_truncated_completions=cfg.algorithm.mask_truncated,
+        disable_dropout=True,  # ours: disable_dropout on the trainer's model
+        gradient_checkpointing=False,  # TRL's default is on; ours never recomputes
+        bf16=False,
+        fp16=False,
+        use_cpu=True,
+        use_vllm=False,
+        seed=cfg.trainer.seed,
+        shuffle_dataset=True,
+        dataloader_num_workers=0,
+        report_to="none",
+        logging_steps=logging_steps or max(1, cfg.trainer.total_steps),
+        save_strategy="no",
+        disable_tqdm=True,
+        log_completions=False,
+    )
+
+
 def run_trl(cfg, target: float) -> dict:
     """TRL's GRPOTrainer on our policy directory, prompts, reward and evaluator; figures as equal_cores' arms."""
     import logging
@@ -116,7 +164,7 @@ def run_trl(cfg, target: float) -> dict:
     from datasets import Dataset
     from equal_cores import Timed
     from transformers import TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     from rlhf_core.run import build
     from rlhf_core.scoring import Scorer
@@ -143,47 +191,7 @@ def run_trl(cfg, target: float) -> dict:
         """OUR reward on TRL's completion ids (generated ids up to and including the first EOS)."""
         return scorer.score([[int(t) for t in ids] for ids in completion_ids], answer)["total"]
 
-    loss_options, adv_options = cfg.algorithm.loss_options, cfg.algorithm.advantage_options
-    args = GRPOConfig(
-        output_dir=str(Path(cfg.run.output_dir) / "trl"),
-        max_steps=cfg.trainer.total_steps,
-        per_device_train_batch_size=cfg.batch_size,  # 128 rows: one step = one generation batch = one update
-        gradient_accumulation_steps=1,
-        num_generations=cfg.rollout.samples_per_prompt,
-        max_completion_length=cfg.rollout.max_new_tokens,
-        temperature=cfg.rollout.temperature,
-        top_p=cfg.rollout.top_p,
-        top_k=cfg.rollout.top_k,
-        learning_rate=cfg.trainer.lr,
-        lr_scheduler_type="constant",
-        optim="adamw_torch",
-        adam_beta1=cfg.trainer.betas[0],
-        adam_beta2=cfg.trainer.betas[1],
-        weight_decay=cfg.trainer.weight_decay,
-        max_grad_norm=cfg.trainer.grad_clip,
-        beta=cfg.algorithm.kl_coef,  # 0: no reference model (ours: kl_coef 0)
-        loss_type="dapo",  # sum over the step's tokens / the step's token count = our agg 'token-mean'
-        scale_rewards=adv_options.scale,  # 'group'
-        epsilon=loss_options.clip_eps,
-        epsilon_high=loss_options.clip_eps_high,
-        num_iterations=1,
-        importance_sampling_level=cfg.algorithm.importance_level,
-        mask_truncated_completions=cfg.algorithm.mask_truncated,
-        disable_dropout=True,  # ours: disable_dropout on the trainer's model
-        gradient_checkpointing=False,  # TRL's default is on; ours never recomputes
-        bf16=False,
-        fp16=False,
-        use_cpu=True,
-        use_vllm=False,
-        seed=cfg.trainer.seed,
-        shuffle_dataset=True,
-        dataloader_num_workers=0,
-        report_to="none",
-        logging_steps=max(1, cfg.trainer.total_steps),
-        save_strategy="no",
-        disable_tqdm=True,
-        log_completions=False,
-    )
+    args = trl_args(cfg, Path(cfg.run.output_dir) / "trl")
     marks: dict = {"t0": None, "end": None, "hit": None, "hit_step": None, "threads": None}
 
     def clock() -> float:
