@@ -44,7 +44,8 @@ class AlgorithmConfig(_Section):
         default_factory=dict,
         validate_default=True,
         description="The options of algorithm.advantage, validated against its options class: grpo scale "
-        "(group|batch|none), eps; rloo none; gae gamma, lam, whiten.",
+        "(group|batch|none), eps (1e-4), unbiased (the sample std, as TRL; false: the population std); rloo none; gae "
+        "gamma, lam, whiten.",
     )
     kl_in_reward: bool = Field(
         False,
