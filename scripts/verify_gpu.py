@@ -351,7 +351,7 @@ def check_buffers(device: torch.device, rep: Report) -> None:
         buf.push_many(items)
         groups = buf.sample(2)
         adv = groups[0].advantages
-        expected = torch.tensor([-1.3416, -0.4472, 0.4472, 1.3416])
+        expected = torch.tensor([-1.5, -0.5, 0.5, 1.5]) / (math.sqrt(5 / 3) + 1e-4)  # the sample std + eps 1e-4
         ok = (
             len(groups) == 2
             and all(len(g_) == 4 for g_ in groups)

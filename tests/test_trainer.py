@@ -101,7 +101,9 @@ def test_advantages_need_whole_groups(tiny_model, batch):
     trainer = Trainer(tiny_model, make_cfg(), pad_token_id=0)
     adv = trainer.advantages(batch)
     assert adv.shape == (32,)
-    torch.testing.assert_close(adv.view(-1, G), torch.tensor([[1.0, -1.0, 1.0, -1.0]] * 8), atol=1e-5, rtol=0)
+    # rewards [1, 0, 1, 0]: ±.5 over the sample std √(1/3) (+ eps 1e-4), the grpo default
+    half = 0.5 / (math.sqrt(1 / 3) + 1e-4)
+    torch.testing.assert_close(adv.view(-1, G), torch.tensor([[half, -half, half, -half]] * 8), atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match="whole groups"):
         trainer.advantages(batch.select(torch.arange(30)))
 
