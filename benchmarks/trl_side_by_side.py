@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -298,11 +299,17 @@ def launch(args, arm: str, threads: int, out: Path, policy: Path, seed: int = 0)
 
 
 def median_of(runs: list[dict]) -> dict:
+    """Medians over the runs: of each figure over the runs that have it (steps_to_target: over the runs that reached
+    the target), and steps_to_target_all over every run, one that did not reach it counted as beyond its last step
+    (None when the median run did not reach it)."""
     out = {}
     for key in KEYS:
         values = [r[key] for r in runs if r.get(key) is not None]
         out[key] = statistics.median(values) if values else None
     out["reached"] = f"{sum(r.get('time_to_target_s') is not None for r in runs)}/{len(runs)}"
+    steps = [math.inf if r.get("steps_to_target") is None else r["steps_to_target"] for r in runs]
+    middle = statistics.median(steps) if steps else math.inf
+    out["steps_to_target_all"] = None if math.isinf(middle) or math.isnan(middle) else middle
     return out
 
 
@@ -375,7 +382,10 @@ def main() -> None:
         for arm, fig in res["median"].items():
             cells = "".join(f"{fig[k]:18.3f}" if fig[k] is not None else f"{'-':>18s}" for k in KEYS)
             ratio = res["samples_per_s_vs_ours"].get(arm)
-            print(f"{arm:14s}{cells}  reached {fig['reached']}" + (f"  x ours {ratio:.2f}" if ratio else ""))
+            every = fig["steps_to_target_all"]
+            every = f"> {args.steps}" if every is None else f"{every:g}"
+            line = f"{arm:14s}{cells}  reached {fig['reached']}, median steps of all {every}"
+            print(line + (f"  x ours {ratio:.2f}" if ratio else ""))
     print(f"versions: {json.dumps(out['versions'])}")
 
 
