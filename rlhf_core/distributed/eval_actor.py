@@ -3,14 +3,15 @@
 `EvalActor` holds a policy copy of its own and a `rlhf_core.run.pinned_eval.PinnedEvaluation` thread; it loads the
 weights of exactly version V as a rollout worker does, from the weight store's reference (one object-store read,
 nothing through the driver), so neither the trainer (no lock, no GIL shared with it) nor the rollout fleet waits.
-`RayEvaluation` is the driver's side: it starts the actor with the loops when eval.every is set (else at the first
-request: a run that never evaluates pays nothing), asks the store for the newest published version, and drains the
-finished evaluations. Its resources are cluster.resources.eval (default none reserved: CPU 0, GPU 0; its bundle is
-the placement group's last).
+`RayEvaluation` is the driver's side: it starts the actor at the end of the launch when eval.every is set (else at
+the first request: a run that never evaluates pays nothing), asks the store for the newest published version, and
+drains the finished evaluations. Its resources are cluster.resources.eval (default none reserved: CPU 0, GPU 0; its
+bundle is the placement group's last); its process runs at a lower CPU priority (NICENESS) than the roles'.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import ray
@@ -21,12 +22,15 @@ from rlhf_core.rollout.probe import split as sync_probe_split
 from rlhf_core.run import build
 from rlhf_core.run.pinned_eval import evaluation_evidence, pinned_evaluation
 
+NICENESS = 10  # the evaluation process's CPU priority below the roles' (os.nice): it never takes their cores
+
 
 class EvalActor:
     """The evaluation worker: `submit(version, [ref])` queues version V (the weight store's packed snapshot; None:
     the weights it was built with), `evaluations()` returns the finished ones (each with eval/version)."""
 
     def __init__(self, cfg, policy_dir: str, heldout: list):
+        os.nice(NICENESS)  # off the critical path: where it shares CPUs, the trainer and the fleet go first
         build.setup_process(cfg, cfg.trainer.seed)
         self.timeout = cfg.runtime.wait_timeout_s
         self.pinned = pinned_evaluation(cfg, policy_dir, heldout)
@@ -61,8 +65,8 @@ class RayEvaluation:
         self.last: dict = {}
 
     def start(self) -> None:
-        """Start the actor now (with the loops, when eval.every will ask for evaluations): its policy copy is built
-        while training runs, not at the first request. Non-blocking."""
+        """Start the actor now (at the end of the launch, when eval.every will ask for evaluations): its policy copy
+        is built before the loops run, not at the first request. Non-blocking."""
         if self.actor is None:
             self._start()
 

@@ -230,6 +230,8 @@ class DistributedRun(LoopWatch, Fleet, HostBase):
             if resume_from:
                 self._restore(str(resume_from))
             self._first_weights()
+            if cfg.eval.every > 0:  # eval.every's actor starts now: its policy copy is built before the loops run
+                self.evaluation.start()
             took = time.monotonic() - t0
             say(f"first weights (version {self.last_version}) loaded by every rollout worker ({took:.1f} s)")
         except BaseException:
@@ -251,8 +253,6 @@ class DistributedRun(LoopWatch, Fleet, HostBase):
         facts = {"eval_start": self.eval_start, **self.run_facts}
         self._get(self.trainer.set_checkpointing.remote(self.queue, self.workers, facts), "the trainer's checkpointing")
         self.trainer_loop = self.trainer.run_loop.remote(self.cfg.trainer.total_steps)
-        if self.cfg.eval.every > 0:
-            self.evaluation.start()  # eval.every's actor builds its policy copy while the loops run
         self.worker_loops = {i: w.run_loop.remote() for i, w in enumerate(self.workers)}
         for i, ref in self.worker_loops.items():
             self.worker_loop_starts.setdefault(i, []).append(ref)
