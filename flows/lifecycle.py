@@ -107,6 +107,20 @@ class _StopCleanup(KeyboardInterrupt):
     """Signals kept coming during cleanup (RunResources.FORCE_AFTER of them): stop waiting for it."""
 
 
+INTERRUPTS = (KeyboardInterrupt, TerminationSignal, SystemExit)
+
+
+def _caused_by_interrupt(exc: BaseException | None) -> bool:
+    """Whether `exc` is an interrupt, or was raised while one was being handled (its __context__ chain)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, INTERRUPTS):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
 class RunResources:
     """What one flow run holds, released when the flow body leaves, however it leaves.
 
@@ -146,8 +160,9 @@ class RunResources:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        interrupt = (KeyboardInterrupt, TerminationSignal, SystemExit)
-        left_on_error = exc_type is not None and not issubclass(exc_type, interrupt)
+        # an error raised while a signal was being handled is the signal's (Prefect's task engine can turn the
+        # worker's TerminationSignal, landing while it creates a task run, into "ValueError: Task run is not set")
+        left_on_error = exc_type is not None and not _caused_by_interrupt(exc)
         if exc_type is not None and not left_on_error:
             self.status = "KILLED"
         elif left_on_error:

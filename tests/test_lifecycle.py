@@ -57,6 +57,23 @@ def test_the_flow_cleanup_ends_a_run_a_task_handed_over_before_returning(store):
     assert _status(resources.tracker) == "KILLED"
 
 
+def test_an_error_raised_while_a_termination_signal_was_handled_ends_the_run_killed(store):
+    """A worker's cancellation SIGTERM that lands while Prefect creates a task run comes out of its task engine as
+    "ValueError: Task run is not set", raised while handling the TerminationSignal: the run was cancelled, not
+    failed, so the MLflow run ends KILLED."""
+    from prefect.exceptions import TerminationSignal
+
+    resources = RunResources(logging.getLogger("test"))
+    with pytest.raises(ValueError, match="Task run is not set"):
+        with resources:
+            MlflowTracker.start(tracking_cfg(store, "cancelled-mid-task"), flow_run_id="flow-d", hold=resources.hold)
+            try:
+                raise TerminationSignal(signal=15)
+            except TerminationSignal:
+                raise ValueError("Task run is not set")  # noqa: B904 - as Prefect's handle_crash raises it
+    assert _status(resources.tracker) == "KILLED"
+
+
 def test_a_signal_during_failure_cleanup_still_ends_everything_and_is_raised_again(store):
     """Ctrl-C reaches the whole process group: the flow may be leaving on an error the same signal caused in
     a child, with its own interrupt landing in the cleanup. Every step still runs, the run ends KILLED (it
