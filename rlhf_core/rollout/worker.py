@@ -289,7 +289,7 @@ class RolloutWorker:
 
 
 def sampling_seed(engine) -> Optional[int]:
-    """The seed the engine's sampling stream started from (its torch.Generator's), None without one."""
+    """The engine's sampling seed (its torch.Generator's initial seed), None for an engine without a generator."""
     generator = getattr(engine, "generator", None)
     return int(generator.initial_seed()) if isinstance(generator, torch.Generator) else None
 
