@@ -21,7 +21,7 @@ from typing import Optional
 from rlhf_core.config import ConfigError, TrainConfig, parse_grid_item
 from rlhf_core.run.checkpoint_paths import describe_near, holds_policy, policy_in
 from rlhf_core.run.preflight import check_lora_targets, check_paths
-from rlhf_core.sweep_grid import check_grid, check_points, seed_list
+from rlhf_core.sweep_grid import check_grid, check_points, expand_grid, seed_list, shared_points
 
 
 def check_train(cfg: TrainConfig, resume_from: Optional[str]) -> Optional[str]:
@@ -47,8 +47,9 @@ def parse_grid(items: Sequence[str]) -> dict[str, list]:
     return check_grid(grid)  # a repeated value, say, is refused before anything starts
 
 
-def check_sweep(cfg: TrainConfig, grid: dict[str, list], seeds: int) -> None:
-    """Every value of the grid and every point (each checked like `atrlhf train` checks its config)."""
+def check_sweep(cfg: TrainConfig, grid: dict[str, list], seeds: int, shared_fleet: bool = False) -> None:
+    """Every value of the grid and every point (each checked like `atrlhf train` checks its config); with
+    `shared_fleet`, that the points can share one (`check_shareable`: the key that differs named)."""
     lora_checked = set()
     for point_cfg in check_points(cfg, grid, seed_list(cfg, seeds)):
         check_paths(point_cfg)
@@ -57,6 +58,8 @@ def check_sweep(cfg: TrainConfig, grid: dict[str, list], seeds: int) -> None:
         if key not in lora_checked:
             lora_checked.add(key)
             check_lora_targets(point_cfg)
+    if shared_fleet:
+        shared_points(cfg, expand_grid(grid, seed_list(cfg, seeds)), "sweep")
 
 
 def check_evaluate(cfg: TrainConfig, target: str, config_given: bool) -> None:

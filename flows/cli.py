@@ -4,7 +4,7 @@
     atrlhf evaluate --checkpoint PATH_OR_RUN_ID [--config PATH] [--set key=value ...]
     atrlhf score --input FILE.jsonl [--config PATH] [--set key=value ...] [--json]
     atrlhf sweep [--config PATH] [--set key=value ...] --grid key=v1,v2 [--grid ...] [--seeds N]
-                 [--max-parallel N] [--metric NAME] [--target ACC] [--sweep-id ID]
+                 [--max-parallel N] [--metric NAME] [--target ACC] [--sweep-id ID] [--shared-fleet]
     atrlhf serve --checkpoint PATH_OR_RUN_OR_latest [--port N] [--config PATH] [--set key=value ...]
     atrlhf audit RUN_DIR_OR_RUN_ID_OR_latest [--config PATH] [--json]
 
@@ -146,6 +146,12 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--metric", default="eval/accuracy", help="the metric plotted against steps (default eval/accuracy)")
     w.add_argument("--target", type=float, default=0.9, help="the accuracy of 'time to target' (default 0.9)")
     w.add_argument("--sweep-id", help="name the sweep (default: a hash of the base config, grid and seeds)")
+    w.add_argument(
+        "--shared-fleet",
+        action="store_true",
+        help="run every point at once on one base model, one rollout engine and one trainer process (LoRA points "
+        "that differ only in what an adapter run may: lora, trainer, algorithm, reward, staleness bound)",
+    )
     # --- serve (flows/serve.py) ---
     v = sub.add_parser(
         "serve",
@@ -231,10 +237,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return EXIT_CONFIG
         try:  # every value of the grid and every point, before any point starts
             grid = parse_grid(args.grid)
-            check_sweep(cfg, grid, args.seeds)
+            check_sweep(cfg, grid, args.seeds, shared_fleet=args.shared_fleet)
         except ConfigError as exc:
             return _refuse(exc)
-        return cmd_sweep(cfg, grid, args.seeds, args.max_parallel, args.metric, args.target, args.sweep_id)
+        return cmd_sweep(
+            cfg, grid, args.seeds, args.max_parallel, args.metric, args.target, args.sweep_id, args.shared_fleet
+        )
     try:
         if args.checkpoint == "latest":  # run.output_dir/latest: its exported policy, else its newest checkpoint
             from flows.serve import latest_policy
@@ -336,6 +344,7 @@ def cmd_sweep(
     metric: str,
     target: float,
     sweep_id: Optional[str],
+    shared_fleet: bool = False,
 ) -> int:
     """Run the sweep flow in this process (against a temporary Prefect API when none is configured); everything it
     logs goes in full to <run.output_dir>/<sweep id>/sweep.log, the terminal gets one line a failed point."""
@@ -365,6 +374,7 @@ def cmd_sweep(
                         metric=metric,
                         target=target,
                         sweep_id=sweep_id,
+                        shared_fleet=shared_fleet,
                         return_state=True,
                     )
                 except KeyboardInterrupt:

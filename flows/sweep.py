@@ -7,7 +7,10 @@
        run is a child of the parent (a failing point fails only its child) -> comparison table and plot
        as Prefect artifacts and as the parent's MLflow artifacts.
 
-Points run in this process, on one Ray instance the sweep starts (unless cluster.address names one) with
+With `shared_fleet`, every point runs at once in this process on one shared fleet (rlhf_core.run.shared_fleet:
+one base model, one rollout engine batching every point's generation, one trainer process holding every point's
+adapter and optimizer); each point is still its own child flow run and MLflow child run. Otherwise points run
+in this process, on one Ray instance the sweep starts (unless cluster.address names one) with
 room for `max_parallel` runs, so that parallel children neither fight over Ray's CPUs nor shut Ray down
 under each other. Each child writes under `<run.output_dir>/<sweep id>/<point>`.
 """
@@ -27,7 +30,15 @@ from flows.terminal import quiet_terminal
 from flows.train import train
 from rlhf_core.config import ConfigError, TrainConfig, validate_config
 from rlhf_core.run.preflight import check_paths
-from rlhf_core.sweep_grid import SweepPoint, check_grid, check_points, expand_grid, point_config, seed_list
+from rlhf_core.sweep_grid import (
+    SweepPoint,
+    check_grid,
+    check_points,
+    expand_grid,
+    point_config,
+    seed_list,
+    shared_points,
+)
 from rlhf_core.sweep_grid import sweep_id as make_sweep_id
 from tasks.sweep import compare_points, open_sweep_record, publish_comparison
 from tasks.tracking import link_mlflow_run
@@ -43,6 +54,7 @@ def sweep(
     metric: str = "eval/accuracy",
     target: float = 0.9,
     sweep_id: Optional[str] = None,
+    shared_fleet: bool = False,
 ) -> dict | State:
     """Run every point of `grid` (dotted config keys to lists of values) times `seeds` (a count from the base
     trainer.seed, or a list) as a child flow run of atrlhf-train, at most `max_parallel` at once.
@@ -53,6 +65,10 @@ def sweep(
     eval/accuracy, seconds to `target` accuracy, mean staleness, samples/s, status; a plot of `metric`
     against steps, mean and spread over seeds) is a Prefect table and markdown artifact and the parent's
     MLflow artifacts under comparison/.
+
+    `shared_fleet`: the points run at once on one base model, one rollout engine and one trainer process
+    (rlhf_core.run.shared_fleet): each its own LoRA adapter, optimizer, buffer and child flow run; refused before
+    anything starts (the key named) where the points differ in more than an adapter run may.
 
     Returns the sweep id, the MLflow parent run id, the table rows and the counts (ran, skipped, failed).
     When a point failed (the others still run), the flow run ends Failed with that dict as its result and a
@@ -69,6 +85,12 @@ def sweep(
     for point_cfg in check_points(cfg, grid, seeds_used):  # every value and point, before anything starts
         check_paths(point_cfg)
     sid = sweep_id or make_sweep_id(cfg, grid, seeds_used)
+    run_cfg = cfg
+    if shared_fleet:
+        from rlhf_core.run.shared_fleet import SharedFleet, fleet_config  # torch and the model: for a shared fleet only
+
+        run_cfg = fleet_config(cfg)
+        shared_points(run_cfg, points, sid)  # refused here, the differing key named, before any run is opened
     flow_run_id = str(current_flow_run.id) if current_flow_run.id else ""
 
     params: dict[str, Any] = {f"grid.{k}": v for k, v in grid.items()}
@@ -82,14 +104,14 @@ def sweep(
     done = record.finished_points()
     todo = [p for p in points if p.name not in done]
     logger.info(
-        "sweep %s: %d point(s) (%s x %d seed(s)), %d already finished, %d to run, at most %d at once; MLflow parent %s",
+        "sweep %s: %d point(s) (%s x %d seed(s)), %d already finished, %d to run, %s; MLflow parent %s",
         sid,
         len(points),
         " x ".join(f"{k}[{len(v)}]" for k, v in grid.items()) or "base",
         len(seeds_used),
         len(points) - len(todo),
         len(todo),
-        max_parallel,
+        "all at once on one shared fleet" if shared_fleet else f"at most {max_parallel} at once",
         parent,
     )
 
@@ -97,12 +119,18 @@ def sweep(
     status = "FAILED"
     try:
         if todo:
-            with shared_ray(cfg, max_parallel), ThreadPoolTaskRunner(max_workers=max_parallel) as runner:
+            if shared_fleet:
+                hosts = SharedFleet(shared_points(run_cfg, todo, sid))
+            else:
+                hosts = shared_ray(cfg, max_parallel)
+            parallel = len(todo) if shared_fleet else max_parallel
+            with hosts, ThreadPoolTaskRunner(max_workers=parallel) as runner:
                 futures = [
                     (
                         p,
                         runner.submit(
-                            run_point, parameters={"point": p, "config": cfg, "sweep": sid, "parent_run_id": parent}
+                            run_point,
+                            parameters={"point": p, "config": run_cfg, "sweep": sid, "parent_run_id": parent},
                         ),
                     )
                     for p in todo
@@ -110,6 +138,15 @@ def sweep(
                 for point, future in futures:
                     outcomes[point.name] = outcome = future.result()
                     logger.info("point %s: %s %s", point.name, outcome["state"], outcome["message"] or "")
+            if shared_fleet:
+                fleet = hosts.stats()
+                logger.info(
+                    "shared fleet: %d generation batches for %d point(s), %.1f rows a batch (%s)",
+                    fleet["batches"],
+                    len(todo),
+                    fleet["rows_per_batch"],
+                    "mixed-adapter" if hosts.mixed else "the calls of a batch in turn",
+                )
         rows, children = compare_points(record, points, outcomes, metric, target)
         failed = sum(1 for c in children if c.status != "FINISHED")
         publish_comparison(record, rows, children, metric, target)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlhf_core.config import ConfigError, TrainConfig, apply_overrides, migrate_config, validate_config
+from rlhf_core.run.fleet_config import check_shareable, fleet_base
 
 SEED_KEY = "trainer.seed"
 
@@ -184,3 +185,12 @@ def _one_line(exc: ConfigError) -> str:
     if len(lines) > 1 and lines[0].startswith("invalid configuration"):
         lines = lines[1:]
     return "; ".join(lines)
+
+
+def shared_points(base: TrainConfig, points: list[SweepPoint], sweep: str) -> dict[str, TrainConfig]:
+    """Every point's validated config on a shared fleet (the threads host, `fleet_base`), by point name;
+    ConfigError where they cannot share one (`check_shareable`)."""
+    fleet = fleet_base(base)
+    configs = {p.name: validate_config(point_config(fleet, p, sweep)) for p in points}
+    check_shareable(configs)
+    return configs

@@ -39,8 +39,15 @@ def is_lora(model) -> bool:
 
 
 def linear_module_names(model) -> list[str]:
-    """The distinct last names of the model's linear layers (what target_modules can name)."""
-    return sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+    """The distinct last names of the model's linear layers (what target_modules can name); of a peft model, its
+    base model's (an adapted layer by its own name, not its `base_layer` and adapter parts)."""
+    names = set()
+    for name, m in model.named_modules():
+        if hasattr(m, "base_layer") and isinstance(m.base_layer, torch.nn.Linear):
+            names.add(name.rsplit(".", 1)[-1])
+        elif isinstance(m, torch.nn.Linear) and ".lora_" not in name and not name.endswith(".base_layer"):
+            names.add(name.rsplit(".", 1)[-1])
+    return sorted(names)
 
 
 def config_linear_module_names(config_dir=None, model_type: str = "", trust_remote_code: bool = False):
@@ -68,8 +75,10 @@ def config_linear_module_names(config_dir=None, model_type: str = "", trust_remo
     return linear_module_names(model)
 
 
-def apply_lora(model, lora_cfg):
-    """Wrap `model` with LoRA adapters of `lora_cfg` (rlhf_core.config.LoraConfig); base weights frozen.
+def apply_lora(model, lora_cfg, adapter_name: str = "default"):
+    """Wrap `model` with LoRA adapters of `lora_cfg` (rlhf_core.config.LoraConfig); base weights frozen. A peft
+    model already (`is_lora`): `lora_cfg`'s adapters are added beside the others as `adapter_name` (a shared
+    fleet's one base model with every sweep point's adapter; the active adapter stays as it was).
 
     Adapters start at B = 0, so the wrapped model computes exactly what the base model does. The random
     state of each process (set from trainer.seed) decides A's initialisation; every process's A is replaced by
@@ -100,7 +109,11 @@ def apply_lora(model, lora_cfg):
         # save_merged unties before merging; and peft's own call of a transformers name deprecated in v5
         warnings.filterwarnings("ignore", message=".*tied layer is part of the adapter.*")
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*is deprecated.*")
-        wrapped = get_peft_model(model, peft_cfg)
+        if is_lora(model):
+            model.add_adapter(adapter_name, peft_cfg)
+            model.train(was_training)
+            return model
+        wrapped = get_peft_model(model, peft_cfg, adapter_name=adapter_name)
     wrapped.train(was_training)
     return wrapped
 
@@ -135,10 +148,11 @@ def adapter_shapes(model) -> dict[str, list[int]]:
     return {k: list(p.shape) for k, p in _adapter_params(model).items()}
 
 
-def load_adapter_state_dict(model, state_dict: dict[str, torch.Tensor]) -> None:
-    """Copy adapter tensors (peft's saved names) into the model's adapters in place; unknown or missing
-    names raise KeyError before anything is copied."""
-    params = _adapter_params(model)
+def load_adapter_state_dict(model, state_dict: dict[str, torch.Tensor], adapter: str | None = None) -> None:
+    """Copy adapter tensors (peft's saved names) into the model's adapters in place (`adapter`: that one of a
+    model with several; default the active one); unknown or missing names raise KeyError before anything is
+    copied."""
+    params = _adapter_params(model, adapter)
     unknown = [k for k in state_dict if k not in params]
     missing = [k for k in params if k not in state_dict]
     if unknown or missing:
@@ -153,17 +167,19 @@ def load_adapter_state_dict(model, state_dict: dict[str, torch.Tensor]) -> None:
             params[name].copy_(shard_like(tensor, params[name]), non_blocking=True)
 
 
-def _adapter_params(model) -> dict[str, torch.Tensor]:
+def _adapter_params(model, adapter: str | None = None) -> dict[str, torch.Tensor]:
     """peft's saved name (as in get_peft_model_state_dict and adapter_model.safetensors) -> the live
-    parameter; cached on the model (names never change), so a sync does not walk the whole state dict."""
-    cached = model.__dict__.get(_CACHE)
+    parameter of `adapter` (default: the active adapter; a model may hold several); cached on the model per
+    adapter (names never change), so a sync does not walk the whole state dict."""
+    adapter = adapter or model.active_adapter
+    per_adapter = model.__dict__.setdefault(_CACHE, {})
+    cached = per_adapter.get(adapter)
     if cached is None:
-        adapter = model.active_adapter
         cached = {}
         for name, p in model.named_parameters():
-            if "lora_" in name:
+            if "lora_" in name and f".{adapter}." in name:
                 cached[name.replace(f".{adapter}.", ".")] = p
-        model.__dict__[_CACHE] = cached
+        per_adapter[adapter] = cached
     return cached
 
 

@@ -75,6 +75,10 @@ class HFEngine:
         self.version = version
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
+        # a peft model with several adapters (a shared fleet): the adapter of each sample row of the current
+        # generate() call, passed to every forward as peft's `adapter_names` (mixed-adapter batches); None: the
+        # active adapter for every row
+        self.adapter_names: Optional[list[str]] = None
         # transformers 5 renamed the KV-cache argument from `past_key_values` to `cache`
         # (a peft model's forward passes keyword arguments through to its base model's)
         base = model.get_base_model() if is_lora(model) else model
@@ -183,6 +187,7 @@ class HFEngine:
             position_ids=positions,
             use_cache=True,
             **self._last_logits_only,
+            **self._adapters(),
         )
         past = self._cache_of(out)
         next_logits = out.logits[:, -1, :]
@@ -207,6 +212,7 @@ class HFEngine:
                 position_ids=next_pos,
                 use_cache=True,
                 **{self._cache_kw: past},
+                **self._adapters(),
             )
             past = self._cache_of(out)
             next_logits = out.logits[:, -1, :]
@@ -349,6 +355,7 @@ class HFEngine:
                 position_ids=positions[:, :-1],
                 use_cache=True,
                 **self._last_logits_only,
+                **self._adapters(samples),
             )
             cache = _layers_kv(self._cache_of(out))
         rows.add(samples, cache, mask[:, :-1], ids[:, -1], lens - 1, count, ended)
@@ -362,10 +369,20 @@ class HFEngine:
             position_ids=rows.next_pos[:, None],
             use_cache=True,
             **{self._cache_kw: rows.cache},
+            **self._adapters(rows.sample),
         )
         rows.cache = self._cache_of(out)
         rows.mask = attn
         return out.logits[:, -1, :]
+
+    def _adapters(self, samples: Optional[torch.Tensor] = None) -> dict:
+        """peft's `adapter_names` for a forward of sample rows `samples` (default: every row), where the call is a
+        mixed-adapter batch (`adapter_names`); else no argument."""
+        if self.adapter_names is None:
+            return {}
+        if samples is None:
+            return {"adapter_names": self.adapter_names}
+        return {"adapter_names": [self.adapter_names[i] for i in samples.tolist()]}
 
     @staticmethod
     def _cache_of(out):

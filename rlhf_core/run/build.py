@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import random
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -49,22 +50,30 @@ def rollout_seed(cfg: TrainConfig, worker_index: int | None) -> int:
 
 def resolve_policy_dir(cfg: TrainConfig) -> Path:
     """The policy directory: model.path, or the tiny default built once under run.output_dir."""
-    return Path(ensure_policy(cfg.model, cfg.data.task, cfg.run.output_dir, seed=cfg.trainer.seed)).resolve()
+    with _BUILDING:  # the tiny default is built here
+        return Path(ensure_policy(cfg.model, cfg.data.task, cfg.run.output_dir, seed=cfg.trainer.seed)).resolve()
 
 
 def build_tokenizer(cfg: TrainConfig, policy_dir: str | Path):
     return load_tokenizer(policy_dir, trust_remote_code=cfg.model.trust_remote_code)
 
 
+# one policy built at a time in a process: transformers' loading swaps process-wide state (the meta device, the
+# init functions), so that two runs building in threads of one process (a sweep's points on the threads host, a
+# shared fleet's pinned evaluations) would see each other's ("Cannot copy out of meta tensor")
+_BUILDING = threading.RLock()
+
+
 def build_policy(cfg: TrainConfig, policy_dir: str | Path, adapters: bool = True):
     """(model, tokenizer) from the policy directory, with the config's dtype and device; with model.lora (and
     `adapters`) wrapped with its LoRA adapters (rlhf_core.model.lora), the same in every process so that adapter
     names agree between the trainer, the rollout engines and checkpoints."""
-    model, tokenizer = load_policy(
-        policy_dir, dtype=cfg.model.dtype, device=cfg.model.device, trust_remote_code=cfg.model.trust_remote_code
-    )
-    if adapters and cfg.model.lora is not None:
-        model = apply_lora(model, cfg.model.lora)
+    with _BUILDING:
+        model, tokenizer = load_policy(
+            policy_dir, dtype=cfg.model.dtype, device=cfg.model.device, trust_remote_code=cfg.model.trust_remote_code
+        )
+        if adapters and cfg.model.lora is not None:
+            model = apply_lora(model, cfg.model.lora)
     return model, tokenizer
 
 
@@ -110,14 +119,23 @@ def build_external_rewards(cfg: TrainConfig, tokenizer, stop_ids: list[int], rew
 
 
 def build_rollout_worker(
-    cfg: TrainConfig, model, tokenizer, policy_dir: str | Path, seed: int, reward_fn=None, reward_model=None
+    cfg: TrainConfig,
+    model,
+    tokenizer,
+    policy_dir: str | Path,
+    seed: int,
+    reward_fn=None,
+    reward_model=None,
+    engine=None,
 ) -> RolloutWorker:
     """The configured engine over `model`, its rewards and sampling settings, all with the one stop set.
     `reward_model`: the reward model as an external reward scored elsewhere (the Ray runtime's actor); None
-    scores it in this process when reward.model.path is set."""
+    scores it in this process when reward.model.path is set. `engine`: an engine built elsewhere (a shared
+    fleet's view of one adapter), `model` then unused."""
     stop_ids = build_stop_ids(cfg, tokenizer, policy_dir)
-    model = rollout_model(cfg, model)
-    engine = build_engine(cfg, model, tokenizer, model_path=str(policy_dir), seed=seed, stop_token_ids=stop_ids)
+    if engine is None:
+        model = rollout_model(cfg, model)
+        engine = build_engine(cfg, model, tokenizer, model_path=str(policy_dir), seed=seed, stop_token_ids=stop_ids)
     return RolloutWorker(
         engine,
         reward_fn or build_reward(cfg, tokenizer, stop_ids),
@@ -289,7 +307,8 @@ def build_critic(cfg: TrainConfig, model, policy_dir: str | Path, group=None):
 
     path = cfg.critic.path or policy_dir
     device = next(model.parameters()).device
-    value_model = load_value_model(path, resolve_dtype(cfg.model.dtype), device, cfg.model.trust_remote_code)
+    with _BUILDING:
+        value_model = load_value_model(path, resolve_dtype(cfg.model.dtype), device, cfg.model.trust_remote_code)
     return Critic(value_model, cfg, group=group)
 
 

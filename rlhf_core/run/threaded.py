@@ -170,7 +170,7 @@ class ThreadedRun(EvaluationHost, HostBase):
         build.setup_process(cfg, cfg.trainer.seed)
         policy_dir = build.resolve_policy_dir(cfg)
         self.policy_dir = str(policy_dir)
-        self.model, self.tokenizer = build.build_policy(cfg, policy_dir)
+        self.model, self.tokenizer = self._policy(policy_dir)
         self.train_prompts, heldout = build.build_prompts(cfg, self.tokenizer)
         check_lengths(policy_dir, cfg, self.train_prompts + heldout)
         trainer = build.build_trainer(cfg, self.model, self.tokenizer, policy_dir)
@@ -183,11 +183,20 @@ class ThreadedRun(EvaluationHost, HostBase):
             cfg, trainer, self.tokenizer, LocalPeer(self.buffer), self.store, peer_state=self._peer_state
         )
         for i in range(cfg.rollout.num_workers):
-            model, tokenizer = build.build_policy(cfg, policy_dir)  # each engine its own copy, as each actor has
-            worker = build.build_rollout_worker(cfg, model, tokenizer, policy_dir, build.rollout_seed(cfg, i))
             self.rollout_roles.append(
-                RolloutRole(cfg, worker, LocalPeer(self.buffer), LocalPeer(self.queue), self.store, i)
-            )
+                RolloutRole(cfg, self._rollout_worker(i, policy_dir), LocalPeer(self.buffer), LocalPeer(self.queue),
+                            self.store, i)
+            )  # fmt: skip
+
+    # the parts a host built on this one may hold elsewhere (`rlhf_core.run.shared_fleet`)
+    def _policy(self, policy_dir: Path):
+        """The trainer's (model, tokenizer)."""
+        return build.build_policy(self.cfg, policy_dir)
+
+    def _rollout_worker(self, index: int, policy_dir: Path):
+        """Rollout worker `index` over its engine's own copy of the policy, as each actor has."""
+        model, tokenizer = build.build_policy(self.cfg, policy_dir)
+        return build.build_rollout_worker(self.cfg, model, tokenizer, policy_dir, build.rollout_seed(self.cfg, index))
 
     def _peer_state(self) -> tuple[dict, list]:
         """(prompt queue position, every rollout engine's sampling RNG) for a checkpoint."""
