@@ -18,22 +18,10 @@ from rlhf_core.config import ConfigError, load_config
 from rlhf_core.data.prompts import PromptBatch, collate_prompts
 from rlhf_core.rollout.base import SamplingParams
 from rlhf_core.sweep_grid import expand_grid, shared_points
+from tests.test_sweep import SMALL, _sweep_runs
 
 ROOT = Path(__file__).resolve().parent.parent
 LORA = str(ROOT / "configs" / "tiny-lora.yaml")
-SMALL = [
-    "trainer.total_steps=4",
-    "data.eval_size=20",
-    "model.preset=micro",
-    "rollout.prompts_per_batch=4",
-    "trainer.prompts_per_step=4",
-    "rollout.samples_per_prompt=4",
-    "supervision.supervise_interval_s=0.2",
-    "eval.every=2",
-    "checkpoint.every=2",
-    "tracking.log_system_metrics=false",
-    "tracking.log_model=false",
-]
 
 
 def _points(tmp_path, grid: dict, *sets: str) -> dict:
@@ -194,8 +182,6 @@ def boom(inputs, options):
 def test_a_shared_fleet_sweep_runs_each_point_as_a_run_of_its_own(prefect_api, tmp_path, mlflow_db, capsys):
     """3 LoRA points on one fleet, one whose loss raises at its third step: it fails alone, the two others finish,
     each an MLflow child run with its adapter, evaluable by its run id; the comparison lists the three."""
-    from test_sweep import _sweep_runs
-
     boom = tmp_path / "boom_loss.py"
     boom.write_text(BOOM_LOSS)
     uri = f"sqlite:///{mlflow_db}"
