@@ -17,7 +17,7 @@ from flows.cli import main
 from rlhf_core.config import ConfigError, load_config
 from rlhf_core.data.prompts import PromptBatch, collate_prompts
 from rlhf_core.rollout.base import SamplingParams
-from rlhf_core.sweep_grid import expand_grid, shared_points
+from rlhf_core.sweep_grid import SweepPoint, expand_grid, shared_points
 from tests.test_sweep import SMALL, _sweep_runs
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -229,8 +229,8 @@ def test_two_points_train_on_one_mixed_adapter_engine_each_within_its_own_bound(
     base = fleet_config(
         load_config(LORA, [*SMALL, f"run.output_dir={tmp_path / 'runs'}", "trainer.total_steps=6", "eval.every=0"])
     )
-    grid = {"runtime.max_staleness": [0, 2]}
-    points = shared_points(base, expand_grid(grid, [0]), "sweep-test")
+    two = [SweepPoint((("runtime.max_staleness", 0),), 0), SweepPoint((("runtime.max_staleness", 2),), 1)]
+    points = shared_points(base, two, "sweep-test")
     results: dict = {}
 
     def run(name, cfg):
@@ -250,6 +250,7 @@ def test_two_points_train_on_one_mixed_adapter_engine_each_within_its_own_bound(
         assert result["steps"] == 6, name
         hist = result["final_poll"]["trainer"]["staleness_hist"]
         assert max(hist) <= cfg.runtime.max_staleness, (name, hist)
+        assert result["final_poll"]["trainer"]["seed"] == cfg.trainer.seed, "the audit's evidence: its own seed"
         rec = result["reconcile"]
         assert rec["trained"] == rec["consumed"] == 6 * cfg.trainer.prompts_per_step
         assert_ledger_balances(rec)

@@ -233,6 +233,10 @@ class SharedPointHost(ThreadedRun):
         super().__init__(cfg)
         self.fleet, self.adapter = fleet, adapter
 
+    def _build(self) -> None:
+        with self.fleet.building:  # one point at a time: its trainer's seed evidence is torch's seed as it set it
+            super()._build()
+
     def _policy(self, policy_dir: Path):
         return self.fleet.models[self.adapter], self.fleet.tokenizer
 
@@ -301,7 +305,8 @@ class SharedFleet:
         # the engine's batches in one mixed-adapter forward on an accelerator, in turn on a CPU: peft's mixed forward
         # costs more there than it saves (docs/benchmarks.md, "Sweeps on one fleet")
         self.mixed = self.base.device.type != "cpu" if mixed is None else mixed
-        self.adapting = threading.Lock()  # one adapter made at a time (the global RNG seeds its initialisation)
+        # one adapter made, or one point's parts built, at a time: the global RNG is seeded for it
+        self.building = threading.Lock()
         self.models = {adapter: self.adapted(adapter) for adapter in self.configs}  # each point's trainer model
         engine_model = shares_weights(self.base)
         for adapter, cfg in self.configs.items():
@@ -320,7 +325,7 @@ class SharedFleet:
     def adapted(self, adapter: str) -> torch.nn.Module:
         """A module tree over the base weights with `adapter`'s point's LoRA adapter, initialised from its seed."""
         cfg = self.configs[adapter]
-        with self.adapting:
+        with self.building:
             torch.manual_seed(cfg.trainer.seed)
             return apply_lora(shares_weights(self.base), cfg.model.lora)
 
