@@ -90,7 +90,7 @@ def sweep(
         from rlhf_core.run.shared_fleet import SharedFleet, fleet_config  # torch and the model: for a shared fleet only
 
         run_cfg = fleet_config(cfg)
-        shared_points(run_cfg, points, sid)  # refused here, the differing key named, before any run is opened
+        fleet_points = shared_points(run_cfg, points, sid)  # refused here (the key named), before any run is opened
     flow_run_id = str(current_flow_run.id) if current_flow_run.id else ""
 
     params: dict[str, Any] = {f"grid.{k}": v for k, v in grid.items()}
@@ -120,7 +120,7 @@ def sweep(
     try:
         if todo:
             if shared_fleet:
-                hosts = SharedFleet(shared_points(run_cfg, todo, sid))
+                hosts = SharedFleet({p.name: fleet_points[p.name] for p in todo})
             else:
                 hosts = shared_ray(cfg, max_parallel)
             parallel = len(todo) if shared_fleet else max_parallel

@@ -77,7 +77,7 @@ def test_a_mixed_adapter_batch_generates_what_each_adapter_generates_alone(fleet
     from rlhf_core.run.build import build_prompts
     from rlhf_core.run.shared_fleet import AdapterEngine
 
-    prompts, _ = build_prompts(next(iter(fleet.points.values())), fleet.tokenizer)
+    prompts, _ = build_prompts(fleet.configs["point0"], fleet.tokenizer)
     pad = fleet.tokenizer.pad_token_id
     wide = collate_prompts(prompts[3:5], pad)  # point1's call 2 columns wider (more left padding)
     wide = PromptBatch(

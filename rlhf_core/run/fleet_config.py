@@ -3,9 +3,7 @@ configs alone: plain Python, no model, no torch."""
 
 from __future__ import annotations
 
-from typing import Any
-
-from rlhf_core.config import ConfigError, TrainConfig, apply_overrides, validate_config
+from rlhf_core.config import ConfigError, TrainConfig, apply_overrides, flatten_config, validate_config
 
 # what the points of one shared fleet (`--shared-fleet`) may set differently: what an adapter run may differ in;
 # the rest is the base model, tokenizer, data and rollout engine they share
@@ -33,15 +31,6 @@ def fleet_base(base: TrainConfig) -> TrainConfig:
     return validate_config(data)
 
 
-def _leaves(data: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(data, dict):
-        out: dict[str, Any] = {}
-        for key, value in data.items():
-            out.update(_leaves(value, f"{prefix}{key}."))
-        return out
-    return {prefix[:-1]: data}
-
-
 def check_shareable(points: dict[str, TrainConfig]) -> None:
     """ConfigError, naming the key, where the points cannot share one fleet: a key outside `SHAREABLE` that
     differs between two points (another base model, tokenizer, data or rollout setting), a point without
@@ -50,7 +39,7 @@ def check_shareable(points: dict[str, TrainConfig]) -> None:
     names = list(points)
     if not names:
         raise ConfigError("shared fleet: no points to run")
-    first = _leaves(points[names[0]].model_dump(mode="json"))
+    first = flatten_config(points[names[0]])
     for name in names:
         cfg = points[name]
         if cfg.model.lora is None:
@@ -68,7 +57,7 @@ def check_shareable(points: dict[str, TrainConfig]) -> None:
                 f"shared fleet: point {name!r} rolls out through {'env' if cfg.env.enabled else 'agent'}:; a "
                 "shared fleet batches single-turn generation (run the sweep without --shared-fleet)"
             )
-        leaves = _leaves(cfg.model_dump(mode="json"))
+        leaves = flatten_config(cfg)
         for key in sorted(set(first) | set(leaves)):
             if first.get(key) != leaves.get(key) and not key.startswith(SHAREABLE):
                 raise ConfigError(

@@ -29,7 +29,7 @@ from typing import Optional
 
 import torch
 
-from rlhf_core.config import ConfigError, TrainConfig, apply_overrides, validate_config
+from rlhf_core.config import TrainConfig, apply_overrides, validate_config
 from rlhf_core.data.prompts import PromptBatch
 from rlhf_core.model.lora import apply_lora, load_adapter_state_dict
 from rlhf_core.rollout.base import SamplingParams
@@ -205,14 +205,16 @@ class AdapterEngine:
         self.version = int(version)
 
     def probe_sample(self, *args, **kwargs):
-        with self.fleet.engine_lock:
-            self.fleet.engine.model.set_adapter(self.adapter)
-            return self.fleet.engine.probe_sample(*args, **kwargs)
+        return self._with_adapter("probe_sample", *args, **kwargs)
 
     def top_logprobs(self, *args, **kwargs):
+        return self._with_adapter("top_logprobs", *args, **kwargs)
+
+    def _with_adapter(self, method: str, *args, **kwargs):
+        """The engine's `method` with this view's adapter active (between the fleet's batches)."""
         with self.fleet.engine_lock:
             self.fleet.engine.model.set_adapter(self.adapter)
-            return self.fleet.engine.top_logprobs(*args, **kwargs)
+            return getattr(self.fleet.engine, method)(*args, **kwargs)
 
     def close(self) -> None:
         """Leave the batcher (its batches stop waiting for this view's calls)."""
@@ -299,9 +301,7 @@ class SharedFleet:
         build.setup_process(first, first.trainer.seed)
         self.policy_dir = build.resolve_policy_dir(first)
         self.base, self.tokenizer = build.build_policy(first, self.policy_dir, adapters=False)
-        self.adapters = {name: f"point{i}" for i, name in enumerate(points)}
-        self.points = points
-        self.configs = {self.adapters[name]: cfg for name, cfg in points.items()}
+        self.configs = {f"point{i}": cfg for i, cfg in enumerate(points.values())}  # by adapter name
         # the engine's batches in one mixed-adapter forward on an accelerator, in turn on a CPU: peft's mixed forward
         # costs more there than it saves (docs/benchmarks.md, "Sweeps on one fleet")
         self.mixed = self.base.device.type != "cpu" if mixed is None else mixed
@@ -313,12 +313,10 @@ class SharedFleet:
             torch.manual_seed(cfg.trainer.seed)  # as `adapted` initialises the point's trainer model
             engine_model = apply_lora(engine_model, cfg.model.lora, adapter)
         stop_ids = build.build_stop_ids(first, self.tokenizer, self.policy_dir)
-        self.engine = build.build_engine(
+        self.engine = build.build_engine(  # the HF engine: check_shareable refused any other
             first, engine_model, self.tokenizer, model_path=str(self.policy_dir), seed=first.trainer.seed,
             stop_token_ids=stop_ids,
         )  # fmt: skip
-        if not isinstance(self.engine, HFEngine):
-            raise ConfigError(f"shared fleet: rollout.engine {first.rollout.engine!r} is not the HF engine")
         self.engine_lock = threading.Lock()  # the engine's model: one batch (or one point's sync) at a time
         self.batcher = FleetBatcher(self.engine, self.engine_lock, window_s, self.mixed)
 
@@ -331,13 +329,13 @@ class SharedFleet:
 
     def __enter__(self) -> SharedFleet:
         with _HOSTS_LOCK:
-            for name, cfg in self.points.items():
-                _HOSTS[_key(cfg)] = (self, self.adapters[name])
+            for adapter, cfg in self.configs.items():
+                _HOSTS[_key(cfg)] = (self, adapter)
         return self
 
     def __exit__(self, *exc) -> None:
         with _HOSTS_LOCK:
-            for cfg in self.points.values():
+            for cfg in self.configs.values():
                 if _HOSTS.get(_key(cfg), (None,))[0] is self:
                     del _HOSTS[_key(cfg)]
 
