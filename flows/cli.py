@@ -92,7 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--resume-from",
         metavar="RUN_OR_PATH",
         help="an MLflow run id (continue that run from its newest checkpoint), a checkpoint directory, or a run "
-        "directory (its newest checkpoint: runs/tiny/latest continues the newest run)",
+        "directory (its newest checkpoint: runs/tiny/latest continues the newest run); without --config, with the "
+        "run's own config (its checkpoint's train_config.yaml), the --set items on top",
     )
     e = sub.add_parser(
         "evaluate",
@@ -217,6 +218,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.command == "train":
         try:  # every path and name, before the Prefect API, Ray or MLflow start (flows/checks.py)
             resume_from = check_train(cfg, args.resume_from)
+            if resume_from and not args.config:  # the run continues with its own config, the --set items on top
+                from tracking.resume import resume_config
+
+                cfg, source = resume_config(cfg, resume_from, _overrides(args.overrides))
+                if source:
+                    print(f"atrlhf: using the run's config, {source} (pass --config to use another)", file=sys.stderr)
+                    check_train(cfg, None)
         except ConfigError as exc:
             return _refuse(exc)
         if resume_from:  # a run that already reached total_steps: say so before anything starts

@@ -181,7 +181,8 @@ def boom(inputs, options):
 @pytest.mark.slow
 def test_a_shared_fleet_sweep_runs_each_point_as_a_run_of_its_own(prefect_api, tmp_path, mlflow_db, capsys):
     """3 LoRA points on one fleet, one whose loss raises at its third step: it fails alone, the two others finish,
-    each an MLflow child run with its adapter, evaluable by its run id; the comparison lists the three."""
+    each an MLflow child run with its adapter, evaluable and resumable by its run id; the comparison lists the
+    three."""
     boom = tmp_path / "boom_loss.py"
     boom.write_text(BOOM_LOSS)
     uri = f"sqlite:///{mlflow_db}"
@@ -214,6 +215,15 @@ def test_a_shared_fleet_sweep_runs_each_point_as_a_run_of_its_own(prefect_api, t
     child = by_loss["m2po"]
     assert main(["evaluate", "--checkpoint", child.info.run_id, "--set", f"tracking.tracking_uri={uri}"]) == 0
     assert "accuracy" in capsys.readouterr().out
+
+    # resumable by its run id alone: the point's own config (its checkpoint's), the --set items on top
+    resume = ["train", "--resume-from", child.info.run_id, "--set", f"tracking.tracking_uri={uri}"]
+    assert main([*resume, "trainer.total_steps=6"]) == 0
+    assert "using the run's config, the train_config.yaml of MLflow run" in capsys.readouterr().err
+    resumed = [r for r in client.search_runs([child.info.experiment_id]) if r.info.start_time > child.info.start_time]
+    resumed = [r for r in resumed if r.data.params.get("algorithm.loss") == "m2po"]
+    assert len(resumed) == 1 and resumed[0].info.status == "FINISHED"
+    assert [m.step for m in client.get_metric_history(resumed[0].info.run_id, "reward/mean")] == [5, 6]
 
 
 def test_two_points_train_on_one_mixed_adapter_engine_each_within_its_own_bound(tmp_path):

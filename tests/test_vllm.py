@@ -353,7 +353,7 @@ def test_vllm_lora_adapter_matches_the_peft_model(vllm_policy_dir, tiny_tokenize
     weights, sync_probe = probe.split(probe.attach(payload, model))
     engine.load_weights(weights, version=1)
     request = engine.lora_request
-    assert request.lora_int_id == 2 and engine.version == 1
+    assert request.lora_int_id == 1 and engine.version == 1
     written = load_file(str(Path(request.lora_path) / "adapter_model.safetensors"))
     assert written.keys() == payload.keys() and all(torch.equal(written[k], payload[k]) for k in payload)
     adapter_cfg = json.loads((Path(request.lora_path) / "adapter_config.json").read_text())
@@ -370,7 +370,7 @@ def test_vllm_lora_adapter_matches_the_peft_model(vllm_policy_dir, tiny_tokenize
     assert check.last_diff < 1e-4
 
     engine.load_weights(weights, version=2)  # the next version: a new id, the previous adapter gone
-    assert engine.lora_request.lora_int_id == 3 and not Path(request.lora_path).exists()
+    assert engine.lora_request.lora_int_id == 2 and not Path(request.lora_path).exists()
 
 
 @pytest.fixture(scope="module")

@@ -97,11 +97,11 @@ def test_lora_on_vllm_trains_with_the_adapter_in_use(tmp_path):
     engine.load_weights(weights, trainer.version)
     tokens, with_adapter = engine.probe_sample(ids, ref.shape[1], seed=0)
     expected = ref.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    engine.lora_request, adapter = None, engine.lora_request
+    engine.lora_requests, adapters = {}, engine.lora_requests
     try:
         _, without = engine.probe_sample(ids, ref.shape[1], seed=0)
     finally:
-        engine.lora_request = adapter
+        engine.lora_requests = adapters
     assert float((with_adapter - expected).abs().mean()) < 1e-4
     assert float((without - with_adapter).abs().mean()) > 1e-3  # the adapter moves what the engine computes
 
@@ -162,3 +162,123 @@ def test_evaluate_and_serve_a_checkpoint_on_either_engine(tmp_path):
     for ours, theirs in zip(answers["vllm"], answers["hf"]):
         for got, want in zip(ours[2], theirs[2]):
             assert list(got) == list(want) and list(got.values()) == pytest.approx(list(want.values()), abs=1e-4)
+
+
+def _vllm_fleet_points(tmp_path, grid_points, *sets):
+    from rlhf_core.run.shared_fleet import fleet_config
+    from rlhf_core.sweep_grid import shared_points
+
+    base = vllm_cfg(
+        tmp_path, "model.lora.r=8", "model.lora.target_modules=[q_proj,v_proj]", "model.dtype=float32", *sets
+    )
+    return shared_points(fleet_config(base), grid_points, "sweep-test")
+
+
+def test_a_vllm_fleet_batch_serves_every_point_its_own_adapter(tmp_path):
+    """A shared fleet on vLLM (its multi-LoRA batching): two points' calls in one batch, each prompt's request naming
+    its point's adapter, get the greedy tokens and log-probs each adapter gives alone; a point's sync replaces its
+    own adapter only (the other point's answers do not move)."""
+    import threading
+
+    import torch
+
+    from rlhf_core.data.prompts import collate_prompts
+    from rlhf_core.model.lora import adapter_state_dict
+    from rlhf_core.rollout.base import SamplingParams
+    from rlhf_core.rollout.vllm import VLLMEngine
+    from rlhf_core.run.build import build_prompts
+    from rlhf_core.run.shared_fleet import AdapterEngine, SharedFleet
+    from rlhf_core.sweep_grid import expand_grid
+
+    points = _vllm_fleet_points(tmp_path, expand_grid({"model.lora.r": [4, 8]}, [0]))
+    with SharedFleet(points, window_s=5.0) as fleet:
+        assert isinstance(fleet.engine, VLLMEngine) and fleet.mixed
+        assert fleet.engine.llm.llm_engine.vllm_config.lora_config.max_loras == 2
+        views = {a: AdapterEngine(fleet, a) for a in ("point0", "point1")}
+        torch.manual_seed(1)
+        for adapter, view in views.items():  # adapters that change the output (B starts at 0), one per point
+            model = fleet.models[adapter]
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    if "lora_B" in name:
+                        p.normal_(0, 0.5)
+            view.load_weights(adapter_state_dict(model), 1)
+        prompts, _ = build_prompts(fleet.configs["point0"], fleet.tokenizer)
+        pad = fleet.tokenizer.pad_token_id
+        calls = {"point0": collate_prompts(prompts[:3], pad), "point1": collate_prompts(prompts[3:6], pad)}
+        greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
+        out = {}
+
+        def call(adapter):
+            out[adapter] = views[adapter].generate(calls[adapter], 1, greedy)
+
+        threads = [threading.Thread(target=call, args=(a,)) for a in calls]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert fleet.batcher.batches == 1 and fleet.batcher.rows == 6, "both calls in one batch"
+        alone = {}
+        for adapter, batch in calls.items():
+            fleet.engine.set_adapter(adapter)
+            alone[adapter] = fleet.engine.generate(batch, 1, greedy)
+            got = out[adapter]
+            assert torch.equal(got.response_ids, alone[adapter].response_ids), adapter
+            m = got.response_mask
+            torch.testing.assert_close(got.behavior_logprobs[m], alone[adapter].behavior_logprobs[m], atol=1e-4, rtol=0)
+            assert set(got.token_versions.flatten().tolist()) == {1}
+        fleet.engine.set_adapter("point1")  # the other adapter on point0's prompts: the adapters matter here
+        other = fleet.engine.generate(calls["point0"], 1, greedy)
+        assert not torch.allclose(other.behavior_logprobs, out["point0"].behavior_logprobs)
+
+        model = fleet.models["point0"]  # point0's next version: point1's answers stay as they were
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.5)
+        views["point0"].load_weights(adapter_state_dict(model), 2)
+        fleet.engine.set_adapter("point1")
+        again = fleet.engine.generate(calls["point1"], 1, greedy)
+        assert torch.equal(again.response_ids, alone["point1"].response_ids)
+        torch.testing.assert_close(again.behavior_logprobs, alone["point1"].behavior_logprobs, atol=1e-5, rtol=0)
+        fleet.engine.set_adapter("point0")
+        moved = fleet.engine.generate(calls["point0"], 1, greedy)
+        assert not torch.allclose(moved.behavior_logprobs, alone["point0"].behavior_logprobs)
+        for view in views.values():
+            view.close()
+
+
+def test_two_points_train_on_one_vllm_fleet_each_with_its_adapter_in_use(tmp_path):
+    """Two points on one vLLM engine, each driven as a run of its own: each reaches its steps within its own
+    staleness bound with its ledger balanced, and every sync's probe (the point's adapter active on the shared
+    engine) agrees with its own trainer at noise level: each point generates with its own trained adapter."""
+    import threading
+
+    from rlhf_core.run.shared_fleet import SharedFleet
+    from rlhf_core.sweep_grid import SweepPoint
+
+    two = [SweepPoint((("runtime.max_staleness", 0),), 0), SweepPoint((("runtime.max_staleness", 2),), 1)]
+    points = _vllm_fleet_points(tmp_path, two, "trainer.total_steps=8", "trainer.lr=0.01")
+    results: dict = {}
+
+    def run(name, cfg):
+        results[name] = run_distributed(cfg, poll_interval_s=0.2)
+
+    with SharedFleet(points) as fleet:
+        threads = [threading.Thread(target=run, args=item) for item in points.items()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        stats = fleet.stats()
+    for name, cfg in points.items():
+        result = results[name]
+        assert result["steps"] == 8, name
+        assert max(result["final_poll"]["trainer"]["staleness_hist"]) <= cfg.runtime.max_staleness, name
+        (rollout,) = result["final_poll"]["rollout"]
+        assert rollout["sync_checks"] >= 3 and rollout["sync_check_failures"] == 0, (name, rollout)
+        assert rollout["sync_probe_diff_max"] < 1e-4, (name, rollout)
+        rec = result["reconcile"]
+        assert rec["trained"] == rec["consumed"] == 8 * cfg.trainer.prompts_per_step
+        assert_ledger_balances(rec)
+    assert stats["batches"] > 0 and stats["rows"] > 0

@@ -9,15 +9,17 @@ artifact). A local path that holds no checkpoint fails naming the checkpoints th
 from __future__ import annotations
 
 import json
+import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Optional
 
-from rlhf_core.config import ConfigError, TrainConfig
+from rlhf_core.config import RUN_CONFIG_FILE, ConfigError, TrainConfig, load_config
 from rlhf_core.run.checkpoint_paths import META_FILE, checkpoint_step, checkpoint_target
-from tracking.artifacts import CHECKPOINT_ARTIFACT_PATH, latest_checkpoint_artifact
+from tracking.artifacts import CHECKPOINT_ARTIFACT_PATH, download_artifact, latest_checkpoint_artifact
 from tracking.runs import looks_like_run_id, resolve_tracking_uri, run_exists, sqlite_path
 
-__all__ = ["check_resume", "check_run", "local_checkpoint", "nothing_to_train", "resume_point"]
+__all__ = ["check_resume", "check_run", "local_checkpoint", "nothing_to_train", "resume_config", "resume_point"]
 
 
 def local_checkpoint(cfg: TrainConfig, resume_from: str, option: str = "--resume-from") -> Optional[Path]:
@@ -81,3 +83,29 @@ def nothing_to_train(cfg: TrainConfig, resume_from: Optional[str]) -> Optional[s
         f"nothing to train: {what} is at step {step}, which already reaches trainer.total_steps="
         f"{cfg.trainer.total_steps}; to train on, raise it (e.g. --set trainer.total_steps={step + max(step // 5, 1)})"
     )
+
+
+def resume_config(cfg: TrainConfig, resume_from: str, overrides: Sequence[str] = ()) -> tuple[TrainConfig, str]:
+    """The config of the run `resume_from` names, its checkpoint's train_config.yaml (an MLflow run's newest
+    complete checkpoint: that one file downloaded), with `overrides` on top, and the words naming it; (`cfg`, "")
+    where the checkpoint holds none. What `atrlhf train --resume-from` continues with when no --config is given, so
+    that a run (a sweep's point among them) is resumable by its id or directory alone."""
+    local = local_checkpoint(cfg, resume_from)
+    if local is not None:
+        path, source = local / RUN_CONFIG_FILE, str(local / RUN_CONFIG_FILE)
+        if not path.is_file():
+            return cfg, ""
+    else:
+        uri = resolve_tracking_uri(cfg)
+        artifact = latest_checkpoint_artifact(resume_from, uri)
+        if artifact is None:
+            return cfg, ""
+        try:
+            path = download_artifact(resume_from, f"{artifact}/{RUN_CONFIG_FILE}", uri, tempfile.mkdtemp())
+        except Exception:  # a checkpoint written without its config (an older run): the command line's config
+            return cfg, ""
+        source = f"the {RUN_CONFIG_FILE} of MLflow run {resume_from}'s {artifact}"
+    try:
+        return load_config(path, list(overrides)), source
+    except ConfigError as exc:
+        raise ConfigError(f"the run's own config ({source}) does not load ({exc}); pass --config") from None

@@ -27,6 +27,7 @@ from rlhf_core.model.sharding import _CACHE, forget_adapter_params, iter_full_te
 
 ADAPTER_DIR = "adapter"  # the PEFT adapter inside an export or a checkpoint directory
 ADAPTER_WEIGHTS = "adapter_model.safetensors"  # peft's weights file name in it
+DEFAULT_ADAPTER = "default"  # peft's name for a model's one adapter
 
 
 class LoraConfigError(ValueError):
@@ -75,7 +76,7 @@ def config_linear_module_names(config_dir=None, model_type: str = "", trust_remo
     return linear_module_names(model)
 
 
-def apply_lora(model, lora_cfg, adapter_name: str = "default"):
+def apply_lora(model, lora_cfg, adapter_name: str = DEFAULT_ADAPTER):
     """Wrap `model` with LoRA adapters of `lora_cfg` (rlhf_core.config.LoraConfig); base weights frozen. A peft
     model already (`is_lora`): `lora_cfg`'s adapters are added beside the others as `adapter_name` (a shared
     fleet's one base model with every sweep point's adapter; the active adapter stays as it was).

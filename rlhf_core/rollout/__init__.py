@@ -44,9 +44,17 @@ def vllm_available() -> bool:
 
 
 def build_engine(
-    cfg, model, tokenizer, model_path: str | None = None, seed: int = 0, stop_token_ids: Sequence[int] | None = None
+    cfg,
+    model,
+    tokenizer,
+    model_path: str | None = None,
+    seed: int = 0,
+    stop_token_ids: Sequence[int] | None = None,
+    adapters: dict | None = None,
 ):
-    """The engine `cfg.rollout.engine` names; 'vllm' falls back to HFEngine (one warning) where vLLM is missing."""
+    """The engine `cfg.rollout.engine` names; 'vllm' falls back to HFEngine (one warning) where vLLM is missing.
+    adapters: {name: LoRA config} of an engine serving several (a shared fleet; the HF engine's model already
+    carries them)."""
     global _warned_vllm
     stops = list(stop_token_ids) if stop_token_ids else [tokenizer.eos_token_id]
     kind = cfg.rollout.engine
@@ -54,7 +62,7 @@ def build_engine(
         if vllm_available():
             from rlhf_core.rollout.vllm import VLLMEngine
 
-            return VLLMEngine(model_path, cfg, tokenizer, seed=seed, stop_token_ids=stops)
+            return VLLMEngine(model_path, cfg, tokenizer, seed=seed, stop_token_ids=stops, adapters=adapters)
         if not _warned_vllm:
             warnings.warn(
                 "rollout.engine is 'vllm' but vllm is not importable here; falling back to HFEngine "

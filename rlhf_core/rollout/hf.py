@@ -93,6 +93,14 @@ class HFEngine:
             else {}
         )
 
+    def set_adapter(self, adapter: str) -> None:
+        """The adapter of a peft model with several (a shared fleet) that calls without `adapter_names` use."""
+        self.model.set_adapter(adapter)
+
+    def load_adapter(self, adapter: str, state_dict: dict[str, torch.Tensor]) -> None:
+        """Copy one named adapter's tensors (rlhf_core.model.lora names) into the model in place."""
+        load_adapter_state_dict(self.model, state_dict, adapter)
+
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Copy new weights into the model in place (no reallocation) and adopt their version. A LoRA model
         takes adapter tensors (rlhf_core.model.lora names) and keeps its base weights."""

@@ -20,13 +20,17 @@ and written against vLLM 0.32's API:
 - the sync probe (`probe_sample`): one-token requests after fixed prefixes, their sampled tokens and log-probs, so
   that a sync is checked against the trainer's own log-probs for the version it published (`rlhf_core.rollout.probe`).
 
-LoRA (`model.lora`). The engine is built with `enable_lora=True, max_loras=1, max_lora_rank` (the smallest
+LoRA (`model.lora`). The engine is built with `enable_lora=True, max_loras, max_lora_rank` (the smallest
 rank vLLM accepts that is >= r); a weight sync carries the adapter tensors only (peft's saved names,
 `rlhf_core.model.lora`), which `load_weights` writes as a PEFT adapter directory (adapter_model.safetensors +
 adapter_config.json) and every later `generate` passes as `lora_request=LoRARequest(name, int_id, path)`,
 with a new int id per version so that vLLM loads it afresh (the previous one is removed). Before the first
-sync no adapter is used: fresh adapters are zero (B = 0). vLLM does not adapt every module peft can (lm_head,
-for one): keep model.lora.target_modules to the attention and MLP projections with this engine.
+sync no adapter is used: fresh adapters are zero (B = 0). Several named adapters (`adapters`: a shared fleet's
+points, `max_loras` of them): `load_adapter` loads one by name, `set_adapter` names the one probe, top-logprob and
+plain generate calls use, and `adapter_names` (one per sample row, as the HF engine takes it) makes a generate
+call a mixed batch, each prompt's request naming its own adapter (vLLM's multi-LoRA batching). vLLM does not
+adapt every module peft can (lm_head, for one): keep model.lora.target_modules to the attention and MLP
+projections with this engine.
 
 Behaviour logprobs. The trainer's ratios compare against the distribution the rollout sampled from
 (temperature, then min-p, top-k, top-p applied and renormalised: `rollout.base.processed_logits`, which
@@ -53,6 +57,7 @@ one would); prompts are sent without their left padding.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -65,7 +70,7 @@ from typing import Optional
 import torch
 
 from rlhf_core.data.prompts import PromptBatch
-from rlhf_core.model.lora import ADAPTER_WEIGHTS
+from rlhf_core.model.lora import ADAPTER_WEIGHTS, DEFAULT_ADAPTER
 from rlhf_core.rollout.base import SamplingParams
 from rlhf_core.rollout.vllm_support import (  # noqa: F401 - pack_completions, vllm_lora_rank: public here too
     _SKIPPED_WEIGHTS,
@@ -93,7 +98,10 @@ class VLLMEngine:
         seed: int = 0,
         version: int = 0,
         stop_token_ids: Optional[Sequence[int]] = None,
+        adapters: Optional[dict] = None,
     ):
+        """adapters: {name: LoRA config} where one engine serves several adapters (a shared fleet); default: the
+        run's model.lora as peft's "default" adapter (none without model.lora)."""
         # The engine core runs in this process, so that weight syncs reach the model without pickling
         # the weights through a pipe. Set only when the user has not chosen otherwise.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -142,19 +150,26 @@ class VLLMEngine:
             max_model_len=max_len,
             enforce_eager=(not on_gpu) if eager is None else bool(eager),
         )
+        if adapters is None:
+            adapters = {DEFAULT_ADAPTER: cfg.model.lora} if cfg.model.lora is not None else {}
+        self.adapters = dict(adapters)
         kv_bytes = cfg.rollout.engine_option("kv_cache_memory_bytes")
         if kv_bytes is None and not on_gpu and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
-            rows = cfg.rollout.prompts_per_batch * cfg.rollout.samples_per_prompt
+            # one generation batch of rows, each adapter's beside the others' where one engine serves several
+            rows = cfg.rollout.prompts_per_batch * cfg.rollout.samples_per_prompt * max(1, len(self.adapters))
             kv_bytes = cpu_kv_cache_bytes(shape, rows, max_len, cfg.model.dtype)
         if kv_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = int(kv_bytes)
         else:
             kwargs["gpu_memory_utilization"] = cfg.rollout.engine_option("gpu_memory_utilization")
-        self.lora_cfg = cfg.model.lora
-        self.lora_request = None
+        self.lora_requests: dict[str, object] = {}  # each adapter's LoRARequest, from its first sync on
+        self.active_adapter = DEFAULT_ADAPTER if DEFAULT_ADAPTER in self.adapters else next(iter(self.adapters), None)
+        self.adapter_names: Optional[list[str]] = None  # a mixed batch: each sample row's adapter (see the module)
+        self._lora_ids = itertools.count(1)  # vLLM caches adapters by int id: a new one per loaded version
         self._adapter_root: Optional[tempfile.TemporaryDirectory] = None
-        if self.lora_cfg is not None:
-            kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=vllm_lora_rank(self.lora_cfg.r))
+        if self.adapters:
+            rank = vllm_lora_rank(max(lora.r for lora in self.adapters.values()))
+            kwargs.update(enable_lora=True, max_loras=len(self.adapters), max_lora_rank=rank)
             self._adapter_root = tempfile.TemporaryDirectory(prefix="atrlhf-vllm-lora-")
         set_num_threads = torch.set_num_threads  # vLLM's CPU worker replaces it with a no-op, process-wide
         try:
@@ -174,8 +189,8 @@ class VLLMEngine:
     def load_weights(self, state_dict: dict[str, torch.Tensor] | None, version: int) -> None:
         """Load Hugging Face-named weights into the running engine in place and adopt their version; with LoRA,
         the adapter tensors become the adapter every later generation uses (a LoRARequest)."""
-        if state_dict is not None and self.lora_cfg is not None:
-            self._load_adapter(state_dict, int(version))
+        if state_dict is not None and self.adapters:
+            self.load_adapter(self.active_adapter, state_dict)
         elif state_dict is not None:
             weights = [(k, v) for k, v in state_dict.items() if not k.endswith(_SKIPPED_WEIGHTS)]
             embed = next((v for k, v in weights if k.endswith("embed_tokens.weight")), None)
@@ -195,24 +210,48 @@ class VLLMEngine:
             self.llm.reset_prefix_cache()
         self.version = int(version)
 
-    def _load_adapter(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """Write the adapter as a PEFT directory and make it the one generation uses (vLLM's LoRA API)."""
+    @property
+    def lora_request(self):
+        """The LoRARequest of the active adapter (None before its first sync)."""
+        return self.lora_requests.get(self.active_adapter)
+
+    def set_adapter(self, adapter: str) -> None:
+        """The adapter plain generate, probe and top-logprob calls use (one of `adapters`)."""
+        if adapter not in self.adapters:
+            raise KeyError(f"no adapter {adapter!r} in this engine (it serves {sorted(self.adapters)})")
+        self.active_adapter = adapter
+
+    def load_adapter(self, adapter: str, state_dict: dict[str, torch.Tensor]) -> None:
+        """Write adapter `adapter`'s tensors as a PEFT directory and make it the one its requests name (vLLM's LoRA
+        API); the adapter's previous version is removed."""
         from safetensors.torch import save_file
         from vllm.lora.request import LoRARequest
 
-        path = Path(self._adapter_root.name) / f"v{version:08d}"
+        if adapter not in self.adapters:
+            raise KeyError(f"no adapter {adapter!r} in this engine (it serves {sorted(self.adapters)})")
+        lora_id = next(self._lora_ids)
+        path = Path(self._adapter_root.name) / adapter / f"{lora_id:08d}"
         path.mkdir(parents=True, exist_ok=True)
         save_file({k: v.contiguous() for k, v in state_dict.items()}, str(path / ADAPTER_WEIGHTS))
-        (path / "adapter_config.json").write_text(json.dumps(adapter_config_json(self.lora_cfg, self.model_path)))
-        previous = self.lora_request
+        config = adapter_config_json(self.adapters[adapter], self.model_path)
+        (path / "adapter_config.json").write_text(json.dumps(config))
+        previous = self.lora_requests.get(adapter)
         # a new int id per version: vLLM caches adapters by id, the same id would keep the old tensors
-        self.lora_request = LoRARequest(f"policy-v{version}", version + 1, str(path))
+        self.lora_requests[adapter] = LoRARequest(f"{adapter}-{lora_id}", lora_id, str(path))
         if previous is not None:
             try:
                 self.llm.llm_engine.remove_lora(previous.lora_int_id)
             except Exception:  # not loaded yet (no generation since): nothing to remove
                 pass
             shutil.rmtree(previous.lora_path, ignore_errors=True)
+
+    def _lora(self, prompts: int = 0, G: int = 1) -> dict:
+        """generate()'s lora_request argument: one per prompt for a mixed batch (`adapter_names`), else the active
+        adapter's; none before any adapter's first sync."""
+        if self.adapter_names is not None and prompts:
+            requests = [self.lora_requests.get(self.adapter_names[i * G]) for i in range(prompts)]
+            return {"lora_request": requests} if any(r is not None for r in requests) else {}
+        return {"lora_request": self.lora_request} if self.lora_request is not None else {}
 
     def probe_sample(self, ids: torch.Tensor, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """The sync probe (rlhf_core.rollout.probe): one token sampled at temperature 1 after each of the last k
@@ -229,8 +268,7 @@ class VLLMEngine:
             VSamplingParams(max_tokens=1, temperature=1.0, logprobs=0, seed=int(seed) + i, detokenize=False)
             for i in range(len(cells))
         ]
-        extra = {"lora_request": self.lora_request} if self.lora_request is not None else {}
-        outputs = self.llm.generate(requests, params, use_tqdm=False, **extra)
+        outputs = self.llm.generate(requests, params, use_tqdm=False, **self._lora())
         tokens = torch.zeros(len(rows), k, dtype=torch.long)
         logprobs = torch.zeros(len(rows), k)
         for i, o in enumerate(outputs):
@@ -246,8 +284,7 @@ class VLLMEngine:
         are the raw distribution's and fail with an adapter, `probe_sample`)."""
         one = self._sampling_params(1, replace(sampling, max_new_tokens=1), seed=0, logprobs=int(k))
         requests = [{"prompt_token_ids": list(prompt) + list(ids[:t])} for t in range(len(ids))]
-        extra = {"lora_request": self.lora_request} if self.lora_request is not None else {}
-        outputs = self.llm.generate(requests, [one] * len(requests), use_tqdm=False, **extra)
+        outputs = self.llm.generate(requests, [one] * len(requests), use_tqdm=False, **self._lora())
         tops = []
         for o in outputs:
             ranked = sorted(o.outputs[0].logprobs[0].items(), key=lambda item: item[1].rank)
@@ -297,9 +334,8 @@ class VLLMEngine:
             {"prompt_token_ids": row[mask].tolist()}
             for row, mask in zip(prompts.prompt_ids.cpu(), prompts.prompt_mask.cpu())
         ]
-        extra = {"lora_request": self.lora_request} if self.lora_request is not None else {}
         params = [self._sampling_params(G, sampling, seed) for seed in self._seeds(len(requests))]
-        outputs = self.llm.generate(requests, params, use_tqdm=False, **extra)
+        outputs = self.llm.generate(requests, params, use_tqdm=False, **self._lora(len(requests), G))
         completions = []
         for out in outputs:
             per_prompt = []
@@ -325,7 +361,7 @@ class VLLMEngine:
         import uuid
 
         engine = self.llm.llm_engine
-        extra = {"lora_request": self.lora_request} if self.lora_request is not None else {}
+        lora = self._lora(len(prompts), G).get("lora_request")
         tag = uuid.uuid4().hex
         ids = []
         seeds = iter(self._seeds(len(prompts) * G))
@@ -334,6 +370,8 @@ class VLLMEngine:
                 rid = f"atrlhf-{tag}-{i}-{g}"
                 # one request per row: per-row token counts are plain
                 params = self._sampling_params(1, sampling, next(seeds))
+                request = lora[i] if isinstance(lora, list) else lora
+                extra = {"lora_request": request} if request is not None else {}
                 engine.add_request(rid, {"prompt_token_ids": row[mask].tolist()}, params, **extra)
                 ids.append(rid)
         seen: dict[str, list[int]] = {rid: [] for rid in ids}  # the version of each token seen so far

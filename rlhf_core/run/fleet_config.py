@@ -34,7 +34,7 @@ def fleet_base(base: TrainConfig) -> TrainConfig:
 def check_shareable(points: dict[str, TrainConfig]) -> None:
     """ConfigError, naming the key, where the points cannot share one fleet: a key outside `SHAREABLE` that
     differs between two points (another base model, tokenizer, data or rollout setting), a point without
-    model.lora (full fine-tuning changes the base the others share), an engine other than the HF one, or an
+    model.lora (full fine-tuning changes the base the others share), an engine other than HF or vLLM, or an
     environment or agent rollout (a fleet batches single-turn generation)."""
     names = list(points)
     if not names:
@@ -47,10 +47,11 @@ def check_shareable(points: dict[str, TrainConfig]) -> None:
                 f"shared fleet: point {name!r} has no model.lora: the points share one base model, which full "
                 "fine-tuning would change; set model.lora or run the sweep without --shared-fleet"
             )
-        if cfg.rollout.engine != "hf":
+        if cfg.rollout.engine not in ("hf", "vllm"):
             raise ConfigError(
                 f"shared fleet: rollout.engine is {cfg.rollout.engine!r}; a shared fleet generates with the HF "
-                "engine's mixed-adapter batches (set rollout.engine: hf, or run the sweep without --shared-fleet)"
+                "engine's mixed-adapter batches or vLLM's multi-LoRA ones (set rollout.engine: hf or vllm, or run "
+                "the sweep without --shared-fleet)"
             )
         if cfg.env.enabled or cfg.agent.enabled:
             raise ConfigError(

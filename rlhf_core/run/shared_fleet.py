@@ -31,9 +31,8 @@ import torch
 
 from rlhf_core.config import TrainConfig, apply_overrides, validate_config
 from rlhf_core.data.prompts import PromptBatch
-from rlhf_core.model.lora import apply_lora, load_adapter_state_dict
+from rlhf_core.model.lora import apply_lora
 from rlhf_core.rollout.base import SamplingParams
-from rlhf_core.rollout.hf import HFEngine
 from rlhf_core.run import build
 from rlhf_core.run.fleet_config import check_shareable, fleet_base
 from rlhf_core.run.threaded import ThreadedRun
@@ -62,7 +61,7 @@ class FleetBatcher:
     token (peft's `adapter_names`, one per row: an accelerator's batch); without, one call after another, each
     with its adapter active (a CPU's: there peft's mixed forward costs more than it saves)."""
 
-    def __init__(self, engine: HFEngine, lock: threading.Lock, window_s: float = BATCH_WINDOW_S, mixed: bool = True):
+    def __init__(self, engine, lock: threading.Lock, window_s: float = BATCH_WINDOW_S, mixed: bool = True):
         self.engine, self.lock, self.mixed = engine, lock, mixed
         self.window_s = window_s if mixed else 0.0  # calls in turn: nothing to gain by waiting for the others
         self.cv = threading.Condition()
@@ -132,7 +131,7 @@ class FleetBatcher:
             else:  # in turn, each with its adapter active
                 outs = []
                 for r in batch:
-                    engine.model.set_adapter(r.adapter)
+                    engine.set_adapter(r.adapter)
                     outs.append(engine.generate(r.prompts, G, r.sampling))
         row = group = 0
         for i, r in enumerate(batch):
@@ -201,7 +200,7 @@ class AdapterEngine:
     def load_weights(self, state_dict: Optional[dict[str, torch.Tensor]], version: int) -> None:
         if state_dict is not None:
             with self.fleet.engine_lock:
-                load_adapter_state_dict(self.fleet.engine.model, state_dict, self.adapter)
+                self.fleet.engine.load_adapter(self.adapter, state_dict)
         self.version = int(version)
 
     def probe_sample(self, *args, **kwargs):
@@ -213,7 +212,7 @@ class AdapterEngine:
     def _with_adapter(self, method: str, *args, **kwargs):
         """The engine's `method` with this view's adapter active (between the fleet's batches)."""
         with self.fleet.engine_lock:
-            self.fleet.engine.model.set_adapter(self.adapter)
+            self.fleet.engine.set_adapter(self.adapter)
             return getattr(self.fleet.engine, method)(*args, **kwargs)
 
     def close(self) -> None:
@@ -302,9 +301,12 @@ class SharedFleet:
         self.policy_dir = build.resolve_policy_dir(first)
         self.base, self.tokenizer = build.build_policy(first, self.policy_dir, adapters=False)
         self.configs = {f"point{i}": cfg for i, cfg in enumerate(points.values())}  # by adapter name
-        # the engine's batches in one mixed-adapter forward on an accelerator, in turn on a CPU: peft's mixed forward
-        # costs more there than it saves (docs/benchmarks.md, "Sweeps on one fleet")
-        self.mixed = self.base.device.type != "cpu" if mixed is None else mixed
+        # the engine's batches mixed (every point's rows in one batch) with vLLM (its multi-LoRA batching) and on an
+        # accelerator (peft's mixed-adapter forward); in turn on a CPU with the HF engine, where peft's mixed forward
+        # costs more than it saves (docs/benchmarks.md, "Sweeps on one fleet")
+        if mixed is None:
+            mixed = first.rollout.engine == "vllm" or self.base.device.type != "cpu"
+        self.mixed = mixed
         # one adapter made, or one point's parts built, at a time: the global RNG is seeded for it
         self.building = threading.Lock()
         self.models = {adapter: self.adapted(adapter) for adapter in self.configs}  # each point's trainer model
@@ -313,9 +315,10 @@ class SharedFleet:
             torch.manual_seed(cfg.trainer.seed)  # as `adapted` initialises the point's trainer model
             engine_model = apply_lora(engine_model, cfg.model.lora, adapter)
         stop_ids = build.build_stop_ids(first, self.tokenizer, self.policy_dir)
-        self.engine = build.build_engine(  # the HF engine: check_shareable refused any other
+        adapters = {adapter: cfg.model.lora for adapter, cfg in self.configs.items()}
+        self.engine = build.build_engine(  # HF (its model carries the adapters) or vLLM (told them)
             first, engine_model, self.tokenizer, model_path=str(self.policy_dir), seed=first.trainer.seed,
-            stop_token_ids=stop_ids,
+            stop_token_ids=stop_ids, adapters=adapters,
         )  # fmt: skip
         self.engine_lock = threading.Lock()  # the engine's model: one batch (or one point's sync) at a time
         self.batcher = FleetBatcher(self.engine, self.engine_lock, window_s, self.mixed)
