@@ -71,6 +71,18 @@ def test_a_resumed_autopilot_starts_from_the_bound_its_checkpoint_saved():
     assert Supervisor(cfg(), Restored()).monitor.max_staleness == 2  # no autopilot: the configured bound
 
 
+def test_the_checkpoint_to_bound_rule_is_the_checkpoints_own():
+    """Every host's restore asks the checkpoint (CheckpointState.resumed_bound): its saved bound where the autopilot
+    is on, None (the configured bound) where it is off or the checkpoint saved none."""
+    from rlhf_core.run.checkpoint import CheckpointState
+
+    pilot = cfg("runtime.autopilot.enabled=true", "runtime.autopilot.max_staleness=4")
+    saved = CheckpointState(trainer={}, data={}, rng={}, run={"max_staleness": 3})
+    assert saved.resumed_bound(pilot) == 3
+    assert saved.resumed_bound(cfg()) is None
+    assert CheckpointState(trainer={}, data={}, rng={}).resumed_bound(pilot) is None
+
+
 def test_a_stall_under_filter_groups_names_filtering_as_the_cause():
     m = HealthMonitor(cfg("algorithm.filter_groups=true"), now=0)
     stuck = m.stuck_role(poll(3, size=1, buffer={"size": 1, "filtered_groups_frac": 0.9}))

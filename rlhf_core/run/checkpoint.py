@@ -126,6 +126,12 @@ class CheckpointState:
     def version(self) -> int:
         return int(self.trainer.get("version", 0))
 
+    def resumed_bound(self, cfg) -> Optional[int]:
+        """The staleness bound a run resumed from here starts with: the autopilot's bound at this checkpoint where
+        the autopilot is on (it moved the bound); None where the configured runtime.max_staleness is the bound."""
+        bound = self.run.get("max_staleness")
+        return int(bound) if cfg.runtime.autopilot.enabled and bound is not None else None
+
 
 def capture_rng(extra_generators: Optional[dict[str, torch.Generator]] = None) -> dict:
     """RNG states of python, numpy, torch (CPU and CUDA) and named generators, as weights_only-safe types."""

@@ -146,8 +146,8 @@ class HostBase:
         self._trainer("set_trained", self._queue("load_state_dict", state.data))
         self._set_rollout_rng(list(state.rng.get("rollout", [])))
         self.eval_start = state.run.get("eval_start")
-        if self.cfg.runtime.autopilot.enabled and state.run.get("max_staleness") is not None:
-            self.restored_max_staleness = self.set_max_staleness(int(state.run["max_staleness"]))
+        if state.resumed_bound(self.cfg) is not None:
+            self.restored_max_staleness = self.set_max_staleness(state.resumed_bound(self.cfg))
         return state
 
     def _first_weights(self) -> None:

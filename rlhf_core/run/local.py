@@ -257,8 +257,8 @@ def restore_run_checkpoint(parts: RunParts, path: str | Path) -> CheckpointState
     the engine, and the prompts not trained on are served first."""
     state = parts.trainer_role.restore(path)
     parts.trainer_role.set_trained(parts.prompts.load_state_dict(state.data))
-    if parts.cfg.runtime.autopilot.enabled and state.run.get("max_staleness") is not None:
-        parts.buffer.set_max_staleness(int(state.run["max_staleness"]))
+    if state.resumed_bound(parts.cfg) is not None:
+        parts.buffer.set_max_staleness(state.resumed_bound(parts.cfg))
     _publish_now(parts)
     if state.rng.get("rollout") and state.rng["rollout"][0] is not None and hasattr(parts.engine, "generator"):
         parts.engine.generator.set_state(state.rng["rollout"][0])

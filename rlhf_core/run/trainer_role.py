@@ -326,8 +326,8 @@ class TrainerRole:
             state = load_checkpoint(path, self.trainer.model, critic=self.trainer.critic)
             self.trainer.load_state_dict(state.trainer)
             restore_rng(state.rng["trainer"])
-            if self.cfg.runtime.autopilot.enabled and state.run.get("max_staleness") is not None:
-                self.bound = int(state.run["max_staleness"])
+            if state.resumed_bound(self.cfg) is not None:
+                self.bound = state.resumed_bound(self.cfg)
             self.ledger_carried = dict(state.run.get("ledger") or {})
         return state
 
