@@ -48,7 +48,9 @@ class _GivenResponses:
         self.responses = responses
         self.stop_ids = list(stop_ids)
 
-    def generate(self, prompts: PromptBatch, samples_per_prompt: int, sampling: SamplingParams) -> RolloutBatch:
+    def generate(
+        self, prompts: PromptBatch, samples_per_prompt: int, sampling: SamplingParams, between_steps=None
+    ) -> RolloutBatch:
         n, width = self.responses.shape
         mask = response_mask_from_eos(self.responses, self.stop_ids)
         zeros = torch.zeros(n, dtype=torch.long)

@@ -213,7 +213,8 @@ class WeightVersions:
 
 
 class TurnAtATimeEngine:
-    """The HF engine behind a generate that takes no between_steps: weights can change between turns only."""
+    """The HF engine behind a generate that ignores between_steps (as the protocol lets an engine that cannot adopt
+    weights mid-generation): weights can change between turns only."""
 
     def __init__(self, engine: HFEngine):
         self.engine = engine
@@ -226,7 +227,7 @@ class TurnAtATimeEngine:
     def load_weights(self, state_dict, version: int) -> None:
         self.engine.load_weights(state_dict, version)
 
-    def generate(self, prompts, samples_per_prompt, sampling):
+    def generate(self, prompts, samples_per_prompt, sampling, between_steps=None):
         return self.engine.generate(prompts, samples_per_prompt, sampling)
 
 

@@ -20,7 +20,7 @@ import torch
 
 from rlhf_core.agent.segments import Completion
 from rlhf_core.data.prompts import Prompt, collate_prompts
-from rlhf_core.rollout.base import SamplingParams, takes_between_steps
+from rlhf_core.rollout.base import SamplingParams, generate
 
 
 @dataclass
@@ -109,10 +109,7 @@ class Batcher:
         if saved is not None:
             engine.generator.manual_seed(int(seed))
         try:
-            if self.between_steps is not None and takes_between_steps(engine):
-                out = engine.generate(pb, 1, params, between_steps=self.between_steps)
-            else:
-                out = engine.generate(pb, 1, params)
+            out = generate(engine, pb, 1, params, self.between_steps)
         finally:
             if saved is not None:
                 engine.generator.set_state(saved)

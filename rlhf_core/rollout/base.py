@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -48,20 +47,29 @@ class SamplingParams:
 
 
 class RolloutEngine(Protocol):
-    """Generates completions and swaps weights in place. Implementations: HFEngine, VLLMEngine, RandomEngine."""
+    """Generates completions and swaps weights in place. Implementations: HFEngine, VLLMEngine, RandomEngine.
+
+    `between_steps` (partial rollouts): None, or a callable that returns None or (state_dict, version) to adopt;
+    an engine that can adopt weights mid-generation (HF, vLLM) calls it between decode steps and loads what it
+    returns; one that cannot (random, a shared fleet's adapter view) ignores it and takes weights between
+    generate() calls only."""
 
     device: torch.device
     version: int
 
-    def generate(self, prompts: PromptBatch, samples_per_prompt: int, sampling: SamplingParams) -> RolloutBatch: ...
+    def generate(
+        self, prompts: PromptBatch, samples_per_prompt: int, sampling: SamplingParams, between_steps=None
+    ) -> RolloutBatch: ...
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None: ...
 
 
-def takes_between_steps(engine) -> bool:
-    """Whether the engine adopts weights mid-generation (`generate(..., between_steps=fn)`: HF, vLLM); others
-    (random) take them between generate calls only."""
-    return "between_steps" in inspect.signature(engine.generate).parameters
+def generate(engine, prompts: PromptBatch, samples_per_prompt: int, sampling: SamplingParams, between_steps=None):
+    """engine.generate, passing `between_steps` only when there is one (an engine written before it was part of the
+    protocol still generates whenever partial rollouts are off)."""
+    if between_steps is None:
+        return engine.generate(prompts, samples_per_prompt, sampling)
+    return engine.generate(prompts, samples_per_prompt, sampling, between_steps=between_steps)
 
 
 TOP_P_CHUNK_ELEMENTS = 1 << 26  # logits sorted at once by the top-p filter (~0.8 GB of sort temporaries)

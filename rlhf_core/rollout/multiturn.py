@@ -49,7 +49,7 @@ from rlhf_core.env.chat import ChatFormat
 from rlhf_core.env.checks import ERROR_KINDS
 from rlhf_core.env.pool import EnvPool
 from rlhf_core.rollout import replay
-from rlhf_core.rollout.base import takes_between_steps
+from rlhf_core.rollout.base import generate
 from rlhf_core.rollout.multiturn_batch import Trajectory, Turn, last_turn_batch
 
 _eids = itertools.count()
@@ -290,10 +290,7 @@ class EnvRunner:
             update = between_steps()
             if update is not None:
                 engine.load_weights(*update)
-        if between_steps is not None and takes_between_steps(engine):  # and within the turn
-            out = engine.generate(pb, 1, params, between_steps=between_steps)
-        else:
-            out = engine.generate(pb, 1, params)
+        out = generate(engine, pb, 1, params, between_steps)  # and within the turn, where the engine can
         ids_rows = out.response_ids.tolist()
         logp_rows = out.behavior_logprobs.tolist()
         version_rows = out.versions_per_token().tolist()

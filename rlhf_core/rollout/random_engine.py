@@ -43,7 +43,10 @@ class RandomEngine:
         self.weights_loaded += 1
         self.version = int(version)
 
-    def generate(self, prompts: PromptBatch, samples_per_prompt: int, sampling: SamplingParams) -> RolloutBatch:
+    def generate(
+        self, prompts: PromptBatch, samples_per_prompt: int, sampling: SamplingParams, between_steps=None
+    ) -> RolloutBatch:
+        """between_steps: ignored (weights are taken between calls; they change nothing here anyway)."""
         start = time.perf_counter()
         G, T = samples_per_prompt, sampling.max_new_tokens
         N = len(prompts) * G

@@ -11,7 +11,7 @@ import torch
 from rlhf_core.data.prompts import Prompt, collate_prompts
 from rlhf_core.reward.components import prepare_patterns
 from rlhf_core.rollout import probe as sync_probe
-from rlhf_core.rollout.base import SamplingParams, takes_between_steps
+from rlhf_core.rollout.base import SamplingParams, generate
 from rlhf_core.rollout.probe import SyncCheck
 from rlhf_core.types import Experience, RolloutBatch
 
@@ -126,10 +126,7 @@ class RolloutWorker:
         if self.agent is not None:  # an agent's episodes: segments, groups of any size (docs/agents.md)
             return self.agent.rollout(self, prompts, start, between_steps)
         pb = collate_prompts(prompts, self.pad_token_id, self.max_prompt_tokens)
-        if between_steps is not None and takes_between_steps(self.engine):
-            batch = self.engine.generate(pb, self.samples_per_prompt, self.sampling, between_steps=between_steps)
-        else:
-            batch = self.engine.generate(pb, self.samples_per_prompt, self.sampling)
+        batch = generate(self.engine, pb, self.samples_per_prompt, self.sampling, between_steps)
         rows = [p for p in prompts for _ in range(self.samples_per_prompt)]  # row-aligned with the batch
         rewards, components = self._score(rows, pb.patterns, self.samples_per_prompt, batch)
         return self._finish(batch, rewards, components, start)

@@ -194,7 +194,10 @@ class AdapterEngine:
         self.closed = False
         fleet.batcher.join()
 
-    def generate(self, prompts: PromptBatch, samples_per_prompt: int, sampling: SamplingParams) -> RolloutBatch:
+    def generate(
+        self, prompts: PromptBatch, samples_per_prompt: int, sampling: SamplingParams, between_steps=None
+    ) -> RolloutBatch:
+        """between_steps: ignored (a fleet's batch serves every point: a point's weights land between batches)."""
         return self.fleet.batcher.generate(self.adapter, self.version, prompts, samples_per_prompt, sampling)
 
     def load_weights(self, state_dict: Optional[dict[str, torch.Tensor]], version: int) -> None:
