@@ -41,6 +41,7 @@ from rlhf_core.config.base import MAX_CONSECUTIVE_FAILURES
 from rlhf_core.data.prompts import Prompt, prompt_row
 from rlhf_core.env.score import EVAL_TRAJECTORIES, TRACED_TRAJECTORIES
 from rlhf_core.rollout.base import SamplingParams
+from rlhf_core.rollout.episodes import Collected
 from rlhf_core.usercode import load_attr
 
 log = logging.getLogger("rlhf_core.agent")
@@ -208,22 +209,22 @@ class AgentRunner:
             self._loop = None
 
     # ------------------------------------------------------------------ the rollout worker's hook
-    def rollout(self, worker, prompts: Sequence[Prompt], start: float, between_steps=None):
-        """`RolloutWorker.rollout` with an agent: episodes -> segments -> one batch (its groups block-major,
-        `rlhf_core.agent.segments`), each row rewarded with its episode's reward; a group with a failed
-        episode is left out. Columns: the reward's (NaN: not scored with an agent), then the agent's (on each
-        episode's first row; NaN on its other rows, so that their means are per episode)."""
-        G = worker.samples_per_prompt
-        episodes = self.run(worker.engine, prompts, G, worker.sampling, between_steps=between_steps)
+    def collect(self, context, prompts: Sequence[Prompt], between_steps=None) -> Collected:
+        """The prompts' episodes (an `EpisodeRunner`, rlhf_core.rollout.episodes): episodes -> segments -> one batch
+        (its groups block-major, `rlhf_core.agent.segments`), each row rewarded with its episode's reward; a group
+        with a failed episode is left out. Columns: the reward's (NaN: not scored with an agent), then the agent's
+        (on each episode's first row; NaN on its other rows, so that their means are per episode)."""
+        G = context.samples_per_prompt
+        episodes = self.run(context.engine, prompts, G, context.sampling, between_steps=between_steps)
         groups = [episodes[g * G : (g + 1) * G] for g in range(len(prompts))]
         kept = [group for group in groups if not any(e.error for e in group)]
-        version = int(worker.engine.version)
-        device = getattr(worker.engine, "device", "cpu")
+        version = int(context.engine.version)
+        device = getattr(context.engine, "device", "cpu")
         if not kept:
-            batch, _ = episode_batch(groups[:1], worker.pad_token_id, version, device)
+            batch, _ = episode_batch(groups[:1], context.pad_token_id, version, device)
             batch = batch.select(torch.arange(0, device=batch.response_ids.device))
-            return worker._finish(batch, torch.zeros(0, device=batch.response_ids.device), {}, start)
-        batch, owners = episode_batch(kept, worker.pad_token_id, version, device)
+            return Collected(batch, torch.zeros(0, device=batch.response_ids.device), {})
+        batch, owners = episode_batch(kept, context.pad_token_id, version, device)
         dev = batch.response_ids.device
 
         def column(value) -> torch.Tensor:
@@ -237,13 +238,13 @@ class AgentRunner:
             "agent/latency_s": column(lambda e: e.latency_s),
         }
         nan = torch.full((len(owners),), float("nan"), device=dev)
-        for name in worker.component_names or []:
+        for name in context.component_names or []:
             components.setdefault(name, nan)
-        return worker._finish(batch, rewards, components, start)
+        return Collected(batch, rewards, components)
 
     @staticmethod
-    def split(batch) -> list:
-        """`RolloutWorker.generate_groups` with an agent: one Experience per prompt, of any number of rows."""
+    def split(batch, samples_per_prompt: int = 0) -> list:
+        """One Experience per prompt, of any number of rows (an episode's segments: not G per prompt)."""
         return split_by_group(batch)
 
     # ------------------------------------------------------------------ evaluation

@@ -8,16 +8,13 @@ from typing import Optional
 
 import torch
 
-from rlhf_core.data.prompts import Prompt, collate_prompts
+from rlhf_core.data.prompts import Prompt
 from rlhf_core.reward.components import prepare_patterns
 from rlhf_core.rollout import probe as sync_probe
-from rlhf_core.rollout.base import SamplingParams, generate
+from rlhf_core.rollout.base import SamplingParams
+from rlhf_core.rollout.episodes import EPISODE_RETRIES, EnvEpisodes, EpisodeContext, SingleTurn, split_groups
 from rlhf_core.rollout.probe import SyncCheck
 from rlhf_core.types import Experience, RolloutBatch
-
-# a failed training episode is started again in its group's slot up to this many times (a crash, hang or bad result
-# costs the episode, not its group of G); the group fails when one slot fails every try
-EPISODE_RETRIES = 3
 
 
 class RolloutWorker:
@@ -60,12 +57,10 @@ class RolloutWorker:
         # external rewards (Python functions, a reward model): each has `weights` {name: weight} and
         # score(prompts, batch) -> {name: FloatTensor [N]}; NaN marks a row a score does not apply to
         self.external = list(external)
-        # a multi-turn environment (rlhf_core.rollout.multiturn.EnvRunner): each sample is then a trajectory
-        self.env = env
-        self.env_metrics: dict[str, float] = {}  # of the last rollout (env/*, reward/env)
-        # an agent on the OpenAI-compatible endpoint (rlhf_core.agent.runner.AgentRunner): a sample is an episode
-        self.agent = agent
-        self.last_trajectories: list = []
+        # what runs for a batch of prompts (rlhf_core.rollout.episodes): single-turn completions, a multi-turn
+        # environment's trajectories (rlhf_core.rollout.multiturn.EnvRunner), or an agent's episodes on the
+        # OpenAI-compatible endpoint (rlhf_core.agent.runner.AgentRunner)
+        self.episodes = EnvEpisodes(env) if env is not None else agent if agent is not None else SingleTurn()
         self.busy_s = 0.0
         self.idle_s = 0.0
         self.samples = 0
@@ -76,6 +71,37 @@ class RolloutWorker:
     @property
     def version(self) -> int:
         return self.engine.version
+
+    @property
+    def env(self):
+        """The multi-turn environment's runner, None without one."""
+        return self.episodes.env if isinstance(self.episodes, EnvEpisodes) else None
+
+    @property
+    def agent(self):
+        """The agent's runner, None without one."""
+        return None if isinstance(self.episodes, SingleTurn) else self.episodes
+
+    @property
+    def env_metrics(self) -> dict[str, float]:
+        """The last environment batch's env/* means and the run's env/errors and env/process_restarts."""
+        return self.episodes.metrics if isinstance(self.episodes, EnvEpisodes) else {}
+
+    @property
+    def last_trajectories(self) -> list:
+        return self.episodes.last_trajectories if isinstance(self.episodes, EnvEpisodes) else []
+
+    def context(self) -> EpisodeContext:
+        """What the episode runner uses of this worker."""
+        return EpisodeContext(
+            self.engine,
+            self.sampling,
+            self.samples_per_prompt,
+            self.pad_token_id,
+            self.max_prompt_tokens,
+            self.component_names,
+            self._score,
+        )
 
     def load_weights(self, state_dict, version: int) -> float:
         """Load weights between generation batches, then check them with the sync probe they carry; returns the
@@ -121,14 +147,7 @@ class RolloutWorker:
 
     def _rollout(self, prompts: Sequence[Prompt], between_steps):
         start = time.perf_counter()
-        if self.env is not None:
-            return self._rollout_env(prompts, start, between_steps)
-        if self.agent is not None:  # an agent's episodes: segments, groups of any size (docs/agents.md)
-            return self.agent.rollout(self, prompts, start, between_steps)
-        pb = collate_prompts(prompts, self.pad_token_id, self.max_prompt_tokens)
-        batch = generate(self.engine, pb, self.samples_per_prompt, self.sampling, between_steps)
-        rows = [p for p in prompts for _ in range(self.samples_per_prompt)]  # row-aligned with the batch
-        rewards, components = self._score(rows, pb.patterns, self.samples_per_prompt, batch)
+        batch, rewards, components = self.episodes.collect(self.context(), prompts, between_steps)
         return self._finish(batch, rewards, components, start)
 
     def _score(self, rows: Sequence[Prompt], patterns, repeats: int, batch: RolloutBatch):
@@ -160,17 +179,6 @@ class RolloutWorker:
         self.reward_sum += float(rewards.sum())
         return batch, components
 
-    def _rollout_env(self, prompts: Sequence[Prompt], start: float, between_steps=None):
-        """Multi-turn: trajectories of the environment (rlhf_core.env), scored as the environment's summed
-        rewards x env.reward_weight plus the configured rewards of the last model turn. A group with a failed
-        trajectory (an environment error or timeout) is left out; the batch may then have fewer groups, or
-        none (then `rollout` returns an empty batch). With between_steps (partial rollouts) trajectories adopt
-        newer weights between turns and within them; each token keeps its version (`trajectory_batch`).
-        env_metrics: the batch's env/* means and the run's env/errors (by kind) and env/process_restarts."""
-        G, retries = self.samples_per_prompt, EPISODE_RETRIES
-        trajs = self.env.run(self.engine, prompts, G, self.sampling, between_steps=between_steps, retries=retries)
-        return self._env_batch(prompts, trajs, start)
-
     def stream_env_groups(self, feed, emit, between_steps=None) -> None:
         """Multi-turn without a batch barrier (`EnvRunner.stream`): `feed(groups_in_flight)` gives prompts (a list,
         possibly empty; None: no more), and each prompt's group is scored and handed to `emit(prompt, groups)` (one
@@ -195,7 +203,7 @@ class RolloutWorker:
 
         def done(group) -> None:
             t0 = time.perf_counter()
-            batch, _ = self._env_batch([group[0].prompt], group, t0)
+            batch, _ = self._finish(*self.episodes.collected(self.context(), [group[0].prompt], group), t0)
             self.busy_s -= time.perf_counter() - t0  # on the stream's clock already (`account`)
             emit(group[0].prompt, split_groups(batch.to("cpu"), self.samples_per_prompt) if len(batch) else [])
 
@@ -212,56 +220,17 @@ class RolloutWorker:
         if pending is not None and int(self.engine.version) == int(pending[1]):
             self.sync_check.check(self.engine, pending[0], pending[1], self.name)
 
-    def _env_batch(self, prompts: Sequence[Prompt], trajs: list, start: float):
-        """The batch of `prompts`' trajectories (contiguous per prompt): failed groups left out, scored."""
-        from rlhf_core.rollout.multiturn_batch import last_turn_batch, trajectory_batch, trajectory_metrics
-
-        G = self.samples_per_prompt
-        keep = [g for g in range(len(prompts)) if not any(t.error for t in trajs[g * G : (g + 1) * G])]
-        kept = [t for g in keep for t in trajs[g * G : (g + 1) * G]]
-        self.last_trajectories = kept
-        self.env_metrics = {**trajectory_metrics(kept), **self.env.metrics()}
-        version = int(self.engine.version)
-        device = getattr(self.engine, "device", "cpu")
-        if not kept:  # every group failed: an empty batch, on the engine's device as any other
-            batch = trajectory_batch(trajs[:1], self.pad_token_id, version, device)
-            batch = batch.select(torch.arange(0, device=batch.response_ids.device))
-            return self._finish(batch, torch.zeros(0, device=batch.response_ids.device), {}, start)
-        kept_prompts = [prompts[g] for g in keep]
-        batch = trajectory_batch(kept, self.pad_token_id, version, device)
-        last = last_turn_batch(kept, self.pad_token_id, version, device)
-        pb = collate_prompts(kept_prompts, self.pad_token_id, self.max_prompt_tokens)
-        rewards, components = self._score([t.prompt for t in kept], pb.patterns, G, last)
-        env_reward = torch.tensor([t.env_reward for t in kept], dtype=torch.float32, device=rewards.device)
-        rewards = rewards + self.env.cfg.reward_weight * env_reward
-        for t, r in zip(kept, rewards.tolist()):
-            t.reward = r
-        per_row = {
-            "env/turns_mean": [t.turns for t in kept],
-            "env/tool_calls_mean": [t.tool_calls for t in kept],
-            "env/truncated_frac": [float(t.truncated) for t in kept],
-        }
-        components = {**components, "env": env_reward}
-        components.update({k: torch.tensor(v, dtype=torch.float32, device=rewards.device) for k, v in per_row.items()})
-        batch.group_ids = torch.arange(len(keep), device=batch.group_ids.device).repeat_interleave(G)
-        return self._finish(batch, rewards, components, start)
-
     def generate_groups(self, prompts: Sequence[Prompt], between_steps=None) -> list[Experience]:
         """`rollout`, then one Experience per prompt (its G completions), on CPU for transport."""
         batch, _ = self.rollout(prompts, between_steps=between_steps)
-        if self.agent is not None:
-            return self.agent.split(batch.to("cpu"))
-        return split_groups(batch.to("cpu"), self.samples_per_prompt)
+        return self.episodes.split(batch.to("cpu"), self.samples_per_prompt)
 
     def close(self) -> None:
         """Stop what the external rewards hold (the reward-function processes)."""
         for source in self.external:
             if hasattr(source, "close"):
                 source.close()
-        if self.env is not None:
-            self.env.close()
-        if self.agent is not None:
-            self.agent.close()
+        self.episodes.close()
 
     def add_idle(self, seconds: float) -> None:
         self.idle_s += seconds
@@ -278,9 +247,7 @@ class RolloutWorker:
             "version": self.version,
             "reward_mean": self.reward_sum / self.samples if self.samples else 0.0,
             "seed": sampling_seed(self.engine),
-            # env/errors, env/errors/<kind>, env/process_restarts: the run's so far
-            **({"env_errors": self.env.errors, **self.env.metrics()} if self.env is not None else {}),
-            **(self.agent.stats() if self.agent is not None else {}),
+            **self.episodes.stats(),  # an environment's errors and restarts, an agent's failed episodes: so far
             **self.sync_check.stats(),
         }
 
@@ -289,18 +256,3 @@ def sampling_seed(engine) -> Optional[int]:
     """The engine's sampling seed (its torch.Generator's initial seed), None for an engine without a generator."""
     generator = getattr(engine, "generator", None)
     return int(generator.initial_seed()) if isinstance(generator, torch.Generator) else None
-
-
-def split_groups(batch: RolloutBatch, group_size: int) -> list[Experience]:
-    """Split a batch whose completions of each prompt are contiguous into per-prompt Experiences (views)."""
-    n = len(batch) // group_size
-    index = torch.arange(len(batch)).view(n, group_size)
-    # a group is as old as its oldest token (partial rollouts: rows may span several versions)
-    versions = batch.policy_version.view(n, group_size).amin(1).tolist()
-    uids = batch.prompt_uids.view(n, group_size)[:, 0].tolist() if batch.prompt_uids is not None else list(range(n))
-    groups = []
-    for g in range(n):
-        sub = batch.select(index[g])
-        sub.group_ids = torch.zeros(group_size, dtype=torch.long)
-        groups.append(Experience(batch=sub, prompt_id=int(uids[g]), policy_version=int(versions[g])))
-    return groups
