@@ -45,6 +45,8 @@ def test_only_points_that_differ_as_adapter_runs_may_share_a_fleet(tmp_path):
         _points(tmp_path, {"trainer.lr": [0.001]}, "model.lora=null")
     with pytest.raises(ConfigError, match="rollout.engine is 'random'"):
         _points(tmp_path, {"trainer.lr": [0.001]}, "rollout.engine=random")
+    with pytest.raises(ConfigError, match="rollout.partial_rollout is on"):
+        _points(tmp_path, {"trainer.lr": [0.001]}, "rollout.partial_rollout=true")
 
 
 def test_cli_refuses_a_grid_that_cannot_share_before_starting(tmp_path, capsys):

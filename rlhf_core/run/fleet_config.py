@@ -34,8 +34,8 @@ def fleet_base(base: TrainConfig) -> TrainConfig:
 def check_shareable(points: dict[str, TrainConfig]) -> None:
     """ConfigError, naming the key, where the points cannot share one fleet: a key outside `SHAREABLE` that
     differs between two points (another base model, tokenizer, data or rollout setting), a point without
-    model.lora (full fine-tuning changes the base the others share), an engine other than HF or vLLM, or an
-    environment or agent rollout (a fleet batches single-turn generation)."""
+    model.lora (full fine-tuning changes the base the others share), an engine other than HF or vLLM, partial
+    rollouts, or an environment or agent rollout (a fleet batches single-turn generation)."""
     names = list(points)
     if not names:
         raise ConfigError("shared fleet: no points to run")
@@ -52,6 +52,12 @@ def check_shareable(points: dict[str, TrainConfig]) -> None:
                 f"shared fleet: rollout.engine is {cfg.rollout.engine!r}; a shared fleet generates with the HF "
                 "engine's mixed-adapter batches or vLLM's multi-LoRA ones (set rollout.engine: hf or vllm, or run "
                 "the sweep without --shared-fleet)"
+            )
+        if cfg.rollout.partial_rollout:
+            raise ConfigError(
+                "shared fleet: rollout.partial_rollout is on; a fleet's batch serves every point, so a point's new "
+                "weights land between batches, not mid-generation (set rollout.partial_rollout: false, or run the "
+                "sweep without --shared-fleet)"
             )
         if cfg.env.enabled or cfg.agent.enabled:
             raise ConfigError(
