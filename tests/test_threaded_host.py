@@ -225,7 +225,10 @@ def test_a_pinned_evaluation_scores_exactly_the_version_it_names_while_the_train
             results += run.evaluations()
             time.sleep(0.05)
         assert results[0]["eval/version"] == version and 0.0 <= results[0]["eval/accuracy"] <= 1.0
-        assert run.last_step > version  # the trainer trained on while version `version` was evaluated
+        deadline = time.monotonic() + 60  # the evaluation never held the trainer: it goes on past the version
+        while run.poll()["step"] <= version and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert run.last_step > version
         for _ in range(4):  # one runs, one waits; each request while busy replaces the waiting one
             run.submit_evaluation()
         assert run.pinned.wait_idle(120)
