@@ -94,6 +94,7 @@ class AgentRunner:
         self.error_texts: collections.Counter = collections.Counter()  # "<fate>: <error>" -> episodes it ended
         self.last_episodes: list[EpisodeLog] = []
         self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._http = None  # the episodes' one HTTP connection pool, on the event loop that made it: (loop, client)
 
     # ------------------------------------------------------------------ episodes
     def _event_loop(self) -> asyncio.AbstractEventLoop:
@@ -139,7 +140,11 @@ class AgentRunner:
 
         start = time.perf_counter()
         client = openai.AsyncOpenAI(
-            base_url=self.server.episode_url(e.eid), api_key=self.server.key, max_retries=0, timeout=self.cfg.timeout_s
+            base_url=self.server.episode_url(e.eid),
+            api_key=self.server.key,
+            max_retries=0,
+            timeout=self.cfg.timeout_s,
+            http_client=self._http_client(),
         )
         try:
             value = await asyncio.wait_for(self.fn(client, copy.deepcopy(e.row), **self.cfg.kwargs), self.cfg.timeout_s)
@@ -156,8 +161,19 @@ class AgentRunner:
                 e.raised, e.reward, e.metrics = f"{type(exc).__name__}: {exc}", float(self.cfg.error_reward), {}
         finally:
             e.latency_s = time.perf_counter() - start
-            self.server.close_episode(e.eid)
-            await client.close()
+            self.server.close_episode(e.eid)  # the client is not closed: its connection pool is the episodes' one
+
+    def _http_client(self):
+        """The episodes' one HTTP client, made on the running event loop at its first episode. An `AsyncOpenAI` per
+        episode (each on its episode's base URL) over one connection pool: a client of its own per episode loaded
+        the system's CA certificates each time (an SSL context per client, ~25 ms), which was most of an agent
+        rollout's time on CPU (docs/benchmarks.md)."""
+        import openai
+
+        loop = asyncio.get_running_loop()
+        if self._http is None or self._http[0] is not loop:
+            self._http = (loop, openai.DefaultAsyncHttpxClient())
+        return self._http[1]
 
     @staticmethod
     def _finish(e: EpisodeLog, value) -> None:
@@ -204,6 +220,12 @@ class AgentRunner:
 
     def close(self) -> None:
         self.server.close()
+        if self._http is not None and self._http[0].is_running():
+            try:
+                asyncio.run_coroutine_threadsafe(self._http[1].aclose(), self._http[0]).result(timeout=5)
+            except Exception:  # noqa: BLE001 - closing: a pool that does not close in time is dropped
+                pass
+        self._http = None
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._loop = None
