@@ -93,16 +93,7 @@ def test_a_mixed_adapter_batch_generates_what_each_adapter_generates_alone(fleet
     greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
     views = {a: AdapterEngine(fleet, a) for a in calls}
     views["point0"].version, views["point1"].version = 3, 7
-    out = {}
-
-    def call(adapter):
-        out[adapter] = views[adapter].generate(calls[adapter], 2, greedy)
-
-    threads = [threading.Thread(target=call, args=(a,)) for a in calls]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    out = generate_together(views, calls, 2, greedy)
     assert fleet.batcher.batches == 1 and fleet.batcher.rows == 10, "both calls in one batch"
     for adapter, prompts_batch in calls.items():
         fleet.engine.model.set_adapter(adapter)
@@ -121,6 +112,40 @@ def test_a_mixed_adapter_batch_generates_what_each_adapter_generates_alone(fleet
     for view in views.values():
         view.close()
     assert fleet.batcher.members == 0
+
+
+def generate_together(views: dict, calls: dict, samples: int, sampling: SamplingParams) -> dict:
+    """Each view's generate() of its call, every call on a thread of its own at once (so that the fleet's batcher
+    can batch them): {adapter: its RolloutBatch}."""
+    out = {}
+
+    def call(adapter):
+        out[adapter] = views[adapter].generate(calls[adapter], samples, sampling)
+
+    threads = [threading.Thread(target=call, args=(a,)) for a in calls]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return out
+
+
+def run_points(points: dict) -> dict:
+    """Each point driven as a run of its own (run_distributed, the host factory finding its fleet host), all at once
+    on threads: {name: its result}."""
+    from rlhf_core.distributed import run_distributed
+
+    results: dict = {}
+
+    def run(name, cfg):
+        results[name] = run_distributed(cfg, poll_interval_s=0.2)
+
+    threads = [threading.Thread(target=run, args=item) for item in points.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    return results
 
 
 def test_points_share_the_base_weights_and_each_trains_and_syncs_its_own_adapter(fleet):
@@ -233,7 +258,6 @@ def test_two_points_train_on_one_mixed_adapter_engine_each_within_its_own_bound(
     host (the host factory finds it by run.output_dir), generating through the one mixed-adapter engine: each
     reaches its steps within its own staleness bound, its groups and tokens accounted, and the engine's batches
     held both points' rows."""
-    from rlhf_core.distributed import run_distributed
     from rlhf_core.run.hosts import make_runtime
     from rlhf_core.run.shared_fleet import SharedFleet, SharedPointHost, fleet_config
     from tests.ledger_checks import assert_ledger_balances
@@ -243,18 +267,9 @@ def test_two_points_train_on_one_mixed_adapter_engine_each_within_its_own_bound(
     )
     two = [SweepPoint((("runtime.max_staleness", 0),), 0), SweepPoint((("runtime.max_staleness", 2),), 1)]
     points = shared_points(base, two, "sweep-test")
-    results: dict = {}
-
-    def run(name, cfg):
-        results[name] = run_distributed(cfg, poll_interval_s=0.2)
-
     with SharedFleet(points, mixed=True) as fleet:
         assert all(isinstance(make_runtime(cfg), SharedPointHost) for cfg in points.values())
-        threads = [threading.Thread(target=run, args=item) for item in points.items()]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(300)
+        results = run_points(points)
         stats = fleet.stats()
     assert make_runtime(next(iter(points.values()))).__class__.__name__ == "ThreadedRun", "closed: a plain host again"
     for name, cfg in points.items():

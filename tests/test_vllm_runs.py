@@ -178,8 +178,6 @@ def test_a_vllm_fleet_batch_serves_every_point_its_own_adapter(tmp_path):
     """A shared fleet on vLLM (its multi-LoRA batching): two points' calls in one batch, each prompt's request naming
     its point's adapter, get the greedy tokens and log-probs each adapter gives alone; a point's sync replaces its
     own adapter only (the other point's answers do not move)."""
-    import threading
-
     import torch
 
     from rlhf_core.data.prompts import collate_prompts
@@ -189,6 +187,7 @@ def test_a_vllm_fleet_batch_serves_every_point_its_own_adapter(tmp_path):
     from rlhf_core.run.build import build_prompts
     from rlhf_core.run.shared_fleet import AdapterEngine, SharedFleet
     from rlhf_core.sweep_grid import expand_grid
+    from tests.test_shared_fleet import generate_together
 
     points = _vllm_fleet_points(tmp_path, expand_grid({"model.lora.r": [4, 8]}, [0]))
     with SharedFleet(points, window_s=5.0) as fleet:
@@ -207,16 +206,7 @@ def test_a_vllm_fleet_batch_serves_every_point_its_own_adapter(tmp_path):
         pad = fleet.tokenizer.pad_token_id
         calls = {"point0": collate_prompts(prompts[:3], pad), "point1": collate_prompts(prompts[3:6], pad)}
         greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
-        out = {}
-
-        def call(adapter):
-            out[adapter] = views[adapter].generate(calls[adapter], 1, greedy)
-
-        threads = [threading.Thread(target=call, args=(a,)) for a in calls]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
+        out = generate_together(views, calls, 1, greedy)
         assert fleet.batcher.batches == 1 and fleet.batcher.rows == 6, "both calls in one batch"
         alone = {}
         for adapter, batch in calls.items():
@@ -252,24 +242,14 @@ def test_two_points_train_on_one_vllm_fleet_each_with_its_adapter_in_use(tmp_pat
     """Two points on one vLLM engine, each driven as a run of its own: each reaches its steps within its own
     staleness bound with its ledger balanced, and every sync's probe (the point's adapter active on the shared
     engine) agrees with its own trainer at noise level: each point generates with its own trained adapter."""
-    import threading
-
     from rlhf_core.run.shared_fleet import SharedFleet
     from rlhf_core.sweep_grid import SweepPoint
+    from tests.test_shared_fleet import run_points
 
     two = [SweepPoint((("runtime.max_staleness", 0),), 0), SweepPoint((("runtime.max_staleness", 2),), 1)]
     points = _vllm_fleet_points(tmp_path, two, "trainer.total_steps=8", "trainer.lr=0.01")
-    results: dict = {}
-
-    def run(name, cfg):
-        results[name] = run_distributed(cfg, poll_interval_s=0.2)
-
     with SharedFleet(points) as fleet:
-        threads = [threading.Thread(target=run, args=item) for item in points.items()]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(300)
+        results = run_points(points)
         stats = fleet.stats()
     for name, cfg in points.items():
         result = results[name]
