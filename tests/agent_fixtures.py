@@ -31,6 +31,15 @@ async def two_requests(client, row, max_tokens: int = 6, **sampling):
     return 1.0
 
 
+async def closes_its_client(client, row, max_tokens: int = 6):
+    """Uses its client as a context manager (`async with client:` closes it on the way out), as openai's docs do."""
+    async with client:
+        await client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": f"count to {row['answer']}"}], max_tokens=max_tokens
+        )
+    return 1.0
+
+
 async def rewrites_history(client, row, max_tokens: int = 6):
     """Asks, then sends a conversation whose assistant turn is not what the model said."""
     messages = [{"role": "user", "content": f"count to {row['answer']}"}]

@@ -337,6 +337,22 @@ def test_an_agent_that_raises_is_scored_agent_error_reward_and_trains(tool_polic
         worker.close()
 
 
+def test_an_agent_that_closes_its_client_closes_no_other_episodes_connections(tool_policy):
+    """Every episode's client shares the runner's one connection pool; an agent that closes its client (`async with
+    client:`) leaves the pool open: every episode of two batches, all closing their clients, ends well."""
+    model, tok, stops = tool_policy
+    runner = runner_for(tok, stops, "closes_its_client")
+    engine = HFEngine(model, stops, tok.pad_token_id)
+    try:
+        for _ in range(2):
+            episodes = runner.run(engine, prompts(4), 2, SamplingParams(4, 1.0))
+            assert [e.error for e in episodes] == [None] * 8 and [e.reward for e in episodes] == [1.0] * 8
+        assert runner._http is not None and not runner._http[1].is_closed  # one pool, still open
+    finally:
+        runner.close()
+    assert runner._http is None
+
+
 def test_an_agent_that_hangs_or_raises_fails_its_episode_alone(tool_policy):
     """Group 0's agents hang past agent.timeout_s, group 1's raise; group 2 trains. Counted in agent/errors and
     agent/timeouts; enough failures in a row stop the run with the agent's error."""

@@ -62,6 +62,21 @@ def load_agent(path: str, name: str):
     return fn
 
 
+def _shared_pool(openai):
+    """The episodes' one connection pool: an `openai.DefaultAsyncHttpxClient` that an episode's client cannot close
+    (an agent that closes its client, `async with client:` or `await client.close()`, would otherwise close every
+    other episode's connections); the runner closes it (`close_pool`)."""
+
+    class SharedPool(openai.DefaultAsyncHttpxClient):
+        async def aclose(self) -> None:  # an episode's client closing: the pool stays open for the others
+            return None
+
+        async def close_pool(self) -> None:
+            await super().aclose()
+
+    return SharedPool()
+
+
 class AgentRunner:
     """Runs the configured agent's episodes on the endpoint (`run`), and is the rollout worker's and the
     evaluator's way to them (`rollout`, `evaluate`)."""
@@ -172,7 +187,7 @@ class AgentRunner:
 
         loop = asyncio.get_running_loop()
         if self._http is None or self._http[0] is not loop:
-            self._http = (loop, openai.DefaultAsyncHttpxClient())
+            self._http = (loop, _shared_pool(openai))
         return self._http[1]
 
     @staticmethod
@@ -222,7 +237,7 @@ class AgentRunner:
         self.server.close()
         if self._http is not None and self._http[0].is_running():
             try:
-                asyncio.run_coroutine_threadsafe(self._http[1].aclose(), self._http[0]).result(timeout=5)
+                asyncio.run_coroutine_threadsafe(self._http[1].close_pool(), self._http[0]).result(timeout=5)
             except Exception:  # noqa: BLE001 - closing: a pool that does not close in time is dropped
                 pass
         self._http = None
