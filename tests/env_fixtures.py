@@ -99,10 +99,11 @@ class MarkerEnv:
 
 
 def append_event(dir: Path, event: str, who) -> None:
-    """Append '<event> <who>' to <dir>/<pid>.log in one write (processes and threads append side by side)."""
+    """Append '<event> <who> <wall time>' to <dir>/<pid>.log in one write (processes and threads append side by
+    side)."""
     fd = os.open(dir / f"{os.getpid()}.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     try:
-        os.write(fd, f"{event} {who}\n".encode())
+        os.write(fd, f"{event} {who} {time.time():.6f}\n".encode())
     finally:
         os.close(fd)
 

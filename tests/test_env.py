@@ -551,13 +551,14 @@ def test_the_multiturn_recipe_and_its_environment():
 
 @pytest.mark.slow
 def test_the_multiturn_recipe_learns_to_read_the_observation(tmp_path):
-    """The shipped recipe, shortened to 30 RL steps: held-out greedy episodes reach at least twice what the
-    best observation-blind policy scores (the 0.271 of always answering 9); docs/benchmarks.md has the curve."""
+    """The shipped recipe, shortened to 50 RL steps: held-out greedy episodes reach at least twice what the
+    best observation-blind policy scores (the 0.271 of always answering 9); docs/benchmarks.md has the curve
+    (0.71-0.85 at step 25, 0.98-0.99 at 50: 30 steps, tried, reached only 0.42 on a CI machine)."""
     from rlhf_core.config import load_config
     from rlhf_core.loop import build_run, run_sync
 
     root = Path(__file__).resolve().parents[1]
-    sets = [f"run.output_dir={tmp_path}", "trainer.total_steps=30", "eval.every=0", "data.eval_size=100"]
+    sets = [f"run.output_dir={tmp_path}", "trainer.total_steps=50", "eval.every=0", "data.eval_size=100"]
     cfg = load_config(str(root / "configs" / "tiny-multiturn.yaml"), sets)
     cfg.env.path = str(root / cfg.env.path)
     parts = build_run(cfg)
@@ -565,7 +566,7 @@ def test_the_multiturn_recipe_learns_to_read_the_observation(tmp_path):
         result = run_sync(cfg, parts=parts)
     finally:
         parts.worker.close()
-    assert result["steps"] == 30
+    assert result["steps"] == 50
     blind = load_attr(cfg.env.path, "blind_best", "env.path")()
     assert blind == pytest.approx(0.271)
     assert result["eval/accuracy"] >= 2 * blind, result

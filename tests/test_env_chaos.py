@@ -10,7 +10,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from test_env_failures import assert_closed_once, events
+from test_env_failures import assert_closed_once, events, hangs_lost_with_their_process
 
 from rlhf_core.config import load_config
 from rlhf_core.rollout.multiturn import EnvError
@@ -61,7 +61,8 @@ def children() -> set[int]:
 def test_a_chaotic_environment_trains_and_every_failure_is_counted(tmp_path):
     """30 steps, 2 prompts x 2 samples each, 2 environment processes. The run completes; each failure kind is
     counted as injected (each crash charges one episode: at most one off, when a call beside it started after
-    it; a timeout or other count may be off by a call whose reply was not sent yet), within sampling error of
+    it; a timeout or other count may be off by a call whose reply was not sent yet, and a hang may be swallowed
+    by a crash beside it in its process: that episode starts again elsewhere), within sampling error of
     the configured rates; every process killed was replaced; every episode opened was closed once (but those
     killed with their process); no process is left."""
     from rlhf_core.loop import build_run, run_sync
@@ -81,11 +82,13 @@ def test_a_chaotic_environment_trains_and_every_failure_is_counted(tmp_path):
     counted = {kind: metrics[f"env/errors/{kind}"] for kind in ("raised", "timeout", "bad_result", "process_died")}
     injected = {"raised": counts["raise"], "timeout": counts["hang"], "bad_result": counts["bad"]}
     injected["process_died"] = counts["crash"]
+    lost = hangs_lost_with_their_process(tmp_path / "events", hang_s=0.8)  # a crash beside a hang may swallow it
     print(f"\nchaos: {steps} steps, {counts['open']} episodes; injected {injected}; counted {counted}; "
-          f"process restarts {metrics['env/process_restarts']:g}")  # fmt: skip
+          f"process restarts {metrics['env/process_restarts']:g}; hangs beside a crash {lost}")  # fmt: skip
     assert metrics["env/process_restarts"] == counts["crash"] >= 1
     for kind, n in injected.items():
-        assert abs(counted[kind] - n) <= (1 if kind == "process_died" else 2), (kind, counted, injected)
+        low = n - (1 if kind == "process_died" else 2) - (lost if kind == "timeout" else 0)
+        assert low <= counted[kind] <= n + (1 if kind == "process_died" else 2), (kind, counted, injected, lost)
     assert metrics["env/errors"] == sum(counted.values())
     for kind, rate in zip(injected, (RATES["raises"], RATES["hang"], RATES["bad"], RATES["crash"])):
         sigma = math.sqrt(rate * (1 - rate) / steps)
