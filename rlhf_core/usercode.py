@@ -70,16 +70,7 @@ def check_source(path: str, name: str, where: str) -> Kind:
                 f"{sorted(BUILTIN_FUNCTIONS)}); give path: a .py file or an importable module"
             )
         path = BUILTIN_FUNCTIONS[name]
-    source = module_source(path)
-    if source is None:
-        raise ValueError(
-            f"{where}: {path!r} is neither an existing .py file nor an importable module (relative paths are "
-            "read from the working directory)"
-        )
-    try:
-        tree = ast.parse(source.read_text(encoding="utf-8"), filename=str(source))
-    except (OSError, SyntaxError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{where}: cannot read {source}: {exc}") from None
+    tree, source = _read_tree(path, where)
     for node in tree.body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
             a = node.args
@@ -88,16 +79,8 @@ def check_source(path: str, name: str, where: str) -> Kind:
             if kind is None:
                 raise ValueError(f"{where}: {name}({', '.join(params)}) in {source} is not {SIGNATURES}")
             return kind
-        if isinstance(node, (ast.Assign, ast.AnnAssign, ast.ImportFrom, ast.Import)):
-            targets = (
-                [t.id for t in node.targets if isinstance(t, ast.Name)]
-                if isinstance(node, ast.Assign)
-                else [node.target.id]
-                if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                else [(n.asname or n.name).split(".")[0] for n in getattr(node, "names", [])]
-            )
-            if name in targets:
-                return "trl"  # bound another way (assigned, imported): the pool checks the real signature
+        if _bound_otherwise(node, name):
+            return "trl"  # bound another way (assigned, imported): the pool checks the real signature
     raise ValueError(f"{where}: {source} defines no function named {name!r}")
 
 
