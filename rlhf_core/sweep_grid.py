@@ -72,12 +72,7 @@ def seed_list(base: TrainConfig, seeds: int | list[int]) -> list[int]:
         return [base.trainer.seed + i for i in range(seeds)]
     if not seeds or not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds):
         raise ConfigError(f"sweep seeds: expected a non-empty list of integers, got {seeds!r}")
-    repeated = _repeated([str(s) for s in seeds])
-    if repeated:
-        raise ConfigError(
-            f"sweep seeds: {', '.join(repeated)} listed more than once in {seeds!r}: two points would share one "
-            "name and one directory; list each seed once"
-        )
+    _refuse_repeated([str(s) for s in seeds], seeds, "sweep seeds: ", " listed", each="seed")
     return list(seeds)
 
 
@@ -92,13 +87,19 @@ def check_grid(grid: dict[str, list]) -> dict[str, list]:
             raise ConfigError(f"sweep grid: {key} needs a non-empty list of values, got {values!r}")
         if key == SEED_KEY:
             raise ConfigError(f"sweep grid: vary {SEED_KEY} with `seeds`, not in the grid")
-        repeated = _repeated([value_text(v) for v in values])
-        if repeated:
-            raise ConfigError(
-                f"sweep grid: {key} lists {', '.join(repeated)} more than once in {values!r}: two points would "
-                "share one name and one directory; list each value once"
-            )
+        _refuse_repeated([value_text(v) for v in values], values, f"sweep grid: {key} lists ", "")
     return grid
+
+
+def _refuse_repeated(texts: list[str], values: list, before: str, after: str, each: str = "value") -> None:
+    """Raise ConfigError when a text occurs more than once (two points would share a name): the message names
+    the repeated texts between `before` and `after`, shows `values` and asks to list each `each` once."""
+    repeated = _repeated(texts)
+    if repeated:
+        raise ConfigError(
+            f"{before}{', '.join(repeated)}{after} more than once in {values!r}: two points would share one name "
+            f"and one directory; list each {each} once"
+        )
 
 
 def _repeated(texts: list[str]) -> list[str]:
