@@ -26,10 +26,7 @@ def ppo_loss(inputs: LossInputs, options: PPOOptions) -> tuple[torch.Tensor, dic
     from rlhf_core.algorithms.policy_loss import compute_ppo_loss
 
     return compute_ppo_loss(
-        inputs.logprobs,
-        inputs.old_logprobs,
-        inputs.advantages,
-        inputs.mask,
+        *inputs.ratio_tensors(),
         clip_eps=options.clip_eps,
         clip_eps_high=options.clip_eps_high,
         dual_clip=options.dual_clip,
@@ -42,10 +39,7 @@ def m2po_step_mask(inputs: LossInputs, options: M2POOptions) -> torch.Tensor:
     from rlhf_core.algorithms.policy_loss import m2po_keep_mask
 
     return m2po_keep_mask(
-        inputs.logprobs,
-        inputs.old_logprobs,
-        inputs.advantages,
-        inputs.mask,
+        *inputs.ratio_tensors(),
         options.m2_threshold,
         options.masking,
         options.ratio_sq_threshold,
@@ -59,10 +53,7 @@ def m2po_loss(inputs: LossInputs, options: M2POOptions) -> tuple[torch.Tensor, d
     from rlhf_core.algorithms.policy_loss import compute_m2po_loss
 
     return compute_m2po_loss(
-        inputs.logprobs,
-        inputs.old_logprobs,
-        inputs.advantages,
-        inputs.mask,
+        *inputs.ratio_tensors(),
         m2_threshold=options.m2_threshold,
         masking=options.masking,
         clip_eps=options.clip_eps,

@@ -46,6 +46,10 @@ class LossInputs:
     keep_mask: Optional[torch.Tensor] = None
     kept_norm: Norm = None
 
+    def ratio_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """(logprobs, old_logprobs, advantages, mask): the positional arguments of every built-in compute_*_loss."""
+        return self.logprobs, self.old_logprobs, self.advantages, self.mask
+
     def shared(self) -> dict[str, Any]:
         """The keyword arguments every built-in compute_*_loss takes besides its own options."""
         return {
@@ -88,14 +92,9 @@ _LOSS_FIELDS = POLICY_LOSS_REGISTRY.view(lambda spec: tuple(spec.options.model_f
 def _loss_inputs(algo_cfg: Any, *tensors: Optional[torch.Tensor], **step: Any) -> LossInputs:
     """LossInputs of (logprobs, old_logprobs, advantages, mask, ref_logprobs, rollout_logprobs) with the
     config's common settings."""
-    logprobs, old_logprobs, advantages, mask, ref_logprobs, rollout_logprobs = tensors
+    ref_logprobs = tensors[4]
     return LossInputs(
-        logprobs,
-        old_logprobs,
-        advantages,
-        mask,
-        ref_logprobs,
-        rollout_logprobs,
+        *tensors,
         agg=algo_cfg.agg,
         importance_level=algo_cfg.importance_level,
         kl_coef=algo_cfg.kl_coef if ref_logprobs is not None else 0.0,
