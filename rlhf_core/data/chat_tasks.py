@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import itertools
 
-import numpy as np
-
-from rlhf_core.data.answers import answer_patterns
 from rlhf_core.data.prompts import Prompt
+from rlhf_core.data.synthetic import split_prompts
 from rlhf_core.model.chat import max3_question
 
 CHAT_TASKS = ("max3_chat",)
@@ -35,34 +33,14 @@ def build_chat_task(
             f"data.task {task!r} needs a model with a chat template (model.preset: tiny-chat, or a chat "
             "model in model.path)"
         )
+
+    def render(problem: tuple[int, int, int]) -> tuple[str, list[int], str, str]:
+        question = max3_question(*problem)
+        messages = [{"role": "user", "content": question}]
+        if system_prompt:
+            messages.insert(0, {"role": "system", "content": system_prompt})
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return text, tokenizer(text, add_special_tokens=False)["input_ids"], str(max(problem)), question
+
     problems = list(itertools.product(range(10), repeat=3))
-    order = np.random.default_rng(seed).permutation(len(problems))
-    n_heldout = max(1, int(round(heldout_frac * len(problems))))
-    heldout_idx, train_idx = order[:n_heldout], order[n_heldout:]
-    if eval_size is not None:
-        heldout_idx = heldout_idx[:eval_size]
-
-    def make(indices) -> list[Prompt]:
-        out = []
-        for uid, i in enumerate(indices):
-            a, b, c = problems[int(i)]
-            question = max3_question(a, b, c)
-            messages = [{"role": "user", "content": question}]
-            if system_prompt:
-                messages.insert(0, {"role": "system", "content": system_prompt})
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            answer = str(max(a, b, c))
-            out.append(
-                Prompt(
-                    uid=uid,
-                    prompt_ids=tokenizer(text, add_special_tokens=False)["input_ids"],
-                    answers=answer_patterns(tokenizer, answer, task),
-                    text=text,
-                    answer_text=answer,
-                    meta={"task": task, "problem": int(i)},
-                    prompt_text=question,
-                )
-            )
-        return out
-
-    return make(train_idx), make(heldout_idx)
+    return split_prompts(problems, task, tokenizer, heldout_frac, seed, eval_size, render)

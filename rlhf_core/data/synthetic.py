@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 import numpy as np
 
@@ -30,7 +31,21 @@ def build_synthetic_task(
     task: str, tokenizer, heldout_frac: float = 0.2, seed: int = 0, eval_size: int | None = None
 ) -> tuple[list[Prompt], list[Prompt]]:
     """(train, heldout) prompts of a synthetic task, split by a seeded permutation of all problems."""
-    problems = _problems(task)
+
+    def render(problem: tuple[str, str]) -> tuple[str, list[int], str, str]:
+        text, answer = problem
+        return text, tokenizer(text)["input_ids"], answer, text
+
+    return split_prompts(_problems(task), task, tokenizer, heldout_frac, seed, eval_size, render)
+
+
+def split_prompts(
+    problems: list, task: str, tokenizer, heldout_frac: float, seed: int, eval_size: int | None, render: Callable
+) -> tuple[list[Prompt], list[Prompt]]:
+    """(train, heldout) prompts of a task's `problems`, split by a seeded permutation: `heldout_frac` of them (at
+    least one) held out, of which the first `eval_size` are kept. render(problem) -> (text, prompt_ids, answer,
+    prompt_text); the answer's token patterns are answer_patterns'. Shared by the synthetic tasks, word-level and
+    chat."""
     order = np.random.default_rng(seed).permutation(len(problems))
     n_heldout = max(1, int(round(heldout_frac * len(problems))))
     heldout_idx, train_idx = order[:n_heldout], order[n_heldout:]
@@ -40,8 +55,7 @@ def build_synthetic_task(
     def make(indices) -> list[Prompt]:
         out = []
         for uid, i in enumerate(indices):
-            text, answer = problems[int(i)]
-            prompt_ids = tokenizer(text)["input_ids"]
+            text, prompt_ids, answer, prompt_text = render(problems[int(i)])
             out.append(
                 Prompt(
                     uid=uid,
@@ -50,7 +64,7 @@ def build_synthetic_task(
                     text=text,
                     answer_text=answer,
                     meta={"task": task, "problem": int(i)},
-                    prompt_text=text,
+                    prompt_text=prompt_text,
                 )
             )
         return out
