@@ -6,7 +6,6 @@ cluster.max_restarts, enforced by the supervision."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from typing import Optional
 
 import ray
@@ -29,24 +28,9 @@ class LoopWatch:
     restart_pings: dict[int, object]
     waiting_reported: set[int]
 
-    def wait_loop(
-        self,
-        role: str,
-        index: int = 0,
-        attempt: int = 1,
-        report: Optional[Callable[[dict], None]] = None,
-        report_every_s: float = 30.0,
-    ) -> dict:
-        """Block until one loop ends (async mode; for whoever watches it, e.g. a Prefect task that spans it).
-
-        role "trainer", or "rollout" with the worker's `index` and `attempt` (1 for its first loop, n for the loop
-        Ray's (n-1)-th restart of it runs, waited for until the supervision starts it). Returns the loop's final
-        stats (empty when the run ended before the loop started); raises RunFailed with the loop's error when
-        it raised, WorkerDied when a rollout worker's process died. `report(stats)` gets the actor's stats
-        every `report_every_s`."""
-        actor = self.trainer if role == "trainer" else self.workers[index]
-        what = "the trainer" if role == "trainer" else f"rollout worker {index}"
-        next_report = time.monotonic() + report_every_s
+    def _loop_polls(self, role: str, index: int, attempt: int, what: str):
+        """HostBase.wait_loop's waiting on Ray: a loop not started yet (or not restarted yet by Ray) is waited for
+        until the supervision starts it; raises WorkerDied when a rollout worker's process died."""
         while self.handle is not None and not (self.stopping and self._loop_ref(role, index, attempt) is None):
             ref = self._loop_ref(role, index, attempt)
             if ref is None:  # not started yet (or not restarted yet)
@@ -67,13 +51,15 @@ class LoopWatch:
                 if self.handle is None:
                     return {}
                 raise
-            if report is not None and time.monotonic() >= next_report:
-                next_report = time.monotonic() + report_every_s
-                try:
-                    report(ray.get(actor.stats.remote(), timeout=10))
-                except Exception:  # a worker restarting does not answer: the next report will
-                    pass
+            yield
         return {}
+
+    def _loop_stats(self, role: str, index: int) -> Optional[dict]:
+        try:
+            actor = self.trainer if role == "trainer" else self.workers[index]
+            return ray.get(actor.stats.remote(), timeout=10)
+        except Exception:  # a worker restarting does not answer: the next report will
+            return None
 
     def _loop_ref(self, role: str, index: int, attempt: int):
         if role == "trainer":

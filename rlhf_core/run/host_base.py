@@ -136,7 +136,45 @@ class HostBase:
         self._new_events.append(ev)
         log.warning("%s: %s", kind, detail)
 
+    def _loop_polls(self, role: str, index: int, attempt: int, what: str):
+        """`wait_loop`'s waiting, a generator: it yields after each wait of about a second on a loop that runs (a
+        moment to report) and returns the loop's final stats; raises RunFailed naming `what` with its error."""
+        raise NotImplementedError
+
+    def _loop_stats(self, role: str, index: int) -> Optional[dict]:
+        """The stats of the role a loop runs in, for `wait_loop`'s reports (None: no answer this time)."""
+        raise NotImplementedError
+
     # ------------------------------------------------------------------ written once
+    def wait_loop(
+        self,
+        role: str,
+        index: int = 0,
+        attempt: int = 1,
+        report: Optional[Callable[[dict], None]] = None,
+        report_every_s: float = 30.0,
+    ) -> dict:
+        """Block until one loop ends (async mode; for whoever watches it, e.g. a Prefect task that spans it).
+
+        role "trainer", or "rollout" with the worker's `index` and `attempt` (1 for its first loop, n for the loop
+        a restart of it runs, waited for until the supervision starts it). Returns the loop's final stats (empty
+        when the run ended before the loop started); raises RunFailed with the loop's error when it raised (on
+        Ray, WorkerDied when a rollout worker's process died). `report(stats)` gets the role's stats every
+        `report_every_s`. The host supplies the waiting (`_loop_polls`) and the stats (`_loop_stats`)."""
+        what = "the trainer" if role == "trainer" else f"rollout worker {index}"
+        polls = self._loop_polls(role, index, attempt, what)
+        next_report = time.monotonic() + report_every_s
+        while True:
+            try:
+                next(polls)
+            except StopIteration as end:
+                return end.value
+            if report is not None and time.monotonic() >= next_report:
+                next_report = time.monotonic() + report_every_s
+                stats = self._loop_stats(role, index)
+                if stats is not None:
+                    report(stats)
+
     def _restore(self, path: str) -> CheckpointState:
         """Trainer state first (it validates the whole checkpoint), then the prompt queue's position (and the record
         of prompts trained on), the rollout engines' RNG (those the checkpoint has states for: one from the loop or

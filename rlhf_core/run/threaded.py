@@ -326,20 +326,11 @@ class ThreadedRun(EvaluationHost, HostBase):
                 self.pinned.close()
             self.trainer_role, self.rollout_roles = None, []
 
-    def wait_loop(
-        self,
-        role: str,
-        index: int = 0,
-        attempt: int = 1,
-        report: Optional[Callable[[dict], None]] = None,
-        report_every_s: float = 30.0,
-    ) -> dict:
-        """Block until one loop ends (DistributedRun.wait_loop's contract; threads are never restarted, so an
-        attempt after the first ends at once). Returns the loop's final stats; raises RunFailed with its error."""
+    def _loop_polls(self, role: str, index: int, attempt: int, what: str):
+        """HostBase.wait_loop's waiting on a thread (threads are never restarted, so an attempt after the first ends
+        at once)."""
         if attempt > 1:
             return {}
-        what = "the trainer" if role == "trainer" else f"rollout worker {index}"
-        next_report = time.monotonic() + report_every_s
         while True:
             loop = self.trainer_loop if role == "trainer" else self.worker_loops.get(index)
             if loop is None:
@@ -352,9 +343,9 @@ class ThreadedRun(EvaluationHost, HostBase):
                 if loop.error is not None:
                     raise RunFailed(f"{what} failed: {loop.failure()}") from loop.error
                 return loop.result or {}
-            if report is not None and time.monotonic() >= next_report:
-                next_report = time.monotonic() + report_every_s
-                owner = self.trainer_role if role == "trainer" else self.rollout_roles[index]
-                report(owner.stats())
+            yield
+
+    def _loop_stats(self, role: str, index: int) -> dict:
+        return (self.trainer_role if role == "trainer" else self.rollout_roles[index]).stats()
 
     reconcile = staticmethod(reconcile)  # the conservation of groups (rlhf_core.run.control owns it)
