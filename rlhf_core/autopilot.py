@@ -11,7 +11,7 @@ the trainer measures at every step:
 - the staleness of the data trained on, `async/staleness_max`: whether the bound is what holds the rollout back.
 
 Rules, on the steps observed since the last decision: a mean mismatch above target_m2 lowers the bound by one
-(however the trainer waits: stability first); the trainer waiting more than wait_frac of its time with the
+(however the trainer waits: stability first); the trainer waiting more than WAIT_FRAC of its time with the
 mismatch at or under the target raises it by one, but only while the data trained on reaches the bound (its
 staleness_max is at the bound): then admission control is what holds the rollout back and a wider bound lets
 it run ahead. Data fresher than the bound means the rollout is the slower role and generates as fast as it can
@@ -26,6 +26,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
+
+WAIT_FRAC = 0.2
+"""The trainer counts as waiting for data when time/wait_s is above this fraction of its step time (the
+autoscaler's rlhf_core.autoscale.GROW_WAIT_FRAC is the same figure)."""
 
 
 @dataclass
@@ -73,16 +77,11 @@ class StalenessAutopilot:
                 self.bound,
                 f"mismatch async/mismatch_m2 {m2:.4g} > target_m2 {target:g} over {len(window)} step(s)",
             )
-        elif (
-            m2 <= target
-            and wait_frac > self.cfg.wait_frac
-            and oldest >= self.bound
-            and self.bound < self.cfg.max_staleness
-        ):
+        elif m2 <= target and wait_frac > WAIT_FRAC and oldest >= self.bound and self.bound < self.cfg.max_staleness:
             change = BoundChange(
                 self.bound + 1,
                 self.bound,
-                f"the trainer waited {wait_frac:.0%} of its time (> wait_frac {self.cfg.wait_frac:.0%}) and "
+                f"the trainer waited {wait_frac:.0%} of its time (> {WAIT_FRAC:.0%}) and "
                 f"async/mismatch_m2 {m2:.4g} <= target_m2 {target:g}, with data at the bound (staleness {oldest}), "
                 f"over {len(window)} step(s)",
             )

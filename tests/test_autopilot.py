@@ -15,7 +15,6 @@ PILOT = [
     "runtime.autopilot.min_staleness=0",
     "runtime.autopilot.max_staleness=4",
     "runtime.autopilot.target_m2=0.04",
-    "runtime.autopilot.wait_frac=0.2",
     "runtime.autopilot.cooldown_steps=2",
     "runtime.max_staleness=1",
     "trainer.prompts_per_step=4",

@@ -177,11 +177,14 @@ def config_fields(model: type[BaseModel] = TrainConfig, prefix: str = "") -> lis
 def test_the_config_has_the_fields_it_has():
     """The count moves only on purpose: 164 before last round's moves, 156 after them, 158 with
     supervision.sync_check.{action, tolerance}, 159 with algorithm.rollout_correction.rejected, 160 with
-    agent.error_reward, 161 with supervision.audit, 162 with cluster.resources.eval (the evaluation actor). Change
-    the number with the field."""
+    agent.error_reward, 161 with supervision.audit, 162 with cluster.resources.eval (the evaluation actor); 160
+    without runtime.autopilot.wait_frac (a constant, as the autoscaler's) and model.lora.dropout (only 0 was
+    allowed). Change the number with the field."""
     fields = config_fields()
-    assert len(fields) == len(set(fields)) == 162, len(fields)
+    assert len(fields) == len(set(fields)) == 160, len(fields)
     for gone in (
+        "runtime.autopilot.wait_frac",
+        "model.lora.dropout",
         "runtime.prefetch",
         "rollout.max_total_tokens",
         "rollout.continuous_batching",
@@ -196,6 +199,22 @@ def test_the_config_has_the_fields_it_has():
     ):
         assert gone not in fields
     assert {"env.max_total_tokens", "env.workers", "supervision.max_consecutive_failures"} <= set(fields)
+
+
+@pytest.mark.parametrize(
+    "key, kept, other, now",
+    [
+        ("runtime.autopilot.wait_frac", 0.2, 0.3, "rlhf_core.autopilot.WAIT_FRAC"),
+        ("model.lora.dropout", 0.0, 0.3, "no LoRA dropout"),
+    ],
+)
+def test_a_key_whose_value_is_fixed_now_loads_at_that_value_and_refuses_another(caplog, key, kept, other, now):
+    lora = ["model.lora={r: 4}"] if key.startswith("model.lora") else []
+    cfg, notes = _load_noting(caplog, [*lora, f"{key}={kept}"])
+    assert len(notes) == 1 and key in notes[0] and now in notes[0], notes
+    assert cfg.model_dump() == load_config(None, lora).model_dump()
+    with pytest.raises(ConfigError, match=rf"{key.replace('.', '[.]')}={other} cannot be kept.*{now}"):
+        load_config(None, [*lora, f"{key}={other}"])
 
 
 @pytest.mark.parametrize(

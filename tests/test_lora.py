@@ -360,8 +360,8 @@ def test_the_adapter_cache_follows_sharding(tiny_policy_dir):
 def test_dropout_never_makes_on_policy_ratios_differ_from_one(tmp_path):
     """The trainer computes log-probs in train mode, the rollout in eval mode: a policy with dropout (here LoRA
     dropout 0.3, as a peft model built elsewhere would have) gets it disabled by the Trainer, so the first
-    step on its own fresh samples has ratios of 1 (with dropout on, ratio_max was ~1.4). model.lora.dropout > 0
-    is refused in the config, naming the field."""
+    step on its own fresh samples has ratios of 1 (with dropout on, ratio_max was ~1.4). The config has no LoRA
+    dropout: an old model.lora.dropout > 0 is refused, naming the key."""
     from rlhf_core.data import collate_prompts
     from rlhf_core.model.lora import apply_lora
     from rlhf_core.model.policy import load_policy
@@ -374,7 +374,7 @@ def test_dropout_never_makes_on_policy_ratios_differ_from_one(tmp_path):
     policy_dir = build.resolve_policy_dir(cfg)
     torch.manual_seed(0)
     model = load_policy(policy_dir, dtype="float32", device="cpu")[0]
-    model = apply_lora(model, cfg.model.lora.model_copy(update={"dropout": 0.3}))
+    model = apply_lora(model, cfg.model.lora, dropout=0.3)
     with torch.no_grad():  # adapters away from zero, so that their dropout changes the output
         for n, p in model.named_parameters():
             if "lora_B" in n:

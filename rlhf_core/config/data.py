@@ -19,17 +19,11 @@ class BufferConfig(_Section):
 
 
 class LoraConfig(_Section):
-    """LoRA adapters (peft): the trainer optimises them only; the base weights stay frozen."""
+    """LoRA adapters (peft): the trainer optimises them only; the base weights stay frozen. No LoRA dropout: the
+    trainer computes log-probs without dropout, as the rollout engines do."""
 
     r: int = Field(8, ge=1, description="LoRA rank of every adapted linear layer (at least 1).")
     alpha: float = Field(16.0, gt=0, description="LoRA alpha: the adapter's update is scaled by alpha / r.")
-    dropout: float = Field(
-        0.0,
-        ge=0,
-        lt=1,
-        description="Must be 0: the trainer computes log-probs without dropout (as the rollout does), so any other "
-        "value could only be ignored.",
-    )
     target_modules: list[str] = Field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
         min_length=1,
@@ -38,17 +32,6 @@ class LoraConfig(_Section):
     export_merged: bool = Field(
         True, description="At export, also write the adapters merged into the base weights as a plain HF model."
     )
-
-    @field_validator("dropout")
-    @classmethod
-    def _no_dropout(cls, dropout: float) -> float:
-        if dropout:
-            raise ValueError(
-                f"model.lora.dropout={dropout:g} cannot take effect: the trainer computes log-probs without dropout, "
-                "as the rollout engines do (with it, on-policy ratios differ from 1 and M2PO's mask comes from "
-                "another dropout sample than the gradient). Set model.lora.dropout=0"
-            )
-        return dropout
 
 
 class TinyShape(NamedTuple):
@@ -119,7 +102,7 @@ class ModelConfig(_Section):
         "word:1x64x2, chat:2x128x4).",
     )
     lora: Optional[LoraConfig] = Field(
-        None, description="LoRA adapters {r, alpha, dropout, target_modules}; empty or null is full fine-tuning."
+        None, description="LoRA adapters {r, alpha, target_modules, export_merged}; empty or null is full fine-tuning."
     )
 
     @field_validator("preset")

@@ -196,6 +196,21 @@ def _gone(key: str, why: str):
     return migrate
 
 
+def _fixed(key: str, value: Any, now: str):
+    """A key that went because its value is fixed now (`now` says where): the fixed value (or null) is dropped with
+    one line; any other is refused, naming the key and where the figure lives, since the run would not do it."""
+
+    def migrate(data: dict, old_wins: bool = False) -> Optional[str]:
+        given = _pop(data, key)
+        if given is _ABSENT:
+            return None
+        if given is None or given == value:
+            return f"{key} is gone ({now}); ignored"
+        raise ConfigError(f"{key}={given!r} cannot be kept: the key is gone ({now}); remove it")
+
+    return migrate
+
+
 def _messages_key(data: dict, old_wins: bool = False) -> Optional[str]:
     """data.messages_key (removed): data.prompt_key takes text or a chat list; with its default ('prompt') a row's
     'messages' are used, as the old default messages_key did."""
@@ -263,6 +278,17 @@ MIGRATIONS = [
     ),
     _messages_key,
     _env_factory,
+    _fixed(
+        "runtime.autopilot.wait_frac",
+        0.2,
+        "the trainer counts as waiting above rlhf_core.autopilot.WAIT_FRAC, 0.2 of its step time, as for the autoscaler",
+    ),
+    _fixed(
+        "model.lora.dropout",
+        0,
+        "no LoRA dropout: the trainer computes log-probs without dropout, as the rollout engines do; with it on-policy "
+        "ratios differ from 1 and M2PO's mask comes from another dropout sample than the gradient",
+    ),
     _other_engines_options,  # not a renamed key: the last word on the engine's options, after every move above
 ]
 

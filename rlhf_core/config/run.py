@@ -104,14 +104,8 @@ class AutopilotConfig(_Section):
         0.04,
         gt=0,
         description="Mismatch target: the mean squared behaviour/current log-ratio (async/mismatch_m2) above it "
-        "lowers the bound; below it, with the trainer waiting and its data at the bound (async/staleness_max), the "
-        "bound rises.",
-    )
-    wait_frac: float = Field(
-        0.2,
-        gt=0,
-        lt=1,
-        description="The trainer counts as waiting for data when time/wait_s is above this fraction of its step time.",
+        "lowers the bound; below it, with the trainer waiting (time/wait_s above rlhf_core.autopilot.WAIT_FRAC, "
+        "0.2, of its step time) and its data at the bound (async/staleness_max), the bound rises.",
     )
     cooldown_steps: int = Field(
         4, ge=1, description="Trainer steps after a change before the next one (the new bound takes effect first)."

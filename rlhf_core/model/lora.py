@@ -76,14 +76,15 @@ def config_linear_module_names(config_dir=None, model_type: str = "", trust_remo
     return linear_module_names(model)
 
 
-def apply_lora(model, lora_cfg, adapter_name: str = DEFAULT_ADAPTER):
+def apply_lora(model, lora_cfg, adapter_name: str = DEFAULT_ADAPTER, dropout: float = 0.0):
     """Wrap `model` with LoRA adapters of `lora_cfg` (rlhf_core.config.LoraConfig); base weights frozen. A peft
     model already (`is_lora`): `lora_cfg`'s adapters are added beside the others as `adapter_name` (a shared
     fleet's one base model with every sweep point's adapter; the active adapter stays as it was).
 
     Adapters start at B = 0, so the wrapped model computes exactly what the base model does. The random
     state of each process (set from trainer.seed) decides A's initialisation; every process's A is replaced by
-    the trainer's at the first sync.
+    the trainer's at the first sync. `dropout`: peft's lora_dropout, 0 for every run (the trainer computes
+    log-probs without dropout); a test gives one to a model as a peft model built elsewhere may have it.
     """
     try:
         from peft import LoraConfig, get_peft_model
@@ -99,7 +100,7 @@ def apply_lora(model, lora_cfg, adapter_name: str = DEFAULT_ADAPTER):
     peft_cfg = LoraConfig(
         r=lora_cfg.r,
         lora_alpha=lora_cfg.alpha,
-        lora_dropout=lora_cfg.dropout,
+        lora_dropout=dropout,
         target_modules=targets,
         bias="none",
         task_type="CAUSAL_LM",

@@ -84,7 +84,7 @@ def adapter_config_json(lora_cfg, base_model_path: str) -> dict:
         "base_model_name_or_path": str(base_model_path),
         "r": int(lora_cfg.r),
         "lora_alpha": float(lora_cfg.alpha),
-        "lora_dropout": float(lora_cfg.dropout),
+        "lora_dropout": 0.0,
         "target_modules": list(lora_cfg.target_modules),
         "bias": "none",
         "fan_in_fan_out": False,
