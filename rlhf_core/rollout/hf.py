@@ -175,11 +175,9 @@ class HFEngine:
     def _generate_batch(self, prompts: PromptBatch, samples_per_prompt: int, sampling: SamplingParams) -> RolloutBatch:
         G = samples_per_prompt
         dev = self.device
-        prompt_ids = prompts.prompt_ids.to(dev).repeat_interleave(G, 0)
-        prompt_mask = prompts.prompt_mask.to(dev).repeat_interleave(G, 0)
+        prompt_ids, prompt_mask, stops = self._rows_of(prompts, G)
         N, P = prompt_ids.shape
         T = sampling.max_new_tokens
-        stops = torch.tensor(self.stop_token_ids, dtype=torch.long, device=dev)
         was_training = self.model.training
         self.model.eval()
 
@@ -241,11 +239,9 @@ class HFEngine:
     ) -> RolloutBatch:
         G = samples_per_prompt
         dev = self.device
-        prompt_ids = prompts.prompt_ids.to(dev).repeat_interleave(G, 0)
-        prompt_mask = prompts.prompt_mask.to(dev).repeat_interleave(G, 0)
+        prompt_ids, prompt_mask, stops = self._rows_of(prompts, G)
         N, P = prompt_ids.shape
         T = sampling.max_new_tokens
-        stops = torch.tensor(self.stop_token_ids, dtype=torch.long, device=dev)
         limit = min(N, self.max_active_rows or N)
         was_training = self.model.training
         self.model.eval()
@@ -293,6 +289,14 @@ class HFEngine:
         if was_training:
             self.model.train()
         return self._finish(prompts, G, prompt_ids, prompt_mask, tokens[:, :T], logps[:, :T], versions[:, :T], stops)
+
+    def _rows_of(self, prompts: PromptBatch, G: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Both generation paths' rows: each prompt's ids and mask G times (rows of one prompt contiguous) on the
+        device, and the stop token ids there."""
+        dev = self.device
+        prompt_ids = prompts.prompt_ids.to(dev).repeat_interleave(G, 0)
+        prompt_mask = prompts.prompt_mask.to(dev).repeat_interleave(G, 0)
+        return prompt_ids, prompt_mask, torch.tensor(self.stop_token_ids, dtype=torch.long, device=dev)
 
     def _sample(self, logits: torch.Tensor, sampling: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
         """(token [N], its log-prob [N]) of each row from its next-token logits, under the sampling settings. One
