@@ -133,9 +133,10 @@ def build_chat_policy(
     max_positions: int = 512,
 ) -> Path:
     """Build and save a Qwen2 chat policy with a locally trained byte-level BPE tokenizer. Returns `out_dir`."""
-    import torch
     from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
     from transformers.utils import logging as hf_logging
+
+    from rlhf_core.model.policy import seeded_tiny_model
 
     if style not in CHAT_STYLES:
         raise ValueError(f"unknown chat model style {style!r}; expected one of {CHAT_STYLES}")
@@ -156,23 +157,20 @@ def build_chat_policy(
     )
     tokenizer.chat_template = CHATML_TEMPLATE
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in CHAT_SPECIAL_TOKENS}
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
+    model = seeded_tiny_model(
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        seed,
+        len(tokenizer),
+        hidden,
+        layers,
+        heads,
         num_key_value_heads=kv_heads or heads,
         max_position_embeddings=max_positions,
         bos_token_id=None,
         eos_token_id=ids[eos],
         pad_token_id=ids[ENDOFTEXT],
-        tie_word_embeddings=True,
-        rms_norm_eps=1e-6,
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config)
     model.generation_config = GenerationConfig(
         eos_token_id=[ids[IM_END], ids[ENDOFTEXT]], pad_token_id=ids[ENDOFTEXT], bos_token_id=None
     )

@@ -159,6 +159,27 @@ def build_tiny_tokenizer():
     return tok
 
 
+def seeded_tiny_model(
+    config_cls, model_cls, seed: int, vocab_size: int, hidden: int, layers: int, heads: int, **config
+):
+    """A small decoder in the built-in presets' proportions (MLP width 2 x hidden, tied embeddings, RMS norm eps
+    1e-6) and `config`'s other settings, its weights drawn with `seed` without touching the global RNG. Shared by
+    the word-level tiny policy and the chat one (rlhf_core.model.chat)."""
+    cfg = config_cls(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-6,
+        **config,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return model_cls(cfg)
+
+
 def build_tiny_policy(
     task: str, out_dir: str | Path, layers: int = 2, hidden: int = 128, heads: int = 4, seed: int = 0
 ) -> Path:
@@ -176,24 +197,21 @@ def build_tiny_policy(
     tokenizer = build_tiny_tokenizer()
     if hidden % heads:
         raise ValueError(f"model.preset: hidden ({hidden}) must be divisible by heads ({heads})")
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
+    model = seeded_tiny_model(
+        LlamaConfig,
+        LlamaForCausalLM,
+        seed,
+        len(tokenizer),
+        hidden,
+        layers,
+        heads,
         num_key_value_heads=heads,
         max_position_embeddings=128,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=True,
-        rms_norm_eps=1e-6,
+        task_name=task,
     )
-    config.task_name = task
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
