@@ -14,6 +14,7 @@ import math
 import operator
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -76,6 +77,20 @@ class LockedBuffer:
                     self._not_empty.wait(remaining)
         finally:
             self._waiters -= 1
+
+    def _wait_and_take(self, queue: deque, n: int, timeout: float | None, min_n: int, capacity: int) -> list:
+        """With the lock held: a sample's wait and take. When `timeout` is given and `queue` holds fewer than
+        `min_n` entries, wait (`_wait_until`) until it holds min(min_n, n, capacity) of them (at least one); then
+        remove and return up to `n` entries, oldest (left) first."""
+        if timeout and len(queue) < min_n:
+            self._wait_until(lambda: len(queue), max(1, min(min_n, n, capacity)), timeout)
+        n = min(n, len(queue))
+        if n == len(queue):
+            out = list(queue)
+            queue.clear()
+            return out
+        popleft = queue.popleft
+        return [popleft() for _ in range(n)]
 
     def close(self) -> None:
         """Wake every waiting sampler (they return what is there, possibly nothing); later pushes are

@@ -227,13 +227,8 @@ class GroupAwareReplayBuffer(LockedBuffer, VersionWindow):
         if n_groups < 0:
             raise ValueError(f"n_groups must be >= 0, got {n_groups}")
         with self._lock:
-            ready = self._ready
-            if timeout and len(ready) < min_groups:
-                need = max(1, min(min_groups, n_groups, self._max_size // self._group_size))
-                self._wait_until(lambda: len(self._ready), need, timeout)
-            n = min(n_groups, len(ready))
-            popleft = ready.popleft
-            groups = [popleft() for _ in range(n)]
+            capacity = self._max_size // self._group_size
+            groups = self._wait_and_take(self._ready, n_groups, timeout, min_groups, capacity)
             taken = sum(len(g) for g in groups)
             self._size -= taken
             self._sampled += taken

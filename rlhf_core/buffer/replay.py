@@ -111,18 +111,8 @@ class BoundedReplayBuffer(LockedBuffer):
         if batch_size < 0:
             raise ValueError(f"batch_size must be >= 0, got {batch_size}")
         with self._lock:
-            queue = self._queue
-            if timeout and len(queue) < min_items:
-                need = max(1, min(min_items, batch_size, self._max_size))
-                self._wait_until(lambda: len(self._queue), need, timeout)
-            n = min(batch_size, len(queue))
-            if n == len(queue):
-                out = list(queue)
-                queue.clear()
-            else:
-                popleft = queue.popleft
-                out = [popleft() for _ in range(n)]
-            self._sampled += n
+            out = self._wait_and_take(self._queue, batch_size, timeout, min_items, self._max_size)
+            self._sampled += len(out)
         return out
 
     def clear(self) -> None:
