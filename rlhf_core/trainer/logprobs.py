@@ -84,7 +84,7 @@ def packed_sequence_logprobs(
     does. Only the positions that predict a response token are read from the logits."""
     sampling = sampling or SamplingParams(temperature=temperature)
     dev = prompt_ids.device
-    N, L = response_ids.shape
+    N = response_ids.shape[0]
     full_ids = torch.cat([prompt_ids, response_ids], 1)
     full_mask = torch.cat([prompt_mask, response_mask], 1).bool()
     lens = full_mask.sum(-1)
@@ -104,9 +104,17 @@ def packed_sequence_logprobs(
     hidden_logits = model(input_ids=input_ids, position_ids=positions, use_cache=False).logits
     i, j = response_mask.nonzero(as_tuple=True)  # response token j of row i is predicted one position before it
     logits = hidden_logits[row_t[i], off_t[i] + prompt_lens[i] + j - 1]
-    values, ent = token_logprobs(logits, response_ids[i, j], sampling, with_entropy)
-    logprobs = torch.zeros((N, L), dtype=values.dtype, device=dev).index_put((i, j), values)
-    entropy = None if ent is None else torch.zeros((N, L), dtype=ent.dtype, device=dev).index_put((i, j), ent)
+    return _response_token_logprobs(logits, response_ids, (i, j), sampling, with_entropy)
+
+
+def _response_token_logprobs(logits, response_ids, at: tuple, sampling: SamplingParams, with_entropy: bool):
+    """token_logprobs of the response tokens at (rows, columns) `at` from their logits [T, V], put back in the
+    shape of response_ids [N, L] (0 elsewhere): how the padding-free passes return what they computed."""
+    values, ent = token_logprobs(logits, response_ids[at], sampling, with_entropy)
+    logprobs = torch.zeros(response_ids.shape, dtype=values.dtype, device=values.device).index_put(at, values)
+    entropy = (
+        None if ent is None else torch.zeros(response_ids.shape, dtype=ent.dtype, device=ent.device).index_put(at, ent)
+    )
     return logprobs, entropy
 
 
@@ -221,7 +229,7 @@ def shared_prefix_logprobs(
         )
     sampling = sampling or SamplingParams(temperature=temperature)
     dev = prompt_ids.device
-    N, L = response_ids.shape
+    N = response_ids.shape[0]
     group, group_prompt, resp_lens, G, S = (plan[k] for k in ("group", "group_prompt", "resp_lens", "G", "S"))
     # each response's start in its group's sequence: the prompt, then the responses of the rows before it
     order = torch.argsort(group, stable=True)
@@ -260,10 +268,7 @@ def shared_prefix_logprobs(
     out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
     # a response's first token is predicted at the prompt's last token, each next one at its own previous token
     at = torch.where(rank == 0, group_prompt[gi] - 1, start[i] + rank - 1)
-    values, ent = token_logprobs(out[gi, at], response_ids[i, j], sampling, with_entropy)
-    logprobs = torch.zeros((N, L), dtype=values.dtype, device=dev).index_put((i, j), values)
-    entropy = None if ent is None else torch.zeros((N, L), dtype=ent.dtype, device=dev).index_put((i, j), ent)
-    return logprobs, entropy
+    return _response_token_logprobs(out[gi, at], response_ids, (i, j), sampling, with_entropy)
 
 
 def prefix_sharing_works(model) -> bool:
