@@ -120,6 +120,29 @@ def train_byte_level_bpe(corpus: Iterable[str], vocab_size: int = 512):
     return tok
 
 
+def seeded_tiny_model(
+    config_cls, model_cls, seed: int, vocab_size: int, hidden: int, layers: int, heads: int, **config
+):
+    """A small decoder in the built-in presets' proportions (MLP width 2 x hidden, tied embeddings, RMS norm eps
+    1e-6) and `config`'s other settings, its weights drawn with `seed` without touching the global RNG. Shared by
+    the chat policy and the word-level tiny one (rlhf_core.model.policy)."""
+    import torch
+
+    cfg = config_cls(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-6,
+        **config,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return model_cls(cfg)
+
+
 def build_chat_policy(
     out_dir: str | Path,
     style: str = "instruct",
@@ -135,8 +158,6 @@ def build_chat_policy(
     """Build and save a Qwen2 chat policy with a locally trained byte-level BPE tokenizer. Returns `out_dir`."""
     from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
     from transformers.utils import logging as hf_logging
-
-    from rlhf_core.model.policy import seeded_tiny_model
 
     if style not in CHAT_STYLES:
         raise ValueError(f"unknown chat model style {style!r}; expected one of {CHAT_STYLES}")

@@ -159,27 +159,6 @@ def build_tiny_tokenizer():
     return tok
 
 
-def seeded_tiny_model(
-    config_cls, model_cls, seed: int, vocab_size: int, hidden: int, layers: int, heads: int, **config
-):
-    """A small decoder in the built-in presets' proportions (MLP width 2 x hidden, tied embeddings, RMS norm eps
-    1e-6) and `config`'s other settings, its weights drawn with `seed` without touching the global RNG. Shared by
-    the word-level tiny policy and the chat one (rlhf_core.model.chat)."""
-    cfg = config_cls(
-        vocab_size=vocab_size,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        tie_word_embeddings=True,
-        rms_norm_eps=1e-6,
-        **config,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return model_cls(cfg)
-
-
 def build_tiny_policy(
     task: str, out_dir: str | Path, layers: int = 2, hidden: int = 128, heads: int = 4, seed: int = 0
 ) -> Path:
@@ -190,6 +169,8 @@ def build_tiny_policy(
     """
     LlamaConfig, LlamaForCausalLM = _transformers("LlamaConfig", "LlamaForCausalLM")
     from transformers.utils import logging as hf_logging
+
+    from rlhf_core.model.chat import seeded_tiny_model
 
     hf_logging.disable_progress_bar()
     out = Path(out_dir)
