@@ -84,7 +84,6 @@ def workload_config(name: str, arm: str, quick: bool, tmp: Path, target_every: i
             f"trainer.micro_batch_size={rows}",
             "rollout.max_new_tokens=256",
             "rollout.engine_kwargs.continuous_batching=true",
-            "trainer.padding_free=true",
             "trainer.lr=1e-7",
             "data.eval_size=4",
             "eval.every=0",

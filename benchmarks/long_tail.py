@@ -40,19 +40,12 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
 MODES = {
-    "sync": [
-        "runtime.max_staleness=0",
-        "rollout.engine_kwargs.continuous_batching=false",
-        "trainer.padding_free=false",
-    ],
-    "async": ["rollout.engine_kwargs.continuous_batching=false", "trainer.padding_free=false"],
-    "async_continuous": ["rollout.engine_kwargs.continuous_batching=true", "trainer.padding_free=true"],
-    "async_partial": [
-        "rollout.engine_kwargs.continuous_batching=true",
-        "trainer.padding_free=true",
-        "rollout.partial_rollout=true",
-    ],
+    "sync": ["runtime.max_staleness=0", "rollout.engine_kwargs.continuous_batching=false"],
+    "async": ["rollout.engine_kwargs.continuous_batching=false"],
+    "async_continuous": ["rollout.engine_kwargs.continuous_batching=true"],
+    "async_partial": ["rollout.engine_kwargs.continuous_batching=true", "rollout.partial_rollout=true"],
 }
+PADDED = {"sync", "async"}  # trained on padded rows: ASYNCTENSORRLHF_NO_PADDING_FREE=1 in their Ray instance
 
 
 def build_uniform_policy(out_dir: Path, layers: int, hidden: int, heads: int) -> Path:
@@ -159,22 +152,25 @@ def main() -> None:
     import ray
 
     from rlhf_core.distributed import run_distributed
+    from rlhf_core.trainer.logprobs import NO_PADDING_FREE_ENV
 
     logging.disable(logging.WARNING)
     out: dict = {"modes": {}}
     with tempfile.TemporaryDirectory(prefix="long_tail_") as tmp:
         policy_dir = build_uniform_policy(Path(tmp) / "policy", args.layers, args.hidden, args.heads)
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-        try:
-            for mode in args.modes.split(","):
+        for mode in args.modes.split(","):
+            # a Ray instance per mode: its workers see the mode's padding switch (a benchmark switch, no config key)
+            env = {NO_PADDING_FREE_ENV: "1"} if mode in PADDED else {}
+            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
+            try:
                 cfg = mode_config(args, mode, policy_dir, str(Path(tmp) / mode))
                 start = time.perf_counter()
                 result = run_distributed(cfg, poll_interval_s=0.5)
                 out["modes"][mode] = figures(result)
                 if not args.json:
                     print(f"{mode}: {time.perf_counter() - start:.0f} s", file=sys.stderr)
-        finally:
-            ray.shutdown()
+            finally:
+                ray.shutdown()
     if args.json:
         print(json.dumps(out))
         return

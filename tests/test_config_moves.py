@@ -137,6 +137,19 @@ def test_prefetch_is_a_benchmark_switch_read_from_the_environment(monkeypatch):
     assert "prefetch" not in load_config(None).runtime.model_dump()
 
 
+def test_padding_free_training_is_a_benchmark_switch_read_from_the_environment(monkeypatch):
+    import torch
+
+    from rlhf_core.trainer import Trainer
+    from rlhf_core.trainer.logprobs import NO_PADDING_FREE_ENV, padding_free_enabled
+
+    monkeypatch.delenv(NO_PADDING_FREE_ENV, raising=False)
+    assert padding_free_enabled()
+    monkeypatch.setenv(NO_PADDING_FREE_ENV, "1")
+    assert not padding_free_enabled()
+    assert not Trainer(torch.nn.Linear(2, 2), load_config(None), pad_token_id=0).padding_free
+
+
 def test_prompt_key_takes_messages_by_default_and_only_its_key_otherwise():
     from rlhf_core.data.errors import DatasetError
     from rlhf_core.data.rows import RowKeys, prompt_messages
@@ -179,10 +192,14 @@ def test_the_config_has_the_fields_it_has():
     supervision.sync_check.{action, tolerance}, 159 with algorithm.rollout_correction.rejected, 160 with
     agent.error_reward, 161 with supervision.audit, 162 with cluster.resources.eval (the evaluation actor); 160
     without runtime.autopilot.wait_frac (a constant, as the autoscaler's) and model.lora.dropout (only 0 was
-    allowed). Change the number with the field."""
+    allowed), 159 without reward.model.trust_remote_code (model.trust_remote_code covers every model directory),
+    158 without trainer.padding_free (a benchmark switch: ASYNCTENSORRLHF_NO_PADDING_FREE). Change the number with
+    the field."""
     fields = config_fields()
-    assert len(fields) == len(set(fields)) == 160, len(fields)
+    assert len(fields) == len(set(fields)) == 158, len(fields)
     for gone in (
+        "trainer.padding_free",
+        "reward.model.trust_remote_code",
         "runtime.autopilot.wait_frac",
         "model.lora.dropout",
         "runtime.prefetch",
@@ -206,6 +223,7 @@ def test_the_config_has_the_fields_it_has():
     [
         ("runtime.autopilot.wait_frac", 0.2, 0.3, "rlhf_core.autopilot.WAIT_FRAC"),
         ("model.lora.dropout", 0.0, 0.3, "no LoRA dropout"),
+        ("trainer.padding_free", True, False, "ASYNCTENSORRLHF_NO_PADDING_FREE=1"),
     ],
 )
 def test_a_key_whose_value_is_fixed_now_loads_at_that_value_and_refuses_another(caplog, key, kept, other, now):
@@ -215,6 +233,28 @@ def test_a_key_whose_value_is_fixed_now_loads_at_that_value_and_refuses_another(
     assert cfg.model_dump() == load_config(None, lora).model_dump()
     with pytest.raises(ConfigError, match=rf"{key.replace('.', '[.]')}={other} cannot be kept.*{now}"):
         load_config(None, [*lora, f"{key}={other}"])
+    assert load_config(None, [*lora, f"{key}={other}", f"{key}={kept}"]).model_dump() == cfg.model_dump()  # last wins
+
+
+def test_the_reward_model_trusts_its_code_with_model_trust_remote_code(caplog, tmp_path):
+    """reward.model.trust_remote_code is model.trust_remote_code now: the same value loads with one line; trusting
+    the RM's code alone cannot be kept (the policy's would be trusted unasked) unless the run trusts code, also when
+    a later override says so."""
+    for old, new in (
+        (["reward.model.trust_remote_code=false"], []),
+        (["model.trust_remote_code=true", "reward.model.trust_remote_code=true"], ["model.trust_remote_code=true"]),
+        (["reward.model.trust_remote_code=true", "model.trust_remote_code=true"], ["model.trust_remote_code=true"]),
+    ):
+        cfg, notes = _load_noting(caplog, old)
+        assert len(notes) == 1 and "model.trust_remote_code now" in notes[0], notes
+        assert cfg.model_dump() == load_config(None, new).model_dump()
+    with pytest.raises(ConfigError, match=r"reward.model.trust_remote_code=true cannot be kept alone.*model.trust_rem"):
+        load_config(None, ["reward.model.trust_remote_code=true"])
+    path = tmp_path / "old.yaml"
+    path.write_text("reward: {model: {trust_remote_code: true}}\n")
+    with pytest.raises(ConfigError, match="set model.trust_remote_code=true"):
+        load_config(str(path))
+    assert load_config(str(path), ["model.trust_remote_code=true"]).model.trust_remote_code is True
 
 
 @pytest.mark.parametrize(

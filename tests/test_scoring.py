@@ -164,7 +164,7 @@ def test_the_reward_model_is_a_column_and_in_the_total(tiny_policy_dir, tiny_tok
     with Scorer(cfg) as scorer:
         out = scorer.score(rows, ["7", "7"], prompts=prompts)
     assert list(out) == ["total", "exact_match", "reward_model"]
-    rm = RewardModelScorer(cfg.reward.model, tok, [eos])
+    rm = RewardModelScorer(cfg.reward.model, tok, [eos], trust_remote_code=cfg.model.trust_remote_code)
     for i, prompt in enumerate(prompts):
         with torch.no_grad():
             own = float(rm.model(input_ids=torch.tensor([tok(prompt)["input_ids"] + rows[i]])).logits[0, 0])

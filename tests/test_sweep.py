@@ -45,9 +45,9 @@ def test_grid_values_parse_like_set_values():
     assert parse_grid_item("runtime.max_staleness=1,4,16") == ("runtime.max_staleness", [1, 4, 16])
     assert parse_grid_item("algorithm.loss=grpo,m2po") == ("algorithm.loss", ["grpo", "m2po"])
     assert parse_grid_item("trainer.lr=[0.0001, 0.0003]") == ("trainer.lr", [0.0001, 0.0003])
-    assert parse_grid(["algorithm.loss=ppo", "trainer.padding_free=true,false"]) == {
+    assert parse_grid(["algorithm.loss=ppo", "trainer.lr_schedule=constant,cosine"]) == {
         "algorithm.loss": ["ppo"],
-        "trainer.padding_free": [True, False],
+        "trainer.lr_schedule": ["constant", "cosine"],
     }
     with pytest.raises(ConfigError, match="given twice"):
         parse_grid(["algorithm.loss=grpo", "algorithm.loss=m2po"])

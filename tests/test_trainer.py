@@ -526,7 +526,7 @@ def test_reward_components_are_step_metrics(tiny_model, batch):
 
 @pytest.mark.parametrize("loss,agg", MICRO_CASES, ids=[f"{loss}-{agg}" for loss, agg in MICRO_CASES])
 def test_padding_free_matches_the_padded_path(tiny_model, eos_batch, loss, agg):
-    """trainer.padding_free (sequences packed end to end) gives the padded path's losses, metrics, gradients and
+    """Padding-free training (sequences packed end to end) gives the padded path's losses, metrics, gradients and
     weights, for every loss and aggregation, with a KL reference, rows without tokens and 3 micro-batches."""
     name, _, masking = loss.partition("-")
     base = [
@@ -552,12 +552,10 @@ def test_padding_free_matches_the_padded_path(tiny_model, eos_batch, loss, agg):
     assert shared_prefix_plan(b.prompt_ids[:16], b.prompt_mask[:16], b.response_mask[:16]) is not None
     ref = perturbed(tiny_model)
     models = {free: copy.deepcopy(tiny_model) for free in (True, False)}
-    metrics = {
-        free: Trainer(
-            models[free], make_cfg(*base, f"trainer.padding_free={free}"), pad_token_id=0, ref_model=ref
-        ).train_step(b)
-        for free in (True, False)
-    }
+    trainers = {free: Trainer(models[free], make_cfg(*base), pad_token_id=0, ref_model=ref) for free in (True, False)}
+    assert trainers[True].padding_free  # the default
+    trainers[False].padding_free = False  # as ASYNCTENSORRLHF_NO_PADDING_FREE=1 makes it
+    metrics = {free: trainers[free].train_step(b) for free in (True, False)}
     packed, padded = metrics[True], metrics[False]
     for key in (
         "loss/policy",
@@ -691,7 +689,9 @@ def test_padding_free_falls_back_where_the_model_does_not_isolate_sequences(tiny
     with pytest.warns(RuntimeWarning, match="does not keep packed sequences apart"):
         got = Trainer(leaky, cfg, pad_token_id=0).train_step(eos_batch)
     base = ["trainer.lr=1e-4", "trainer.prompts_per_step=12", "rollout.max_new_tokens=8"]
-    want = Trainer(plain, make_cfg(*base, "trainer.padding_free=false"), pad_token_id=0).train_step(eos_batch)
+    padded = Trainer(plain, make_cfg(*base), pad_token_id=0)
+    padded.padding_free = False
+    want = padded.train_step(eos_batch)
     assert got["loss/total"] == pytest.approx(want["loss/total"], rel=1e-5, abs=1e-6)
 
 

@@ -91,7 +91,11 @@ class ModelConfig(_Section):
         "float32", description="Parameter dtype; 'auto' takes the checkpoint's."
     )
     device: str = Field("auto", description="'auto' (CUDA when available, else CPU), 'cpu', 'cuda' or 'cuda:N'.")
-    trust_remote_code: bool = Field(False, description="Allow model code shipped inside the model directory to run.")
+    trust_remote_code: bool = Field(
+        False,
+        description="Allow model code shipped inside a model directory of the run to run: the policy's, the "
+        "critic's and the reward model's.",
+    )
     gradient_checkpointing: bool = Field(False, description="Trade compute for memory in the trainer's forward pass.")
     preset: str = Field(
         "tiny",

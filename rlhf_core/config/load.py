@@ -16,7 +16,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from rlhf_core.config.base import ConfigError
-from rlhf_core.config.migrations import migrate_config, migration_notes
+from rlhf_core.config.migrations import migrate_config, migration_notes, refuse_unkept
 from rlhf_core.config.train import TrainConfig
 
 
@@ -185,6 +185,7 @@ def validate_config(data: dict | TrainConfig, source: str = "") -> TrainConfig:
         data = copy.deepcopy(data)  # the caller's mapping stays as it was
         for note in migrate_config(data):
             logging.getLogger("rlhf_core.config").warning("%s%s", note, source)
+        refuse_unkept(data)
     try:
         cfg = TrainConfig.model_validate(data)
     except ValidationError as err:

@@ -196,19 +196,64 @@ def _gone(key: str, why: str):
     return migrate
 
 
+def _get(data: dict, dotted: str) -> Any:
+    """The raw config's value at `dotted`, or _ABSENT."""
+    node: Any = data
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return _ABSENT
+        node = node[part]
+    return node
+
+
 def _fixed(key: str, value: Any, now: str):
     """A key that went because its value is fixed now (`now` says where): the fixed value (or null) is dropped with
-    one line; any other is refused, naming the key and where the figure lives, since the run would not do it."""
+    one line. Any other cannot be kept: it stays for a later override to replace, and validation refuses it, naming
+    the key and where the figure lives (`refuse`)."""
 
     def migrate(data: dict, old_wins: bool = False) -> Optional[str]:
-        given = _pop(data, key)
-        if given is _ABSENT:
+        given = _get(data, key)
+        if given is _ABSENT or not (given is None or given == value):
             return None
-        if given is None or given == value:
-            return f"{key} is gone ({now}); ignored"
-        raise ConfigError(f"{key}={given!r} cannot be kept: the key is gone ({now}); remove it")
+        _pop(data, key)
+        return f"{key} is gone ({now}); ignored"
 
+    def refuse(data: dict) -> Optional[str]:
+        given = _get(data, key)
+        return None if given is _ABSENT else f"{key}={given!r} cannot be kept: the key is gone ({now}); remove it"
+
+    migrate.refuse = refuse  # type: ignore[attr-defined]
     return migrate
+
+
+def _reward_model_trust(data: dict, old_wins: bool = False) -> Optional[str]:
+    """reward.model.trust_remote_code (removed): model.trust_remote_code is the one switch for code shipped in the
+    run's model directories (policy, critic, reward model). Trusting the reward model's code but not the policy's
+    cannot be kept: the key stays for a later `--set model.trust_remote_code=true`, and validation refuses it
+    (`refuse`), rather than trusting the policy's code unasked."""
+    trusted = _get(data, "reward.model.trust_remote_code")
+    run_trusts = _get(data, "model.trust_remote_code") is True
+    if trusted is _ABSENT or (trusted is not False and trusted is not None and not run_trusts):
+        return None
+    _pop(data, "reward.model.trust_remote_code")
+    return (
+        "reward.model.trust_remote_code is model.trust_remote_code now (one switch for every model directory of the "
+        f"run); {'true' if run_trusts else 'false'} for the reward model too"
+    )
+
+
+def _refuse_reward_model_trust(data: dict) -> Optional[str]:
+    trusted = _get(data, "reward.model.trust_remote_code")
+    if trusted is _ABSENT:
+        return None
+    return (
+        f"reward.model.trust_remote_code={str(trusted).lower()} cannot be kept alone: the key is gone, and "
+        "model.trust_remote_code is the one switch for code shipped in the run's model directories (policy, critic, "
+        "reward model); set model.trust_remote_code=true"
+    )
+
+
+_reward_model_trust.refuse = _refuse_reward_model_trust  # type: ignore[attr-defined]
 
 
 def _messages_key(data: dict, old_wins: bool = False) -> Optional[str]:
@@ -278,6 +323,13 @@ MIGRATIONS = [
     ),
     _messages_key,
     _env_factory,
+    _reward_model_trust,
+    _fixed(
+        "trainer.padding_free",
+        True,
+        "training is always padding-free, with the same results as padded rows; a benchmark measures padded rows "
+        "with ASYNCTENSORRLHF_NO_PADDING_FREE=1",
+    ),
     _fixed(
         "runtime.autopilot.wait_frac",
         0.2,
@@ -297,6 +349,16 @@ def migrate_config(data: dict, old_wins: bool = False) -> list[str]:
     """Rewrite renamed or removed keys of a raw config mapping in place; returns one note per key rewritten.
     `old_wins`: an old key present was given after its new spelling (an override just applied), so it wins."""
     return list(migration_notes(data, old_wins).values())
+
+
+def refuse_unkept(data: dict) -> None:
+    """After the last migration: an old key whose value cannot be kept (no override replaced it) is a ConfigError
+    naming the key and its replacement."""
+    for migration in MIGRATIONS:
+        refuse = getattr(migration, "refuse", None)
+        problem = refuse(data) if refuse is not None else None
+        if problem:
+            raise ConfigError(problem)
 
 
 def migration_notes(data: dict, old_wins: bool = False) -> dict[int, str]:

@@ -39,7 +39,8 @@ class RewardFunctionConfig(_Section):
 
 
 class RewardModelConfig(_Section):
-    """A learned reward model: a local sequence-classification model giving one score per sequence."""
+    """A learned reward model: a local sequence-classification model giving one score per sequence. Code shipped
+    inside its directory runs only with model.trust_remote_code (the one switch for the run's model directories)."""
 
     path: str = Field(
         "",
@@ -65,7 +66,6 @@ class RewardModelConfig(_Section):
     device: str = Field(
         "auto", description="'auto' (CUDA when its process has one, else CPU), 'cpu', 'cuda' or 'cuda:N'."
     )
-    trust_remote_code: bool = Field(False, description="Allow model code shipped inside the RM directory to run.")
 
 
 class OverlongConfig(_Section):

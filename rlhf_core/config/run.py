@@ -57,11 +57,6 @@ class TrainerConfig(_Section):
         description="Supervised format warm start before RL {steps, lr, targets} (steps 0 = none).",
     )
     seed: int = Field(0, description="Seed for torch, sampling and initialisation.")
-    padding_free: bool = Field(
-        True,
-        description="Pack a micro-batch's sequences end to end (own position ids, attention within each sequence) "
-        "instead of padding every row to the longest; falls back to padding where the model does not isolate them.",
-    )
 
     @field_validator("lr")
     @classmethod

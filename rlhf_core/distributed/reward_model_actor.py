@@ -19,7 +19,12 @@ class RewardModelActor:
 
         build.setup_process(cfg, cfg.trainer.seed)
         tokenizer = build.build_tokenizer(cfg, policy_dir)
-        self.scorer = RewardModelScorer(cfg.reward.model, tokenizer, build.build_stop_ids(cfg, tokenizer, policy_dir))
+        self.scorer = RewardModelScorer(
+            cfg.reward.model,
+            tokenizer,
+            build.build_stop_ids(cfg, tokenizer, policy_dir),
+            trust_remote_code=cfg.model.trust_remote_code,
+        )
 
     def shares_tokenizer(self) -> bool:
         return self.scorer.shares_tokenizer

@@ -116,9 +116,12 @@ def prompt_messages(prompt, policy_tokenizer) -> list[dict]:
 class RewardModelScorer:
     """Scores [prompt + response] rows with a sequence-classification reward model (see the module doc).
 
-    `shares_tokenizer` is decided once, here: the RM's vocabulary equals the policy tokenizer's."""
+    `shares_tokenizer` is decided once, here: the RM's vocabulary equals the policy tokenizer's.
+    `trust_remote_code`: the run's model.trust_remote_code (code shipped in the RM directory may run)."""
 
-    def __init__(self, cfg: RewardModelConfig, policy_tokenizer, stop_ids: Sequence[int], device=None):
+    def __init__(
+        self, cfg: RewardModelConfig, policy_tokenizer, stop_ids: Sequence[int], device=None, trust_remote_code=False
+    ):
         from transformers import AutoModelForSequenceClassification
         from transformers.utils import logging as hf_logging
 
@@ -127,11 +130,11 @@ class RewardModelScorer:
         self.cfg = cfg
         self.device = resolve_device(device or cfg.device)
         dtype = resolve_dtype(cfg.dtype)
-        self.tokenizer = load_tokenizer(p, trust_remote_code=cfg.trust_remote_code)
+        self.tokenizer = load_tokenizer(p, trust_remote_code=trust_remote_code)
         self.tokenizer.padding_side = "right"
         try:
             self.model = AutoModelForSequenceClassification.from_pretrained(
-                str(p), dtype=dtype or "auto", trust_remote_code=cfg.trust_remote_code, local_files_only=True
+                str(p), dtype=dtype or "auto", trust_remote_code=trust_remote_code, local_files_only=True
             )
         except Exception as exc:
             raise ConfigError(f"{FIELD}={cfg.path!r}: could not load the reward model: {exc}") from exc

@@ -110,7 +110,9 @@ def build_external_rewards(cfg: TrainConfig, tokenizer, stop_ids: list[int], rew
         external.append(build_reward_functions(cfg, tokenizer, stop_ids))
     if cfg.reward.model.path:
         if reward_model is None:
-            reward_model = LocalRewardModel(RewardModelScorer(cfg.reward.model, tokenizer, stop_ids))
+            reward_model = LocalRewardModel(
+                RewardModelScorer(cfg.reward.model, tokenizer, stop_ids, trust_remote_code=cfg.model.trust_remote_code)
+            )
         external.append(reward_model)
     if cfg.reward.overlong is not None:
         overlong = cfg.reward.overlong

@@ -6,6 +6,7 @@ use, and how rows are packed. The distribution is the one the rollout engine sam
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -296,6 +297,16 @@ def _shares_prefixes(model) -> bool:
     apart = sequence_logprobs(*args)[0]
     tol = 1e-4 if shared.dtype == torch.float32 else 5e-2
     return bool(((shared - apart).abs() * response_mask).max() <= tol * (1 + float(apart.abs().max())))
+
+
+NO_PADDING_FREE_ENV = "ASYNCTENSORRLHF_NO_PADDING_FREE"
+"""A benchmark switch, not a config key: 1 trains on padded rows instead of packed sequences (same results,
+tests/test_trainer.py), to measure what packing saves. Ray workers inherit it from the driver's environment."""
+
+
+def padding_free_enabled() -> bool:
+    """Whether a Trainer packs a micro-batch's sequences end to end (always, unless NO_PADDING_FREE_ENV is 1)."""
+    return os.environ.get(NO_PADDING_FREE_ENV, "") not in ("1", "true", "yes")
 
 
 def padding_free_logprobs(model):

@@ -41,7 +41,7 @@ from rlhf_core.model.weights import load_weights_into
 from rlhf_core.rollout import probe as sync_probe
 from rlhf_core.rollout.base import SamplingParams
 from rlhf_core.trainer.ledger import reward_column_means, step_metrics
-from rlhf_core.trainer.logprobs import padding_free_logprobs, sequence_logprobs
+from rlhf_core.trainer.logprobs import padding_free_enabled, padding_free_logprobs, sequence_logprobs
 from rlhf_core.trainer.schedule import build_lr_lambda
 from rlhf_core.types import RolloutBatch
 
@@ -95,7 +95,7 @@ class Trainer:
         self.samples = 0
         self.tokens = 0
         self.lora = is_lora(model)
-        self._warned_padding = False
+        self.padding_free, self._warned_padding = padding_free_enabled(), False  # off: ASYNCTENSORRLHF_NO_PADDING_FREE
         if cfg.model.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
             model.gradient_checkpointing_enable()
             if self.lora:  # frozen embeddings: checkpointed blocks need an input that requires grad
@@ -173,13 +173,13 @@ class Trainer:
     # ------------------------------------------------------------------ step
     def _logprobs(self, model, batch: RolloutBatch, idx: slice, with_entropy: bool = False):
         fn = sequence_logprobs
-        if self.tcfg.padding_free:
+        if self.padding_free:
             if (free := padding_free_logprobs(model)) is not None:
                 fn = free
             elif not self._warned_padding:
                 self._warned_padding = True
                 warnings.warn(
-                    f"trainer.padding_free: {type(model).__name__} does not keep packed sequences apart here "
+                    f"padding-free training: {type(model).__name__} does not keep packed sequences apart here "
                     "(attention across position-id restarts); training on padded rows",
                     RuntimeWarning,
                     stacklevel=2,
