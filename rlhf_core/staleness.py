@@ -7,16 +7,17 @@ with the trainer's weights of version max(0, V − τ). Every consumed batch the
 policy_version = V − τ once V ≥ τ (and 0 before), and its behaviour log-probs come from that stale
 policy, so the importance ratios the losses see are real, not simulated.
 
-In-process and single-threaded: `build_run(cfg, share_weights=False)` gives the engine its own copy of
-the policy; `WeightHistory` keeps the last τ + 1 weight snapshots (CPU copies from
-`Trainer.state_dict_for_sync`). With τ = 0 the loop is step for step the on-policy `run_sync` loop.
-Evaluation always uses the trainer's current weights (a second engine over the trainer's model), never
-the stale engine's.
+It runs through the in-process host (`rlhf_core.loop.run_sync`: the lockstep cycle under the one supervision
+loop), built with `share_weights=False` so that the engine has its own copy of the policy; only the weight store
+differs: `StaleWeights` keeps the last τ + 1 published snapshots (`WeightHistory`, CPU copies from
+`Trainer.state_dict_for_sync`) and hands the rollout those of version max(0, V − τ), and the buffer's bound is τ.
+With τ = 0 this is step for step the on-policy `run_sync`. Evaluation always uses the trainer's current weights
+(a second engine over the trainer's model), never the stale engine's.
 """
 
 from __future__ import annotations
 
-import time
+import dataclasses
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Optional
@@ -24,9 +25,8 @@ from typing import Optional
 import torch
 
 from rlhf_core.config import TrainConfig
-from rlhf_core.loop import RunParts, build_run, generate_step_batch
+from rlhf_core.loop import RunParts, build_run, run_sync
 from rlhf_core.rollout import HFEngine
-from rlhf_core.run.evaluation import evaluate
 
 
 class WeightHistory:
@@ -70,6 +70,28 @@ class WeightHistory:
         return list(self._snapshots)
 
 
+class StaleWeights:
+    """The stale-k study's weight store: each publish of version V is recorded (the last τ + 1 kept), and the
+    rollout is handed the weights of version max(0, V − τ) for the newest V, between batches only."""
+
+    def __init__(self, tau: int):
+        self.history = WeightHistory(tau)
+        self.latest: Optional[int] = None
+
+    def publish(self, version: int, state_dict: dict) -> None:
+        self.history.record(version, state_dict)
+        self.latest = int(version)
+
+    def fetch_if_newer(self, version: int):
+        if self.latest is None:
+            return None
+        source, state_dict = self.history.weights_for(self.latest)
+        return (source, state_dict) if source > version else None
+
+    def poll_newer(self, version: int):
+        return None  # no weights land mid-batch in the study
+
+
 def current_policy_engine(parts: RunParts) -> HFEngine:
     """A greedy-evaluation engine over the trainer's own model (its current weights)."""
     return HFEngine(
@@ -78,19 +100,6 @@ def current_policy_engine(parts: RunParts) -> HFEngine:
         parts.tokenizer.pad_token_id,
         seed=parts.cfg.trainer.seed,
         version=parts.trainer.version,
-    )
-
-
-def evaluate_current(parts: RunParts, eval_engine: Optional[HFEngine] = None) -> dict:
-    """eval/accuracy and eval/reward_mean of the trainer's current policy on the held-out prompts."""
-    engine = eval_engine or current_policy_engine(parts)
-    return evaluate(
-        engine,
-        parts.heldout_prompts,
-        parts.reward_fn,
-        parts.tokenizer.pad_token_id,
-        parts.cfg.rollout.max_new_tokens,
-        max_prompt_tokens=parts.cfg.data.max_prompt_tokens,
     )
 
 
@@ -108,47 +117,38 @@ def run_stale(
     step 0, every `eval_every` steps and at the end, "eval/accuracy_start", "eval/accuracy",
     "time/train_wall_s", "steps", "tau"}.
     """
+    if tau < 0:
+        raise ValueError(f"staleness tau must be >= 0, got {tau}")
+    cfg = cfg.model_copy(deep=True)  # the supervision's: the bound is τ, evaluations every eval_every steps
+    cfg.runtime.max_staleness, cfg.eval.every = int(tau), int(eval_every)
     parts = parts or build_run(cfg, share_weights=False)
-    if getattr(parts.engine, "model", None) is parts.model and tau > 0:
+    if parts.shares_weights and tau > 0:
         raise ValueError("stale-k mode needs an engine with its own weights: build_run(cfg, share_weights=False)")
-    trainer = parts.trainer
-    history = WeightHistory(tau)
-    history.record(trainer.version, trainer.state_dict_for_sync())
-    eval_engine = current_policy_engine(parts)
-    start_eval = evaluate_current(parts, eval_engine)
-    evals = [(0, start_eval)]
-    start = time.perf_counter()
-    while trainer.step < cfg.trainer.total_steps:
-        trainer_version = trainer.version
-        data_version, weights = history.weights_for(trainer_version)
-        if parts.engine.version != data_version or trainer.step == 0:
-            parts.worker.load_weights(weights, data_version)
-        batch, reward_stats = generate_step_batch(parts)
-        metrics = trainer.train_step(batch)
-        history.record(trainer.version, trainer.state_dict_for_sync())
-        metrics.update(reward_stats)
-        metrics.update({"step": trainer.step, "data_version": data_version, "trainer_version": trainer_version})
-        if eval_every and trainer.step % eval_every == 0 and trainer.step < cfg.trainer.total_steps:
-            ev = evaluate_current(parts, eval_engine)
-            evals.append((trainer.step, ev))
-            metrics.update(ev)
-        parts.history.append(metrics)
+    parts.buffer.ceiling = max(parts.buffer.ceiling, int(tau))  # the study's bound is τ, whatever parts were built for
+    parts.buffer.set_max_staleness(int(tau))
+    parts.trainer_role.store = parts.rollout_role.store = StaleWeights(tau)
+    parts.evaluator = dataclasses.replace(parts.evaluator, engine=current_policy_engine(parts))
+
+    def versions(m: dict) -> None:
+        m["trainer_version"] = int(m["version"]) - int(bool(m["trainer/step_finite"]))  # the consumer's version
+        m["data_version"] = m["trainer_version"] - round(float(m["async/staleness_mean"]))
         if on_step:
-            on_step(metrics)
-        if trainer.consecutive_skips >= cfg.supervision.nonfinite_limit:
-            raise RuntimeError(
-                f"{trainer.consecutive_skips} consecutive non-finite trainer steps (limit "
-                f"supervision.nonfinite_limit={cfg.supervision.nonfinite_limit}); stopping"
-            )
-    wall = time.perf_counter() - start
-    final = evaluate_current(parts, eval_engine)
-    evals.append((trainer.step, final))
+            on_step(m)
+
+    out = run_sync(cfg, parts=parts, on_step=versions)
+    evals = [(0, {"eval/accuracy": out["eval/accuracy_start"]})]
+    evals += [
+        (m["step"], {k: v for k, v in m.items() if k.startswith("eval/")})
+        for m in parts.history
+        if "eval/accuracy" in m
+    ]
+    evals.append((out["steps"], {k: v for k, v in out.items() if k.startswith("eval/") and k != "eval/accuracy_start"}))
     return {
         "history": parts.history,
         "evals": evals,
-        "eval/accuracy_start": start_eval["eval/accuracy"],
-        "eval/accuracy": final["eval/accuracy"],
-        "time/train_wall_s": wall,
-        "steps": trainer.step,
+        "eval/accuracy_start": out["eval/accuracy_start"],
+        "eval/accuracy": out["eval/accuracy"],
+        "time/train_wall_s": out["time/train_wall_s"],
+        "steps": out["steps"],
         "tau": tau,
     }

@@ -68,23 +68,27 @@ def test_stale_k_consumes_data_exactly_tau_versions_old(tmp_path):
 
 
 def test_stale_k_engine_weights_are_the_old_snapshot(tmp_path):
+    """After trainer step k the engine already holds what it generates step k + 1's batch with: the snapshot of
+    version max(0, k - tau), exactly (the host's lockstep cycle adopts weights when a step ends)."""
     tau = 2
     cfg = tiny_cfg(tmp_path, 5)
     parts = build_run(cfg, share_weights=False)
     snapshots = {}
-    loaded = []
+    held, data_versions = [], []
 
     def on_step(m):  # record the trainer's weights at every version, and what the engine held
         snapshots[parts.trainer.version] = {k: v.clone() for k, v in parts.model.state_dict().items()}
-        loaded.append((m["data_version"], {k: v.clone() for k, v in parts.engine.model.state_dict().items()}))
+        held.append((parts.engine.version, {k: v.clone() for k, v in parts.engine.model.state_dict().items()}))
+        data_versions.append(m["data_version"])
 
     snapshots[0] = {k: v.clone() for k, v in parts.model.state_dict().items()}
     run_stale(cfg, tau, parts=parts, on_step=on_step)
     assert not all(torch.equal(v, snapshots[5][k]) for k, v in snapshots[0].items())  # the policy did change
-    assert [dv for dv, _ in loaded] == [0, 0, 0, 1, 2]
-    for data_version, engine_sd in loaded:
+    assert data_versions == [0, 0, 0, 1, 2]
+    assert [v for v, _ in held] == [max(0, k - tau) for k in range(1, 6)] == [0, 0, 1, 2, 3]
+    for version, engine_sd in held:
         for k, v in engine_sd.items():
-            assert torch.equal(v, snapshots[data_version][k]), (data_version, k)
+            assert torch.equal(v, snapshots[version][k]), (version, k)
 
 
 def test_tau_zero_equals_the_on_policy_loop(tmp_path):

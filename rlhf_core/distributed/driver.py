@@ -43,10 +43,7 @@ def run_distributed(
         result.update(info)
         if on_launch:
             on_launch(run)
-        result["eval/accuracy_start"] = run.eval_start if resume_from else run.evaluate()["eval/accuracy"]
-        run.eval_start = result["eval/accuracy_start"]
-        if cfg.trainer.warm_start.steps and not resume_from:
-            result.update(run.warm_start(cfg.trainer.warm_start.steps))
+        result.update(run.begin(resumed=bool(resume_from)))
         polls: list[dict] = []
 
         def record(poll: dict) -> None:

@@ -65,6 +65,9 @@ class RunHost(Protocol):
     def evaluations(self) -> list[dict]:
         """The pinned evaluations finished since the last call."""
 
+    def begin(self, resumed: bool) -> dict:
+        """The start evaluation (resumed: the lineage's), then the warm start; their metrics."""
+
     def checkpoint(self, path: str | Path, run: Optional[dict] = None) -> str:
         """A full resumable checkpoint (rlhf_core.run.checkpoint's one layout) with the run facts `run`."""
 
@@ -202,6 +205,17 @@ class HostBase:
         self.request_sync()
         self._workers_adopt()
         return {**metrics, "eval/accuracy_warm_start": self.evaluate()["eval/accuracy"]}
+
+    def begin(self, resumed: bool) -> dict:
+        """What every driver does before the loops start: the held-out evaluation before training (`resumed`: the
+        lineage's, restored from the checkpoint), then the warm start (not on resume). Returns eval/accuracy_start
+        and the warm start's metrics (warm_start/*, eval/accuracy_warm_start)."""
+        if not resumed:
+            self.eval_start = self.evaluate()["eval/accuracy"]
+        out = {"eval/accuracy_start": self.eval_start}
+        if self.cfg.trainer.warm_start.steps and not resumed:
+            out.update(self.warm_start(self.cfg.trainer.warm_start.steps))
+        return out
 
     def checkpoint(self, path: str | Path, run: Optional[dict] = None) -> str:
         """A full resumable checkpoint (rlhf_core.run.checkpoint's one layout): the trainer's state, the prompt

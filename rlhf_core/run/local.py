@@ -14,7 +14,6 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -27,8 +26,7 @@ from rlhf_core.data.queue import PromptQueue
 from rlhf_core.reward.functions.external import PythonFunctionRewards
 from rlhf_core.rollout import RolloutWorker
 from rlhf_core.run import build
-from rlhf_core.run.checkpoint import CheckpointError, CheckpointState
-from rlhf_core.run.checkpoint import checkpoint_dir as step_checkpoint_dir
+from rlhf_core.run.checkpoint import CheckpointState
 from rlhf_core.run.control import ExperienceBuffer, WeightStore, buffer_options
 from rlhf_core.run.evaluation import Evaluator
 from rlhf_core.run.preflight import check_lengths, check_output_dir
@@ -263,62 +261,3 @@ def restore_run_checkpoint(parts: RunParts, path: str | Path) -> CheckpointState
     if state.rng.get("rollout") and state.rng["rollout"][0] is not None and hasattr(parts.engine, "generator"):
         parts.engine.generator.set_state(state.rng["rollout"][0])
     return state
-
-
-def run_sync(
-    cfg: TrainConfig,
-    resume_from: Optional[str] = None,
-    on_step: Optional[Callable[[dict], None]] = None,
-    parts: Optional[RunParts] = None,
-    checkpoint_dir: Optional[str | Path] = None,
-) -> dict:
-    """Train in one process, in lockstep, for cfg.trainer.total_steps and return the final metrics (the roles'
-    cycles of the Ray runtime, hosted here: at runtime.max_staleness 0 both hosts train the same model).
-
-    Returned keys include eval/accuracy_start (held-out accuracy before training; on resume, the value
-    recorded at the start of the original run) and eval/accuracy (after training).
-    """
-    parts = parts or build_run(cfg, share_weights=True)
-    ckpt_root = Path(checkpoint_dir) if checkpoint_dir else None  # None: <run_dir>/checkpoints
-    parts.trainer_role.checkpoint_root = ckpt_root
-    run_facts: dict = {}
-    if resume_from:
-        run_facts.update(restore_run_checkpoint(parts, resume_from).run)
-        run_facts.pop("max_staleness", None)  # the bound is the buffer's (restored above with the autopilot)
-        run_facts.pop("ledger", None)  # the trainer role goes on from it (TrainerRole.ledger_carried)
-        if parts.trainer.step >= cfg.trainer.total_steps:
-            raise CheckpointError(
-                f"{resume_from} holds step {parts.trainer.step}, which already reaches trainer.total_steps="
-                f"{cfg.trainer.total_steps}: nothing to train; raise trainer.total_steps to continue"
-            )
-    else:
-        run_facts["eval_start"] = evaluate_parts(parts)["eval/accuracy"]
-        if cfg.trainer.warm_start.steps:
-            run_facts.update(warm_start(parts, cfg.trainer.warm_start.steps))
-    parts.trainer_role.run_facts = run_facts
-    start = time.perf_counter()
-    trainer = parts.trainer
-    while trainer.step < cfg.trainer.total_steps:
-        metrics = lockstep_step(parts)
-        if cfg.eval.every and trainer.step % cfg.eval.every == 0 and trainer.step < cfg.trainer.total_steps:
-            metrics.update(evaluate_parts(parts))
-        parts.history.append(metrics)
-        if on_step:
-            on_step(metrics)
-        if trainer.consecutive_skips >= cfg.supervision.nonfinite_limit:
-            raise RuntimeError(
-                f"{trainer.consecutive_skips} consecutive non-finite trainer steps (limit "
-                f"supervision.nonfinite_limit={cfg.supervision.nonfinite_limit}); stopping"
-            )
-    parts.trainer_role.publish()  # the last step published nothing (no next step): the engine gets the final
-    parts.rollout_role.adopt_weights()  # weights for the final evaluation
-    written = {c["step"] for c in parts.trainer_role.drain_checkpoints()}
-    if trainer.step not in written:  # checkpoint.every=0 means "only at the end"
-        save_run_checkpoint(parts, step_checkpoint_dir(cfg.run.run_dir, trainer.step, under=ckpt_root), run_facts)
-    result = {k: v for k, v in run_facts.items() if k != "eval_start"}
-    result["eval/accuracy_start"] = run_facts.get("eval_start")
-    result.update(parts.history[-1] if parts.history else {})
-    result.update(evaluate_parts(parts))
-    result["time/train_wall_s"] = time.perf_counter() - start
-    result["steps"] = trainer.step
-    return result
