@@ -27,7 +27,7 @@ def group_cfg(tmp_path, workers: int, *overrides):
             f"run.output_dir={tmp_path}",
             "cluster.num_cpus=2",
             f"cluster.trainer_workers={workers}",
-            "runtime.wait_timeout_s=60",
+            "runtime.wait_timeout_s=180",  # also the ranks' rendezvous: a loaded machine starts an actor slowly
             "runtime.max_staleness=0",
             "eval.every=0",
             "data.eval_size=20",
