@@ -91,6 +91,26 @@ def test_nonfinite_limit_stops_the_run(tmp_path):
         assert torch.equal(v, before[k]), k
 
 
+def test_a_rollout_whose_every_group_is_refused_stops_the_in_process_run_naming_the_stall(tmp_path):
+    """An engine that never takes a new version (its load_weights does nothing) keeps generating version-0
+    groups; in lockstep the buffer refuses them all after the first step. The in-process host stops within
+    supervision.stall_timeout_s, naming the stall and the buffer's counts, instead of generating forever."""
+    from rlhf_core.supervision import SupervisionError
+
+    cfg = small_cfg(tmp_path, "runtime.max_staleness=0", "trainer.total_steps=4", "eval.every=0",
+                    "supervision.stall_timeout_s=2")  # fmt: skip
+    parts = build_run(cfg)
+    parts.worker.load_weights = lambda state_dict, version: None  # a broken engine: the new version never lands
+    with pytest.raises(SupervisionError, match=r"no trainer step for \d+ s \(supervision.stall_timeout_s=2\); "
+                       r"stuck: rollout .* evicted as staler than max_staleness=0, .* the rollout's weights are "
+                       r"version 0, the trainer's 1\)") as failed:  # fmt: skip
+        run_sync(cfg, parts=parts)
+    assert parts.trainer.step == 1 and parts.engine.version == 0
+    stats = parts.buffer.stats()
+    assert stats["evicted_stale"] == stats["pushed"] - 4 > 0, stats  # all but the first step's 4 groups
+    assert f"of {stats['pushed']} groups pushed, {stats['evicted_stale']} evicted" in str(failed.value)
+
+
 def test_warm_start_teaches_format_not_answers(tmp_path):
     cfg = small_cfg(tmp_path, "trainer.lr=3e-3", "model.preset=word:1x64x4")
     parts = build_run(cfg)

@@ -90,7 +90,7 @@ class InProcessRun(HostBase):
     def wait(self, seconds: float) -> None:
         """One lockstep step (the supervision waits here between polls), unless the run is done."""
         if not self.done:
-            lockstep_step(self.parts)
+            lockstep_step(self.parts, stall_s=self.cfg.supervision.stall_timeout_s)
             self.last_step = self.parts.trainer.step
 
     def poll(self) -> dict:

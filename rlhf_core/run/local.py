@@ -32,6 +32,7 @@ from rlhf_core.run.evaluation import Evaluator
 from rlhf_core.run.preflight import check_lengths, check_output_dir
 from rlhf_core.run.roles import RolloutRole, TrainerRole
 from rlhf_core.run.warm_start import warm_start as run_warm_start
+from rlhf_core.supervision import SupervisionError
 from rlhf_core.trainer import Trainer
 from rlhf_core.types import RolloutBatch, cat_rollouts
 
@@ -187,9 +188,11 @@ def warm_start(parts: RunParts, steps: int) -> dict:
     return {**metrics, "eval/accuracy_warm_start": evaluate_parts(parts)["eval/accuracy"]}
 
 
-def lockstep_step(parts: RunParts) -> dict:
+def lockstep_step(parts: RunParts, stall_s: Optional[float] = None) -> dict:
     """One trainer step in one thread: the rollout role generates while admission lets it and the step's batch
-    is not complete, then the trainer role takes, trains, publishes and checkpoints when due."""
+    is not complete, then the trainer role takes, trains, publishes and checkpoints when due. `stall_s`: batches
+    generated for longer than this without a complete step stop the run (SupervisionError naming the buffer's
+    counts: e.g. every group refused or evicted), as the supervision's stall check does on the other hosts."""
     t0 = time.perf_counter()
     role, total = parts.trainer_role, parts.cfg.trainer.total_steps
     while True:
@@ -200,6 +203,15 @@ def lockstep_step(parts: RunParts) -> dict:
             raise RuntimeError(
                 f"the in-process host is stuck: admission refuses a batch (buffer {parts.buffer.stats()}) and the "
                 "buffer holds no complete step; this is a bug in the admission rule"
+            )
+        if stall_s is not None and time.perf_counter() - t0 > stall_s:
+            b = parts.buffer.stats()
+            raise SupervisionError(
+                f"no trainer step for {time.perf_counter() - t0:.0f} s (supervision.stall_timeout_s={stall_s:g}); "
+                f"stuck: rollout (batches generated, none completes a step: of {b['pushed']} groups pushed, "
+                f"{b['evicted_stale']} evicted as staler than max_staleness={b['max_staleness']}, "
+                f"{b['filtered_groups']} filtered, {b['dropped_overflow']} dropped; the rollout's weights are "
+                f"version {parts.worker.version}, the trainer's {parts.trainer.version})"
             )
     parts.rollout_role.adopt_weights()  # lockstep: the engine holds the new weights when the step ends (evaluation)
     elapsed = time.perf_counter() - t0
