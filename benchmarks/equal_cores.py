@@ -6,7 +6,7 @@
 
 Arms (every one the same config but for what the arm names; torch threads: 2 for the loop, 1 per role elsewhere):
   loop          rlhf_core.loop.run_sync: both roles in one thread, lockstep, cluster.torch_threads 2
-  threads       cluster.host threads (rlhf_core.run.threaded.ThreadedRun): each role on a thread, async
+  threads       cluster.host threads (rlhf_core.hosts.threads.ThreadedRun): each role on a thread, async
   ray_lockstep  the Ray host at runtime.max_staleness 0 (1 CPU per role)
   ray_async     the Ray host, async
   ray_partial   ray_async + rollout.partial_rollout (weights adopted between decode steps)
@@ -165,7 +165,7 @@ def run_host(cfg, target: float, final_eval: bool = False) -> dict:
 
 
 def supervised(cfg, target: float, final_eval: bool = False) -> dict:
-    from rlhf_core.run.hosts import make_runtime
+    from rlhf_core.hosts import make_runtime
     from rlhf_core.run.supervise import Sinks, supervise
 
     marks: dict = {"hit": None, "hit_step": None, "end": None, "final": None, "accuracy": None}

@@ -7,7 +7,7 @@
        run is a child of the parent (a failing point fails only its child) -> comparison table and plot
        as Prefect artifacts and as the parent's MLflow artifacts.
 
-With `shared_fleet`, every point runs at once in this process on one shared fleet (rlhf_core.run.shared_fleet:
+With `shared_fleet`, every point runs at once in this process on one shared fleet (rlhf_core.hosts.shared_fleet:
 one base model, one rollout engine batching every point's generation, one trainer process holding every point's
 adapter and optimizer); each point is still its own child flow run and MLflow child run. Otherwise points run
 in this process, on one Ray instance the sweep starts (unless cluster.address names one) with
@@ -67,7 +67,7 @@ def sweep(
     MLflow artifacts under comparison/.
 
     `shared_fleet`: the points run at once on one base model, one rollout engine and one trainer process
-    (rlhf_core.run.shared_fleet): each its own LoRA adapter, optimizer, buffer and child flow run; refused before
+    (rlhf_core.hosts.shared_fleet): each its own LoRA adapter, optimizer, buffer and child flow run; refused before
     anything starts (the key named) where the points differ in more than an adapter run may.
 
     Returns the sweep id, the MLflow parent run id, the table rows and the counts (ran, skipped, failed).
@@ -87,7 +87,10 @@ def sweep(
     sid = sweep_id or make_sweep_id(cfg, grid, seeds_used)
     run_cfg = cfg
     if shared_fleet:
-        from rlhf_core.run.shared_fleet import SharedFleet, fleet_config  # torch and the model: for a shared fleet only
+        from rlhf_core.hosts.shared_fleet import (  # torch and the model: for a shared fleet only
+            SharedFleet,
+            fleet_config,
+        )
 
         run_cfg = fleet_config(cfg)
         fleet_points = shared_points(run_cfg, points, sid)  # refused here (the key named), before any run is opened

@@ -1,6 +1,6 @@
 """Prefect tasks around the runtime: launch, evaluate, teardown.
 
-The runtime (`rlhf_core.distributed.DistributedRun` on Ray, or `rlhf_core.run.threaded.ThreadedRun` with
+The runtime (`rlhf_core.distributed.DistributedRun` on Ray, or `rlhf_core.hosts.threads.ThreadedRun` with
 cluster.host threads) owns the mechanisms; these tasks make each discrete
 step an observable task run in the flow. Nothing here does math.
 """
@@ -23,7 +23,7 @@ WARM_START_REPORT_S = 10.0  # a line at least this often while the warm start ru
 def make_runtime(cfg: TrainConfig):
     """The runtime for this config (cluster.host: Ray actors or threads; imported here so that importing tasks
     stays light)."""
-    from rlhf_core.run.hosts import make_runtime as for_host
+    from rlhf_core.hosts import make_runtime as for_host
 
     return for_host(cfg)
 

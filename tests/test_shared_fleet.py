@@ -1,4 +1,4 @@
-"""Sweeps on one shared fleet (rlhf_core/run/shared_fleet.py, `atrlhf sweep --shared-fleet`): which grids may
+"""Sweeps on one shared fleet (rlhf_core/hosts/shared_fleet.py, `atrlhf sweep --shared-fleet`): which grids may
 share a fleet; the fleet's mixed-adapter batch against each adapter generating alone; an adapter's sync and the
 trainer's per-point lock; and, slow, a 3-point LoRA sweep through the CLI on one fleet (real Prefect, MLflow on
 SQLite) with a point whose loss raises: it fails alone, the others finish as runs of their own.
@@ -59,7 +59,7 @@ def test_cli_refuses_a_grid_that_cannot_share_before_starting(tmp_path, capsys):
 
 @pytest.fixture
 def fleet(tmp_path):
-    from rlhf_core.run.shared_fleet import SharedFleet, fleet_config
+    from rlhf_core.hosts.shared_fleet import SharedFleet, fleet_config
 
     base = fleet_config(load_config(LORA, [*SMALL, f"run.output_dir={tmp_path / 'runs'}"]))
     points = shared_points(base, expand_grid({"model.lora.r": [4, 8]}, [0]), "sweep-test")
@@ -76,8 +76,8 @@ def test_a_mixed_adapter_batch_generates_what_each_adapter_generates_alone(fleet
     """Two points' calls of different prompt widths in one mixed-adapter batch (peft's adapter_names per row, the
     accelerator path, forced here on the CPU): each gets exactly the tokens and log-probs its adapter generates
     alone, its own prompt width, group ids from 0 and its adapter's version on every token."""
+    from rlhf_core.hosts.shared_fleet import AdapterEngine
     from rlhf_core.run.build import build_prompts
-    from rlhf_core.run.shared_fleet import AdapterEngine
 
     prompts, _ = build_prompts(fleet.configs["point0"], fleet.tokenizer)
     pad = fleet.tokenizer.pad_token_id
@@ -152,8 +152,8 @@ def test_points_share_the_base_weights_and_each_trains_and_syncs_its_own_adapter
     """Every point's trainer model and the engine's hold the one base weights (the same tensors); a step of one
     point's adapter changes neither the base nor the other point's; its sync reaches its adapter on the engine
     alone."""
+    from rlhf_core.hosts.shared_fleet import AdapterEngine
     from rlhf_core.model.lora import adapter_state_dict
-    from rlhf_core.run.shared_fleet import AdapterEngine
 
     m0, m1 = fleet.models["point0"], fleet.models["point1"]
     base = dict(fleet.base.named_parameters())
@@ -258,8 +258,8 @@ def test_two_points_train_on_one_mixed_adapter_engine_each_within_its_own_bound(
     host (the host factory finds it by run.output_dir), generating through the one mixed-adapter engine: each
     reaches its steps within its own staleness bound, its groups and tokens accounted, and the engine's batches
     held both points' rows."""
-    from rlhf_core.run.hosts import make_runtime
-    from rlhf_core.run.shared_fleet import SharedFleet, SharedPointHost, fleet_config
+    from rlhf_core.hosts import make_runtime
+    from rlhf_core.hosts.shared_fleet import SharedFleet, SharedPointHost, fleet_config
     from tests.ledger_checks import assert_ledger_balances
 
     base = fleet_config(

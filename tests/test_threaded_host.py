@@ -1,4 +1,4 @@
-"""The in-process async host (cluster.host: threads, rlhf_core.run.threaded.ThreadedRun): the roles' loops on threads
+"""The in-process async host (cluster.host: threads, rlhf_core.hosts.threads.ThreadedRun): the roles' loops on threads
 of this process, under the same supervision as the Ray host. It trains the tiny task within the staleness bound
 with every group accounted for, resumes from its own and the in-process lockstep loop's checkpoints (one layout),
 trains run_sync's model at max_staleness 0, and the Prefect flow runs on it. No Ray is started here."""
@@ -15,8 +15,8 @@ from safetensors.torch import load_file
 
 from rlhf_core.config import load_config
 from rlhf_core.distributed import run_distributed
-from rlhf_core.run.hosts import make_runtime
-from rlhf_core.run.threaded import ThreadedRun
+from rlhf_core.hosts import make_runtime
+from rlhf_core.hosts.threads import ThreadedRun
 from tests.ledger_checks import assert_ledger_balances
 
 REPO = Path(__file__).resolve().parents[1]

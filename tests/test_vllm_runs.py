@@ -165,7 +165,7 @@ def test_evaluate_and_serve_a_checkpoint_on_either_engine(tmp_path):
 
 
 def _vllm_fleet_points(tmp_path, grid_points, *sets):
-    from rlhf_core.run.shared_fleet import fleet_config
+    from rlhf_core.hosts.shared_fleet import fleet_config
     from rlhf_core.sweep_grid import shared_points
 
     base = vllm_cfg(
@@ -181,11 +181,11 @@ def test_a_vllm_fleet_batch_serves_every_point_its_own_adapter(tmp_path):
     import torch
 
     from rlhf_core.data.prompts import collate_prompts
+    from rlhf_core.hosts.shared_fleet import AdapterEngine, SharedFleet
     from rlhf_core.model.lora import adapter_state_dict
     from rlhf_core.rollout.base import SamplingParams
     from rlhf_core.rollout.vllm import VLLMEngine
     from rlhf_core.run.build import build_prompts
-    from rlhf_core.run.shared_fleet import AdapterEngine, SharedFleet
     from rlhf_core.sweep_grid import expand_grid
     from tests.test_shared_fleet import generate_together
 
@@ -242,7 +242,7 @@ def test_two_points_train_on_one_vllm_fleet_each_with_its_adapter_in_use(tmp_pat
     """Two points on one vLLM engine, each driven as a run of its own: each reaches its steps within its own
     staleness bound with its ledger balanced, and every sync's probe (the point's adapter active on the shared
     engine) agrees with its own trainer at noise level: each point generates with its own trained adapter."""
-    from rlhf_core.run.shared_fleet import SharedFleet
+    from rlhf_core.hosts.shared_fleet import SharedFleet
     from rlhf_core.sweep_grid import SweepPoint
     from tests.test_shared_fleet import run_points
 

@@ -218,7 +218,7 @@ class ClusterConfig(_Section):
     host: Literal["ray", "threads"] = Field(
         "ray",
         description="What hosts the trainer and rollout roles: 'ray' runs each in its own Ray actor process (one "
-        "machine or a cluster); 'threads' runs them on threads of this one process (rlhf_core.run.threaded: no "
+        "machine or a cluster); 'threads' runs them on threads of this one process (rlhf_core.hosts.threads: no "
         "Ray, no copies between roles, one machine only: cluster.address and the Ray resources are not used, and "
         "cluster.trainer_workers must be 1). Both run the same cycles, staleness bound, checkpoints and metrics; "
         "each role's thread runs cluster.torch_threads torch intra-op threads.",

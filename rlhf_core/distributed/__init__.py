@@ -1,4 +1,4 @@
-"""The Ray runtime: the only Ray code.
+"""The roles as Ray actors (with the Ray host, rlhf_core/hosts/ray_cluster.py, the only Ray code).
 
     transport.py  experience and weights packed for Ray's object store (no Ray import)
     calls.py      a bounded wait on a Ray reference (get_or_fail, WaitTimeout), the fault-injection death
@@ -7,11 +7,11 @@
     trainer_group.py       ranks 1..N-1 of a sharded trainer group (FSDP2), joining the group
     reward_model_actor.py  the reward-model actor and the rollout worker's client of it
     cluster.py    joining or starting Ray, resources, placement groups, teardown
-    runtime.py    DistributedRun: launch, loops, poll, sync, checkpoint, teardown
-    driver.py     run_distributed: a DistributedRun supervised without Prefect (tests, benchmarks)
 
-The runtime wraps rlhf_core.run.control's objects (and the prompt queue of rlhf_core.data.queue) in Ray actors.
-Importing this package does not import Ray; the names below load their modules (and Ray) on first use.
+The Ray host over these actors is `rlhf_core.hosts.ray_cluster.DistributedRun` and its driver without Prefect
+`rlhf_core.hosts.driver.run_distributed`: both stay importable from here (docs/api.md). The actors wrap
+rlhf_core.run.control's objects (and the prompt queue of rlhf_core.data.queue). Importing this package does not
+import Ray; the names below load their modules (and Ray) on first use.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ _LAZY = {
     "ClusterError": "rlhf_core.distributed.cluster",
     "check_resources": "rlhf_core.distributed.cluster",
     "connect": "rlhf_core.distributed.cluster",
-    "DistributedRun": "rlhf_core.distributed.runtime",
+    "DistributedRun": "rlhf_core.hosts.ray_cluster",
     "RunFailed": "rlhf_core.run.control",  # every host raises it
-    "run_distributed": "rlhf_core.distributed.driver",
+    "run_distributed": "rlhf_core.hosts.driver",
 }
 
 __all__ = sorted(_LAZY)

@@ -1,4 +1,4 @@
-"""Which sweep points may share one fleet (`atrlhf sweep --shared-fleet`, rlhf_core.run.shared_fleet), on their
+"""Which sweep points may share one fleet (`atrlhf sweep --shared-fleet`, rlhf_core.hosts.shared_fleet), on their
 configs alone: plain Python, no model, no torch."""
 
 from __future__ import annotations

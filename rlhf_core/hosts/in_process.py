@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import Optional
 
 from rlhf_core.config import TrainConfig
+from rlhf_core.hosts.base import HostBase
 from rlhf_core.run.accounting import reconcile
 from rlhf_core.run.checkpoint import CheckpointError, CheckpointState
 from rlhf_core.run.checkpoint import checkpoint_dir as step_checkpoint_dir
 from rlhf_core.run.control import assemble_poll
-from rlhf_core.run.host_base import HostBase
 from rlhf_core.run.local import RunParts, build_run, export_run, lockstep_step
 from rlhf_core.run.supervise import Sinks, supervise
 from rlhf_core.run.warm_start import warm_start as run_warm_start

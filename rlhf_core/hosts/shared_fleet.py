@@ -31,11 +31,11 @@ import torch
 
 from rlhf_core.config import TrainConfig, apply_overrides, validate_config
 from rlhf_core.data.prompts import PromptBatch
+from rlhf_core.hosts.threads import ThreadedRun
 from rlhf_core.model.lora import apply_lora
 from rlhf_core.rollout.base import SamplingParams
 from rlhf_core.run import build
 from rlhf_core.run.fleet_config import check_shareable, fleet_base
-from rlhf_core.run.threaded import ThreadedRun
 from rlhf_core.types import RolloutBatch
 
 BATCH_WINDOW_S = 0.05  # how long a generate() call waits for the other points' calls to join its batch

@@ -1,12 +1,12 @@
-"""Where a run's roles run (cluster.host): `DistributedRun` (Ray actors, rlhf_core/distributed/runtime.py) or
-`ThreadedRun` (threads of this process, rlhf_core/run/threaded.py).
+"""Where a run's roles run (cluster.host): `DistributedRun` (Ray actors, rlhf_core/hosts/ray_cluster.py) or
+`ThreadedRun` (threads of this process, rlhf_core/hosts/threads.py).
 
 `RunHost` declares the control interface both implement: what the one supervision loop (`rlhf_core.run.supervise`),
 the Prefect flow and `run_distributed` call. `HostBase` writes once what is the same on every host (restore from a
 checkpoint, the first weights, the warm start's hand-over, a checkpoint's gathering, prompt top-up, the buffer's
 knobs, the weights publish); a host supplies how it reaches its roles (`_trainer`, `_queue`, `_buffer`: a direct
 call in this process, a remote call on Ray) and its rollout workers (`_rollout_rng`, `_set_rollout_rng`,
-`_workers_adopt`). `rlhf_core.run.hosts.make_runtime` picks the host.
+`_workers_adopt`). `rlhf_core.hosts.make_runtime` picks the host.
 """
 
 from __future__ import annotations

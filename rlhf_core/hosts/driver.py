@@ -11,8 +11,8 @@ from collections.abc import Callable
 from typing import Optional
 
 from rlhf_core.config import TrainConfig
-from rlhf_core.distributed.runtime import DistributedRun
-from rlhf_core.run.hosts import make_runtime
+from rlhf_core.hosts import make_runtime
+from rlhf_core.hosts.ray_cluster import DistributedRun
 from rlhf_core.run.supervise import Sinks, supervise
 
 log = logging.getLogger("rlhf_core.distributed")
@@ -33,7 +33,7 @@ def run_distributed(
     `on_launch(run)` is called once the actors are up (benchmarks and fault tests use it); `cancelled()` returning
     True ends the run before cfg.trainer.total_steps, as a cancelled flow run ends (the loops stop; what they
     pushed meanwhile is in the last poll, so reconcile stays exact; result["cancelled"]). With cluster.host
-    'threads' the run is a `rlhf_core.run.threaded.ThreadedRun` (no Ray) under the same supervision."""
+    'threads' the run is a `rlhf_core.hosts.threads.ThreadedRun` (no Ray) under the same supervision."""
     if poll_interval_s is not None:
         cfg = cfg.model_copy(deep=True)
         cfg.supervision.supervise_interval_s = poll_interval_s

@@ -5,10 +5,10 @@ between the roles: groups reach the trainer as the rollout made them, and a publ
 snapshot (`Trainer.state_dict_for_sync`, taken under the trainer's lock: its optimizer updates the parameters in
 place), handed to the rollout engines by reference and copied once into each engine's own model.
 
-Its public interface is `rlhf_core.run.host_base.RunHost`, as `DistributedRun`'s is, and what is the same on both hosts
+Its public interface is `rlhf_core.hosts.base.RunHost`, as `DistributedRun`'s is, and what is the same on both hosts
 is written once in `HostBase` (restore, the first weights, checkpoints, prompt top-up, the buffer's knobs), so the
 one supervision loop (`rlhf_core.run.supervise`), the Prefect flow and
-`run_distributed` drive either host; `rlhf_core.run.hosts.make_runtime` picks one by cluster.host. The roles'
+`run_distributed` drive either host; `rlhf_core.hosts.make_runtime` picks one by cluster.host. The roles'
 cycles, the staleness bound (the buffer's), checkpoints (the trainer role's writer and reader: either host
 resumes the other's), metric names and the accounting (`reconcile`) are the same objects as on Ray.
 
@@ -31,11 +31,11 @@ import torch
 
 from rlhf_core.config import TrainConfig
 from rlhf_core.data.queue import PromptQueue
+from rlhf_core.hosts.base import HostBase
 from rlhf_core.run import build
 from rlhf_core.run.accounting import reconcile
 from rlhf_core.run.checkpoint import read_checkpoint
 from rlhf_core.run.control import ExperienceBuffer, RunFailed, assemble_poll, buffer_options
-from rlhf_core.run.host_base import HostBase
 from rlhf_core.run.local import LocalPeer, LocalWeights
 from rlhf_core.run.pinned_eval import EvaluationHost, pinned_evaluation
 from rlhf_core.run.preflight import check_lengths, check_output_dir
@@ -188,7 +188,7 @@ class ThreadedRun(EvaluationHost, HostBase):
                             self.store, i)
             )  # fmt: skip
 
-    # the parts a host built on this one may hold elsewhere (`rlhf_core.run.shared_fleet`)
+    # the parts a host built on this one may hold elsewhere (`rlhf_core.hosts.shared_fleet`)
     def _policy(self, policy_dir: Path):
         """The trainer's (model, tokenizer)."""
         return build.build_policy(self.cfg, policy_dir)

@@ -3,7 +3,7 @@
 It launches the actors, runs their loops (in lockstep at runtime.max_staleness 0), and answers the control
 plane: poll stats, schedule prompts, sync weights, throttle, evaluate, checkpoint, export, teardown.
 The Prefect flow (flows/train.py) decides WHEN to do these things; `run_distributed`
-(rlhf_core.distributed.driver) is the same supervision (rlhf_core.supervision.Supervisor) without Prefect,
+(rlhf_core.hosts.driver) is the same supervision (rlhf_core.supervision.Supervisor) without Prefect,
 for tests, benchmarks and debugging.
 """
 
@@ -37,11 +37,11 @@ from rlhf_core.distributed.rollout_actor import rollout_rng_states
 from rlhf_core.distributed.trainer_actor import TrainerActor
 from rlhf_core.distributed.trainer_group import TrainerRankActor
 from rlhf_core.env.serve import stop_wait_s
+from rlhf_core.hosts.base import HostBase
 from rlhf_core.run import build
 from rlhf_core.run.accounting import reconcile
 from rlhf_core.run.checkpoint import read_checkpoint
 from rlhf_core.run.control import ExperienceBuffer, RunFailed, WeightStore, WorkerDied, assemble_poll, buffer_options
-from rlhf_core.run.host_base import HostBase
 from rlhf_core.run.preflight import check_lengths, check_output_dir
 from rlhf_core.run.supervise import FAILED_GRACE_S, stop_grace
 from rlhf_core.usercode import USER_MODULE_PREFIX
