@@ -181,8 +181,8 @@ def run_sync(
         host.run_facts = {k: v for k, v in run_facts.items() if k != "eval/accuracy_start"}
         history, written, latest = host.parts.history, set(), []
 
-        def evaluate(step: int) -> None:
-            latest[-1].update(host.evaluate())
+        def evaluate(step: int) -> None:  # eval.every: into the metrics of the step it follows
+            (latest[-1] if latest else {}).update(host.evaluate())
 
         def on_poll(poll: dict) -> None:
             latest.extend(poll["metrics"])
@@ -203,7 +203,9 @@ def run_sync(
         supervise(cfg, host, host.last_step, sinks)
         p = host.parts
         if p.trainer.step not in written:  # checkpoint.every=0 means "only at the end"
-            host.checkpoint(step_checkpoint_dir(cfg.run.run_dir, p.trainer.step, under=host.checkpoint_root), run_facts)
+            host.checkpoint(
+                step_checkpoint_dir(cfg.run.run_dir, p.trainer.step, under=host.checkpoint_root), host.run_facts
+            )
         result = {k: v for k, v in run_facts.items() if k not in ("eval_start", "eval/accuracy_start")}
         result["eval/accuracy_start"] = host.eval_start
         result.update(history[-1] if history else {})
