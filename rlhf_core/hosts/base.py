@@ -1,12 +1,13 @@
-"""Where a run's roles run (cluster.host): `DistributedRun` (Ray actors, rlhf_core/hosts/ray_cluster.py) or
-`ThreadedRun` (threads of this process, rlhf_core/hosts/threads.py).
+"""What every host is: `DistributedRun` (Ray actors, ray_cluster.py), `ThreadedRun` (threads of this process,
+threads.py) and `InProcessRun` (this thread, in lockstep: run_sync, in_process.py).
 
-`RunHost` declares the control interface both implement: what the one supervision loop (`rlhf_core.run.supervise`),
+`RunHost` declares the control interface they implement: what the one supervision loop (`rlhf_core.run.supervise`),
 the Prefect flow and `run_distributed` call. `HostBase` writes once what is the same on every host (restore from a
-checkpoint, the first weights, the warm start's hand-over, a checkpoint's gathering, prompt top-up, the buffer's
-knobs, the weights publish); a host supplies how it reaches its roles (`_trainer`, `_queue`, `_buffer`: a direct
-call in this process, a remote call on Ray) and its rollout workers (`_rollout_rng`, `_set_rollout_rng`,
-`_workers_adopt`). `rlhf_core.hosts.make_runtime` picks the host.
+checkpoint, the first weights, the start evaluation and warm start, the warm start's hand-over, a checkpoint's
+gathering, prompt top-up, the buffer's knobs, the weights publish, `wait_loop`); a host supplies how it reaches its
+roles (`_trainer`, `_queue`, `_buffer`: a direct call in this process, a remote call on Ray) and its rollout workers
+(`_rollout_rng`, `_set_rollout_rng`, `_workers_adopt`). `rlhf_core.hosts.make_runtime` picks the host cluster.host
+names (the in-process host is run_sync's).
 """
 
 from __future__ import annotations
