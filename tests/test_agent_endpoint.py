@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import openai
@@ -43,6 +44,24 @@ def served(chat_policy_dir):
 
 def client(server, key=None) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.base_url, api_key=key or server.key, max_retries=0)
+
+
+@pytest.mark.slow  # 6 s idle
+def test_an_idle_connection_outlives_a_client_pools_keep_alive(served):
+    """The endpoint keeps an idle connection open past httpx's 5 s keep-alive expiry (the pool of the openai client
+    every agent uses), so a client never reuses a connection the server is closing at that moment: at uvicorn's
+    default 5 s the second request on this connection found it closed."""
+    import socket
+
+    server = served[0]
+    request = f"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {server.key}\r\n\r\n".encode()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(request)
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+        time.sleep(6.0)  # past httpx's keepalive_expiry and uvicorn's default keep-alive (5 s each)
+        sock.sendall(request)
+        again = sock.recv(65536)
+        assert again.startswith(b"HTTP/1.1 200"), again[:80]
 
 
 def test_a_plain_chat_request(served):

@@ -38,6 +38,12 @@ from rlhf_core.agent.segments import Call, Completion, EpisodeLog
 from rlhf_core.env.chat import ChatFormat, ChatFormatError
 from rlhf_core.rollout.base import SamplingParams
 
+KEEP_ALIVE_S = 120
+"""How long the endpoint keeps an idle connection open (uvicorn's default is 5 s). Longer than a client pool's own
+idle expiry (httpx's 5 s, the openai client's pool; aiohttp's 15 s), so the client drops an idle connection first:
+at equal expiries a client could reuse a connection the server was closing at that moment, and with max_retries=0
+(a request is never sent twice) its episode failed ("APIConnectionError: Connection error")."""
+
 
 class AgentServer:
     """The endpoint (module doc) over `tokenizer` and an engine given by `serve`. `start()` binds 127.0.0.1
@@ -96,7 +102,9 @@ class AgentServer:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", self.port))  # loopback only
         self.port = sock.getsockname()[1]
-        config = uvicorn.Config(self._app(), log_level="warning", access_log=False, lifespan="off")
+        config = uvicorn.Config(
+            self._app(), log_level="warning", access_log=False, lifespan="off", timeout_keep_alive=KEEP_ALIVE_S
+        )
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(
             target=self._server.run, kwargs={"sockets": [sock]}, name="agent-endpoint", daemon=True
