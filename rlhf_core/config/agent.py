@@ -6,9 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
-from pydantic import Field, model_validator
+from pydantic import Field, PositiveFloat, model_validator
 
-from rlhf_core.config.base import _Section
+from rlhf_core.config.base import Count, _Section
 from rlhf_core.usercode import check_tool_source, is_file_path
 
 AGENT_COLUMNS = ("agent", "agent/requests_mean", "agent/prefix_breaks", "agent/latency_s")
@@ -21,10 +21,10 @@ class AgentConfig(_Section):
     path: str = Field("", description="A .py file (relative to the working directory) or an importable module.")
     name: str = Field("", description="The agent's async function there; empty = no agent.")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments passed to it every call.")
-    timeout_s: float = Field(
-        120.0, gt=0, description="Longest one episode may run; past it the episode fails (agent/timeouts)."
+    timeout_s: PositiveFloat = Field(
+        120.0, description="Longest one episode may run; past it the episode fails (agent/timeouts)."
     )
-    max_requests: int = Field(32, ge=1, description="Most requests one episode may make; later ones get a 400.")
+    max_requests: Count = Field(32, description="Most requests one episode may make; later ones get a 400.")
     error_reward: Optional[float] = Field(
         None,
         description="The reward of an episode whose agent raised (e.g. a framework's parse error on malformed model "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic import Field, NonNegativeFloat, ValidationInfo, field_validator, model_validator
 
 from rlhf_core.algorithms.options import RolloutCorrection, move_flat_keys
 from rlhf_core.algorithms.registry import (
@@ -15,7 +15,7 @@ from rlhf_core.algorithms.registry import (
     PolicyLossSpec,
     options_for,
 )
-from rlhf_core.config.base import _Section
+from rlhf_core.config.base import Count, _Section
 
 
 class AlgorithmConfig(_Section):
@@ -57,9 +57,8 @@ class AlgorithmConfig(_Section):
         description="DAPO dynamic sampling: groups whose rewards are all equal are not trained on; the step is "
         "filled from further groups (logged as buffer/filtered_groups_frac).",
     )
-    filter_max_rounds: int = Field(
+    filter_max_rounds: Count = Field(
         10,
-        ge=1,
         description="filter_groups: once this many steps' worth of groups (x trainer.prompts_per_step) arrived "
         "since the last step and fewer than a step passed, the step trains on the groups it has (the newest "
         "filtered ones when none passed) instead of waiting; every host alike.",
@@ -81,8 +80,8 @@ class AlgorithmConfig(_Section):
         "level: token|sequence, lower, upper} (rlhf_core.algorithms.correction). Turn it on when the engine's "
         "log-probs differ from the trainer's (bf16/vLLM engines: see mismatch/engine_kl).",
     )
-    kl_coef: float = Field(
-        0.0, ge=0, description="Weight of the KL penalty to the frozen reference policy; 0 loads no reference model."
+    kl_coef: NonNegativeFloat = Field(
+        0.0, description="Weight of the KL penalty to the frozen reference policy; 0 loads no reference model."
     )
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator used for the penalty.")
 

@@ -1,8 +1,11 @@
-"""The base of every config section: ConfigError, the section base class and the limits that need no model."""
+"""The base of every config section: ConfigError, the section base class, the limits that need no model, and the
+constrained types the sections' fields share (with pydantic's PositiveFloat, NonNegativeInt, NonNegativeFloat)."""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field
 
 RUN_CONFIG_FILE = "train_config.yaml"  # the run's config, inside every checkpoint and exported policy
 
@@ -20,6 +23,13 @@ MAX_SEQUENCE_TOKENS = 131072
 """Largest rollout.max_new_tokens (and data.max_prompt_tokens) accepted before any model is loaded: the
 longest context of current open models. The model's own limit is checked at launch
 (rlhf_core.run.preflight.check_lengths)."""
+
+
+Count = Annotated[int, Field(ge=1)]
+"""At least 1: a number of things, a size, a cadence in steps."""
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+PositiveFraction = Annotated[float, Field(gt=0, le=1)]
+"""A share in (0, 1]."""
 
 
 class _Section(BaseModel):

@@ -5,16 +5,24 @@ from __future__ import annotations
 import re
 from typing import Any, Literal, NamedTuple, Optional
 
-from pydantic import Field, ValidationError, ValidationInfo, field_validator
+from pydantic import (
+    Field,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 
-from rlhf_core.config.base import _Section
+from rlhf_core.config.base import Count, NonEmptyStr, PositiveFraction, _Section
 
 
 class BufferConfig(_Section):
     """Replay buffer between rollout and trainer."""
 
-    max_size: int = Field(
-        4096, ge=1, description="Capacity in samples; the oldest ready data is dropped (and counted) on overflow."
+    max_size: Count = Field(
+        4096, description="Capacity in samples; the oldest ready data is dropped (and counted) on overflow."
     )
 
 
@@ -22,8 +30,8 @@ class LoraConfig(_Section):
     """LoRA adapters (peft): the trainer optimises them only; the base weights stay frozen. No LoRA dropout: the
     trainer computes log-probs without dropout, as the rollout engines do."""
 
-    r: int = Field(8, ge=1, description="LoRA rank of every adapted linear layer (at least 1).")
-    alpha: float = Field(16.0, gt=0, description="LoRA alpha: the adapter's update is scaled by alpha / r.")
+    r: Count = Field(8, description="LoRA rank of every adapted linear layer (at least 1).")
+    alpha: PositiveFloat = Field(16.0, description="LoRA alpha: the adapter's update is scaled by alpha / r.")
     target_modules: list[str] = Field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
         min_length=1,
@@ -143,32 +151,28 @@ class DataConfig(_Section):
     eval_path: str = Field(
         "", description="Held-out prompts (task 'jsonl' or 'dataset'); empty holds out eval_size rows of train_path."
     )
-    train_split: str = Field(
+    train_split: NonEmptyStr = Field(
         "train",
-        min_length=1,
         description="Task 'dataset': split of train_path read from a hub id or a saved DatasetDict.",
     )
-    eval_split: str = Field(
+    eval_split: NonEmptyStr = Field(
         "test",
-        min_length=1,
         description="Task 'dataset': split of eval_path read from a hub id or a saved DatasetDict.",
     )
-    eval_size: int = Field(200, ge=1, description="Held-out prompts used for eval/accuracy.")
+    eval_size: Count = Field(200, description="Held-out prompts used for eval/accuracy.")
     heldout_frac: float = Field(
         0.2, gt=0, lt=1, description="Synthetic tasks: fraction of all problems held out from training."
     )
-    max_prompt_tokens: int = Field(256, ge=1, description="Prompts longer than this are left-truncated.")
+    max_prompt_tokens: Count = Field(256, description="Prompts longer than this are left-truncated.")
     system_prompt: str = Field("", description="System message for chat-template models (task 'jsonl' or 'dataset').")
-    prompt_key: str = Field(
+    prompt_key: NonEmptyStr = Field(
         "prompt",
-        min_length=1,
         description="The key holding the prompt: text or a chat list [{role, content}] (e.g. 'question' for raw "
         "GSM8K); dotted for nested keys. With 'prompt', a row that has 'messages' (TRL's conversational schema) "
         "uses them.",
     )
-    answer_key: str = Field(
+    answer_key: NonEmptyStr = Field(
         "answer",
-        min_length=1,
         description="The key holding the answer, dotted for nested keys; with 'answer', rows without it use verl's reward_model.ground_truth.",
     )
     answer_after_marker: bool = Field(
@@ -182,22 +186,20 @@ class DataConfig(_Section):
 class EvalConfig(_Section):
     """Held-out evaluation: greedy eval/accuracy every `every` steps, and sampled eval/pass@k and eval/mean@k."""
 
-    every: int = Field(
-        20, ge=0, description="Evaluate on held-out prompts every this many steps (0 = only at start and end)."
+    every: NonNegativeInt = Field(
+        20, description="Evaluate on held-out prompts every this many steps (0 = only at start and end)."
     )
-    n_samples: int = Field(
-        0, ge=0, description="Samples per held-out prompt for eval/pass@k and eval/mean@k (0 = greedy accuracy only)."
+    n_samples: NonNegativeInt = Field(
+        0, description="Samples per held-out prompt for eval/pass@k and eval/mean@k (0 = greedy accuracy only)."
     )
-    temperature: float = Field(1.0, gt=0, description="Sampling temperature of the sampled evaluation.")
-    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass of the sampled evaluation.")
-    k: int = Field(
+    temperature: PositiveFloat = Field(1.0, description="Sampling temperature of the sampled evaluation.")
+    top_p: PositiveFraction = Field(1.0, description="Nucleus sampling mass of the sampled evaluation.")
+    k: Count = Field(
         1,
-        ge=1,
         description="k of eval/pass@k (unbiased estimator, Chen et al. 2021) and eval/mean@k; at most n_samples.",
     )
-    metric: str = Field(
+    metric: NonEmptyStr = Field(
         "accuracy",
-        min_length=1,
         description="The held-out score reported as eval/accuracy: 'accuracy' (the first answer-checking component, "
         "else a total reward above 0), or any reward column (a component's name or a reward function's label, "
         "reward.column_names()): its mean over the greedy held-out answers, also logged as eval/<metric>.",
@@ -205,18 +207,18 @@ class EvalConfig(_Section):
 
 
 class _VllmEngineKwargs(_Section):
-    gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
+    gpu_memory_utilization: PositiveFraction = Field(0.5)
     enforce_eager: Optional[bool] = None
     kv_cache_memory_bytes: Optional[int] = Field(None, ge=1 << 20)
 
 
 class _RandomEngineKwargs(_Section):
-    tokens_per_s: float = Field(0.0, ge=0)
+    tokens_per_s: NonNegativeFloat = Field(0.0)
 
 
 class _HfEngineKwargs(_Section):
     continuous_batching: bool = Field(True)
-    max_active_rows: Optional[int] = Field(None, ge=1)
+    max_active_rows: Optional[Count] = Field(None)
     dtype: Optional[Literal["float32", "bfloat16"]] = None
 
 
@@ -247,19 +249,18 @@ class RolloutConfig(_Section):
         "engine's weights and compute dtype, float32 or bfloat16 (null: model.dtype; bfloat16 with a float32 "
         "trainer is a real engine mismatch, as vLLM in bf16: syncs are cast on load, log-probs stay float32)}.",
     )
-    num_workers: int = Field(1, ge=1, description="Rollout workers (Ray actors in the distributed runtime).")
-    prompts_per_batch: int = Field(
+    num_workers: Count = Field(1, description="Rollout workers (Ray actors in the distributed runtime).")
+    prompts_per_batch: Count = Field(
         16,
-        ge=1,
         description="Prompts per generation batch on one worker. With an environment on an async host (Ray or "
         "threads) the groups kept in flight per worker: a group is pushed as soon as its episodes end and a new "
         "one starts, with no batch barrier (newer weights adopted between turns).",
     )
-    samples_per_prompt: int = Field(8, ge=1, description="Completions per prompt (the GRPO group size G).")
-    max_new_tokens: int = Field(4, ge=1, description="Maximum generated tokens per completion.")
-    temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
-    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
-    top_k: int = Field(0, ge=0, description="Top-k sampling (0 disables).")
+    samples_per_prompt: Count = Field(8, description="Completions per prompt (the GRPO group size G).")
+    max_new_tokens: Count = Field(4, description="Maximum generated tokens per completion.")
+    temperature: PositiveFloat = Field(1.0, description="Sampling temperature.")
+    top_p: PositiveFraction = Field(1.0, description="Nucleus sampling mass.")
+    top_k: NonNegativeInt = Field(0, description="Top-k sampling (0 disables).")
     min_p: float = Field(
         0.0,
         ge=0,

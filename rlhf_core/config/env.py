@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-from pydantic import Field, model_validator
+from pydantic import Field, PositiveFloat, model_validator
 
-from rlhf_core.config.base import _Section
+from rlhf_core.config.base import Count, NonEmptyStr, _Section
 from rlhf_core.usercode import is_file_path
 
 ENV_COLUMNS = ("env", "env/turns_mean", "env/tool_calls_mean", "env/truncated_frac")
@@ -16,10 +16,10 @@ ENV_COLUMNS = ("env", "env/turns_mean", "env/tool_calls_mean", "env/truncated_fr
 class EnvToolConfig(_Section):
     """A Python function offered to the model as a tool by the built-in ToolEnv."""
 
-    path: str = Field(
-        ..., min_length=1, description="A .py file (relative to the working directory) or an importable module."
+    path: NonEmptyStr = Field(
+        ..., description="A .py file (relative to the working directory) or an importable module."
     )
-    name: str = Field(..., min_length=1, description="The function's name there (also the tool's name).")
+    name: NonEmptyStr = Field(..., description="The function's name there (also the tool's name).")
 
 
 class EnvConfig(_Section):
@@ -58,16 +58,14 @@ class EnvConfig(_Section):
         description="With env.adapter: the observation field that holds its text when it is not a string; empty = "
         "its one string field.",
     )
-    max_sessions: Optional[int] = Field(
+    max_sessions: Optional[Count] = Field(
         None,
-        ge=1,
         description="Most episodes open at once per rollout worker (each holds an environment instance, for OpenEnv a "
         "server session, from reset to close); the others wait to start. None: no limit.",
     )
-    max_turns: int = Field(4, ge=1, description="Most model turns per trajectory; the trajectory ends after it.")
-    step_timeout_s: float = Field(
+    max_turns: Count = Field(4, description="Most model turns per trajectory; the trajectory ends after it.")
+    step_timeout_s: PositiveFloat = Field(
         30.0,
-        gt=0,
         description="Longest one reset, step, finish or close (and one tool call) may run; past it the trajectory "
         "fails.",
     )
@@ -77,19 +75,17 @@ class EnvConfig(_Section):
         description="Most tokens of a trajectory, prompt plus every turn; it ends, truncated, where it would pass "
         "this (None: the model's context). Also an agent's request: its prompt plus its completion.",
     )
-    workers: int = Field(
+    workers: Count = Field(
         2,
-        ge=1,
         description="Processes per rollout worker that hold the environment instances (and run the tools' calls).",
     )
-    max_observation_chars: int = Field(
+    max_observation_chars: Count = Field(
         100_000,
-        ge=1,
         description="Most characters of one observation (or of reset's opening), its messages' contents together; "
         "a larger one fails its trajectory.",
     )
-    observation_role: str = Field(
-        "user", min_length=1, description="Chat role of an observation the environment returns as a plain string."
+    observation_role: NonEmptyStr = Field(
+        "user", description="Chat role of an observation the environment returns as a plain string."
     )
     reward_weight: float = Field(
         1.0, description="Weight of the environment's summed rewards (reward/env) in the trajectory's reward."

@@ -6,9 +6,9 @@ import importlib.util
 from pathlib import Path
 from typing import Literal, Optional
 
-from pydantic import Field, model_validator
+from pydantic import Field, NonNegativeInt, PositiveFloat, model_validator
 
-from rlhf_core.config.base import _Section
+from rlhf_core.config.base import Count, NonEmptyStr, _Section
 from rlhf_core.usercode import check_source, is_file_path
 
 REWARD_COMPONENT_NAMES: tuple[str, ...] = ("exact_match", "contains", "answer_after_marker", "format", "length_penalty")
@@ -23,8 +23,8 @@ class RewardFunctionConfig(_Section):
         "",
         description="A .py file (relative to the working directory) or an importable module; empty for a built-in (math_verify).",
     )
-    name: str = Field(
-        ..., min_length=1, description="The function's name in that file or module (verl's is usually compute_score)."
+    name: NonEmptyStr = Field(
+        ..., description="The function's name in that file or module (verl's is usually compute_score)."
     )
     weight: float = Field(1.0, description="Weight of the function's score in the total reward.")
     label: str = Field("", description="Metric name: logged as reward/<label>; empty uses `name`.")
@@ -48,7 +48,7 @@ class RewardModelConfig(_Section):
         "reward model.",
     )
     weight: float = Field(1.0, description="Weight of the reward model's score in the total reward.")
-    batch_size: int = Field(64, ge=1, description="Sequences per reward-model forward pass.")
+    batch_size: Count = Field(64, description="Sequences per reward-model forward pass.")
     max_length: int = Field(
         1024,
         ge=2,
@@ -72,8 +72,8 @@ class OverlongConfig(_Section):
     """DAPO's soft overlong punishment: no penalty up to max_new_tokens - buffer_len generated tokens, then
     linear down to -penalty at max_new_tokens (logged as reward/overlong)."""
 
-    buffer_len: int = Field(..., ge=1, description="Tokens before rollout.max_new_tokens where the penalty starts.")
-    penalty: float = Field(1.0, gt=0, description="The penalty at rollout.max_new_tokens (the reward gets -penalty).")
+    buffer_len: Count = Field(..., description="Tokens before rollout.max_new_tokens where the penalty starts.")
+    penalty: PositiveFloat = Field(1.0, description="The penalty at rollout.max_new_tokens (the reward gets -penalty).")
 
 
 class RewardConfig(_Section):
@@ -93,9 +93,8 @@ class RewardConfig(_Section):
     format_sequences: list[str] = Field(
         default_factory=list, description="Texts that must appear in order in the response, for the 'format' component."
     )
-    length_target: int = Field(
+    length_target: NonNegativeInt = Field(
         0,
-        ge=0,
         description="Responses longer than this many tokens are penalised by the 'length_penalty' component (0 = max_new_tokens).",
     )
     match: Literal["text", "tokens"] = Field(
@@ -118,12 +117,10 @@ class RewardConfig(_Section):
         default_factory=list,
         description="Python reward functions [{path, name, weight}], TRL or verl signature, added to the total by weight (docs/rewards.md).",
     )
-    function_timeout_s: float = Field(
-        30.0, gt=0, description="Longest one call of a Python reward function may run; past it the call fails."
+    function_timeout_s: PositiveFloat = Field(
+        30.0, description="Longest one call of a Python reward function may run; past it the call fails."
     )
-    function_workers: int = Field(
-        2, ge=1, description="Processes per rollout worker that run the Python reward functions."
-    )
+    function_workers: Count = Field(2, description="Processes per rollout worker that run the Python reward functions.")
 
     @model_validator(mode="after")
     def _known_components(self) -> RewardConfig:

@@ -7,17 +7,16 @@ import math
 from pathlib import Path
 from typing import Literal, Optional
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, field_validator, model_validator
 
-from rlhf_core.config.base import MAX_CONSECUTIVE_FAILURES, MAX_LR, _Section
+from rlhf_core.config.base import MAX_CONSECUTIVE_FAILURES, MAX_LR, Count, PositiveFraction, _Section
 
 
 class WarmStartConfig(_Section):
     """Supervised steps that teach the answer format (not the task) before RL, on both runtimes."""
 
-    steps: int = Field(
+    steps: NonNegativeInt = Field(
         0,
-        ge=0,
         description="Supervised steps before RL (reported as eval/accuracy_warm_start; 0 = none).",
     )
     lr: Optional[float] = Field(
@@ -35,22 +34,21 @@ class WarmStartConfig(_Section):
 class TrainerConfig(_Section):
     """Optimisation."""
 
-    total_steps: int = Field(400, ge=1, description="Trainer steps (policy versions) in the run.")
-    prompts_per_step: int = Field(
-        16, ge=1, description="Prompt groups consumed per trainer step (batch = prompts_per_step x samples_per_prompt)."
+    total_steps: Count = Field(400, description="Trainer steps (policy versions) in the run.")
+    prompts_per_step: Count = Field(
+        16, description="Prompt groups consumed per trainer step (batch = prompts_per_step x samples_per_prompt)."
     )
-    micro_batch_size: int = Field(
+    micro_batch_size: Count = Field(
         64,
-        ge=1,
         description="Sequences per forward/backward, the policy's and the critic's; gradients accumulate over "
         "micro-batches.",
     )
-    lr: float = Field(3e-4, gt=0, description=f"AdamW peak learning rate (at most {MAX_LR:g}).")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    lr: PositiveFloat = Field(3e-4, description=f"AdamW peak learning rate (at most {MAX_LR:g}).")
+    weight_decay: NonNegativeFloat = Field(0.0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.99), description="AdamW betas.")
-    grad_clip: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
+    grad_clip: PositiveFloat = Field(1.0, description="Global gradient-norm clip.")
     lr_schedule: Literal["constant", "cosine"] = Field("constant", description="Learning-rate schedule after warmup.")
-    warmup_steps: int = Field(0, ge=0, description="Linear warmup steps.")
+    warmup_steps: NonNegativeInt = Field(0, description="Linear warmup steps.")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Cosine schedule floor as a fraction of lr.")
     warm_start: WarmStartConfig = Field(
         default_factory=WarmStartConfig,
@@ -79,11 +77,11 @@ class CriticConfig(_Section):
         "policy's architecture and weights, with a scalar value head.",
     )
     lr: float = Field(1e-5, gt=0, le=1.0, description="AdamW learning rate of the critic.")
-    value_clip: Optional[float] = Field(
-        0.5, gt=0, description="Clip range of new values around the step's old values in the value loss; null = none."
+    value_clip: Optional[PositiveFloat] = Field(
+        0.5, description="Clip range of new values around the step's old values in the value loss; null = none."
     )
-    warmup_steps: int = Field(
-        0, ge=0, description="First trainer steps in which only the critic trains (the policy's weights stay)."
+    warmup_steps: NonNegativeInt = Field(
+        0, description="First trainer steps in which only the critic trains (the policy's weights stay)."
     )
 
 
@@ -93,33 +91,32 @@ class AutopilotConfig(_Section):
     enabled: bool = Field(
         False, description="Let the supervisor raise and lower the staleness bound (the one policy over it)."
     )
-    min_staleness: int = Field(0, ge=0, description="Lowest bound the autopilot sets.")
-    max_staleness: int = Field(8, ge=0, description="Highest bound the autopilot sets (also the trainer's hard check).")
-    target_m2: float = Field(
+    min_staleness: NonNegativeInt = Field(0, description="Lowest bound the autopilot sets.")
+    max_staleness: NonNegativeInt = Field(
+        8, description="Highest bound the autopilot sets (also the trainer's hard check)."
+    )
+    target_m2: PositiveFloat = Field(
         0.04,
-        gt=0,
         description="Mismatch target: the mean squared behaviour/current log-ratio (async/mismatch_m2) above it "
         "lowers the bound; below it, with the trainer waiting (time/wait_s above rlhf_core.autopilot.WAIT_FRAC, "
         "0.2, of its step time) and its data at the bound (async/staleness_max), the bound rises.",
     )
-    cooldown_steps: int = Field(
-        4, ge=1, description="Trainer steps after a change before the next one (the new bound takes effect first)."
+    cooldown_steps: Count = Field(
+        4, description="Trainer steps after a change before the next one (the new bound takes effect first)."
     )
 
 
 class RuntimeConfig(_Section):
     """How rollout and training are interleaved."""
 
-    max_staleness: int = Field(
+    max_staleness: NonNegativeInt = Field(
         2,
-        ge=0,
         description="tau_max: every consumed sample has trainer_version - sample_version <= this; 0 is lockstep "
         "(generate -> train -> load weights, every sample on-policy). The bound in force unless the autopilot is on.",
     )
-    sync_every: int = Field(1, ge=1, description="Publish weights to rollout workers every this many trainer versions.")
-    wait_timeout_s: float = Field(
+    sync_every: Count = Field(1, description="Publish weights to rollout workers every this many trainer versions.")
+    wait_timeout_s: PositiveFloat = Field(
         120.0,
-        gt=0,
         description="Longest any blocking wait may last before failing with a message naming what it waited for.",
     )
     autopilot: AutopilotConfig = Field(
@@ -138,10 +135,10 @@ class AutoscaleConfig(_Section):
         description="Let the supervisor move the number of rollout workers within [min_workers, max_workers] (the "
         "one policy over it while enabled; `atrlhf scale` is refused then).",
     )
-    min_workers: int = Field(1, ge=1, description="Fewest rollout workers the autoscaler keeps.")
-    max_workers: int = Field(2, ge=1, description="Most rollout workers the autoscaler starts.")
-    cooldown_steps: int = Field(
-        5, ge=1, description="Trainer steps after a change before the next one (the new fleet shows in the metrics)."
+    min_workers: Count = Field(1, description="Fewest rollout workers the autoscaler keeps.")
+    max_workers: Count = Field(2, description="Most rollout workers the autoscaler starts.")
+    cooldown_steps: Count = Field(
+        5, description="Trainer steps after a change before the next one (the new fleet shows in the metrics)."
     )
 
     @model_validator(mode="after")
@@ -227,11 +224,10 @@ class ClusterConfig(_Section):
         "",
         description="'' starts a local Ray instance; 'auto' or 'ray://host:port' joins a cluster. Defaults from RAY_ADDRESS.",
     )
-    num_cpus: Optional[int] = Field(None, ge=1, description="CPUs of a local Ray instance (None = all).")
-    num_gpus: Optional[int] = Field(None, ge=0, description="GPUs of a local Ray instance (None = detected).")
-    trainer_workers: int = Field(
+    num_cpus: Optional[Count] = Field(None, description="CPUs of a local Ray instance (None = all).")
+    num_gpus: Optional[NonNegativeInt] = Field(None, description="GPUs of a local Ray instance (None = detected).")
+    trainer_workers: Count = Field(
         1,
-        ge=1,
         description="Trainer ranks: N > 1 starts N trainer actors in one placement group that form a torch.distributed "
         "group (gloo on CPU, NCCL on GPU), shard the policy with FSDP2 and each train on a slice of every step's "
         "batch, with the update of one process; 1 keeps the single trainer actor.",
@@ -246,10 +242,9 @@ class ClusterConfig(_Section):
         default_factory=AutoscaleConfig,
         description="The elastic rollout fleet {enabled, min_workers, max_workers, cooldown_steps}.",
     )
-    torch_threads: int = Field(1, ge=1, description="torch intra-op threads per worker.")
-    max_restarts: int = Field(
+    torch_threads: Count = Field(1, description="torch intra-op threads per worker.")
+    max_restarts: NonNegativeInt = Field(
         5,
-        ge=0,
         description="The run's one restart budget: rollout-worker restarts it survives, all workers together (Ray "
         "restarts a worker that died; one restart more fails the run, naming this field).",
     )
@@ -280,10 +275,9 @@ class ClusterConfig(_Section):
 class CheckpointConfig(_Section):
     """When the trainer writes a resumable checkpoint, and how many a run keeps."""
 
-    every: int = Field(20, ge=0, description="Checkpoint every this many trainer steps (0 = only at the end).")
-    keep: int = Field(
+    every: NonNegativeInt = Field(20, description="Checkpoint every this many trainer steps (0 = only at the end).")
+    keep: NonNegativeInt = Field(
         3,
-        ge=0,
         description="Checkpoints a run keeps, newest first, on disk and in MLflow's artifacts (older ones are "
         "deleted; the newest complete one and the final one are always kept); 0 keeps every checkpoint.",
     )
@@ -307,13 +301,12 @@ class TrackingConfig(_Section):
 class EngineMismatchConfig(_Section):
     """The engine-mismatch warning: the rollout engine does not compute what the trainer does."""
 
-    kl: float = Field(
+    kl: PositiveFloat = Field(
         0.05,
-        gt=0,
         description="Health event engine_mismatch when mismatch/engine_kl (KL rollout || trainer on tokens of the "
         "trainer's own version) stays above this for supervision.engine_mismatch.polls polls.",
     )
-    polls: int = Field(3, ge=1, description="Consecutive polls above supervision.engine_mismatch.kl.")
+    polls: Count = Field(3, description="Consecutive polls above supervision.engine_mismatch.kl.")
 
 
 class SyncCheckConfig(_Section):
@@ -326,9 +319,8 @@ class SyncCheckConfig(_Section):
         description="A sync whose engine log-probs differ from the trainer's beyond tolerance: fail the run (naming "
         "the cause: the update did not land, or landed wrongly), warn, or do not check.",
     )
-    tolerance: Optional[float] = Field(
+    tolerance: Optional[PositiveFloat] = Field(
         None,
-        gt=0,
         description="Largest mean absolute log-prob difference per probe token that is numerical noise (null: 1e-3 "
         "with a float32 engine, 0.05 with a bfloat16 one).",
     )
@@ -343,29 +335,26 @@ class SyncCheckConfig(_Section):
 class SupervisionConfig(_Section):
     """The Prefect flow's health checks and their limits."""
 
-    supervise_interval_s: float = Field(2.0, gt=0, description="Seconds between polls of the actors' stats.")
-    staleness_warn: float = Field(
+    supervise_interval_s: PositiveFloat = Field(2.0, description="Seconds between polls of the actors' stats.")
+    staleness_warn: PositiveFraction = Field(
         0.8,
-        gt=0,
-        le=1,
         description="Above this fraction of max_staleness, mean staleness is reported and weights are published "
         "sooner where runtime.sync_every leaves workers behind; it never changes the staleness bound (only the "
         "autopilot does, when enabled).",
     )
-    nonfinite_limit: int = Field(
-        5, ge=1, description="Fail after this many consecutive non-finite (skipped) trainer steps."
+    nonfinite_limit: Count = Field(
+        5, description="Fail after this many consecutive non-finite (skipped) trainer steps."
     )
-    max_consecutive_failures: int = Field(
+    max_consecutive_failures: Count = Field(
         MAX_CONSECUTIVE_FAILURES,
-        ge=1,
         description="The limit on user code's failures: the run stops when this many calls in a row of one piece of "
         "it fail (a Python reward function's calls: raise or time out; an environment's calls: raise, time out, "
         "return something malformed, or die with their process; an agent's episodes). Below it a failure is that "
         "row's or episode's alone, and its message is printed. A success clears the count (for an environment a "
         "successful step; a reset does not).",
     )
-    stall_timeout_s: float = Field(
-        180.0, gt=0, description="Fail when no trainer step completes for this long, naming the stuck role."
+    stall_timeout_s: PositiveFloat = Field(
+        180.0, description="Fail when no trainer step completes for this long, naming the stuck role."
     )
     engine_mismatch: EngineMismatchConfig = Field(
         default_factory=EngineMismatchConfig,
@@ -395,7 +384,7 @@ class RunConfig(_Section):
         "",
         description="This run's directory under run.output_dir. Empty: the flow names it <UTC time>-<flow run name> (the single-process loop writes to run.output_dir itself). Two live runs never share one: the second is refused at start.",
     )
-    log_every: int = Field(5, ge=1, description="Print a progress line every this many trainer steps.")
+    log_every: Count = Field(5, description="Print a progress line every this many trainer steps.")
 
     @field_validator("name")
     @classmethod
