@@ -15,7 +15,7 @@ from rlhf_core.algorithms.registry import (
     PolicyLossSpec,
     options_for,
 )
-from rlhf_core.config.base import Count, _Section
+from rlhf_core.config.base import Count, _Section, section
 
 
 class AlgorithmConfig(_Section):
@@ -74,9 +74,9 @@ class AlgorithmConfig(_Section):
     importance_level: Literal["token", "sequence"] = Field(
         "token", description="Per-token ratios (PPO) or one geometric-mean ratio per sequence (GSPO)."
     )
-    rollout_correction: RolloutCorrection = Field(
-        default_factory=RolloutCorrection,
-        description="Off-policy correction between the rollout engine and the trainer: {mode: none|tis|mis|icepop, "
+    rollout_correction: RolloutCorrection = section(
+        RolloutCorrection,
+        "Off-policy correction between the rollout engine and the trainer: {mode: none|tis|mis|icepop, "
         "level: token|sequence, lower, upper} (rlhf_core.algorithms.correction). Turn it on when the engine's "
         "log-probs differ from the trainer's (bf16/vLLM engines: see mismatch/engine_kl).",
     )

@@ -3,7 +3,7 @@ constrained types the sections' fields share (with pydantic's PositiveFloat, Non
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -30,6 +30,11 @@ Count = Annotated[int, Field(ge=1)]
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 PositiveFraction = Annotated[float, Field(gt=0, le=1)]
 """A share in (0, 1]."""
+
+
+def section(cls: type[BaseModel], description: str) -> Any:
+    """The field of a nested section `cls`: a key left out of the config is the section's defaults."""
+    return Field(default_factory=cls, description=description)
 
 
 class _Section(BaseModel):

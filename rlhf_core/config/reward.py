@@ -8,7 +8,7 @@ from typing import Literal, Optional
 
 from pydantic import Field, NonNegativeInt, PositiveFloat, model_validator
 
-from rlhf_core.config.base import Count, NonEmptyStr, _Section
+from rlhf_core.config.base import Count, NonEmptyStr, _Section, section
 from rlhf_core.usercode import check_source, is_file_path
 
 REWARD_COMPONENT_NAMES: tuple[str, ...] = ("exact_match", "contains", "answer_after_marker", "format", "length_penalty")
@@ -103,9 +103,8 @@ class RewardConfig(_Section):
         "device, any tokenization, numbers normalised (docs/rewards.md); 'tokens' = the answers' token sequences "
         "(special-token answers, one known tokenization: docs/rewards.md).",
     )
-    model: RewardModelConfig = Field(
-        default_factory=RewardModelConfig,
-        description="A learned reward model scored beside the components (logged as reward/reward_model).",
+    model: RewardModelConfig = section(
+        RewardModelConfig, "A learned reward model scored beside the components (logged as reward/reward_model)."
     )
 
     overlong: Optional[OverlongConfig] = Field(

@@ -9,7 +9,7 @@ from typing import Literal, Optional
 
 from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, field_validator, model_validator
 
-from rlhf_core.config.base import MAX_CONSECUTIVE_FAILURES, MAX_LR, Count, PositiveFraction, _Section
+from rlhf_core.config.base import MAX_CONSECUTIVE_FAILURES, MAX_LR, Count, PositiveFraction, _Section, section
 
 
 class WarmStartConfig(_Section):
@@ -50,9 +50,8 @@ class TrainerConfig(_Section):
     lr_schedule: Literal["constant", "cosine"] = Field("constant", description="Learning-rate schedule after warmup.")
     warmup_steps: NonNegativeInt = Field(0, description="Linear warmup steps.")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Cosine schedule floor as a fraction of lr.")
-    warm_start: WarmStartConfig = Field(
-        default_factory=WarmStartConfig,
-        description="Supervised format warm start before RL {steps, lr, targets} (steps 0 = none).",
+    warm_start: WarmStartConfig = section(
+        WarmStartConfig, "Supervised format warm start before RL {steps, lr, targets} (steps 0 = none)."
     )
     seed: int = Field(0, description="Seed for torch, sampling and initialisation.")
 
@@ -119,9 +118,9 @@ class RuntimeConfig(_Section):
         120.0,
         description="Longest any blocking wait may last before failing with a message naming what it waited for.",
     )
-    autopilot: AutopilotConfig = Field(
-        default_factory=AutopilotConfig,
-        description="Staleness autopilot {enabled, min_staleness, max_staleness, target_m2, ...}: the supervisor "
+    autopilot: AutopilotConfig = section(
+        AutopilotConfig,
+        "Staleness autopilot {enabled, min_staleness, max_staleness, target_m2, ...}: the supervisor "
         "moves max_staleness at runtime.",
     )
 
@@ -232,15 +231,14 @@ class ClusterConfig(_Section):
         "group (gloo on CPU, NCCL on GPU), shard the policy with FSDP2 and each train on a slice of every step's "
         "batch, with the update of one process; 1 keeps the single trainer actor.",
     )
-    resources: RoleResources = Field(
-        default_factory=RoleResources,
-        description="Ray resources of each role, in Ray's vocabulary: {rollout: {CPU: 1, GPU: 0}, trainer: {CPU: 1, "
+    resources: RoleResources = section(
+        RoleResources,
+        "Ray resources of each role, in Ray's vocabulary: {rollout: {CPU: 1, GPU: 0}, trainer: {CPU: 1, "
         "GPU: 0}, reward: {CPU: 0, GPU: 0}}; any other key is a custom resource, e.g. "
         "{rollout: {rollout_node: 1}} to place the rollout workers on the nodes started with it.",
     )
-    autoscale: AutoscaleConfig = Field(
-        default_factory=AutoscaleConfig,
-        description="The elastic rollout fleet {enabled, min_workers, max_workers, cooldown_steps}.",
+    autoscale: AutoscaleConfig = section(
+        AutoscaleConfig, "The elastic rollout fleet {enabled, min_workers, max_workers, cooldown_steps}."
     )
     torch_threads: Count = Field(1, description="torch intra-op threads per worker.")
     max_restarts: NonNegativeInt = Field(
@@ -356,9 +354,8 @@ class SupervisionConfig(_Section):
     stall_timeout_s: PositiveFloat = Field(
         180.0, description="Fail when no trainer step completes for this long, naming the stuck role."
     )
-    engine_mismatch: EngineMismatchConfig = Field(
-        default_factory=EngineMismatchConfig,
-        description="The engine-mismatch warning {kl, polls}: mismatch/engine_kl above kl for polls polls.",
+    engine_mismatch: EngineMismatchConfig = section(
+        EngineMismatchConfig, "The engine-mismatch warning {kl, polls}: mismatch/engine_kl above kl for polls polls."
     )
     audit: Literal["warn", "fail", "off"] = Field(
         "warn",
@@ -366,9 +363,9 @@ class SupervisionConfig(_Section):
         "with its evidence, in <run dir>/audit.json and `atrlhf audit`. An inactive or failed verdict is a health "
         "event; 'fail' also ends the run with it, 'off' keeps no audit.",
     )
-    sync_check: SyncCheckConfig = Field(
-        default_factory=SyncCheckConfig,
-        description="The check of every weight sync {action: fail | warn | off, tolerance}: the engine's log-probs "
+    sync_check: SyncCheckConfig = section(
+        SyncCheckConfig,
+        "The check of every weight sync {action: fail | warn | off, tolerance}: the engine's log-probs "
         "on a fixed probe against the trainer's for the version it published.",
     )
 

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from pydantic import Field, model_validator
+from pydantic import model_validator
 
 from rlhf_core.config.agent import AgentConfig
 from rlhf_core.config.algorithm import AlgorithmConfig
-from rlhf_core.config.base import MAX_SEQUENCE_TOKENS, _Section
+from rlhf_core.config.base import MAX_SEQUENCE_TOKENS, _Section, section
 from rlhf_core.config.data import BufferConfig, DataConfig, EvalConfig, ModelConfig, RolloutConfig
 from rlhf_core.config.env import EnvConfig
 from rlhf_core.config.reward import RewardConfig
@@ -25,40 +25,25 @@ from rlhf_core.config.run import (
 class TrainConfig(_Section):
     """Everything a run needs. Load with `load_config`."""
 
-    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="Policy loss and advantages.")
-    reward: RewardConfig = Field(
-        default_factory=RewardConfig,
-        description="Rewards: tensor-native components, Python reward functions and a learned reward model.",
+    algorithm: AlgorithmConfig = section(AlgorithmConfig, "Policy loss and advantages.")
+    reward: RewardConfig = section(
+        RewardConfig, "Rewards: tensor-native components, Python reward functions and a learned reward model."
     )
-    buffer: BufferConfig = Field(default_factory=BufferConfig, description="Replay buffer.")
-    model: ModelConfig = Field(default_factory=ModelConfig, description="Policy model.")
-    data: DataConfig = Field(default_factory=DataConfig, description="Prompt source.")
-    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Generation.")
-    trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="Optimisation.")
-    runtime: RuntimeConfig = Field(
-        default_factory=RuntimeConfig, description="Staleness (0: lockstep), weight syncs and waits."
-    )
-    cluster: ClusterConfig = Field(
-        default_factory=ClusterConfig, description="Where the roles run: Ray placement, or threads of one process."
-    )
-    tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="MLflow experiment and run.")
-    checkpoint: CheckpointConfig = Field(
-        default_factory=CheckpointConfig, description="Checkpoint cadence and retention {every, keep}."
-    )
-    eval: EvalConfig = Field(
-        default_factory=EvalConfig, description="Held-out evaluation: cadence, sampled pass@k and mean@k."
-    )
-    critic: CriticConfig = Field(
-        default_factory=CriticConfig, description="The critic of algorithm.advantage 'gae' (unused otherwise)."
-    )
-    supervision: SupervisionConfig = Field(default_factory=SupervisionConfig, description="Flow health checks.")
-    env: EnvConfig = Field(
-        default_factory=EnvConfig, description="Multi-turn environment and tools (empty: single-turn prompts)."
-    )
-    agent: AgentConfig = Field(
-        default_factory=AgentConfig, description="An agent on the OpenAI-compatible endpoint (empty: none)."
-    )
-    run: RunConfig = Field(default_factory=RunConfig, description="Outputs.")
+    buffer: BufferConfig = section(BufferConfig, "Replay buffer.")
+    model: ModelConfig = section(ModelConfig, "Policy model.")
+    data: DataConfig = section(DataConfig, "Prompt source.")
+    rollout: RolloutConfig = section(RolloutConfig, "Generation.")
+    trainer: TrainerConfig = section(TrainerConfig, "Optimisation.")
+    runtime: RuntimeConfig = section(RuntimeConfig, "Staleness (0: lockstep), weight syncs and waits.")
+    cluster: ClusterConfig = section(ClusterConfig, "Where the roles run: Ray placement, or threads of one process.")
+    tracking: TrackingConfig = section(TrackingConfig, "MLflow experiment and run.")
+    checkpoint: CheckpointConfig = section(CheckpointConfig, "Checkpoint cadence and retention {every, keep}.")
+    eval: EvalConfig = section(EvalConfig, "Held-out evaluation: cadence, sampled pass@k and mean@k.")
+    critic: CriticConfig = section(CriticConfig, "The critic of algorithm.advantage 'gae' (unused otherwise).")
+    supervision: SupervisionConfig = section(SupervisionConfig, "Flow health checks.")
+    env: EnvConfig = section(EnvConfig, "Multi-turn environment and tools (empty: single-turn prompts).")
+    agent: AgentConfig = section(AgentConfig, "An agent on the OpenAI-compatible endpoint (empty: none).")
+    run: RunConfig = section(RunConfig, "Outputs.")
 
     @model_validator(mode="after")
     def _agent_alone(self) -> TrainConfig:
