@@ -25,18 +25,9 @@ from torch import nn
 
 from rlhf_core.algorithms import explained_variance, value_loss
 from rlhf_core.model.policy import disable_dropout
-from rlhf_core.model.sharding import (
-    gather_rows,
-    global_grad_norm,
-    load_whole_optimizer_state,
-    rank_micro_slices,
-    reduce_metrics,
-    shard_model,
-    whole_cpu_copies,
-    whole_optimizer_state,
-    world,
-)
+from rlhf_core.model.sharding import gather_rows, reduce_metrics, whole_cpu_copies
 from rlhf_core.model.weights import load_weights_into
+from rlhf_core.trainer.learner import Learner
 from rlhf_core.types import RolloutBatch
 
 
@@ -72,7 +63,7 @@ def load_value_model(path: str | Path, dtype: Optional[torch.dtype], device, tru
     return model.to(device)
 
 
-class Critic:
+class Critic(Learner):
     """The value model, its optimizer and the warm-up counter. cfg: the run's TrainConfig. group: the policy's
     process group when the trainer is sharded (the value model is then sharded on it, in place, before its
     optimizer is made), None for one process."""
@@ -85,23 +76,12 @@ class Critic:
         self.ccfg = cfg.critic
         self.group = group
         self.device = next(model.parameters()).device
-        if group is not None:
-            shard_model(model, group, self.device.type)
-        self.optimizer = torch.optim.AdamW(
-            [p for p in model.parameters() if p.requires_grad],
-            lr=self.ccfg.lr,
-            betas=tuple(cfg.trainer.betas),
-            weight_decay=cfg.trainer.weight_decay,
-        )
+        self._shard_and_optimize(self.ccfg.lr)
         self.updates = 0
 
     @property
     def warmup_steps(self) -> int:
         return self.ccfg.warmup_steps
-
-    def _micro(self, n: int) -> list[slice]:
-        """This rank's rows of an n-row step in micro-batches, as many on every rank (FSDP's collectives)."""
-        return rank_micro_slices(n, self.group, self.cfg.trainer.micro_batch_size)
 
     def _forward(self, batch: RolloutBatch, idx: slice) -> torch.Tensor:
         """Values [n, L] of the states before each response token of rows `idx`."""
@@ -149,9 +129,7 @@ class Critic:
             clip_sum += clipfrac
         # shares of the step's loss and clip fraction: summed over the ranks, they are the whole batch's
         shares = reduce_metrics({"critic/value_loss": loss_sum, "critic/vf_clipfrac": clip_sum}, self.group)
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        grad_norm = global_grad_norm(params)
-        torch.nn.utils.clip_grads_with_norm_(params, self.cfg.trainer.grad_clip, grad_norm)
+        grad_norm = self._clip_grads()
         # the same decision on every rank: both figures are the whole batch's
         if math.isfinite(float(shares["critic/value_loss"])) and math.isfinite(float(grad_norm)):
             self.optimizer.step()
@@ -172,15 +150,14 @@ class Critic:
         """Weights (whole CPU copies), optimizer (whole tensors) and counters: everything to resume the critic,
         the same layout for N ranks as for one process. Sharded: a collective (every rank calls it); rank 0
         gets the weights, the others {}."""
-        keep = world(self.group)[0] == 0
         return {
-            "weights": whole_cpu_copies(self.model.state_dict(keep_vars=True).items(), self.group, keep),
-            "optimizer": whole_optimizer_state(self.optimizer, self.group),
+            "weights": whole_cpu_copies(self.model.state_dict(keep_vars=True).items(), self.group, self._rank0),
+            "optimizer": self._optimizer_state(),
             "updates": self.updates,
         }
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from `state_dict()`'s layout (written by N ranks or one); sharded, each rank keeps its shard."""
         load_weights_into(self.model, state["weights"])
-        load_whole_optimizer_state(self.optimizer, state["optimizer"], self.group)
+        self._load_optimizer_state(state["optimizer"])
         self.updates = int(state.get("updates", 0))

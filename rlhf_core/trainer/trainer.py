@@ -26,20 +26,11 @@ from rlhf_core.algorithms import (
 from rlhf_core.algorithms.correction import step_rejection
 from rlhf_core.model.lora import adapter_state_dict, adapters_disabled, is_lora
 from rlhf_core.model.policy import disable_dropout
-from rlhf_core.model.sharding import (
-    gather_rows,
-    global_grad_norm,
-    load_whole_optimizer_state,
-    rank_micro_slices,
-    reduce_metrics,
-    shard_model,
-    whole_cpu_copies,
-    whole_optimizer_state,
-    world,
-)
+from rlhf_core.model.sharding import gather_rows, reduce_metrics, shard_model, whole_cpu_copies, world
 from rlhf_core.model.weights import load_weights_into
 from rlhf_core.rollout import probe as sync_probe
 from rlhf_core.rollout.base import SamplingParams
+from rlhf_core.trainer.learner import Learner
 from rlhf_core.trainer.ledger import reward_column_means, step_metrics
 from rlhf_core.trainer.logprobs import padding_free_enabled, padding_free_logprobs, sequence_logprobs
 from rlhf_core.trainer.schedule import build_lr_lambda
@@ -62,7 +53,7 @@ class StepPlan:
     total_tokens: torch.Tensor
 
 
-class Trainer:
+class Trainer(Learner):
     """Owns the policy being optimised, its optimizer and scheduler, and the policy version counter.
 
     group: a torch.distributed process group of N trainer ranks (`sharding`): every rank builds its Trainer
@@ -107,14 +98,9 @@ class Trainer:
             self.ref_model = copy.deepcopy(model).eval()
             for p in self.ref_model.parameters():
                 p.requires_grad_(False)
-        if group is not None:  # after the reference copy: that is taken of the whole model
-            shard_model(model, group, self.device.type)
-            if self.ref_model is not None:
-                shard_model(self.ref_model, group, self.device.type)
-        params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
-            params, lr=self.tcfg.lr, betas=tuple(self.tcfg.betas), weight_decay=self.tcfg.weight_decay
-        )
+        self._shard_and_optimize(self.tcfg.lr)  # after the reference copy: that is taken of the whole model
+        if group is not None and self.ref_model is not None:
+            shard_model(self.ref_model, group, self.device.type)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
             build_lr_lambda(
@@ -264,7 +250,7 @@ class Trainer:
         elif advantages is None:
             advantages = self.advantages(batch)
         N = len(batch)
-        micro = rank_micro_slices(N, self.group, self.tcfg.micro_batch_size)  # this rank's rows
+        micro = self._micro(N)  # this rank's rows
         current = None
         if self.algo.rollout_correction.drops or (
             self.algo.loss_spec.step_mask is not None and (len(micro) > 1 or world(self.group)[1] > 1)
@@ -343,9 +329,7 @@ class Trainer:
         """Clip by the global gradient norm, step the optimizer and the schedule (a non-finite loss or norm skips
         the step and counts it), the critic's update, the version. Returns (finite, grad_norm, the lr this step
         used, whether the policy trained, the critic's metrics)."""
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        grad_norm = global_grad_norm(params)
-        torch.nn.utils.clip_grads_with_norm_(params, self.tcfg.grad_clip, grad_norm)
+        grad_norm = self._clip_grads()
         finite = bool(torch.isfinite(sums["loss/total"])) and bool(torch.isfinite(grad_norm))
         # critic.warmup_steps: the first steps train the critic only (the policy's weights stay as they are)
         policy_trains = self.critic is None or self.step >= self.critic.warmup_steps
@@ -377,28 +361,26 @@ class Trainer:
         """Contiguous CPU copies of every parameter and buffer (LoRA: of the adapters only, under peft's saved names),
         with the sync probe's reference unless supervision.sync_check is off (rlhf_core.rollout.probe). Sharded: the
         whole tensors, gathered (`iter_full_tensors`); every rank must call it (a collective), rank 0 gets the dict."""
-        keep = world(self.group)[0] == 0
         if self.lora:
-            snapshot = adapter_state_dict(self.model, keep=keep)
+            snapshot = adapter_state_dict(self.model, keep=self._rank0)
         else:
             named = list(self.model.named_parameters()) + list(self.model.named_buffers())
-            snapshot = whole_cpu_copies(named, self.group, keep)
+            snapshot = whole_cpu_copies(named, self.group, self._rank0)
         probed = self.cfg.supervision.sync_check.action != "off"
-        return sync_probe.attach(snapshot, self.model, keep) if probed else snapshot
+        return sync_probe.attach(snapshot, self.model, self._rank0) if probed else snapshot
 
     def full_weights(self) -> dict[str, torch.Tensor]:
         """The model's state dict as whole CPU tensors (a tensor tied to an earlier name is left out), for a
         checkpoint's policy.safetensors. Sharded: gathered; every rank must call it (a collective), rank 0
         gets the dict and the others {}."""
-        keep = world(self.group)[0] == 0
         if self.lora:  # the base weights never change: a LoRA checkpoint holds the adapters only
-            return adapter_state_dict(self.model, keep=keep)
+            return adapter_state_dict(self.model, keep=self._rank0)
         named, seen = [], set()
         for name, t in self.model.state_dict(keep_vars=True).items():
             if id(t) not in seen:
                 seen.add(id(t))
                 named.append((name, t))
-        return whole_cpu_copies(named, self.group, keep)
+        return whole_cpu_copies(named, self.group, self._rank0)
 
     def load_full_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Copy whole tensors (a state dict, as `full_weights` gives) into the model; sharded, each rank keeps
@@ -409,7 +391,7 @@ class Trainer:
         """Everything but the weights: optimizer, scheduler, counters (weights go to safetensors). Sharded:
         whole tensors, the same layout as one process (a collective)."""
         state = {
-            "optimizer": whole_optimizer_state(self.optimizer, self.group),
+            "optimizer": self._optimizer_state(),
             "scheduler": self.scheduler.state_dict(),
             "version": self.version,
             "step": self.step,
@@ -420,7 +402,7 @@ class Trainer:
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        load_whole_optimizer_state(self.optimizer, state["optimizer"], self.group)
+        self._load_optimizer_state(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.version = int(state["version"])
         self.step = int(state["step"])
