@@ -13,6 +13,7 @@ import shutil
 import tempfile
 import threading
 from collections.abc import Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
@@ -224,6 +225,17 @@ _DROPOUT = (
     torch.nn.AlphaDropout,
     torch.nn.FeatureAlphaDropout,
 )
+
+
+@contextmanager
+def eval_mode(model: torch.nn.Module):
+    """The model in eval mode for the block, then back in the mode it was in (train or eval)."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)
 
 
 def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:

@@ -28,6 +28,7 @@ import torch
 
 from rlhf_core.data.prompts import PromptBatch
 from rlhf_core.model.lora import is_lora, load_adapter_state_dict
+from rlhf_core.model.policy import eval_mode
 from rlhf_core.rollout.base import (
     SamplingParams,
     as_stop_ids,
@@ -129,29 +130,22 @@ class HFEngine:
         (`seed`): the engine's sampling stream is not touched."""
         from rlhf_core.rollout.probe import sample_at_prefixes
 
-        was_training = self.model.training
-        self.model.eval()
-        try:
+        with eval_mode(self.model):
             T = ids.shape[1]
             logits = self.model(input_ids=ids[:, : T - 1].to(self.device)).logits[:, T - 1 - k :]
-        finally:
-            self.model.train(was_training)
         return sample_at_prefixes(logits, seed)
 
     @torch.no_grad()
     def top_logprobs(self, prompt: list[int], ids: list[int], sampling: SamplingParams, k: int) -> list[list[tuple]]:
         """The k most likely tokens and their log-probs [(id, logprob), ...] at each position of the completion
         `ids` of `prompt`, under the distribution `sampling` samples from (one forward pass over prompt + ids)."""
-        was_training = self.model.training
-        self.model.eval()
-        try:
+        with eval_mode(self.model):
             x = torch.tensor([list(prompt) + list(ids)], device=self.device)
             logits = self.model(input_ids=x).logits[0, len(prompt) - 1 : len(prompt) - 1 + len(ids)]
-        finally:
-            self.model.train(was_training)
         values, index = sampling_logprobs(logits, sampling).topk(k, dim=-1)
         return [list(zip(i, v)) for i, v in zip(index.tolist(), values.tolist())]
 
+    @torch.no_grad()
     def generate(
         self,
         prompts: PromptBatch,
@@ -159,27 +153,28 @@ class HFEngine:
         sampling: SamplingParams,
         between_steps: Optional[WeightsHook] = None,
     ) -> RolloutBatch:
-        """G completions per prompt (rows of one prompt contiguous). between_steps: see the module docstring
-        (partial rollouts; it implies the continuous path, whose KV cache can be recomputed per row)."""
-        if (self.continuous_batching or between_steps is not None) and _supports_cache_surgery(self.model):
-            was_training = self.model.training
-            try:
-                return self._generate_continuous(prompts, samples_per_prompt, sampling, between_steps)
-            except _NoCacheSurgery as e:  # found at the first prefill, before anything is sampled
-                self.model.train(was_training)
-                self.model._atrlhf_cache_surgery = False
-                warnings.warn(NO_CACHE_SURGERY.format(e), RuntimeWarning, stacklevel=2)
-        return self._generate_batch(prompts, samples_per_prompt, sampling)
-
-    @torch.no_grad()
-    def _generate_batch(self, prompts: PromptBatch, samples_per_prompt: int, sampling: SamplingParams) -> RolloutBatch:
+        """G completions per prompt (rows of one prompt contiguous), in eval mode. between_steps: see the module
+        docstring (partial rollouts; it implies the continuous path, whose KV cache can be recomputed per row).
+        Both paths decode the same rows (`_rows_of`) into (tokens, log-probs, versions) [N, T], made a batch by
+        `_finish`."""
         G = samples_per_prompt
-        dev = self.device
         prompt_ids, prompt_mask, stops = self._rows_of(prompts, G)
+        decoded = None
+        with eval_mode(self.model):
+            if (self.continuous_batching or between_steps is not None) and _supports_cache_surgery(self.model):
+                try:
+                    decoded = self._decode_continuous(prompt_ids, prompt_mask, stops, sampling, between_steps)
+                except _NoCacheSurgery as e:  # found at the first prefill, before anything is sampled
+                    self.model._atrlhf_cache_surgery = False
+                    warnings.warn(NO_CACHE_SURGERY.format(e), RuntimeWarning, stacklevel=2)
+            tokens, logps, versions = decoded or self._decode_batch(prompt_ids, prompt_mask, stops, sampling)
+        return self._finish(prompts, G, prompt_ids, prompt_mask, tokens, logps, versions, stops)
+
+    def _decode_batch(self, prompt_ids, prompt_mask, stops, sampling: SamplingParams) -> tuple:
+        """Every row computed until the longest one ends."""
+        dev = self.device
         N, P = prompt_ids.shape
         T = sampling.max_new_tokens
-        was_training = self.model.training
-        self.model.eval()
 
         # One attention mask for prompt + every response position, allocated once; step t sees a prefix
         # view of it (no per-step torch.cat). Generated positions are all attended to: a finished row's
@@ -223,28 +218,15 @@ class HFEngine:
             past = self._cache_of(out)
             next_logits = out.logits[:, -1, :]
             next_pos = next_pos + 1
-        if was_training:
-            self.model.train()
+        return tokens, logps, torch.full(tokens.shape, self.version, dtype=torch.long, device=dev)
 
-        versions = torch.full(tokens.shape, self.version, dtype=torch.long, device=dev)
-        return self._finish(prompts, G, prompt_ids, prompt_mask, tokens, logps, versions, stops)
-
-    @torch.no_grad()
-    def _generate_continuous(
-        self,
-        prompts: PromptBatch,
-        samples_per_prompt: int,
-        sampling: SamplingParams,
-        between_steps: Optional[WeightsHook] = None,
-    ) -> RolloutBatch:
-        G = samples_per_prompt
+    def _decode_continuous(self, prompt_ids, prompt_mask, stops, sampling: SamplingParams, between_steps) -> tuple:
+        """At most max_active_rows rows decoding at once, a row leaving as it ends and a waiting one joining;
+        between_steps' weights adopted between decode steps."""
         dev = self.device
-        prompt_ids, prompt_mask, stops = self._rows_of(prompts, G)
-        N, P = prompt_ids.shape
+        N = prompt_ids.shape[0]
         T = sampling.max_new_tokens
         limit = min(N, self.max_active_rows or N)
-        was_training = self.model.training
-        self.model.eval()
         # one extra column: a row that has ended writes there until it leaves the batch (no host sync per step)
         tokens = torch.full((N, T + 1), self.pad_token_id, dtype=torch.long, device=dev)
         logps = torch.zeros((N, T + 1), dtype=torch.float32, device=dev)
@@ -286,9 +268,7 @@ class HFEngine:
             step += 1
             if step % check_every == 0 and bool(rows.ended.any()):
                 rows.keep(~rows.ended)
-        if was_training:
-            self.model.train()
-        return self._finish(prompts, G, prompt_ids, prompt_mask, tokens[:, :T], logps[:, :T], versions[:, :T], stops)
+        return tokens[:, :T], logps[:, :T], versions[:, :T]
 
     def _rows_of(self, prompts: PromptBatch, G: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Both generation paths' rows: each prompt's ids and mask G times (rows of one prompt contiguous) on the
