@@ -1,11 +1,12 @@
-"""Log-probabilities of responses under a policy: padded rows (`sequence_logprobs`), one packed row per
-micro-batch (`packed_sequence_logprobs`, padding-free training), one sequence per distinct prompt with its
-responses after it (`shared_prefix_logprobs`: a GRPO group's prompt computed once), the per-token helper they
-use, and how rows are packed. The distribution is the one the rollout engine sampled from
-(`rollout.base.processed_logits`)."""
+"""Log-probabilities of responses under a policy (`sequence_logprobs`), from one forward pass over the rows laid
+out as padded rows, as one packed row per micro-batch (`packed_sequence_logprobs`, padding-free training) or as
+one sequence per distinct prompt with its responses after it (`shared_prefix_logprobs`: a GRPO group's prompt
+computed once); the per-token helper, and how rows are packed. The distribution is the one the rollout engine
+sampled from (`rollout.base.processed_logits`)."""
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Optional
 
@@ -23,6 +24,8 @@ def sequence_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     sampling: Optional[SamplingParams] = None,
+    layout: str = "padded",
+    plan: Optional[dict] = None,
 ):
     """Per-token logprobs (and entropies) of `response_ids` given left-padded prompts, in one forward pass.
 
@@ -39,15 +42,30 @@ def sequence_logprobs(
     once (no loop over tokens).
 
     entropy: of that same truncated, renormalised distribution (the one sampled from), without gradient.
+
+    layout: how the rows are laid out for the forward pass. "padded": the rows as they are. "packed"
+    (`packed_sequence_logprobs`) and "shared" (`shared_prefix_logprobs`, with its `plan`) compute nothing on
+    padding and return 0 where response_mask is False; the values elsewhere are the same.
     """
     sampling = sampling or SamplingParams(temperature=temperature)
-    P = prompt_ids.shape[1]
-    L = response_ids.shape[1]
-    input_ids = torch.cat([prompt_ids, response_ids], dim=1)
-    attn = torch.cat([prompt_mask, response_mask], dim=1).long()
-    positions = (attn.cumsum(-1) - 1).clamp_(min=0)
-    logits = model(input_ids=input_ids, attention_mask=attn, position_ids=positions, use_cache=False).logits
-    return token_logprobs(logits[:, P - 1 : P - 1 + L, :], response_ids, sampling, with_entropy)
+    rows = (prompt_ids, prompt_mask, response_ids, response_mask)
+    if layout == "padded":
+        return token_logprobs(_padded_logits(model, *rows), response_ids, sampling, with_entropy)
+    if layout == "shared":
+        plan = plan or shared_prefix_plan(prompt_ids, prompt_mask, response_mask)
+    if layout == "shared" and plan is not None:
+        logits, at = _shared_prefix_logits(model, *rows, plan)
+    elif layout in ("packed", "shared"):  # a plan of None: sharing does not pay, packing does
+        logits, at = _packed_logits(model, *rows)
+    else:
+        raise ValueError(f"unknown layout {layout!r}; expected 'padded', 'packed' or 'shared'")
+    values, ent = token_logprobs(logits, response_ids[at], sampling, with_entropy)
+    # the response tokens at (rows, columns) `at` put back in the shape of response_ids [N, L] (0 elsewhere)
+    logprobs = torch.zeros(response_ids.shape, dtype=values.dtype, device=values.device).index_put(at, values)
+    entropy = (
+        None if ent is None else torch.zeros(response_ids.shape, dtype=ent.dtype, device=ent.device).index_put(at, ent)
+    )
+    return logprobs, entropy
 
 
 def token_logprobs(logits, tokens, sampling: SamplingParams, with_entropy: bool = False):
@@ -64,18 +82,20 @@ def token_logprobs(logits, tokens, sampling: SamplingParams, with_entropy: bool 
     return logprobs, entropy
 
 
-def packed_sequence_logprobs(
-    model,
-    prompt_ids,
-    prompt_mask,
-    response_ids,
-    response_mask,
-    temperature: float = 1.0,
-    with_entropy: bool = False,
-    sampling: Optional[SamplingParams] = None,
-):
-    """`sequence_logprobs` without computing on padding: the same outputs ([N, L], 0 where response_mask is
-    False) from a forward pass over the sequences packed end to end.
+def _padded_logits(model, prompt_ids, prompt_mask, response_ids, response_mask):
+    """The logits [N, L, V] that predict each response position, from one forward pass over the padded rows."""
+    P = prompt_ids.shape[1]
+    L = response_ids.shape[1]
+    input_ids = torch.cat([prompt_ids, response_ids], dim=1)
+    attn = torch.cat([prompt_mask, response_mask], dim=1).long()
+    positions = (attn.cumsum(-1) - 1).clamp_(min=0)
+    logits = model(input_ids=input_ids, attention_mask=attn, position_ids=positions, use_cache=False).logits
+    return logits[:, P - 1 : P - 1 + L, :]
+
+
+def _packed_logits(model, prompt_ids, prompt_mask, response_ids, response_mask):
+    """The layout "packed": the logits [T, V] that predict the T real response tokens, and where those tokens
+    are in response_ids ((rows, columns)), from a forward pass over the sequences packed end to end.
 
     Each sequence (its real prompt tokens, then its response tokens) keeps its own position ids 0..n-1 and is
     placed whole in a row of a token budget (the longest sequence; first fit, longest first), so a forward
@@ -83,7 +103,6 @@ def packed_sequence_logprobs(
     model separates the sequences of a row by where their position ids restart (transformers' packed-sequence
     masks for sdpa / eager, the varlen kernels for flash attention); `packing_isolates` checks that a model
     does. Only the positions that predict a response token are read from the logits."""
-    sampling = sampling or SamplingParams(temperature=temperature)
     dev = prompt_ids.device
     N = response_ids.shape[0]
     full_ids = torch.cat([prompt_ids, response_ids], 1)
@@ -104,19 +123,12 @@ def packed_sequence_logprobs(
     positions[row_t[seq], off_t[seq] + within] = within
     hidden_logits = model(input_ids=input_ids, position_ids=positions, use_cache=False).logits
     i, j = response_mask.nonzero(as_tuple=True)  # response token j of row i is predicted one position before it
-    logits = hidden_logits[row_t[i], off_t[i] + prompt_lens[i] + j - 1]
-    return _response_token_logprobs(logits, response_ids, (i, j), sampling, with_entropy)
+    return hidden_logits[row_t[i], off_t[i] + prompt_lens[i] + j - 1], (i, j)
 
 
-def _response_token_logprobs(logits, response_ids, at: tuple, sampling: SamplingParams, with_entropy: bool):
-    """token_logprobs of the response tokens at (rows, columns) `at` from their logits [T, V], put back in the
-    shape of response_ids [N, L] (0 elsewhere): how the padding-free passes return what they computed."""
-    values, ent = token_logprobs(logits, response_ids[at], sampling, with_entropy)
-    logprobs = torch.zeros(response_ids.shape, dtype=values.dtype, device=values.device).index_put(at, values)
-    entropy = (
-        None if ent is None else torch.zeros(response_ids.shape, dtype=ent.dtype, device=ent.device).index_put(at, ent)
-    )
-    return logprobs, entropy
+packed_sequence_logprobs = functools.partial(sequence_logprobs, layout="packed")
+"""`sequence_logprobs` without computing on padding (`_packed_logits`): the same outputs ([N, L], 0 where
+response_mask is False)."""
 
 
 def pack_rows(lengths: list[int]) -> tuple[list[int], list[int]]:
@@ -206,29 +218,12 @@ def shared_prefix_plan(prompt_ids, prompt_mask, response_mask, force: bool = Fal
     return {"group": group, "group_prompt": group_prompt, "resp_lens": resp_lens, "G": G, "S": S}
 
 
-def shared_prefix_logprobs(
-    model,
-    prompt_ids,
-    prompt_mask,
-    response_ids,
-    response_mask,
-    temperature: float = 1.0,
-    with_entropy: bool = False,
-    sampling: Optional[SamplingParams] = None,
-    plan: Optional[dict] = None,
-):
-    """`sequence_logprobs` with each distinct prompt computed once: one sequence per prompt, [prompt, response
-    of row a, response of row b, ...], where a response's tokens take the positions that follow the prompt
-    and attend to the prompt and to their own response only (a 4D attention mask; `prefix_sharing_works`
-    checks that the model honours it). The same outputs ([N, L], 0 where response_mask is False); gradients
-    reaching the shared prompt sum over its responses, as they would over copies. `plan`: shared_prefix_plan's
-    (computed when not given; falls back to `packed_sequence_logprobs` when it is None)."""
-    plan = plan or shared_prefix_plan(prompt_ids, prompt_mask, response_mask)
-    if plan is None:
-        return packed_sequence_logprobs(
-            model, prompt_ids, prompt_mask, response_ids, response_mask, temperature, with_entropy, sampling
-        )
-    sampling = sampling or SamplingParams(temperature=temperature)
+def _shared_prefix_logits(model, prompt_ids, prompt_mask, response_ids, response_mask, plan: dict):
+    """The layout "shared" (`_packed_logits`' outputs): each distinct prompt computed once, one sequence per
+    prompt, [prompt, response of row a, response of row b, ...], where a response's tokens take the positions
+    that follow the prompt and attend to the prompt and to their own response only (a 4D attention mask;
+    `prefix_sharing_works` checks that the model honours it); gradients reaching the shared prompt sum over its
+    responses, as they would over copies. `plan`: shared_prefix_plan's."""
     dev = prompt_ids.device
     N = response_ids.shape[0]
     group, group_prompt, resp_lens, G, S = (plan[k] for k in ("group", "group_prompt", "resp_lens", "G", "S"))
@@ -269,7 +264,13 @@ def shared_prefix_logprobs(
     out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
     # a response's first token is predicted at the prompt's last token, each next one at its own previous token
     at = torch.where(rank == 0, group_prompt[gi] - 1, start[i] + rank - 1)
-    return _response_token_logprobs(out[gi, at], response_ids, (i, j), sampling, with_entropy)
+    return out[gi, at], (i, j)
+
+
+shared_prefix_logprobs = functools.partial(sequence_logprobs, layout="shared")
+"""`sequence_logprobs` with each distinct prompt computed once (`_shared_prefix_logits`): the same outputs ([N, L],
+0 where response_mask is False). `plan`: shared_prefix_plan's (computed when not given; the rows are packed
+instead when it is None)."""
 
 
 def prefix_sharing_works(model) -> bool:
