@@ -3,8 +3,7 @@ its module on first access, so importing the package stays light (no torch, no R
 need part of it.
 
     _LAZY = {"ToolEnv": "rlhf_core.env.tools", ...}  # public name -> the module that defines it
-    __all__ = sorted(_LAZY)
-    __getattr__, __dir__ = lazy_exports(globals(), _LAZY)
+    __all__, __getattr__, __dir__ = lazy_exports(globals(), _LAZY)
 
 The value is cached in the package's namespace, so the module's own object is returned and `__getattr__` runs
 once a name. A name not in the table (a submodule not yet imported included) raises AttributeError as usual.
@@ -17,9 +16,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 
-def lazy_exports(namespace: dict[str, Any], where: Mapping[str, str]) -> tuple[Callable, Callable]:
-    """(__getattr__, __dir__) for the package whose globals() are `namespace`; `where`: public name -> the
-    module (full dotted path) that defines it."""
+def lazy_exports(namespace: dict[str, Any], where: Mapping[str, str]) -> tuple[list[str], Callable, Callable]:
+    """(__all__, __getattr__, __dir__) for the package whose globals() are `namespace`; `where`: public name ->
+    the module (full dotted path) that defines it. __all__: those names, sorted."""
     package = namespace["__name__"]
 
     def __getattr__(name: str) -> Any:
@@ -33,4 +32,4 @@ def lazy_exports(namespace: dict[str, Any], where: Mapping[str, str]) -> tuple[C
     def __dir__() -> list[str]:
         return sorted(set(namespace) | set(where))
 
-    return __getattr__, __dir__
+    return sorted(where), __getattr__, __dir__

@@ -23,5 +23,4 @@ _LAZY = {
     "EpisodeLog": "rlhf_core.agent.segments",
 }
 
-__all__ = sorted(_LAZY)
-__getattr__, __dir__ = lazy_exports(globals(), _LAZY)
+__all__, __getattr__, __dir__ = lazy_exports(globals(), _LAZY)

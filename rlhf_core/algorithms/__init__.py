@@ -81,7 +81,7 @@ _LAZY = {  # torch modules: name -> the module that holds it, imported on first 
     ),  # not value_loss.py: the submodule would shadow the function
 }
 _WHERE = {name: module for module, names in _LAZY.items() for name in names}
-__getattr__, __dir__ = lazy_exports(globals(), _WHERE)
+__getattr__, __dir__ = lazy_exports(globals(), _WHERE)[1:]  # __all__ is written below
 
 
 __all__ = [

@@ -27,5 +27,4 @@ _LAZY = {
     "run_distributed": "rlhf_core.hosts.driver",
 }
 
-__all__ = sorted(_LAZY)
-__getattr__, __dir__ = lazy_exports(globals(), _LAZY)
+__all__, __getattr__, __dir__ = lazy_exports(globals(), _LAZY)

@@ -36,5 +36,4 @@ _LAZY = {
     "ToolEnv": "rlhf_core.env.tools",
 }
 
-__all__ = sorted(_LAZY)
-__getattr__, __dir__ = lazy_exports(globals(), _LAZY)
+__all__, __getattr__, __dir__ = lazy_exports(globals(), _LAZY)

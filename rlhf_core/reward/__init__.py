@@ -51,5 +51,4 @@ _LAZY = {
     "score_responses": "rlhf_core.scoring",
 }
 
-__all__ = sorted(_LAZY)
-__getattr__, __dir__ = lazy_exports(globals(), _LAZY)
+__all__, __getattr__, __dir__ = lazy_exports(globals(), _LAZY)
