@@ -15,6 +15,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from rlhf_core.config import TrainConfig
+from rlhf_core.hosts.base import LoopReport
 from rlhf_core.run.evaluation import failed_episodes
 
 WARM_START_REPORT_S = 10.0  # a line at least this often while the warm start runs
@@ -172,7 +173,7 @@ def rollout_loop(runtime, index: int) -> dict:
             100 * s.get("busy_frac", 0.0),
         )
 
-    final = runtime.wait_loop("rollout", index, attempt=attempt, report=report, report_every_s=LOOP_REPORT_S)
+    final = runtime.wait_loop("rollout", index, attempt=attempt, report=LoopReport(report, LOOP_REPORT_S))
     if final:
         report(final)
     logger.info("rollout worker %d: stopped", index)
@@ -194,7 +195,7 @@ def trainer_loop(runtime, total_steps: int) -> dict:
             100 * s.get("busy_frac", 0.0),
         )
 
-    final = runtime.wait_loop("trainer", report=report, report_every_s=LOOP_REPORT_S)
+    final = runtime.wait_loop("trainer", report=LoopReport(report, LOOP_REPORT_S))
     if final:
         report(final)
     logger.info("trainer: stopped")

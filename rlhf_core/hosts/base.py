@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Protocol, runtime_checkable
 
@@ -22,6 +23,14 @@ from rlhf_core.config import TrainConfig
 from rlhf_core.run.checkpoint import CheckpointState
 
 log = logging.getLogger("rlhf_core.run")
+
+
+@dataclass(frozen=True)
+class LoopReport:
+    """What `wait_loop` reports while it waits: the role's stats to `fn`, every `every_s` seconds."""
+
+    fn: Callable[[dict], None]
+    every_s: float = 30.0
 
 
 @runtime_checkable
@@ -90,14 +99,7 @@ class RunHost(Protocol):
     def reconcile(self, poll: dict) -> dict:
         """The accounting of groups, samples and tokens from a poll (rlhf_core.run.accounting)."""
 
-    def wait_loop(
-        self,
-        role: str,
-        index: int = 0,
-        attempt: int = 1,
-        report: Optional[Callable[[dict], None]] = None,
-        report_every_s: float = 30.0,
-    ) -> dict:
+    def wait_loop(self, role: str, index: int = 0, attempt: int = 1, report: Optional[LoopReport] = None) -> dict:
         """Block until one loop ends ("trainer", or "rollout" worker `index`, its `attempt`-th loop): the Prefect
         task run that spans it waits here. Returns its final stats; raises RunFailed with its error."""
 
@@ -150,34 +152,27 @@ class HostBase:
         raise NotImplementedError
 
     # ------------------------------------------------------------------ written once
-    def wait_loop(
-        self,
-        role: str,
-        index: int = 0,
-        attempt: int = 1,
-        report: Optional[Callable[[dict], None]] = None,
-        report_every_s: float = 30.0,
-    ) -> dict:
+    def wait_loop(self, role: str, index: int = 0, attempt: int = 1, report: Optional[LoopReport] = None) -> dict:
         """Block until one loop ends (async mode; for whoever watches it, e.g. a Prefect task that spans it).
 
         role "trainer", or "rollout" with the worker's `index` and `attempt` (1 for its first loop, n for the loop
         a restart of it runs, waited for until the supervision starts it). Returns the loop's final stats (empty
         when the run ended before the loop started); raises RunFailed with the loop's error when it raised (on
-        Ray, WorkerDied when a rollout worker's process died). `report(stats)` gets the role's stats every
-        `report_every_s`. The host supplies the waiting (`_loop_polls`) and the stats (`_loop_stats`)."""
+        Ray, WorkerDied when a rollout worker's process died). `report`: the role's stats to `report.fn` every
+        `report.every_s`. The host supplies the waiting (`_loop_polls`) and the stats (`_loop_stats`)."""
         what = "the trainer" if role == "trainer" else f"rollout worker {index}"
         polls = self._loop_polls(role, index, attempt, what)
-        next_report = time.monotonic() + report_every_s
+        next_report = time.monotonic() + (report.every_s if report is not None else 0.0)
         while True:
             try:
                 next(polls)
             except StopIteration as end:
                 return end.value
             if report is not None and time.monotonic() >= next_report:
-                next_report = time.monotonic() + report_every_s
+                next_report = time.monotonic() + report.every_s
                 stats = self._loop_stats(role, index)
                 if stats is not None:
-                    report(stats)
+                    report.fn(stats)
 
     def _restore(self, path: str) -> CheckpointState:
         """Trainer state first (it validates the whole checkpoint), then the prompt queue's position (and the record

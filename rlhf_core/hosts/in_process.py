@@ -146,7 +146,7 @@ class InProcessRun(HostBase):
     def export(self, path: str | Path) -> str:
         return str(export_run(self.parts, path))
 
-    def wait_loop(self, role: str, index: int = 0, attempt: int = 1, report=None, report_every_s: float = 30.0):
+    def wait_loop(self, role: str, index: int = 0, attempt: int = 1, report=None):
         """No loop runs apart from the supervision: its final stats at once."""
         owner = self.parts.trainer_role if role == "trainer" else self.parts.rollout_role
         return owner.stats()
