@@ -390,13 +390,7 @@ class Trainer(Learner):
     def state_dict(self) -> dict:
         """Everything but the weights: optimizer, scheduler, counters (weights go to safetensors). Sharded:
         whole tensors, the same layout as one process (a collective)."""
-        state = {
-            "optimizer": self._optimizer_state(),
-            "scheduler": self.scheduler.state_dict(),
-            "version": self.version,
-            "step": self.step,
-            "skipped_steps": self.skipped_steps,
-        }
+        state = {"optimizer": self._optimizer_state(), "scheduler": self.scheduler.state_dict(), **self._counters()}
         if self.critic is not None:  # the critic's weights, optimizer and counters: resumed with the trainer
             state["critic"] = self.critic.state_dict()
         return state
@@ -421,12 +415,9 @@ class Trainer(Learner):
                 stacklevel=2,
             )
 
+    def _counters(self) -> dict:
+        """The counters a checkpoint keeps (`state_dict`), also in `stats`."""
+        return {"version": self.version, "step": self.step, "skipped_steps": self.skipped_steps}
+
     def stats(self) -> dict:
-        return {
-            "busy_s": self.busy_s,
-            "samples": self.samples,
-            "tokens": self.tokens,
-            "version": self.version,
-            "step": self.step,
-            "skipped_steps": self.skipped_steps,
-        }
+        return {"busy_s": self.busy_s, "samples": self.samples, "tokens": self.tokens, **self._counters()}
