@@ -28,6 +28,11 @@ FRAMEWORKS = {  # example -> what its episodes show on this model (beyond being 
     "litellm_agent.py": "tool_round_trip",
     "dspy_agent.py": "parse_error_scored",
 }
+# and again streamed (agent.kwargs stream: true): LangChain's .astream, LiteLLM's stream=True, the Agents SDK's
+# Runner.run_streamed read server-sent events; the episodes must be the same
+CASES = [(e, False) for e in FRAMEWORKS] + [
+    (e, True) for e in ("agents_sdk_agent.py", "langchain_agent.py", "litellm_agent.py")
+]
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # LiteLLM (and DSPy through it): no download at import
 
 
@@ -35,11 +40,20 @@ def rows(n: int) -> list[Prompt]:
     return [Prompt(i, [1, 2, 3], [], f"max of {i + 1}, {i + 7}, 2?", str(i + 7), {}) for i in range(n)]
 
 
-@pytest.mark.parametrize("example", list(FRAMEWORKS))
-def test_a_framework_agent_with_its_defaults_trains_through_agent(example, tool_policy):
+@pytest.mark.parametrize("example, stream", CASES, ids=[e + (" streamed" if s else "") for e, s in CASES])
+def test_a_framework_agent_with_its_defaults_trains_through_agent(example, stream, tool_policy):
     model, tok, stops = tool_policy
+    kwargs = {"stream": True} if stream else {}
     cfg = validate_config(
-        {"agent": {"path": str(EXAMPLES / example), "name": "run", "error_reward": 0.0, "timeout_s": 120}}
+        {
+            "agent": {
+                "path": str(EXAMPLES / example),
+                "name": "run",
+                "error_reward": 0.0,
+                "timeout_s": 120,
+                "kwargs": kwargs,
+            }
+        }
     )
     from rlhf_core.agent.runner import AgentRunner
 
@@ -52,7 +66,7 @@ def test_a_framework_agent_with_its_defaults_trains_through_agent(example, tool_
     worker = RolloutWorker(engine, reward, sampling, 2, tok.pad_token_id, component_names=names, agent=runner)
     try:
         batch, components = worker.rollout(rows(2))
-        served = runner.server.requests
+        served, streamed = runner.server.requests, runner.server.streamed
     finally:
         worker.close()
     episodes = runner.last_episodes
@@ -60,6 +74,7 @@ def test_a_framework_agent_with_its_defaults_trains_through_agent(example, tool_
     for e in episodes:  # ended, or raised in the framework and scored agent.error_reward
         assert e.error is None or e.reward == 0.0, e.error
     assert len(batch) >= 4 and served >= 4 and torch.isfinite(batch.rewards).all()
+    assert streamed == (served if stream else 0), (streamed, served)  # every request of a streamed run streamed
     assert batch.loss_mask.any(-1).any()
     calls = [c for e in episodes for c in e.calls]
     if FRAMEWORKS[example] == "forced_tool_choice":  # its steps force a call: the turn opens with <tool_call>

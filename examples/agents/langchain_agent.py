@@ -1,5 +1,6 @@
 """The reveal agent written with LangChain (langchain-openai), its defaults: `ChatOpenAI` on the run's endpoint,
-the tool bound with `bind_tools`, LangChain's tool loop (AIMessage.tool_calls -> ToolMessage).
+the tool bound with `bind_tools`, LangChain's tool loop (AIMessage.tool_calls -> ToolMessage). With
+`agent.kwargs: {stream: true}` each turn is read with `.astream` (server-sent events) and its chunks added up.
 
     agent: {path: examples/agents/langchain_agent.py, name: run}
 """
@@ -14,7 +15,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # frameworks_common be
 from frameworks_common import QUESTION, TOOLS, endpoint, hidden_digits, reveal, score
 
 
-async def run(client, row: dict, model: str = "policy", max_tokens: int = 32, max_turns: int = 3) -> dict:
+async def run(
+    client, row: dict, model: str = "policy", max_tokens: int = 32, max_turns: int = 3, stream: bool = False
+) -> dict:
     from langchain_core.messages import HumanMessage, ToolMessage
     from langchain_openai import ChatOpenAI
 
@@ -25,7 +28,12 @@ async def run(client, row: dict, model: str = "policy", max_tokens: int = 32, ma
     bound = llm.bind_tools(TOOLS)  # OpenAI-format tool dicts (a @tool function binds the same way)
     messages = [HumanMessage(QUESTION)]
     for _ in range(max_turns):
-        reply = await bound.ainvoke(messages)
+        if stream:
+            reply = None
+            async for chunk in bound.astream(messages):  # AIMessageChunks: text and tool-call pieces add up
+                reply = chunk if reply is None else reply + chunk
+        else:
+            reply = await bound.ainvoke(messages)
         messages.append(reply)
         if not reply.tool_calls:
             return score(reply.content, digits, calls)

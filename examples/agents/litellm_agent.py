@@ -1,5 +1,6 @@
 """The reveal agent written with LiteLLM, its defaults: `litellm.acompletion` with the OpenAI-compatible provider
-(`openai/<model>` and the run's endpoint as `api_base`), OpenAI tools, the usual tool loop.
+(`openai/<model>` and the run's endpoint as `api_base`), OpenAI tools, the usual tool loop. With
+`agent.kwargs: {stream: true}` each turn is streamed (`stream=True`) and rebuilt with `litellm.stream_chunk_builder`.
 
     agent: {path: examples/agents/litellm_agent.py, name: run}
 """
@@ -14,7 +15,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # frameworks_common be
 from frameworks_common import QUESTION, TOOLS, endpoint, hidden_digits, reveal, score
 
 
-async def run(client, row: dict, model: str = "policy", max_tokens: int = 32, max_turns: int = 3) -> dict:
+async def run(
+    client, row: dict, model: str = "policy", max_tokens: int = 32, max_turns: int = 3, stream: bool = False
+) -> dict:
     import litellm
 
     digits = hidden_digits(row)
@@ -24,8 +27,10 @@ async def run(client, row: dict, model: str = "policy", max_tokens: int = 32, ma
     for _ in range(max_turns):
         response = await litellm.acompletion(
             model=f"openai/{model}", api_base=base_url, api_key=key, messages=messages, tools=TOOLS,
-            max_tokens=max_tokens, num_retries=0,
+            max_tokens=max_tokens, num_retries=0, stream=stream,
         )  # fmt: skip
+        if stream:
+            response = litellm.stream_chunk_builder([chunk async for chunk in response], messages=messages)
         message = response.choices[0].message
         if not message.tool_calls:
             return score(message.content, digits, calls)

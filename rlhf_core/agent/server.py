@@ -79,6 +79,7 @@ class AgentServer:
         self.between_steps: Optional[Callable] = None  # partial rollouts: the worker's weights hook
         self.episodes: dict[str, EpisodeLog] = {}
         self.requests = 0  # answered, over the server's life
+        self.streamed = 0  # of them, answered as server-sent events (stream: true)
         self._formats: dict[str, ChatFormat] = {}
         self.batcher = Batcher(self.stop_ids, self.pad_token_id, batch_wait_s, self._idle_episodes)
         self.responses = Responses()  # the Responses API's translation and its kept responses
@@ -150,6 +151,7 @@ class AgentServer:
                     self._auth(request)
                     answer = await fn(request)
                     if isinstance(answer, Streamed):
+                        self.streamed += 1
                         return StreamingResponse(answer.events(), media_type="text/event-stream")
                     return JSONResponse(answer)
                 except api.APIError as exc:
