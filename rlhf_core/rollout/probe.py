@@ -29,6 +29,7 @@ from typing import Optional
 import torch
 
 from rlhf_core.algorithms.kl import kl_penalty
+from rlhf_core.model.policy import eval_mode
 
 log = logging.getLogger("rlhf_core.rollout")
 
@@ -62,15 +63,11 @@ def prefix_lengths(length: int, k: int) -> list[int]:
 def reference(model: torch.nn.Module, ids: torch.Tensor, k: int) -> torch.Tensor:
     """The model's next-token log-probs [B, k, V] (float32, CPU) after each of the last k prefixes of ids [B, T]
     (`prefix_lengths`), computed in eval mode and the mode put back."""
-    was_training = model.training
-    model.eval()
-    try:
+    with eval_mode(model):
         device = next(model.parameters()).device
         T = ids.shape[1]
         logits = model(input_ids=ids[:, : T - 1].to(device)).logits[:, T - 1 - k :].float()
         lp = torch.log_softmax(logits, -1)
-    finally:
-        model.train(was_training)
     return lp.cpu()
 
 

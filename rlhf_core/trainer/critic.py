@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from rlhf_core.algorithms import explained_variance, value_loss
-from rlhf_core.model.policy import disable_dropout
+from rlhf_core.model.policy import disable_dropout, eval_mode
 from rlhf_core.model.sharding import gather_rows, reduce_metrics, whole_cpu_copies
 from rlhf_core.model.weights import load_weights_into
 from rlhf_core.trainer.learner import Learner
@@ -95,13 +95,8 @@ class Critic(Learner):
     def values(self, batch: RolloutBatch) -> torch.Tensor:
         """Values [N, L] of every row by the current critic, without gradient; 0 where the response is padding.
         Sharded: each rank computes its rows and every rank gets all of them (a collective)."""
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            with torch.no_grad():
-                local = torch.cat([self._forward(batch, idx) for idx in self._micro(len(batch))])
-        finally:
-            self.model.train(was_training)
+        with eval_mode(self.model), torch.no_grad():
+            local = torch.cat([self._forward(batch, idx) for idx in self._micro(len(batch))])
         return gather_rows(local, len(batch), self.group) * batch.response_mask.float()
 
     def update(

@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch
 
+from rlhf_core.model.policy import eval_mode
 from rlhf_core.rollout.base import SamplingParams, processed_logits
 
 
@@ -152,13 +153,8 @@ def _once_per_model(model, attr: str, check) -> bool:
     known = getattr(model, attr, None)
     if known is not None:
         return known
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            ok = bool(check(model))
-    finally:
-        model.train(was_training)
+    with eval_mode(model), torch.no_grad():
+        ok = bool(check(model))
     setattr(model, attr, ok)
     return ok
 

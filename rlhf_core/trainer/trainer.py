@@ -25,7 +25,7 @@ from rlhf_core.algorithms import (
 )
 from rlhf_core.algorithms.correction import step_rejection
 from rlhf_core.model.lora import adapter_state_dict, adapters_disabled, is_lora
-from rlhf_core.model.policy import disable_dropout
+from rlhf_core.model.policy import disable_dropout, eval_mode
 from rlhf_core.model.sharding import gather_rows, reduce_metrics, shard_model, whole_cpu_copies, world
 from rlhf_core.model.weights import load_weights_into
 from rlhf_core.rollout import probe as sync_probe
@@ -188,13 +188,8 @@ class Trainer(Learner):
                 return self._logprobs(self.ref_model, batch, idx)[0]
         if not self.ref_is_base:
             return None
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            with torch.no_grad(), adapters_disabled(self.model):
-                return self._logprobs(self.model, batch, idx)[0]
-        finally:
-            self.model.train(was_training)
+        with eval_mode(self.model), torch.no_grad(), adapters_disabled(self.model):
+            return self._logprobs(self.model, batch, idx)[0]
 
     def train_step(self, batch: RolloutBatch, advantages: Optional[torch.Tensor] = None) -> dict:
         """One optimizer step on a batch of complete groups: plan (`_plan`), accumulate (`_accumulate`), update
