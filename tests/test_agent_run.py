@@ -55,6 +55,7 @@ def agent_run_config(tmp_path, name: str, **agent):
     return cfg
 
 
+@pytest.mark.slow  # end to end: a whole run, then `atrlhf serve` in its own process on its checkpoint (~15 s)
 def test_run_sync_trains_with_an_agent_and_serve_answers_on_its_checkpoint(tmp_path, capsys):
     from flows.cli import main
     from rlhf_core.loop import build_run, generate_step_batch, run_sync

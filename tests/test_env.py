@@ -351,7 +351,8 @@ def test_a_step_that_raises_ends_the_trajectory_and_counts(chat):
 
 
 def test_a_step_past_its_timeout_fails_sync_and_async(chat):
-    runner, trajs = run_env(chat, "CountEnv", kwargs={"sleep": 5}, step_timeout_s=0.5)
+    # the plain step overruns its thread: the runner's close() waits for it to end (sleep 2 s, past 0.5 s)
+    runner, trajs = run_env(chat, "CountEnv", kwargs={"sleep": 2}, step_timeout_s=0.5)
     assert all("timed out after 0.5 s (env.step_timeout_s)" in t.error for t in trajs)
     assert runner.metrics()["env/errors/timeout"] == 2
     runner, trajs = run_env(chat, "AsyncSleepEnv", kwargs={"sleep": 5}, step_timeout_s=0.5)

@@ -173,7 +173,9 @@ def test_tool_errors_are_the_models_to_read_and_a_slow_tool_fails_the_step(chat_
             engine = ScriptedEngine(tok, stops, call.format(name, args), "done")
             (t,) = runner.run(engine, prompts_for(tok, 1), 1, SamplingParams(max_new_tokens=256))
             assert t.error is None and t.transcript[2].text == expect
-        engine = ScriptedEngine(tok, stops, call.format("slow", '{"seconds": 30}'), "done")
+        # 3 s: past the 1 s timeout by a margin, and short enough that close() (which waits for the overrun call
+        # to end, up to STOP_GRACE_S past the timeout) returns as soon as the sleep does
+        engine = ScriptedEngine(tok, stops, call.format("slow", '{"seconds": 3}'), "done")
         (t,) = runner.run(engine, prompts_for(tok, 1), 1, SamplingParams(max_new_tokens=256))
         assert "timed out after 1 s (env.step_timeout_s)" in t.error
     finally:

@@ -196,23 +196,37 @@ def test_run_name_must_be_a_plain_directory_name():
     assert str(load_config(None, ["run.output_dir=/tmp/o"]).run.run_dir) == "/tmp/o"
 
 
-BUILD = """
-import sys
-from rlhf_core.config import ModelConfig
-from rlhf_core.model.policy import ensure_policy
-m = ModelConfig(preset="micro")
-print(ensure_policy(m, "max3", sys.argv[1]), flush=True)
-"""
+def _build_at_the_barrier(output_dir, barrier, results) -> None:
+    """One run's start (forked from this process: transformers already imported, so the builds themselves race
+    instead of two interpreters' imports): wait for the other, then ensure the tiny policy and report the path."""
+    try:
+        import torch
+
+        from rlhf_core.config import ModelConfig
+        from rlhf_core.model.policy import ensure_policy
+
+        torch.set_num_threads(1)  # no OpenMP pool in a forked child (the parent's threads are not forked)
+        barrier.wait(timeout=60)
+        results.put(str(ensure_policy(ModelConfig(preset="micro"), "max3", output_dir)))
+    except BaseException as exc:
+        results.put(f"failed: {exc!r}")  # the test reads it at once instead of waiting for a path
+        raise
 
 
-def test_two_runs_building_the_tiny_policy_at_once_both_get_a_whole_one(tmp_path):
-    """Two runs starting together in one run.output_dir: the tiny model is built aside and renamed into place."""
-    procs = [
-        subprocess.Popen([sys.executable, "-c", BUILD, str(tmp_path)], stdout=subprocess.PIPE, text=True)
-        for _ in range(2)
-    ]
-    outs = [p.communicate(timeout=300)[0].strip() for p in procs]
-    assert [p.returncode for p in procs] == [0, 0]
+def test_two_runs_building_the_tiny_policy_at_once_both_get_a_whole_one(tmp_path, tiny_policy_dir):
+    """Two runs starting together in one run.output_dir: the tiny model is built aside and renamed into place.
+    (tiny_policy_dir: this process has built one, so the forked runs import nothing.)"""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    barrier, results = ctx.Barrier(2), ctx.Queue()
+    procs = [ctx.Process(target=_build_at_the_barrier, args=(str(tmp_path), barrier, results)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    outs = [results.get(timeout=300) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+    assert [p.exitcode for p in procs] == [0, 0]
     assert outs[0] == outs[1] == str(tmp_path / "tiny_policy")
     assert (tmp_path / "tiny_policy" / "model.safetensors").is_file()
     assert [p.name for p in tmp_path.iterdir()] == ["tiny_policy"]  # no temporary build left behind
