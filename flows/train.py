@@ -238,7 +238,6 @@ def supervise(run: RunState, cancel: CancelWatch) -> bool:
         on_tick=tick,
         cancelled=cancelled,
         cancel_check_s=CANCEL_CHECK_INTERVAL_S,
-        wait=time.sleep,
         after_stop=lambda: wait(loops + [f for f, _ in evaluating], timeout=LOOP_END_WAIT_S),  # their task runs end
         on_audit=lambda report: setattr(run, "audit", report),
     )
