@@ -294,11 +294,25 @@ def prefect_home_template(prefect_server, tmp_path_factory):
 @pytest.fixture(scope="session")
 def _mlflow_db_template(tmp_path_factory):
     """An MLflow SQLite store with its tables made (~3 s for each fresh database on this machine; a copy opens
-    in 0.1 s)."""
+    in 0.1 s). Made once for the whole run: the pytest-xdist workers share it (their temporary directories have
+    one parent), the first to need it makes it under a lock and the others wait for it."""
+    import fcntl
+
     from mlflow.tracking import MlflowClient
 
-    path = tmp_path_factory.mktemp("mlflow_template") / "mlflow.db"
-    MlflowClient(f"sqlite:///{path}").search_experiments()
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    folder = root / "mlflow_template"
+    folder.mkdir(exist_ok=True)
+    path = folder / "mlflow.db"
+    with open(folder / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not path.exists():
+            made = folder / "making.db"
+            made.unlink(missing_ok=True)
+            MlflowClient(f"sqlite:///{made}").search_experiments()
+            os.replace(made, path)  # whole or absent: a worker that failed to make it leaves no half of one
     return path
 
 

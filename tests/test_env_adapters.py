@@ -118,6 +118,7 @@ def test_the_gym_example_runs_in_the_pool():
 
 
 @needs_gem
+@pytest.mark.slow  # end to end: a whole run_sync on the library's game in the env pool (as the openenv one)
 def test_a_gem_game_trains_through_run_sync(tmp_path):
     from rlhf_core.loop import run_sync
 
@@ -172,6 +173,7 @@ def test_a_textarena_game_plays_with_no_glue():
         TextArenaAdapter("textarena:make", {"env_id": "IteratedRockPaperScissors-v0-raw", "num_players": 2})
 
 
+@pytest.mark.slow  # end to end: a whole run_sync on the library's game in the env pool (as the openenv one)
 def test_a_textarena_game_trains_through_run_sync(tmp_path):
     pytest.importorskip("textarena", reason="the envs extra (textarena) is not installed")
     from rlhf_core.loop import run_sync
