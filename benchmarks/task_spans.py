@@ -67,7 +67,7 @@ def main() -> None:
         for o in overrides:
             cmd += ["--set", o]
         subprocess.run(cmd, cwd=REPO, env=env, check=True, capture_output=True)
-        os.environ.update({"PREFECT_HOME": env["PREFECT_HOME"]})
+        os.environ["PREFECT_HOME"] = env["PREFECT_HOME"]  # this process reads the same database back
         os.environ.pop("PREFECT_API_URL", None)
         from flows.local_api import local_prefect_api
 
