@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Optional
 
 from rlhf_core.config import TrainConfig
+from rlhf_core.distributed.console import autoscaler_events, route_worker_output
 
 RUN_LOG = "train.log"  # in the run's directory: everything the run logged, tracebacks included
 
@@ -241,7 +242,7 @@ class WorkerOutput:
         for line in lines:
             self.log.info("%s%s", prefix, line)
         if pid == "autoscaler":  # its status reports to the log; on the terminal only its events, as Ray does
-            shown = [f"(autoscaler) {event}" for event in _autoscaler_events(lines)]
+            shown = [f"(autoscaler) {ANSI.sub('', event)}" for event in autoscaler_events(lines)]
         elif pid == "raylet":
             shown = [f"(raylet) {line}" for line in lines if line.strip()]
         else:
@@ -264,28 +265,6 @@ class WorkerOutput:
             elif pid not in self.dead and line.strip():
                 kept.append(line)
         return kept
-
-
-def _autoscaler_events(lines: list[str]) -> list[str]:
-    try:
-        from ray._private.worker import filter_autoscaler_events
-
-        return [ANSI.sub("", event) for event in filter_autoscaler_events(lines)]
-    except Exception:  # another Ray release: its status reports stay in the log
-        return []
-
-
-def _route_ray_output(handler) -> Optional[callable]:
-    """Make Ray's driver print its workers' output through `handler`; returns the undo (None: not possible)."""
-    try:
-        import ray._private.worker as ray_worker
-    except ImportError:
-        return None
-    original = getattr(ray_worker, "print_to_stdstream", None)
-    if original is None:  # another Ray release: its own printing stays
-        return None
-    ray_worker.print_to_stdstream = handler
-    return lambda: setattr(ray_worker, "print_to_stdstream", original)
 
 
 # ------------------------------------------------------------------------------------------- the run log
@@ -321,7 +300,7 @@ class RunLog:
         workers.propagate, workers.level = False, logging.INFO  # the log file only, never the console
         workers.addHandler(self.handler)
         self._undo.append(lambda: workers.removeHandler(self.handler))
-        undo_ray = _route_ray_output(WorkerOutput(workers))
+        undo_ray = route_worker_output(WorkerOutput(workers))
         if undo_ray is not None:
             self._undo.append(undo_ray)
         return self

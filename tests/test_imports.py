@@ -256,6 +256,28 @@ def test_imports_point_down_the_layers_even_inside_functions():
     )
 
 
+def ray_importers() -> list[str]:
+    """'module imports ray...' for every module outside rlhf_core/distributed/ with an import of Ray, inside
+    functions included."""
+    found = []
+    for name, path in _modules().items():
+        if name == "rlhf_core.distributed" or name.startswith("rlhf_core.distributed."):
+            continue
+        for module, _ in _imported(ast.parse(path.read_text(encoding="utf-8")), hidden=True):
+            if module == "ray" or module.startswith("ray."):
+                found.append(f"{name} imports {module}")
+    return found
+
+
+def test_only_rlhf_core_distributed_imports_ray():
+    """ARCHITECTURE.md: only rlhf_core/distributed/ imports ray. The Ray host (rlhf_core.hosts.ray_cluster) and the
+    console's routing of Ray's worker output (flows/terminal.py) reach Ray through its functions (calls.py,
+    cluster.py, console.py)."""
+    assert not ray_importers(), ray_importers()
+    source = (ROOT / "rlhf_core" / "hosts" / "ray_cluster.py").read_text(encoding="utf-8")
+    assert "get_or_fail" in source and "import ray" not in source  # the host still waits on Ray, through calls.py
+
+
 @pytest.mark.parametrize(
     "module",
     [

@@ -1,12 +1,15 @@
-"""The roles as Ray actors (with the Ray host, rlhf_core/hosts/ray_cluster.py, the only Ray code).
+"""The roles as Ray actors, and the only code that imports Ray (the Ray host, rlhf_core/hosts/ray_cluster.py,
+calls Ray through calls.py and cluster.py; the console's worker output goes through console.py).
 
     transport.py  experience and weights packed for Ray's object store (no Ray import)
-    calls.py      a bounded wait on a Ray reference (get_or_fail, WaitTimeout), the fault-injection death
+    calls.py      Ray's calls: actor classes made remote, bounded waits (get_or_fail, ready, WaitTimeout), ActorDied,
+                  user modules shipped by value, the fault-injection death
+    console.py    Ray's driver output of its workers, routed to the run's console and log (no Ray import)
     rollout_actor.py       the rollout actor (a RolloutWorker in its own process)
     trainer_actor.py       the trainer actor (rank 0 of a sharded trainer group)
     trainer_group.py       ranks 1..N-1 of a sharded trainer group (FSDP2), joining the group
     reward_model_actor.py  the reward-model actor and the rollout worker's client of it
-    cluster.py    joining or starting Ray, resources, placement groups, teardown
+    cluster.py    joining or starting Ray, resources, placement groups and actor placement, teardown
 
 The Ray host over these actors is `rlhf_core.hosts.ray_cluster.DistributedRun` and its driver without Prefect
 `rlhf_core.hosts.driver.run_distributed`: both stay importable from here (docs/api.md). The actors wrap

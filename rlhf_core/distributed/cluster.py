@@ -248,6 +248,29 @@ def gpu_placement_group(cfg, timeout_s: float):
     return pg
 
 
+def connected() -> bool:
+    """This process has joined (or started) Ray."""
+    return ray.is_initialized()
+
+
+def on_this_node() -> dict:
+    """Actor options that place it on the driver's node (the prompt queue, the experience buffer, the weight
+    store: if the driver's node is lost the run is over anyway, and no other node's loss can take them)."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)}
+
+
+def in_bundle(pg, bundle: int) -> dict:
+    """Actor options that place it in bundle `bundle` of placement group `pg` (gpu_placement_group's); none
+    without one."""
+    if pg is None:
+        return {}
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    return {"scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle)}
+
+
 def teardown(handle: ClusterHandle) -> None:
     """Kill exactly the actors and placement group this run created; shut Ray down only if we started it."""
     if not ray.is_initialized():

@@ -16,16 +16,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Optional
 
-import ray
-
 from rlhf_core.config import TrainConfig
 from rlhf_core.data.queue import PromptQueue
-from rlhf_core.distributed.calls import get_or_fail
+from rlhf_core.distributed.calls import ActorDied, get_or_fail, ready, remote, ship_user_modules
 from rlhf_core.distributed.cluster import (
     ClusterHandle,
     check_resources,
     connect,
+    connected,
     gpu_placement_group,
+    in_bundle,
+    on_this_node,
     role_counts,
     teardown,
 )
@@ -47,31 +48,6 @@ from rlhf_core.run.supervise import FAILED_GRACE_S, stop_grace
 from rlhf_core.usercode import USER_MODULE_PREFIX
 
 log = logging.getLogger("rlhf_core.distributed")
-
-
-def _remote(cls, **options):
-    return ray.remote(cls).options(**options)
-
-
-def ship_user_modules() -> None:
-    """User code loaded from .py files (rlhf_core.usercode: algorithm.loss '<file.py>:<name>' and the like) is not
-    importable by name in an actor's process: objects of its classes (a user loss's options in the config) travel
-    by value. Each actor imports the file itself when it needs the code (the algorithm registry does)."""
-    import sys
-
-    import ray.cloudpickle
-
-    for name, module in list(sys.modules.items()):
-        if name.startswith(USER_MODULE_PREFIX):
-            ray.cloudpickle.register_pickle_by_value(module)
-
-
-def _on_this_node() -> dict:
-    """Actor options that place it on the driver's node (the prompt queue, the experience buffer, the weight
-    store: if the driver's node is lost the run is over anyway, and no other node's loss can take them)."""
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)}
 
 
 class DistributedRun(LoopWatch, Fleet, HostBase):
@@ -153,7 +129,7 @@ class DistributedRun(LoopWatch, Fleet, HostBase):
 
         say("starting Ray" if not cfg.cluster.address else f"joining Ray at {cfg.cluster.address}")
         self.handle = connect(cfg.cluster)
-        ship_user_modules()
+        ship_user_modules(USER_MODULE_PREFIX)
         try:
             where = "a local instance started here" if self.handle.started_ray else f"joined {self.handle.address}"
             say(f"Ray up ({where}, {time.monotonic() - t0:.1f} s); starting the actors")
@@ -163,13 +139,7 @@ class DistributedRun(LoopWatch, Fleet, HostBase):
             c = cfg.cluster
 
             def placed(bundle: int) -> dict:
-                if pg is None:
-                    return {}
-                from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-                return {
-                    "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle)
-                }
+                return in_bundle(pg, bundle)
 
             counts = role_counts(cfg)  # the evaluation actor's bundle, when it reserves one, is the last
             last = counts["rollout"] + counts["trainer"] + counts["reward"]
@@ -177,23 +147,23 @@ class DistributedRun(LoopWatch, Fleet, HostBase):
 
             # named, so that rollout workers look them up instead of taking handles in their constructor
             self.peers = peers = {k: f"atrlhf-{k}-{uuid.uuid4().hex[:12]}" for k in ("queue", "buffer", "store")}
-            here = _on_this_node()  # the control plane lives with the driver: losing another node cannot take it
-            self.queue = _remote(PromptQueue, num_cpus=0, max_concurrency=8, name=peers["queue"], **here).remote(
+            here = on_this_node()  # the control plane lives with the driver: losing another node cannot take it
+            self.queue = remote(PromptQueue, num_cpus=0, max_concurrency=8, name=peers["queue"], **here).remote(
                 train_prompts, cfg.data.seed
             )
-            self.buffer = _remote(
-                ExperienceBuffer, num_cpus=0, max_concurrency=16, name=peers["buffer"], **here
-            ).remote(**buffer_options(cfg))
-            self.store = _remote(WeightStore, num_cpus=0, max_concurrency=8, name=peers["store"], **here).remote()
+            self.buffer = remote(ExperienceBuffer, num_cpus=0, max_concurrency=16, name=peers["buffer"], **here).remote(
+                **buffer_options(cfg)
+            )
+            self.store = remote(WeightStore, num_cpus=0, max_concurrency=8, name=peers["store"], **here).remote()
             if cfg.reward.model.path:  # its own process and resources; the last bundle of the placement group
                 peers["reward_model"] = f"atrlhf-reward_model-{uuid.uuid4().hex[:12]}"
-                self.reward_model = _remote(
+                self.reward_model = remote(
                     RewardModelActor,
                     **c.actor_options("reward"),
                     name=peers["reward_model"],
                     **placed(cfg.rollout.num_workers + c.trainer_workers),
                 ).remote(cfg, self.policy_dir)
-            self.trainer = _remote(
+            self.trainer = remote(
                 TrainerActor,
                 **c.actor_options("trainer"),
                 max_concurrency=4,
@@ -203,7 +173,7 @@ class DistributedRun(LoopWatch, Fleet, HostBase):
             if ranks > 1:
                 address = self._get(self.trainer.group_address.remote(), "the trainer's group address")
                 self.trainer_ranks = [
-                    _remote(TrainerRankActor, **c.actor_options("trainer"), **placed(r)).remote(
+                    remote(TrainerRankActor, **c.actor_options("trainer"), **placed(r)).remote(
                         cfg, self.policy_dir, r, address
                     )
                     for r in range(1, ranks)
@@ -261,7 +231,7 @@ class DistributedRun(LoopWatch, Fleet, HostBase):
     def wait(self, seconds: float) -> None:
         """Between polls: wake as soon as the trainer loop ends, not up to a whole interval later."""
         if self.trainer_loop is not None:
-            ray.wait([self.trainer_loop], timeout=seconds)
+            ready([self.trainer_loop], seconds)
         else:
             time.sleep(seconds)
 
@@ -269,10 +239,9 @@ class DistributedRun(LoopWatch, Fleet, HostBase):
     def poll(self) -> dict:
         """Stats of every actor plus the trainer metrics produced since the last poll."""
         if self.trainer_loop is not None:
-            ready, _ = ray.wait([self.trainer_loop], timeout=0)
-            if ready:
+            if ready([self.trainer_loop], 0):
                 try:
-                    ray.get(self.trainer_loop)
+                    get_or_fail(self.trainer_loop, self.timeout, "the trainer loop")
                 except Exception as exc:
                     self.failed = f"trainer failed: {exc}"
                     raise RunFailed(self.failed) from exc
@@ -285,7 +254,7 @@ class DistributedRun(LoopWatch, Fleet, HostBase):
         try:
             metrics = self._get(self.trainer.drain_metrics.remote(), "trainer metrics")
             tstats = self._get(self.trainer.stats.remote(), "trainer stats")  # after the drain: step >= drained steps
-        except ray.exceptions.RayActorError as exc:
+        except ActorDied as exc:
             self.failed = f"trainer failed: the trainer actor died ({type(exc).__name__})"
             raise RunFailed(self.failed) from exc
         bstats = self._get(bstats_ref, "buffer stats")
@@ -295,7 +264,7 @@ class DistributedRun(LoopWatch, Fleet, HostBase):
             try:
                 if ref is None:
                     raise WorkerDied("restarting")
-                s = ray.get(ref, timeout=min(self.timeout, 10))
+                s = get_or_fail(ref, min(self.timeout, 10), f"rollout worker {i}'s stats")
                 s["alive"] = True
             except Exception as exc:
                 s = {"index": i, "alive": False, "error": type(exc).__name__}
@@ -325,7 +294,7 @@ class DistributedRun(LoopWatch, Fleet, HostBase):
         `progress(steps done, last loss)` every `every_s` seconds."""
         ref = self.trainer.warm_start.remote(steps)
         deadline = time.monotonic() + max(self.timeout, 600)
-        while progress is not None and time.monotonic() < deadline and not ray.wait([ref], timeout=every_s)[0]:
+        while progress is not None and time.monotonic() < deadline and not ready([ref], every_s):
             progress(*self._get(self.trainer.warm_start_progress.remote(), "the warm start's progress"))
         metrics = get_or_fail(ref, max(deadline - time.monotonic(), 1), "the warm start")
         return self._after_warm_start(metrics)
@@ -337,7 +306,7 @@ class DistributedRun(LoopWatch, Fleet, HostBase):
             return []
         try:
             written = self._get(self.trainer.drain_checkpoints.remote(), "the trainer's new checkpoints")
-        except ray.exceptions.RayActorError as exc:  # its process or its node died: the run ends, naming it
+        except ActorDied as exc:  # its process or its node died: the run ends, naming it
             self.failed = f"trainer failed: the trainer actor died ({type(exc).__name__})"
             raise RunFailed(self.failed) from exc
         for c in written:
@@ -366,7 +335,7 @@ class DistributedRun(LoopWatch, Fleet, HostBase):
                 pass
         loops = [r for r in [self.trainer_loop, *self.worker_loops.values()] if r is not None]
         try:
-            ray.wait(refs + loops, num_returns=len(refs + loops), timeout=stop_grace(self.timeout, grace_s))
+            ready(refs + loops, stop_grace(self.timeout, grace_s), every=True)
         except Exception:
             pass
         self.started = False
@@ -377,7 +346,7 @@ class DistributedRun(LoopWatch, Fleet, HostBase):
         if self.handle is None:
             return
         try:
-            if ray.is_initialized():
+            if connected():
                 self.stop(FAILED_GRACE_S if failed else None)
                 self.close_workers()
         finally:
@@ -397,7 +366,7 @@ class DistributedRun(LoopWatch, Fleet, HostBase):
         refs = [r for r in refs if r is not None]
         bound = stop_wait_s(self.cfg.env.step_timeout_s if self.cfg.env.path else 0.0) + 2
         try:
-            ray.wait(refs, num_returns=len(refs), timeout=bound)
+            ready(refs, bound, every=True)
         except Exception:
             pass
 
