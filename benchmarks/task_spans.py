@@ -48,7 +48,9 @@ async def read_spans() -> dict:
         if t.name == "trainer-loop" or t.name.startswith("rollout-worker-"):
             inside = (min(t.end_time, end) - max(t.start_time, start)).total_seconds()
             loops[t.name] = {"start": t.start_time.isoformat(), "end": t.end_time.isoformat(),
-                             "covers": round(max(0.0, inside) / phase, 3)}  # fmt: skip
+                             "covers": round(max(0.0, inside) / phase, 3),
+                             "starts_after_s": round((t.start_time - start).total_seconds(), 3),
+                             "ends_before_s": round((end - t.end_time).total_seconds(), 3)}  # fmt: skip
     return {"flow_run": run.name, "state": run.state_name, "phase_s": round(phase, 2), "loops": loops}
 
 
@@ -78,7 +80,10 @@ def main() -> None:
         return
     print(f"{out['flow_run']} ({out['state']}), training phase {out['phase_s']} s, host {args.host}")
     for name, span in out["loops"].items():
-        print(f"  {name:<20} covers {span['covers']:.3f}")
+        print(
+            f"  {name:<20} covers {span['covers']:.3f} (starts {span['starts_after_s']:+.2f} s after the phase, "
+            f"ends {span['ends_before_s']:+.2f} s before it)"
+        )
 
 
 if __name__ == "__main__":

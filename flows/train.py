@@ -230,10 +230,11 @@ def supervise(run: RunState, cancel: CancelWatch) -> bool:
     run.runtime.run_facts = run.checkpoint_facts  # the trainer writes its own checkpoints with these
     loops: list = []
     evaluating: list = []  # (task run, versions it waits for) of the pinned evaluations
+    uploading: list = []  # the record-checkpoint task run of the newest checkpoint, while it logs it to MLflow
     sinks = Sinks(
         on_event=lambda ev: _log_event(run.logger, ev),
         on_poll=lambda poll: _record(run, poll),
-        on_checkpoint=lambda c: _recorded(run, record_checkpoint(run.tracker, c["path"], c["step"])),
+        on_checkpoint=lambda c: _record_checkpoint(run, c, uploading),
         evaluate=lambda step: _evaluate_pinned(run, evaluating),
         on_tick=tick,
         cancelled=cancelled,
@@ -245,7 +246,9 @@ def supervise(run: RunState, cancel: CancelWatch) -> bool:
     loops.extend(watch_loops(run, start=True))
     try:
         finished = run_supervision(cfg, run.runtime, run.step, sinks)
+        _uploaded(uploading)  # the last checkpoint is in MLflow before the run's final records (its failure fails)
     finally:  # final on every way out: finished, failed or cancelled
+        wait(uploading)  # an upload is never cut off mid-way
         log_audit(run.tracker, run.audit, run.logger)
     run.events = sinks.events
     if finished:
@@ -347,8 +350,24 @@ def _record(run: RunState, poll: dict) -> None:
     run.errors.update(poll, run.tracker, run.step)
     if poll["metrics"]:
         run.history.extend(poll["metrics"])
-        run.tracker.log_metrics(poll["metrics"])
+        run.tracker.log_metrics(poll["metrics"], wait=False)  # written while the supervision goes on
         run.last_metrics = poll["metrics"][-1]
+
+
+def _record_checkpoint(run: RunState, written: dict, uploading: list) -> None:
+    """A checkpoint the trainer wrote: output_dir/latest points to the run now, and its MLflow upload and retention
+    run as a task run beside the supervision (a large model's upload must not hold up the polls), one at a time and
+    in order: the one before is waited for first, and its failure ends the run here, as it did when the supervision
+    uploaded each itself."""
+    _recorded(run, written["path"])
+    _uploaded(uploading)
+    uploading.append(record_checkpoint.submit(run.tracker, written["path"], written["step"]))
+
+
+def _uploaded(uploading: list) -> None:
+    """Wait for the record-checkpoint task run in flight (if any); raises its error."""
+    while uploading:
+        uploading.pop().result()
 
 
 def _recorded(run: RunState, checkpoint: str) -> str:

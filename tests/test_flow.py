@@ -528,3 +528,34 @@ def test_a_run_that_fails_before_producing_anything_does_not_move_latest(straigh
     state = train(config=refused, return_state=True)
     assert state.is_failed() and "not enough resources" in state.message
     assert latest.resolve() == Path(straight.result()["run_dir"]).resolve()
+
+
+def test_a_slow_checkpoint_upload_runs_beside_the_supervision_one_at_a_time_in_order(prefect_api, work, monkeypatch):
+    """Each checkpoint the trainer writes is logged to MLflow by a record-checkpoint task run beside the supervision:
+    polls go on while an upload is in progress (a large model's upload must not hold them up), the uploads run one
+    at a time in step order, and every one is in MLflow when the run ends."""
+    import flows.train as flow_train
+    import tasks.checkpoints as checkpoint_tasks
+
+    log_checkpoint, record = checkpoint_tasks.tracking.log_checkpoint, flow_train._record
+    uploads, polls = [], []
+
+    def slow_upload(tracker, path):
+        began = time.monotonic()
+        time.sleep(1.0)
+        out = log_checkpoint(tracker, path)
+        uploads.append((Path(path).name, began, time.monotonic()))
+        return out
+
+    monkeypatch.setattr(checkpoint_tasks.tracking, "log_checkpoint", slow_upload)
+    monkeypatch.setattr(flow_train, "_record", lambda run, poll: (polls.append(time.monotonic()), record(run, poll)))
+    cfg = config(work, "slow-upload", "cluster.host=threads", "checkpoint.every=2", "eval.every=0")
+    state = train(config=cfg, return_state=True)
+    assert state.is_completed(), state.message
+    names = [name for name, _, _ in uploads]
+    assert names[:3] == ["step_000002", "step_000004", "step_000006"], names  # then the final save's
+    assert all(later >= ended for (_, _, ended), (_, later, _) in zip(uploads, uploads[1:]))  # one at a time
+    assert any(began < t < ended for _, began, ended in uploads[:2] for t in polls), (uploads, polls)
+    (run,) = runs_named(work, "slow-upload")
+    logged = {f.path for f in mlflow_client(work).list_artifacts(run.info.run_id, "checkpoints")}
+    assert {f"checkpoints/{n}" for n in names} <= logged, logged

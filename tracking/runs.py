@@ -12,6 +12,7 @@ else `sqlite:///<cwd>/mlflow.db`; with a SQLite store, artifacts go to `mlartifa
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import sys
@@ -193,6 +194,7 @@ class MlflowTracker:
         self.system_monitor = None
         self.ended: Optional[str] = None
         self.flow_run_id: Optional[str] = None  # the Prefect flow run that started it (held until it ends)
+        self.in_flight: list = []  # the last log_metrics(wait=False)'s writes (MLflow RunOperations)
 
     # ------------------------------------------------------------------ lifecycle
     @classmethod
@@ -272,8 +274,6 @@ class MlflowTracker:
 
     def _start_system_metrics(self, cfg: TrainConfig) -> None:
         """CPU/memory/disk/network (and GPU with nvidia-ml-py) under system/*, sampled by MLflow's monitor."""
-        import logging
-
         from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
         interval = max(1.0, min(10.0, cfg.supervision.supervise_interval_s * 5))
@@ -298,6 +298,10 @@ class MlflowTracker:
             return
         if status not in TERMINAL_STATUSES:
             raise ValueError(f"status must be one of {TERMINAL_STATUSES}, got {status!r}")
+        try:
+            self.flush()
+        except Exception as exc:  # the run still ends with its status; the log names what was not written
+            logging.getLogger("tracking").warning("metrics not written to MLflow: %s", exc)
         if self.system_monitor is not None:
             monitor, self.system_monitor = self.system_monitor, None
             try:
@@ -328,10 +332,14 @@ class MlflowTracker:
         for s in range(0, len(items), PARAM_BATCH):
             self.client.log_batch(self.run_id, params=[Param(k, v) for k, v in items[s : s + PARAM_BATCH]])
 
-    def log_metrics(self, rows: Iterable[dict], step_key: str = "step") -> int:
-        """One MLflow metric point per numeric key of each row, at step = row[step_key]. Returns the count."""
+    def log_metrics(self, rows: Iterable[dict], step_key: str = "step", wait: bool = True) -> int:
+        """One MLflow metric point per numeric key of each row, at step = row[step_key]. Returns the count.
+        `wait=False` (the supervision's per-poll metrics) hands the write to MLflow's asynchronous logging and
+        returns at once: at most one such call is in flight (the previous one is waited for first, so that its
+        failure surfaces here, one poll late), and `flush`, `end` and `metric_history` wait for it."""
         from mlflow.entities import Metric
 
+        self.flush()
         now = int(time.time() * 1000)
         points = []
         for row in rows:
@@ -339,8 +347,16 @@ class MlflowTracker:
             for key, value in numeric_metrics(row).items():
                 points.append(Metric(key, value, now, step))
         for s in range(0, len(points), METRIC_BATCH):
-            self.client.log_batch(self.run_id, metrics=points[s : s + METRIC_BATCH])
+            written = self.client.log_batch(self.run_id, metrics=points[s : s + METRIC_BATCH], synchronous=wait)
+            if not wait and written is not None:
+                self.in_flight.append(written)
         return len(points)
+
+    def flush(self) -> None:
+        """Wait for the metrics of the last log_metrics(wait=False) to be written; raises if they were not."""
+        in_flight, self.in_flight = self.in_flight, []
+        for written in in_flight:
+            written.wait()
 
     def log_metrics_at(self, metrics: dict, step: int) -> None:
         self.log_metrics([{**metrics, "step": step}])
@@ -350,6 +366,7 @@ class MlflowTracker:
 
     # ------------------------------------------------------------------ reading back
     def metric_history(self, key: str) -> list:
+        self.flush()
         return self.client.get_metric_history(self.run_id, key)
 
     def lineage_history(self) -> tuple[list[dict], list[dict]]:
