@@ -20,7 +20,8 @@ import torch
 
 from rlhf_core.agent.segments import Completion
 from rlhf_core.data.prompts import Prompt, collate_prompts
-from rlhf_core.rollout.base import SamplingParams, generate
+from rlhf_core.rollout.base import SamplingParams
+from rlhf_core.rollout.generate import generate
 
 
 @dataclass

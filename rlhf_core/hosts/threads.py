@@ -36,7 +36,7 @@ from rlhf_core.run import build
 from rlhf_core.run.accounting import reconcile
 from rlhf_core.run.checkpoint import read_checkpoint
 from rlhf_core.run.control import ExperienceBuffer, RunFailed, assemble_poll, buffer_options
-from rlhf_core.run.local import LocalPeer, LocalWeights
+from rlhf_core.run.peers import LocalPeer, LocalWeights
 from rlhf_core.run.pinned_eval import EvaluationHost, pinned_evaluation
 from rlhf_core.run.preflight import check_lengths, check_output_dir
 from rlhf_core.run.roles import RolloutRole, TrainerRole

@@ -64,14 +64,6 @@ class RolloutEngine(Protocol):
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None: ...
 
 
-def generate(engine, prompts: PromptBatch, samples_per_prompt: int, sampling: SamplingParams, between_steps=None):
-    """engine.generate, passing `between_steps` only when there is one (an engine written before it was part of the
-    protocol still generates whenever partial rollouts are off)."""
-    if between_steps is None:
-        return engine.generate(prompts, samples_per_prompt, sampling)
-    return engine.generate(prompts, samples_per_prompt, sampling, between_steps=between_steps)
-
-
 TOP_P_CHUNK_ELEMENTS = 1 << 26  # logits sorted at once by the top-p filter (~0.8 GB of sort temporaries)
 
 

@@ -1,4 +1,6 @@
-"""Episodes without a batch barrier: the environment runner's driver loop (`EnvRunner.run` and `.stream`).
+"""Episodes without a batch barrier: the environment runner's driver loop (`run_episodes` and `stream`, which
+`EnvRunner.run` and `.stream` call too). The rollout's runners call these with the runner, so that an episode's
+path goes from here down into the runner's turns and never back.
 
 One loop drives every episode in flight: an episode waits for its environment (its process pool answers
 asynchronously) or for the model; the engine generates for those ready as soon as at least as many are ready as
@@ -11,8 +13,32 @@ the moment its last trajectory ends, so one slow episode holds only its own grou
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 IDLE_POLL_S = 0.05  # while the feed may still give prompts: how long one wait on the environments lasts at most
+
+
+def run_episodes(
+    runner, engine, prompts: Sequence, samples_per_prompt: int, sampling, between_steps=None, retries: int = 0
+) -> list:
+    """samples_per_prompt trajectories per prompt (contiguous per prompt), run to their end; each one's
+    environment is closed however it ended (an exception out of here included).
+
+    between_steps (partial rollouts): returns None or (state_dict, version) for the engine to adopt; asked
+    before every turn and, where the engine takes it, between its decode steps (rlhf_core.rollout.multiturn)."""
+    fed = [list(prompts)]
+    ended: dict[int, list] = {}
+    stream(
+        runner,
+        engine,
+        samples_per_prompt,
+        sampling,
+        feed=lambda _: fed.pop() if fed else None,
+        emit=lambda group: ended.__setitem__(group[0].group, group),
+        between_steps=between_steps,
+        retries=retries,
+    )
+    return [t for first in sorted(ended) for t in ended[first]]
 
 
 def stream(runner, engine, samples_per_prompt: int, sampling, feed, emit, between_steps=None, retries: int = 0) -> None:

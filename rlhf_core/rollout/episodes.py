@@ -21,7 +21,9 @@ from typing import NamedTuple, Optional, Protocol
 import torch
 
 from rlhf_core.data.prompts import Prompt, collate_prompts
-from rlhf_core.rollout.base import SamplingParams, generate
+from rlhf_core.rollout.base import SamplingParams
+from rlhf_core.rollout.episode_stream import run_episodes
+from rlhf_core.rollout.generate import generate
 from rlhf_core.types import Experience, RolloutBatch
 
 # a failed training episode is started again in its group's slot up to this many times (a crash, hang or bad result
@@ -111,9 +113,7 @@ class EnvEpisodes(SingleTurn):
 
     def collect(self, context: EpisodeContext, prompts: Sequence[Prompt], between_steps=None) -> Collected:
         G = context.samples_per_prompt
-        trajs = self.env.run(
-            context.engine, prompts, G, context.sampling, between_steps=between_steps, retries=EPISODE_RETRIES
-        )
+        trajs = run_episodes(self.env, context.engine, prompts, G, context.sampling, between_steps, EPISODE_RETRIES)
         return self.collected(context, prompts, trajs)
 
     def collected(self, context: EpisodeContext, prompts: Sequence[Prompt], trajs: list) -> Collected:

@@ -49,7 +49,7 @@ from rlhf_core.env.chat import ChatFormat
 from rlhf_core.env.checks import ERROR_KINDS
 from rlhf_core.env.pool import EnvPool
 from rlhf_core.rollout import replay
-from rlhf_core.rollout.base import generate
+from rlhf_core.rollout.generate import generate
 from rlhf_core.rollout.multiturn_batch import Trajectory, Turn, last_turn_batch
 
 _eids = itertools.count()
@@ -137,18 +137,9 @@ class EnvRunner:
 
         between_steps (partial rollouts): returns None or (state_dict, version) for the engine to adopt; asked
         before every turn and, where the engine takes it, between its decode steps (see the module doc)."""
-        fed = [list(prompts)]
-        ended: dict[int, list[Trajectory]] = {}
-        self.stream(
-            engine,
-            samples_per_prompt,
-            sampling,
-            feed=lambda _: fed.pop() if fed else None,
-            emit=lambda group: ended.__setitem__(group[0].group, group),
-            between_steps=between_steps,
-            retries=retries,
-        )
-        return [t for first in sorted(ended) for t in ended[first]]
+        from rlhf_core.rollout.episode_stream import run_episodes
+
+        return run_episodes(self, engine, prompts, samples_per_prompt, sampling, between_steps, retries)
 
     def new_trajectory(self, p: Prompt) -> Trajectory:
         return Trajectory(prompt=p, row=prompt_row(p), eid=next(_eids))

@@ -9,9 +9,10 @@ from typing import Optional
 import torch
 
 from rlhf_core.data.prompts import Prompt
-from rlhf_core.reward.components import prepare_patterns
+from rlhf_core.reward.batch import BatchReward
 from rlhf_core.rollout import probe as sync_probe
 from rlhf_core.rollout.base import SamplingParams
+from rlhf_core.rollout.episode_stream import stream
 from rlhf_core.rollout.episodes import EPISODE_RETRIES, EnvEpisodes, EpisodeContext, SingleTurn, split_groups
 from rlhf_core.rollout.probe import SyncCheck
 from rlhf_core.types import Experience, RolloutBatch
@@ -47,7 +48,6 @@ class RolloutWorker:
         self.sync_check = sync_check if sync_check is not None else SyncCheck("off")
         self.name = name
         self._unchecked_probe = None  # (probe, version) of a sync adopted between decode steps, checked after
-        self.reward_fn = reward_fn
         self.sampling = sampling
         self.samples_per_prompt = samples_per_prompt
         self.pad_token_id = pad_token_id
@@ -56,7 +56,7 @@ class RolloutWorker:
         self.component_names = list(component_names) if component_names is not None else None
         # external rewards (Python functions, a reward model): each has `weights` {name: weight} and
         # score(prompts, batch) -> {name: FloatTensor [N]}; NaN marks a row a score does not apply to
-        self.external = list(external)
+        self.score = BatchReward(reward_fn, external)  # what the episode runners score a batch with
         # what runs for a batch of prompts (rlhf_core.rollout.episodes): single-turn completions, a multi-turn
         # environment's trajectories (rlhf_core.rollout.multiturn.EnvRunner), or an agent's episodes on the
         # OpenAI-compatible endpoint (rlhf_core.agent.runner.AgentRunner)
@@ -67,6 +67,19 @@ class RolloutWorker:
         self.tokens = 0
         self.batches = 0
         self.reward_sum = 0.0
+
+    @property
+    def reward_fn(self):
+        """The tensor-native reward (the batch reward's; setting it replaces it there)."""
+        return self.score.reward_fn
+
+    @reward_fn.setter
+    def reward_fn(self, reward_fn) -> None:
+        self.score.reward_fn = reward_fn
+
+    @property
+    def external(self) -> list:
+        return self.score.external
 
     @property
     def version(self) -> int:
@@ -100,7 +113,7 @@ class RolloutWorker:
             self.pad_token_id,
             self.max_prompt_tokens,
             self.component_names,
-            self._score,
+            self.score,
         )
 
     def load_weights(self, state_dict, version: int) -> float:
@@ -150,23 +163,6 @@ class RolloutWorker:
         batch, rewards, components = self.episodes.collect(self.context(), prompts, between_steps)
         return self._finish(batch, rewards, components, start)
 
-    def _score(self, rows: Sequence[Prompt], patterns, repeats: int, batch: RolloutBatch):
-        """The tensor-native reward and the external rewards of `batch` (rows: its prompts, row-aligned;
-        patterns: the prompts' answer patterns, each repeated `repeats` times). Returns (rewards, components)."""
-        patterns = prepare_patterns(self.reward_fn, patterns)  # on the host, once per prompt batch
-        patterns = patterns.to(batch.response_ids.device).repeat_interleave(repeats)
-        rewards, components = self.reward_fn(batch.response_ids, patterns)
-        if self.external:
-            components = dict(components)
-            for source in self.external:
-                for name, values in source.score(rows, batch).items():
-                    values = values.to(rewards.device, torch.float32)
-                    weight = source.weights.get(name)
-                    if weight:  # a row the score does not apply to (NaN) adds 0
-                        rewards = rewards + weight * torch.nan_to_num(values, nan=0.0)
-                    components[name] = values
-        return rewards, components
-
     def _finish(self, batch: RolloutBatch, rewards: torch.Tensor, components: dict, start: float):
         batch.rewards = rewards
         names = self.component_names if self.component_names is not None else list(components)
@@ -209,7 +205,7 @@ class RolloutWorker:
 
         hook = self._probing(between_steps) if between_steps is not None else None
         try:
-            self.env.stream(self.engine, self.samples_per_prompt, self.sampling, give, done, hook, EPISODE_RETRIES)
+            stream(self.env, self.engine, self.samples_per_prompt, self.sampling, give, done, hook, EPISODE_RETRIES)
         finally:
             account(0)
             self._check_adopted()

@@ -175,10 +175,11 @@ def evaluate_env(env, engine, prompts: Sequence[Prompt], reward_fn, pad_token_id
     "eval/trajectories" the first TRACED_TRAJECTORIES episodes as trajectory-file records (rlhf_core.env.score),
     which the flow logs as MLflow traces. All episodes are kept on `env.last_eval`."""
     from rlhf_core.env.score import EVAL_TRAJECTORIES, TRACED_TRAJECTORIES, trajectory_record
+    from rlhf_core.rollout.episode_stream import run_episodes
     from rlhf_core.rollout.multiturn_batch import last_turn_batch
 
     greedy = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
-    trajs = env.run(engine, prompts, 1, greedy)
+    trajs = run_episodes(env, engine, prompts, 1, greedy)
     ok = [t for t in trajs if t.error is None and t.turns]
     totals = {id(t): 0.0 for t in trajs}
     if ok:

@@ -27,8 +27,9 @@ from rlhf_core.reward.functions.external import PythonFunctionRewards
 from rlhf_core.rollout import RolloutWorker
 from rlhf_core.run import build
 from rlhf_core.run.checkpoint import CheckpointState
-from rlhf_core.run.control import ExperienceBuffer, WeightStore, buffer_options
+from rlhf_core.run.control import ExperienceBuffer, buffer_options
 from rlhf_core.run.evaluation import Evaluator
+from rlhf_core.run.peers import LocalPeer, LocalWeights, shared_model_snapshot
 from rlhf_core.run.preflight import check_lengths, check_output_dir
 from rlhf_core.run.roles import RolloutRole, TrainerRole
 from rlhf_core.run.warm_start import warm_start as run_warm_start
@@ -37,48 +38,6 @@ from rlhf_core.trainer import Trainer
 from rlhf_core.types import RolloutBatch, cat_rollouts
 
 log = logging.getLogger("rlhf_core")
-
-
-class Done:
-    """An answer already there (the in-process form of a remote call in flight)."""
-
-    def __init__(self, value):
-        self.value = value
-
-    def result(self):
-        return self.value
-
-
-class LocalPeer:
-    """A plain object as a role's peer: method calls go straight through; `submit` answers at once."""
-
-    def __init__(self, obj):
-        self.obj = obj
-
-    def submit(self, name: str, *args) -> Done:
-        return Done(getattr(self.obj, name)(*args))
-
-    def __getattr__(self, name: str):
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return getattr(self.obj, name)
-
-
-class LocalWeights(LocalPeer):
-    """The weight store in one process: it holds the published state dict itself (None when the engine shares
-    the trainer's model)."""
-
-    def __init__(self):
-        super().__init__(WeightStore())
-
-    def publish(self, version: int, state_dict: Optional[dict]) -> None:
-        self.obj.publish(version, [state_dict], 0.0)
-
-    def fetch_if_newer(self, version: int):
-        found = self.obj.get_if_newer(version)
-        return None if found is None else (found[0], found[1][0])
-
-    poll_newer = fetch_if_newer
 
 
 @dataclass
@@ -160,7 +119,7 @@ def build_run(cfg: TrainConfig, share_weights: bool = True, checkpoint_root: Opt
         tokenizer,
         LocalPeer(buffer),
         store,
-        snapshot=(lambda: None) if share_weights else None,
+        snapshot=shared_model_snapshot if share_weights else None,
         peer_state=parts.peer_state,
         checkpoint_root=checkpoint_root,
     )

@@ -5,7 +5,7 @@
     rollout: admit -> take prompts -> adopt the newest weights -> generate -> score -> push.
 
 A role talks to its peers (the experience buffer, the weight store, the prompt queue) by method calls only.
-In one process the peers are the plain objects (`rlhf_core.run.local` wraps them in `LocalPeer`); on Ray
+In one process the peers are the plain objects (`rlhf_core.run.peers` wraps them in `LocalPeer`); on Ray
 they are actor handles behind the adapters of `rlhf_core.distributed.peers`, which also carry the transport
 (packing, the object store). Whoever hosts a role (`rlhf_core.run.local`, the Ray actors) only supplies
 threads, ranks and stats: a feature written here behaves the same on every host, and lockstep is
