@@ -26,7 +26,10 @@ class BatchReward:
 
     def __call__(self, rows: Sequence, patterns, repeats: int, batch: RolloutBatch):
         patterns = prepare_patterns(self.reward_fn, patterns)  # on the host, once per prompt batch
-        patterns = patterns.to(batch.response_ids.device).repeat_interleave(repeats)
+        return self.scored(rows, batch, patterns.to(batch.response_ids.device).repeat_interleave(repeats))
+
+    def scored(self, rows: Sequence, batch: RolloutBatch, patterns):
+        """(rewards [N], components) of `batch` with `patterns` prepared already, one per row (the evaluator's)."""
         rewards, components = self.reward_fn(batch.response_ids, patterns)
         if self.external:
             components = dict(components)

@@ -29,6 +29,7 @@ from typing import Optional
 import torch
 
 from rlhf_core.data import Prompt, collate_prompts
+from rlhf_core.reward.batch import BatchReward
 from rlhf_core.reward.components import prepare_patterns
 from rlhf_core.rollout import SamplingParams
 
@@ -151,19 +152,8 @@ def evaluate(
 
 
 def _scored(reward_fn, external: Sequence, rows: Sequence[Prompt], batch, patterns):
-    """(total [N], {column: [N]}) of `batch`: the tensor-native reward, plus each external reward's columns,
-    added to the total by weight (NaN adds 0), as a rollout worker adds them."""
-    total, components = reward_fn(batch.response_ids, patterns)
-    if external:
-        components = dict(components)
-        for source in external:
-            for name, values in source.score(rows, batch).items():
-                values = values.to(total.device, torch.float32)
-                weight = source.weights.get(name)
-                if weight:
-                    total = total + weight * torch.nan_to_num(values, nan=0.0)
-                components[name] = values
-    return total, components
+    """(total [N], {column: [N]}) of `batch`, as a rollout worker scores it (rlhf_core.reward.batch)."""
+    return BatchReward(reward_fn, external).scored(rows, batch, patterns)
 
 
 @torch.no_grad()
