@@ -164,8 +164,8 @@ class ChaosEnv:
 
 
 class CrashOnceEnv(ChaosEnv):
-    """The first instance (in any process) to take a step waits until the other instances of its process have
-    taken `others` steps, then kills its process; once (the file <dir>/crashed says it happened). Its step is a
+    """The first instance (in any process) to take a step waits until `others` other instances of its process have
+    each taken a step, then kills its process; once (the file <dir>/crashed says it happened). Its step is a
     coroutine, as are the others' (which never wait): when it kills the process no other call is running.
     tag_opening: reset's opening names the process (an environment a replay cannot reproduce)."""
 
@@ -185,7 +185,11 @@ class CrashOnceEnv(ChaosEnv):
                 pass
             else:
                 log = self.dir / f"{os.getpid()}.log"
-                while log.read_text().count("step ") < self.others:
+                # `others` other instances in mid-episode (each stepped), not `others` steps: one fast episode's
+                # three steps would leave the others unopened, and the crash would cost fewer episodes than meant
+                while (
+                    len({ln.split()[1] for ln in log.read_text().splitlines() if ln.startswith("step ")}) < self.others
+                ):
                     await asyncio.sleep(0.005)
                 self.log("crash")
                 os._exit(17)
