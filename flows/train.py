@@ -356,18 +356,21 @@ def _record(run: RunState, poll: dict) -> None:
 
 def _record_checkpoint(run: RunState, written: dict, uploading: list) -> None:
     """A checkpoint the trainer wrote: output_dir/latest points to the run now, and its MLflow upload and retention
-    run as a task run beside the supervision (a large model's upload must not hold up the polls), one at a time and
-    in order: the one before is waited for first, and its failure ends the run here, as it did when the supervision
-    uploaded each itself."""
+    run as a task run beside the supervision (a large model's upload must not hold up the polls), in step order:
+    each starts once the one before has ended (`wait_for`; several may arrive in one poll). An upload that failed
+    raises here at the next checkpoint, or at the end, and ends the run, as it did when the supervision uploaded
+    each itself."""
     _recorded(run, written["path"])
-    _uploaded(uploading)
-    uploading.append(record_checkpoint.submit(run.tracker, written["path"], written["step"]))
+    for done in [f for f in uploading[:-1] if f.state.is_final()]:  # the newest stays: the next one waits for it
+        uploading.remove(done)
+        done.result()
+    uploading.append(record_checkpoint.submit(run.tracker, written["path"], written["step"], wait_for=uploading[-1:]))
 
 
 def _uploaded(uploading: list) -> None:
-    """Wait for the record-checkpoint task run in flight (if any); raises its error."""
+    """Wait for the record-checkpoint task runs in flight, oldest first; raises the first one's error."""
     while uploading:
-        uploading.pop().result()
+        uploading.pop(0).result()
 
 
 def _recorded(run: RunState, checkpoint: str) -> str:

@@ -18,6 +18,7 @@ import re
 import sys
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Optional
 
@@ -32,6 +33,7 @@ PER_RUN_KEYS = ("run.name", "run.output_dir", "tracking.run_name")  # differ bet
 PARAM_BATCH = 100  # MLflow accepts at most 100 params per log_batch call
 PARAM_VALUE_MAX = 6000  # and param values of at most 6000 characters
 METRIC_BATCH = 1000  # and at most 1000 metrics per call
+METRICS_IN_FLIGHT = 8  # queued per-poll metrics writes before log_metrics(wait=False) waits for the oldest
 TERMINAL_STATUSES = ("FINISHED", "FAILED", "KILLED")
 LR_METRIC = "policy/lr"
 LR_MICRO_METRIC = "policy/lr_micro"  # the learning rate in millionths: 300 for 3e-4 (see numeric_metrics)
@@ -194,7 +196,8 @@ class MlflowTracker:
         self.system_monitor = None
         self.ended: Optional[str] = None
         self.flow_run_id: Optional[str] = None  # the Prefect flow run that started it (held until it ends)
-        self.in_flight: list = []  # the last log_metrics(wait=False)'s writes (MLflow RunOperations)
+        self.in_flight: list = []  # the queued log_metrics(wait=False) writes, oldest first (futures of `writer`)
+        self.writer: Optional[ThreadPoolExecutor] = None  # one thread, started by the first log_metrics(wait=False)
 
     # ------------------------------------------------------------------ lifecycle
     @classmethod
@@ -302,6 +305,9 @@ class MlflowTracker:
             self.flush()
         except Exception as exc:  # the run still ends with its status; the log names what was not written
             logging.getLogger("tracking").warning("metrics not written to MLflow: %s", exc)
+        if self.writer is not None:
+            self.writer.shutdown(wait=True)
+            self.writer = None
         if self.system_monitor is not None:
             monitor, self.system_monitor = self.system_monitor, None
             try:
@@ -334,29 +340,45 @@ class MlflowTracker:
 
     def log_metrics(self, rows: Iterable[dict], step_key: str = "step", wait: bool = True) -> int:
         """One MLflow metric point per numeric key of each row, at step = row[step_key]. Returns the count.
-        `wait=False` (the supervision's per-poll metrics) hands the write to MLflow's asynchronous logging and
-        returns at once: at most one such call is in flight (the previous one is waited for first, so that its
-        failure surfaces here, one poll late), and `flush`, `end` and `metric_history` wait for it."""
+        `wait=False` (the supervision's per-poll metrics) queues the write on this run's writer thread and returns
+        at once (it waits only when METRICS_IN_FLIGHT writes are queued); a write that failed raises at the next
+        call, and `flush`, `end` and `metric_history` wait for every queued one. (Not MLflow's own asynchronous
+        logging: ending a run that used it waits up to a second for MLflow's queue thread.)"""
         from mlflow.entities import Metric
 
-        self.flush()
+        self._raise_failed()
         now = int(time.time() * 1000)
         points = []
         for row in rows:
             step = int(row.get(step_key, 0))
             for key, value in numeric_metrics(row).items():
                 points.append(Metric(key, value, now, step))
-        for s in range(0, len(points), METRIC_BATCH):
-            written = self.client.log_batch(self.run_id, metrics=points[s : s + METRIC_BATCH], synchronous=wait)
-            if not wait and written is not None:
-                self.in_flight.append(written)
+        if wait:
+            self._write(points)
+        elif points:
+            if self.writer is None:
+                self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="atrlhf-mlflow-metrics")
+            while len(self.in_flight) >= METRICS_IN_FLIGHT:
+                self.in_flight.pop(0).result()
+            self.in_flight.append(self.writer.submit(self._write, points))
         return len(points)
 
+    def _write(self, points: list) -> None:
+        for s in range(0, len(points), METRIC_BATCH):
+            self.client.log_batch(self.run_id, metrics=points[s : s + METRIC_BATCH])
+
+    def _raise_failed(self) -> None:
+        """The queued writes that ended are dropped; the first that failed raises its error."""
+        done = [w for w in self.in_flight if w.done()]
+        self.in_flight = [w for w in self.in_flight if not w.done()]
+        for written in done:
+            written.result()
+
     def flush(self) -> None:
-        """Wait for the metrics of the last log_metrics(wait=False) to be written; raises if they were not."""
+        """Wait for every queued metrics write (log_metrics(wait=False)); raises if one failed."""
         in_flight, self.in_flight = self.in_flight, []
         for written in in_flight:
-            written.wait()
+            written.result()
 
     def log_metrics_at(self, metrics: dict, step: int) -> None:
         self.log_metrics([{**metrics, "step": step}])
