@@ -230,7 +230,7 @@ def supervise(run: RunState, cancel: CancelWatch) -> bool:
     run.runtime.run_facts = run.checkpoint_facts  # the trainer writes its own checkpoints with these
     loops: list = []
     evaluating: list = []  # (task run, versions it waits for) of the pinned evaluations
-    uploading: list = []  # the record-checkpoint task run of the newest checkpoint, while it logs it to MLflow
+    uploading: list = []  # the record-checkpoint task runs in flight, oldest first (each waits for the one before)
     sinks = Sinks(
         on_event=lambda ev: _log_event(run.logger, ev),
         on_poll=lambda poll: _record(run, poll),
@@ -357,9 +357,9 @@ def _record(run: RunState, poll: dict) -> None:
 def _record_checkpoint(run: RunState, written: dict, uploading: list) -> None:
     """A checkpoint the trainer wrote: output_dir/latest points to the run now, and its MLflow upload and retention
     run as a task run beside the supervision (a large model's upload must not hold up the polls), in step order:
-    each starts once the one before has ended (`wait_for`; several may arrive in one poll). An upload that failed
-    raises here at the next checkpoint, or at the end, and ends the run, as it did when the supervision uploaded
-    each itself."""
+    each starts once the one before has ended (`wait_for`; several may arrive in one poll; after a failed one the
+    later ones do not run: Prefect leaves them NotReady). An upload that failed raises here at the next checkpoint,
+    or at the end, and ends the run, as it did when the supervision uploaded each itself."""
     _recorded(run, written["path"])
     for done in [f for f in uploading[:-1] if f.state.is_final()]:  # the newest stays: the next one waits for it
         uploading.remove(done)

@@ -559,3 +559,25 @@ def test_a_slow_checkpoint_upload_runs_beside_the_supervision_one_at_a_time_in_o
     (run,) = runs_named(work, "slow-upload")
     logged = {f.path for f in mlflow_client(work).list_artifacts(run.info.run_id, "checkpoints")}
     assert {f"checkpoints/{n}" for n in names} <= logged, logged
+
+
+def test_a_failed_checkpoint_upload_fails_the_run_naming_it_and_the_later_ones_do_not_run(
+    prefect_api, work, monkeypatch
+):
+    """The upload of step 2's checkpoint raises: the run fails with that error (not with a later upload's), it does
+    not hang on the uploads chained after it, and nothing after the failed one is uploaded."""
+    import tasks.checkpoints as checkpoint_tasks
+
+    log_checkpoint, uploaded = checkpoint_tasks.tracking.log_checkpoint, []
+
+    def failing_upload(tracker, path):
+        if Path(path).name == "step_000002":
+            raise OSError("the artifact store is full")
+        uploaded.append(Path(path).name)
+        return log_checkpoint(tracker, path)
+
+    monkeypatch.setattr(checkpoint_tasks.tracking, "log_checkpoint", failing_upload)
+    cfg = config(work, "failed-upload", "cluster.host=threads", "checkpoint.every=2", "eval.every=0")
+    state = train(config=cfg, return_state=True)
+    assert state.is_failed() and "the artifact store is full" in state.message, state.message
+    assert uploaded == [], uploaded

@@ -369,8 +369,8 @@ class MlflowTracker:
 
     def _raise_failed(self) -> None:
         """The queued writes that ended are dropped; the first that failed raises its error."""
-        done = [w for w in self.in_flight if w.done()]
-        self.in_flight = [w for w in self.in_flight if not w.done()]
+        done = [w for w in self.in_flight if w.done()]  # once: one ending meanwhile stays queued for the next call
+        self.in_flight = [w for w in self.in_flight if w not in done]
         for written in done:
             written.result()
 
