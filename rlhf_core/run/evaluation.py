@@ -116,12 +116,13 @@ def evaluate(
     correct, reward_sum, n = 0.0, 0.0, 0
     metric_sum, metric_rows = 0.0, 0
     per_prompt: list[torch.Tensor] = []  # correct samples per prompt [P] per batch
+    scorer = BatchReward(reward_fn, external)  # as a rollout worker scores
     for s in range(0, len(prompts), batch_size):
         chunk = list(prompts[s : s + batch_size])
         pb = collate_prompts(chunk, pad_token_id, max_prompt_tokens)
         batch = engine.generate(pb, 1, greedy)
         prepared = prepare_patterns(reward_fn, pb.patterns)  # on the host, once per prompt batch
-        total, components = _scored(reward_fn, external, chunk, batch, prepared.to(batch.response_ids.device))
+        total, components = scorer.scored(chunk, batch, prepared.to(batch.response_ids.device))
         if metric == "accuracy":
             correct += float(accuracy_from_components(total, components).sum())
         else:
@@ -136,7 +137,7 @@ def evaluate(
                 batch = engine.generate(pb, n_samples, sampled)  # rows grouped by prompt: [P * n]
             patterns = prepared.to(batch.response_ids.device).repeat_interleave(n_samples)
             rows = [p for p in chunk for _ in range(n_samples)]
-            total, components = _scored(reward_fn, external, rows, batch, patterns)
+            total, components = scorer.scored(rows, batch, patterns)
             right = accuracy_from_components(total, components, metric)
             per_prompt.append(right.view(len(pb), n_samples).sum(1).cpu())
     # with a metric column: its mean over the rows it applies to (0 when none does)
@@ -149,11 +150,6 @@ def evaluate(
         result[PASS_AT_K] = float(pass_at_k(n_samples, c, eval_cfg.k).mean())
         result[MEAN_AT_K] = float((c.double() / n_samples).mean())
     return result
-
-
-def _scored(reward_fn, external: Sequence, rows: Sequence[Prompt], batch, patterns):
-    """(total [N], {column: [N]}) of `batch`, as a rollout worker scores it (rlhf_core.reward.batch)."""
-    return BatchReward(reward_fn, external).scored(rows, batch, patterns)
 
 
 @torch.no_grad()
