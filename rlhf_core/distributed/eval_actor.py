@@ -16,7 +16,7 @@ from typing import Optional
 
 import ray
 
-from rlhf_core.distributed.calls import get_or_fail
+from rlhf_core.distributed.calls import get_or_fail, remote
 from rlhf_core.distributed.transport import unpack_state_dict
 from rlhf_core.rollout.probe import split as sync_probe_split
 from rlhf_core.run import build
@@ -73,7 +73,7 @@ class RayEvaluation:
     def _start(self):
         run, c = self.run, self.run.cfg.cluster
         options = {**c.actor_options("eval"), "max_concurrency": 4, **run.placed_eval()}
-        self.actor = ray.remote(EvalActor).options(**options).remote(run.cfg, run.policy_dir, run.heldout)
+        self.actor = remote(EvalActor, **options).remote(run.cfg, run.policy_dir, run.heldout)
         run.handle.actors.append(self.actor)
         return self.actor
 

@@ -22,6 +22,7 @@ from typing import Optional
 
 import ray
 
+from rlhf_core.distributed.calls import remote
 from rlhf_core.distributed.cluster import rollout_worker_resources, room_for
 from rlhf_core.distributed.rollout_actor import RolloutActor
 
@@ -47,7 +48,7 @@ class Fleet:
             max_task_retries=0,
             **(placement or {}),
         )
-        return ray.remote(RolloutActor).options(**options).remote(self.cfg, self.policy_dir, index, self.peers)
+        return remote(RolloutActor, **options).remote(self.cfg, self.policy_dir, index, self.peers)
 
     def room_for_worker(self) -> bool:
         """Whether the cluster has the free resources of one more rollout worker now."""
