@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -44,16 +45,54 @@ def test_an_output_dir_that_is_a_file_or_under_one_is_refused(tmp_path):
         check_output_dir(f / "sub")
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes through any permission bits")
-def test_a_read_only_output_dir_is_refused(tmp_path):
-    ro = tmp_path / "ro"
-    ro.mkdir()
-    ro.chmod(0o500)
+def _refusal(path) -> str:
+    """check_output_dir(path)'s ConfigError message ('' when it passes). As root (which writes through any
+    permission bits: this machine and CI) it runs in a forked child that has dropped to the user nobody."""
+
+    def check() -> str:
+        try:
+            check_output_dir(path)
+        except ConfigError as exc:
+            return str(exc)
+        return ""
+
+    if os.geteuid() != 0:
+        return check()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: nobody, then the check; os._exit skips the parent's exit hooks (Prefect's, pytest's)
+        code = 1
+        try:
+            os.close(read)
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            os.write(write, check().encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write)
+    with os.fdopen(read) as answer:
+        message = answer.read()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the check as nobody did not complete"
+    return message
+
+
+def test_a_read_only_output_dir_is_refused():
+    import tempfile
+
+    parent = tempfile.mkdtemp(prefix="atrlhf-ro-")  # under /tmp: traversable by nobody (pytest's basetemp is not)
+    ro = os.path.join(parent, "ro")
+    os.mkdir(ro)
+    os.chmod(parent, 0o755)
+    os.chmod(ro, 0o555)
     try:
-        with pytest.raises(ConfigError, match=r"run.output_dir=.*cannot be written"):
-            check_output_dir(ro)
+        assert re.search(r"run.output_dir=.*ro.*cannot be written", _refusal(ro)), _refusal(ro)
+        os.chmod(ro, 0o777)
+        assert _refusal(ro) == ""  # the same directory, writable: accepted (the refusal was the permission bits)
     finally:
-        ro.chmod(0o700)
+        shutil.rmtree(parent)
 
 
 def test_a_read_only_file_system_is_refused(tmp_path):
