@@ -209,7 +209,7 @@ def _start_in_session(cmd: list[str], env: dict, cwd: Path, log_path: Path):
 def _stop(proc: subprocess.Popen, log=None, grace_s: float = 5) -> None:
     """Stop a process we started in its own session: SIGINT (graceful for prefect), then SIGKILL its group. The
     session's server and worker are thrown away with their temporary home, so a stop that takes longer than grace_s
-    is not waited for (after a whole suite the server's graceful stop has taken 15 s and more); `log` says so."""
+    is not waited for (after a whole suite the Prefect worker did not stop within 15 s of SIGINT); `log` says so."""
     if proc.poll() is None:
         try:
             os.killpg(proc.pid, signal.SIGINT)
