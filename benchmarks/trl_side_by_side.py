@@ -37,11 +37,13 @@ build):
 Where the arms still differ (TRL set to ours wherever it has a knob; the rest is listed in docs/benchmarks.md):
 TRL's ratio is exactly 1 (old log-probs = the trainer's own, detached) where ours divides by the rollout engine's
 log-probs (1 up to rounding in the lockstep arm); TRL trains the 128 rows in one micro-batch (ours:
-trainer.micro_batch_size 64, two, with the same step normalisers); sampling, prompt order and RNG streams differ
-(both: seeded shuffled epochs of the 800 training prompts). The group std is the same since 2026-12-06 (ours
-defaults to TRL's sample std with eps 1e-4: algorithm.advantage_options.unbiased, eps), so on one identical batch
-the two updates agree to rounding. Steps to the target vary far more between sampling seeds than between the arms:
-compare them over many seeds (docs/benchmarks.md).
+trainer.micro_batch_size 64, two, with the same step normalisers); sampling and RNG streams differ. Which prompts
+a step trains on: configs/tiny.yaml draws them prioritized (data.sampler: prioritized, unsolved prompts more often),
+for which TRL has no knob (its RepeatSampler serves seeded shuffled epochs of the 800 training prompts); `--set
+data.sampler=epochs` gives our arm TRL's kind of order, the parity arm. The group std is the same since 2026-12-06
+(ours defaults to TRL's sample std with eps 1e-4: algorithm.advantage_options.unbiased, eps), so on one identical
+batch the two updates agree to rounding. Steps to the target vary far more between sampling seeds than between the
+epoch-ordered arms: compare them over many seeds (docs/benchmarks.md).
 Per run: load_before / load_after (os.getloadavg, 1 min). Per arm and thread count: the median over repetitions, and
 samples/s as a ratio to `ours`.
 """

@@ -193,10 +193,10 @@ def test_the_config_has_the_fields_it_has():
     agent.error_reward, 161 with supervision.audit, 162 with cluster.resources.eval (the evaluation actor); 160
     without runtime.autopilot.wait_frac (a constant, as the autoscaler's) and model.lora.dropout (only 0 was
     allowed), 159 without reward.model.trust_remote_code (model.trust_remote_code covers every model directory),
-    158 without trainer.padding_free (a benchmark switch: ASYNCTENSORRLHF_NO_PADDING_FREE). Change the number with
-    the field."""
+    158 without trainer.padding_free (a benchmark switch: ASYNCTENSORRLHF_NO_PADDING_FREE), 160 with
+    data.{sampler, priority_floor} (prioritized prompt sampling). Change the number with the field."""
     fields = config_fields()
-    assert len(fields) == len(set(fields)) == 158, len(fields)
+    assert len(fields) == len(set(fields)) == 160, len(fields)
     for gone in (
         "trainer.padding_free",
         "reward.model.trust_remote_code",

@@ -53,6 +53,7 @@ def test_a_resumed_async_run_trains_on_every_prompt_of_each_epoch_exactly_once(t
         "supervision.supervise_interval_s=0.2",
         "runtime.wait_timeout_s=60",
         "model.preset=word:1x128x4",
+        "data.sampler=epochs",  # exactly once per epoch is the epochs sampler's property (tiny.yaml prioritizes)
     ]
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
     repo = Path(__file__).resolve().parents[1]

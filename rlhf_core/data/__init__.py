@@ -8,13 +8,14 @@ from rlhf_core.data.chat_tasks import CHAT_TASKS, build_chat_task
 from rlhf_core.data.dataset import load_dataset_prompts, read_dataset
 from rlhf_core.data.errors import DatasetError
 from rlhf_core.data.jsonl import load_jsonl_prompts, read_jsonl
-from rlhf_core.data.prompts import Prompt, PromptBatch, PromptSource, collate_prompts
+from rlhf_core.data.prompts import PrioritizedSource, Prompt, PromptBatch, PromptSource, collate_prompts, prompt_source
 from rlhf_core.data.rows import RowKeys, get_field, row_to_prompt
 from rlhf_core.data.synthetic import SYNTHETIC_TASKS, build_synthetic_task
 
 __all__ = [
     "CHAT_TASKS",
     "DatasetError",
+    "PrioritizedSource",
     "Prompt",
     "PromptBatch",
     "PromptSource",
@@ -29,6 +30,7 @@ __all__ = [
     "load_jsonl_prompts",
     "build_prompt_splits",
     "prepare_answer",
+    "prompt_source",
     "read_dataset",
     "read_jsonl",
     "row_to_prompt",

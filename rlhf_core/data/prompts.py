@@ -100,6 +100,8 @@ class PromptSource:
     served but still buffered or in flight at the checkpoint were never trained on).
     """
 
+    sampler = "epochs"
+
     def __init__(self, prompts: Sequence[Prompt], seed: int = 0, epochs: Optional[int] = None, shuffle: bool = True):
         if not prompts:
             raise ValueError("a prompt source needs at least one prompt")
@@ -149,6 +151,9 @@ class PromptSource:
         while not self.exhausted:
             yield from self.next(1)
 
+    def observe(self, scores: dict[int, float]) -> None:
+        """Epochs serve every prompt once each, whatever its rewards: nothing to record."""
+
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "index": self.index, "seed": self.seed, "size": len(self.prompts)}
 
@@ -186,6 +191,118 @@ class PromptSource:
         self.index = 0
         self._order = self._permutation(self.epoch)
         self._skip = counts if max(counts.values()) > self.epoch else None
+
+
+SAMPLERS = ("epochs", "prioritized")
+
+
+class PrioritizedSource:
+    """Yields prompts drawn by how far from solved each one last was: prioritized sampling (Kimi k1.5, arXiv
+    2501.12599, section 2.3.3), the `data.sampler: prioritized` of a run.
+
+    A prompt's success is the mean reward of its latest group (`observe`, as the rollout pushes it), read as a
+    success rate in [0, 1] (clamped); a prompt not yet observed counts as unsolved. Each call of `next(n)` draws
+    n distinct prompts, without replacement within the call, with probability proportional to max(floor, 1 -
+    success): a solved prompt still comes back, floor times as often as an unsolved one. Draw k uses the
+    generator seeded [seed, k], so the position is the draw count and the table of successes: `state_dict()` /
+    `load_state_dict()` save and restore both, and a resumed lockstep run draws what the uninterrupted one drew.
+    There are no epochs to owe prompts to (a prompt is drawn again while it is not solved): `resume_trained` has
+    nothing to do, and `epoch` counts prompts served in units of the dataset's size."""
+
+    sampler = "prioritized"
+
+    def __init__(self, prompts: Sequence[Prompt], seed: int = 0, floor: float = 0.1):
+        if not prompts:
+            raise ValueError("a prompt source needs at least one prompt")
+        if not 0 < floor <= 1:
+            raise ValueError(f"data.priority_floor={floor:g} must be in (0, 1]: the weight of a solved prompt")
+        self.prompts = list(prompts)
+        self.seed, self.floor = seed, float(floor)
+        self.draws = self.served = 0
+        self.success: dict[int, float] = {}
+        self._slot = {p.uid: i for i, p in enumerate(self.prompts)}
+        self._weights = np.ones(len(self.prompts))
+        self.clamped = 0  # observed means outside [0, 1]
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    @property
+    def epoch(self) -> int:
+        return self.served // len(self.prompts)
+
+    exhausted = False
+
+    def observe(self, scores: dict[int, float]) -> None:
+        """Record prompt uid -> its latest group's mean reward (uids of other datasets are ignored)."""
+        for uid, score in scores.items():
+            slot = self._slot.get(int(uid))
+            if slot is None:
+                continue
+            s = float(score)
+            if not 0.0 <= s <= 1.0:
+                self.clamped += 1
+                s = min(1.0, max(0.0, s))
+            self.success[int(uid)] = s
+            self._weights[slot] = max(self.floor, 1.0 - s)
+
+    def next(self, n: int) -> list[Prompt]:
+        """n prompts: distinct within each dataset-sized chunk, drawn by priority."""
+        out: list[Prompt] = []
+        rng = np.random.default_rng([self.seed, self.draws])
+        self.draws += 1
+        while len(out) < n:
+            k = min(n - len(out), len(self.prompts))
+            picked = rng.choice(len(self.prompts), size=k, replace=False, p=self._weights / self._weights.sum())
+            out.extend(self.prompts[i] for i in picked)
+        self.served += len(out)
+        return out
+
+    def __iter__(self) -> Iterable[Prompt]:
+        while True:
+            yield from self.next(1)
+
+    def solved_frac(self) -> float:
+        """The fraction of the dataset whose latest group was solved (mean reward 1)."""
+        return sum(1 for s in self.success.values() if s >= 1.0) / len(self.prompts)
+
+    def state_dict(self) -> dict:
+        return {
+            "sampler": self.sampler,
+            "seed": self.seed,
+            "size": len(self.prompts),
+            "epoch": self.epoch,
+            "draws": self.draws,
+            "served": self.served,
+            "success": {str(uid): s for uid, s in self.success.items()},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("size") != len(self.prompts):
+            raise ValueError(
+                f"data position was saved for a source of {state.get('size')} prompts, "
+                f"but this source has {len(self.prompts)}: the dataset changed"
+            )
+        self.seed = int(state["seed"])
+        self.draws, self.served = int(state["draws"]), int(state["served"])
+        self.success, self._weights = {}, np.ones(len(self.prompts))
+        self.observe({int(uid): s for uid, s in state["success"].items()})
+
+    def resume_trained(self, trained: dict[int, int], epoch: int) -> None:
+        """Nothing is owed: a prompt in flight at the checkpoint is drawn again while it is not solved."""
+
+    def trained_estimate(self, queued: Sequence[int] = ()) -> dict[int, int]:
+        return {}
+
+
+def prompt_source(prompts: Sequence[Prompt], seed: int = 0, sampler: str = "epochs", floor: float = 0.1):
+    """The prompt source `data.sampler` names: 'epochs' (`PromptSource`: seeded shuffled epochs, each prompt
+    once per epoch; exactly-once across a resume) or 'prioritized' (`PrioritizedSource`)."""
+    if sampler == "epochs":
+        return PromptSource(prompts, seed=seed)
+    if sampler == "prioritized":
+        return PrioritizedSource(prompts, seed=seed, floor=floor)
+    raise ValueError(f"data.sampler={sampler!r} is not a sampler: choose one of {', '.join(SAMPLERS)}")
 
 
 def prompt_row(prompt: Prompt) -> dict:

@@ -13,9 +13,15 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Optional
 
-from rlhf_core.data.prompts import Prompt, PromptSource
+from rlhf_core.data.prompts import Prompt, prompt_source
 
 log = logging.getLogger("rlhf_core.data")
+
+
+def queue_options(cfg) -> dict:
+    """A run config's PromptQueue arguments after its prompts, the same on every host (`PromptQueue(prompts,
+    **queue_options(cfg))`, or the Ray actor's `.remote(prompts, **queue_options(cfg))`)."""
+    return dict(seed=cfg.data.seed, sampler=cfg.data.sampler, floor=cfg.data.priority_floor)
 
 
 class PromptQueue:
@@ -27,10 +33,14 @@ class PromptQueue:
     batches are pushed in order with at most one push in flight, so asking for batch b means batches before
     b - 1 were pushed: their leases are dropped then. When the holder is lost, `requeue(holder, after)` puts
     the prompts of its batches after `after` (the last batch the experience buffer accepted from it) back at
-    the front of the queue: generated again, never scored as failures, never trained twice."""
+    the front of the queue: generated again, never scored as failures, never trained twice.
 
-    def __init__(self, prompts: list[Prompt], seed: int):
-        self.source = PromptSource(prompts, seed=seed)
+    sampler, floor: data.sampler and data.priority_floor (`prompt_source`): 'epochs' serves seeded shuffled
+    epochs; 'prioritized' draws by how far from solved each prompt last was, from the group rewards the rollout
+    reports (`observe`)."""
+
+    def __init__(self, prompts: list[Prompt], seed: int, sampler: str = "epochs", floor: float = 0.1):
+        self.source = prompt_source(prompts, seed=seed, sampler=sampler, floor=floor)
         self.by_uid = {p.uid: p for p in prompts}
         self.queue: deque[Prompt] = deque()
         self.lock = threading.Lock()
@@ -40,6 +50,10 @@ class PromptQueue:
         self.requeued = 0
 
     def top_up(self, n: int) -> int:
+        """Schedule n prompts ahead of the workers' requests. A prioritized source draws nothing ahead: it draws
+        when a worker asks (`get`), by the newest successes (at max_staleness 0 every host then draws the same)."""
+        if self.source.sampler == "prioritized":
+            return 0
         with self.lock:
             new = self.source.next(n)
             self.queue.extend(new)
@@ -67,6 +81,11 @@ class PromptQueue:
                 held[batch] = out
             return out
 
+    def observe(self, scores: dict[int, float]) -> None:
+        """The rollout's pushed groups: prompt uid -> the group's mean reward (what a prioritized source draws by)."""
+        with self.lock:
+            self.source.observe(scores)
+
     def holders(self, prefix: str = "") -> list[str]:
         """The holders with leases recorded (a worker's incarnations are named '<index>-<id>')."""
         with self.lock:
@@ -93,13 +112,16 @@ class PromptQueue:
         return len(self.queue)
 
     def stats(self) -> dict:
-        return {
+        out = {
             "queued": len(self.queue),
             "scheduled": self.scheduled,
             "served": self.served,
             "requeued": self.requeued,
             "epoch": self.source.epoch,
         }
+        if self.source.sampler == "prioritized":
+            out["solved_frac"] = self.source.solved_frac()
+        return out
 
     def state_dict(self) -> dict:
         with self.lock:
@@ -112,6 +134,16 @@ class PromptQueue:
         written before that record existed) the saved position and queue are restored as they were.
         Returns the trained counts to go on from (for the old layout: estimated from the position)."""
         with self.lock:
+            saved = state["source"].get("sampler", "epochs")
+            if saved != self.source.sampler:  # data.sampler changed between the runs: the new one starts afresh
+                log.warning(
+                    "this checkpoint's prompts were served by data.sampler=%s, this run's by %s: the new sampler "
+                    "starts from its beginning",
+                    saved,
+                    self.source.sampler,
+                )
+                self.queue = deque()
+                return {int(k): int(v) for k, v in (state.get("trained") or {}).items()}
             self.source.load_state_dict(state["source"])
             trained = state.get("trained")
             if trained is not None:

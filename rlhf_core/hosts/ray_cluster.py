@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Optional
 
 from rlhf_core.config import TrainConfig
-from rlhf_core.data.queue import PromptQueue
+from rlhf_core.data.queue import PromptQueue, queue_options
 from rlhf_core.distributed.calls import ActorDied, get_or_fail, ready, remote, ship_user_modules
 from rlhf_core.distributed.cluster import (
     ClusterHandle,
@@ -149,7 +149,7 @@ class DistributedRun(LoopWatch, Fleet, HostBase):
             self.peers = peers = {k: f"atrlhf-{k}-{uuid.uuid4().hex[:12]}" for k in ("queue", "buffer", "store")}
             here = on_this_node()  # the control plane lives with the driver: losing another node cannot take it
             self.queue = remote(PromptQueue, num_cpus=0, max_concurrency=8, name=peers["queue"], **here).remote(
-                train_prompts, cfg.data.seed
+                train_prompts, **queue_options(cfg)
             )
             self.buffer = remote(ExperienceBuffer, num_cpus=0, max_concurrency=16, name=peers["buffer"], **here).remote(
                 **buffer_options(cfg)

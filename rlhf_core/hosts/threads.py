@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 
 from rlhf_core.config import TrainConfig
-from rlhf_core.data.queue import PromptQueue
+from rlhf_core.data.queue import PromptQueue, queue_options
 from rlhf_core.hosts.base import HostBase
 from rlhf_core.run import build
 from rlhf_core.run.accounting import reconcile
@@ -177,7 +177,7 @@ class ThreadedRun(EvaluationHost, HostBase):
         self.evaluator = build.build_evaluator(cfg, self.model, self.tokenizer, policy_dir, heldout)
         self.pinned = pinned_evaluation(cfg, policy_dir, heldout)  # eval.every's, off the trainer's path
         self.buffer = ExperienceBuffer(**buffer_options(cfg))
-        self.queue = PromptQueue(self.train_prompts, cfg.data.seed)
+        self.queue = PromptQueue(self.train_prompts, **queue_options(cfg))
         self.store = SharedWeights()
         self.trainer_role = TrainerRole(
             cfg, trainer, self.tokenizer, LocalPeer(self.buffer), self.store, peer_state=self._peer_state

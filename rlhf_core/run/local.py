@@ -22,7 +22,7 @@ import torch
 
 from rlhf_core.config import TrainConfig
 from rlhf_core.data import Prompt
-from rlhf_core.data.queue import PromptQueue
+from rlhf_core.data.queue import PromptQueue, queue_options
 from rlhf_core.reward.functions.external import PythonFunctionRewards
 from rlhf_core.rollout import RolloutWorker
 from rlhf_core.run import build
@@ -109,7 +109,7 @@ def build_run(cfg: TrainConfig, share_weights: bool = True, checkpoint_root: Opt
     )
     buffer = ExperienceBuffer(**buffer_options(cfg))
     parts = RunParts(
-        cfg, policy_dir, model, tokenizer, train_prompts, heldout, PromptQueue(train_prompts, cfg.data.seed),
+        cfg, policy_dir, model, tokenizer, train_prompts, heldout, PromptQueue(train_prompts, **queue_options(cfg)),
         reward_fn, worker.engine, worker, trainer, evaluator, buffer,
     )  # fmt: skip
     store = LocalWeights()

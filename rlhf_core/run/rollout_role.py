@@ -16,7 +16,8 @@ log = logging.getLogger("rlhf_core.run")
 class RolloutRole:
     """The rollout worker's cycle over a `RolloutWorker`: admit -> prompts -> adopt weights -> generate -> push.
 
-    Peers: buffer (try_admit, release, push), queue (get), store (fetch_if_newer, poll_newer).
+    Peers: buffer (try_admit, release, push), queue (get; observe, under data.sampler 'prioritized'), store
+    (fetch_if_newer, poll_newer).
 
     holder: this worker incarnation's name where it can be lost (its own process): its prompts are leased
     batch by batch and its pushes carry the batch number, so that a lost worker's prompts are generated again
@@ -86,6 +87,8 @@ class RolloutRole:
         return self.queue.submit("get", n_prompts, self.holder, self.batches)
 
     def _push(self, groups: list, batch: int):
+        if self.cfg.data.sampler != "epochs":  # the prompt queue draws by the rewards the rollout saw
+            self.queue.submit("observe", {g.prompt_id: g.reward for g in groups})
         if self.holder is None:
             return self.buffer.push(groups)
         return self.buffer.push(groups, self.holder, batch)
