@@ -60,10 +60,12 @@ def test_a_draw_is_distinct_seeded_and_resumes_from_its_state():
         PrioritizedSource(_prompts(8)).load_state_dict(state)
 
 
-def test_rewards_outside_zero_one_are_clamped_and_bad_settings_are_refused():
+def test_rewards_outside_zero_one_are_clamped_with_a_warning_and_bad_settings_are_refused(caplog):
     src = PrioritizedSource(_prompts(3), floor=0.2)
-    src.observe({100: 3.0, 101: -2.0})
+    with caplog.at_level("WARNING"):
+        src.observe({100: 3.0, 101: -2.0})
     assert src.success == {100: 1.0, 101: 0.0} and src.clamped == 2
+    assert caplog.text.count("success rate in [0, 1], but prompt 100's group had 3: clamped") == 1  # once
     assert list(src._weights) == [0.2, 1.0, 1.0]
     with pytest.raises(ValueError, match="priority_floor"):
         PrioritizedSource(_prompts(3), floor=0.0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
@@ -12,6 +13,8 @@ if TYPE_CHECKING:  # torch is imported where tensors are made: the prompt queue'
     import torch
 
     from rlhf_core.types import PackedPatterns
+
+log = logging.getLogger("rlhf_core.data")
 
 
 @dataclass
@@ -241,6 +244,14 @@ class PrioritizedSource:
                 continue
             s = float(score)
             if not 0.0 <= s <= 1.0:
+                if not self.clamped:
+                    log.warning(
+                        "data.sampler=prioritized reads a group's mean reward as a success rate in [0, 1], but prompt "
+                        "%s's group had %.4g: clamped (rewards on another scale draw by the clamped value; use "
+                        "data.sampler=epochs, or rewards in [0, 1])",
+                        uid,
+                        s,
+                    )
                 self.clamped += 1
                 s = min(1.0, max(0.0, s))
             self.success[int(uid)] = s
