@@ -137,6 +137,8 @@ def test_a_lockstep_run_draws_by_the_rewards_it_saw_and_resumes_exactly(tmp_path
     latest = {u: s for scores in pushed for u, s in scores.items()}
     assert source.success == {**marked, **latest} and source.draws == 4
     assert sum(u in marked for u in latest) < len(latest) / 2  # the marked half drawn less often
+    assert history[-1]["data/solved_frac"] == pytest.approx(source.solved_frac())  # the run's metrics show it
+    assert history[0]["data/solved_frac"] > 0.4  # the marked half, less any of it drawn and failed
 
     fresh = build_run(small_cfg(tmp_path))
     resumed = run_sync(cfg, resume_from=str(tmp_path / "checkpoints" / "step_000002"), parts=fresh,

@@ -425,6 +425,8 @@ def assemble_poll(run, metrics: list[dict], trainer: dict, buffer: dict, queue: 
     events since the last poll (`run._new_events`, drained) and the dict the supervision reads. `cluster`: the Ray
     host's fleet (only it has one; the key is absent on the others)."""
     shared = {**poll_metrics(buffer, trainer, [s for s in rollout if s["alive"]]), **(extra_metrics or {})}
+    if "solved_frac" in queue:  # data.sampler prioritized: the share of prompts whose latest group was solved
+        shared["data/solved_frac"] = queue["solved_frac"]
     for m in metrics:
         m.update(shared)
         if "mismatch/engine_kl" not in m and "sync/probe_kl" in shared:  # no fresh token: the latest sync probe's
