@@ -351,7 +351,9 @@ def test_partial_rollouts_adopt_weights_mid_batch_and_bound_every_tokens_stalene
 def test_tau_zero_the_in_process_host_and_the_ray_host_train_the_same_model(ray_local, tmp_path):
     """The invariant of the async path: runtime.max_staleness 0, one rollout worker, the same seed and rollout
     settings -> the asynchronous runtime trains the model run_sync trains: the same samples step by step (their
-    rewards, lengths, losses) and weights equal within 1e-6 after 20 steps."""
+    rewards, lengths, losses) and weights equal within 1e-6 after 20 steps. configs/tiny.yaml draws prompts
+    prioritized: both prompt queues (a Ray actor on one host) end with the same table of what the rollout
+    reported."""
     from safetensors.torch import load_file
 
     from rlhf_core.loop import build_run, export_run, run_sync
@@ -378,14 +380,17 @@ def test_tau_zero_the_in_process_host_and_the_ray_host_train_the_same_model(ray_
     def export_when_done(poll):
         if poll["done"]:
             box[0].export(tmp_path / "async_export")
+            box.append(box[0]._queue("state_dict"))  # the queue actor's, with what the rollout reported
 
     result = run_distributed(async_cfg, poll_interval_s=0.2, on_launch=box.append, on_poll=export_when_done)
     assert result["steps"] == 20
     a_steps = sorted(result["metrics"], key=lambda m: m["version"])
     assert [m["version"] for m in a_steps] == list(range(1, 21))
     for s, a in zip(parts.history, a_steps):  # the same samples in the same order
-        for key in ("reward/mean", "response/length_mean", "loss/policy", "async/staleness_max"):
+        for key in ("reward/mean", "response/length_mean", "loss/policy", "async/staleness_max", "data/solved_frac"):
             assert a[key] == pytest.approx(s[key], abs=1e-6), (s["version"], key)
+    reported = box[-1]["source"]["success"]
+    assert len(reported) >= 20 and reported == parts.prompts.state_dict()["source"]["success"]
     sync_w = load_file(str(next((tmp_path / "sync_export").rglob("*.safetensors"))))
     async_w = load_file(str(next((tmp_path / "async_export").rglob("*.safetensors"))))
     assert sync_w.keys() == async_w.keys()
