@@ -12,6 +12,7 @@ from rlhf_core.config import ConfigError, load_config
 from rlhf_core.data.prompts import PrioritizedSource, Prompt, PromptSource, prompt_source
 from rlhf_core.data.queue import PromptQueue
 from rlhf_core.loop import build_run, run_sync
+from tests.test_checkpoint import small_cfg as checkpoint_cfg
 
 
 def _prompts(n: int) -> list[Prompt]:
@@ -97,23 +98,8 @@ def test_the_queue_passes_observations_on_and_a_changed_sampler_starts_afresh(ca
 
 
 def small_cfg(output_dir, *overrides):
-    return load_config(
-        None,
-        [
-            f"run.output_dir={output_dir}",
-            "model.preset=micro",
-            "trainer.total_steps=4",
-            "trainer.prompts_per_step=4",
-            "rollout.samples_per_prompt=4",
-            "rollout.prompts_per_batch=4",
-            "data.eval_size=20",
-            "data.sampler=prioritized",
-            "data.priority_floor=0.05",
-            "eval.every=0",
-            "checkpoint.every=2",
-            *overrides,
-        ],
-    )
+    """test_checkpoint's 4-step micro run, checkpointing at step 2, drawing prompts prioritized."""
+    return checkpoint_cfg(output_dir, "data.sampler=prioritized", "data.priority_floor=0.05", *overrides)
 
 
 def test_a_lockstep_run_draws_by_the_rewards_it_saw_and_resumes_exactly(tmp_path):

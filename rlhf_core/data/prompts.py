@@ -17,6 +17,15 @@ if TYPE_CHECKING:  # torch is imported where tensors are made: the prompt queue'
 log = logging.getLogger("rlhf_core.data")
 
 
+def _check_size(state: dict, size: int) -> None:
+    """A saved data position belongs to a source of this many prompts (ValueError naming both otherwise)."""
+    if state.get("size") != size:
+        raise ValueError(
+            f"data position was saved for a source of {state.get('size')} prompts, "
+            f"but this source has {size}: the dataset changed"
+        )
+
+
 @dataclass
 class Prompt:
     """One prompt: its token ids, the token patterns that count as a correct answer, and metadata.
@@ -161,11 +170,7 @@ class PromptSource:
         return {"epoch": self.epoch, "index": self.index, "seed": self.seed, "size": len(self.prompts)}
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("size") != len(self.prompts):
-            raise ValueError(
-                f"data position was saved for a source of {state.get('size')} prompts, "
-                f"but this source has {len(self.prompts)}: the dataset changed"
-            )
+        _check_size(state, len(self.prompts))
         self.seed = int(state["seed"])
         self.epoch = int(state["epoch"])
         self.index = int(state["index"])
@@ -289,11 +294,7 @@ class PrioritizedSource:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("size") != len(self.prompts):
-            raise ValueError(
-                f"data position was saved for a source of {state.get('size')} prompts, "
-                f"but this source has {len(self.prompts)}: the dataset changed"
-            )
+        _check_size(state, len(self.prompts))
         self.seed = int(state["seed"])
         self.draws, self.served = int(state["draws"]), int(state["served"])
         self.success, self._weights = {}, np.ones(len(self.prompts))
