@@ -183,8 +183,8 @@ class DataConfig(_Section):
     seed: int = Field(0, description="Shuffling seed of the prompt source.")
     sampler: Literal["epochs", "prioritized"] = Field(
         "epochs",
-        description="How training prompts are served: 'epochs', seeded shuffled epochs (each prompt once per "
-        "epoch, exactly once across a resume: TRL's and verl's default); 'prioritized', drawn with probability "
+        description="How training prompts are served: 'epochs', seeded shuffled epochs as TRL and verl serve them "
+        "(each prompt once per epoch, exactly once across a resume); 'prioritized', drawn with probability "
         "proportional to max(priority_floor, 1 - success), success being the mean reward of the prompt's latest "
         "group read as a rate in [0, 1] (Kimi k1.5's prioritized sampling: unsolved prompts come back more often).",
     )
