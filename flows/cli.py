@@ -277,7 +277,7 @@ def cmd_train(cfg: TrainConfig, resume_from: Optional[str]) -> int:
     logs, and its Ray workers print, goes in full to <run dir>/train.log; the terminal gets one line a failure."""
     import importlib
 
-    from flows.lifecycle import cli_signals
+    from flows.lifecycle import cli_signals, raise_if_signalled
     from flows.local_api import local_prefect_api
 
     with cli_signals():
@@ -292,7 +292,7 @@ def cmd_train(cfg: TrainConfig, resume_from: Optional[str]) -> int:
             run_log = RunLog(cfg.run.run_dir / RUN_LOG)
             with run_log:
                 try:
-                    state = flow(config=cfg, resume_from=resume_from, return_state=True)
+                    state = raise_if_signalled(flow(config=cfg, resume_from=resume_from, return_state=True))
                 except KeyboardInterrupt:
                     print(
                         "\natrlhf: interrupted; the runtime was torn down and the MLflow run ended KILLED. "
@@ -358,7 +358,7 @@ def cmd_sweep(
     logs goes in full to <run.output_dir>/<sweep id>/sweep.log, the terminal gets one line a failed point."""
     import importlib
 
-    from flows.lifecycle import cli_signals
+    from flows.lifecycle import cli_signals, raise_if_signalled
     from flows.local_api import local_prefect_api
     from rlhf_core.sweep_grid import seed_list
     from rlhf_core.sweep_grid import sweep_id as make_sweep_id
@@ -385,6 +385,7 @@ def cmd_sweep(
                         shared_fleet=shared_fleet,
                         return_state=True,
                     )
+                    raise_if_signalled(state)
                 except KeyboardInterrupt:
                     print("\natrlhf: interrupted; the sweep stopped.", file=sys.stderr)
                     return EXIT_INTERRUPTED

@@ -46,6 +46,16 @@ def raise_if_pending() -> None:
         raise KeyboardInterrupt(f"signal {_pending[0]} (its first KeyboardInterrupt was lost in a finalizer)")
 
 
+def raise_if_signalled(state):
+    """The flow run's `state`, unless it failed because the CLI got a signal: then KeyboardInterrupt. A
+    KeyboardInterrupt raised inside a C call (Ray's CoreWorker.wait) can leave it as another error ("SystemError:
+    ... returned a result with an exception set", chained from it), which fails the flow run instead."""
+    result = state.result(raise_on_failure=False) if state.is_failed() else None
+    if state.is_failed() and (_pending or (isinstance(result, BaseException) and _caused_by_interrupt(result))):
+        raise KeyboardInterrupt(f"signal {_pending[0] if _pending else '?'} (the flow run failed with it)")
+    return state
+
+
 def clear_pending() -> None:
     """Forget recorded signals (a new command in the same process)."""
     _pending.clear()

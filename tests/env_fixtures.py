@@ -166,7 +166,8 @@ class ChaosEnv:
 class CrashOnceEnv(ChaosEnv):
     """The first instance (in any process) to take a step waits until `others` other instances of its process have
     each taken a step, then kills its process; once (the file <dir>/crashed says it happened). Its step is a
-    coroutine, as are the others' (which never wait): when it kills the process no other call is running.
+    coroutine, as are the others': when it kills the process no other call is running (an instance's later steps
+    wait for the crash, so that the `others` are still in mid-episode when it comes).
     tag_opening: reset's opening names the process (an environment a replay cannot reproduce)."""
 
     def __init__(self, dir: str, others: int = 3, tag_opening: bool = False, **kwargs):
@@ -192,7 +193,11 @@ class CrashOnceEnv(ChaosEnv):
                 ):
                     await asyncio.sleep(0.005)
                 self.log("crash")
+                os.close(os.open(self.dir / "crash_logged", os.O_CREAT | os.O_EXCL))
                 os._exit(17)
+        else:  # mid-episode until the crash: an episode that ended before it would not be restarted (a loaded machine)
+            while (self.dir / "crashed").exists() and not (self.dir / "crash_logged").exists():
+                await asyncio.sleep(0.005)
         return ChaosEnv.step(self, action)
 
 

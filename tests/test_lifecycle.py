@@ -196,6 +196,39 @@ def test_an_interrupt_a_finalizer_swallowed_is_raised_again_by_the_loop():
     lifecycle.raise_if_pending()  # nothing pending: no raise
 
 
+def test_a_flow_run_failed_by_a_signal_inside_a_c_call_counts_as_interrupted():
+    """A KeyboardInterrupt raised inside a C call (Ray's CoreWorker.wait) surfaces as "SystemError: ... returned a
+    result with an exception set", chained from it, and fails the flow run: `raise_if_signalled` makes that the
+    CLI's interrupt (exit 130), whether the signal was recorded or only chained; other outcomes pass through."""
+    from prefect.states import Completed, Failed
+
+    from flows import lifecycle
+
+    def failed_inside_wait() -> SystemError:
+        try:
+            try:
+                raise KeyboardInterrupt("signal 15")
+            except KeyboardInterrupt as interrupt:
+                raise SystemError("<cyfunction CoreWorker.wait> returned a result with an exception set") from interrupt
+        except SystemError as exc:
+            return exc
+
+    lifecycle.clear_pending()
+    with pytest.raises(KeyboardInterrupt, match=r"signal \? \(the flow run failed with it\)"):
+        lifecycle.raise_if_signalled(Failed(data=failed_inside_wait()))
+    plain = Failed(data=RuntimeError("trainer failed"))
+    assert lifecycle.raise_if_signalled(plain) is plain  # a failure of its own stays the run's failure
+    table = Failed(data={"rows": []})  # a failed sweep carries its table
+    assert lifecycle.raise_if_signalled(table) is table
+    with pytest.raises(KeyboardInterrupt):
+        lifecycle.cli_handler(signal.SIGTERM, None)
+    with pytest.raises(KeyboardInterrupt, match="signal 15"):
+        lifecycle.raise_if_signalled(plain)  # the CLI got a signal: the failure is the signal's
+    done = Completed(data={"ok": 1})
+    assert lifecycle.raise_if_signalled(done) is done
+    lifecycle.clear_pending()
+
+
 def test_the_sigterm_guard_puts_back_the_handler_ray_replaces():
     def flows_handler(signum, frame):
         pass
