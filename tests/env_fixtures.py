@@ -166,8 +166,8 @@ class ChaosEnv:
 class CrashOnceEnv(ChaosEnv):
     """The first instance (in any process) to take a step waits until `others` other instances of its process have
     each taken a step, then kills its process; once (the file <dir>/crashed says it happened). Its step is a
-    coroutine, as are the others': when it kills the process no other call is running (an instance's later steps
-    wait for the crash, so that the `others` are still in mid-episode when it comes).
+    coroutine, as are the others'. Until the crash, an instance's later steps wait for it (the file
+    <dir>/crash_logged), so that the `others` are still in mid-episode when it comes, however loaded the machine.
     tag_opening: reset's opening names the process (an environment a replay cannot reproduce)."""
 
     def __init__(self, dir: str, others: int = 3, tag_opening: bool = False, **kwargs):

@@ -90,10 +90,10 @@ def assert_closed_once(by_instance: dict) -> None:
 @pytest.mark.parametrize("deterministic", [True, False])
 def test_a_dead_process_fails_its_episode_alone_and_the_others_go_on(chat, tmp_path, deterministic):
     """Four episodes of 6 turns in one process; the first to step kills it once the three others are in
-    mid-episode: that episode fails (process_died); the three others are replayed in the new process (reset and
-    their answered actions again, each answer as recorded) and go on from where they were, nothing of the model's
-    generated again. An environment whose opening differs in the new process (not deterministic) is started
-    again from reset instead. One replacement; nothing else is counted."""
+    mid-episode (waiting in their next step): that episode fails (process_died); the three others are replayed in
+    the new process (reset and their answered actions again, each answer as recorded) and go on from where they
+    were, nothing of the model's generated again. An environment whose opening differs in the new process (not
+    deterministic) is started again from reset instead. One replacement; nothing else is counted."""
     kwargs = {"dir": str(tmp_path), "others": 3, "turns": 6, "tag_opening": not deterministic}
     runner, trajs = run_env(chat, "CrashOnceEnv", G=4, kwargs=kwargs, max_turns=6)
     failed = [t for t in trajs if t.error]
@@ -119,8 +119,8 @@ def test_a_dead_process_fails_its_episode_alone_and_the_others_go_on(chat, tmp_p
 
 
 def test_episodes_started_again_from_reset_keep_their_group(chat, tmp_path):
-    """Two prompts x 2 episodes in one process; the first to step kills it, the three others start again from
-    reset (their environment is not deterministic): at least one of them is in the second group. Each keeps
+    """Two prompts x 2 episodes in one process; the first to step kills it and fails, the three others start again
+    from reset (their environment is not deterministic): at least one of them is in the second group. Each keeps
     its place: run() returns both groups, contiguous and complete, each episode with its prompt (a restart
     that forgot its group handed the trainer 2 rows for 4 answers)."""
     kwargs = {"dir": str(tmp_path), "others": 3, "turns": 3, "tag_opening": True}
