@@ -19,6 +19,8 @@ MAX_LR = 1.0
 
 MAX_CONSECUTIVE_FAILURES = 20
 """Default of supervision.max_consecutive_failures, and of the runners of user code built without a config."""
+PRIORITY_FLOOR = 0.1
+"""Default of data.priority_floor, and of the prompt sources and queues built without a config."""
 MAX_SEQUENCE_TOKENS = 131072
 """Largest rollout.max_new_tokens (and data.max_prompt_tokens) accepted before any model is loaded: the
 longest context of current open models. The model's own limit is checked at launch

@@ -15,7 +15,7 @@ from pydantic import (
     field_validator,
 )
 
-from rlhf_core.config.base import Count, NonEmptyStr, PositiveFraction, _Section
+from rlhf_core.config.base import PRIORITY_FLOOR, Count, NonEmptyStr, PositiveFraction, _Section
 
 
 class BufferConfig(_Section):
@@ -189,7 +189,7 @@ class DataConfig(_Section):
         "group read as a rate in [0, 1] (Kimi k1.5's prioritized sampling: unsolved prompts come back more often).",
     )
     priority_floor: PositiveFraction = Field(
-        0.1,
+        PRIORITY_FLOOR,
         description="sampler 'prioritized': the weight of a solved prompt, relative to 1 for an unsolved one.",
     )
 

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 
+from rlhf_core.config.base import PRIORITY_FLOOR
+
 if TYPE_CHECKING:  # torch is imported where tensors are made: the prompt queue's process never needs it
     import torch
 
@@ -219,7 +221,7 @@ class PrioritizedSource:
 
     sampler = "prioritized"
 
-    def __init__(self, prompts: Sequence[Prompt], seed: int = 0, floor: float = 0.1):
+    def __init__(self, prompts: Sequence[Prompt], seed: int = 0, floor: float = PRIORITY_FLOOR):
         if not prompts:
             raise ValueError("a prompt source needs at least one prompt")
         if not 0 < floor <= 1:
@@ -307,7 +309,7 @@ class PrioritizedSource:
         return {}
 
 
-def prompt_source(prompts: Sequence[Prompt], seed: int = 0, sampler: str = "epochs", floor: float = 0.1):
+def prompt_source(prompts: Sequence[Prompt], seed: int = 0, sampler: str = "epochs", floor: float = PRIORITY_FLOOR):
     """The prompt source `data.sampler` names: 'epochs' (`PromptSource`: seeded shuffled epochs, each prompt
     once per epoch; exactly-once across a resume) or 'prioritized' (`PrioritizedSource`)."""
     if sampler == "epochs":

@@ -13,6 +13,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Optional
 
+from rlhf_core.config.base import PRIORITY_FLOOR
 from rlhf_core.data.prompts import Prompt, prompt_source
 
 log = logging.getLogger("rlhf_core.data")
@@ -39,7 +40,7 @@ class PromptQueue:
     epochs; 'prioritized' draws by how far from solved each prompt last was, from the group rewards the rollout
     reports (`observe`)."""
 
-    def __init__(self, prompts: list[Prompt], seed: int, sampler: str = "epochs", floor: float = 0.1):
+    def __init__(self, prompts: list[Prompt], seed: int, sampler: str = "epochs", floor: float = PRIORITY_FLOOR):
         self.source = prompt_source(prompts, seed=seed, sampler=sampler, floor=floor)
         self.by_uid = {p.uid: p for p in prompts}
         self.queue: deque[Prompt] = deque()
