@@ -50,8 +50,10 @@ def raise_if_signalled(state):
     """The flow run's `state`, unless it failed because the CLI got a signal: then KeyboardInterrupt. A
     KeyboardInterrupt raised inside a C call (Ray's CoreWorker.wait) can leave it as another error ("SystemError:
     ... returned a result with an exception set", chained from it), which fails the flow run instead."""
-    result = state.result(raise_on_failure=False) if state.is_failed() else None
-    if state.is_failed() and (_pending or (isinstance(result, BaseException) and _caused_by_interrupt(result))):
+    if not state.is_failed():
+        return state
+    result = state.result(raise_on_failure=False)
+    if _pending or (isinstance(result, BaseException) and _caused_by_interrupt(result)):
         raise KeyboardInterrupt(f"signal {_pending[0] if _pending else '?'} (the flow run failed with it)")
     return state
 
